@@ -1,0 +1,196 @@
+"""Attention core: additive biases in, `(output, incoming attention)` out.
+
+Axis letters used in einsum strings and docstrings throughout the library:
+  B batch, T query positions, S key positions, N query heads, K kv heads, G query heads per kv head
+  (N = K·G, query head n uses kv head n // G), H head dim, D model dim, F MLP dim, V vocabulary,
+  L layers, Q query groups (statistics), C query chunks.
+
+Two exact implementations share one set of semantics:
+  * `dense`: materialises the [B, N, T, S] probabilities; the reference used in tests.
+  * `chunked`: scans over blocks of queries, each block seeing all keys (an exact row softmax), and
+    accumulates the incoming attention; peak memory O(B·N·chunk·S) per layer.
+
+Masking uses a large finite negative value (`MASK_VALUE`); after all biases are added, scores are clamped
+from below at `MASK_VALUE`, so stacked masks never overflow to -inf and a row whose keys are all masked
+gets a finite (uniform) distribution instead of NaN. A masked key in a row with any visible key receives
+exactly zero probability.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+"""Additive bias that removes a key (finite, so sums of masks stay finite after clamping)."""
+
+AttentionImpl = Literal["dense", "chunked"]
+
+
+def _heads_to_kv_groups(bias: jax.Array, n_kv_heads: int) -> jax.Array:
+  """[B|1, N|1, ...] -> [B|1, K|1, G|1, ...] matching the grouped-query score layout."""
+  if bias.shape[1] == 1:
+    return bias[:, :, None]
+  return bias.reshape(bias.shape[0], n_kv_heads, bias.shape[1] // n_kv_heads, *bias.shape[2:])
+
+
+def _probabilities(scores, pairwise_bias, key_bias, causal, query_index, key_index):
+  """Softmax over keys of scores [B, K, G, T, S] (float32) after biases and the causal mask.
+
+  pairwise_bias: [B|1, K|1, G|1, T|1, S] or None; key_bias: [B|1, K|1, G|1, S] or None;
+  query_index: [T] sequence index of each query (for the causal mask); key_index: [S].
+  """
+  if pairwise_bias is not None:
+    scores = scores + pairwise_bias.astype(jnp.float32)
+  if key_bias is not None:
+    scores = scores + key_bias[..., None, :].astype(jnp.float32)
+  if causal:
+    visible = key_index[None, :] <= query_index[:, None]
+    scores = jnp.where(visible, scores, MASK_VALUE)
+  scores = jnp.maximum(scores, MASK_VALUE)
+  return jax.nn.softmax(scores, axis=-1)
+
+
+def _attend_block(q, k, v, *, scale, causal, pairwise_bias, key_bias, query_weights, query_index):
+  """Attention of one block of queries against all keys.
+
+  q: [B, T, K, G, H]; k, v: [B, S, K, H]; query_weights: [B, Q, T] or None.
+  Returns out [B, T, K, G, H] and incoming [B, Q, K, G, S] (float32) or None.
+  """
+  scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+  key_index = jnp.arange(k.shape[1])
+  probs = _probabilities(scores, pairwise_bias, key_bias, causal, query_index, key_index)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v)
+  incoming = None
+  if query_weights is not None:
+    incoming = jnp.einsum("bqt,bkgts->bqkgs", query_weights.astype(jnp.float32), probs)
+  return out, incoming
+
+
+def _check_shapes(q, k, v, pairwise_bias, key_bias, query_weights):
+  b, t, n, h = q.shape
+  _, s, kv, _ = k.shape
+  if k.shape != v.shape or k.shape[0] != b or k.shape[3] != h or n % kv:
+    raise ValueError(f"attention expects q [B,T,N,H], k and v [B,S,K,H] with N a multiple of K; "
+                     f"got q {q.shape}, k {k.shape}, v {v.shape}.")
+  if pairwise_bias is not None:
+    ok = (pairwise_bias.ndim == 4 and pairwise_bias.shape[0] in (1, b) and pairwise_bias.shape[1] in (1, n)
+          and pairwise_bias.shape[2] in (1, t) and pairwise_bias.shape[3] == s)
+    if not ok:
+      raise ValueError(f"pairwise_bias must have shape [B|1, N|1, T|1, S] = [{b}|1, {n}|1, {t}|1, {s}], "
+                       f"got {pairwise_bias.shape}.")
+  if key_bias is not None:
+    ok = (key_bias.ndim == 3 and key_bias.shape[0] in (1, b) and key_bias.shape[1] in (1, n)
+          and key_bias.shape[2] == s)
+    if not ok:
+      raise ValueError(f"key_bias must have shape [B|1, N|1, S] = [{b}|1, {n}|1, {s}], got {key_bias.shape}.")
+  if query_weights is not None and (query_weights.ndim != 3 or query_weights.shape[0] != b
+                                    or query_weights.shape[2] != t):
+    raise ValueError(f"query_weights must have shape [B, Q, T] = [{b}, Q, {t}], got {query_weights.shape}.")
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    scale: float,
+    causal: bool = False,
+    pairwise_bias: jax.Array | None = None,
+    key_bias: jax.Array | None = None,
+    query_weights: jax.Array | None = None,
+    query_offset: jax.Array | int = 0,
+    with_incoming: bool = False,
+    impl: AttentionImpl = "chunked",
+    query_chunk: int = 128,
+) -> tuple[jax.Array, jax.Array | None]:
+  """Scaled dot-product attention with additive biases and exact incoming-attention statistics.
+
+  Args:
+    q: [B, T, N, H] queries (RoPE applied).
+    k, v: [B, S, K, H] keys and values; N must be a multiple of K.
+    scale: multiplier of q·k (1/√H for the supported models).
+    causal: query at sequence index i sees keys 0..i (sequence index = query_offset + row).
+    pairwise_bias: [B|1, N|1, T|1, S] additive bias, or None.
+    key_bias: [B|1, N|1, S] additive per-key bias broadcast over queries (key masks, padding), or None.
+    query_weights: [B, Q, T] weights of the queries in each statistics group; None means one group with
+      weight 1 for every query.
+    query_offset: sequence index of the first query (decoding with a KV cache); scalar, may be traced.
+    with_incoming: also return the incoming attention.
+    impl: "dense" (reference) or "chunked" (exact, O(N·chunk·S) memory).
+    query_chunk: queries per block in the chunked path.
+
+  Returns:
+    out: [B, T, N, H] in v's dtype.
+    incoming: [B, Q, N, S] float32 — Σ_t weight[b, q, t] · P[b, n, t, s] — or None.
+  """
+  _check_shapes(q, k, v, pairwise_bias, key_bias, query_weights)
+  if impl not in ("dense", "chunked"):
+    raise ValueError(f"impl must be 'dense' or 'chunked', got {impl!r}.")
+  if query_chunk <= 0:
+    raise ValueError(f"query_chunk must be positive, got {query_chunk}.")
+  b, t, n, h = q.shape
+  kv = k.shape[2]
+  q = q.reshape(b, t, kv, n // kv, h)
+  if with_incoming and query_weights is None:
+    query_weights = jnp.ones((b, 1, t), jnp.float32)
+  if not with_incoming:
+    query_weights = None
+  pairwise = None if pairwise_bias is None else _heads_to_kv_groups(pairwise_bias, kv)
+  keys = None if key_bias is None else _heads_to_kv_groups(key_bias, kv)
+  query_index = query_offset + jnp.arange(t)
+  common = dict(scale=scale, causal=causal, key_bias=keys)
+
+  if impl == "dense" or t <= query_chunk:
+    out, incoming = _attend_block(q, k, v, pairwise_bias=pairwise, query_weights=query_weights,
+                                  query_index=query_index, **common)
+  else:
+    out, incoming = _chunked(q, k, v, pairwise, query_weights, query_index, query_chunk, common)
+  out = out.reshape(b, t, n, h)
+  if incoming is not None:
+    incoming = incoming.reshape(b, incoming.shape[1], n, incoming.shape[-1])
+  return out, incoming
+
+
+def _split_queries(x: jax.Array, axis: int, chunk: int, n_chunks: int) -> jax.Array:
+  """Pads `axis` to n_chunks·chunk with zeros and moves the chunk index to the front."""
+  pad = n_chunks * chunk - x.shape[axis]
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  x = jnp.pad(x, widths)
+  x = x.reshape(*x.shape[:axis], n_chunks, chunk, *x.shape[axis + 1:])
+  return jnp.moveaxis(x, axis, 0)
+
+
+def _chunked(q, k, v, pairwise, query_weights, query_index, chunk, common):
+  """Query-chunked exact attention; see `attention`. q: [B, T, K, G, H]."""
+  t = q.shape[1]
+  n_chunks = -(-t // chunk)
+  xs = {
+      "q": _split_queries(q, 1, chunk, n_chunks),
+      "query_index": _split_queries(query_index, 0, chunk, n_chunks),
+  }
+  if pairwise is not None and pairwise.shape[3] != 1:
+    xs["pairwise"] = _split_queries(pairwise, 3, chunk, n_chunks)
+  if query_weights is not None:
+    xs["weights"] = _split_queries(query_weights, 2, chunk, n_chunks)
+
+  def body(incoming_sum, block):
+    block_bias = block.get("pairwise", pairwise)
+    out, incoming = _attend_block(block["q"], k, v, pairwise_bias=block_bias,
+                                  query_weights=block.get("weights"), query_index=block["query_index"],
+                                  **common)
+    if incoming is not None:
+      incoming_sum = incoming_sum + incoming
+    return incoming_sum, out
+
+  init = None
+  if query_weights is not None:
+    b, kv, g = q.shape[0], q.shape[2], q.shape[3]
+    init = jnp.zeros((b, query_weights.shape[1], kv, g, k.shape[1]), jnp.float32)
+  incoming, outs = jax.lax.scan(body, init, xs)
+  out = jnp.moveaxis(outs, 0, 1)
+  out = out.reshape(out.shape[0], n_chunks * chunk, *out.shape[3:])[:, :t]
+  return out, incoming

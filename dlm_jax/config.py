@@ -1,0 +1,192 @@
+"""Model configuration: one frozen, hashable, validated dataclass for every supported model.
+
+The five architectures (LLaDA, MMaDA, Dream, LLaMA-3, Qwen2.5) and SmolLM2 differ only in the values
+held here; see ../shared/reference/models.md §1 and §5 for the numbers used by the presets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+_SPECIAL_TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "eot_token_id", "bos_token_id", "pad_token_id")
+
+
+class ConfigError(ValueError):
+  """A configuration value is invalid; the message says which field and what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Hyper-parameters of the shared pre-norm Transformer.
+
+  Attributes:
+    name: free-form label (preset name or source checkpoint).
+    d_model: residual width D.
+    n_layers: number of blocks L.
+    n_heads: query heads N.
+    n_kv_heads: key/value heads K; N must be a multiple of K (GQA when K < N).
+    head_dim: per-head width H (q/k/v projections map D -> N*H and K*H).
+    mlp_hidden: SwiGLU hidden width F.
+    vocab_size: embedding and LM-head rows V.
+    norm_eps: RMSNorm epsilon.
+    rope_theta: RoPE base θ.
+    rope_fp32: rotate q/k in float32 and cast back (LLaDA, MMaDA); otherwise the fp32 cos/sin tables
+      are cast to the activation dtype and the rotation happens there (Dream, Qwen2, Llama in HF).
+    qkv_bias: q/k/v projections carry a bias (Dream, Qwen2).
+    tied_embeddings: the LM head reuses the token embedding (SmolLM2).
+    causal: causal attention (autoregressive baselines); bidirectional otherwise (DLMs).
+    logit_shift: 1 when the output at position i predicts token i+1 (Dream, ARMs), 0 when it
+      predicts token i (LLaDA, MMaDA).
+    mask_token_id, eos_token_id, eot_token_id, bos_token_id, pad_token_id: special token ids, or
+      None when the model has no such token.
+  """
+
+  name: str
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  mlp_hidden: int
+  vocab_size: int
+  norm_eps: float = 1e-5
+  rope_theta: float = 10000.0
+  rope_fp32: bool = False
+  qkv_bias: bool = False
+  tied_embeddings: bool = False
+  causal: bool = False
+  logit_shift: int = 0
+  mask_token_id: int | None = None
+  eos_token_id: int | None = None
+  eot_token_id: int | None = None
+  bos_token_id: int | None = None
+  pad_token_id: int | None = None
+
+  def __post_init__(self):
+    for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "vocab_size"):
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"ModelConfig.{field} must be a positive integer, got {value!r}.")
+    if self.n_heads % self.n_kv_heads:
+      raise ConfigError(
+          f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}); "
+          "set n_kv_heads to a divisor of n_heads.")
+    if not (isinstance(self.norm_eps, (int, float)) and 0 < self.norm_eps < 1):
+      raise ConfigError(f"ModelConfig.norm_eps must be in (0, 1), got {self.norm_eps!r}.")
+    if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 1):
+      raise ConfigError(f"ModelConfig.rope_theta must be a number > 1, got {self.rope_theta!r}.")
+    if self.head_dim % 2:
+      raise ConfigError(f"ModelConfig.head_dim must be even for rotate-half RoPE, got {self.head_dim}.")
+    if self.logit_shift not in (0, 1):
+      raise ConfigError(f"ModelConfig.logit_shift must be 0 or 1, got {self.logit_shift!r}.")
+    for field in ("rope_fp32", "qkv_bias", "tied_embeddings", "causal"):
+      if not isinstance(getattr(self, field), bool):
+        raise ConfigError(f"ModelConfig.{field} must be a bool, got {getattr(self, field)!r}.")
+    for field in _SPECIAL_TOKEN_FIELDS:
+      value = getattr(self, field)
+      if value is None:
+        continue
+      if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
+        raise ConfigError(
+            f"ModelConfig.{field} must be None or an id in [0, vocab_size={self.vocab_size}), got {value!r}.")
+
+  @property
+  def heads_per_kv(self) -> int:
+    """G: query heads that share one key/value head."""
+    return self.n_heads // self.n_kv_heads
+
+  @property
+  def is_diffusion(self) -> bool:
+    """True for masked diffusion models (they have a mask token and attend bidirectionally)."""
+    return self.mask_token_id is not None and not self.causal
+
+  def replace(self, **changes: Any) -> ModelConfig:
+    """Returns a copy with `changes` applied (and validated)."""
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+    """Builds a config from a dict written by `to_dict`; unknown or missing keys are errors."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ConfigError(f"Unknown ModelConfig keys {unknown}; expected a subset of {sorted(known)}.")
+    required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+    missing = sorted(required - set(values))
+    if missing:
+      raise ConfigError(f"ModelConfig is missing required keys {missing}.")
+    return cls(**values)
+
+  @classmethod
+  def from_json(cls, text: str) -> ModelConfig:
+    return cls.from_dict(json.loads(text))
+
+
+def _llada_like(name: str, vocab_size: int) -> ModelConfig:
+  return ModelConfig(
+      name=name, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128, mlp_hidden=12288,
+      vocab_size=vocab_size, norm_eps=1e-5, rope_theta=500000.0, rope_fp32=True, causal=False, logit_shift=0,
+      mask_token_id=126336, eos_token_id=126081, eot_token_id=126348, bos_token_id=126080, pad_token_id=126081)
+
+
+def _qwen25_7b_like(name: str, causal: bool) -> ModelConfig:
+  return ModelConfig(
+      name=name, d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128, mlp_hidden=18944,
+      vocab_size=152064, norm_eps=1e-6, rope_theta=1_000_000.0, qkv_bias=True, causal=causal, logit_shift=1,
+      mask_token_id=None if causal else 151666, eos_token_id=151643, eot_token_id=151645,
+      bos_token_id=None if causal else 151643, pad_token_id=151643)
+
+
+def _tiny(name: str, **overrides: Any) -> ModelConfig:
+  values = dict(name=name, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16, mlp_hidden=128,
+                vocab_size=256, norm_eps=1e-5, rope_theta=10000.0)
+  values.update(overrides)
+  return ModelConfig(**values)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # LLaDA-8B (Base and Instruct share the config): models.md §2.2.
+    "llada-8b": _llada_like("llada-8b", vocab_size=126464),
+    # MMaDA-8B: LLaDA-8B with the vocabulary resized to 126464 + 8192 image codes: models.md §4.2.
+    "mmada-8b": _llada_like("mmada-8b", vocab_size=134656),
+    # Dream-v0-7B: Qwen2.5-7B shapes, bidirectional, one-position logit shift: models.md §3.2.
+    "dream-7b": _qwen25_7b_like("dream-7b", causal=False),
+    # Autoregressive baselines: models.md §5, peers.md §6.
+    "llama3-8b": ModelConfig(
+        name="llama3-8b", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, mlp_hidden=14336,
+        vocab_size=128256, norm_eps=1e-5, rope_theta=500000.0, causal=True, logit_shift=1,
+        eos_token_id=128001, eot_token_id=128009, bos_token_id=128000, pad_token_id=128001),
+    "qwen2.5-7b": _qwen25_7b_like("qwen2.5-7b", causal=True),
+    "smollm2-135m": ModelConfig(
+        name="smollm2-135m", d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, mlp_hidden=1536,
+        vocab_size=49152, norm_eps=1e-5, rope_theta=100000.0, tied_embeddings=True, causal=True, logit_shift=1,
+        eos_token_id=2, eot_token_id=2, bos_token_id=1, pad_token_id=2),
+    # Tiny random configs for tests: same switches as the real models, a few thousand parameters.
+    "tiny-llada": _tiny("tiny-llada", rope_fp32=True, mask_token_id=255, eos_token_id=1, eot_token_id=2,
+                        bos_token_id=0, pad_token_id=1),
+    "tiny-dream": _tiny("tiny-dream", n_kv_heads=2, qkv_bias=True, norm_eps=1e-6, rope_theta=1_000_000.0,
+                        logit_shift=1, mask_token_id=255, eos_token_id=1, eot_token_id=2, bos_token_id=0,
+                        pad_token_id=1),
+    "tiny-llama": _tiny("tiny-llama", n_kv_heads=2, causal=True, logit_shift=1, eos_token_id=1, bos_token_id=0,
+                        pad_token_id=1),
+    "tiny-qwen2": _tiny("tiny-qwen2", n_kv_heads=1, qkv_bias=True, causal=True, logit_shift=1, eos_token_id=1,
+                        bos_token_id=0, pad_token_id=1),
+    "tiny-smollm2": _tiny("tiny-smollm2", n_heads=6, n_kv_heads=2, head_dim=8, tied_embeddings=True, causal=True,
+                          logit_shift=1, eos_token_id=1, bos_token_id=0, pad_token_id=1),
+}
+
+
+def preset(name: str) -> ModelConfig:
+  """Returns the named preset; the error lists the known names."""
+  try:
+    return PRESETS[name]
+  except KeyError:
+    raise ConfigError(f"Unknown preset {name!r}; choose one of {sorted(PRESETS)}.") from None

@@ -1,0 +1,294 @@
+"""The one Transformer behind every supported model, as Flax NNX modules, and its pure entry point.
+
+token embedding → L pre-norm blocks (RMSNorm → attention with rotate-half RoPE, GQA, optional q/k/v bias
+→ residual; RMSNorm → SwiGLU MLP → residual) → final RMSNorm → LM head (untied, or tied to the embedding).
+
+The L blocks are stored stacked (every block parameter has a leading [L] axis) and run with `lax.scan`,
+so compile time does not grow with depth. Public functions take the params as a pure nested dict
+(`init_params`, `forward`); the NNX modules are rebuilt from it inside the traced function.
+
+Parameter tree (flat names joined with "." are the tensor names of converted checkpoints):
+  embed.embedding [V, D]
+  blocks.attn_norm.weight [L, D]
+  blocks.attn.{q,k,v}.kernel [L, D, N·H | K·H | K·H]   (+ .bias [L, ·] when qkv_bias)
+  blocks.attn.o.kernel [L, N·H, D]
+  blocks.mlp_norm.weight [L, D]
+  blocks.mlp.{gate,up}.kernel [L, D, F];  blocks.mlp.down.kernel [L, F, D]
+  final_norm.weight [D]
+  lm_head.kernel [D, V]   (absent when tied_embeddings)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dlm_jax.attention import AttentionImpl, attention
+from dlm_jax.config import ModelConfig
+from dlm_jax.rope import apply_rope, rope_tables
+from dlm_jax.stats import NO_STATS, ForwardOutput, StatsSpec
+
+Params = dict[str, Any]
+
+_KERNEL_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+_EMBED_INIT = nnx.initializers.normal(stddev=0.02)
+
+
+class RMSNorm(nnx.Module):
+  """x / sqrt(mean(x²) + eps) computed in float32, cast back to x's dtype, then times the weight."""
+
+  def __init__(self, dim: int, eps: float, *, dtype: Any):
+    self.eps = eps
+    self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return (normed.astype(x.dtype) * self.weight[...]).astype(x.dtype)
+
+
+def _linear(d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs, dtype: Any) -> nnx.Linear:
+  return nnx.Linear(d_in, d_out, use_bias=bias, param_dtype=dtype, kernel_init=_KERNEL_INIT,
+                    bias_init=nnx.initializers.zeros, rngs=rngs)
+
+
+class Attention(nnx.Module):
+  """Multi-head attention with GQA, optional q/k/v bias, RoPE and statistics."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any):
+    c = config
+    self.config = c
+    self.q = _linear(c.d_model, c.n_heads * c.head_dim, c.qkv_bias, rngs, dtype)
+    self.k = _linear(c.d_model, c.n_kv_heads * c.head_dim, c.qkv_bias, rngs, dtype)
+    self.v = _linear(c.d_model, c.n_kv_heads * c.head_dim, c.qkv_bias, rngs, dtype)
+    self.o = _linear(c.n_heads * c.head_dim, c.d_model, False, rngs, dtype)
+
+  def __call__(self, x, cos, sin, *, pairwise_bias, key_bias, query_weights, with_incoming, impl, query_chunk):
+    """x [B, T, D] -> (out [B, T, D], incoming [B, Q, N, S] or None, values [B, S, K, H])."""
+    c = self.config
+    b, t, _ = x.shape
+    q = self.q(x).reshape(b, t, c.n_heads, c.head_dim)
+    k = self.k(x).reshape(b, t, c.n_kv_heads, c.head_dim)
+    v = self.v(x).reshape(b, t, c.n_kv_heads, c.head_dim)
+    q = apply_rope(q, cos, sin, fp32=c.rope_fp32)
+    k = apply_rope(k, cos, sin, fp32=c.rope_fp32)
+    out, incoming = attention(
+        q, k, v, scale=1.0 / math.sqrt(c.head_dim), causal=c.causal, pairwise_bias=pairwise_bias,
+        key_bias=key_bias, query_weights=query_weights, with_incoming=with_incoming, impl=impl,
+        query_chunk=query_chunk)
+    return self.o(out.reshape(b, t, c.n_heads * c.head_dim)), incoming, v
+
+
+class SwiGLU(nnx.Module):
+  """down(SiLU(gate(x)) ⊙ up(x))."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any):
+    self.gate = _linear(config.d_model, config.mlp_hidden, False, rngs, dtype)
+    self.up = _linear(config.d_model, config.mlp_hidden, False, rngs, dtype)
+    self.down = _linear(config.mlp_hidden, config.d_model, False, rngs, dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+  """One pre-norm Transformer block."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any):
+    self.attn_norm = RMSNorm(config.d_model, config.norm_eps, dtype=dtype)
+    self.attn = Attention(config, rngs=rngs, dtype=dtype)
+    self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, dtype=dtype)
+    self.mlp = SwiGLU(config, rngs=rngs, dtype=dtype)
+
+  def __call__(self, x, cos, sin, **attention_kwargs):
+    """x [B, T, D] -> (x [B, T, D], incoming [B, Q, N, S] or None, values [B, S, K, H])."""
+    attn_out, incoming, values = self.attn(self.attn_norm(x), cos, sin, **attention_kwargs)
+    x = x + attn_out
+    x = x + self.mlp(self.mlp_norm(x))
+    return x, incoming, values
+
+
+class Transformer(nnx.Module):
+  """Embedding, L stacked blocks (leading [L] axis on every block parameter), final norm, LM head."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32):
+    self.config = config
+    self.embed = nnx.Embed(config.vocab_size, config.d_model, param_dtype=dtype, embedding_init=_EMBED_INIT,
+                           rngs=rngs)
+    block_graph = nnx.graphdef(nnx.eval_shape(lambda: Block(config, rngs=nnx.Rngs(0), dtype=dtype)))
+    keys = jax.random.split(rngs.params(), config.n_layers)
+    stacked = jax.vmap(lambda key: nnx.state(Block(config, rngs=nnx.Rngs(params=key), dtype=dtype)))(keys)
+    self.blocks = nnx.merge(block_graph, stacked)
+    self.final_norm = RMSNorm(config.d_model, config.norm_eps, dtype=dtype)
+    if not config.tied_embeddings:
+      self.lm_head = _linear(config.d_model, config.vocab_size, False, rngs, dtype)
+
+  def __call__(self, tokens, positions, *, pairwise_bias, key_bias, query_weights, stats_spec, logits_window,
+               impl, query_chunk) -> ForwardOutput:
+    """See `forward`; biases with a leading [L] axis are applied layer by layer."""
+    c = self.config
+    x = self.embed(tokens)
+    cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+    per_layer = {}
+    if pairwise_bias is not None and pairwise_bias.ndim == 5:
+      per_layer["pairwise_bias"] = pairwise_bias
+    if key_bias is not None and key_bias.ndim == 4:
+      per_layer["key_bias"] = key_bias
+    shared = dict(pairwise_bias=pairwise_bias, key_bias=key_bias)
+    shared = {name: value for name, value in shared.items() if name not in per_layer}
+    block_graph, block_state = nnx.split(self.blocks)
+
+    def layer(h, xs):
+      state, layer_biases = xs
+      block = nnx.merge(block_graph, state)
+      h, incoming, values = block(
+          h, cos, sin, query_weights=query_weights, with_incoming=stats_spec.incoming_attention, impl=impl,
+          query_chunk=query_chunk, **shared, **layer_biases)
+      stats = {}
+      if stats_spec.incoming_attention:
+        stats["incoming"] = incoming if stats_spec.per_head else jnp.mean(incoming, axis=2)
+      if stats_spec.value_norms:
+        stats["value_norms"] = jnp.linalg.norm(values.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+      return h, stats
+
+    x, stats = jax.lax.scan(layer, x, (block_state, per_layer))
+    x = self.final_norm(x)
+    if logits_window is not None:
+      x = x[:, logits_window[0]:logits_window[1]]
+    head = self.embed.embedding[...].T if c.tied_embeddings else self.lm_head.kernel[...]
+    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+    return ForwardOutput(logits=logits, **_select_stats(stats, stats_spec))
+
+
+def _select_stats(stats: dict[str, jax.Array], spec: StatsSpec) -> dict[str, jax.Array]:
+  """Applies the layer subset and drops the singleton query-group axis when no groups were asked for."""
+  selected = {}
+  if "incoming" in stats:
+    incoming = stats["incoming"]
+    if spec.query_groups == 0:
+      incoming = incoming[:, :, 0]
+    selected["incoming_attention"] = incoming
+  if "value_norms" in stats:
+    selected["value_norms"] = stats["value_norms"]
+  if spec.layers is not None:
+    index = jnp.asarray(spec.layers)
+    selected = {name: value[index] for name, value in selected.items()}
+  return selected
+
+
+@functools.lru_cache(maxsize=64)
+def _graphdef(config: ModelConfig) -> nnx.GraphDef:
+  return nnx.graphdef(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+  """Random parameters (nested dict of arrays; see the module docstring for the tree)."""
+  return nnx.to_pure_dict(nnx.state(Transformer(config, rngs=nnx.Rngs(params=key), dtype=dtype)))
+
+
+def abstract_params(config: ModelConfig, dtype: Any = jnp.bfloat16) -> Params:
+  """The parameter tree as `jax.ShapeDtypeStruct`s, without allocating anything."""
+  return jax.eval_shape(lambda: init_params(config, jax.random.key(0), dtype))
+
+
+def param_count(config: ModelConfig) -> int:
+  """Number of parameters of `config`, from abstract shapes."""
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params(config)))
+
+
+def flatten_params(params: Params) -> dict[str, Any]:
+  """{"blocks.attn.q.kernel": array, ...}: the tensor names used by converted checkpoints."""
+  flat = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    flat[".".join(str(p.key) for p in path)] = leaf
+  return flat
+
+
+def unflatten_params(flat: dict[str, Any]) -> Params:
+  """Inverse of `flatten_params`."""
+  params: Params = {}
+  for name, leaf in flat.items():
+    node = params
+    *parents, last = name.split(".")
+    for part in parents:
+      node = node.setdefault(part, {})
+    node[last] = leaf
+  return params
+
+
+def _check_inputs(config, tokens, positions, pairwise_bias, key_bias, query_weights, stats_spec, logits_window):
+  if tokens.ndim != 2:
+    raise ValueError(f"tokens must be [B, T] integer ids, got shape {tokens.shape}.")
+  b, t = tokens.shape
+  if positions is not None and positions.shape != (b, t):
+    raise ValueError(f"positions must have the tokens' shape [B, T] = {(b, t)}, got {positions.shape}.")
+  n_layers = config.n_layers
+  if pairwise_bias is not None and pairwise_bias.ndim not in (4, 5):
+    raise ValueError(f"pairwise_bias must be [B|1, N|1, T|1, S] or per layer [L, ...], got {pairwise_bias.shape}.")
+  if pairwise_bias is not None and pairwise_bias.ndim == 5 and pairwise_bias.shape[0] != n_layers:
+    raise ValueError(f"per-layer pairwise_bias needs a leading axis of {n_layers} layers, got {pairwise_bias.shape}.")
+  if key_bias is not None and key_bias.ndim not in (3, 4):
+    raise ValueError(f"key_bias must be [B|1, N|1, S] or per layer [L, B|1, N|1, S], got {key_bias.shape}.")
+  if key_bias is not None and key_bias.ndim == 4 and key_bias.shape[0] != n_layers:
+    raise ValueError(f"per-layer key_bias needs a leading axis of {n_layers} layers, got {key_bias.shape}.")
+  stats_spec.check_layers(n_layers)
+  if stats_spec.query_groups and (query_weights is None or query_weights.shape[1] != stats_spec.query_groups):
+    got = None if query_weights is None else query_weights.shape
+    raise ValueError(f"StatsSpec.query_groups={stats_spec.query_groups} needs query_weights of shape "
+                     f"[B, {stats_spec.query_groups}, T]; got {got}.")
+  if not stats_spec.query_groups and query_weights is not None:
+    raise ValueError("query_weights were given but StatsSpec.query_groups is 0; set query_groups to "
+                     "query_weights.shape[1].")
+  if logits_window is not None:
+    start, stop = logits_window
+    if not 0 <= start < stop <= t:
+      raise ValueError(f"logits_window must be (start, stop) with 0 <= start < stop <= T={t}, got {logits_window}.")
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    *,
+    config: ModelConfig,
+    positions: jax.Array | None = None,
+    pairwise_bias: jax.Array | None = None,
+    key_bias: jax.Array | None = None,
+    query_weights: jax.Array | None = None,
+    stats_spec: StatsSpec = NO_STATS,
+    logits_window: tuple[int, int] | None = None,
+    attention_impl: AttentionImpl = "chunked",
+    query_chunk: int = 128,
+) -> ForwardOutput:
+  """Pure forward pass of the Transformer described by `config`.
+
+  Jit it with `config`, `stats_spec`, `logits_window`, `attention_impl` and `query_chunk` static.
+
+  Args:
+    params: parameter tree from `init_params` or `dlm_jax.checkpoint`.
+    tokens: [B, T] int token ids.
+    config: the model configuration (static).
+    positions: [B, T] int RoPE positions; default 0..T-1 in every row.
+    pairwise_bias: additive attention bias [B|1, N|1, T|1, T] shared by all layers, or [L, B|1, N|1, T|1, T]
+      per layer. Use `dlm_jax.attention.MASK_VALUE` to remove a key.
+    key_bias: additive per-key bias [B|1, N|1, T] (or [L, B|1, N|1, T] per layer), broadcast over queries;
+      the memory-light way to mask keys (padding, sinks).
+    query_weights: [B, Q, T] query-group weights for the statistics (see `StatsSpec.query_groups`).
+    stats_spec: which statistics to return (static).
+    logits_window: (start, stop) positions whose logits are computed; None computes all T.
+    attention_impl: "chunked" (exact, O(N·chunk·T) memory) or "dense" (reference).
+    query_chunk: queries per block in the chunked path.
+
+  Returns:
+    `ForwardOutput` with float32 logits [B, W, V] and the requested statistics.
+  """
+  _check_inputs(config, tokens, positions, pairwise_bias, key_bias, query_weights, stats_spec, logits_window)
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  model = nnx.merge(_graphdef(config), params)
+  return model(tokens, positions, pairwise_bias=pairwise_bias, key_bias=key_bias, query_weights=query_weights,
+               stats_spec=stats_spec, logits_window=logits_window, impl=attention_impl, query_chunk=query_chunk)

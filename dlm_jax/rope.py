@@ -1,0 +1,36 @@
+"""Rotary position embedding, rotate-half (NeoX / HF-Llama) convention."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+  """cos and sin tables, [B, T, H] float32, for integer positions [B, T].
+
+  inv_freq[j] = θ^(−2j/H) for j < H/2; the angle table is positions ⊗ inv_freq repeated twice along H.
+  """
+  exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+  inv_freq = 1.0 / (jnp.float32(theta) ** exponents)
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
+def _rotate_half(x: jax.Array) -> jax.Array:
+  half = x.shape[-1] // 2
+  return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, fp32: bool) -> jax.Array:
+  """Rotates x [B, T, N, H] by the tables [B, T, H].
+
+  fp32=True rotates in float32 and casts back (LLaDA's `rope_full_precision`); otherwise the tables are
+  cast to x's dtype and the rotation happens in that dtype (HF Llama / Qwen2 / Dream).
+  """
+  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+  if fp32:
+    xf = x.astype(jnp.float32)
+    return (xf * cos + _rotate_half(xf) * sin).astype(x.dtype)
+  return x * cos.astype(x.dtype) + _rotate_half(x) * sin.astype(x.dtype)
