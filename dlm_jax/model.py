@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from dlm_jax.attention import AttentionImpl, attention
 from dlm_jax.config import ModelConfig
@@ -34,6 +34,19 @@ from dlm_jax.rope import apply_rope, rope_tables
 from dlm_jax.stats import NO_STATS, ForwardOutput, StatsSpec
 
 Params = dict[str, Any]
+
+
+@struct.dataclass
+class KVCache:
+  """Keys and values of every layer for autoregressive decoding: [L, B, S, K, H] each (RoPE applied)."""
+
+  keys: jax.Array
+  values: jax.Array
+
+  @classmethod
+  def zeros(cls, config: ModelConfig, batch_size: int, max_length: int, dtype: Any = jnp.float32) -> KVCache:
+    shape = (config.n_layers, batch_size, max_length, config.n_kv_heads, config.head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 _KERNEL_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
@@ -68,8 +81,13 @@ class Attention(nnx.Module):
     self.v = _linear(c.d_model, c.n_kv_heads * c.head_dim, c.qkv_bias, rngs, dtype)
     self.o = _linear(c.n_heads * c.head_dim, c.d_model, False, rngs, dtype)
 
-  def __call__(self, x, cos, sin, *, pairwise_bias, key_bias, query_weights, with_incoming, impl, query_chunk):
-    """x [B, T, D] -> (out [B, T, D], incoming [B, Q, N, S] or None, values [B, S, K, H])."""
+  def __call__(self, x, cos, sin, *, pairwise_bias, key_bias, query_weights, with_incoming, impl, query_chunk,
+               cache=None, cache_offset=0):
+    """x [B, T, D] -> (out [B, T, D], incoming [B, Q, N, S] or None, (keys, values) [B, S, K, H] each).
+
+    With `cache` = (keys, values) [B, S, K, H], this call's keys and values are written at sequence
+    positions cache_offset..cache_offset+T-1 and the queries attend to the whole cache (S keys).
+    """
     c = self.config
     b, t, _ = x.shape
     q = self.q(x).reshape(b, t, c.n_heads, c.head_dim)
@@ -77,11 +95,15 @@ class Attention(nnx.Module):
     v = self.v(x).reshape(b, t, c.n_kv_heads, c.head_dim)
     q = apply_rope(q, cos, sin, fp32=c.rope_fp32)
     k = apply_rope(k, cos, sin, fp32=c.rope_fp32)
+    if cache is not None:
+      start = (0, cache_offset, 0, 0)
+      k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)
+      v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)
     out, incoming = attention(
         q, k, v, scale=1.0 / math.sqrt(c.head_dim), causal=c.causal, pairwise_bias=pairwise_bias,
-        key_bias=key_bias, query_weights=query_weights, with_incoming=with_incoming, impl=impl,
-        query_chunk=query_chunk)
-    return self.o(out.reshape(b, t, c.n_heads * c.head_dim)), incoming, v
+        key_bias=key_bias, query_weights=query_weights, query_offset=cache_offset, with_incoming=with_incoming,
+        impl=impl, query_chunk=query_chunk)
+    return self.o(out.reshape(b, t, c.n_heads * c.head_dim)), incoming, (k, v)
 
 
 class SwiGLU(nnx.Module):
@@ -106,11 +128,11 @@ class Block(nnx.Module):
     self.mlp = SwiGLU(config, rngs=rngs, dtype=dtype)
 
   def __call__(self, x, cos, sin, **attention_kwargs):
-    """x [B, T, D] -> (x [B, T, D], incoming [B, Q, N, S] or None, values [B, S, K, H])."""
-    attn_out, incoming, values = self.attn(self.attn_norm(x), cos, sin, **attention_kwargs)
+    """x [B, T, D] -> (x [B, T, D], incoming [B, Q, N, S] or None, (keys, values) [B, S, K, H])."""
+    attn_out, incoming, kv = self.attn(self.attn_norm(x), cos, sin, **attention_kwargs)
     x = x + attn_out
     x = x + self.mlp(self.mlp_norm(x))
-    return x, incoming, values
+    return x, incoming, kv
 
 
 class Transformer(nnx.Module):
@@ -129,7 +151,7 @@ class Transformer(nnx.Module):
       self.lm_head = _linear(config.d_model, config.vocab_size, False, rngs, dtype)
 
   def __call__(self, tokens, positions, *, pairwise_bias, key_bias, query_weights, stats_spec, logits_window,
-               impl, query_chunk) -> ForwardOutput:
+               impl, query_chunk, cache, cache_offset) -> tuple[ForwardOutput, KVCache | None]:
     """See `forward`; biases with a leading [L] axis are applied layer by layer."""
     c = self.config
     x = self.embed(tokens)
@@ -142,27 +164,29 @@ class Transformer(nnx.Module):
     shared = dict(pairwise_bias=pairwise_bias, key_bias=key_bias)
     shared = {name: value for name, value in shared.items() if name not in per_layer}
     block_graph, block_state = nnx.split(self.blocks)
+    layer_cache = None if cache is None else (cache.keys, cache.values)
 
     def layer(h, xs):
-      state, layer_biases = xs
+      state, layer_biases, kv_cache = xs
       block = nnx.merge(block_graph, state)
-      h, incoming, values = block(
+      h, incoming, (keys, values) = block(
           h, cos, sin, query_weights=query_weights, with_incoming=stats_spec.incoming_attention, impl=impl,
-          query_chunk=query_chunk, **shared, **layer_biases)
-      stats = {}
+          query_chunk=query_chunk, cache=kv_cache, cache_offset=cache_offset, **shared, **layer_biases)
+      stats = {"cache": (keys, values)} if kv_cache is not None else {}
       if stats_spec.incoming_attention:
         stats["incoming"] = incoming if stats_spec.per_head else jnp.mean(incoming, axis=2)
       if stats_spec.value_norms:
         stats["value_norms"] = jnp.linalg.norm(values.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
       return h, stats
 
-    x, stats = jax.lax.scan(layer, x, (block_state, per_layer))
+    x, stats = jax.lax.scan(layer, x, (block_state, per_layer, layer_cache))
+    new_cache = None if cache is None else KVCache(*stats.pop("cache"))
     x = self.final_norm(x)
     if logits_window is not None:
       x = x[:, logits_window[0]:logits_window[1]]
     head = self.embed.embedding[...].T if c.tied_embeddings else self.lm_head.kernel[...]
     logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
-    return ForwardOutput(logits=logits, **_select_stats(stats, stats_spec))
+    return ForwardOutput(logits=logits, **_select_stats(stats, stats_spec)), new_cache
 
 
 def _select_stats(stats: dict[str, jax.Array], spec: StatsSpec) -> dict[str, jax.Array]:
@@ -290,5 +314,41 @@ def forward(
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   model = nnx.merge(_graphdef(config), params)
+  output, _ = model(tokens, positions, pairwise_bias=pairwise_bias, key_bias=key_bias, query_weights=query_weights,
+                    stats_spec=stats_spec, logits_window=logits_window, impl=attention_impl,
+                    query_chunk=query_chunk, cache=None, cache_offset=0)
+  return output
+
+
+def forward_cached(
+    params: Params,
+    tokens: jax.Array,
+    cache: KVCache,
+    cache_offset: jax.Array | int,
+    *,
+    config: ModelConfig,
+    positions: jax.Array | None = None,
+    pairwise_bias: jax.Array | None = None,
+    key_bias: jax.Array | None = None,
+    query_weights: jax.Array | None = None,
+    stats_spec: StatsSpec = NO_STATS,
+    logits_window: tuple[int, int] | None = None,
+    attention_impl: AttentionImpl = "chunked",
+    query_chunk: int = 128,
+) -> tuple[ForwardOutput, KVCache]:
+  """`forward` for T new tokens written into a KV cache at sequence positions cache_offset..cache_offset+T-1.
+
+  The queries attend to all S = cache.keys.shape[2] cached positions (for a causal model, positions after
+  each query are hidden by the causal mask, so unwritten slots are never seen). Biases and statistics
+  address the S cache positions as keys: key_bias [B|1, N|1, S], pairwise_bias [B|1, N|1, T|1, S].
+  positions default to cache_offset + 0..T-1 in every row.
+
+  Returns the `ForwardOutput` (statistics over the S keys) and the updated cache.
+  """
+  _check_inputs(config, tokens, positions, pairwise_bias, key_bias, query_weights, stats_spec, logits_window)
+  if positions is None:
+    positions = jnp.broadcast_to(cache_offset + jnp.arange(tokens.shape[1]), tokens.shape)
+  model = nnx.merge(_graphdef(config), params)
   return model(tokens, positions, pairwise_bias=pairwise_bias, key_bias=key_bias, query_weights=query_weights,
-               stats_spec=stats_spec, logits_window=logits_window, impl=attention_impl, query_chunk=query_chunk)
+               stats_spec=stats_spec, logits_window=logits_window, impl=attention_impl, query_chunk=query_chunk,
+               cache=cache, cache_offset=cache_offset)
