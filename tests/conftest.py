@@ -1,4 +1,4 @@
-"""Test-wide JAX settings: CPU, float32, highest matmul precision (parity needs exact f32 matmuls)."""
+"""Test-wide JAX settings: CPU with 8 virtual devices (sharding tests), float32, highest matmul precision."""
 
 import os
 
@@ -6,4 +6,5 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (the environment must be set before JAX initialises)
 
+jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
