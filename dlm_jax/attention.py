@@ -5,10 +5,13 @@ Axis letters used in einsum strings and docstrings throughout the library:
   (N = K·G, query head n uses kv head n // G), H head dim, D model dim, F MLP dim, V vocabulary,
   L layers, Q query groups (statistics), C query chunks.
 
-Two exact implementations share one set of semantics:
+Three implementations share one set of semantics:
   * `dense`: materialises the [B, N, T, S] probabilities; the reference used in tests.
   * `chunked`: scans over blocks of queries, each block seeing all keys (an exact row softmax), and
-    accumulates the incoming attention; peak memory O(B·N·chunk·S) per layer.
+    accumulates the incoming attention; peak memory O(B·N·chunk·S) per layer. The CPU default.
+  * `fused`: `jax.nn.dot_product_attention` (cuDNN flash attention on GPUs for bf16/fp16 inputs, XLA
+    elsewhere) with its log-sum-exp residual; the incoming attention comes from a second query-chunked
+    pass that rebuilds exp(score − lse) block by block, never materialising [N, T, S].
 
 Masking uses a large finite negative value (`MASK_VALUE`); after all biases are added, scores are clamped
 from below at `MASK_VALUE`, so stacked masks never overflow to -inf and a row whose keys are all masked
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 """Additive bias that removes a key (finite, so sums of masks stay finite after clamping)."""
 
-AttentionImpl = Literal["dense", "chunked"]
+AttentionImpl = Literal["dense", "chunked", "fused"]
 
 
 def _heads_to_kv_groups(bias: jax.Array, n_kv_heads: int) -> jax.Array:
@@ -36,8 +39,8 @@ def _heads_to_kv_groups(bias: jax.Array, n_kv_heads: int) -> jax.Array:
   return bias.reshape(bias.shape[0], n_kv_heads, bias.shape[1] // n_kv_heads, *bias.shape[2:])
 
 
-def _probabilities(scores, pairwise_bias, key_bias, causal, query_index, key_index):
-  """Softmax over keys of scores [B, K, G, T, S] (float32) after biases and the causal mask.
+def _masked_scores(scores, pairwise_bias, key_bias, causal, query_index, key_index):
+  """Scores [B, K, G, T, S] (float32) plus biases and the causal mask, clamped below at MASK_VALUE.
 
   pairwise_bias: [B|1, K|1, G|1, T|1, S] or None; key_bias: [B|1, K|1, G|1, S] or None;
   query_index: [T] sequence index of each query (for the causal mask); key_index: [S].
@@ -49,8 +52,7 @@ def _probabilities(scores, pairwise_bias, key_bias, causal, query_index, key_ind
   if causal:
     visible = key_index[None, :] <= query_index[:, None]
     scores = jnp.where(visible, scores, MASK_VALUE)
-  scores = jnp.maximum(scores, MASK_VALUE)
-  return jax.nn.softmax(scores, axis=-1)
+  return jnp.maximum(scores, MASK_VALUE)
 
 
 def _attend_block(q, k, v, *, scale, causal, pairwise_bias, key_bias, query_weights, query_index):
@@ -61,7 +63,7 @@ def _attend_block(q, k, v, *, scale, causal, pairwise_bias, key_bias, query_weig
   """
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
   key_index = jnp.arange(k.shape[1])
-  probs = _probabilities(scores, pairwise_bias, key_bias, causal, query_index, key_index)
+  probs = jax.nn.softmax(_masked_scores(scores, pairwise_bias, key_bias, causal, query_index, key_index), axis=-1)
   out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v)
   incoming = None
   if query_weights is not None:
@@ -119,16 +121,17 @@ def attention(
       weight 1 for every query.
     query_offset: sequence index of the first query (decoding with a KV cache); scalar, may be traced.
     with_incoming: also return the incoming attention.
-    impl: "dense" (reference) or "chunked" (exact, O(N·chunk·S) memory).
-    query_chunk: queries per block in the chunked path.
+    impl: "dense" (reference), "chunked" (exact, O(N·chunk·S) memory) or "fused" (fused kernel plus a
+      chunked log-sum-exp pass for the statistics).
+    query_chunk: queries per block in the chunked path and in the fused path's statistics pass.
 
   Returns:
     out: [B, T, N, H] in v's dtype.
     incoming: [B, Q, N, S] float32 — Σ_t weight[b, q, t] · P[b, n, t, s] — or None.
   """
   _check_shapes(q, k, v, pairwise_bias, key_bias, query_weights)
-  if impl not in ("dense", "chunked"):
-    raise ValueError(f"impl must be 'dense' or 'chunked', got {impl!r}.")
+  if impl not in ("dense", "chunked", "fused"):
+    raise ValueError(f"impl must be 'dense', 'chunked' or 'fused', got {impl!r}.")
   if query_chunk <= 0:
     raise ValueError(f"query_chunk must be positive, got {query_chunk}.")
   b, t, n, h = q.shape
@@ -143,7 +146,12 @@ def attention(
   query_index = query_offset + jnp.arange(t)
   common = dict(scale=scale, causal=causal, key_bias=keys)
 
-  if impl == "dense" or t <= query_chunk:
+  if impl == "fused":
+    out, lse = _fused(q, k, v, scale, causal, pairwise, keys, query_offset)
+    incoming = None
+    if query_weights is not None:
+      incoming = _incoming_from_lse(q, k, lse, pairwise, query_weights, query_index, query_chunk, common)
+  elif impl == "dense" or t <= query_chunk:
     out, incoming = _attend_block(q, k, v, pairwise_bias=pairwise, query_weights=query_weights,
                                   query_index=query_index, **common)
   else:
@@ -194,3 +202,52 @@ def _chunked(q, k, v, pairwise, query_weights, query_index, chunk, common):
   out = jnp.moveaxis(outs, 0, 1)
   out = out.reshape(out.shape[0], n_chunks * chunk, *out.shape[3:])[:, :t]
   return out, incoming
+
+
+def _fused(q, k, v, scale, causal, pairwise, keys, query_offset):
+  """Fused-kernel attention. q: [B, T, K, G, H]. Returns out [B, T, K, G, H] and lse [B, K, G, T]."""
+  b, t, kv, g, h = q.shape
+  s = k.shape[1]
+  bias = None
+  for term in (pairwise, None if keys is None else keys[..., None, :]):
+    if term is not None:
+      term = term.astype(jnp.float32)
+      term = term.reshape(term.shape[0], -1, *term.shape[3:]) if term.shape[1:3] != (1, 1) else term[:, 0]
+      bias = term if bias is None else bias + term
+  static_causal = causal and isinstance(query_offset, int) and query_offset == 0 and t == s
+  if causal and not static_causal:
+    query_index = query_offset + jnp.arange(t)
+    causal_bias = jnp.where(jnp.arange(s)[None, :] <= query_index[:, None], 0.0, MASK_VALUE)
+    bias = causal_bias[None, None] if bias is None else bias + causal_bias
+  if bias is not None:
+    bias = jnp.maximum(bias, 0.7 * float(jnp.finfo(q.dtype).min)).astype(q.dtype)
+  out, lse = jax.nn.dot_product_attention(
+      q.reshape(b, t, kv * g, h), k, v, bias=bias, scale=scale, is_causal=static_causal, return_residual=True)
+  lse = lse.astype(jnp.float32).reshape(b, t, kv, g).transpose(0, 2, 3, 1)
+  return out.reshape(b, t, kv, g, h), lse
+
+
+def _incoming_from_lse(q, k, lse, pairwise, query_weights, query_index, chunk, common):
+  """Σ_t w[b, q, t] · exp(score[t, s] − lse[t]) by blocks of queries: [B, Q, K, G, S] float32."""
+  t = q.shape[1]
+  n_chunks = -(-t // chunk)
+  xs = {
+      "q": _split_queries(q, 1, chunk, n_chunks),
+      "lse": _split_queries(lse, 3, chunk, n_chunks),
+      "query_index": _split_queries(query_index, 0, chunk, n_chunks),
+      "weights": _split_queries(query_weights, 2, chunk, n_chunks),
+  }
+  if pairwise is not None and pairwise.shape[3] != 1:
+    xs["pairwise"] = _split_queries(pairwise, 3, chunk, n_chunks)
+  key_index = jnp.arange(k.shape[1])
+
+  def body(total, block):
+    scores = jnp.einsum("btkgh,bskh->bkgts", block["q"], k, preferred_element_type=jnp.float32)
+    scores = _masked_scores(scores * common["scale"], block.get("pairwise", pairwise), common["key_bias"],
+                            common["causal"], block["query_index"], key_index)
+    probs = jnp.exp(scores - block["lse"][..., None])
+    return total + jnp.einsum("bqt,bkgts->bqkgs", block["weights"].astype(jnp.float32), probs), None
+
+  b, kv, g = q.shape[0], q.shape[2], q.shape[3]
+  init = jnp.zeros((b, query_weights.shape[1], kv, g, k.shape[1]), jnp.float32)
+  return jax.lax.scan(body, init, xs)[0]

@@ -39,7 +39,8 @@ def _inputs(seed, b=2, t=11, n=6, kv=2, h=8):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("impl, chunk", [("dense", 128), ("chunked", 4), ("chunked", 5), ("chunked", 11)])
+@pytest.mark.parametrize("impl, chunk", [("dense", 128), ("chunked", 4), ("chunked", 5), ("chunked", 11),
+                                         ("fused", 4), ("fused", 128)])
 def test_matches_numpy_with_bias_and_query_groups(causal, impl, chunk):
   rng, q, k, v = _inputs(0)
   pairwise = rng.normal(size=(2, 6, 11, 11)).astype(np.float32)
@@ -60,9 +61,10 @@ def test_chunked_equals_dense_for_every_bias_shape():
       args = dict(scale=0.25, pairwise_bias=jnp.asarray(rng.normal(size=pairwise_shape), jnp.float32),
                   key_bias=jnp.asarray(rng.normal(size=key_shape), jnp.float32), with_incoming=True)
       dense = attention(q, k, v, impl="dense", **args)
-      chunked = attention(q, k, v, impl="chunked", query_chunk=3, **args)
-      np.testing.assert_allclose(chunked[0], dense[0], atol=1e-6)
-      np.testing.assert_allclose(chunked[1], dense[1], atol=1e-6)
+      for impl in ("chunked", "fused"):
+        other = attention(q, k, v, impl=impl, query_chunk=3, **args)
+        np.testing.assert_allclose(other[0], dense[0], atol=1e-5, err_msg=impl)
+        np.testing.assert_allclose(other[1], dense[1], atol=1e-5, err_msg=impl)
 
 
 def test_incoming_attention_sums_to_query_count():
@@ -72,7 +74,7 @@ def test_incoming_attention_sums_to_query_count():
   np.testing.assert_allclose(incoming.sum(-1), 11.0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["dense", "chunked"])
+@pytest.mark.parametrize("impl", ["dense", "chunked", "fused"])
 def test_masked_key_gets_exactly_zero_and_fully_masked_rows_stay_finite(impl):
   _, q, k, v = _inputs(3)
   key_bias = np.zeros((2, 1, 11), np.float32)
@@ -91,11 +93,15 @@ def test_masked_key_gets_exactly_zero_and_fully_masked_rows_stay_finite(impl):
   np.testing.assert_allclose(visible_rows.sum(-1), 1.0, rtol=1e-6)
 
 
-def test_query_offset_shifts_the_causal_mask():
+@pytest.mark.parametrize("impl", ["dense", "chunked", "fused"])
+def test_query_offset_shifts_the_causal_mask(impl):
   _, q, k, v = _inputs(4)
-  full, _ = attention(q, k, v, scale=0.5, causal=True)
-  tail, _ = attention(q[:, 8:], k, v, scale=0.5, causal=True, query_offset=8)
+  full, full_in = attention(q, k, v, scale=0.5, causal=True, with_incoming=True, impl="dense")
+  tail, tail_in = attention(q[:, 8:], k, v, scale=0.5, causal=True, query_offset=8, with_incoming=True, impl=impl,
+                            query_chunk=2)
   np.testing.assert_allclose(tail, full[:, 8:], atol=1e-6)
+  _, head_in = attention(q[:, :8], k[:, :8], v[:, :8], scale=0.5, causal=True, with_incoming=True, impl=impl)
+  np.testing.assert_allclose(tail_in[..., :8] + head_in, full_in[..., :8], atol=1e-5)
 
 
 def test_bad_shapes_are_named():

@@ -97,7 +97,7 @@ def test_logits_and_incoming_attention_match_transformers(family, d, layers, hea
   ref_logits = out.logits.numpy()
   ref_incoming = np.stack([a.numpy().sum(axis=2) for a in out.attentions])  # [L, B, N, S]
 
-  for impl, chunk in [("dense", 128), ("chunked", 5)]:
+  for impl, chunk in [("dense", 128), ("chunked", 5), ("fused", 5)]:
     ours = model.forward(params, jnp.asarray(tokens), config=config,
                          stats_spec=StatsSpec(incoming_attention=True), attention_impl=impl, query_chunk=chunk)
     np.testing.assert_allclose(ours.logits, ref_logits, atol=1e-4, rtol=0)
