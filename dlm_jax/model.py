@@ -82,11 +82,13 @@ class Attention(nnx.Module):
     self.o = _linear(c.n_heads * c.head_dim, c.d_model, False, rngs, dtype)
 
   def __call__(self, x, cos, sin, *, pairwise_bias, key_bias, query_weights, with_incoming, impl, query_chunk,
-               cache=None, cache_offset=0):
+               cache=None, cache_offset=0, zero_values=None):
     """x [B, T, D] -> (out [B, T, D], incoming [B, Q, N, S] or None, (keys, values) [B, S, K, H] each).
 
     With `cache` = (keys, values) [B, S, K, H], this call's keys and values are written at sequence
     positions cache_offset..cache_offset+T-1 and the queries attend to the whole cache (S keys).
+    zero_values: [B|1, S] bool or None; those key positions contribute a zero value vector (their
+    keys, hence their attention weights, are unchanged) — the returned values carry the zeros too.
     """
     c = self.config
     b, t, _ = x.shape
@@ -99,6 +101,8 @@ class Attention(nnx.Module):
       start = (0, cache_offset, 0, 0)
       k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)
       v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)
+    if zero_values is not None:
+      v = jnp.where(zero_values[:, :, None, None], jnp.zeros((), v.dtype), v)
     out, incoming = attention(
         q, k, v, scale=1.0 / math.sqrt(c.head_dim), causal=c.causal, pairwise_bias=pairwise_bias,
         key_bias=key_bias, query_weights=query_weights, query_offset=cache_offset, with_incoming=with_incoming,
@@ -151,7 +155,7 @@ class Transformer(nnx.Module):
       self.lm_head = _linear(config.d_model, config.vocab_size, False, rngs, dtype)
 
   def __call__(self, tokens, positions, *, pairwise_bias, key_bias, query_weights, stats_spec, logits_window,
-               impl, query_chunk, cache, cache_offset) -> tuple[ForwardOutput, KVCache | None]:
+               impl, query_chunk, cache, cache_offset, zero_values) -> tuple[ForwardOutput, KVCache | None]:
     """See `forward`; biases with a leading [L] axis are applied layer by layer."""
     c = self.config
     x = self.embed(tokens)
@@ -171,7 +175,8 @@ class Transformer(nnx.Module):
       block = nnx.merge(block_graph, state)
       h, incoming, (keys, values) = block(
           h, cos, sin, query_weights=query_weights, with_incoming=stats_spec.incoming_attention, impl=impl,
-          query_chunk=query_chunk, cache=kv_cache, cache_offset=cache_offset, **shared, **layer_biases)
+          query_chunk=query_chunk, cache=kv_cache, cache_offset=cache_offset, zero_values=zero_values, **shared,
+          **layer_biases)
       stats = {"cache": (keys, values)} if kv_cache is not None else {}
       if stats_spec.incoming_attention:
         stats["incoming"] = incoming if stats_spec.per_head else jnp.mean(incoming, axis=2)
@@ -287,6 +292,7 @@ def forward(
     logits_window: tuple[int, int] | None = None,
     attention_impl: AttentionImpl = "chunked",
     query_chunk: int = 128,
+    zero_values: jax.Array | None = None,
 ) -> ForwardOutput:
   """Pure forward pass of the Transformer described by `config`.
 
@@ -306,6 +312,8 @@ def forward(
     logits_window: (start, stop) positions whose logits are computed; None computes all T.
     attention_impl: "chunked" (exact, O(N·chunk·T) memory) or "dense" (reference).
     query_chunk: queries per block in the chunked path.
+    zero_values: [B|1, T] bool; True key positions contribute a zero value vector in every layer (the
+      extra sink token's zero-value variant); their attention weights are unchanged.
 
   Returns:
     `ForwardOutput` with float32 logits [B, W, V] and the requested statistics.
@@ -316,7 +324,7 @@ def forward(
   model = nnx.merge(_graphdef(config), params)
   output, _ = model(tokens, positions, pairwise_bias=pairwise_bias, key_bias=key_bias, query_weights=query_weights,
                     stats_spec=stats_spec, logits_window=logits_window, impl=attention_impl,
-                    query_chunk=query_chunk, cache=None, cache_offset=0)
+                    query_chunk=query_chunk, cache=None, cache_offset=0, zero_values=zero_values)
   return output
 
 
@@ -335,12 +343,14 @@ def forward_cached(
     logits_window: tuple[int, int] | None = None,
     attention_impl: AttentionImpl = "chunked",
     query_chunk: int = 128,
+    zero_values: jax.Array | None = None,
 ) -> tuple[ForwardOutput, KVCache]:
   """`forward` for T new tokens written into a KV cache at sequence positions cache_offset..cache_offset+T-1.
 
   The queries attend to all S = cache.keys.shape[2] cached positions (for a causal model, positions after
   each query are hidden by the causal mask, so unwritten slots are never seen). Biases and statistics
-  address the S cache positions as keys: key_bias [B|1, N|1, S], pairwise_bias [B|1, N|1, T|1, S].
+  address the S cache positions as keys: key_bias [B|1, N|1, S], pairwise_bias [B|1, N|1, T|1, S],
+  zero_values [B|1, S] (values zeroed there are also zero in the returned cache).
   positions default to cache_offset + 0..T-1 in every row.
 
   Returns the `ForwardOutput` (statistics over the S keys) and the updated cache.
@@ -351,4 +361,4 @@ def forward_cached(
   model = nnx.merge(_graphdef(config), params)
   return model(tokens, positions, pairwise_bias=pairwise_bias, key_bias=key_bias, query_weights=query_weights,
                stats_spec=stats_spec, logits_window=logits_window, impl=attention_impl, query_chunk=query_chunk,
-               cache=cache, cache_offset=cache_offset)
+               cache=cache, cache_offset=cache_offset, zero_values=zero_values)

@@ -151,3 +151,27 @@ def test_per_layer_biases_reach_their_layer_only():
   assert (out.incoming_attention[0, :, :, 3] > 0).all()
   shared = model.forward(params, tokens, config=config, key_bias=key_bias[1], stats_spec=spec)
   assert (shared.incoming_attention[:, :, :, 3] == 0).all()
+
+
+def test_zero_values_match_a_reference_whose_value_rows_are_zeroed():
+  """transformers with a hook zeroing v_proj's output at position 2 (values carry no RoPE)."""
+  reference = _reference("llama", d=32, layers=2, heads=4, kv_heads=2, mlp=48, vocab=53, theta=1e4, eps=1e-5,
+                         tied=False, seed=9)
+  config = ModelConfig(name="zv", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=48,
+                       vocab_size=53, rope_theta=1e4)
+  params = _our_params(reference, "llama", 2, False)
+
+  def zero_position_2(module, inputs, output):
+    output = output.clone()
+    output[:, 2] = 0
+    return output
+
+  hooks = [layer.self_attn.v_proj.register_forward_hook(zero_position_2) for layer in reference.model.layers]
+  tokens = np.random.default_rng(0).integers(0, 53, size=(2, 9))
+  with torch.no_grad():
+    expected = reference(input_ids=torch.as_tensor(tokens), attention_mask=torch.zeros(2, 1, 9, 9)).logits.numpy()
+  for hook in hooks:
+    hook.remove()
+  zero_values = jnp.zeros((1, 9), bool).at[:, 2].set(True)
+  ours = model.forward(params, jnp.asarray(tokens), config=config, zero_values=zero_values)
+  np.testing.assert_allclose(ours.logits, expected, atol=1e-4, rtol=0)
