@@ -1,0 +1,55 @@
+r"""Converts a Hugging Face LLaDA / MMaDA / Dream / Llama / Qwen2 checkpoint into a dlm_jax directory.
+
+  python -m converters.convert --arch=auto --hf_dir=/ckpt/LLaDA-8B-Instruct --out_dir=/ckpt/llada-8b \
+      [--dtype=auto|bfloat16|float32|float16] [--overwrite]
+
+--arch=auto reads model_type / architectures from config.json. --dtype=auto keeps the dtype of the
+source embedding. The work is done by `converters.hf_convert.convert`; errors (missing, unexpected,
+misshapen or non-float tensors, unreadable files, missing or unsupported config fields, a non-empty
+--out_dir without --overwrite) are printed with the tensor or field named, exit status 1, and
+--out_dir is left untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from absl import app, flags, logging
+
+from converters.hf_config import ARCHS
+from converters.hf_convert import OUTPUT_DTYPES, convert
+from converters.plan import DEFAULT_CHUNK_BYTES
+from dlm_jax.checkpoint import DEFAULT_MAX_SHARD_BYTES, CheckpointError
+from dlm_jax.config import ConfigError
+
+_ARCH = flags.DEFINE_enum("arch", "auto", ("auto",) + ARCHS, "Source family; auto reads config.json.")
+_HF_DIR = flags.DEFINE_string("hf_dir", None, "Hugging Face checkpoint directory.")
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Output directory (absent or empty unless --overwrite).")
+_DTYPE = flags.DEFINE_enum("dtype", "auto", ("auto",) + tuple(OUTPUT_DTYPES),
+                           "Stored dtype; auto keeps the dtype of the source embedding.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out_dir.")
+_CHUNK_MB = flags.DEFINE_integer("chunk_mb", DEFAULT_CHUNK_BYTES // 2**20,
+                                 "Source rows are read in blocks of about this many MiB.")
+_MAX_SHARD_GB = flags.DEFINE_float("max_shard_gb", DEFAULT_MAX_SHARD_BYTES / 2**30, "Output shard size limit, GiB.")
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if not _HF_DIR.value or not _OUT_DIR.value:
+    raise app.UsageError("--hf_dir and --out_dir are required.")
+  start = time.perf_counter()
+  try:
+    config = convert(_HF_DIR.value, _OUT_DIR.value, arch=_ARCH.value, dtype=_DTYPE.value,
+                     overwrite=_OVERWRITE.value, chunk_bytes=_CHUNK_MB.value * 2**20,
+                     max_shard_bytes=int(_MAX_SHARD_GB.value * 2**30), progress=logging.info)
+  except (CheckpointError, ConfigError) as e:
+    print(f"converters.convert: error: {e}", file=sys.stderr)
+    sys.exit(1)
+  logging.info("Converted %s (%d layers, d_model %d) to %s in %.1fs.", config.name, config.n_layers,
+               config.d_model, _OUT_DIR.value, time.perf_counter() - start)
+
+
+if __name__ == "__main__":
+  app.run(main)

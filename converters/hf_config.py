@@ -1,0 +1,209 @@
+"""Each family's own config.json -> our `ModelConfig` (reference/models.md §2.2, §3.2, §4.2, §5).
+
+LLaDA and MMaDA use OLMo-style fields (`d_model`, `n_layers`, `mlp_hidden_size`, `weight_tying`, ...);
+Dream, Llama and Qwen2 use Hugging Face fields (`hidden_size`, `num_hidden_layers`, ...). Switches our
+model does not implement (OLMo's fused `sequential` block, biases outside q/k/v, RoPE scaling, sliding
+windows, ...) are refused with an error that names the field, rather than converted silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from absl import logging
+
+from dlm_jax.config import ConfigError, ModelConfig
+
+ARCHS = ("llada", "mmada", "dream", "llama", "qwen2")
+
+_MODEL_TYPES = {"llada": "llada", "mmada": "mmada", "dream": "dream", "llama": "llama", "qwen2": "qwen2"}
+_ARCHITECTURES = {"LLaDAModelLM": "llada", "MMadaModelLM": "mmada", "DreamModel": "dream",
+                  "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+# Special-token defaults from models.md, used only when config.json omits the field and the id fits the
+# vocabulary (LLaDA keeps BOS in generation_config.json; EoT ids are chat-template facts).
+_LLADA_DEFAULTS = dict(mask_token_id=126336, eos_token_id=126081, pad_token_id=126081, bos_token_id=126080,
+                       eot_token_id=126348)
+_DREAM_MASK, _QWEN_EOT = 151666, 151645
+
+
+def detect_arch(hf: dict[str, Any]) -> str:
+  """The family of an HF config.json, from `model_type`, else `architectures`."""
+  model_type = str(hf.get("model_type", "")).lower()
+  if model_type in _MODEL_TYPES:
+    return _MODEL_TYPES[model_type]
+  for name in hf.get("architectures") or ():
+    if name in _ARCHITECTURES:
+      return _ARCHITECTURES[name]
+  raise ConfigError(f"config.json: cannot tell the architecture from model_type={hf.get('model_type')!r} and "
+                    f"architectures={hf.get('architectures')!r}; expected model_type in {sorted(_MODEL_TYPES)} or "
+                    f"architectures in {sorted(_ARCHITECTURES)}. Pass --arch explicitly (one of {', '.join(ARCHS)}).")
+
+
+class _Fields:
+  """Typed access to config.json with errors that name the field."""
+
+  def __init__(self, hf: dict[str, Any], family: str):
+    self.hf, self.family = hf, family
+
+  def has(self, key: str) -> bool:
+    return self.hf.get(key) is not None
+
+  def required(self, key: str, meaning: str) -> Any:
+    if key not in self.hf or self.hf[key] is None:
+      raise ConfigError(f"config.json ({self.family}): missing required field {key!r} ({meaning}).")
+    return self.hf[key]
+
+  def integer(self, key: str, meaning: str, default: Any = None) -> int:
+    value = self.required(key, meaning) if default is None or self.has(key) else default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+      raise ConfigError(f"config.json ({self.family}): field {key!r} ({meaning}) must be a positive integer, "
+                        f"got {value!r}.")
+    return value
+
+  def number(self, key: str, meaning: str) -> float:
+    value = self.required(key, meaning)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigError(f"config.json ({self.family}): field {key!r} ({meaning}) must be a number, got {value!r}.")
+    return float(value)
+
+  def flag(self, key: str, default: bool) -> bool:
+    value = self.hf.get(key, default)
+    value = default if value is None else value
+    if not isinstance(value, bool):
+      raise ConfigError(f"config.json ({self.family}): field {key!r} must be true or false, got {value!r}.")
+    return value
+
+  def refuse(self, key: str, allowed: tuple[Any, ...], why: str) -> None:
+    """Errors when `key` is present with a value outside `allowed` (None counts as absent)."""
+    if key in self.hf and self.hf[key] is not None and self.hf[key] not in allowed:
+      expected = " or ".join(repr(a) for a in allowed) if allowed else "null/absent"
+      raise ConfigError(f"config.json ({self.family}): field {key!r} is {self.hf[key]!r}; expected {expected}. "
+                        f"{why}")
+
+  def token(self, key: str, vocab_size: int, default: int | None = None) -> int | None:
+    """A special-token id; a list (several EOS ids) gives its first entry.
+
+    Defaults apply only when the field is absent and the id fits the vocabulary. An id outside
+    [0, vocab_size) (e.g. the real LLaDA ids left in a shrunken test config) becomes None with a warning:
+    such a token can never occur, and the weights convert the same.
+    """
+    value = self.hf.get(key)
+    if isinstance(value, list):
+      value = value[0] if value else None
+    if value is None:
+      return default if default is not None and default < vocab_size else None
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise ConfigError(f"config.json ({self.family}): field {key!r} is {value!r}; expected a token id.")
+    if not 0 <= value < vocab_size:
+      logging.warning("config.json (%s): %s=%d is outside the vocabulary [0, %d); it is dropped.", self.family,
+                      key, value, vocab_size)
+      return None
+    return value
+
+
+def _check_no_rope_scaling(f: _Fields) -> None:
+  why = "RoPE scaling (e.g. Llama-3.1 'llama3', YaRN, linear) is not supported; only plain RoPE is."
+  f.refuse("rope_scaling", (), why)
+  params = f.hf.get("rope_parameters")
+  if isinstance(params, dict) and params.get("rope_type", "default") not in ("default", None):
+    raise ConfigError(f"config.json ({f.family}): field 'rope_parameters.rope_type' is "
+                      f"{params.get('rope_type')!r}; expected 'default'. {why}")
+
+
+def _rope_theta(f: _Fields) -> float:
+  """`rope_theta` at top level (transformers 4) or inside `rope_parameters` (transformers 5)."""
+  params = f.hf.get("rope_parameters")
+  if not f.has("rope_theta") and isinstance(params, dict) and params.get("rope_theta") is not None:
+    return float(params["rope_theta"])
+  return f.number("rope_theta", "RoPE base θ")
+
+
+def llada_fields(hf: dict[str, Any], family: str = "llada") -> dict[str, Any]:
+  """LLaDA / MMaDA (OLMo-style) config.json -> ModelConfig fields: bidirectional, no shift, fp32 RoPE."""
+  f = _Fields(hf, family)
+  f.required("block_type", "OLMo block type; must be 'llama'")
+  f.refuse("block_type", ("llama",), "Only LLaDA's 'llama' block (separate q_proj/k_proj/v_proj, ff_proj/up_proj) "
+           "is supported; fused 'sequential' OLMo blocks are not.")
+  f.refuse("block_group_size", (1,), "Grouped blocks (transformer.block_groups.*) are not supported.")
+  f.refuse("activation_type", ("silu",), "The LLaDA llama block applies SiLU to ff_proj and multiplies by up_proj.")
+  f.refuse("layer_norm_type", ("rms",), "Only RMSNorm is supported.")
+  f.refuse("layer_norm_with_affine", (True,), "RMSNorm must have a weight.")
+  for key, why in (("include_bias", "Biases outside q/k/v are not supported."),
+                   ("bias_for_layer_norm", "Norm biases are not supported."),
+                   ("attention_layer_norm", "QK-norm is not supported."), ("alibi", "ALiBi is not supported."),
+                   ("input_emb_norm", "Embedding scaling is not supported."),
+                   ("scale_logits", "Logit scaling is not supported.")):
+    f.refuse(key, (False,), why)
+  f.refuse("rope", (True,), "Only RoPE positions are supported.")
+  f.refuse("rope_scaling", (), "RoPE scaling is not supported.")
+  n_heads = f.integer("n_heads", "query heads")
+  kv_default = 1 if f.flag("multi_query_attention", False) else n_heads
+  n_kv_heads = f.integer("n_kv_heads", "key/value heads", default=kv_default)
+  d_model = f.integer("d_model", "hidden size")
+  if d_model % n_heads:
+    raise ConfigError(f"config.json ({family}): d_model={d_model} is not a multiple of n_heads={n_heads}.")
+  f.integer("vocab_size", "tokenizer vocabulary")
+  vocab = f.integer("embedding_size", "embedding rows", default=hf["vocab_size"])
+  tokens = {key: f.token(key, vocab, default) for key, default in _LLADA_DEFAULTS.items()}
+  f.required("weight_tying", "whether wte doubles as the LM head")
+  return dict(
+      d_model=d_model, n_layers=f.integer("n_layers", "number of blocks"), n_heads=n_heads,
+      n_kv_heads=n_kv_heads, head_dim=d_model // n_heads,
+      mlp_hidden=f.integer("mlp_hidden_size", "SwiGLU hidden width"), vocab_size=vocab,
+      norm_eps=f.number("rms_norm_eps", "RMSNorm epsilon"), rope_theta=f.number("rope_theta", "RoPE base θ"),
+      rope_fp32=f.flag("rope_full_precision", True), qkv_bias=f.flag("include_qkv_bias", False),
+      tied_embeddings=f.flag("weight_tying", False),
+      causal=False, logit_shift=0, **tokens)
+
+
+def hf_llama_like_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+  """Dream / Llama / Qwen2 (Hugging Face fields) config.json -> ModelConfig fields."""
+  f = _Fields(hf, family)
+  _check_no_rope_scaling(f)
+  f.refuse("hidden_act", ("silu",), "The MLP must be SwiGLU with SiLU.")
+  f.refuse("attention_bias", (False,), "Biases on o_proj are not supported (Llama attention_bias).")
+  f.refuse("mlp_bias", (False,), "MLP biases are not supported.")
+  f.refuse("use_sliding_window", (False,), "Sliding-window attention is not supported.")
+  layer_types = hf.get("layer_types") or ()
+  if any(t != "full_attention" for t in layer_types):
+    raise ConfigError(f"config.json ({family}): field 'layer_types' contains {sorted(set(layer_types))}; expected "
+                      "only 'full_attention' (sliding-window layers are not supported).")
+  hidden = f.integer("hidden_size", "hidden size")
+  n_heads = f.integer("num_attention_heads", "query heads")
+  if not f.has("head_dim") and hidden % n_heads:
+    raise ConfigError(f"config.json ({family}): hidden_size={hidden} is not a multiple of "
+                      f"num_attention_heads={n_heads}; add head_dim.")
+  vocab = f.integer("vocab_size", "embedding rows")
+  diffusion = family == "dream"
+  mask = f.token("mask_token_id", vocab, _DREAM_MASK) if diffusion else None
+  if family in ("dream", "qwen2"):
+    eot = f.token("eot_token_id", vocab, _QWEN_EOT)  # <|im_end|>
+  else:  # Llama-3 Instruct lists several EOS ids, the last being <|eot_id|>.
+    eos = hf.get("eos_token_id")
+    last = eos[-1] if isinstance(eos, list) and len(eos) > 1 else None
+    eot = last if isinstance(last, int) and not isinstance(last, bool) and 0 <= last < vocab else None
+  return dict(
+      d_model=hidden, n_layers=f.integer("num_hidden_layers", "number of layers"), n_heads=n_heads,
+      n_kv_heads=f.integer("num_key_value_heads", "key/value heads", default=n_heads),
+      head_dim=f.integer("head_dim", "per-head width", default=hidden // n_heads),
+      mlp_hidden=f.integer("intermediate_size", "SwiGLU hidden width"), vocab_size=vocab,
+      norm_eps=f.number("rms_norm_eps", "RMSNorm epsilon"), rope_theta=_rope_theta(f), rope_fp32=False,
+      qkv_bias=family in ("dream", "qwen2"), tied_embeddings=f.flag("tie_word_embeddings", False),
+      causal=not diffusion, logit_shift=1, mask_token_id=mask, eos_token_id=f.token("eos_token_id", vocab),
+      eot_token_id=eot, bos_token_id=f.token("bos_token_id", vocab), pad_token_id=f.token("pad_token_id", vocab))
+
+
+def model_config(arch: str, hf: dict[str, Any], name: str) -> ModelConfig:
+  """Our ModelConfig for family `arch` ("auto" detects it) from its config.json dict."""
+  if not isinstance(hf, dict):
+    raise ConfigError("config.json must hold a JSON object.")
+  if arch == "auto":
+    arch = detect_arch(hf)
+  if arch not in ARCHS:
+    raise ConfigError(f"Unknown arch {arch!r}; expected one of auto, {', '.join(ARCHS)}.")
+  fields = llada_fields(hf, arch) if arch in ("llada", "mmada") else hf_llama_like_fields(hf, arch)
+  try:
+    return ModelConfig(name=name, **fields)
+  except ConfigError as e:
+    raise ConfigError(f"config.json ({arch}) describes an invalid model: {e}") from None

@@ -1,0 +1,80 @@
+"""Hugging Face checkpoint directory -> dlm_jax converted directory (the library behind converters.convert).
+
+Reads the family's config.json (converters/hf_config.py), resolves tensors through
+model.safetensors.index.json or model.safetensors, checks every name, shape and dtype against the
+config before writing, then streams the tensors a block at a time into stacked, transposed
+safetensors shards (converters/plan.py) and copies the tokenizer files. Output goes to a temporary
+directory that is renamed to `out_dir` only when everything succeeded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+from converters.hf_config import ARCHS, detect_arch, model_config
+from converters.hf_names import hf_plan, ignored_sources
+from converters.plan import DEFAULT_CHUNK_BYTES, check_coverage, check_plan, stream_pieces
+from converters.safetensors_io import SafetensorsCheckpoint
+from dlm_jax.checkpoint import (
+    DEFAULT_MAX_SHARD_BYTES, SAFETENSORS_DTYPES, CheckpointError, SafetensorsWriter, atomic_output_dir,
+    check_output_dir, copy_tokenizer_files, expected_tensors, write_config)
+from dlm_jax.config import ConfigError, ModelConfig
+
+OUTPUT_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
+
+
+def read_hf_config(hf_dir: str) -> dict:
+  """The parsed config.json of `hf_dir`; errors name the file."""
+  path = os.path.join(hf_dir, "config.json")
+  if not os.path.isfile(path):
+    raise CheckpointError(f"{path} not found; --hf_dir must be a Hugging Face checkpoint directory.")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{path} is not valid JSON: {e}.") from None
+
+
+def convert(hf_dir: str, out_dir: str, *, arch: str = "auto", dtype: str = "auto", overwrite: bool = False,
+            chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+            progress: Callable[[str], None] | None = None) -> ModelConfig:
+  """Converts `hf_dir` into `out_dir` and returns the written `ModelConfig`.
+
+  Raises:
+    ConfigError: unknown arch, or a config.json field missing or unsupported (named).
+    CheckpointError: missing/unexpected tensor, wrong shape or dtype, unreadable file (named), or a
+      non-empty `out_dir` without `overwrite`. Nothing is left in `out_dir` on error.
+  """
+  check_output_dir(out_dir, overwrite=overwrite)
+  hf = read_hf_config(hf_dir)
+  if dtype != "auto" and dtype not in OUTPUT_DTYPES:
+    raise ConfigError(f"Unknown dtype {dtype!r}; expected auto or one of {sorted(OUTPUT_DTYPES)}.")
+  if arch not in ("auto",) + ARCHS:
+    raise ConfigError(f"Unknown arch {arch!r}; expected one of auto, {', '.join(ARCHS)}.")
+  arch = detect_arch(hf) if arch == "auto" else arch
+  config = model_config(arch, hf, name=os.path.basename(os.path.normpath(hf_dir)))
+  expected = expected_tensors(config)
+  pieces = hf_plan(arch, expected)
+  check_coverage(pieces, expected)
+  with SafetensorsCheckpoint(hf_dir) as source:
+    check_plan(pieces, {n: t.shape for n, t in source.tensors.items()},
+               {n: t.dtype for n, t in source.tensors.items()}, hf_dir,
+               ignore=ignored_sources(arch, config.tied_embeddings))
+    if dtype == "auto":
+      embed_source = next(p.source for p in pieces if p.target == "embed.embedding")
+      out_dtype = SAFETENSORS_DTYPES[source.tensors[embed_source].dtype]
+    else:
+      out_dtype = np.dtype(SAFETENSORS_DTYPES[OUTPUT_DTYPES[dtype]])
+    with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
+      write_config(tmp, config)
+      copy_tokenizer_files(hf_dir, tmp)
+      specs = {name: (shape, out_dtype) for name, shape in expected.items()}
+      with SafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes) as writer:
+        stream_pieces(pieces, source.read_rows, writer, out_dtype,
+                      row_bytes=lambda name: source.tensors[name].row_bytes, chunk_bytes=chunk_bytes,
+                      progress=progress)
+  return config

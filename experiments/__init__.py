@@ -1,0 +1,1 @@
+"""Thin absl binaries that run the library and write results."""
