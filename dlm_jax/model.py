@@ -98,7 +98,8 @@ class Attention(nnx.Module):
     q = apply_rope(q, cos, sin, fp32=c.rope_fp32)
     k = apply_rope(k, cos, sin, fp32=c.rope_fp32)
     if cache is not None:
-      start = (0, cache_offset, 0, 0)
+      zero = jnp.zeros((), jnp.int32)
+      start = (zero, jnp.asarray(cache_offset, jnp.int32), zero, zero)
       k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)
       v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)
     if zero_values is not None:

@@ -9,6 +9,8 @@ import numpy as np
 from dlm_jax import interventions as iv
 from dlm_jax import model
 from dlm_jax.config import preset
+from dlm_jax.sampling import autoregressive as ar_sampler
+from dlm_jax.sampling import llada
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -209,7 +211,6 @@ def test_llada_sampler_trace_masks_previous_sinks():
   """`dlm_jax.sampling.llada.generate` with MaskPreviousSinks, replayed step by step from its Trace: the
   canvas of step t is rebuilt from decode_step, the mask from the top-K of the statistics of step t−1, and
   the statistics of step t are recomputed under that mask."""
-  llada = __import__("pytest").importorskip("dlm_jax.sampling.llada")
   from dlm_jax.stats import StatsSpec
   config = preset("tiny-llada")
   params = peaky_params(config, seed=3)
@@ -238,7 +239,6 @@ def test_autoregressive_sampler_trace_masks_previous_last_row_sinks():
   """`dlm_jax.sampling.autoregressive.generate` with MaskPreviousSinksAR (default, no query weights): each decode
   step (T = 1) records its last row; the keys it masks are the top-K of the previous step's statistics
   (the prefill's column sums for the first decode step)."""
-  ar_sampler = __import__("pytest").importorskip("dlm_jax.sampling.autoregressive")
   from dlm_jax.stats import StatsSpec
   config = preset("tiny-llama")
   params = peaky_params(config, seed=4)

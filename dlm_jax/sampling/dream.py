@@ -1,0 +1,279 @@
+"""Dream's `diffusion_generate` as one compiled program (`reference/models.md` §3.5–3.8).
+
+The canvas is [B, Lp + G]: the left-padded prompt, then G mask tokens. `timesteps` are
+`torch.linspace(1, eps, steps + 1)` in float32, bit for bit (`schedules.dream_timesteps`). Step i, with
+t = ts[i] and s = ts[i + 1]:
+
+  1. logits, shifted by one position: the prediction for position p is the model output at p − 1
+     (position 0 reuses its own output); only the outputs needed for the masked region are computed;
+  2. `sample_tokens`: divide by the temperature (if > 0), top-p then top-k filtering (removed logits become
+     finfo(float32).min), probs = softmax; x0 ~ probs (temperature > 0) or argmax, with confidence p(x0);
+     `topk_margin`: confidence = top1 − top2 probability; `entropy`: confidence = Σ p·log(p + 1e-10);
+  3. `origin`: each masked position is revealed independently with probability 1 − s/t (1 at the last
+     step) and takes its sample;
+     other algs: k = int(M̄·(1 − s/t)) (int(M̄) at the last step) with M̄ = masked count of the batch / B in
+     float32, the same k for every row (it may be 0); the k most confident positions of each row
+     (confidence −inf where not masked; ties: lower index first) — or, with alg_temp > 0, k positions
+     drawn without replacement from softmax(confidence / alg_temp) (Gumbel top-k) — take x0. As in the
+     original, a chosen position that was not masked (only when k exceeds a row's masked count) is set
+     to the mask token.
+
+Left padding (`prompt_mask` given): positions are cumsum(mask) − 1 with pads at 1, and the attention
+mask is the boolean outer product mask(i) ∧ mask(j) (pad queries see nothing: finite uniform rows).
+Without a prompt mask the model is fully bidirectional with positions 0..S−1, as the original's "full".
+
+The original's `generation_tokens_hook_func` / `generation_logits_hook_func` are not offered; attention-side
+changes go through interventions.
+
+Precision: logits, softmax and confidences are float32 (the original computes them in the model dtype,
+bf16 for the released weights); compare at temperature 0 in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dlm_jax.attention import MASK_VALUE
+from dlm_jax.config import ModelConfig
+from dlm_jax.interventions import NO_INTERVENTION, AttentionBias, Intervention
+from dlm_jax.sampling.common import (TRACE_COUNTS, ModelCaller, filter_top_k, filter_top_p, make_plan,
+                                     select_top_k, stack_steps, update_decode_step)
+from dlm_jax.sampling.schedules import dream_transfer_count, dream_transfer_fractions
+from dlm_jax.sampling.trace import Trace
+from dlm_jax.stats import NO_STATS, StatsSpec
+
+Alg = Literal["origin", "maskgit_plus", "topk_margin", "entropy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DreamOptions:
+  """Static knobs of Dream's `diffusion_generate` (defaults of its generation_config, models.md §3.2).
+
+  Attributes:
+    gen_length: G = max_new_tokens.
+    steps: denoising steps (the loop always runs exactly this many).
+    eps: last timestep.
+    alg: "origin", "maskgit_plus", "topk_margin" or "entropy".
+    alg_temp: None or 0 for deterministic top-k positions, > 0 to sample positions.
+    temperature: 0 for argmax tokens, > 0 to sample.
+    top_p: nucleus filtering (None or >= 1 = off).
+    top_k: top-k filtering (None = off).
+    mask_token_id: override of the config's mask id.
+  """
+
+  gen_length: int = 512
+  steps: int = 512
+  eps: float = 1e-3
+  alg: Alg = "origin"
+  alg_temp: float | None = None
+  temperature: float = 0.0
+  top_p: float | None = None
+  top_k: int | None = None
+  mask_token_id: int | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.gen_length, int) or self.gen_length <= 0:
+      raise ValueError(f"gen_length must be a positive integer, got {self.gen_length!r}.")
+    if not isinstance(self.steps, int) or self.steps <= 0:
+      raise ValueError(f"steps must be a positive integer, got {self.steps!r}.")
+    if self.alg not in ("origin", "maskgit_plus", "topk_margin", "entropy"):
+      raise ValueError(f"alg must be origin, maskgit_plus, topk_margin or entropy, got {self.alg!r}.")
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+    if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k <= 0):
+      raise ValueError(f"top_k must be None or a positive integer, got {self.top_k!r}.")
+    if self.top_p is not None and self.top_p <= 0:
+      raise ValueError(f"top_p must be None or > 0, got {self.top_p!r}.")
+    if self.alg_temp is not None and self.alg_temp < 0:
+      raise ValueError(f"alg_temp must be None or >= 0, got {self.alg_temp!r}.")
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float | None,
+                  top_k: int | None, margin: bool = False, neg_entropy: bool = False):
+  """Dream's `sample_tokens`: logits [..., V] -> (confidence [...] float32, x0 [...] int32)."""
+  logits = logits.astype(jnp.float32)
+  if temperature > 0:
+    logits = logits / temperature
+  if top_p is not None and top_p < 1:
+    logits = filter_top_p(logits, top_p)
+  if top_k is not None:
+    logits = filter_top_k(logits, top_k)
+  probs = jax.nn.softmax(logits, axis=-1)
+  if temperature > 0:
+    x0 = jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    confidence = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
+  else:
+    x0 = jnp.argmax(probs, axis=-1).astype(jnp.int32)
+    confidence = jnp.max(probs, axis=-1)
+  if margin:
+    top2 = jax.lax.top_k(probs, 2)[0]
+    confidence = top2[..., 0] - top2[..., 1]
+  if neg_entropy:
+    confidence = jnp.sum(probs * jnp.log(probs + 1e-10), axis=-1)
+  return confidence, x0
+
+
+def shift_logits(outputs: jax.Array, target_start: int) -> jax.Array:
+  """Dream's one-position shift restricted to targets [target_start, S).
+
+  outputs: [B, W, V], the model outputs of positions [max(target_start − 1, 0), S − 1).
+  Returns [B, S − target_start, V]: row p holds the output of position p − 1 (position 0: its own).
+  """
+  if target_start >= 1:
+    return outputs
+  return jnp.concatenate([outputs[:, :1], outputs], axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  config: ModelConfig
+  options: DreamOptions
+  caller: ModelCaller
+  prompt_length: int
+  window_start: int
+  mask_id: int
+
+
+def _constants(static: _Static, canvas, prompt_mask):
+  """Positions, the outer-product padding bias and the valid keys (loop invariants)."""
+  if prompt_mask is None:
+    return dict(positions=None, bias=AttentionBias(), valid_keys=jnp.ones(canvas.shape, bool))
+  gen = jnp.ones((canvas.shape[0], static.options.gen_length), bool)
+  mask = jnp.concatenate([prompt_mask.astype(bool), gen], axis=1)
+  positions = jnp.where(mask, jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 1)
+  pair = mask[:, :, None] & mask[:, None, :]
+  return dict(positions=positions, bias=AttentionBias(pairwise=jnp.where(pair, 0.0, MASK_VALUE)[:, None]),
+              valid_keys=mask)
+
+
+def _init_carry(static: _Static, canvas, key, istate):
+  b = canvas.shape[0]
+  return dict(x=canvas, key=key, decode_step=jnp.full((b, static.options.gen_length), -1, jnp.int32),
+              nfe=jnp.zeros((), jnp.int32), istate=istate)
+
+
+def _step(static: _Static, params, consts, carry, i):
+  """One Dream step: carry -> (carry, (stats, top_sinks))."""
+  o, mask_id, w0 = static.options, static.mask_id, static.window_start
+  x = carry["x"]
+  key, sample_key, select_key = jax.random.split(carry["key"], 3)
+  outputs, _, stats, sinks, istate, _ = static.caller(
+      params, x, i, carry["istate"], positions=consts["positions"], base_bias=consts["bias"],
+      valid_keys=consts["valid_keys"])
+  logits = shift_logits(outputs, w0)
+  x_win = x[:, w0:]
+  masked = x_win == mask_id
+  fraction = jnp.asarray(dream_transfer_fractions(o.steps, o.eps))[i]
+  sample = functools.partial(sample_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+                             margin=o.alg == "topk_margin", neg_entropy=o.alg == "entropy")
+  confidence, x0 = sample(logits, sample_key)
+  if o.alg == "origin":
+    reveal = jax.random.uniform(select_key, masked.shape, jnp.float32) < fraction
+    x_win = jnp.where(masked & reveal, x0, x_win)
+  else:
+    k = dream_transfer_count(jnp.sum(masked), x.shape[0], fraction, i == o.steps - 1)
+    full_confidence = jnp.where(masked, confidence, -jnp.inf)
+    if o.alg_temp:
+      gumbel = jax.random.gumbel(select_key, full_confidence.shape, jnp.float32)
+      full_confidence = jax.nn.log_softmax(full_confidence / o.alg_temp, axis=-1) + gumbel
+    chosen = select_top_k(full_confidence, k)
+    x_win = jnp.where(chosen, jnp.where(masked, x0, mask_id), x_win)
+  new_x = x.at[:, w0:].set(x_win)
+  lp = static.prompt_length
+  decode_step = update_decode_step(carry["decode_step"], x[:, lp:], new_x[:, lp:], mask_id, i)
+  carry = dict(x=new_x, key=key, decode_step=decode_step, nfe=carry["nfe"] + 1, istate=istate)
+  return carry, (stats, sinks)
+
+
+def _finish(static: _Static, carry, ys) -> Trace:
+  return Trace(tokens=carry["x"], decode_step=carry["decode_step"], nfe=carry["nfe"], stats=ys[0],
+               top_sinks=ys[1], prompt_length=static.prompt_length)
+
+
+@functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("canvas",))
+def _run(params, canvas, prompt_mask, key, istate, static: _Static) -> Trace:
+  TRACE_COUNTS["dream"] += 1
+  consts = _constants(static, canvas, prompt_mask)
+  carry = _init_carry(static, canvas, key, istate)
+  carry, ys = jax.lax.scan(functools.partial(_step, static, params, consts), carry,
+                           jnp.arange(static.options.steps, dtype=jnp.int32))
+  return _finish(static, carry, ys)
+
+
+def _run_python_loop(params, canvas, prompt_mask, key, istate, static: _Static) -> Trace:
+  """The same step function driven by a Python loop (one jitted call per step); for tests."""
+  consts = _constants(static, canvas, prompt_mask)
+  carry = _init_carry(static, canvas, key, istate)
+  step = jax.jit(functools.partial(_step, static))
+  per_step = []
+  for i in range(static.options.steps):
+    carry, ys = step(params, consts, carry, jnp.int32(i))
+    per_step.append(ys)
+  return _finish(static, carry, (stack_steps([y[0] for y in per_step]), stack_steps([y[1] for y in per_step])))
+
+
+def diffusion_generate(
+    params: dict,
+    prompt: jax.Array | np.ndarray,
+    *,
+    config: ModelConfig,
+    options: DreamOptions = DreamOptions(),
+    key: jax.Array | None = None,
+    prompt_mask: jax.Array | np.ndarray | None = None,
+    stats_spec: StatsSpec = NO_STATS,
+    intervention: Intervention = NO_INTERVENTION,
+    intervention_state: Any = None,
+    sink_top_k: int = 0,
+    attention_impl: str = "chunked",
+    query_chunk: int = 128,
+    loop: Literal["scan", "python"] = "scan",
+) -> Trace:
+  """Dream masked-diffusion generation (module docstring), one compiled program per shape.
+
+  Args:
+    params: model parameters (a config with logit_shift=1).
+    prompt: [B, Lp] int token ids, left-padded for batches (Lp >= 1).
+    config: model config (static).
+    options: `DreamOptions` (static).
+    key: PRNG key; default key(0).
+    prompt_mask: [B, Lp] 1 = real token, 0 = pad; None = no padding.
+    stats_spec, intervention, intervention_state, sink_top_k, attention_impl, query_chunk, loop: as in
+      `dlm_jax.sampling.llada.generate`.
+
+  Returns:
+    `Trace` with tokens [B, Lp + G], decode_step [B, G], nfe = steps, stats [steps, ...], top_sinks.
+  """
+  prompt = jnp.asarray(prompt, jnp.int32)
+  if prompt.ndim != 2 or prompt.shape[1] < 1:
+    raise ValueError(f"prompt must be [B, Lp] token ids with Lp >= 1, got shape {prompt.shape}.")
+  if prompt_mask is not None:
+    prompt_mask = jnp.asarray(prompt_mask).astype(bool)
+    if prompt_mask.shape != prompt.shape:
+      raise ValueError(f"prompt_mask must have the prompt's shape {prompt.shape}, got {prompt_mask.shape}.")
+  mask_id = config.mask_token_id if options.mask_token_id is None else options.mask_token_id
+  if mask_id is None:
+    raise ValueError("Dream sampling needs a mask token id: set ModelConfig.mask_token_id or options.mask_token_id.")
+  if config.logit_shift != 1:
+    raise ValueError(f"Dream sampling reads shifted logits; config {config.name!r} has logit_shift=0 "
+                     "(use dlm_jax.sampling.llada for unshifted models).")
+  b, lp = prompt.shape
+  total = lp + options.gen_length
+  window_start = 0 if bool(np.any(np.asarray(prompt) == mask_id)) else lp
+  plan = make_plan(config, stats_spec, intervention, sink_top_k)
+  caller = ModelCaller(config=config, plan=plan, intervention=intervention, mask_id=mask_id, gen_start=lp,
+                       logits_window=(max(window_start - 1, 0), total - 1), attention_impl=attention_impl,
+                       query_chunk=query_chunk)
+  static = _Static(config=config, options=options, caller=caller, prompt_length=lp, window_start=window_start,
+                   mask_id=mask_id)
+  canvas = jnp.concatenate([prompt, jnp.full((b, options.gen_length), mask_id, jnp.int32)], axis=1)
+  key = jax.random.key(0) if key is None else key
+  if intervention_state is None:
+    intervention_state = intervention.init_state(config, b, total)
+  runner = _run if loop == "scan" else _run_python_loop
+  return runner(params, canvas, prompt_mask, key, intervention_state, static=static)

@@ -1,0 +1,38 @@
+"""`Trace`: what every sampler returns."""
+
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+
+@struct.dataclass
+class Trace:
+  """The result of one sampler run (a pytree; `prompt_length` is static).
+
+  Attributes:
+    tokens: [B, S_total] int32, the final canvas: the (left-padded) prompt followed by the generation.
+    decode_step: [B, G] int32, for each generated position the 0-based step at which it stopped holding
+      the mask token (diffusion samplers; the last such step if a token was re-masked), or the step that
+      produced it (autoregressive); -1 if it never did.
+    nfe: scalar int32, the number of model evaluations (forward calls; a CFG step runs the conditional and
+      unconditional canvases as one 2B batch and counts once; steps skipped by an early stop do not count).
+    stats: None, or the user's statistics stacked over steps:
+      {"incoming_attention": [steps, L', B, (Q,) (N,) S], "value_norms": [steps, L', B, K, S]} (the per-call
+      shapes of `dlm_jax.stats.ForwardOutput` with a leading step axis; zeros for skipped steps).
+    top_sinks: None, or [steps, L', B, (N,) k] int32, the k keys with the most incoming attention (all
+      queries) at each step, per layer (and head when the stats are per head), among the valid keys.
+    prompt_length: Lp, the number of prompt positions (static).
+  """
+
+  tokens: jax.Array
+  decode_step: jax.Array
+  nfe: jax.Array
+  stats: dict[str, jax.Array] | None = None
+  top_sinks: jax.Array | None = None
+  prompt_length: int = struct.field(pytree_node=False, default=0)
+
+  @property
+  def generated(self) -> jax.Array:
+    """[B, G] the generated tokens."""
+    return self.tokens[:, self.prompt_length:]

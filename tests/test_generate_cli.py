@@ -1,0 +1,131 @@
+"""experiments.generate end to end on tiny converted checkpoints: JSON and NPZ contents."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from dlm_jax import checkpoint, model
+from dlm_jax import interventions as iv
+from dlm_jax.config import preset
+from dlm_jax.sampling import autoregressive, dream, llada
+from dlm_jax.stats import StatsSpec
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = "hello world what is two plus two the answer four user assistant".split()
+SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+
+
+def _tokenizer_dir(path):
+  """A WordLevel tokenizer whose ids 0, 1, 2 are BOS, EOS, EoT (the tiny presets' ids)."""
+  vocab = {token: i for i, token in enumerate(SPECIALS + WORDS + ["[UNK]"])}
+  tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+  tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+  tokenizer.add_special_tokens(SPECIALS)
+  os.makedirs(path, exist_ok=True)
+  tokenizer.save(os.path.join(path, "tokenizer.json"))
+  return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  root = tmp_path_factory.mktemp("ckpt")
+  tok = _tokenizer_dir(str(root / "tok"))
+  dirs = {}
+  for name in ("tiny-llada", "tiny-dream", "tiny-llama"):
+    config = preset(name)
+    params = model.init_params(config, jax.random.key(11))
+    dirs[name] = (str(root / name), config, params)
+    checkpoint.save(dirs[name][0], config, params, tokenizer_dir=tok if name == "tiny-llada" else None)
+  return dirs
+
+
+def run_cli(tmp_path, directory, *flags, expect_ok=True):
+  out = tmp_path / "out.json"
+  cmd = [sys.executable, "-m", "experiments.generate", f"--checkpoint={directory}", f"--json_out={out}", *flags]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  if not expect_ok:
+    return result
+  assert result.returncode == 0, result.stderr[-3000:]
+  return json.loads(out.read_text())
+
+
+PROMPT_IDS = [5, 9, 7, 12, 8]
+
+
+def test_llada_json_and_attention_statistics(tmp_path, checkpoints):
+  directory, config, params = checkpoints["tiny-llada"]
+  stats_path = tmp_path / "stats.npz"
+  result = run_cli(tmp_path, directory, "--sampler=llada", "--prompt_ids=" + ",".join(map(str, PROMPT_IDS)),
+                   "--gen_length=8", "--steps=4", "--block_length=4", f"--stats_out={stats_path}")
+  trace = llada.generate(params, np.asarray([PROMPT_IDS]), config=config,
+                         options=llada.LLaDAOptions(gen_length=8, steps=4, block_length=4))
+  assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
+  assert result["decode_step"] == np.asarray(trace.decode_step)[0].tolist()
+  assert result["prompt_length"] == 5 and result["nfe"] == 4 and "text" in result
+  assert all(isinstance(t, int) for t in result["tokens"])
+  incoming = np.load(stats_path)["incoming_attention"]
+  assert incoming.dtype == np.float32 and incoming.shape == (4, config.n_layers, config.n_heads, 13)
+  tokens, decode_step = np.asarray(result["tokens"]), np.asarray(result["decode_step"])
+  for t in range(4):  # attention recomputed independently for the canvas of step t
+    canvas = tokens.copy()
+    canvas[5:] = np.where((decode_step >= 0) & (decode_step < t), tokens[5:], config.mask_token_id)
+    dense = model.forward(params, jnp.asarray(canvas[None]), config=config, attention_impl="dense",
+                          stats_spec=StatsSpec(incoming_attention=True)).incoming_attention
+    np.testing.assert_allclose(incoming[t], np.asarray(dense)[:, 0], atol=2e-5)
+
+
+def test_llada_chat_prompt_text(tmp_path, checkpoints):
+  directory, config, params = checkpoints["tiny-llada"]
+  result = run_cli(tmp_path, directory, "--sampler=llada", "--prompt=what is two plus two", "--chat",
+                   "--gen_length=4", "--steps=2")
+  assert result["tokens"][:2] == [0, 3]  # BOS, <|start_header_id|>
+  assert result["prompt_length"] == len(result["tokens"]) - 4
+  assert isinstance(result["text"], str)
+
+
+def test_dream_matches_library(tmp_path, checkpoints):
+  directory, config, params = checkpoints["tiny-dream"]
+  result = run_cli(tmp_path, directory, "--sampler=dream", "--prompt_ids=" + ",".join(map(str, PROMPT_IDS)),
+                   "--gen_length=6", "--steps=4", "--alg=entropy", "--top_p=0.95")
+  trace = dream.diffusion_generate(params, np.asarray([PROMPT_IDS]), config=config,
+                                   options=dream.DreamOptions(gen_length=6, steps=4, alg="entropy", top_p=0.95))
+  assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
+  assert result["decode_step"] == np.asarray(trace.decode_step)[0].tolist()
+  assert "text" not in result
+
+
+def test_ar_and_mmada_with_sink_masking(tmp_path, checkpoints):
+  directory, config, params = checkpoints["tiny-llama"]
+  result = run_cli(tmp_path, directory, "--sampler=ar", "--prompt_ids=5,9,7", "--gen_length=5", "--mask_sinks=1")
+  trace = autoregressive.generate(params, np.asarray([[5, 9, 7]]), config=config,
+                                  options=autoregressive.AROptions(gen_length=5),
+                                  intervention=iv.MaskPreviousSinksAR(top_k=1))
+  assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
+  assert result["decode_step"] == list(range(5)) and result["nfe"] == 5
+  directory, config, params = checkpoints["tiny-llada"]
+  result = run_cli(tmp_path, directory, "--sampler=mmada", "--prompt_ids=5,9,7", "--gen_length=8", "--steps=8",
+                   "--block_length=4", "--mask_sinks=2")
+  trace = llada.generate(params, np.asarray([[5, 9, 7]]), config=config,
+                         options=llada.mmada_options(gen_length=8, steps=8, block_length=4),
+                         intervention=iv.MaskPreviousSinks(top_k=2))
+  assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
+  assert result["decode_step"] == np.asarray(trace.decode_step)[0].tolist()
+
+
+def test_errors_are_reported(tmp_path, checkpoints):
+  directory = checkpoints["tiny-llada"][0]
+  result = run_cli(tmp_path, directory, "--sampler=llada", "--prompt_ids=5,6", "--gen_length=10",
+                   "--block_length=4", expect_ok=False)
+  assert result.returncode != 0 and "multiple of block_length" in result.stderr
+  result = run_cli(tmp_path, directory, "--sampler=llada", expect_ok=False)
+  assert result.returncode != 0 and "--prompt" in result.stderr
