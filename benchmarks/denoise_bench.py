@@ -93,24 +93,24 @@ def _model_config(spec: dict):
 
 
 def _inputs(spec: dict):
+  """Config, random params (on the default device, in the run's dtype) and a [batch, prompt] prompt."""
   import jax
+  import jax.numpy as jnp
   import numpy as np
   from dlm_jax import model
   config = _model_config(spec)
-  params = jax.tree.map(np.asarray, model.init_params(config, jax.random.key(0)))
+  params = model.init_params(config, jax.random.key(0), jnp.dtype(spec["dtype"]))
   prompt = np.random.default_rng(1).integers(3, spec["vocab"] - 1, size=(spec["batch"], spec["prompt"]))
   return config, params, prompt
 
 
 def _jax_generation(spec: dict) -> dict:
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from dlm_jax.interventions import NO_INTERVENTION, MaskPreviousSinks
   from dlm_jax.sampling.llada import LLaDAOptions, generate
   from dlm_jax.stats import NO_STATS, StatsSpec
   config, params, prompt = _inputs(spec)
-  params = jax.tree.map(lambda a: jnp.asarray(a, spec["dtype"]), params)
   options = LLaDAOptions(gen_length=spec["gen"], steps=spec["steps"], block_length=spec["block"])
   stats = NO_STATS if spec["condition"] == "off" else StatsSpec(incoming_attention=True)
   intervention = MaskPreviousSinks(top_k=1) if spec["condition"] == "mask1" else NO_INTERVENTION
@@ -137,15 +137,14 @@ def _jax_generation(spec: dict) -> dict:
 
 
 def _torch_generation(spec: dict) -> dict:
-  import numpy as np
   import torch
   from benchmarks import torch_way
   config, params, prompt = _inputs(spec)
   attention = {"off": "sdpa", "stats": "eager", "mask1": "eager_layer_bias"}[spec["condition"]]
-  model = torch_way.build_model(params, config, attention)
   dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
   device = "cuda" if torch.cuda.is_available() else "cpu"
-  model = model.to(device=device, dtype=dtype)
+  model = torch_way.build_model(params, config, attention, dtype=dtype, device=device)
+  del params
   prompt = torch.as_tensor(prompt, device=device)
   kwargs = dict(gen_length=spec["gen"], steps=spec["steps"], block_length=spec["block"],
                 mask_id=config.mask_token_id, statistics=spec["condition"] != "off",
@@ -174,12 +173,10 @@ def _torch_generation(spec: dict) -> dict:
 def _jax_step_memory(spec: dict) -> dict:
   import functools
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from dlm_jax import model
   from dlm_jax.stats import StatsSpec
   config, params, _ = _inputs({**spec, "prompt": 1})
-  params = jax.tree.map(lambda a: jnp.asarray(a, spec["dtype"]), params)
   tokens = np.random.default_rng(2).integers(3, spec["vocab"] - 1, size=(1, spec["seq"]))
   run = jax.jit(functools.partial(model.forward, config=config, stats_spec=StatsSpec(incoming_attention=True),
                                   attention_impl=spec["impl"], query_chunk=spec["query_chunk"]))

@@ -33,29 +33,48 @@ def _eager_with_layer_bias(module, query, key, value, attention_mask, scaling, d
 AttentionInterface.register("eager_layer_bias", _eager_with_layer_bias)
 
 
-def build_model(params: dict, config, attention: str) -> transformers.LlamaForCausalLM:
-  """A float32 LlamaForCausalLM holding our params (nested dict of arrays, see dlm_jax.model)."""
+def _to_torch(array, dtype: torch.dtype, device: str) -> torch.Tensor:
+  """A JAX/NumPy array as a torch tensor on `device` (zero-copy through DLPack for GPU-resident arrays)."""
+  if device == "cuda" and hasattr(array, "__dlpack__"):
+    return torch.from_dlpack(array).to(dtype)
+  return torch.tensor(np.asarray(array, np.float32)).to(device=device, dtype=dtype)
+
+
+def build_model(params: dict, config, attention: str, dtype: torch.dtype = torch.float32,
+                device: str = "cpu") -> transformers.LlamaForCausalLM:
+  """A LlamaForCausalLM holding our params (nested dict of arrays, see dlm_jax.model).
+
+  The module is built on the meta device and the weights are assigned, so an 8B model is never
+  randomly initialised first; the rotary tables (a non-persistent buffer) are then rebuilt on `device`.
+  """
   hf_config = transformers.LlamaConfig(
       vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.mlp_hidden,
       num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
       num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.norm_eps,
       rope_theta=config.rope_theta, tie_word_embeddings=config.tied_embeddings, attn_implementation=attention,
-      dtype=torch.float32)
-  model = transformers.LlamaForCausalLM(hf_config).eval()
+      dtype=dtype)
+  with torch.device("meta"):
+    model = transformers.LlamaForCausalLM(hf_config)
   blocks = params["blocks"]
-  state = {"model.embed_tokens.weight": params["embed"]["embedding"], "model.norm.weight": params["final_norm"]["weight"],
-           "lm_head.weight": np.asarray(params["lm_head"]["kernel"]).T}
+  convert = lambda array: _to_torch(array, dtype, device)  # noqa: E731
+  state = {"model.embed_tokens.weight": convert(params["embed"]["embedding"]),
+           "model.norm.weight": convert(params["final_norm"]["weight"]),
+           "lm_head.weight": convert(params["lm_head"]["kernel"]).T.contiguous()}
   names = {"self_attn.q_proj": blocks["attn"]["q"], "self_attn.k_proj": blocks["attn"]["k"],
            "self_attn.v_proj": blocks["attn"]["v"], "self_attn.o_proj": blocks["attn"]["o"],
            "mlp.gate_proj": blocks["mlp"]["gate"], "mlp.up_proj": blocks["mlp"]["up"],
            "mlp.down_proj": blocks["mlp"]["down"]}
+  for name, tree in names.items():
+    stacked = convert(tree["kernel"])
+    for layer in range(config.n_layers):
+      state[f"model.layers.{layer}.{name}.weight"] = stacked[layer].T.contiguous()
+  attn_norm, mlp_norm = convert(blocks["attn_norm"]["weight"]), convert(blocks["mlp_norm"]["weight"])
   for layer in range(config.n_layers):
-    for name, tree in names.items():
-      state[f"model.layers.{layer}.{name}.weight"] = np.asarray(tree["kernel"][layer]).T
-    state[f"model.layers.{layer}.input_layernorm.weight"] = blocks["attn_norm"]["weight"][layer]
-    state[f"model.layers.{layer}.post_attention_layernorm.weight"] = blocks["mlp_norm"]["weight"][layer]
-  model.load_state_dict({k: torch.as_tensor(np.array(v, np.float32)) for k, v in state.items()}, strict=True)
-  return model
+    state[f"model.layers.{layer}.input_layernorm.weight"] = attn_norm[layer].clone()
+    state[f"model.layers.{layer}.post_attention_layernorm.weight"] = mlp_norm[layer].clone()
+  model.load_state_dict(state, strict=True, assign=True)
+  model.model.rotary_emb = type(model.model.rotary_emb)(hf_config).to(device)
+  return model.eval()
 
 
 def transfer_counts(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
@@ -63,7 +82,7 @@ def transfer_counts(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
   base = mask_count[:, None] // steps
   remainder = mask_count % steps
   counts = base.repeat(1, steps)
-  counts += (torch.arange(steps)[None, :] < remainder[:, None]).long()
+  counts += (torch.arange(steps, device=mask_count.device)[None, :] < remainder[:, None]).long()
   return counts
 
 
@@ -77,16 +96,17 @@ def generate(model, prompt: torch.Tensor, *, gen_length: int, steps: int, block_
     at the previous step.
   """
   b, lp = prompt.shape
-  x = torch.cat([prompt, torch.full((b, gen_length), mask_id, dtype=torch.long)], dim=1)
+  device = prompt.device
+  x = torch.cat([prompt, torch.full((b, gen_length), mask_id, dtype=torch.long, device=device)], dim=1)
   s = x.shape[1]
-  visible = torch.zeros(b, 1, s, s)
+  visible = torch.zeros(b, 1, s, s, device=device, dtype=next(model.parameters()).dtype)
   num_blocks = gen_length // block_length
   steps_per_block = steps // num_blocks
   per_step_stats = []
   _LAYER_BIAS["bias"] = None
   for block in range(num_blocks):
     start, end = lp + block * block_length, lp + (block + 1) * block_length
-    counts = transfer_counts((x[:, start:end] == mask_id).sum(dim=1), steps_per_block)
+    counts = transfer_counts((x[:, start:end] == mask_id).sum(dim=1), steps_per_block).tolist()
     for step in range(steps_per_block):
       mask_index = x == mask_id
       out = model(input_ids=x, attention_mask=visible, output_attentions=statistics or mask_top_sinks > 0)
@@ -97,17 +117,17 @@ def generate(model, prompt: torch.Tensor, *, gen_length: int, steps: int, block_
           per_step_stats.append(incoming)
         if mask_top_sinks:
           sinks = incoming.topk(mask_top_sinks, dim=-1).indices
-          bias = torch.zeros_like(incoming).scatter_(-1, sinks, torch.finfo(torch.float32).min)
+          bias = torch.zeros_like(incoming).scatter_(-1, sinks, torch.finfo(incoming.dtype).min)
           _LAYER_BIAS["bias"] = bias[:, :, :, None, :]
       x0 = logits.argmax(dim=-1)
       probs = torch.softmax(logits, dim=-1)
       confidence = torch.gather(probs, -1, x0[..., None])[..., 0]
       confidence[:, end:] = -np.inf
       x0 = torch.where(mask_index, x0, x)
-      confidence = torch.where(mask_index, confidence, torch.tensor(-np.inf))
+      confidence = torch.where(mask_index, confidence, torch.tensor(-np.inf, device=device))
       transfer = torch.zeros_like(x0, dtype=torch.bool)
       for row in range(b):
-        chosen = torch.topk(confidence[row], k=int(counts[row, step])).indices
+        chosen = torch.topk(confidence[row], k=counts[row][step]).indices
         transfer[row, chosen] = True
       x[transfer] = x0[transfer]
   _LAYER_BIAS["bias"] = None
