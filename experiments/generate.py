@@ -13,6 +13,9 @@ sum over all queries of the attention key j receives in layer l, head n, during 
 (with CFG, the conditional call).
 --mask_sinks=K > 0 masks, at every step, the top-K sinks of the previous step
 (`dlm_jax.interventions.MaskPreviousSinks(top_k=K)`; `MaskPreviousSinksAR` for --sampler=ar).
+The shared flags of `experiments.common` apply: --mesh (parameters sharded over fsdp/tensor; the one
+prompt is replicated), --distributed, --cpu_devices, --dtype (default float32 on CPU, stored dtype on
+accelerators), --matmul_precision (default highest).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import tempfile
 import jax
 import numpy as np
 from absl import app, flags
+
+from experiments import common
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory.", required=True)
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (needs the checkpoint's tokenizer).")
@@ -47,9 +52,6 @@ _TOP_P = flags.DEFINE_float("top_p", None, "Top-p filtering (Dream, ar).")
 _TOP_K = flags.DEFINE_integer("top_k", None, "Top-k filtering (Dream, ar).")
 _EPS = flags.DEFINE_float("eps", 1e-3, "Dream's last timestep.")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
-_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"], "Cast the weights (default: stored).")
-_PRECISION = flags.DEFINE_enum("matmul_precision", "highest", ["default", "high", "highest"],
-                               "jax_default_matmul_precision.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Output JSON file.", required=True)
 _STATS_OUT = flags.DEFINE_string("stats_out", None, "Optional .npz with per-step incoming attention.")
 _MASK_SINKS = flags.DEFINE_integer("mask_sinks", 0, "Mask the previous step's top-K sinks (0 = off).")
@@ -128,20 +130,22 @@ def _run_sampler(params, config, prompt, key, stats_spec, intervention):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  jax.config.update("jax_default_matmul_precision", _PRECISION.value)
-  from dlm_jax import checkpoint
+  runtime = common.init_runtime()
   from dlm_jax.stats import NO_STATS, StatsSpec
   from dlm_jax.tokenizer import Tokenizer
 
-  config, params = checkpoint.load(_CHECKPOINT.value, dtype=_DTYPE.value)
+  config, params = common.load_params(_CHECKPOINT.value, runtime, common.weight_dtype())
   tokenizer = Tokenizer.from_dir(_CHECKPOINT.value, config) if Tokenizer.exists_in(_CHECKPOINT.value) else None
   ids = _prompt_ids(config, tokenizer)
   stats_spec = StatsSpec(incoming_attention=True, per_head=True) if _STATS_OUT.value else NO_STATS
   try:
-    trace = _run_sampler(params, config, np.asarray([ids], np.int32), jax.random.key(_SEED.value), stats_spec,
-                         _intervention(config))
+    prompt = common.replicate(np.asarray([ids], np.int32), runtime)
+    trace = _run_sampler(params, config, prompt, jax.random.key(_SEED.value), stats_spec, _intervention(config))
   except ValueError as e:
     raise app.UsageError(str(e)) from None
+  trace = common.to_host(trace)
+  if not runtime.primary:
+    return
   tokens = np.asarray(trace.tokens)[0]
   result = {"tokens": [int(t) for t in tokens], "prompt_length": int(trace.prompt_length),
             "decode_step": [int(s) for s in np.asarray(trace.decode_step)[0]], "nfe": int(trace.nfe),
