@@ -295,3 +295,64 @@ def value_norm_summary(value_norms: ArrayLike, sink_mask: ArrayLike,
   (sink_mean, sink_std), (normal_mean, normal_std) = stats(sink), stats(normal)
   return {"sink_mean": sink_mean, "sink_std": sink_std, "sink_count": int(sink.size),
           "normal_mean": normal_mean, "normal_std": normal_std, "normal_count": int(normal.size)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Helpers for the experiment binaries (per-step traces of samplers).
+
+
+def relative_scores(incoming: ArrayLike, valid: ArrayLike | None = None) -> jnp.ndarray:
+  """Incoming attention relative to the uniform share: c_j = C_j / mean_{valid k} C_k, float32 [..., S]
+  (0 at invalid keys; 0 everywhere when no valid key receives attention).
+
+  For a bidirectional map over all S queries with every key valid, mean C = 1, so c = C (the "sum"
+  scale of the ε-rule, unchanged). For one causal query row over n written keys (an autoregressive
+  decoding step), c_j = n·A[j], which puts that row on the same scale: ε = 3 then means "more than four
+  times the uniform share" in both cases.
+  """
+  c = jnp.asarray(incoming, jnp.float32)
+  v = _valid_or_ones(valid, c.shape)
+  n = v.sum(-1, keepdims=True)
+  mean = jnp.where(v, c, 0.0).sum(-1, keepdims=True) / jnp.maximum(n, 1)
+  return jnp.where(v & (mean > 0), c / jnp.where(mean > 0, mean, 1.0), 0.0)
+
+
+def sink_counts_over_epsilon(scores: ArrayLike, epsilons: ArrayLike, valid: ArrayLike | None = None) -> np.ndarray:
+  """int64 [E]: number of (…, key) entries of scores [..., S] that pass the ε-rule (normalise="sum")
+  for each ε of `epsilons` [E], counting valid keys only (Rulli Fig. 10 is 1 − count / valid count)."""
+  c = jnp.asarray(scores, jnp.float32)
+  return np.asarray([int(epsilon_rule(c, float(e), "sum", valid).sum()) for e in np.asarray(epsilons)], np.int64)
+
+
+def main_sink_disagreement(group_a: ArrayLike, group_b: ArrayLike, active: ArrayLike) -> tuple[int, int]:
+  """(disagreeing, compared): over the entries where `active` [...] is True, how often the key with the
+  most incoming attention from query group a ([..., S], e.g. masked queries) differs from group b's
+  (e.g. unmasked queries); Rulli Fig. 6a's "separate sinks" (ties: the lower position)."""
+  a = np.argmax(np.asarray(group_a), axis=-1)
+  b = np.argmax(np.asarray(group_b), axis=-1)
+  act = np.asarray(active, bool)
+  return int(((a != b) & act).sum()), int(act.sum())
+
+
+def step_canvases(tokens: ArrayLike, decode_step: ArrayLike, prompt_length: int, n_steps: int, *,
+                  mask_id: int | None = None, fill_id: int = -1) -> np.ndarray:
+  """int [steps, B, S]: the canvas each model call of a sampler saw, rebuilt from its `Trace`.
+
+  tokens: [B, S] final canvas; decode_step: [B, G] step that produced (or unmasked) each generated
+  position, −1 if none. Diffusion samplers (mask_id given): at step t a generated position holds its final
+  token if decode_step < t, else the mask token (exact when no token is re-masked, as in LLaDA and Dream).
+  Autoregressive (mask_id None): at step t the positions < prompt_length + t hold their tokens (step 0 is
+  the prefill) and the others `fill_id` (not written yet).
+  """
+  tokens = np.asarray(tokens)
+  decode = np.asarray(decode_step)
+  steps = np.arange(n_steps)[:, None, None]
+  out = np.broadcast_to(tokens, (n_steps,) + tokens.shape).copy()
+  gen = out[:, :, prompt_length:]
+  if mask_id is not None:
+    hidden = (decode[None] < 0) | (decode[None] >= steps)
+    gen[hidden] = mask_id
+  else:
+    written = np.arange(gen.shape[-1])[None, None, :] < steps
+    gen[~np.broadcast_to(written, gen.shape)] = fill_id
+  return out

@@ -14,7 +14,9 @@ Shared flags (every binary that imports this module has them):
 Resume protocol (`ResultsLog`): one JSON object per line, appended with flush + fsync, keyed by a tuple of
 fields; on start the existing lines are read (a torn last line from a crash is cut off) and finished keys
 are skipped, never duplicated. Final tables and figures are rebuilt from the log and written atomically
-(temporary file + `os.replace`). Only the primary process (`dlm_jax.distributed.is_primary`) writes.
+(temporary file + `os.replace`). Only the primary process (`dlm_jax.distributed.is_primary`) writes;
+every process reads the log to skip the same work, so a multi-host run needs --output_dir on a shared
+filesystem to resume.
 A run directory remembers the settings that affect results (`run.json`); resuming with other settings is
 refused (use a new --output_dir, or --overwrite to start again).
 """
@@ -28,7 +30,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
@@ -351,6 +353,12 @@ def summary_banner(path: str, text: str) -> None:
   print(f"\nResults written to {path}")
 
 
-def mean(values: Iterable[float]) -> float:
-  values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-  return float(np.mean(values)) if values else float("nan")
+def display_path(path: str) -> str:
+  """`path` relative to the working directory when inside it, with the home directory as ~ otherwise."""
+  path = os.path.abspath(path)
+  cwd = os.getcwd()
+  if path == cwd or path.startswith(cwd + os.sep):
+    return os.path.relpath(path, cwd)
+  home = os.path.expanduser("~")
+  return "~" + path[len(home):] if path.startswith(home + os.sep) else path
+

@@ -1,0 +1,22 @@
+"""The embedded default models: tiny converted checkpoints trained on the synthetic arithmetic task.
+
+  tiny-dlm: LLaDA-style masked diffusion model (bidirectional, mask token, SFT objective).
+  tiny-arm: autoregressive model of the same size and tokenizer (causal, next-token objective).
+
+Each directory holds config.json, model.safetensors, tokenizer.json and training.json (how it was
+trained). BUILD.md gives the commands that reproduce them. Experiment binaries use these when no
+checkpoint is given.
+"""
+
+from __future__ import annotations
+
+import os
+
+NAMES = ("tiny-dlm", "tiny-arm")
+
+
+def path(name: str) -> str:
+  """Directory of the embedded model `name` ("tiny-dlm" or "tiny-arm")."""
+  if name not in NAMES:
+    raise ValueError(f"Unknown default model {name!r}; choose one of {NAMES}.")
+  return os.path.join(os.path.dirname(os.path.abspath(__file__)), name)

@@ -1,0 +1,68 @@
+"""Completions of a converted checkpoint for GSM8K-format questions, in the layout it was trained with.
+
+Prompts are `[PAD … BOS question]`, left-padded to `prompt_len` (the "sft" layout of
+`dlm_jax.training_data`). Diffusion models are decoded with LLaDA's `generate` (low-confidence remasking,
+temperature 0; pads visible, as in training); causal models greedily with the KV-cache decoder (pads
+masked, positions shifted, so the prompt is seen exactly as in training). A checkpoint trained with a
+front extra sink token (its training.json says so) gets the sink prepended and the `SinkToken`
+intervention. Each completion is cut at the first EOS or PAD and decoded without special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+from dlm_jax import training_data
+
+
+def training_record(directory: str) -> dict:
+  """The checkpoint's training.json ({} when absent)."""
+  path = os.path.join(directory, "training.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def complete(directory: str, questions: Sequence[str], *, prompt_len: int | None = None, gen_length: int = 32,
+             steps: int | None = None, block_length: int | None = None, batch_size: int = 100) -> list[str]:
+  """Decoded completions of the checkpoint in `directory` for `questions`.
+
+  prompt_len: prompt width (default: the training record's, else 36). steps / block_length: diffusion
+  sampler settings (default steps = gen_length, one block).
+  """
+  # Heavy imports stay local: the task readers must not pull in the samplers.
+  from dlm_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from dlm_jax.sampling import autoregressive, llada  # pylint: disable=import-outside-toplevel
+  from dlm_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+
+  config, params = checkpoint.load(directory, dtype=np.float32)
+  tokenizer = Tokenizer.from_dir(directory, config)
+  record = training_record(directory)
+  prompt_len = prompt_len or record.get("data", {}).get("prompt_len") or 36
+  sink = record.get("train_config", {}).get("sink", "none")
+  ids = training_data.SpecialIds(pad=config.pad_token_id, bos=config.bos_token_id, eos=config.eos_token_id)
+  completions = []
+  for start in range(0, len(questions), batch_size):
+    prompt = training_data.left_padded_prompts(questions[start:start + batch_size], tokenizer.encode, ids, prompt_len)
+    if config.causal:
+      options = autoregressive.AROptions(gen_length=gen_length, stop_at_eos=True)
+      trace = autoregressive.generate(params, prompt, config=config, options=options, prompt_mask=prompt != ids.pad)
+    else:
+      options = llada.LLaDAOptions(gen_length=gen_length, steps=steps or gen_length, block_length=block_length)
+      kwargs = {}
+      if sink != "none":
+        from dlm_jax import interventions  # pylint: disable=import-outside-toplevel
+        if sink != "front":
+          raise NotImplementedError("Only a front sink token can be evaluated (it sits in the prompt).")
+        prompt = np.asarray(interventions.add_sink_token(prompt, tokenizer.token_to_id("[SINK]"), "front"))
+        kwargs["intervention"] = interventions.SinkToken("front")
+      trace = llada.generate(params, prompt, config=config, options=options, **kwargs)
+    for row in np.asarray(trace.generated).tolist():
+      stop = next((i for i, t in enumerate(row) if t in (ids.eos, ids.pad)), len(row))
+      completions.append(tokenizer.decode(row[:stop], skip_special_tokens=True))
+  return completions

