@@ -20,9 +20,8 @@ accelerators), --matmul_precision (default highest).
 
 from __future__ import annotations
 
+import io
 import json
-import os
-import tempfile
 
 import jax
 import numpy as np
@@ -57,21 +56,6 @@ _STATS_OUT = flags.DEFINE_string("stats_out", None, "Optional .npz with per-step
 _MASK_SINKS = flags.DEFINE_integer("mask_sinks", 0, "Mask the previous step's top-K sinks (0 = off).")
 
 _DEFAULT_TEMPLATE = {"llada": "llada", "mmada": "mmada", "dream": "dream", "ar": "llama3"}
-
-
-def _atomic_write(path: str, write) -> None:
-  """Writes through `write(file)` into a temporary file next to `path`, then renames it."""
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
-  try:
-    with os.fdopen(fd, "wb") as f:
-      write(f)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
 
 
 def _prompt_ids(config, tokenizer) -> list[int]:
@@ -152,10 +136,12 @@ def main(argv):
             "sampler": _SAMPLER.value}
   if tokenizer is not None:
     result["text"] = tokenizer.decode(tokens[trace.prompt_length:])
-  _atomic_write(_JSON_OUT.value, lambda f: f.write((json.dumps(result) + "\n").encode()))
+  common.atomic_write_bytes(_JSON_OUT.value, (json.dumps(result) + "\n").encode())
   if _STATS_OUT.value:
     incoming = np.asarray(trace.stats["incoming_attention"][:, :, 0], np.float32)  # [steps, L, N, S]
-    _atomic_write(_STATS_OUT.value, lambda f: np.savez(f, incoming_attention=incoming))
+    buffer = io.BytesIO()
+    np.savez(buffer, incoming_attention=incoming)
+    common.atomic_write_bytes(_STATS_OUT.value, buffer.getvalue())
 
 
 if __name__ == "__main__":
