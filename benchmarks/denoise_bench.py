@@ -29,6 +29,8 @@ import time
 
 from absl import app, flags
 
+from benchmarks.flops import step_flops
+
 _WIDTHS = flags.DEFINE_list("widths", ["128", "256", "512"], "Model widths D to sweep.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers L.")
 _HEADS = flags.DEFINE_integer("heads", 8, "Attention heads N (MHA, head dim D / N).")
@@ -49,14 +51,6 @@ _MEMORY_LENGTHS = flags.DEFINE_list("memory_lengths", ["256", "1024", "2048"],
 _MEMORY_WIDTH = flags.DEFINE_integer("memory_width", 512, "Model width of the memory sweep.")
 _JSON_OUT = flags.DEFINE_string("json_out", "denoise_bench.json", "Where to write all results.")
 _WORKER = flags.DEFINE_string("worker", None, "Internal: run one measurement described by this JSON.")
-
-
-def step_flops(width: int, layers: int, heads: int, mlp: int, vocab: int, seq: int, window: int) -> int:
-  """Model FLOPs of one denoising step (module docstring), MHA with head dim width / heads."""
-  head_dim = width // heads
-  per_layer = (2 * seq * width * 3 * heads * head_dim + 2 * seq * heads * head_dim * width + 6 * seq * width * mlp
-               + 4 * seq * seq * heads * head_dim)
-  return layers * per_layer + 2 * window * width * vocab
 
 
 def _current_rss_bytes() -> int:

@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import torch
 
-from benchmarks import denoise_bench, torch_way
+from benchmarks import torch_way
+from benchmarks.flops import step_flops
 from dlm_jax import model
 from dlm_jax.config import ModelConfig
 from dlm_jax.interventions import MaskPreviousSinks
@@ -38,7 +39,7 @@ def test_step_flops_formula_counts_a_tiny_case_by_hand():
   mlp = 6 * 3 * 8 * 16
   attention = 4 * 3 * 3 * 8
   head = 2 * 2 * 8 * 10
-  assert denoise_bench.step_flops(8, 1, 2, 16, 10, 3, 2) == projections + mlp + attention + head
+  assert step_flops(8, 1, 2, 16, 10, 3, 2) == projections + mlp + attention + head
 
 
 def test_benchmark_runs_end_to_end_and_writes_json(tmp_path):
