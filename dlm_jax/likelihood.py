@@ -20,6 +20,10 @@ masked in the unconditional copy).
 
 Both run mc_num // batch_size minibatches (at least one for Dream), each one jitted call with explicit
 PRNG keys. The mask draws are separate functions so that tests can replay them.
+
+Under a `mesh` (params already placed, e.g. by `sharding.param_shardings`), each minibatch's b noisy copies
+are sharded over the batch axes (b must divide over data × fsdp) and the sequence is replicated; the
+estimate equals the single-device one up to float32 reduction order.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import Mesh
+
+from dlm_jax import sharding
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import forward
 from dlm_jax.sampling.dream import shift_logits
@@ -121,6 +128,20 @@ def dream_minibatch_nll(params, seq, masks, p_mask, *, config: ModelConfig, prom
   return jnp.sum(_masked_ce(logits, rows[:, start:], masked, p_mask)) / b
 
 
+def _placer(mesh: Mesh | None, batch_size: int):
+  """A function placing (host or device) arrays: rows sharded over the batch axes (`rows=True`) or
+  replicated on `mesh`; identity without a mesh."""
+  if mesh is None:
+    return lambda array, rows=False: array
+  sharding.check_batch(batch_size, mesh)
+
+  def place(array, rows=False):
+    layout = sharding.batch_sharding(mesh, np.ndim(array)) if rows else sharding.replicated(mesh)
+    return sharding.put_host(np.asarray(array), layout)
+
+  return place
+
+
 def _check(config: ModelConfig, prompt, answer, mc_num: int, batch_size: int):
   if config.mask_token_id is None:
     raise ValueError(f"Likelihood estimation needs a mask token id; config {config.name!r} has none.")
@@ -133,38 +154,43 @@ def _check(config: ModelConfig, prompt, answer, mc_num: int, batch_size: int):
 
 
 def llada_log_likelihood(params, prompt, answer, key: jax.Array, *, config: ModelConfig, mc_num: int = 128,
-                         batch_size: int = 16, cfg_scale: float = 0.0) -> float:
+                         batch_size: int = 16, cfg_scale: float = 0.0, mesh: Mesh | None = None) -> float:
   """LLaDA's stratified Monte-Carlo estimate of log p(answer | prompt) (module docstring).
 
   prompt: [Lp] ids, answer: [T] ids. mc_num // batch_size minibatches (mc_num must be a multiple of
-  batch_size, as in the original). Returns −mean minibatch loss.
+  batch_size, as in the original). Returns −mean minibatch loss. mesh: see the module docstring.
   """
   prompt, answer = _check(config, prompt, answer, mc_num, batch_size)
   if mc_num % batch_size:
     raise ValueError(f"mc_num ({mc_num}) must be a multiple of batch_size ({batch_size}).")
-  seq = jnp.asarray(np.concatenate([prompt, answer]))
+  place = _placer(mesh, batch_size)
+  seq = place(np.concatenate([prompt, answer]))
   losses = []
   for draw_key in jax.random.split(key, mc_num // batch_size):
-    masks = llada_mask_draws(draw_key, batch_size, answer.size)
+    masks = place(llada_mask_draws(draw_key, batch_size, answer.size), rows=True)
     losses.append(llada_minibatch_nll(params, seq, masks, config=config, prompt_len=int(prompt.size),
                                       cfg_scale=float(cfg_scale)))
-  return -float(np.mean(np.asarray(jax.device_get(losses))))
+  return -float(np.mean([float(loss) for loss in losses]))
 
 
 def dream_log_likelihood(params, prompt, answer, key: jax.Array, *, config: ModelConfig, mc_num: int = 128,
-                         batch_size: int = 32, cfg_scale: float = 0.0, eps: float = 1e-3) -> float:
+                         batch_size: int = 32, cfg_scale: float = 0.0, eps: float = 1e-3,
+                         mesh: Mesh | None = None) -> float:
   """Dream's antithetic Monte-Carlo estimate of log p(answer | prompt) (module docstring).
 
   prompt: [Lp] ids, answer: [T] ids. max(mc_num // batch_size, 1) minibatches. Returns −mean loss.
+  mesh: see the module docstring.
   """
   prompt, answer = _check(config, prompt, answer, mc_num, batch_size)
-  seq = jnp.asarray(np.concatenate([prompt, answer]))
+  place = _placer(mesh, batch_size)
+  seq = np.concatenate([prompt, answer])
   losses = []
   for draw_key in jax.random.split(key, max(mc_num // batch_size, 1)):
     masks, p_mask = dream_mask_draws(draw_key, batch_size, int(seq.shape[0]), int(prompt.size), eps)
-    losses.append(dream_minibatch_nll(params, seq, masks, p_mask, config=config, prompt_len=int(prompt.size),
+    losses.append(dream_minibatch_nll(params, place(seq), place(masks, rows=True), place(p_mask, rows=True),
+                                      config=config, prompt_len=int(prompt.size),
                                       cfg_scale=float(cfg_scale)))
-  return -float(np.mean(np.asarray(jax.device_get(losses))))
+  return -float(np.mean([float(loss) for loss in losses]))
 
 
 def score_choices(params, prompt, choices, key: jax.Array, *, config: ModelConfig, family: str = "llada",

@@ -160,3 +160,26 @@ def bytes_per_device(params: Mapping[str, Any], shardings: Mapping[str, Any]) ->
       elements = math.prod(len(range(*s.indices(dim))) for s, dim in zip(index, leaf.shape))
       totals[device.id] = totals.get(device.id, 0) + elements * itemsize
   return max(totals.values())
+
+
+def put_host(tree: Any, shardings: Any) -> Any:
+  """Global arrays from host values that every process holds in full; each device receives only its slice.
+
+  tree: a pytree of numpy-convertible arrays; shardings: one `jax.sharding.Sharding` for every leaf, or a
+  tree of them with the structure of `tree`. Works in multi-process runs (no device ever sees a slice
+  that another process would have to send), unlike `jax.device_put` of a host array onto non-addressable
+  devices.
+  """
+
+  def put(leaf, sharding):
+    host = np.asarray(leaf)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda leaf: put(leaf, shardings), tree)
+  return jax.tree.map(put, tree, shardings)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """The fully replicated sharding on `mesh`."""
+  return NamedSharding(mesh, PartitionSpec())

@@ -7,6 +7,11 @@ and its noise key is `step_key(seed, s)`, so the data and the noise depend only 
 saves, and returns). Starting again with the same run_dir restores the latest checkpoint and continues,
 so a run killed and resumed ends with exactly the parameters of an uninterrupted run. The run's
 configuration is stored in `run_dir/run.json` and a resume with a different configuration is refused.
+
+With a `mesh`, the state is created directly in its sharded layout (`training.train_state_shardings`: no
+device ever holds the whole model), every batch is placed row-sharded over the batch axes, orbax saves
+and restores the shards in place, and in a multi-process run only process 0 writes run.json and the
+metrics (orbax coordinates the checkpoint itself). The returned parameters are gathered to the host.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jax.sharding import Mesh
+
+from dlm_jax import distributed, sharding
 from dlm_jax.config import ModelConfig
-from dlm_jax.training import (Objective, SinkTokenSpec, init_train_state, loss_fn, make_optimizer, make_train_step,
-                              step_key)
+from dlm_jax.training import (Objective, SinkTokenSpec, as_prng_key, init_train_state, loss_fn, make_optimizer, make_train_step,
+                              step_key, train_state_shardings)
 from dlm_jax.training_data import Examples, batch_indices
 
 
@@ -112,7 +120,7 @@ def _run_record(model_config: ModelConfig, train_config: TrainConfig, examples: 
           "n_examples": len(examples), "seq_len": examples.seq_len}
 
 
-def _check_run_record(run_dir: str, record: dict[str, Any]) -> None:
+def _check_run_record(run_dir: str, record: dict[str, Any], primary: bool) -> None:
   path = os.path.join(run_dir, "run.json")
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
@@ -124,6 +132,8 @@ def _check_run_record(run_dir: str, record: dict[str, Any]) -> None:
       raise ValueError(f"{run_dir} holds a run with another configuration; use a new --run_dir.\n"
                        f"stored: {json.dumps(a, sort_keys=True)}\nnow:    {json.dumps(b, sort_keys=True)}")
     return
+  if not primary:
+    return
   os.makedirs(run_dir, exist_ok=True)
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
@@ -133,30 +143,53 @@ def _check_run_record(run_dir: str, record: dict[str, Any]) -> None:
 
 @functools.lru_cache(maxsize=8)
 def _optimizer_and_step(config: ModelConfig, objective: Objective, lr, steps, warmup, weight_decay, b1, b2, clip_norm,
-                        end_ratio):
+                        end_ratio, mesh: Mesh | None):
   """The optimizer and its jitted train step, cached so that runs in one process compile once."""
   optimizer = make_optimizer(lr=lr, total_steps=steps, warmup_steps=warmup, weight_decay=weight_decay, b1=b1, b2=b2,
                              clip_norm=clip_norm, end_ratio=end_ratio)
-  return optimizer, make_train_step(config, objective, optimizer)
+  return optimizer, make_train_step(config, objective, optimizer, mesh)
+
+
+def _initial_state(config: ModelConfig, seed: int, optimizer, objective: Objective, mesh: Mesh | None):
+  """The step-0 state, created in its sharded layout on `mesh` (jit with out_shardings) when there is one."""
+  if mesh is None:
+    return init_train_state(config, jax.random.key(seed), optimizer, objective)
+  layout = train_state_shardings(config, mesh, optimizer, objective)
+  return jax.jit(lambda: init_train_state(config, jax.random.key(seed), optimizer, objective), out_shardings=layout)()
+
+
+def _step_inputs(examples: Examples, tc: TrainConfig, step: int, mesh: Mesh | None):
+  """(batch, noise key) of training step `step`, placed on `mesh` (rows sharded, key replicated)."""
+  batch = examples.batch(batch_indices(tc.seed, step, tc.batch_size, len(examples)))
+  key = step_key(tc.seed, step)
+  if mesh is None:
+    return batch, key
+  return (sharding.put_host(batch, sharding.batch_sharding(mesh, 2)),
+          sharding.put_host(np.asarray(jax.random.key_data(key)), sharding.replicated(mesh)))
 
 
 def train(model_config: ModelConfig, train_config: TrainConfig, examples: Examples, *, run_dir: str | None = None,
-          stop_after: int | None = None, log: Callable[[str], None] = logging.info) -> TrainResult:
+          stop_after: int | None = None, log: Callable[[str], None] = logging.info,
+          mesh: Mesh | None = None) -> TrainResult:
   """Trains from scratch or resumes from `run_dir` (module docstring); returns the final state.
 
   stop_after: stop (after saving) once this many steps are done — a deterministic stand-in for a kill.
+  mesh: train sharded on this (data, fsdp, tensor) mesh; the batch size must divide over data × fsdp.
   """
   start_time = time.time()
   tc = train_config
   objective = tc.objective_spec()
   objective.check(model_config)
+  if mesh is not None:
+    sharding.check_batch(tc.batch_size, mesh)
   optimizer, train_step = _optimizer_and_step(model_config, objective, tc.lr, tc.steps, tc.warmup, tc.weight_decay,
-                                              tc.b1, tc.b2, tc.clip_norm, tc.end_lr_ratio)
-  state = init_train_state(model_config, jax.random.key(tc.seed), optimizer, objective)
+                                              tc.b1, tc.b2, tc.clip_norm, tc.end_lr_ratio, mesh)
+  state = _initial_state(model_config, tc.seed, optimizer, objective, mesh)
+  primary = distributed.is_primary()
   manager, resumed_from = None, None
   if run_dir is not None:
     run_dir = os.path.abspath(run_dir)
-    _check_run_record(run_dir, _run_record(model_config, tc, examples))
+    _check_run_record(run_dir, _run_record(model_config, tc, examples), primary)
     manager = ocp.CheckpointManager(
         os.path.join(run_dir, "checkpoints"),
         options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False, create=True))
@@ -168,13 +201,12 @@ def train(model_config: ModelConfig, train_config: TrainConfig, examples: Exampl
   step = int(state["step"])
   end = tc.steps if stop_after is None else min(tc.steps, stop_after)
   metrics, step_metrics, stopped_early = {}, None, False
-  metrics_file = None if run_dir is None else open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+  metrics_file = None if run_dir is None or not primary else open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
   last_log_time, last_log_step = time.time(), step
   try:
     with _StopFlag() as stop:
       while step < end and not stop.raised:
-        batch = examples.batch(batch_indices(tc.seed, step, tc.batch_size, len(examples)))
-        state, step_metrics = train_step(state, batch, step_key(tc.seed, step))
+        state, step_metrics = train_step(state, *_step_inputs(examples, tc, step, mesh))
         step += 1
         if tc.log_every and (step % tc.log_every == 0 or step == end):
           metrics = {k: float(v) for k, v in step_metrics.items()}
@@ -199,18 +231,24 @@ def train(model_config: ModelConfig, train_config: TrainConfig, examples: Exampl
       manager.close()
     if metrics_file is not None:
       metrics_file.close()
-  params = jax.device_get(state["params"])
+  params = distributed.to_host(state["params"])
   return TrainResult(params=params, step=step, metrics=metrics, resumed_from=resumed_from,
                      stopped_early=stopped_early, wall_s=time.time() - start_time)
 
 
 def evaluate_loss(model_config: ModelConfig, train_config: TrainConfig, params: Any, examples: Examples,
-                  n_batches: int = 4, seed: int = 1234) -> float:
-  """Mean objective loss over `n_batches` fixed batches of `examples` (noise from `seed`)."""
+                  n_batches: int = 4, seed: int = 1234, mesh: Mesh | None = None) -> float:
+  """Mean objective loss over `n_batches` fixed batches of `examples` (noise from `seed`); host `params`
+  are sharded over `mesh` when one is given."""
   objective = train_config.objective_spec()
-  fn = jax.jit(lambda p, b, k: loss_fn(p, b, k, config=model_config, objective=objective)[0])
-  losses = [float(fn(params, examples.batch(batch_indices(seed, i, train_config.batch_size, len(examples))),
-                     step_key(seed, i))) for i in range(n_batches)]
+  fn = jax.jit(lambda p, b, k: loss_fn(p, b, as_prng_key(k), config=model_config, objective=objective)[0])
+  probe = dataclasses.replace(train_config, seed=seed)
+  if mesh is not None:
+    sharding.check_batch(train_config.batch_size, mesh)
+    params = sharding.put_host(params, sharding.param_shardings(model_config, mesh, params))
+  losses = []
+  for i in range(n_batches):
+    losses.append(float(fn(params, *_step_inputs(examples, probe, i, mesh))))
   return float(np.mean(losses))
 
 

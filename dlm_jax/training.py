@@ -38,10 +38,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.sharding import Mesh
 
+from dlm_jax import sharding
 from dlm_jax.attention import MASK_VALUE
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import Params, forward, init_params
+from dlm_jax.sharding import ShardingRules
 
 ObjectiveKind = Literal["pretrain", "sft", "ar"]
 Placement = Literal["front", "end"]
@@ -271,11 +274,39 @@ def step_key(seed: int, step: int | jax.Array) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed), step)
 
 
-def make_train_step(config: ModelConfig, objective: Objective, optimizer: optax.GradientTransformation):
-  """Jitted `(state, batch, key) -> (state, metrics)`; the input state's buffers are donated."""
+def as_prng_key(key: jax.Array) -> jax.Array:
+  """A typed PRNG key from a typed key or its raw uint32 `jax.random.key_data`."""
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key
+  return jax.random.wrap_key_data(key)
+
+
+def train_state_shardings(config: ModelConfig, mesh: Mesh, optimizer: optax.GradientTransformation,
+                          objective: Objective, rules: ShardingRules = ShardingRules()) -> dict[str, Any]:
+  """NamedSharding tree of the train state on `mesh`: the params by `sharding.param_shardings`, every copy
+  of the params inside the optimizer state (Adam's moments) like the params, the rest (step and counters)
+  replicated."""
+  abstract = jax.eval_shape(lambda: init_train_state(config, jax.random.key(0), optimizer, objective))
+  params = sharding.param_shardings(config, mesh, abstract["params"], rules)
+  whole = sharding.replicated(mesh)
+  opt_state = optax.tree_map_params(optimizer, lambda _, spec: spec, abstract["opt_state"], params,
+                                    transform_non_params=lambda _: whole)
+  return {"params": params, "opt_state": opt_state, "step": whole}
+
+
+def make_train_step(config: ModelConfig, objective: Objective, optimizer: optax.GradientTransformation,
+                    mesh: Mesh | None = None, rules: ShardingRules = ShardingRules()):
+  """Jitted `(state, batch, key) -> (state, metrics)`; the input state's buffers are donated.
+
+  key: a typed PRNG key or its raw `jax.random.key_data` (uint32), which is what a multi-process caller
+  can place on a mesh. With a `mesh`, the state must be laid out by `train_state_shardings`, the batch
+  rows are sharded over the batch axes and the key and metrics are replicated; XLA inserts the
+  all-gathers of FSDP and the reductions of the gradients.
+  """
   objective.check(config)
 
   def train_step(state, batch, key):
+    key = as_prng_key(key)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (_, metrics), grads = grad_fn(state["params"], batch, key, config=config, objective=objective)
     grads = _zero_sink_row(grads, objective.sink)
@@ -284,4 +315,9 @@ def make_train_step(config: ModelConfig, objective: Objective, optimizer: optax.
     metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
-  return jax.jit(train_step, donate_argnums=(0,))
+  if mesh is None:
+    return jax.jit(train_step, donate_argnums=(0,))
+  state = train_state_shardings(config, mesh, optimizer, objective, rules)
+  whole = sharding.replicated(mesh)
+  return jax.jit(train_step, in_shardings=(state, sharding.batch_sharding(mesh, 2, rules), whole),
+                 out_shardings=(state, whole), donate_argnums=(0,))

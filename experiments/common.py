@@ -1,13 +1,10 @@
-"""Flags and helpers shared by the experiment binaries: runtime (distributed start-up, mesh, devices),
-model loading and placement, resumable JSONL results, atomic writes and progress lines.
+"""Flags and helpers shared by the experiment binaries: model loading, resumable JSONL results, atomic
+writes and progress lines. The runtime flags (--mesh, --distributed, --cpu_devices, ...) and placement
+helpers live in `experiments.devices`, which this module imports, so every binary has them too.
 
 Shared flags (every binary that imports this module has them):
   --output_dir           where results go (each binary has its own default under ./results/)
-  --mesh                 e.g. "data:2,fsdp:2,tensor:2" (default: no mesh, one device)
-  --distributed          auto|on|off: `dlm_jax.distributed.initialize` before anything touches devices
-  --cpu_devices          N > 0 asks the CPU backend for N virtual devices (to try meshes on a CPU)
   --dtype                cast the weights (default: float32 on CPU, the stored dtype elsewhere)
-  --matmul_precision     jax_default_matmul_precision
   --max_items_this_run   stop cleanly after writing this many result lines (0 = no limit; simulates an
                          interruption, the next run resumes)
 
@@ -38,53 +35,18 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags, logging
 
+from experiments import devices
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("output_dir", None, "Results directory (default: results/<binary name>).")
-flags.DEFINE_string("mesh", "", "Device mesh, e.g. 'data:2,fsdp:2,tensor:2' (empty: single device).")
-flags.DEFINE_enum("distributed", "auto", ["auto", "on", "off"], "jax.distributed start-up (multi-host runs).")
-flags.DEFINE_integer("cpu_devices", 0, "Virtual CPU devices (0 = backend default); for trying --mesh on a CPU.")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16"],
                   "Weight dtype (default: float32 on CPU, the stored dtype on accelerators).")
-flags.DEFINE_enum("matmul_precision", "highest", ["default", "high", "highest"], "jax_default_matmul_precision.")
 flags.DEFINE_integer("max_items_this_run", 0, "Stop after writing this many result lines (0 = no limit).")
 flags.DEFINE_bool("overwrite", False, "Delete an existing --output_dir first instead of resuming it.")
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Runtime: distributed start-up, devices, mesh.
-
-
-class Runtime:
-  """What a binary runs on.
-
-  Attributes:
-    mesh: a `jax.sharding.Mesh` (axes data, fsdp, tensor) or None for one device.
-    primary: this process writes results (`dlm_jax.distributed.is_primary`).
-    batch_shards: number of shards of the batch axis (data × fsdp; 1 without a mesh).
-  """
-
-  def __init__(self, mesh, primary: bool):
-    self.mesh = mesh
-    self.primary = primary
-    self.batch_shards = 1 if mesh is None else int(mesh.shape["data"] * mesh.shape["fsdp"])
-
-  def round_batch(self, batch_size: int) -> int:
-    """The smallest multiple of the batch shards that is >= batch_size."""
-    return int(math.ceil(max(batch_size, 1) / self.batch_shards) * self.batch_shards)
-
-
-def init_runtime() -> Runtime:
-  """Starts jax.distributed (per --distributed), sets devices and precision, builds the --mesh."""
-  from dlm_jax import distributed, sharding  # pylint: disable=import-outside-toplevel
-  if FLAGS.cpu_devices:
-    jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
-  distributed.initialize(FLAGS.distributed)
-  jax.config.update("jax_default_matmul_precision", FLAGS.matmul_precision)
-  mesh = None
-  if FLAGS.mesh:
-    mesh = sharding.make_mesh(**sharding.parse_mesh(FLAGS.mesh))
-    logging.info("mesh %s over %d devices", dict(mesh.shape), mesh.size)
-  return Runtime(mesh, distributed.is_primary())
+# Weights.
 
 
 def weight_dtype() -> Any:
@@ -94,7 +56,7 @@ def weight_dtype() -> Any:
   return jnp.float32 if jax.default_backend() == "cpu" else None
 
 
-def load_params(directory: str, runtime: Runtime, dtype: Any = None):
+def load_params(directory: str, runtime: devices.Runtime, dtype: Any = None):
   """(config, params) of a converted directory, placed with `param_shardings` on the mesh if any."""
   from dlm_jax import checkpoint, model, sharding  # pylint: disable=import-outside-toplevel
   if runtime.mesh is None:
@@ -103,39 +65,6 @@ def load_params(directory: str, runtime: Runtime, dtype: Any = None):
   abstract = model.abstract_params(config, jnp.float32 if dtype is None else dtype)
   shardings = sharding.param_shardings(config, runtime.mesh, abstract)
   return checkpoint.load(directory, dtype=dtype, shardings=shardings)
-
-
-def place_batch(array: Any, runtime: Runtime) -> jax.Array:
-  """A host [B, ...] array as a global array, batch axis sharded over (data, fsdp) on the mesh (every
-  process passes the same full batch; each device reads its rows)."""
-  from dlm_jax import sharding  # pylint: disable=import-outside-toplevel
-  host = np.asarray(array)
-  if runtime.mesh is None:
-    return jnp.asarray(host)
-  sharding.check_batch(host.shape[0], runtime.mesh)
-  spec = sharding.batch_sharding(runtime.mesh, host.ndim)
-  return jax.make_array_from_callback(host.shape, spec, lambda index: host[index])
-
-
-def replicate(tree: Any, runtime: Runtime) -> Any:
-  """Places every array leaf of `tree` replicated on the mesh (unchanged without a mesh)."""
-  if runtime.mesh is None:
-    return tree
-  spec = jax.sharding.NamedSharding(runtime.mesh, jax.sharding.PartitionSpec())
-
-  def put(leaf):
-    host = np.asarray(leaf)
-    return jax.make_array_from_callback(host.shape, spec, lambda index: host[index])
-
-  return jax.tree.map(put, tree)
-
-
-def to_host(tree: Any) -> Any:
-  """numpy copies of a pytree of (possibly multi-process) global arrays; every process gets all rows."""
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
-  return jax.tree.map(np.asarray, tree)
 
 
 def fixed_batches(n_items: int, batch_size: int) -> list[list[int]]:
@@ -163,7 +92,7 @@ def output_dir(default_name: str) -> str:
   return os.path.abspath(FLAGS.output_dir or os.path.join("results", default_name))
 
 
-def prepare_output_dir(path: str, runtime: Runtime, settings: dict[str, Any]) -> None:
+def prepare_output_dir(path: str, runtime: devices.Runtime, settings: dict[str, Any]) -> None:
   """Creates `path` (emptied first with --overwrite) and checks or stores run.json = `settings`."""
   if not runtime.primary:
     return

@@ -27,7 +27,8 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from experiments import common
+from dlm_jax import distributed
+from experiments import common, devices
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory.", required=True)
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (needs the checkpoint's tokenizer).")
@@ -114,7 +115,7 @@ def _run_sampler(params, config, prompt, key, stats_spec, intervention):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  runtime = common.init_runtime()
+  runtime = devices.init_runtime()
   from dlm_jax.stats import NO_STATS, StatsSpec
   from dlm_jax.tokenizer import Tokenizer
 
@@ -123,11 +124,11 @@ def main(argv):
   ids = _prompt_ids(config, tokenizer)
   stats_spec = StatsSpec(incoming_attention=True, per_head=True) if _STATS_OUT.value else NO_STATS
   try:
-    prompt = common.replicate(np.asarray([ids], np.int32), runtime)
+    prompt = devices.replicate(np.asarray([ids], np.int32), runtime)
     trace = _run_sampler(params, config, prompt, jax.random.key(_SEED.value), stats_spec, _intervention(config))
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  trace = common.to_host(trace)
+  trace = distributed.to_host(trace)
   if not runtime.primary:
     return
   tokens = np.asarray(trace.tokens)[0]

@@ -38,9 +38,9 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from dlm_jax import sinks
+from dlm_jax import distributed, sinks
 from dlm_jax.stats import StatsSpec
-from experiments import common, sink_report, workload
+from experiments import common, devices, sink_report, workload
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-arm"], "Checkpoints ([label=]DIR or tiny-dlm, tiny-arm, smollm2).")
@@ -141,7 +141,7 @@ def analyse_row(model: workload.Model, item: workload.Item, prompts, host, row: 
   return record, arrays
 
 
-def run_model(model: workload.Model, runtime: common.Runtime, log: common.ResultsLog, out: str) -> dict:
+def run_model(model: workload.Model, runtime: devices.Runtime, log: common.ResultsLog, out: str) -> dict:
   """Generates and analyses the model's prompts not done yet; returns its metadata for the report."""
   config = model.config
   spec = _stats_spec(model, config.n_layers)
@@ -165,7 +165,7 @@ def run_model(model: workload.Model, runtime: common.Runtime, log: common.Result
     start = time.time()
     trace = workload.generate(model, padded, runtime, key=jax.random.fold_in(jax.random.key(FLAGS.seed), index),
                               stats_spec=spec)
-    host = common.to_host({"tokens": trace.tokens, "decode_step": trace.decode_step,
+    host = distributed.to_host({"tokens": trace.tokens, "decode_step": trace.decode_step,
                            "incoming": trace.stats["incoming_attention"]})
     for row, item in enumerate(chunk):
       if log.done(model=model.label, item=item.id):
@@ -184,7 +184,7 @@ def run_model(model: workload.Model, runtime: common.Runtime, log: common.Result
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  runtime = common.init_runtime()
+  runtime = devices.init_runtime()
   out = common.output_dir("sink_analysis")
   entries = FLAGS.checkpoints
   samplers = workload.samplers_for(entries)

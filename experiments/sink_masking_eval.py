@@ -37,8 +37,8 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from dlm_jax import interventions
-from experiments import common, masking_report, workload
+from dlm_jax import distributed, interventions
+from experiments import common, devices, masking_report, workload
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-arm"], "Checkpoints ([label=]DIR or tiny-dlm, tiny-arm, smollm2).")
@@ -120,7 +120,7 @@ def run_accuracy(model, runtime, log, ks) -> int:
     start = time.time()
     trace = workload.generate(model, padded, runtime, key=jax.random.fold_in(jax.random.key(FLAGS.seed), index),
                               intervention=intervention, intervention_state=state)
-    generated = common.to_host(trace.generated)
+    generated = distributed.to_host(trace.generated)
     for row, item in enumerate(chunk):
       completion_ids, text = workload.completion(model, generated[row])
       result = workload.score(item, text, chat)
@@ -162,9 +162,9 @@ def run_perplexity(model, runtime, log, ks) -> None:
     if all(log.done(kind="perplexity", model=model.label, condition=c, item=str(i)) for c in names for i in rows):
       continue
     start = time.time()
-    toks = common.place_batch(common.pad_rows(tokens[rows], batch), runtime)
-    reals = common.place_batch(common.pad_rows(real[rows], batch), runtime)
-    nll = common.to_host(perplexity.perplexity_conditions(model.params, toks, reals, ks, config=model.config,
+    toks = devices.place_batch(common.pad_rows(tokens[rows], batch), runtime)
+    reals = devices.place_batch(common.pad_rows(real[rows], batch), runtime)
+    nll = distributed.to_host(perplexity.perplexity_conditions(model.params, toks, reals, ks, config=model.config,
                                                           attention_impl=FLAGS.attention_impl))
     for name in names:
       for row, i in enumerate(rows):
@@ -177,7 +177,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   ks = _top_ks()
-  runtime = common.init_runtime()
+  runtime = devices.init_runtime()
   out = common.output_dir("sink_masking_eval")
   entries = FLAGS.checkpoints
   samplers = workload.samplers_for(entries)

@@ -37,10 +37,10 @@ import numpy as np
 from absl import app, flags, logging
 
 from dlm_jax import config as config_lib
-from dlm_jax import sinks, train_loop, training_data
+from dlm_jax import distributed, sinks, train_loop, training_data
 from dlm_jax.stats import StatsSpec
 from dlm_jax.tasks import synthetic
-from experiments import common, plots, workload
+from experiments import common, devices, plots, workload
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("variants", ["none", "front"], "Variants to train: none, front, front_zero.")
@@ -75,8 +75,10 @@ def _model_config(tokenizer) -> config_lib.ModelConfig:
   return config_lib.preset(FLAGS.preset).replace(**changes)
 
 
-def train_variant(variant: str, out: str, tokenizer, examples, heldout, log: common.ResultsLog) -> str:
-  """Trains (or resumes) one variant and writes its converted checkpoint; returns the directory."""
+def train_variant(variant: str, out: str, tokenizer, examples, heldout, runtime: devices.Runtime,
+                  log: common.ResultsLog) -> str:
+  """Trains (or resumes) one variant, sharded on the --mesh if any, and writes its converted checkpoint
+  (process 0; the others wait for it); returns the directory."""
   sink, zero = VARIANTS[variant]
   model_dir = os.path.join(out, "models", variant)
   if log.done(kind="train", variant=variant) and os.path.isfile(os.path.join(model_dir, "config.json")):
@@ -87,14 +89,17 @@ def train_variant(variant: str, out: str, tokenizer, examples, heldout, log: com
                               batch_size=FLAGS.train_batch_size, lr=FLAGS.lr, warmup=FLAGS.warmup, seed=FLAGS.seed,
                               checkpoint_every=max(FLAGS.train_steps // 4, 1), log_every=FLAGS.log_every)
   run_dir = os.path.join(out, "runs", variant)
-  result = train_loop.train(config, tc, examples, run_dir=run_dir, log=lambda m: logging.info("[%s] %s", variant, m))
+  result = train_loop.train(config, tc, examples, run_dir=run_dir, log=lambda m: logging.info("[%s] %s", variant, m),
+                            mesh=runtime.mesh)
   if result.stopped_early:
     raise SystemExit(f"training of {variant} was interrupted; run again to resume")
   record = {"train_config": dataclasses.asdict(tc),
             "data": {"data": "synthetic", "train_size": FLAGS.train_size, "data_seed": FLAGS.data_seed,
                      "seq_len": FLAGS.seq_len, "prompt_len": FLAGS.prompt_len, "layout": "sft"}}
-  train_loop.save_converted(model_dir, config, result.params, tokenizer, training_record=record)
-  heldout_loss = train_loop.evaluate_loss(config, tc, result.params, heldout)
+  if runtime.primary:
+    train_loop.save_converted(model_dir, config, result.params, tokenizer, training_record=record)
+  distributed.barrier(f"sink_token-{variant}-saved")
+  heldout_loss = train_loop.evaluate_loss(config, tc, result.params, heldout, mesh=runtime.mesh)
   log.append({"kind": "train", "variant": variant, "final_metrics": result.metrics, "steps": result.step,
               "heldout_loss": heldout_loss, "wall_s": result.wall_s, "loss_curve": _loss_curve(run_dir)})
   return model_dir
@@ -129,7 +134,7 @@ def evaluate_variant(variant: str, model_dir: str, runtime, log: common.ResultsL
     padded = workload.Prompts(common.pad_rows(prompts.ids, batch), None, prompts.rows)
     trace = workload.generate(model, padded, runtime, key=jax.random.fold_in(jax.random.key(FLAGS.seed), index),
                               stats_spec=spec)
-    host = common.to_host({"tokens": trace.tokens, "incoming": trace.stats["incoming_attention"],
+    host = distributed.to_host({"tokens": trace.tokens, "incoming": trace.stats["incoming_attention"],
                            "values": trace.stats["value_norms"]})
     lp = padded.ids.shape[1]
     incoming = host["incoming"][:, :, :len(chunk)]  # [steps, L, b, S]
@@ -238,7 +243,7 @@ def main(argv):
   unknown = [v for v in variants if v not in VARIANTS]
   if unknown or not variants:
     raise app.UsageError(f"--variants must be from {sorted(VARIANTS)}, got {variants}.")
-  runtime = common.init_runtime()
+  runtime = devices.init_runtime()
   out = common.output_dir("sink_token")
   settings = {name: FLAGS[name].value for name in (
       "variants", "preset", "override", "train_steps", "train_batch_size", "train_size", "seq_len", "prompt_len",
@@ -258,7 +263,7 @@ def main(argv):
   start, stopped = time.time(), False
   try:
     for variant in variants:
-      model_dir = train_variant(variant, out, tokenizer, train_examples, heldout, log)
+      model_dir = train_variant(variant, out, tokenizer, train_examples, heldout, runtime, log)
       evaluate_variant(variant, model_dir, runtime, log)
   except common.ItemBudget as stop:
     logging.info("%s", stop)

@@ -6,8 +6,12 @@ Examples (the embedded default models; see BUILD.md for the exact commands and t
       --data=synthetic --steps=3000 --run_dir=/tmp/runs/tiny-dlm --out_dir=dlm_jax/default_models/tiny-dlm
 
 A killed run resumes from its last orbax checkpoint when started again with the same --run_dir (same
-data order and noise: both depend only on --seed and the step). The final weights are written as a
-converted checkpoint directory (config.json, model.safetensors, tokenizer.json).
+data order and noise: both depend only on --seed and the step), also on another --mesh. The final
+weights are written as a converted checkpoint directory (config.json, model.safetensors, tokenizer.json).
+
+With --mesh (e.g. --mesh=data:2,fsdp:2,tensor:2; --cpu_devices=8 tries it on a CPU) the train state is
+sharded over the devices (experiments.devices has the runtime flags, including the multi-process ones);
+--batch_size must divide over data × fsdp. Only process 0 writes --out_dir and the metrics.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from absl import app, flags, logging
 from dlm_jax import config as config_lib
 from dlm_jax import train_loop, training_data
 from dlm_jax.tasks import gsm8k, synthetic
+from experiments import devices
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", None, "ModelConfig preset name (see dlm_jax.config.PRESETS).")
@@ -117,6 +122,7 @@ def _quiet_orbax() -> None:
 def main(argv):
   del argv
   _quiet_orbax()
+  runtime = devices.init_runtime()
   tokenizer = _load_tokenizer()
   config = _model_config(tokenizer)
   sink_id = FLAGS.sink_token_id
@@ -145,13 +151,15 @@ def main(argv):
   logging.info("model %s (%d layers, d_model %d, vocab %d); %d training sequences of %d tokens; %s",
                config.name, config.n_layers, config.d_model, config.vocab_size, len(train_examples),
                train_examples.seq_len, train_config)
-  result = train_loop.train(config, train_config, train_examples, run_dir=FLAGS.run_dir, log=logging.info)
+  result = train_loop.train(config, train_config, train_examples, run_dir=FLAGS.run_dir, log=logging.info,
+                            mesh=runtime.mesh)
   summary = {"step": result.step, "final_train_metrics": result.metrics, "wall_s_this_invocation": result.wall_s,
              "resumed_from": result.resumed_from, "stopped_early": result.stopped_early}
   if eval_examples is not None and not result.stopped_early:
-    summary["heldout_loss"] = train_loop.evaluate_loss(config, train_config, result.params, eval_examples)
+    summary["heldout_loss"] = train_loop.evaluate_loss(config, train_config, result.params, eval_examples,
+                                                       mesh=runtime.mesh)
   logging.info("summary %s", json.dumps(summary))
-  if FLAGS.out_dir and not result.stopped_early:
+  if FLAGS.out_dir and not result.stopped_early and runtime.primary:
     record = {"train_config": dataclasses.asdict(train_config), "summary": summary,
               "data": {"data": FLAGS.data, "train_size": FLAGS.train_size, "data_seed": FLAGS.data_seed,
                        "seq_len": FLAGS.seq_len, "prompt_len": FLAGS.prompt_len, "layout": layout}}

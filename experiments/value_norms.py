@@ -26,9 +26,9 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from dlm_jax import sinks
+from dlm_jax import distributed, sinks
 from dlm_jax.stats import StatsSpec
-from experiments import common, plots, workload
+from experiments import common, devices, plots, workload
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-arm"], "Checkpoints ([label=]DIR or tiny-dlm, tiny-arm, smollm2).")
@@ -86,7 +86,7 @@ def run_model(model, runtime, log) -> dict:
                               None if prompts.mask is None else common.pad_rows(prompts.mask, batch), prompts.rows)
     trace = workload.generate(model, padded, runtime, key=jax.random.fold_in(jax.random.key(FLAGS.seed), index),
                               stats_spec=spec)
-    host = common.to_host({"tokens": trace.tokens, "incoming": trace.stats["incoming_attention"],
+    host = distributed.to_host({"tokens": trace.tokens, "incoming": trace.stats["incoming_attention"],
                            "values": trace.stats["value_norms"]})
     for row, item in enumerate(chunk):
       if not log.done(model=model.label, item=item.id):
@@ -148,7 +148,7 @@ def write_report(out: str, metas: list[dict], records: list[dict], wall_s: float
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  runtime = common.init_runtime()
+  runtime = devices.init_runtime()
   out = common.output_dir("value_norms")
   samplers = workload.samplers_for(FLAGS.checkpoints)
   settings = {name: FLAGS[name].value for name in (

@@ -34,7 +34,7 @@ from dlm_jax import default_models
 from dlm_jax.config import ModelConfig
 from dlm_jax.tasks import gsm8k, synthetic
 from dlm_jax.tokenizer import Tokenizer, chat_text, left_pad
-from experiments import common, smollm2
+from experiments import common, devices, smollm2
 
 FLAGS = flags.FLAGS
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -117,7 +117,7 @@ def default_sampler(config: ModelConfig) -> str:
   return "dream" if config.logit_shift == 1 else "llada"
 
 
-def load_model(entry: str, sampler: str, runtime: common.Runtime) -> Model:
+def load_model(entry: str, sampler: str, runtime: devices.Runtime) -> Model:
   """Loads one --checkpoints entry onto the runtime's devices."""
   label, directory = resolve_checkpoint(entry)
   config, params = common.load_params(directory, runtime, common.weight_dtype())
@@ -374,7 +374,7 @@ def combined_intervention(model: Model, intervention=None):
   return parts[0] if len(parts) == 1 else interventions.Compose(tuple(parts))
 
 
-def generate(model: Model, prompts: Prompts, runtime: common.Runtime, *, key: jax.Array, stats_spec=None,
+def generate(model: Model, prompts: Prompts, runtime: devices.Runtime, *, key: jax.Array, stats_spec=None,
              intervention=None, intervention_state=None):
   """Runs the model's sampler on a batch (placed on the mesh when there is one); returns the `Trace`.
 
@@ -383,10 +383,10 @@ def generate(model: Model, prompts: Prompts, runtime: common.Runtime, *, key: ja
   from dlm_jax.stats import NO_STATS  # pylint: disable=import-outside-toplevel
   if intervention is None:
     intervention = combined_intervention(model)
-  prompt = common.place_batch(prompts.ids, runtime)
-  mask = None if prompts.mask is None else common.place_batch(prompts.mask, runtime)
+  prompt = devices.place_batch(prompts.ids, runtime)
+  mask = None if prompts.mask is None else devices.place_batch(prompts.mask, runtime)
   if intervention_state is not None:
-    intervention_state = common.replicate(intervention_state, runtime)
+    intervention_state = devices.replicate(intervention_state, runtime)
   kwargs = dict(config=model.config, options=sampler_options(model, mask is not None), key=key, prompt_mask=mask,
                 stats_spec=stats_spec or NO_STATS, intervention=intervention, intervention_state=intervention_state,
                 attention_impl=FLAGS.attention_impl, query_chunk=FLAGS.query_chunk)
