@@ -6,10 +6,13 @@ random weights and prompt in both frameworks and reports compile time, steady-st
 step, tokens/s (generated non-EOS tokens per second, as Fast-dLLM counts them), achieved FLOP/s for the
 step's model FLOPs and its fraction of the machine's measured matmul peak, and the peak memory of the run.
 Every measurement runs in its own subprocess; peak memory is the rise of the process's peak RSS (VmHWM,
-reset after warm-up and compilation) over its RSS before the measured run.
+reset after warm-up and compilation) over its RSS before the measured run. The memory sweep runs one
+statistics step (per-head incoming attention) at each sequence length: dlm_jax computes the logits of
+the last block only, as its sampler does; the PyTorch way runs the model with output_attentions=True
+and all logits, as the official loop does.
 
 The step's model FLOPs (printed with the results), for S = prompt + generated positions, window W =
-generated positions whose logits a step needs, per layer:
+the block length (only the current block can be decoded, so only its logits are needed), per layer:
   projections 2·S·D·(N·H + 2·K·H) + 2·S·N·H·D,  MLP 6·S·D·F,  attention 4·S²·N·H;
 plus the LM head 2·W·D·V. The PyTorch way computes the LM head on all S positions (the official loop);
 both are charged the same model FLOPs, so FLOP/s compares useful work.
@@ -45,7 +48,8 @@ _CONDITIONS = flags.DEFINE_list("conditions", ["off", "stats", "mask1"], "Condit
 _FRAMEWORKS = flags.DEFINE_list("frameworks", ["jax", "torch"], "Frameworks to run.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights and activations dtype.")
 _IMPL = flags.DEFINE_enum("attention_impl", "chunked", ["chunked", "dense", "fused"], "dlm_jax attention path.")
-_QUERY_CHUNK = flags.DEFINE_integer("query_chunk", 128, "Query block of the chunked attention.")
+_QUERY_CHUNK = flags.DEFINE_integer("query_chunk", 256, "Query block of the chunked attention (256: the default "
+                                    "192 positions in one block; longer sequences in blocks of 256 queries).")
 _MEMORY_LENGTHS = flags.DEFINE_list("memory_lengths", ["256", "1024", "2048"],
                                     "Sequence lengths of the one-step statistics memory sweep (empty: skip).")
 _MEMORY_WIDTH = flags.DEFINE_integer("memory_width", 512, "Model width of the memory sweep.")
@@ -172,8 +176,9 @@ def _jax_step_memory(spec: dict) -> dict:
   from dlm_jax.stats import StatsSpec
   config, params, _ = _inputs({**spec, "prompt": 1})
   tokens = np.random.default_rng(2).integers(3, spec["vocab"] - 1, size=(1, spec["seq"]))
+  window = (spec["seq"] - spec["block"], spec["seq"])  # a step needs the logits of one block, as the sampler
   run = jax.jit(functools.partial(model.forward, config=config, stats_spec=StatsSpec(incoming_attention=True),
-                                  attention_impl=spec["impl"], query_chunk=spec["query_chunk"]))
+                                  logits_window=window, attention_impl=spec["impl"], query_chunk=spec["query_chunk"]))
   compiled = run.lower(params, tokens).compile()
   baseline = _reset_peak_rss()
   jax.block_until_ready(compiled(params, tokens))
@@ -261,7 +266,7 @@ def main(argv):
   peak = matmul_peak()
   print(f"matmul peak ({peak['dtype']} GEMM n={peak['gemm_n']}): JAX {peak['jax_flops'] / 1e9:.1f} GFLOP/s, "
         f"PyTorch {peak['torch_flops'] / 1e9:.1f} GFLOP/s")
-  print("step FLOPs = L·(2·S·D·3·N·H + 2·S·N·H·D + 6·S·D·F + 4·S²·N·H) + 2·W·D·V")
+  print("step FLOPs = L·(2·S·D·3·N·H + 2·S·N·H·D + 6·S·D·F + 4·S²·N·H) + 2·W·D·V, W = block length")
   results = {"matmul_peak": peak, "generation": [], "step_memory": [], "flags": {
       "layers": _LAYERS.value, "heads": _HEADS.value, "mlp_ratio": _MLP_RATIO.value, "vocab": _VOCAB.value,
       "prompt": _PROMPT.value, "gen": _GEN.value, "block": _BLOCK.value, "steps": steps, "dtype": _DTYPE.value,
@@ -276,7 +281,7 @@ def main(argv):
     for batch in map(int, _BATCH.value):
       seq = _PROMPT.value + _GEN.value
       flops = batch * step_flops(width, _LAYERS.value, _HEADS.value, int(_MLP_RATIO.value * width), _VOCAB.value,
-                                 seq, _GEN.value)
+                                 seq, _BLOCK.value)
       for condition in _CONDITIONS.value:
         row = {}
         for framework in _FRAMEWORKS.value:

@@ -156,7 +156,8 @@ class Transformer(nnx.Module):
       self.lm_head = _linear(config.d_model, config.vocab_size, False, rngs, dtype)
 
   def __call__(self, tokens, positions, *, pairwise_bias, key_bias, query_weights, stats_spec, logits_window,
-               impl, query_chunk, cache, cache_offset, zero_values) -> tuple[ForwardOutput, KVCache | None]:
+               logits_offset, impl, query_chunk, cache, cache_offset,
+               zero_values) -> tuple[ForwardOutput, KVCache | None]:
     """See `forward`; biases with a leading [L] axis are applied layer by layer."""
     c = self.config
     x = self.embed(tokens)
@@ -187,9 +188,13 @@ class Transformer(nnx.Module):
 
     x, stats = jax.lax.scan(layer, x, (block_state, per_layer, layer_cache))
     new_cache = None if cache is None else KVCache(*stats.pop("cache"))
-    x = self.final_norm(x)
     if logits_window is not None:
-      x = x[:, logits_window[0]:logits_window[1]]
+      start, stop = logits_window
+      if isinstance(logits_offset, int) and logits_offset == 0:
+        x = x[:, start:stop]
+      else:
+        x = jax.lax.dynamic_slice_in_dim(x, start + logits_offset, stop - start, axis=1)
+    x = self.final_norm(x)
     head = self.embed.embedding[...].T if c.tied_embeddings else self.lm_head.kernel[...]
     logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
     return ForwardOutput(logits=logits, **_select_stats(stats, stats_spec)), new_cache
@@ -291,6 +296,7 @@ def forward(
     query_weights: jax.Array | None = None,
     stats_spec: StatsSpec = NO_STATS,
     logits_window: tuple[int, int] | None = None,
+    logits_offset: jax.Array | int = 0,
     attention_impl: AttentionImpl = "chunked",
     query_chunk: int = 128,
     zero_values: jax.Array | None = None,
@@ -311,6 +317,9 @@ def forward(
     query_weights: [B, Q, T] query-group weights for the statistics (see `StatsSpec.query_groups`).
     stats_spec: which statistics to return (static).
     logits_window: (start, stop) positions whose logits are computed; None computes all T.
+    logits_offset: a traced int shifting the window to (start + offset, stop + offset), which must stay
+      inside [0, T] (out-of-range offsets are clamped, as `lax.dynamic_slice` does); e.g. the current block
+      of a semi-autoregressive sampler inside a compiled loop.
     attention_impl: "chunked" (exact, O(N·chunk·T) memory) or "dense" (reference).
     query_chunk: queries per block in the chunked path.
     zero_values: [B|1, T] bool; True key positions contribute a zero value vector in every layer (the
@@ -324,8 +333,9 @@ def forward(
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   model = nnx.merge(_graphdef(config), params)
   output, _ = model(tokens, positions, pairwise_bias=pairwise_bias, key_bias=key_bias, query_weights=query_weights,
-                    stats_spec=stats_spec, logits_window=logits_window, impl=attention_impl,
-                    query_chunk=query_chunk, cache=None, cache_offset=0, zero_values=zero_values)
+                    stats_spec=stats_spec, logits_window=logits_window, logits_offset=logits_offset,
+                    impl=attention_impl, query_chunk=query_chunk, cache=None, cache_offset=0,
+                    zero_values=zero_values)
   return output
 
 
@@ -342,6 +352,7 @@ def forward_cached(
     query_weights: jax.Array | None = None,
     stats_spec: StatsSpec = NO_STATS,
     logits_window: tuple[int, int] | None = None,
+    logits_offset: jax.Array | int = 0,
     attention_impl: AttentionImpl = "chunked",
     query_chunk: int = 128,
     zero_values: jax.Array | None = None,
@@ -361,5 +372,5 @@ def forward_cached(
     positions = jnp.broadcast_to(cache_offset + jnp.arange(tokens.shape[1]), tokens.shape)
   model = nnx.merge(_graphdef(config), params)
   return model(tokens, positions, pairwise_bias=pairwise_bias, key_bias=key_bias, query_weights=query_weights,
-               stats_spec=stats_spec, logits_window=logits_window, impl=attention_impl, query_chunk=query_chunk,
-               cache=cache, cache_offset=cache_offset, zero_values=zero_values)
+               stats_spec=stats_spec, logits_window=logits_window, logits_offset=logits_offset, impl=attention_impl,
+               query_chunk=query_chunk, cache=cache, cache_offset=cache_offset, zero_values=zero_values)

@@ -116,6 +116,10 @@ def test_logits_window_and_stats_reductions_agree_with_the_full_pass():
   window = model.forward(params, tokens, config=config, logits_window=(4, 9),
                          stats_spec=StatsSpec(incoming_attention=True, per_head=False, layers=(2, 0)))
   np.testing.assert_allclose(window.logits, full.logits[:, 4:9], atol=1e-6)
+  shifted = jax.jit(lambda offset: model.forward(params, tokens, config=config, logits_window=(2, 5),
+                                                 logits_offset=offset).logits)
+  for offset in (0, 3, 7):  # one compiled program, the window moved by a traced offset
+    np.testing.assert_allclose(shifted(jnp.int32(offset)), full.logits[:, 2 + offset:5 + offset], atol=1e-6)
   np.testing.assert_allclose(window.incoming_attention, full.incoming_attention[np.array([2, 0])].mean(axis=2), atol=1e-6)
   assert full.value_norms.shape == (3, 2, 2, 12)
   weights = jnp.stack([jnp.arange(12) < 5, jnp.arange(12) >= 5], 0)[None].repeat(2, 0).astype(jnp.float32)

@@ -141,6 +141,18 @@ def test_matches_numpy_reference_at_temperature_zero(name):
     assert not np.array_equal(plain, tokens)
 
 
+def test_masks_inside_the_prompt_are_filled_as_in_the_reference():
+  """Infilling: the prompt's own mask tokens may transfer in any block (whole-canvas logits variant)."""
+  case = dict(gen_length=8, steps=8, block_length=4)
+  prompt = np.array(prompts())
+  prompt[:, 2] = MASK
+  trace = llada.generate(params_for(), prompt, config=CONFIG, options=llada.LLaDAOptions(**case))
+  tokens, decode_step, _ = reference_generate(params_for(), prompt, **case)
+  np.testing.assert_array_equal(np.asarray(trace.tokens), tokens)
+  np.testing.assert_array_equal(np.asarray(trace.decode_step), decode_step)
+  assert not np.any(tokens[:, 2] == MASK)
+
+
 def test_mmada_matches_reference_with_outer_padding():
   prompt = prompts(2, 7, seed=3)
   prompt_mask = np.ones_like(prompt)
@@ -303,9 +315,9 @@ def test_confidence_eos_eot_rule_depends_on_temperature():
 
   def chosen(temperature):
     options = llada.LLaDAOptions(gen_length=2, steps=2, temperature=temperature, confidence_eos_eot_inf=True)
-    static = llada._Static(config=CONFIG, options=options, caller=None, prompt_length=0, window_start=0,
+    static = llada._Static(config=CONFIG, options=options, caller=None, prompt_length=0, block_window=True,
                            mask_id=MASK, eos_id=EOS, eot_id=EOT, confidence_dtype="model")
-    out = llada._denoise(static, params_for(), jnp.asarray(logits), None, jnp.asarray(x_win), jnp.asarray([1]),
+    out = llada._denoise(static, params_for(), jnp.asarray(logits), None, jnp.asarray(x_win), 0, jnp.asarray([1]),
                          2, jax.random.key(0))
     return np.asarray(out)[0]
 

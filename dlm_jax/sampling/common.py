@@ -264,8 +264,10 @@ class ModelCaller:
 
   def __call__(self, params, tokens, step, istate, *, positions=None, base_bias=AttentionBias(),
                uncond_tokens=None, uncond_base_bias=None, valid_keys=None, cache=None, cache_offset=0,
-               canvas=None):
+               canvas=None, logits_offset=0):
     """Runs the model on tokens [B, T] (and the unconditional canvas [B, T] as a 2B batch when given).
+
+    logits_offset: a traced shift of `logits_window` (see `dlm_jax.model.forward`).
 
     With `cache` (a `KVCache`), the call is `forward_cached` at `cache_offset`, the keys are the S cache
     positions and `canvas` [B, S] is the whole sequence the intervention sees (`CallContext.tokens`).
@@ -298,8 +300,8 @@ class ModelCaller:
         weights = jnp.concatenate([weights, weights], axis=0)
     window = (length - 1, length) if self.logits_window == "last" else self.logits_window
     kwargs = dict(config=self.config, positions=positions, query_weights=weights, stats_spec=spec,
-                  logits_window=window, attention_impl=self.attention_impl, query_chunk=self.query_chunk,
-                  **bias.forward_kwargs())
+                  logits_window=window, logits_offset=logits_offset, attention_impl=self.attention_impl,
+                  query_chunk=self.query_chunk, **bias.forward_kwargs())
     if cache is None:
       output = forward(params, model_tokens, **kwargs)
     else:

@@ -5,9 +5,12 @@ G / block_length blocks decoded left to right, each in steps / num_blocks steps.
 all steps; step i works on block i // steps_per_block and, at the first step of a block, computes that
 block's per-row transfer schedule from the masks the block holds then. Each step:
 
-  1. logits of the positions [window_start, Lp + G) (CFG: conditional and unconditional canvases as one
-     2B batch, logits = un + (cfg_scale + 1)·(cond − un); the unconditional canvas has every position that
-     was not a mask at the start, pads included, replaced by the mask token);
+  1. logits of the current block only (CFG: conditional and unconditional canvases as one 2B batch,
+     logits = un + (cfg_scale + 1)·(cond − un); the unconditional canvas has every position that was not a
+     mask at the start, pads included, replaced by the mask token). The official code computes logits
+     everywhere, but only the current block can transfer: later positions get confidence −inf and earlier
+     blocks hold no mask (each block's schedule transfers exactly the masks it held), so the tokens are
+     the same. When the prompt itself holds mask tokens the logits of the whole canvas are computed;
   2. `logits_eos_inf`: the EOS logit becomes −inf;
   3. x0 = argmax(logits) at temperature 0, else a Gumbel-max sample (see `gumbel_argmax`);
   4. `confidence_eos_eot_inf`, as the official code behaves (it aliases tensors): at temperature 0 the EOS
@@ -37,6 +40,8 @@ Positions are never shifted for left padding (all versions).
 
 Masks inside the prompt (infilling) are filled as in the official code: when the prompt holds the mask
 token, logits are computed over the whole canvas (a host-side check selects that compiled variant).
+Random draws (Gumbel noise at temperature > 0, random remasking) are drawn for the logits' window, so a
+given key gives other samples than it would over the whole canvas.
 """
 
 from __future__ import annotations
@@ -156,7 +161,7 @@ class _Static:
   options: LLaDAOptions
   caller: ModelCaller
   prompt_length: int
-  window_start: int
+  block_window: bool
   mask_id: int
   eos_id: int | None
   eot_id: int | None
@@ -197,8 +202,9 @@ def _confidence_dtype(static: _Static, params) -> Any:
   return jnp.float32
 
 
-def _denoise(static: _Static, params, logits, uncond_logits, x_win, schedule_now, block_end, key):
-  """One step's sampling and transfer on the window: logits [B, W, V], x_win [B, W] -> new x_win."""
+def _denoise(static: _Static, params, logits, uncond_logits, x_win, window_start, schedule_now, block_end, key):
+  """One step's sampling and transfer on the window [window_start, window_start + W): logits [B, W, V],
+  x_win [B, W] -> new x_win."""
   o = static.options
   if o.cfg_scale > 0:
     logits = uncond_logits + (o.cfg_scale + 1.0) * (logits - uncond_logits)
@@ -219,7 +225,7 @@ def _denoise(static: _Static, params, logits, uncond_logits, x_win, schedule_now
     x0_p = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
   else:
     x0_p = jax.random.uniform(random_key, x0.shape, jnp.float32)
-  position = static.window_start + jnp.arange(x_win.shape[1])
+  position = window_start + jnp.arange(x_win.shape[1])
   x0_p = jnp.where(position[None, :] >= block_end, -jnp.inf, x0_p)
   masked = x_win == static.mask_id
   x0 = jnp.where(masked, x0, x_win)
@@ -269,10 +275,13 @@ def _step(static: _Static, params, consts, carry, i):
       uncond = jnp.where(consts["prompt_index"], mask_id, x)
     logits, uncond_logits, stats, sinks, istate, _ = static.caller(
         params, x, i, carry["istate"], base_bias=consts["cond_bias"], uncond_tokens=uncond,
-        uncond_base_bias=consts["uncond_bias"], valid_keys=consts["valid_keys"])
-    x_win = x[:, static.window_start:]
-    x_win = _denoise(static, params, logits, uncond_logits, x_win, schedule[:, s], block_start + o.block, step_key)
-    return x.at[:, static.window_start:].set(x_win), istate, stats, sinks
+        uncond_base_bias=consts["uncond_bias"], valid_keys=consts["valid_keys"],
+        logits_offset=block * o.block if static.block_window else 0)
+    window_start = block_start if static.block_window else 0
+    x_win = jax.lax.dynamic_slice_in_dim(x, window_start, logits.shape[1], axis=1)
+    x_win = _denoise(static, params, logits, uncond_logits, x_win, window_start, schedule[:, s],
+                     block_start + o.block, step_key)
+    return jax.lax.dynamic_update_slice_in_dim(x, x_win, window_start, axis=1), istate, stats, sinks
 
   if o.stop_token_id is None:
     new_x, istate, stats, sinks = compute(None)
@@ -361,11 +370,12 @@ def generate(
   mask_id, eos_id, eot_id = _special_ids(config, options)
   b, lp = prompt.shape
   total = lp + options.gen_length
-  window_start = 0 if bool(np.any(np.asarray(prompt) == mask_id)) else lp
+  block_window = not bool(np.any(np.asarray(prompt) == mask_id))
   plan = make_plan(config, stats_spec, intervention, sink_top_k)
   caller = ModelCaller(config=config, plan=plan, intervention=intervention, mask_id=mask_id, gen_start=lp,
-                       logits_window=(window_start, total), attention_impl=attention_impl, query_chunk=query_chunk)
-  static = _Static(config=config, options=options, caller=caller, prompt_length=lp, window_start=window_start,
+                       logits_window=(lp, lp + options.block) if block_window else (0, total),
+                       attention_impl=attention_impl, query_chunk=query_chunk)
+  static = _Static(config=config, options=options, caller=caller, prompt_length=lp, block_window=block_window,
                    mask_id=mask_id, eos_id=eos_id, eot_id=eot_id,
                    confidence_dtype=options.confidence_dtype or "model")
   canvas = jnp.concatenate([prompt, jnp.full((b, options.gen_length), mask_id, jnp.int32)], axis=1)
