@@ -33,7 +33,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import Mesh
 
 from dlm_jax import sharding

@@ -28,7 +28,6 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-
 from jax.sharding import Mesh
 
 from dlm_jax import distributed, sharding
