@@ -32,8 +32,8 @@ from jax.sharding import Mesh
 
 from dlm_jax import distributed, sharding
 from dlm_jax.config import ModelConfig
-from dlm_jax.training import (Objective, SinkTokenSpec, as_prng_key, init_train_state, loss_fn, make_optimizer, make_train_step,
-                              step_key, train_state_shardings)
+from dlm_jax.training import (Objective, SinkTokenSpec, as_prng_key, init_train_state, loss_fn, make_optimizer,
+                              make_train_step, step_key, train_state_shardings)
 from dlm_jax.training_data import Examples, batch_indices
 
 
@@ -200,7 +200,9 @@ def train(model_config: ModelConfig, train_config: TrainConfig, examples: Exampl
   step = int(state["step"])
   end = tc.steps if stop_after is None else min(tc.steps, stop_after)
   metrics, step_metrics, stopped_early = {}, None, False
-  metrics_file = None if run_dir is None or not primary else open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+  metrics_file = None
+  if run_dir is not None and primary:
+    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
   last_log_time, last_log_step = time.time(), step
   try:
     with _StopFlag() as stop:
@@ -245,9 +247,7 @@ def evaluate_loss(model_config: ModelConfig, train_config: TrainConfig, params: 
   if mesh is not None:
     sharding.check_batch(train_config.batch_size, mesh)
     params = sharding.put_host(params, sharding.param_shardings(model_config, mesh, params))
-  losses = []
-  for i in range(n_batches):
-    losses.append(float(fn(params, *_step_inputs(examples, probe, i, mesh))))
+  losses = [float(fn(params, *_step_inputs(examples, probe, i, mesh))) for i in range(n_batches)]
   return float(np.mean(losses))
 
 
