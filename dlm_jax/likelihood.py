@@ -135,8 +135,7 @@ def _placer(mesh: Mesh | None, batch_size: int):
   sharding.check_batch(batch_size, mesh)
 
   def place(array, rows=False):
-    layout = sharding.batch_sharding(mesh, np.ndim(array)) if rows else sharding.replicated(mesh)
-    return sharding.put_host(np.asarray(array), layout)
+    return sharding.put_rows(array, mesh) if rows else sharding.put_host(array, sharding.replicated(mesh))
 
   return place
 

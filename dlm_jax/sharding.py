@@ -180,6 +180,13 @@ def put_host(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(put, tree, shardings)
 
 
+def put_rows(tree: Any, mesh: Mesh, rules: ShardingRules = ShardingRules()) -> Any:
+  """`put_host` of [B, ...] host arrays with the batch axis sharded over the batch mesh axes (B must divide)."""
+  for leaf in jax.tree.leaves(tree):
+    check_batch(np.shape(leaf)[0], mesh, rules)
+  return jax.tree.map(lambda leaf: put_host(leaf, batch_sharding(mesh, np.ndim(leaf), rules)), tree)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   """The fully replicated sharding on `mesh`."""
   return NamedSharding(mesh, PartitionSpec())

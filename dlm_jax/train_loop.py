@@ -163,7 +163,7 @@ def _step_inputs(examples: Examples, tc: TrainConfig, step: int, mesh: Mesh | No
   key = step_key(tc.seed, step)
   if mesh is None:
     return batch, key
-  return (sharding.put_host(batch, sharding.batch_sharding(mesh, 2)),
+  return (sharding.put_rows(batch, mesh),
           sharding.put_host(np.asarray(jax.random.key_data(key)), sharding.replicated(mesh)))
 
 

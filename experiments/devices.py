@@ -68,11 +68,9 @@ def init_runtime() -> Runtime:
 def place_batch(array: Any, runtime: Runtime) -> jax.Array:
   """A host [B, ...] array as a global array, batch axis sharded over (data, fsdp) on the mesh (every
   process passes the same full batch; each device reads its rows)."""
-  host = np.asarray(array)
   if runtime.mesh is None:
-    return jnp.asarray(host)
-  sharding.check_batch(host.shape[0], runtime.mesh)
-  return sharding.put_host(host, sharding.batch_sharding(runtime.mesh, host.ndim))
+    return jnp.asarray(np.asarray(array))
+  return sharding.put_rows(array, runtime.mesh)
 
 
 def replicate(tree: Any, runtime: Runtime) -> Any:
