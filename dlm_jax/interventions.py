@@ -6,30 +6,31 @@ pytree carried through the sampler loop, so one compiled program serves every co
 of a sampler (or of `intervened_forward`, the plain forward) does:
 
     context = CallContext(step=i, tokens=canvas)   # KV cache: also query_offset=offset, query_length=T
+    record = intervention.record(state)                      # optional: what this call will apply
     bias = intervention.bias(state, context)                 # AttentionBias for this call
     weights = intervention.query_weights(state, context)     # None, or [B, Q, T] (see below)
-    output = forward(params, canvas, **bias.forward_kwargs(), query_weights=weights,   # or forward_cached
-                     stats_spec=merge_stats_specs(recorded_spec, intervention.required_stats(config)))
+    output = forward(params, canvas, bias=bias, query_weights=weights,   # cache=... for KV-cached calls
+                     stats_spec=merge_specs(recorded_spec, intervention.required_stats(config)))
     state = intervention.update(state, output, context)      # e.g. remember this call's sinks
 
 Protocol (every method has a do-nothing default in `Intervention`):
   required_stats(config) -> StatsSpec: the statistics `update` reads. If its `query_groups` Q > 0 the
     sampler must pass `query_weights(state, context)` ([B, Q, T]) to the forward; combine it with the
-    statistics a sampler records itself through `merge_stats_specs` (it raises on a conflict).
+    statistics a sampler records itself through `dlm_jax.stats.merge_specs` (it raises on a conflict).
+    The statistics it receives have the library's one layout ([L', B, Q, N', S], `dlm_jax.stats`).
   init_state(config, batch_size, seq_len) -> pytree: initial state for [batch_size, seq_len] canvases
     (seq_len = the KV-cache length S for cached decoding).
   bias(state, context) -> AttentionBias: additive biases [… T|1, S] for this call, with T =
     `context.n_queries` (S unless the sampler sets query_length; a sampler that leaves it unset and feeds
     fewer queries slices the query axis of a pairwise bias itself). Masks use
     `dlm_jax.attention.MASK_VALUE` (finite: no NaN even when a row loses every key; such a row becomes
-    uniform over all keys). A leading [L] axis gives every layer its own bias.
+    uniform over all keys). Its per-layer flags give every layer its own bias.
   query_weights(state, context) -> [B, Q, T] or None: query-group weights for the statistics.
   update(state, output, context) -> state: called once after every model call with its `ForwardOutput`.
-Samplers should pass biases with `**bias.forward_kwargs()`, so that a field the model gains later (the
-zero-value key mask, `AttentionBias.zero_values`) is passed on or refused, never dropped silently.
-`update` must run exactly once per model call (with CFG: on the conditional half's statistics). To record
-what an intervention masked at a call, record its state *before* the call (for the sink maskers,
-`MaskPreviousSinks.masked_keys(state)`): the masks of call t are computed from the statistics of t−1.
+  record(state) -> pytree or None: what the next call applies, for a per-step record (the samplers stack
+    it into `Trace.intervention_record` when asked). The sink maskers record the keys they mask: the masks
+    of call t, computed from the statistics of call t−1.
+`update` must run exactly once per model call (with CFG: on the conditional half's statistics).
 
 Interventions here: `MaskKeys` (given keys, optionally per layer and head, optionally sparing each query's
 own key), `KeyPadding` (key padding or Dream's outer-product mask), `SinkToken` (the extra sink token of
@@ -52,48 +53,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from dlm_jax import sinks
-from dlm_jax.attention import MASK_VALUE
+from dlm_jax.attention import MASK_VALUE, NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
-from dlm_jax.stats import NO_STATS, ForwardOutput, StatsSpec
-
-
-@struct.dataclass
-class AttentionBias:
-  """What one model call adds to attention; every field may be None.
-
-  pairwise: [B|1, N|1, T|1, S] shared by all layers, or [L, B|1, N|1, T|1, S] per layer.
-  keys: [B|1, N|1, S] shared by all layers, or [L, B|1, N|1, S] per layer (broadcast over queries).
-  zero_values: [B|1, S] bool, True = that key's value vector is replaced by zeros in every layer (needs
-    the model's `zero_values` argument; see `forward_kwargs`).
-  Sums clamp at MASK_VALUE, so stacked masks stay finite.
-  """
-
-  pairwise: jax.Array | None = None
-  keys: jax.Array | None = None
-  zero_values: jax.Array | None = None
-
-  def __add__(self, other: AttentionBias) -> AttentionBias:
-    zero_values = self.zero_values
-    if zero_values is None or other.zero_values is None:
-      zero_values = other.zero_values if zero_values is None else zero_values
-    else:
-      zero_values = zero_values | other.zero_values
-    return AttentionBias(pairwise=_add(self.pairwise, other.pairwise), keys=_add(self.keys, other.keys),
-                         zero_values=zero_values)
-
-  def forward_kwargs(self) -> dict[str, jax.Array | None]:
-    """Keyword arguments for `dlm_jax.model.forward` / `forward_cached`."""
-    kwargs = {"pairwise_bias": self.pairwise, "key_bias": self.keys}
-    if self.zero_values is not None:
-      kwargs["zero_values"] = self.zero_values
-    return kwargs
-
-
-def _add(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
-  """Sum of two broadcastable biases, clamped at MASK_VALUE; a per-layer bias broadcasts the other."""
-  if a is None or b is None:
-    return b if a is None else a
-  return jnp.maximum(a + b, MASK_VALUE)
+from dlm_jax.stats import NO_STATS, ForwardOutput, StatsSpec, merge_specs
 
 
 @struct.dataclass
@@ -139,7 +101,7 @@ class Intervention:
 
   def bias(self, state: Any, context: CallContext) -> AttentionBias:
     del state, context
-    return AttentionBias()
+    return NO_BIAS
 
   def query_weights(self, state: Any, context: CallContext) -> jax.Array | None:
     """[B, Q, T] query-group weights to pass to the forward when required_stats().query_groups = Q > 0."""
@@ -150,21 +112,13 @@ class Intervention:
     del output, context
     return state
 
+  def record(self, state: Any) -> Any:
+    """Per-call record of what the next call applies (a pytree of arrays), or None for nothing."""
+    del state
+    return None
+
 
 NO_INTERVENTION = Intervention()
-
-
-def merge_stats_specs(a: StatsSpec, b: StatsSpec) -> StatsSpec:
-  """One StatsSpec giving what both ask for: value norms if either does; incoming attention if either
-  does, in which case the two must agree on per_head, layers and query_groups (else ValueError)."""
-  if not (a.incoming_attention and b.incoming_attention):
-    incoming = a if a.incoming_attention else b
-  elif (a.per_head, a.layers, a.query_groups) == (b.per_head, b.layers, b.query_groups):
-    incoming = a
-  else:
-    raise ValueError(f"Incompatible incoming-attention statistics {a} and {b}: ask for the same per_head, "
-                     "layers and query_groups (e.g. record the ones the intervention needs).")
-  return dataclasses.replace(incoming, value_norms=a.value_norms or b.value_norms)
 
 
 def intervened_forward(params: Any, tokens: jax.Array, intervention: Intervention, state: Any, *,
@@ -181,9 +135,9 @@ def intervened_forward(params: Any, tokens: jax.Array, intervention: Interventio
   weights = intervention.query_weights(state, context)
   if weights is None:
     weights = forward_kwargs.pop("query_weights", None)
-  spec = merge_stats_specs(stats_spec, intervention.required_stats(config))
+  spec = merge_specs(stats_spec, intervention.required_stats(config))
   output = forward(params, tokens, config=config, stats_spec=spec, query_weights=weights,
-                   **intervention.bias(state, context).forward_kwargs(), **forward_kwargs)
+                   bias=intervention.bias(state, context), **forward_kwargs)
   return output, intervention.update(state, output, context)
 
 
@@ -191,21 +145,26 @@ def intervened_forward(params: Any, tokens: jax.Array, intervention: Interventio
 # Bias builders (pure functions)
 
 
-def key_mask_bias(masked: jax.Array) -> AttentionBias:
-  """Key bias removing keys: masked [B, S] (all layers and heads) or [L, B, N, S] bool, True = masked."""
+def key_mask_bias(masked: jax.Array, per_layer_head: bool = False) -> AttentionBias:
+  """Key bias removing keys, True = masked: masked [B, S] (all layers and heads), or [L, B, N, S] per layer
+  and head when `per_layer_head`."""
   values = jnp.where(masked, MASK_VALUE, 0.0).astype(jnp.float32)
-  return AttentionBias(keys=values[:, None, :] if masked.ndim == 2 else values)
+  if per_layer_head:
+    return AttentionBias(keys=values, keys_per_layer=True)
+  return AttentionBias(keys=values[:, None, :])
 
 
-def spare_self_bias(masked: jax.Array, query_index: jax.Array) -> AttentionBias:
+def spare_self_bias(masked: jax.Array, query_index: jax.Array, per_layer_head: bool = False) -> AttentionBias:
   """Pairwise bias removing the masked keys from every query except the key at the query's own position.
 
-  masked: [B, S] or [L, B, N, S] bool; query_index: [T]. Returns pairwise [B, 1, T, S] or [L, B, N, T, S].
+  masked: [B, S], or [L, B, N, S] when `per_layer_head`; query_index: [T]. Returns pairwise [B, 1, T, S]
+  or per layer [L, B, N, T, S].
   """
   own = query_index[:, None] == jnp.arange(masked.shape[-1])[None, :]
-  if masked.ndim == 2:
+  if not per_layer_head:
     masked = masked[:, None]
-  return AttentionBias(pairwise=jnp.where(masked[..., None, :] & ~own, MASK_VALUE, 0.0).astype(jnp.float32))
+  pairwise = jnp.where(masked[..., None, :] & ~own, MASK_VALUE, 0.0).astype(jnp.float32)
+  return AttentionBias(pairwise=pairwise, pairwise_per_layer=per_layer_head)
 
 
 def padding_bias(valid: jax.Array, outer: bool = False, query_index: jax.Array | None = None) -> AttentionBias:
@@ -267,8 +226,12 @@ class MaskKeys(Intervention):
 
   def bias(self, state: jax.Array, context: CallContext) -> AttentionBias:
     if self.spare_self:
-      return spare_self_bias(state, context.query_index)
-    return key_mask_bias(state)
+      return spare_self_bias(state, context.query_index, self.per_layer_head)
+    return key_mask_bias(state, self.per_layer_head)
+
+  def record(self, state: jax.Array) -> jax.Array:
+    """The masked keys of the call: [B, S] or [L, B, N, S] bool."""
+    return state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,20 +381,25 @@ class MaskPreviousSinks(Intervention):
 
   @staticmethod
   def masked_keys(state: PreviousSinksState) -> jax.Array:
-    """The keys the next call masks: [L, B, N, S] or [B, S] bool (record this per step in a trace)."""
+    """The keys the next call masks: [L, B, N, S] or [B, S] bool (what `record` returns)."""
     return state.masked
 
   def bias(self, state: PreviousSinksState, context: CallContext) -> AttentionBias:
     if self.spare_self:
-      return spare_self_bias(state.masked, context.query_index)
-    return key_mask_bias(state.masked)
+      return spare_self_bias(state.masked, context.query_index, self.per_head)
+    return key_mask_bias(state.masked, self.per_head)
+
+  def record(self, state: PreviousSinksState) -> jax.Array:
+    """The keys masked at the call: [L, B, N, S] per (layer, head), or [B, S] when global."""
+    return state.masked
 
   def _scores(self, output: ForwardOutput) -> jax.Array:
-    """Per-key sink scores of the call: [L, B, N, S] per head, [B, S] global."""
-    if output.incoming_attention is None or output.incoming_attention.ndim != 4:
-      raise ValueError("MaskPreviousSinks needs per-head incoming attention [L, B, N, S] of every layer; "
-                       "call the forward with intervention.required_stats(config).")
-    incoming = output.incoming_attention
+    """Per-key sink scores of the call from its [L, B, 1, N, S] incoming attention: [L, B, N, S] per head,
+    [B, S] global."""
+    if output.incoming_attention is None:
+      raise ValueError(f"{type(self).__name__} needs per-head incoming attention of every layer; call the "
+                       "forward with intervention.required_stats(config).")
+    incoming = output.incoming_attention[:, :, 0]
     return incoming if self.per_head else incoming.mean(axis=(0, 2))
 
   def update(self, state: PreviousSinksState, output: ForwardOutput, context: CallContext) -> PreviousSinksState:
@@ -480,15 +448,6 @@ class MaskPreviousSinksAR(MaskPreviousSinks):
     b, t = context.tokens.shape[0], context.n_queries
     return jnp.broadcast_to(jax.nn.one_hot(t - 1, t, dtype=jnp.float32), (b, 1, t))
 
-  def _scores(self, output: ForwardOutput) -> jax.Array:
-    """[L, B, 1, N, S] (one query group) or [L, B, N, S] incoming attention -> per-key scores."""
-    incoming = output.incoming_attention
-    if incoming is None or incoming.ndim not in (4, 5) or (incoming.ndim == 5 and incoming.shape[2] != 1):
-      raise ValueError("MaskPreviousSinksAR needs per-head incoming attention of every layer, [L, B, 1, N, S] "
-                       "with its query_weights or [L, B, N, S]: call the forward with required_stats(config).")
-    row = incoming[:, :, 0] if incoming.ndim == 5 else incoming
-    return row if self.per_head else row.mean(axis=(0, 2))
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Composition
@@ -504,14 +463,14 @@ class Compose(Intervention):
   def required_stats(self, config: ModelConfig) -> StatsSpec:
     spec = NO_STATS
     for part in self.parts:
-      spec = merge_stats_specs(spec, part.required_stats(config))
+      spec = merge_specs(spec, part.required_stats(config))
     return spec
 
   def init_state(self, config: ModelConfig, batch_size: int, seq_len: int) -> tuple[Any, ...]:
     return tuple(p.init_state(config, batch_size, seq_len) for p in self.parts)
 
   def bias(self, state: tuple[Any, ...], context: CallContext) -> AttentionBias:
-    total = AttentionBias()
+    total = NO_BIAS
     for part, part_state in zip(self.parts, state):
       total = total + part.bias(part_state, context)
     return total
@@ -524,3 +483,8 @@ class Compose(Intervention):
 
   def update(self, state: tuple[Any, ...], output: ForwardOutput, context: CallContext) -> tuple[Any, ...]:
     return tuple(p.update(s, output, context) for p, s in zip(self.parts, state))
+
+  def record(self, state: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The parts' records, in `parts` order (None for a part that records nothing); None if none does."""
+    records = tuple(p.record(s) for p, s in zip(self.parts, state))
+    return None if all(r is None for r in records) else records

@@ -7,15 +7,10 @@ The L blocks are stored stacked (every block parameter has a leading [L] axis) a
 so compile time does not grow with depth. Public functions take the params as a pure nested dict
 (`init_params`, `forward`); the NNX modules are rebuilt from it inside the traced function.
 
-Parameter tree (flat names joined with "." are the tensor names of converted checkpoints):
-  embed.embedding [V, D]
-  blocks.attn_norm.weight [L, D]
-  blocks.attn.{q,k,v}.kernel [L, D, N·H | K·H | K·H]   (+ .bias [L, ·] when qkv_bias)
-  blocks.attn.o.kernel [L, N·H, D]
-  blocks.mlp_norm.weight [L, D]
-  blocks.mlp.{gate,up}.kernel [L, D, F];  blocks.mlp.down.kernel [L, F, D]
-  final_norm.weight [D]
-  lm_head.kernel [D, V]   (absent when tied_embeddings)
+Parameter tree: `PARAM_AXES` below lists every tensor by flat name (the names joined with "." are the
+tensor names of converted checkpoints) with its logical axes, which `dlm_jax.sharding` maps to mesh axes.
+Logical axis sizes: layers L, vocab V, embed D, heads N·H, kv_heads K·H, mlp F. The q/k/v biases exist
+only when `qkv_bias`; `lm_head.kernel` is absent when `tied_embeddings`.
 """
 
 from __future__ import annotations
@@ -26,14 +21,34 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
-from dlm_jax.attention import AttentionImpl, attention
+from dlm_jax.attention import NO_BIAS, AttentionBias, AttentionImpl, attention
 from dlm_jax.config import ModelConfig
 from dlm_jax.rope import apply_rope, rope_tables
 from dlm_jax.stats import NO_STATS, ForwardOutput, StatsSpec
 
 Params = dict[str, Any]
+
+PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed.embedding": ("vocab", "embed"),
+    "blocks.attn_norm.weight": ("layers", None),
+    "blocks.attn.q.kernel": ("layers", "embed", "heads"),
+    "blocks.attn.q.bias": ("layers", "heads"),
+    "blocks.attn.k.kernel": ("layers", "embed", "kv_heads"),
+    "blocks.attn.k.bias": ("layers", "kv_heads"),
+    "blocks.attn.v.kernel": ("layers", "embed", "kv_heads"),
+    "blocks.attn.v.bias": ("layers", "kv_heads"),
+    "blocks.attn.o.kernel": ("layers", "heads", "embed"),
+    "blocks.mlp_norm.weight": ("layers", None),
+    "blocks.mlp.gate.kernel": ("layers", "embed", "mlp"),
+    "blocks.mlp.up.kernel": ("layers", "embed", "mlp"),
+    "blocks.mlp.down.kernel": ("layers", "mlp", "embed"),
+    "final_norm.weight": (None,),
+    "lm_head.kernel": ("embed", "vocab"),
+}
+"""Logical axes of every parameter (flat name -> one name per dimension; None = never sharded)."""
 
 
 @struct.dataclass
@@ -155,39 +170,69 @@ class Transformer(nnx.Module):
     if not config.tied_embeddings:
       self.lm_head = _linear(config.d_model, config.vocab_size, False, rngs, dtype)
 
-  def __call__(self, tokens, positions, *, pairwise_bias, key_bias, query_weights, stats_spec, logits_window,
-               logits_offset, impl, query_chunk, cache, cache_offset,
-               zero_values) -> tuple[ForwardOutput, KVCache | None]:
-    """See `forward`; biases with a leading [L] axis are applied layer by layer."""
+  def __call__(self, tokens, positions, *, bias: AttentionBias, query_weights, stats_spec: StatsSpec,
+               logits_window, logits_offset, impl, query_chunk, cache: KVCache | None,
+               cache_offset) -> ForwardOutput:
+    """See `forward`. Statistics are computed only in the layers `stats_spec` asks for."""
     c = self.config
     x = self.embed(tokens)
     cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
     per_layer = {}
-    if pairwise_bias is not None and pairwise_bias.ndim == 5:
-      per_layer["pairwise_bias"] = pairwise_bias
-    if key_bias is not None and key_bias.ndim == 4:
-      per_layer["key_bias"] = key_bias
-    shared = dict(pairwise_bias=pairwise_bias, key_bias=key_bias)
-    shared = {name: value for name, value in shared.items() if name not in per_layer}
+    if bias.pairwise_per_layer:
+      per_layer["pairwise_bias"] = bias.pairwise
+    if bias.keys_per_layer:
+      per_layer["key_bias"] = bias.keys
+    shared = {"pairwise_bias": None if bias.pairwise_per_layer else bias.pairwise,
+              "key_bias": None if bias.keys_per_layer else bias.keys}
     block_graph, block_state = nnx.split(self.blocks)
     layer_cache = None if cache is None else (cache.keys, cache.values)
+    wanted = stats_spec.enabled
+    slots = None
+    if wanted and stats_spec.layers is not None:
+      slot_of_layer = np.full((c.n_layers,), -1, np.int32)
+      slot_of_layer[list(stats_spec.layers)] = np.arange(len(stats_spec.layers), dtype=np.int32)
+      slots = jnp.asarray(slot_of_layer)
 
-    def layer(h, xs):
-      state, layer_biases, kv_cache = xs
-      block = nnx.merge(block_graph, state)
+    def run_block(block, h, kv_cache, layer_biases, with_stats):
       h, incoming, (keys, values) = block(
-          h, cos, sin, query_weights=query_weights, with_incoming=stats_spec.incoming_attention, impl=impl,
-          query_chunk=query_chunk, cache=kv_cache, cache_offset=cache_offset, zero_values=zero_values, **shared,
-          **layer_biases)
-      stats = {"cache": (keys, values)} if kv_cache is not None else {}
-      if stats_spec.incoming_attention:
-        stats["incoming"] = incoming if stats_spec.per_head else jnp.mean(incoming, axis=2)
-      if stats_spec.value_norms:
+          h, cos, sin, query_weights=query_weights, with_incoming=with_stats and stats_spec.incoming_attention,
+          impl=impl, query_chunk=query_chunk, cache=kv_cache, cache_offset=cache_offset,
+          zero_values=bias.zero_values, **shared, **layer_biases)
+      stats = {}
+      if with_stats and stats_spec.incoming_attention:
+        stats["incoming_attention"] = incoming if stats_spec.per_head else jnp.mean(incoming, axis=2, keepdims=True)
+      if with_stats and stats_spec.value_norms:
         stats["value_norms"] = jnp.linalg.norm(values.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
-      return h, stats
+      return h, (keys, values), stats
 
-    x, stats = jax.lax.scan(layer, x, (block_state, per_layer, layer_cache))
-    new_cache = None if cache is None else KVCache(*stats.pop("cache"))
+    def layer(carry, xs):
+      h, buffers = carry
+      state, layer_biases, kv_cache, slot = xs
+      block = nnx.merge(block_graph, state)
+      if slots is None:
+        h, kv, stats = run_block(block, h, kv_cache, layer_biases, wanted)
+        return (h, buffers), {**stats, **({} if kv_cache is None else {"cache": kv})}
+
+      def with_stats(h, buffers):
+        h, kv, stats = run_block(block, h, kv_cache, layer_biases, True)
+        return h, kv, {name: jax.lax.dynamic_update_index_in_dim(buffers[name], stats[name], slot, 0)
+                       for name in buffers}
+
+      def without_stats(h, buffers):
+        h, kv, _ = run_block(block, h, kv_cache, layer_biases, False)
+        return h, kv, buffers
+
+      h, kv, buffers = jax.lax.cond(slot >= 0, with_stats, without_stats, h, buffers)
+      return (h, buffers), ({} if kv_cache is None else {"cache": kv})
+
+    buffers = {}
+    if slots is not None:
+      buffers = _stat_buffers(c, stats_spec, tokens.shape[0], x.shape[1] if cache is None else cache.keys.shape[2],
+                              query_weights)
+    layer_slots = jnp.zeros((c.n_layers,), jnp.int32) if slots is None else slots
+    (x, buffers), ys = jax.lax.scan(layer, (x, buffers), (block_state, per_layer, layer_cache, layer_slots))
+    new_cache = None if cache is None else KVCache(*ys.pop("cache"))
+    stats = buffers if slots is not None else ys
     if logits_window is not None:
       start, stop = logits_window
       if isinstance(logits_offset, int) and logits_offset == 0:
@@ -197,23 +242,21 @@ class Transformer(nnx.Module):
     x = self.final_norm(x)
     head = self.embed.embedding[...].T if c.tied_embeddings else self.lm_head.kernel[...]
     logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
-    return ForwardOutput(logits=logits, **_select_stats(stats, stats_spec)), new_cache
+    return ForwardOutput(logits=logits, incoming_attention=stats.get("incoming_attention"),
+                         value_norms=stats.get("value_norms"), cache=new_cache)
 
 
-def _select_stats(stats: dict[str, jax.Array], spec: StatsSpec) -> dict[str, jax.Array]:
-  """Applies the layer subset and drops the singleton query-group axis when no groups were asked for."""
-  selected = {}
-  if "incoming" in stats:
-    incoming = stats["incoming"]
-    if spec.query_groups == 0:
-      incoming = incoming[:, :, 0]
-    selected["incoming_attention"] = incoming
-  if "value_norms" in stats:
-    selected["value_norms"] = stats["value_norms"]
-  if spec.layers is not None:
-    index = jnp.asarray(spec.layers)
-    selected = {name: value[index] for name, value in selected.items()}
-  return selected
+def _stat_buffers(config: ModelConfig, spec: StatsSpec, batch: int, n_keys: int, query_weights) -> dict:
+  """Zero buffers [L', B, Q, N', S] / [L', B, K, S] filled layer by layer when a layer subset is asked for."""
+  n = len(spec.layers)
+  buffers = {}
+  if spec.incoming_attention:
+    groups = 1 if query_weights is None else query_weights.shape[1]
+    heads = config.n_heads if spec.per_head else 1
+    buffers["incoming_attention"] = jnp.zeros((n, batch, groups, heads, n_keys), jnp.float32)
+  if spec.value_norms:
+    buffers["value_norms"] = jnp.zeros((n, batch, config.n_kv_heads, n_keys), jnp.float32)
+  return buffers
 
 
 @functools.lru_cache(maxsize=64)
@@ -256,22 +299,21 @@ def unflatten_params(flat: dict[str, Any]) -> Params:
   return params
 
 
-def _check_inputs(config, tokens, positions, pairwise_bias, key_bias, query_weights, stats_spec, logits_window):
+def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache):
   if tokens.ndim != 2:
     raise ValueError(f"tokens must be [B, T] integer ids, got shape {tokens.shape}.")
   b, t = tokens.shape
   if positions is not None and positions.shape != (b, t):
     raise ValueError(f"positions must have the tokens' shape [B, T] = {(b, t)}, got {positions.shape}.")
-  n_layers = config.n_layers
-  if pairwise_bias is not None and pairwise_bias.ndim not in (4, 5):
-    raise ValueError(f"pairwise_bias must be [B|1, N|1, T|1, S] or per layer [L, ...], got {pairwise_bias.shape}.")
-  if pairwise_bias is not None and pairwise_bias.ndim == 5 and pairwise_bias.shape[0] != n_layers:
-    raise ValueError(f"per-layer pairwise_bias needs a leading axis of {n_layers} layers, got {pairwise_bias.shape}.")
-  if key_bias is not None and key_bias.ndim not in (3, 4):
-    raise ValueError(f"key_bias must be [B|1, N|1, S] or per layer [L, B|1, N|1, S], got {key_bias.shape}.")
-  if key_bias is not None and key_bias.ndim == 4 and key_bias.shape[0] != n_layers:
-    raise ValueError(f"per-layer key_bias needs a leading axis of {n_layers} layers, got {key_bias.shape}.")
-  stats_spec.check_layers(n_layers)
+  n_keys = t
+  if cache is not None:
+    expected = (config.n_layers, b, cache.keys.shape[2], config.n_kv_heads, config.head_dim)
+    if cache.keys.shape != expected or cache.values.shape != expected:
+      raise ValueError(f"cache keys and values must be [L, B, S, K, H] = {expected}, got {cache.keys.shape} "
+                       f"and {cache.values.shape}.")
+    n_keys = cache.keys.shape[2]
+  bias.check(n_layers=config.n_layers, batch=b, n_heads=config.n_heads, n_queries=t, n_keys=n_keys)
+  stats_spec.check_layers(config.n_layers)
   if stats_spec.query_groups and (query_weights is None or query_weights.shape[1] != stats_spec.query_groups):
     got = None if query_weights is None else query_weights.shape
     raise ValueError(f"StatsSpec.query_groups={stats_spec.query_groups} needs query_weights of shape "
@@ -290,18 +332,18 @@ def forward(
     tokens: jax.Array,
     *,
     config: ModelConfig,
+    bias: AttentionBias = NO_BIAS,
     positions: jax.Array | None = None,
-    pairwise_bias: jax.Array | None = None,
-    key_bias: jax.Array | None = None,
     query_weights: jax.Array | None = None,
     stats_spec: StatsSpec = NO_STATS,
     logits_window: tuple[int, int] | None = None,
     logits_offset: jax.Array | int = 0,
     attention_impl: AttentionImpl = "chunked",
     query_chunk: int = 128,
-    zero_values: jax.Array | None = None,
+    cache: KVCache | None = None,
+    cache_offset: jax.Array | int = 0,
 ) -> ForwardOutput:
-  """Pure forward pass of the Transformer described by `config`.
+  """Pure forward pass of the Transformer described by `config`: full, windowed or KV-cached.
 
   Jit it with `config`, `stats_spec`, `logits_window`, `attention_impl` and `query_chunk` static.
 
@@ -309,68 +351,34 @@ def forward(
     params: parameter tree from `init_params` or `dlm_jax.checkpoint`.
     tokens: [B, T] int token ids.
     config: the model configuration (static).
-    positions: [B, T] int RoPE positions; default 0..T-1 in every row.
-    pairwise_bias: additive attention bias [B|1, N|1, T|1, T] shared by all layers, or [L, B|1, N|1, T|1, T]
-      per layer. Use `dlm_jax.attention.MASK_VALUE` to remove a key.
-    key_bias: additive per-key bias [B|1, N|1, T] (or [L, B|1, N|1, T] per layer), broadcast over queries;
-      the memory-light way to mask keys (padding, sinks).
+    bias: `AttentionBias` added to the attention scores (key masks, pairwise masks, zero-value keys),
+      shared by all layers or per layer as its flags say. Its key axis S is T, or the cache length.
+    positions: [B, T] int RoPE positions; default 0..T-1 (cache_offset + 0..T-1 with a cache) in every row.
     query_weights: [B, Q, T] query-group weights for the statistics (see `StatsSpec.query_groups`).
     stats_spec: which statistics to return (static).
     logits_window: (start, stop) positions whose logits are computed; None computes all T.
     logits_offset: a traced int shifting the window to (start + offset, stop + offset), which must stay
       inside [0, T] (out-of-range offsets are clamped, as `lax.dynamic_slice` does); e.g. the current block
       of a semi-autoregressive sampler inside a compiled loop.
-    attention_impl: "chunked" (exact, O(N·chunk·T) memory) or "dense" (reference).
+    attention_impl: "chunked" (exact, O(N·chunk·S) memory), "dense" (reference) or "fused".
     query_chunk: queries per block in the chunked path.
-    zero_values: [B|1, T] bool; True key positions contribute a zero value vector in every layer (the
-      extra sink token's zero-value variant); their attention weights are unchanged.
+    cache: a `KVCache` ([L, B, S, K, H]); this call's keys and values are written at sequence positions
+      cache_offset..cache_offset+T-1 and the queries attend to all S cache positions (for a causal model
+      the causal mask hides the slots after each query, so unwritten slots are never seen). Biases and
+      statistics then address the S cache positions as keys; values zeroed by the bias are also zero in
+      the returned cache.
+    cache_offset: sequence index of the first token (scalar, may be traced); used with `cache`.
 
   Returns:
-    `ForwardOutput` with float32 logits [B, W, V] and the requested statistics.
+    `ForwardOutput`: float32 logits [B, W, V], the requested statistics in the layout of
+    `dlm_jax.stats.ForwardOutput` ([L', B, Q, N', S] incoming attention), and the updated cache (None
+    without a cache).
   """
-  _check_inputs(config, tokens, positions, pairwise_bias, key_bias, query_weights, stats_spec, logits_window)
+  _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache)
   if positions is None:
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    start = 0 if cache is None else cache_offset
+    positions = jnp.broadcast_to(start + jnp.arange(tokens.shape[1]), tokens.shape)
   model = nnx.merge(_graphdef(config), params)
-  output, _ = model(tokens, positions, pairwise_bias=pairwise_bias, key_bias=key_bias, query_weights=query_weights,
-                    stats_spec=stats_spec, logits_window=logits_window, logits_offset=logits_offset,
-                    impl=attention_impl, query_chunk=query_chunk, cache=None, cache_offset=0,
-                    zero_values=zero_values)
-  return output
-
-
-def forward_cached(
-    params: Params,
-    tokens: jax.Array,
-    cache: KVCache,
-    cache_offset: jax.Array | int,
-    *,
-    config: ModelConfig,
-    positions: jax.Array | None = None,
-    pairwise_bias: jax.Array | None = None,
-    key_bias: jax.Array | None = None,
-    query_weights: jax.Array | None = None,
-    stats_spec: StatsSpec = NO_STATS,
-    logits_window: tuple[int, int] | None = None,
-    logits_offset: jax.Array | int = 0,
-    attention_impl: AttentionImpl = "chunked",
-    query_chunk: int = 128,
-    zero_values: jax.Array | None = None,
-) -> tuple[ForwardOutput, KVCache]:
-  """`forward` for T new tokens written into a KV cache at sequence positions cache_offset..cache_offset+T-1.
-
-  The queries attend to all S = cache.keys.shape[2] cached positions (for a causal model, positions after
-  each query are hidden by the causal mask, so unwritten slots are never seen). Biases and statistics
-  address the S cache positions as keys: key_bias [B|1, N|1, S], pairwise_bias [B|1, N|1, T|1, S],
-  zero_values [B|1, S] (values zeroed there are also zero in the returned cache).
-  positions default to cache_offset + 0..T-1 in every row.
-
-  Returns the `ForwardOutput` (statistics over the S keys) and the updated cache.
-  """
-  _check_inputs(config, tokens, positions, pairwise_bias, key_bias, query_weights, stats_spec, logits_window)
-  if positions is None:
-    positions = jnp.broadcast_to(cache_offset + jnp.arange(tokens.shape[1]), tokens.shape)
-  model = nnx.merge(_graphdef(config), params)
-  return model(tokens, positions, pairwise_bias=pairwise_bias, key_bias=key_bias, query_weights=query_weights,
-               stats_spec=stats_spec, logits_window=logits_window, logits_offset=logits_offset, impl=attention_impl,
-               query_chunk=query_chunk, cache=cache, cache_offset=cache_offset, zero_values=zero_values)
+  return model(tokens, positions, bias=bias, query_weights=query_weights, stats_spec=stats_spec,
+               logits_window=logits_window, logits_offset=logits_offset, impl=attention_impl,
+               query_chunk=query_chunk, cache=cache, cache_offset=0 if cache is None else cache_offset)

@@ -1,9 +1,9 @@
 """Device meshes and logical-axis sharding rules for parameters and activations.
 
 The mesh has three axes: `data` (batch replicas), `fsdp` (batch and parameter shards, gathered per layer
-by XLA) and `tensor` (heads, MLP and vocabulary shards). Every parameter dimension carries a logical name
-(`vocab`, `embed`, `heads`, `kv_heads`, `mlp`, `layers`, or None = replicated) and a rule set maps logical
-names to mesh axes. Meshes use `AxisType.Auto`: shardings are placed on parameters and inputs and XLA's
+by XLA) and `tensor` (heads, MLP and vocabulary shards). Every parameter dimension carries a logical name,
+declared once next to the parameters (`dlm_jax.model.PARAM_AXES`: `vocab`, `embed`, `heads`, `kv_heads`,
+`mlp`, `layers`, or None = replicated), and a rule set maps logical names to mesh axes. Meshes use `AxisType.Auto`: shardings are placed on parameters and inputs and XLA's
 SPMD partitioner propagates them through the model (see BUILD.md for why not Explicit).
 """
 
@@ -19,28 +19,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.model import PARAM_AXES
 
 MESH_AXES = ("data", "fsdp", "tensor")
-
-# Logical axes of every parameter, by flat name (see dlm_jax.model for the tree).
-_PARAM_AXES: dict[str, tuple[str | None, ...]] = {
-    "embed.embedding": ("vocab", "embed"),
-    "blocks.attn_norm.weight": ("layers", None),
-    "blocks.attn.q.kernel": ("layers", "embed", "heads"),
-    "blocks.attn.q.bias": ("layers", "heads"),
-    "blocks.attn.k.kernel": ("layers", "embed", "kv_heads"),
-    "blocks.attn.k.bias": ("layers", "kv_heads"),
-    "blocks.attn.v.kernel": ("layers", "embed", "kv_heads"),
-    "blocks.attn.v.bias": ("layers", "kv_heads"),
-    "blocks.attn.o.kernel": ("layers", "heads", "embed"),
-    "blocks.mlp_norm.weight": ("layers", None),
-    "blocks.mlp.gate.kernel": ("layers", "embed", "mlp"),
-    "blocks.mlp.up.kernel": ("layers", "embed", "mlp"),
-    "blocks.mlp.down.kernel": ("layers", "mlp", "embed"),
-    "final_norm.weight": (None,),
-    "lm_head.kernel": ("embed", "vocab"),
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
@@ -100,9 +81,9 @@ def param_logical_axes(params: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(node, Mapping):
       return {key: walk(value, f"{prefix}{key}.") for key, value in node.items()}
     name = prefix[:-1]
-    if name not in _PARAM_AXES:
-      raise ValueError(f"No sharding rule for parameter {name!r}; known: {sorted(_PARAM_AXES)}.")
-    return _PARAM_AXES[name]
+    if name not in PARAM_AXES:
+      raise ValueError(f"No sharding rule for parameter {name!r}; known: {sorted(PARAM_AXES)}.")
+    return PARAM_AXES[name]
 
   return walk(params, "")
 

@@ -1,16 +1,19 @@
-"""Compiled samplers, each one jitted program returning a `Trace`.
+"""Compiled samplers on one driver, each run one jitted program returning a `Trace`.
 
+  driver                     the one loop: prompt checks, canvas, statistics plan, model caller, runners
   llada.generate             LLaDA `generate`; MMaDA t2t / mmu / mmu_generate_fast via `llada.mmada_options`
   dream.diffusion_generate   Dream `diffusion_generate`
   autoregressive.generate    KV-cache decoding of the autoregressive baselines
+  padding                    left-padding validity, shifted positions and padding biases
+  selection                  top-k positions, logit filters, decode steps
   schedules                  LLaDA transfer counts, Dream timesteps (torch.linspace, bit for bit)
 """
 
-from dlm_jax.sampling import autoregressive, dream, llada, schedules
+from dlm_jax.sampling import autoregressive, driver, dream, llada, padding, schedules, selection
 from dlm_jax.sampling.autoregressive import AROptions
 from dlm_jax.sampling.dream import DreamOptions
 from dlm_jax.sampling.llada import LLaDAOptions, mmada_options
 from dlm_jax.sampling.trace import Trace
 
-__all__ = ["AROptions", "DreamOptions", "LLaDAOptions", "Trace", "autoregressive", "dream", "llada", "mmada_options",
-           "schedules"]
+__all__ = ["AROptions", "DreamOptions", "LLaDAOptions", "Trace", "autoregressive", "driver", "dream", "llada",
+           "mmada_options", "padding", "schedules", "selection"]

@@ -13,13 +13,14 @@ t = ts[i] and s = ts[i + 1]:
      step) and takes its sample;
      other algs: k = int(M̄·(1 − s/t)) (int(M̄) at the last step) with M̄ = masked count of the batch / B in
      float32, the same k for every row (it may be 0); the k most confident positions of each row
-     (confidence −inf where not masked; ties: lower index first) — or, with alg_temp > 0, k positions
+     (confidence −inf where not masked; ties, routine at temperature 0: lowest index first) — or, with alg_temp > 0, k positions
      drawn without replacement from softmax(confidence / alg_temp) (Gumbel top-k) — take x0. As in the
      original, a chosen position that was not masked (only when k exceeds a row's masked count) is set
      to the mask token.
 
-Left padding (`prompt_mask` given): positions are cumsum(mask) − 1 with pads at 1, and the attention
-mask is the boolean outer product mask(i) ∧ mask(j) (pad queries see nothing: finite uniform rows).
+Left padding (`prompt_mask` given; `dlm_jax.sampling.padding`): positions are cumsum(mask) − 1 with pads
+at 1, and the attention mask is the boolean outer product mask(i) ∧ mask(j) (pad queries see nothing:
+finite uniform rows).
 Without a prompt mask the model is fully bidirectional with positions 0..S−1, as the original's "full".
 
 The original's `generation_tokens_hook_func` / `generation_logits_hook_func` are not offered; attention-side
@@ -38,13 +39,13 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-from dlm_jax.attention import MASK_VALUE
 from dlm_jax.config import ModelConfig
-from dlm_jax.interventions import NO_INTERVENTION, AttentionBias, Intervention
-from dlm_jax.sampling.common import (TRACE_COUNTS, ModelCaller, filter_top_k, filter_top_p, make_plan,
-                                     select_top_k, stack_steps, update_decode_step)
+from dlm_jax.interventions import NO_INTERVENTION, Intervention
+from dlm_jax.sampling import driver, padding
 from dlm_jax.sampling.schedules import dream_transfer_count, dream_transfer_fractions
+from dlm_jax.sampling.selection import filter_top_k, filter_top_p, select_top_k, update_decode_step
 from dlm_jax.sampling.trace import Trace
 from dlm_jax.stats import NO_STATS, StatsSpec
 
@@ -130,92 +131,97 @@ def shift_logits(outputs: jax.Array, target_start: int) -> jax.Array:
   return jnp.concatenate([outputs[:, :1], outputs], axis=1)
 
 
+@struct.dataclass
+class DreamCarry:
+  """tokens [B, S]; key; decode_step [B, G]; nfe (scalar)."""
+
+  tokens: jax.Array
+  key: jax.Array
+  decode_step: jax.Array
+  nfe: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
-class _Static:
-  config: ModelConfig
+class DreamFamily(driver.Family):
+  """Dream's `diffusion_generate` (module docstring). infill: the prompt holds mask tokens, so the
+  logits of the whole canvas are needed (else those of the generation region only)."""
+
   options: DreamOptions
-  caller: ModelCaller
-  prompt_length: int
-  window_start: int
   mask_id: int
+  infill: bool
 
+  name = "dream"
+  min_prompt_length = 1
 
-def _constants(static: _Static, canvas, prompt_mask):
-  """Positions, the outer-product padding bias and the valid keys (loop invariants)."""
-  if prompt_mask is None:
-    return dict(positions=None, bias=AttentionBias(), valid_keys=jnp.ones(canvas.shape, bool))
-  gen = jnp.ones((canvas.shape[0], static.options.gen_length), bool)
-  mask = jnp.concatenate([prompt_mask.astype(bool), gen], axis=1)
-  positions = jnp.where(mask, jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 1)
-  pair = mask[:, :, None] & mask[:, None, :]
-  return dict(positions=positions, bias=AttentionBias(pairwise=jnp.where(pair, 0.0, MASK_VALUE)[:, None]),
-              valid_keys=mask)
+  @property
+  def gen_length(self) -> int:
+    return self.options.gen_length
 
+  @property
+  def n_steps(self) -> int:
+    return self.options.steps
 
-def _init_carry(static: _Static, canvas, key, istate):
-  b = canvas.shape[0]
-  return dict(x=canvas, key=key, decode_step=jnp.full((b, static.options.gen_length), -1, jnp.int32),
-              nfe=jnp.zeros((), jnp.int32), istate=istate)
+  @property
+  def fill_id(self) -> int:
+    return self.mask_id
 
+  @property
+  def query_mask_id(self) -> int:
+    return self.mask_id
 
-def _step(static: _Static, params, consts, carry, i):
-  """One Dream step: carry -> (carry, (stats, top_sinks))."""
-  o, mask_id, w0 = static.options, static.mask_id, static.window_start
-  x = carry["x"]
-  key, sample_key, select_key = jax.random.split(carry["key"], 3)
-  outputs, _, stats, sinks, istate, _ = static.caller(
-      params, x, i, carry["istate"], positions=consts["positions"], base_bias=consts["bias"],
-      valid_keys=consts["valid_keys"])
-  logits = shift_logits(outputs, w0)
-  x_win = x[:, w0:]
-  masked = x_win == mask_id
-  fraction = jnp.asarray(dream_transfer_fractions(o.steps, o.eps))[i]
-  sample = functools.partial(sample_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
-                             margin=o.alg == "topk_margin", neg_entropy=o.alg == "entropy")
-  confidence, x0 = sample(logits, sample_key)
-  if o.alg == "origin":
-    reveal = jax.random.uniform(select_key, masked.shape, jnp.float32) < fraction
-    x_win = jnp.where(masked & reveal, x0, x_win)
-  else:
-    k = dream_transfer_count(jnp.sum(masked), x.shape[0], fraction, i == o.steps - 1)
-    full_confidence = jnp.where(masked, confidence, -jnp.inf)
-    if o.alg_temp:
-      gumbel = jax.random.gumbel(select_key, full_confidence.shape, jnp.float32)
-      full_confidence = jax.nn.log_softmax(full_confidence / o.alg_temp, axis=-1) + gumbel
-    chosen = select_top_k(full_confidence, k)
-    x_win = jnp.where(chosen, jnp.where(masked, x0, mask_id), x_win)
-  new_x = x.at[:, w0:].set(x_win)
-  lp = static.prompt_length
-  decode_step = update_decode_step(carry["decode_step"], x[:, lp:], new_x[:, lp:], mask_id, i)
-  carry = dict(x=new_x, key=key, decode_step=decode_step, nfe=carry["nfe"] + 1, istate=istate)
-  return carry, (stats, sinks)
+  @property
+  def padding_attention(self) -> padding.PaddingAttention:
+    return "outer"
 
+  @property
+  def shift_positions(self) -> bool:
+    return True
 
-def _finish(static: _Static, carry, ys) -> Trace:
-  return Trace(tokens=carry["x"], decode_step=carry["decode_step"], nfe=carry["nfe"], stats=ys[0],
-               top_sinks=ys[1], prompt_length=static.prompt_length)
+  def check(self, config: ModelConfig) -> None:
+    if config.logit_shift != 1:
+      raise ValueError(f"Dream sampling reads shifted logits; config {config.name!r} has logit_shift=0 "
+                       "(use dlm_jax.sampling.llada for unshifted models).")
 
+  def constants(self, run, canvas, layout) -> padding.PaddingLayout:
+    return layout
 
-@functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("canvas",))
-def _run(params, canvas, prompt_mask, key, istate, static: _Static) -> Trace:
-  TRACE_COUNTS["dream"] += 1
-  consts = _constants(static, canvas, prompt_mask)
-  carry = _init_carry(static, canvas, key, istate)
-  carry, ys = jax.lax.scan(functools.partial(_step, static, params, consts), carry,
-                           jnp.arange(static.options.steps, dtype=jnp.int32))
-  return _finish(static, carry, ys)
+  def init_carry(self, run, params, canvas, key, consts) -> DreamCarry:
+    b = canvas.shape[0]
+    return DreamCarry(tokens=canvas, key=key, decode_step=jnp.full((b, self.options.gen_length), -1, jnp.int32),
+                      nfe=jnp.zeros((), jnp.int32))
 
+  def step(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i):
+    o, mask_id, lp = self.options, self.mask_id, run.prompt_length
+    w0 = 0 if self.infill else lp
+    x = carry.tokens
+    key, sample_key, select_key = jax.random.split(carry.key, 3)
+    result = run.caller(params, x, i, istate, window=(max(w0 - 1, 0), run.total_length - 1),
+                        positions=consts.positions, valid_keys=consts.valid, base_bias=consts.bias)
+    logits = shift_logits(result.logits, w0)
+    x_win = x[:, w0:]
+    masked = x_win == mask_id
+    fraction = jnp.asarray(dream_transfer_fractions(o.steps, o.eps))[i]
+    sample = functools.partial(sample_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+                               margin=o.alg == "topk_margin", neg_entropy=o.alg == "entropy")
+    confidence, x0 = sample(logits, sample_key)
+    if o.alg == "origin":
+      reveal = jax.random.uniform(select_key, masked.shape, jnp.float32) < fraction
+      x_win = jnp.where(masked & reveal, x0, x_win)
+    else:
+      k = dream_transfer_count(jnp.sum(masked), x.shape[0], fraction, i == o.steps - 1)
+      full_confidence = jnp.where(masked, confidence, -jnp.inf)
+      if o.alg_temp:
+        gumbel = jax.random.gumbel(select_key, full_confidence.shape, jnp.float32)
+        full_confidence = jax.nn.log_softmax(full_confidence / o.alg_temp, axis=-1) + gumbel
+      chosen = select_top_k(full_confidence, k)
+      x_win = jnp.where(chosen, jnp.where(masked, x0, mask_id), x_win)
+    new_x = x.at[:, w0:].set(x_win)
+    decode_step = update_decode_step(carry.decode_step, x[:, lp:], new_x[:, lp:], mask_id, i)
+    carry = DreamCarry(tokens=new_x, key=key, decode_step=decode_step, nfe=carry.nfe + 1)
+    return carry, result.intervention_state, result.outputs
 
-def _run_python_loop(params, canvas, prompt_mask, key, istate, static: _Static) -> Trace:
-  """The same step function driven by a Python loop (one jitted call per step); for tests."""
-  consts = _constants(static, canvas, prompt_mask)
-  carry = _init_carry(static, canvas, key, istate)
-  step = jax.jit(functools.partial(_step, static))
-  per_step = []
-  for i in range(static.options.steps):
-    carry, ys = step(params, consts, carry, jnp.int32(i))
-    per_step.append(ys)
-  return _finish(static, carry, (stack_steps([y[0] for y in per_step]), stack_steps([y[1] for y in per_step])))
+  def outcome(self, run, carry: DreamCarry):
+    return carry.tokens, carry.decode_step, carry.nfe
 
 
 def diffusion_generate(
@@ -232,7 +238,8 @@ def diffusion_generate(
     sink_top_k: int = 0,
     attention_impl: str = "chunked",
     query_chunk: int = 128,
-    loop: Literal["scan", "python"] = "scan",
+    loop: driver.Loop = "scan",
+    record_intervention: bool = False,
 ) -> Trace:
   """Dream masked-diffusion generation (module docstring), one compiled program per shape.
 
@@ -243,37 +250,17 @@ def diffusion_generate(
     options: `DreamOptions` (static).
     key: PRNG key; default key(0).
     prompt_mask: [B, Lp] 1 = real token, 0 = pad; None = no padding.
-    stats_spec, intervention, intervention_state, sink_top_k, attention_impl, query_chunk, loop: as in
-      `dlm_jax.sampling.llada.generate`.
+    stats_spec, intervention, intervention_state, sink_top_k, attention_impl, query_chunk, loop,
+      record_intervention: as in `dlm_jax.sampling.llada.generate`.
 
   Returns:
     `Trace` with tokens [B, Lp + G], decode_step [B, G], nfe = steps, stats [steps, ...], top_sinks.
   """
-  prompt = jnp.asarray(prompt, jnp.int32)
-  if prompt.ndim != 2 or prompt.shape[1] < 1:
-    raise ValueError(f"prompt must be [B, Lp] token ids with Lp >= 1, got shape {prompt.shape}.")
-  if prompt_mask is not None:
-    prompt_mask = jnp.asarray(prompt_mask).astype(bool)
-    if prompt_mask.shape != prompt.shape:
-      raise ValueError(f"prompt_mask must have the prompt's shape {prompt.shape}, got {prompt_mask.shape}.")
   mask_id = config.mask_token_id if options.mask_token_id is None else options.mask_token_id
   if mask_id is None:
     raise ValueError("Dream sampling needs a mask token id: set ModelConfig.mask_token_id or options.mask_token_id.")
-  if config.logit_shift != 1:
-    raise ValueError(f"Dream sampling reads shifted logits; config {config.name!r} has logit_shift=0 "
-                     "(use dlm_jax.sampling.llada for unshifted models).")
-  b, lp = prompt.shape
-  total = lp + options.gen_length
-  window_start = 0 if bool(np.any(np.asarray(prompt) == mask_id)) else lp
-  plan = make_plan(config, stats_spec, intervention, sink_top_k)
-  caller = ModelCaller(config=config, plan=plan, intervention=intervention, mask_id=mask_id, gen_start=lp,
-                       logits_window=(max(window_start - 1, 0), total - 1), attention_impl=attention_impl,
-                       query_chunk=query_chunk)
-  static = _Static(config=config, options=options, caller=caller, prompt_length=lp, window_start=window_start,
-                   mask_id=mask_id)
-  canvas = jnp.concatenate([prompt, jnp.full((b, options.gen_length), mask_id, jnp.int32)], axis=1)
-  key = jax.random.key(0) if key is None else key
-  if intervention_state is None:
-    intervention_state = intervention.init_state(config, b, total)
-  runner = _run if loop == "scan" else _run_python_loop
-  return runner(params, canvas, prompt_mask, key, intervention_state, static=static)
+  family = DreamFamily(options=options, mask_id=mask_id, infill=bool(np.any(np.asarray(prompt) == mask_id)))
+  return driver.generate(family, params, prompt, config=config, key=key, prompt_mask=prompt_mask,
+                         stats_spec=stats_spec, intervention=intervention, intervention_state=intervention_state,
+                         sink_top_k=sink_top_k, attention_impl=attention_impl, query_chunk=query_chunk, loop=loop,
+                         record_intervention=record_intervention)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from flax import struct
 
@@ -17,11 +19,15 @@ class Trace:
       produced it (autoregressive); -1 if it never did.
     nfe: scalar int32, the number of model evaluations (forward calls; a CFG step runs the conditional and
       unconditional canvases as one 2B batch and counts once; steps skipped by an early stop do not count).
-    stats: None, or the user's statistics stacked over steps:
-      {"incoming_attention": [steps, L', B, (Q,) (N,) S], "value_norms": [steps, L', B, K, S]} (the per-call
-      shapes of `dlm_jax.stats.ForwardOutput` with a leading step axis; zeros for skipped steps).
+    stats: None, or the user's statistics stacked over steps, in the users' shapes
+      (`dlm_jax.stats.squeeze_incoming`): {"incoming_attention": [steps, L', B, (Q,) (N,) S] — the Q axis
+      only with query groups, the head axis only per head — "value_norms": [steps, L', B, K, S]}; zeros
+      for skipped steps.
     top_sinks: None, or [steps, L', B, (N,) k] int32, the k keys with the most incoming attention (all
       queries) at each step, per layer (and head when the stats are per head), among the valid keys.
+    intervention_record: None, or (with `record_intervention=True`) the intervention's per-step record
+      stacked over steps (`Intervention.record`; e.g. the keys `MaskPreviousSinks` masked at each step,
+      [steps, L, B, N, S] bool).
     prompt_length: Lp, the number of prompt positions (static).
   """
 
@@ -30,6 +36,7 @@ class Trace:
   nfe: jax.Array
   stats: dict[str, jax.Array] | None = None
   top_sinks: jax.Array | None = None
+  intervention_record: Any = None
   prompt_length: int = struct.field(pytree_node=False, default=0)
 
   @property

@@ -1,0 +1,139 @@
+"""One model evaluation of a sampler step: padding bias + intervention → forward → statistics per plan.
+
+CFG. With classifier-free guidance the conditional and unconditional canvases run as one 2B batch (one
+model evaluation: `nfe` counts forward calls). Statistics, top sinks and the intervention's `update`
+see the conditional half only; the intervention's bias is applied to both halves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dlm_jax.attention import NO_BIAS, AttentionBias
+from dlm_jax.config import ModelConfig
+from dlm_jax.interventions import CallContext, Intervention
+from dlm_jax.model import KVCache, forward
+from dlm_jax.stats import ForwardOutput, StatsPlan, query_group_weights
+
+
+@struct.dataclass
+class StepOutput:
+  """What the driver stacks over steps (each None when not asked for).
+
+  stats: the user's statistics of the step, library layout ({"incoming_attention": [L', B, Q, N', S],
+    "value_norms": [L', B, K, S]}).
+  top_sinks: [L', B, N', k] int32.
+  record: the intervention's record of the step (`Intervention.record`, taken before the call).
+  """
+
+  stats: dict[str, jax.Array] | None = None
+  top_sinks: jax.Array | None = None
+  record: Any = None
+
+  def zeros_like(self) -> StepOutput:
+    """The same structure filled with zeros (a step skipped by an early stop)."""
+    return jax.tree.map(jnp.zeros_like, self)
+
+
+@struct.dataclass
+class CallResult:
+  """Named result of `ModelCaller.__call__`.
+
+  logits: [B, W, V] float32 of the conditional canvas; uncond_logits: the same for the unconditional one
+  (CFG) or None; intervention_state: the state after `update`; cache: the updated `KVCache` or None;
+  outputs: the step's `StepOutput`.
+  """
+
+  logits: jax.Array
+  uncond_logits: jax.Array | None
+  intervention_state: Any
+  cache: KVCache | None
+  outputs: StepOutput
+
+
+def _split_rows(tree, batch: int):
+  """Rows [0, batch) of the batch axis (axis 1) of [L', 2B, ...] statistics."""
+  return jax.tree.map(lambda x: x[:, :batch], tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCaller:
+  """The model call of a sampler run (static: part of the compiled program's key).
+
+  Attributes:
+    config: model config.
+    plan: the statistics plan (`dlm_jax.stats.StatsPlan`).
+    intervention: the attention-bias intervention.
+    mask_id: mask token id for the sampler's query groups (None for autoregressive models).
+    gen_start: first generated position (for the query groups).
+    attention_impl, query_chunk: passed to `forward`.
+    record_intervention: also return the intervention's per-call record.
+  """
+
+  config: ModelConfig
+  plan: StatsPlan
+  intervention: Intervention
+  mask_id: int | None
+  gen_start: int
+  attention_impl: str = "chunked"
+  query_chunk: int = 128
+  record_intervention: bool = False
+
+  def __call__(self, params, tokens: jax.Array, step, istate, *, window: tuple[int, int] | str | None,
+               positions: jax.Array, valid_keys: jax.Array, base_bias: AttentionBias = NO_BIAS,
+               uncond_tokens: jax.Array | None = None, uncond_base_bias: AttentionBias = NO_BIAS,
+               cache: KVCache | None = None, cache_offset: jax.Array | int = 0, canvas: jax.Array | None = None,
+               logits_offset: jax.Array | int = 0) -> CallResult:
+    """Runs the model on tokens [B, T] (with the unconditional canvas [B, T] as a 2B batch when given).
+
+    window: (start, stop) positions whose logits are computed, "last" (the last position) or None (all);
+    logits_offset shifts it by a traced amount (see `dlm_jax.model.forward`).
+    positions: [B, T] RoPE positions; valid_keys: [B, S] keys the top sinks may be chosen among.
+    base_bias / uncond_base_bias: the padding biases of the two halves.
+    cache: a `KVCache`: the call writes it at `cache_offset`, the keys are its S positions and `canvas`
+    [B, S] is the whole sequence the intervention sees (`CallContext.tokens`).
+    """
+    batch, length = tokens.shape
+    if cache is None:
+      context = CallContext(step=jnp.asarray(step, jnp.int32), tokens=tokens)
+    else:
+      context = CallContext(step=jnp.asarray(step, jnp.int32), tokens=canvas, query_offset=cache_offset,
+                            query_length=length)
+    record = self.intervention.record(istate) if self.record_intervention else None
+    intervention_bias = self.intervention.bias(istate, context)
+    bias = base_bias + intervention_bias
+    spec = self.plan.forward_spec
+    mask_id = -1 if self.mask_id is None else self.mask_id
+    weights = None
+    if spec.query_groups:
+      weights = self.plan.query_weights(
+          lambda: query_group_weights(tokens, mask_id, self.gen_start, cache_offset),
+          lambda: self.intervention.query_weights(istate, context))
+    model_tokens = tokens
+    if uncond_tokens is not None:
+      bias = bias.concat_batch(uncond_base_bias + intervention_bias, batch)
+      model_tokens = jnp.concatenate([tokens, uncond_tokens], axis=0)
+      positions = jnp.concatenate([positions, positions], axis=0)
+      if weights is not None:
+        weights = jnp.concatenate([weights, weights], axis=0)
+    if window == "last":
+      window = (length - 1, length)
+    output = forward(params, model_tokens, config=self.config, bias=bias, positions=positions,
+                     query_weights=weights, stats_spec=spec, logits_window=window, logits_offset=logits_offset,
+                     attention_impl=self.attention_impl, query_chunk=self.query_chunk, cache=cache,
+                     cache_offset=cache_offset)
+    logits, uncond_logits = output.logits[:batch], None
+    if uncond_tokens is not None:
+      uncond_logits = output.logits[batch:]
+      output = ForwardOutput(logits=logits, incoming_attention=_split_rows(output.incoming_attention, batch),
+                             value_norms=_split_rows(output.value_norms, batch), cache=output.cache)
+    istate = self.intervention.update(istate, self.plan.intervention_output(output), context)
+    outputs = StepOutput(stats=self.plan.user_stats(output), top_sinks=self.plan.top_sinks(output, valid_keys),
+                         record=record)
+    return CallResult(logits=logits, uncond_logits=uncond_logits, intervention_state=istate,
+                      cache=output.cache, outputs=outputs)
