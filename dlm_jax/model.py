@@ -182,8 +182,11 @@ class Transformer(nnx.Module):
       per_layer["pairwise_bias"] = bias.pairwise
     if bias.keys_per_layer:
       per_layer["key_bias"] = bias.keys
-    shared = {"pairwise_bias": None if bias.pairwise_per_layer else bias.pairwise,
-              "key_bias": None if bias.keys_per_layer else bias.keys}
+    shared = {}
+    if not bias.pairwise_per_layer:
+      shared["pairwise_bias"] = bias.pairwise
+    if not bias.keys_per_layer:
+      shared["key_bias"] = bias.keys
     block_graph, block_state = nnx.split(self.blocks)
     layer_cache = None if cache is None else (cache.keys, cache.values)
     wanted = stats_spec.enabled

@@ -22,9 +22,8 @@ scored. Attention bias: the sink's query row sees only the sink; every token see
 `zero_value=True` keeps the sink's embedding row at exactly zero: with bias-free q/k/v projections its
 hidden state then stays 0 through every block (RMSNorm(0) = 0, attention to itself returns v = 0, the
 MLP maps 0 to 0), so its key and value are 0 in every layer — a zero-value sink whose attention score is
-fixed at 0. The paper's Table 5 variant keeps a learned key and zeroes only the value; that needs a
-value-zeroing argument in `dlm_jax.model.forward` (what `interventions.AttentionBias.zero_values` asks
-for), which the model does not have yet.
+fixed at 0. The paper's Table 5 variant keeps a learned key and zeroes only the value
+(`dlm_jax.attention.AttentionBias.zero_values` in the forward); training does not offer it.
 
 Noise draws are a separate pure function (`draw_noise`) so a test can replay them exactly.
 """
@@ -41,7 +40,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from dlm_jax import sharding
-from dlm_jax.attention import MASK_VALUE
+from dlm_jax.attention import MASK_VALUE, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import Params, forward, init_params
 from dlm_jax.sharding import ShardingRules
@@ -180,7 +179,7 @@ def model_logits(params: Params, tokens: jax.Array, *, config: ModelConfig, sink
     return forward(params, tokens, config=config, attention_impl=attention_impl).logits
   batch, length = tokens.shape
   return forward(params, sink.insert(tokens), config=config, positions=sink.positions(batch, length),
-                 pairwise_bias=sink.bias(length), logits_window=sink.window(length),
+                 bias=AttentionBias(pairwise=sink.bias(length)), logits_window=sink.window(length),
                  attention_impl=attention_impl).logits
 
 

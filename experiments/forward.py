@@ -49,7 +49,7 @@ def forward_with_attention(config: ModelConfig, params: Params, token_ids: Seque
   out = run(params, jnp.asarray(ids[None], jnp.int32), config=config,
             stats_spec=StatsSpec(incoming_attention=True, per_head=True), attention_impl=attention_impl)
   logits = np.asarray(out.logits[0], np.float32)
-  incoming = np.asarray(out.incoming_attention[:, 0], np.float32)
+  incoming = np.asarray(out.incoming_attention[:, 0, 0], np.float32)  # [L, B, Q=1, N, S] -> [L, N, S]
   return logits, incoming
 
 

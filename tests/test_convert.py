@@ -35,7 +35,7 @@ def our_outputs(directory, token_ids):
   """Logits [S, V] and incoming attention [L, N, S] of a converted checkpoint, float32."""
   config, params = checkpoint.load(directory, dtype=jnp.float32)
   out = forward(params, jnp.asarray([token_ids]), config=config, stats_spec=StatsSpec(incoming_attention=True))
-  return config, np.asarray(out.logits[0]), np.asarray(out.incoming_attention[:, 0])
+  return config, np.asarray(out.logits[0]), np.asarray(out.incoming_attention[:, 0, 0])  # [L, B, Q, N, S]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

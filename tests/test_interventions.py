@@ -12,7 +12,7 @@ from dlm_jax import interventions as iv
 from dlm_jax import model
 from dlm_jax.attention import MASK_VALUE, attention
 from dlm_jax.config import preset
-from dlm_jax.stats import NO_STATS, ForwardOutput, StatsSpec
+from dlm_jax.stats import NO_STATS, ForwardOutput, StatsSpec, merge_specs, squeeze_incoming
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -54,7 +54,7 @@ def test_masked_keys_get_exactly_zero_and_rows_renormalise(impl, per_layer_head)
   rng = np.random.default_rng(0)
   masked = rng.random((B, N, T) if per_layer_head else (B, T)) < 0.3
   masked[..., 0] = False  # keep a visible key in every row
-  bias = iv.key_mask_bias(jnp.asarray(masked[None] if per_layer_head else masked))
+  bias = iv.key_mask_bias(jnp.asarray(masked[None] if per_layer_head else masked), per_layer_head=per_layer_head)
   if per_layer_head:
     bias = bias.replace(keys=bias.keys[0])  # one layer: [B, N, S]
   probs, _ = full_probs(q, k, v, bias, impl)
@@ -117,7 +117,7 @@ def test_add_and_remove_sink_token():
 def test_zero_value_sink_passes_zero_values_to_the_forward():
   sink = iv.SinkToken(zero_value=True)
   bias = sink.bias(sink.init_state(preset("tiny-llada"), 1, 4), iv.CallContext(jnp.int32(0), jnp.zeros((1, 4))))
-  np.testing.assert_array_equal(bias.forward_kwargs()["zero_values"], [[True, False, False, False]])
+  np.testing.assert_array_equal(bias.zero_values, [[True, False, False, False]])
 
 
 @pytest.mark.parametrize("outer", [False, True])
@@ -161,9 +161,11 @@ def test_mask_keys_with_positions_and_shapes():
 
 def test_bias_sums_clamp_and_stay_finite():
   a = iv.AttentionBias(keys=jnp.full((1, 1, 3), MASK_VALUE), zero_values=jnp.array([[True, False, False]]))
-  b = iv.AttentionBias(keys=jnp.full((2, 1, 1, 3), MASK_VALUE), zero_values=jnp.array([[False, True, False]]))
+  b = iv.AttentionBias(keys=jnp.full((2, 1, 1, 3), MASK_VALUE), zero_values=jnp.array([[False, True, False]]),
+                       keys_per_layer=True)
   total = a + b
   assert total.keys.shape == (2, 1, 1, 3) and np.all(np.asarray(total.keys) == np.float32(MASK_VALUE))
+  assert total.keys_per_layer and not total.pairwise_per_layer
   np.testing.assert_array_equal(total.zero_values, [[True, True, False]])
 
 
@@ -229,7 +231,7 @@ def test_mask_previous_sinks_update_per_head_global_epsilon_eligible():
   s = 12
   incoming = random_incoming(rng, config, B, s)
   incoming[0, 0, 0, 4] = incoming[0, 0, 0, 9] = incoming[0, 0, 0].max() + 1  # a tie at the top
-  output = ForwardOutput(logits=jnp.zeros((B, s, 1)), incoming_attention=jnp.asarray(incoming))
+  output = ForwardOutput(logits=jnp.zeros((B, s, 1)), incoming_attention=jnp.asarray(incoming)[:, :, None])  # Q = 1
   context = iv.CallContext(jnp.int32(0), jnp.zeros((B, s), jnp.int32))
   sink_mask = iv.MaskPreviousSinks()
   update = jax.jit(sink_mask.update)
@@ -297,7 +299,7 @@ def test_ar_variant_reads_the_last_row():
   plain = iv.MaskPreviousSinksAR(top_k=1, per_head=False, last_row_weights=False)
   assert plain.required_stats(config).query_groups == 0 and plain.query_weights(state, None) is None
   new = plain.update(plain.init_state(config, B, 10),
-                     ForwardOutput(logits=jnp.zeros((1,)), incoming_attention=jnp.asarray(row[:, :, 0])), None)
+                     ForwardOutput(logits=jnp.zeros((1,)), incoming_attention=jnp.asarray(row)), None)
   pooled = row[:, :, 0].mean(axis=(0, 2))
   np.testing.assert_array_equal(np.asarray(new.masked), pooled == pooled.max(-1, keepdims=True))
 
@@ -305,10 +307,10 @@ def test_ar_variant_reads_the_last_row():
 def test_stats_merging_and_compose():
   config = preset("tiny-llada")
   need = iv.MaskPreviousSinks().required_stats(config)
-  assert iv.merge_stats_specs(NO_STATS, need) == need
-  assert iv.merge_stats_specs(StatsSpec(value_norms=True), need) == StatsSpec(True, True, None, 0, True)
+  assert merge_specs(NO_STATS, need) == need
+  assert merge_specs(StatsSpec(value_norms=True), need) == StatsSpec(True, True, None, 0, True)
   with pytest.raises(ValueError, match="Incompatible"):
-    iv.merge_stats_specs(StatsSpec(incoming_attention=True, per_head=False), need)
+    merge_specs(StatsSpec(incoming_attention=True, per_head=False), need)
   composed = iv.Compose((iv.KeyPadding(), iv.MaskPreviousSinksAR(last_row_weights=True)))
   assert composed.required_stats(config).query_groups == 1
   state = composed.init_state(config, B, 5)
@@ -326,10 +328,10 @@ def test_intervened_forward_equals_forward_with_the_bias():
   state = iv.MaskKeys.with_positions(mask_keys.init_state(config, B, 7), jnp.array([[1], [4]]))
   spec = StatsSpec(incoming_attention=True)
   output, new_state = iv.intervened_forward(params, tokens, mask_keys, state, config=config, stats_spec=spec)
-  reference = model.forward(params, tokens, config=config, key_bias=jnp.where(state, MASK_VALUE, 0.0)[:, None],
-                            stats_spec=spec)
+  reference = model.forward(params, tokens, config=config,
+                            bias=iv.AttentionBias(keys=jnp.where(state, MASK_VALUE, 0.0)[:, None]), stats_spec=spec)
   np.testing.assert_allclose(output.logits, reference.logits, atol=1e-6)
   np.testing.assert_array_equal(new_state, state)
-  incoming = np.asarray(output.incoming_attention)  # [L, B, N, S]
+  incoming = np.asarray(squeeze_incoming(output.incoming_attention, spec))  # [L, B, N, S]
   assert np.all(incoming[:, 0, :, 1] == 0) and np.all(incoming[:, 1, :, 4] == 0)
   np.testing.assert_allclose(incoming.sum(-1), 7.0, rtol=1e-5)  # every row still sums to 1

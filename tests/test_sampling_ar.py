@@ -11,7 +11,7 @@ from dlm_jax import interventions as iv
 from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.sampling import autoregressive as ar
-from dlm_jax.sampling.common import TRACE_COUNTS
+from dlm_jax.sampling.driver import TRACE_COUNTS
 from dlm_jax.stats import StatsSpec
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -85,7 +85,7 @@ def test_statistics_per_step():
   assert np.all(incoming[2, ..., 7:] == 0)  # keys not written yet receive nothing
   # the prefill statistics equal the causal forward's column sums over the prompt
   dense = model.forward(params(), jnp.asarray(prompt), config=CONFIG, attention_impl="dense",
-                        stats_spec=StatsSpec(incoming_attention=True)).incoming_attention
+                        stats_spec=StatsSpec(incoming_attention=True)).incoming_attention[:, :, 0]  # Q = 1
   np.testing.assert_allclose(incoming[0, ..., :5], np.asarray(dense), atol=1e-5)
   # the last step's row: the query at position 7 over keys 0..7
   dense = model.forward(params(), jnp.asarray(np.asarray(trace.tokens)[:, :8]), config=CONFIG,

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from dlm_jax import model
-from dlm_jax.attention import MASK_VALUE
+from dlm_jax.attention import MASK_VALUE, AttentionBias
 from dlm_jax.config import preset
 from dlm_jax.sampling import dream, schedules
-from dlm_jax.sampling.common import TRACE_COUNTS
+from dlm_jax.sampling.driver import TRACE_COUNTS
 from dlm_jax.stats import StatsSpec
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -34,7 +34,7 @@ def prompts(batch=2, length=6, seed=0):
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _reference_logits(params, tokens, positions, pairwise_bias, *, config):
-  return model.forward(params, tokens, config=config, positions=positions, pairwise_bias=pairwise_bias,
+  return model.forward(params, tokens, config=config, positions=positions, bias=AttentionBias(pairwise=pairwise_bias),
                        attention_impl="dense").logits
 
 

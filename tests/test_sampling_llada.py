@@ -11,10 +11,10 @@ import pytest
 
 from dlm_jax import interventions as iv
 from dlm_jax import model
-from dlm_jax.attention import MASK_VALUE
+from dlm_jax.attention import MASK_VALUE, AttentionBias
 from dlm_jax.config import preset
 from dlm_jax.sampling import llada
-from dlm_jax.sampling.common import TRACE_COUNTS
+from dlm_jax.sampling.driver import TRACE_COUNTS
 from dlm_jax.stats import StatsSpec
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -43,7 +43,7 @@ def prompts(batch=2, length=6, seed=0):
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _reference_logits(params, tokens, key_bias, pairwise_bias, *, config):
-  return model.forward(params, tokens, config=config, key_bias=key_bias, pairwise_bias=pairwise_bias,
+  return model.forward(params, tokens, config=config, bias=AttentionBias(keys=key_bias, pairwise=pairwise_bias),
                        attention_impl="dense").logits
 
 
@@ -314,11 +314,11 @@ def test_confidence_eos_eot_rule_depends_on_temperature():
   x_win = np.full((1, 2), MASK, np.int32)
 
   def chosen(temperature):
-    options = llada.LLaDAOptions(gen_length=2, steps=2, temperature=temperature, confidence_eos_eot_inf=True)
-    static = llada._Static(config=CONFIG, options=options, caller=None, prompt_length=0, block_window=True,
-                           mask_id=MASK, eos_id=EOS, eot_id=EOT, confidence_dtype="model")
-    out = llada._denoise(static, params_for(), jnp.asarray(logits), None, jnp.asarray(x_win), 0, jnp.asarray([1]),
-                         2, jax.random.key(0))
+    options = llada.LLaDAOptions(gen_length=2, steps=2, block_length=2, temperature=temperature,
+                                 confidence_eos_eot_inf=True)
+    family = llada.LLaDAFamily(options=options, mask_id=MASK, eos_id=EOS, eot_id=EOT)
+    out = family._denoise(params_for(), jnp.asarray(logits), None, jnp.asarray(x_win), 0, jnp.asarray([1]), 2,
+                          jax.random.key(0))
     return np.asarray(out)[0]
 
   np.testing.assert_array_equal(chosen(0.0), [MASK, 5])  # EOS confidence is 0 at T = 0
@@ -334,7 +334,7 @@ def test_errors_are_clear():
     llada.LLaDAOptions(remasking="nope")
   with pytest.raises(ValueError, match="prompt must be"):
     llada.generate(params_for(), np.zeros((3,), np.int32), config=CONFIG,
-                   options=llada.LLaDAOptions(gen_length=4, steps=4))
+                   options=llada.LLaDAOptions(gen_length=4, steps=4, block_length=4))
 
 
 def test_gumbel_argmax_samples_softmax_at_temperature():

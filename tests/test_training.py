@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from dlm_jax import training, training_data
+from dlm_jax.attention import AttentionBias
 from dlm_jax.config import preset
 from dlm_jax.model import forward, init_params
 from dlm_jax.stats import StatsSpec
@@ -132,12 +133,12 @@ def test_sink_token_is_never_masked_nor_scored(placement, monkeypatch):
   assert not window[0] <= k < window[1] and window[1] - window[0] == L   # its output is never computed
   content = np.delete(tokens, k, axis=1)
   np.testing.assert_array_equal(np.asarray(kwargs["positions"][0]), np.arange(L + 1))
-  bias = np.asarray(kwargs["pairwise_bias"])[0, 0]
+  bias = np.asarray(kwargs["bias"].pairwise)[0, 0]
   assert np.all(bias[k, np.arange(L + 1) != k] < -1e30) and bias[k, k] == 0   # sink row sees only itself
   assert np.all(np.delete(bias, k, axis=0) == 0)                              # everyone sees everything
   # Brute force over the content positions only.
   logits = np.asarray(real_forward(params, jnp.asarray(tokens), config=DLM, positions=kwargs["positions"],
-                                   pairwise_bias=kwargs["pairwise_bias"]).logits)
+                                   bias=kwargs["bias"]).logits)
   logits = np.delete(logits, k, axis=1)
   original, prompt = np.asarray(batch["tokens"]), np.asarray(batch["prompt_mask"])
   total = 0.0
@@ -171,7 +172,7 @@ def test_zero_value_sink_stays_zero_and_has_zero_values():
   params = state["params"]
   np.testing.assert_array_equal(np.asarray(params["embed"]["embedding"][254]), 0.0)
   assert np.any(np.asarray(params["embed"]["embedding"][253]) != 0)
-  out = forward(params, sink.insert(_batch()["tokens"]), config=DLM, pairwise_bias=sink.bias(L),
+  out = forward(params, sink.insert(_batch()["tokens"]), config=DLM, bias=AttentionBias(pairwise=sink.bias(L)),
                 stats_spec=StatsSpec(value_norms=True))
   norms = np.asarray(out.value_norms)   # [L, B, K, S]
   np.testing.assert_array_equal(norms[..., 0], 0.0)

@@ -9,7 +9,7 @@ Left padding (`prompt_mask`; `dlm_jax.sampling.padding`): pad keys are removed (
 cumsum(mask) − 1 with pads at 1, generated tokens continuing from the last real position, as Hugging Face
 `generate` does.
 Sampling follows the Hugging Face warper order: temperature, top-k, top-p (filters of
-`dlm_jax.sampling.common`), then a categorical draw; temperature 0 is argmax (first index on ties).
+`dlm_jax.sampling.selection`), then a categorical draw; temperature 0 is argmax (first index on ties).
 With `stop_at_eos`, a row that produced an EOS id keeps producing the pad id (shapes stay fixed).
 """
 
