@@ -218,11 +218,12 @@ class MaskKeys(Intervention):
   @staticmethod
   def with_positions(state: jax.Array, positions: jax.Array) -> jax.Array:
     """Also marks key `positions` [B, P] (int; −1 = none) as masked, in all layers and heads."""
-    batch, seq_len = state.shape[-3 if state.ndim == 4 else 0], state.shape[-1]
+    batch, seq_len = positions.shape[0], state.shape[-1]
     rows = jnp.arange(batch)[:, None]
     valid = positions >= 0
     marks = jnp.zeros((batch, seq_len), bool).at[rows, jnp.where(valid, positions, 0)].max(valid)
-    return state | (marks[None, :, None, :] if state.ndim == 4 else marks)
+    # [B, S] against [B, S] state, or [B, 1, S] broadcast over the layers and heads of [L, B, N, S] state
+    return state | marks.reshape(batch, *([1] * (state.ndim - 2)), seq_len)
 
   def bias(self, state: jax.Array, context: CallContext) -> AttentionBias:
     if self.spare_self:

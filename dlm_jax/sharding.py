@@ -3,8 +3,9 @@
 The mesh has three axes: `data` (batch replicas), `fsdp` (batch and parameter shards, gathered per layer
 by XLA) and `tensor` (heads, MLP and vocabulary shards). Every parameter dimension carries a logical name,
 declared once next to the parameters (`dlm_jax.model.PARAM_AXES`: `vocab`, `embed`, `heads`, `kv_heads`,
-`mlp`, `layers`, or None = replicated), and a rule set maps logical names to mesh axes. Meshes use `AxisType.Auto`: shardings are placed on parameters and inputs and XLA's
-SPMD partitioner propagates them through the model (see BUILD.md for why not Explicit).
+`mlp`, `layers`, or None = replicated), and a rule set maps logical names to mesh axes. Meshes use
+`AxisType.Auto`: shardings are placed on parameters and inputs and XLA's SPMD partitioner propagates them
+through the model (see BUILD.md for why not Explicit).
 """
 
 from __future__ import annotations

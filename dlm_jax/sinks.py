@@ -150,12 +150,9 @@ def gu_sink_ratio(incoming: ArrayLike, eps: float = 0.3, causal: bool = False,
 def sink_sets_per_step(sink_mask: ArrayLike) -> list[set]:
   """One set per step from a bool sink mask [steps, ..., S] (e.g. `epsilon_rule(incoming)`).
 
-  Elements are the key positions (ints) for a [steps, S] mask, or index tuples (l, ..., s) over the
-  non-step axes otherwise.
+  Elements are index tuples (l, ..., s) over the non-step axes ((s,) for a [steps, S] mask).
   """
   mask = np.asarray(sink_mask, bool)
-  if mask.ndim == 2:
-    return [set(np.flatnonzero(row).tolist()) for row in mask]
   return [set(map(tuple, np.argwhere(step).tolist())) for step in mask]
 
 
@@ -262,32 +259,34 @@ def relative_frequencies(counts: collections.Counter) -> dict[int, float]:
   return {token: n / total for token, n in counts.most_common()} if total else {}
 
 
-def value_norm_samples(value_norms: ArrayLike, sink_mask: ArrayLike,
-                       valid: ArrayLike | None = None) -> tuple[np.ndarray, np.ndarray]:
+def value_norm_samples(value_norms: ArrayLike, sink_mask: ArrayLike, valid: ArrayLike | None = None, *,
+                       per_head: bool = True) -> tuple[np.ndarray, np.ndarray]:
   """Value-vector norms of sink and of normal tokens, as two flat float arrays.
 
-  value_norms: [L, B, K, S] (`ForwardOutput.value_norms`). sink_mask: [L, B, N, S] per query head — each
-  entry is paired with kv head n // (N/K) — or [L, B, S] per layer, paired with the head-averaged norm
-  r̄ = mean over the K kv heads (Zhang et al. App. A.3.2). valid: [B, S] bool, keys to include.
+  value_norms: [L, B, K, S] (`ForwardOutput.value_norms`). sink_mask: per_head=True: [L, B, N, S] per query
+  head, each entry paired with kv head n // (N/K); per_head=False: [L, B, S] per layer, paired with the
+  head-averaged norm r̄ = mean over the K kv heads (Zhang et al. App. A.3.2). valid: [B, S] bool, keys to
+  include.
   """
   norms = np.asarray(value_norms, np.float64)
   mask = np.asarray(sink_mask, bool)
-  if mask.ndim == 4:
+  expected = "[L, B, N, S]" if per_head else "[L, B, S]"
+  if mask.ndim != (4 if per_head else 3):
+    raise ValueError(f"sink_mask must be {expected} with per_head={per_head}, got shape {mask.shape}.")
+  valid = np.ones(mask.shape[1:2] + mask.shape[-1:], bool) if valid is None else np.asarray(valid, bool)
+  if per_head:
     norms = np.repeat(norms, mask.shape[2] // norms.shape[2], axis=2)
-    keep = np.ones(mask.shape, bool) if valid is None else np.broadcast_to(np.asarray(valid, bool)[None, :, None],
-                                                                          mask.shape)
-  elif mask.ndim == 3:
-    norms = norms.mean(2)
-    keep = np.ones(mask.shape, bool) if valid is None else np.broadcast_to(np.asarray(valid, bool)[None], mask.shape)
+    keep = np.broadcast_to(valid[None, :, None], mask.shape)
   else:
-    raise ValueError(f"sink_mask must be [L, B, N, S] or [L, B, S], got shape {mask.shape}.")
+    norms = norms.mean(2)
+    keep = np.broadcast_to(valid[None], mask.shape)
   return norms[mask & keep], norms[~mask & keep]
 
 
-def value_norm_summary(value_norms: ArrayLike, sink_mask: ArrayLike,
-                       valid: ArrayLike | None = None) -> dict[str, float]:
+def value_norm_summary(value_norms: ArrayLike, sink_mask: ArrayLike, valid: ArrayLike | None = None, *,
+                       per_head: bool = True) -> dict[str, float]:
   """Mean, std and count of value norms for sink and normal tokens (see `value_norm_samples`)."""
-  sink, normal = value_norm_samples(value_norms, sink_mask, valid)
+  sink, normal = value_norm_samples(value_norms, sink_mask, valid, per_head=per_head)
 
   def stats(x):
     return (float(x.mean()), float(x.std())) if x.size else (float("nan"), float("nan"))

@@ -98,7 +98,8 @@ QUERY_GROUP_NAMES = ("masked", "unmasked", "prompt")
 """The sampler's query groups (a user spec with query_groups=3), built from the canvas of each step:
   0 masked:   query positions holding the mask token;
   1 unmasked: generation-region positions no longer holding the mask token;
-  2 prompt:   prompt positions (pads included) not holding the mask token."""
+  2 prompt:   prompt positions not holding the mask token.
+In a left-padded batch pad queries belong to no group (see `StatsPlan.padded`)."""
 
 
 def query_group_weights(tokens: jax.Array, mask_id: int, gen_start: int, query_offset: jax.Array | int = 0
@@ -144,15 +145,21 @@ class StatsPlan:
     user: the caller's spec (query_groups 0 or 3, `QUERY_GROUP_NAMES`).
     intervention: the intervention's `required_stats`.
     sink_top_k: k of the per-step top-k sinks (0 = off).
+    padded: the batch is left-padded: the statistics of the user, the top sinks and an ungrouped
+      intervention sum over the real queries only (pad queries are not part of any sequence; with them a
+      row's statistics would depend on how much it is padded). An intervention's own query groups are
+      used as it gives them.
 
   The forward's query groups come in blocks: "sampler" (the 3 groups, when the user asks for them),
-  "all" (one all-ones group, when someone needs the sum over all queries and no sampler block gives it)
-  and "intervention" (the intervention's groups). Without any grouped consumer the forward is ungrouped.
+  "all" (one group of every real query, when someone needs the sum over all queries and no sampler
+  block gives it) and "intervention" (the intervention's groups). Without any grouped consumer and
+  without padding the forward is ungrouped.
   """
 
   user: StatsSpec = NO_STATS
   intervention: StatsSpec = NO_STATS
   sink_top_k: int = 0
+  padded: bool = False
 
   def __post_init__(self):
     if self.user.query_groups not in (0, len(QUERY_GROUP_NAMES)):
@@ -179,7 +186,8 @@ class StatsPlan:
       blocks.append(("sampler", len(QUERY_GROUP_NAMES)))
     if self.intervention.incoming_attention and self.intervention.query_groups:
       blocks.append(("intervention", self.intervention.query_groups))
-    if blocks and blocks[0][0] != "sampler" and any(not s.query_groups for s in consumers):
+    if ((blocks or self.padded) and (not blocks or blocks[0][0] != "sampler")
+        and any(not s.query_groups for s in consumers)):
       blocks.insert(0, ("all", 1))
     return tuple(blocks)
 
@@ -208,12 +216,14 @@ class StatsPlan:
   def check(self, n_layers: int) -> None:
     self.forward_spec.check_layers(n_layers)
 
-  def query_weights(self, sampler_weights, intervention_weights) -> jax.Array | None:
-    """[B, Q, T] weights of the forward's groups, from zero-argument callables giving each block's."""
+  def query_weights(self, sampler_weights, intervention_weights, query_valid: jax.Array) -> jax.Array | None:
+    """[B, Q, T] weights of the forward's groups, from zero-argument callables giving the sampler's and the
+    intervention's blocks; query_valid: [B, T] bool, the real queries (all True without padding)."""
     parts = []
+    real = query_valid.astype(jnp.float32)[:, None, :]
     for name, _ in self.group_blocks:
       if name == "sampler":
-        parts.append(sampler_weights())
+        parts.append(sampler_weights() * real)
       elif name == "intervention":
         weights = intervention_weights()
         if weights is None:
@@ -221,8 +231,7 @@ class StatsPlan:
                            "returned None.")
         parts.append(weights.astype(jnp.float32))
       else:
-        like = sampler_weights()
-        parts.append(jnp.ones((like.shape[0], 1, like.shape[2]), jnp.float32))
+        parts.append(real)
     return jnp.concatenate(parts, axis=1) if parts else None
 
   def derive(self, output: ForwardOutput, target: StatsSpec, role: str = "user") -> ForwardOutput:
@@ -298,8 +307,10 @@ class StatsPlan:
     return top_sinks[..., 0, :]
 
 
-def make_plan(config: Any, stats_spec: StatsSpec, intervention: Any, sink_top_k: int) -> StatsPlan:
+def make_plan(config: Any, stats_spec: StatsSpec, intervention: Any, sink_top_k: int, padded: bool = False
+              ) -> StatsPlan:
   """Validates the specs against `config` (a `ModelConfig`) and returns the static plan."""
-  plan = StatsPlan(user=stats_spec, intervention=intervention.required_stats(config), sink_top_k=sink_top_k)
+  plan = StatsPlan(user=stats_spec, intervention=intervention.required_stats(config), sink_top_k=sink_top_k,
+                   padded=padded)
   plan.check(config.n_layers)
   return plan

@@ -83,3 +83,22 @@ def test_mesh_flags_parse_and_errors_are_clear():
     sharding.make_mesh(1, 2, 3)
   with pytest.raises(ValueError, match="multiple of the 4 batch shards"):
     sharding.check_batch(6, sharding.make_mesh(2, 2, 2))
+
+
+@pytest.mark.parametrize("name", ["tiny-llada", "tiny-dream", "smollm2-135m"])
+def test_param_axes_table_covers_every_parameter_with_its_rank(name):
+  """model.PARAM_AXES, the one declaration of logical axes, names every parameter of the tree (biases and
+  the untied head included or absent as the config says) with one logical name per dimension."""
+  config = preset(name)
+  flat = model.flatten_params(model.abstract_params(config))
+  assert set(flat) <= set(model.PARAM_AXES)
+  for tensor, leaf in flat.items():
+    axes = model.PARAM_AXES[tensor]
+    assert len(axes) == len(leaf.shape), tensor
+    assert axes[0] == "layers" if tensor.startswith("blocks.") else "layers" not in axes, tensor
+  sizes = {"layers": config.n_layers, "embed": config.d_model, "vocab": config.vocab_size,
+           "heads": config.n_heads * config.head_dim, "kv_heads": config.n_kv_heads * config.head_dim,
+           "mlp": config.mlp_hidden}
+  for tensor, leaf in flat.items():
+    for axis, size in zip(model.PARAM_AXES[tensor], leaf.shape):
+      assert axis is None or sizes[axis] == size, (tensor, axis)

@@ -119,7 +119,7 @@ def test_sink_sets_per_step():
   rng = np.random.default_rng(4)
   mask = rng.random((5, 9)) > 0.7
   sets = sinks.sink_sets_per_step(mask)
-  assert sets == [{j for j in range(9) if mask[t, j]} for t in range(5)]
+  assert sets == [{(j,) for j in range(9) if mask[t, j]} for t in range(5)]
   mask3 = rng.random((4, 2, 6)) > 0.7
   sets3 = sinks.sink_sets_per_step(mask3)
   assert sets3 == [{(h, j) for h in range(2) for j in range(6) if mask3[t, h, j]} for t in range(4)]
@@ -231,5 +231,5 @@ def test_value_norm_summary_matches_brute_force():
   for l, b, j in np.ndindex(layers, batch, s):
     r = np.mean([norms[l, b, h, j] for h in range(kv)])
     (sink_vals if per_layer[l, b, j] else normal_vals).append(r)
-  got = sinks.value_norm_summary(norms, per_layer)
+  got = sinks.value_norm_summary(norms, per_layer, per_head=False)
   np.testing.assert_allclose([got["sink_mean"], got["normal_mean"]], [np.mean(sink_vals), np.mean(normal_vals)])

@@ -26,7 +26,7 @@ from flax import struct
 from dlm_jax.config import ModelConfig
 from dlm_jax.interventions import NO_INTERVENTION, Intervention
 from dlm_jax.model import KVCache
-from dlm_jax.sampling import driver, padding
+from dlm_jax.sampling import driver, keys, padding
 from dlm_jax.sampling.selection import filter_top_k, filter_top_p
 from dlm_jax.sampling.trace import Trace
 from dlm_jax.stats import NO_STATS, StatsSpec
@@ -62,8 +62,8 @@ class AROptions:
       raise ValueError(f"top_k must be None or a positive integer, got {self.top_k!r}.")
 
 
-def _next_token(options: AROptions, logits: jax.Array, key: jax.Array) -> jax.Array:
-  """logits [B, V] float32 -> [B] int32."""
+def _next_token(options: AROptions, logits: jax.Array, key: jax.Array, per_row: bool) -> jax.Array:
+  """logits [B, V] float32 -> [B] int32 (per_row: `key` is [B] keys)."""
   if options.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits / options.temperature
@@ -71,7 +71,7 @@ def _next_token(options: AROptions, logits: jax.Array, key: jax.Array) -> jax.Ar
     logits = filter_top_k(logits, options.top_k)
   if options.top_p is not None and options.top_p < 1:
     logits = filter_top_p(logits, options.top_p)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+  return keys.categorical(key, logits, per_row).astype(jnp.int32)
 
 
 @struct.dataclass
@@ -131,15 +131,16 @@ class ARFamily(driver.Family):
 
   def _feed(self, run, params, consts: padding.PaddingLayout, carry: ARCarry, istate, offset, length: int, step):
     """Feeds tokens[:, offset:offset+length] and writes the next token at offset + length."""
-    key, sample_key = jax.random.split(carry.key)
+    key, sample_key = keys.split(carry.key, 2, run.row_keys)
     canvas = carry.tokens
     tokens = jax.lax.dynamic_slice_in_dim(canvas, offset, length, axis=1)
     positions = jax.lax.dynamic_slice_in_dim(consts.positions, offset, length, axis=1)
     written = jnp.arange(canvas.shape[1])[None, :] < offset + length
+    query_valid = jax.lax.dynamic_slice_in_dim(consts.valid, offset, length, axis=1)
     result = run.caller(params, tokens, step, istate, window="last", positions=positions,
-                        valid_keys=consts.valid & written, base_bias=consts.bias, cache=carry.cache,
-                        cache_offset=offset, canvas=canvas)
-    token = _next_token(self.options, result.logits[:, -1], sample_key)
+                        valid_keys=consts.valid & written, query_valid=query_valid, base_bias=consts.bias,
+                        cache=carry.cache, cache_offset=offset, canvas=canvas)
+    token = _next_token(self.options, result.logits[:, -1], sample_key, run.row_keys)
     finished = carry.finished
     if self.options.stop_at_eos:
       token = jnp.where(finished, self.pad_id, token)
@@ -183,8 +184,8 @@ def generate(
   Args:
     params: model parameters of a causal config.
     prompt: [B, Lp] int token ids (Lp >= 1), left-padded for batches.
-    config, options, key, prompt_mask, stats_spec, intervention, intervention_state, sink_top_k,
-      attention_impl, query_chunk, loop, record_intervention: as in `dlm_jax.sampling.llada.generate`.
+    config, options, key (one key or [B] row keys), prompt_mask, stats_spec, intervention, intervention_state,
+      sink_top_k, attention_impl, query_chunk, loop, record_intervention: as in `dlm_jax.sampling.llada.generate`.
       Query groups (when asked) are masked (always empty), generated and prompt queries.
 
   Returns:

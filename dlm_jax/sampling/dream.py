@@ -13,10 +13,10 @@ t = ts[i] and s = ts[i + 1]:
      step) and takes its sample;
      other algs: k = int(M̄·(1 − s/t)) (int(M̄) at the last step) with M̄ = masked count of the batch / B in
      float32, the same k for every row (it may be 0); the k most confident positions of each row
-     (confidence −inf where not masked; ties, routine at temperature 0: lowest index first) — or, with alg_temp > 0, k positions
-     drawn without replacement from softmax(confidence / alg_temp) (Gumbel top-k) — take x0. As in the
-     original, a chosen position that was not masked (only when k exceeds a row's masked count) is set
-     to the mask token.
+     (confidence −inf where not masked; ties, routine at temperature 0: lowest index first) — or, with
+     alg_temp > 0, k positions drawn without replacement from softmax(confidence / alg_temp) (Gumbel
+     top-k) — take x0. As in the original, a chosen position that was not masked (only when k exceeds a
+     row's masked count) is set to the mask token.
 
 Left padding (`prompt_mask` given; `dlm_jax.sampling.padding`): positions are cumsum(mask) − 1 with pads
 at 1, and the attention mask is the boolean outer product mask(i) ∧ mask(j) (pad queries see nothing:
@@ -43,7 +43,7 @@ from flax import struct
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.interventions import NO_INTERVENTION, Intervention
-from dlm_jax.sampling import driver, padding
+from dlm_jax.sampling import driver, keys, padding
 from dlm_jax.sampling.schedules import dream_transfer_count, dream_transfer_fractions
 from dlm_jax.sampling.selection import filter_top_k, filter_top_p, select_top_k, update_decode_step
 from dlm_jax.sampling.trace import Trace
@@ -96,8 +96,9 @@ class DreamOptions:
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float | None,
-                  top_k: int | None, margin: bool = False, neg_entropy: bool = False):
-  """Dream's `sample_tokens`: logits [..., V] -> (confidence [...] float32, x0 [...] int32)."""
+                  top_k: int | None, margin: bool = False, neg_entropy: bool = False, per_row: bool = False):
+  """Dream's `sample_tokens`: logits [..., V] -> (confidence [...] float32, x0 [...] int32).
+  per_row: `key` is [B] keys for logits [B, ..., V]."""
   logits = logits.astype(jnp.float32)
   if temperature > 0:
     logits = logits / temperature
@@ -107,7 +108,7 @@ def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature: float, top_
     logits = filter_top_k(logits, top_k)
   probs = jax.nn.softmax(logits, axis=-1)
   if temperature > 0:
-    x0 = jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    x0 = keys.categorical(key, logits, per_row).astype(jnp.int32)
     confidence = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
   else:
     x0 = jnp.argmax(probs, axis=-1).astype(jnp.int32)
@@ -194,24 +195,25 @@ class DreamFamily(driver.Family):
     o, mask_id, lp = self.options, self.mask_id, run.prompt_length
     w0 = 0 if self.infill else lp
     x = carry.tokens
-    key, sample_key, select_key = jax.random.split(carry.key, 3)
+    key, sample_key, select_key = keys.split(carry.key, 3, run.row_keys)
     result = run.caller(params, x, i, istate, window=(max(w0 - 1, 0), run.total_length - 1),
-                        positions=consts.positions, valid_keys=consts.valid, base_bias=consts.bias)
+                        positions=consts.positions, valid_keys=consts.valid, query_valid=consts.valid,
+                        base_bias=consts.bias)
     logits = shift_logits(result.logits, w0)
     x_win = x[:, w0:]
     masked = x_win == mask_id
     fraction = jnp.asarray(dream_transfer_fractions(o.steps, o.eps))[i]
     sample = functools.partial(sample_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
-                               margin=o.alg == "topk_margin", neg_entropy=o.alg == "entropy")
+                               margin=o.alg == "topk_margin", neg_entropy=o.alg == "entropy", per_row=run.row_keys)
     confidence, x0 = sample(logits, sample_key)
     if o.alg == "origin":
-      reveal = jax.random.uniform(select_key, masked.shape, jnp.float32) < fraction
+      reveal = keys.uniform(select_key, masked.shape, jnp.float32, 0.0, 1.0, run.row_keys) < fraction
       x_win = jnp.where(masked & reveal, x0, x_win)
     else:
       k = dream_transfer_count(jnp.sum(masked), x.shape[0], fraction, i == o.steps - 1)
       full_confidence = jnp.where(masked, confidence, -jnp.inf)
       if o.alg_temp:
-        gumbel = jax.random.gumbel(select_key, full_confidence.shape, jnp.float32)
+        gumbel = keys.gumbel(select_key, full_confidence.shape, jnp.float32, run.row_keys)
         full_confidence = jax.nn.log_softmax(full_confidence / o.alg_temp, axis=-1) + gumbel
       chosen = select_top_k(full_confidence, k)
       x_win = jnp.where(chosen, jnp.where(masked, x0, mask_id), x_win)
@@ -248,7 +250,7 @@ def diffusion_generate(
     prompt: [B, Lp] int token ids, left-padded for batches (Lp >= 1).
     config: model config (static).
     options: `DreamOptions` (static).
-    key: PRNG key; default key(0).
+    key: PRNG key; default key(0); or [B] keys, one per row (as in `dlm_jax.sampling.llada.generate`).
     prompt_mask: [B, Lp] 1 = real token, 0 = pad; None = no padding.
     stats_spec, intervention, intervention_state, sink_top_k, attention_impl, query_chunk, loop,
       record_intervention: as in `dlm_jax.sampling.llada.generate`.

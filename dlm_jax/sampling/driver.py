@@ -24,7 +24,7 @@ import numpy as np
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.interventions import NO_INTERVENTION, Intervention
-from dlm_jax.sampling import padding
+from dlm_jax.sampling import keys, padding
 from dlm_jax.sampling.model_call import ModelCaller, StepOutput
 from dlm_jax.sampling.trace import Trace
 from dlm_jax.stats import NO_STATS, StatsSpec, make_plan
@@ -107,7 +107,8 @@ class Run:
   """Static facts of one sampler run, handed to every family method.
 
   family: the decoding family; config: the model config; caller: the model call (it holds the
-  statistics plan and the intervention); prompt_length: Lp; total_length: S = Lp + G.
+  statistics plan and the intervention); prompt_length: Lp; total_length: S = Lp + G; row_keys: the run's
+  key is [B] keys, one per row (`dlm_jax.sampling.keys`).
   """
 
   family: Family
@@ -115,6 +116,7 @@ class Run:
   caller: ModelCaller
   prompt_length: int
   total_length: int
+  row_keys: bool = False
 
 
 def _stack(outputs: list[StepOutput]) -> StepOutput:
@@ -206,7 +208,8 @@ def generate(
     params: model parameters.
     prompt: [B, Lp] int token ids, left-padded for batches.
     config: model config (static).
-    key: PRNG key; default key(0).
+    key: PRNG key (default key(0)), or [B] keys, one per row: row b's draws then depend only on its key
+      (`dlm_jax.sampling.keys`).
     prompt_mask: [B, Lp] 1 = real token, 0 = pad; None = no padding.
     stats_spec: per-step attention statistics to return (static).
     intervention: attention-bias intervention applied at every step (static).
@@ -232,13 +235,14 @@ def generate(
   family.check(config)
   b, lp = prompt.shape
   total = lp + family.gen_length
-  caller = ModelCaller(config=config, plan=make_plan(config, stats_spec, intervention, sink_top_k),
+  plan = make_plan(config, stats_spec, intervention, sink_top_k, padded=prompt_mask is not None)
+  caller = ModelCaller(config=config, plan=plan,
                        intervention=intervention, mask_id=family.query_mask_id, gen_start=lp,
                        attention_impl=attention_impl, query_chunk=query_chunk,
                        record_intervention=record_intervention)
-  run = Run(family=family, config=config, caller=caller, prompt_length=lp, total_length=total)
+  key, row_keys = keys.as_run_key(key, b)
+  run = Run(family=family, config=config, caller=caller, prompt_length=lp, total_length=total, row_keys=row_keys)
   canvas = jnp.concatenate([prompt, jnp.full((b, family.gen_length), family.fill_id, jnp.int32)], axis=1)
-  key = jax.random.key(0) if key is None else key
   if intervention_state is None:
     intervention_state = intervention.init_state(config, b, total)
   runner = _compiled if loop == "scan" else _python_loop

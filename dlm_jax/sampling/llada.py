@@ -66,7 +66,7 @@ from flax import struct
 from dlm_jax.attention import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.interventions import NO_INTERVENTION, Intervention
-from dlm_jax.sampling import driver, padding
+from dlm_jax.sampling import driver, keys, padding
 from dlm_jax.sampling.schedules import llada_transfer_counts
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
 from dlm_jax.sampling.trace import Trace
@@ -123,7 +123,8 @@ class LLaDAOptions:
     if self.gen_length % self.block:
       raise ValueError(f"gen_length ({self.gen_length}) must be a multiple of block_length ({self.block}); "
                        "change one of them.")
-    if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps <= 0 or self.steps % self.num_blocks:
+    steps_ok = not isinstance(self.steps, bool) and isinstance(self.steps, int) and self.steps > 0
+    if not steps_ok or self.steps % self.num_blocks:
       raise ValueError(f"steps ({self.steps}) must be a positive multiple of the number of blocks "
                        f"gen_length / block_length = {self.num_blocks}.")
     if self.temperature < 0 or self.cfg_scale < 0:
@@ -156,13 +157,14 @@ def mmada_options(**overrides: Any) -> LLaDAOptions:
   return LLaDAOptions(**values)
 
 
-def gumbel_argmax(logits: jax.Array, temperature: float, key: jax.Array) -> jax.Array:
+def gumbel_argmax(logits: jax.Array, temperature: float, key: jax.Array, per_row: bool = False) -> jax.Array:
   """argmax over the last axis of l − T·log(−log u), u ~ U(0, 1): an exact sample of softmax(l / T).
 
   Float64 when `jax_enable_x64` is on (as the official code), float32 otherwise. [..., V] -> [...] int32.
+  per_row: `key` is [B] keys for logits [B, ..., V] (`dlm_jax.sampling.keys`).
   """
   dtype = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
-  u = jax.random.uniform(key, logits.shape, dtype, minval=jnp.finfo(dtype).tiny, maxval=1.0)
+  u = keys.uniform(key, logits.shape, dtype, jnp.finfo(dtype).tiny, 1.0, per_row)
   scores = logits.astype(dtype) - jnp.asarray(temperature, dtype) * jnp.log(-jnp.log(u))
   return jnp.argmax(scores, axis=-1).astype(jnp.int32)
 
@@ -242,19 +244,20 @@ class LLaDAFamily(driver.Family):
       return jnp.float64
     return jnp.float32
 
-  def _denoise(self, params, logits, uncond_logits, x_win, window_start, transfer_count, block_end, key):
+  def _denoise(self, params, logits, uncond_logits, x_win, window_start, transfer_count, block_end, key,
+               per_row: bool = False):
     """One step's sampling and transfer on the window [window_start, window_start + W): logits [B, W, V],
-    x_win [B, W] -> new x_win."""
+    x_win [B, W] -> new x_win. per_row: `key` is [B] keys."""
     o = self.options
     if o.cfg_scale > 0:
       logits = uncond_logits + (o.cfg_scale + 1.0) * (logits - uncond_logits)
     if o.logits_eos_inf:
       logits = logits.at[..., self.eos_id].set(-jnp.inf)
-    noise_key, random_key = jax.random.split(key)
+    noise_key, random_key = keys.split(key, 2, per_row)
     if o.temperature == 0:
       x0 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:
-      x0 = gumbel_argmax(logits, o.temperature, noise_key)
+      x0 = gumbel_argmax(logits, o.temperature, noise_key, per_row)
     confidence_logits = logits
     if o.confidence_eos_eot_inf:
       if o.temperature == 0:
@@ -264,7 +267,7 @@ class LLaDAFamily(driver.Family):
       probs = jax.nn.softmax(confidence_logits.astype(self._confidence_dtype(params)), axis=-1)
       x0_p = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
     else:
-      x0_p = jax.random.uniform(random_key, x0.shape, jnp.float32)
+      x0_p = keys.uniform(random_key, x0.shape, jnp.float32, 0.0, 1.0, per_row)
     position = window_start + jnp.arange(x_win.shape[1])
     x0_p = jnp.where(position[None, :] >= block_end, -jnp.inf, x0_p)
     masked = x_win == self.mask_id
@@ -284,7 +287,7 @@ class LLaDAFamily(driver.Family):
     if o.stop_token_id is not None:
       last = jax.lax.dynamic_index_in_dim(x, jnp.maximum(block_start - 1, 0), axis=1, keepdims=False)
       done = done | ((s == 0) & (block > 0) & jnp.all(last == o.stop_token_id))
-    key, step_key = jax.random.split(carry.key)
+    key, step_key = keys.split(carry.key, 2, run.row_keys)
     uncond = jnp.where(consts.prompt_index, mask_id, x) if o.cfg_scale > 0 else None
 
     def decode(whole_canvas: bool):
@@ -293,11 +296,11 @@ class LLaDAFamily(driver.Family):
         result = run.caller(
             params, x, i, istate, window=(0, run.total_length) if whole_canvas else (lp, lp + o.block),
             logits_offset=0 if whole_canvas else block * o.block, positions=consts.layout.positions,
-            valid_keys=consts.layout.valid, base_bias=consts.layout.bias, uncond_tokens=uncond,
-            uncond_base_bias=consts.uncond_bias)
+            valid_keys=consts.layout.valid, query_valid=consts.layout.valid, base_bias=consts.layout.bias,
+            uncond_tokens=uncond, uncond_base_bias=consts.uncond_bias)
         x_win = jax.lax.dynamic_slice_in_dim(x, window_start, result.logits.shape[1], axis=1)
         x_win = self._denoise(params, result.logits, result.uncond_logits, x_win, window_start, schedule[:, s],
-                              block_start + o.block, step_key)
+                              block_start + o.block, step_key, run.row_keys)
         new_x = jax.lax.dynamic_update_slice_in_dim(x, x_win, window_start, axis=1)
         return new_x, result.intervention_state, result.outputs
       return run_window
@@ -356,7 +359,8 @@ def generate(
     prompt: [B, Lp] int token ids, left-padded for batches.
     config: model config (static).
     options: `LLaDAOptions` (static; `mmada_options(...)` for MMaDA).
-    key: PRNG key (temperature > 0, random remasking); default key(0).
+    key: PRNG key (temperature > 0, random remasking); default key(0). [B] keys: one per row, so that a
+      row's draws do not depend on the batch (`dlm_jax.sampling.keys`).
     prompt_mask: [B, Lp] 1 = real token, 0 = pad; None = no padding.
     stats_spec: per-step attention statistics to return (static).
     intervention: attention-bias intervention applied at every step (static).

@@ -85,7 +85,8 @@ class ModelCaller:
   record_intervention: bool = False
 
   def __call__(self, params, tokens: jax.Array, step, istate, *, window: tuple[int, int] | str | None,
-               positions: jax.Array, valid_keys: jax.Array, base_bias: AttentionBias = NO_BIAS,
+               positions: jax.Array, valid_keys: jax.Array, query_valid: jax.Array,
+               base_bias: AttentionBias = NO_BIAS,
                uncond_tokens: jax.Array | None = None, uncond_base_bias: AttentionBias = NO_BIAS,
                cache: KVCache | None = None, cache_offset: jax.Array | int = 0, canvas: jax.Array | None = None,
                logits_offset: jax.Array | int = 0) -> CallResult:
@@ -93,7 +94,8 @@ class ModelCaller:
 
     window: (start, stop) positions whose logits are computed, "last" (the last position) or None (all);
     logits_offset shifts it by a traced amount (see `dlm_jax.model.forward`).
-    positions: [B, T] RoPE positions; valid_keys: [B, S] keys the top sinks may be chosen among.
+    positions: [B, T] RoPE positions; valid_keys: [B, S] keys the top sinks may be chosen among;
+    query_valid: [B, T] the real (not padding) queries, the ones the statistics sum over.
     base_bias / uncond_base_bias: the padding biases of the two halves.
     cache: a `KVCache`: the call writes it at `cache_offset`, the keys are its S positions and `canvas`
     [B, S] is the whole sequence the intervention sees (`CallContext.tokens`).
@@ -113,7 +115,7 @@ class ModelCaller:
     if spec.query_groups:
       weights = self.plan.query_weights(
           lambda: query_group_weights(tokens, mask_id, self.gen_start, cache_offset),
-          lambda: self.intervention.query_weights(istate, context))
+          lambda: self.intervention.query_weights(istate, context), query_valid)
     model_tokens = tokens
     if uncond_tokens is not None:
       bias = bias.concat_batch(uncond_base_bias + intervention_bias, batch)
