@@ -223,7 +223,7 @@ class MaskKeys(Intervention):
     valid = positions >= 0
     marks = jnp.zeros((batch, seq_len), bool).at[rows, jnp.where(valid, positions, 0)].max(valid)
     # [B, S] against [B, S] state, or [B, 1, S] broadcast over the layers and heads of [L, B, N, S] state
-    return state | marks.reshape(batch, *([1] * (state.ndim - 2)), seq_len)
+    return state | marks.reshape(batch, *([1] * (state.ndim - 3)), seq_len)
 
   def bias(self, state: jax.Array, context: CallContext) -> AttentionBias:
     if self.spare_self:
