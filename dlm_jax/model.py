@@ -172,7 +172,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens, positions, *, bias: AttentionBias, query_weights, stats_spec: StatsSpec,
                logits_window, logits_offset, impl, query_chunk, cache: KVCache | None,
-               cache_offset) -> ForwardOutput:
+               cache_offset, return_hidden: bool) -> ForwardOutput:
     """See `forward`. Statistics are computed only in the layers `stats_spec` asks for."""
     c = self.config
     x = self.embed(tokens)
@@ -244,9 +244,21 @@ class Transformer(nnx.Module):
         x = jax.lax.dynamic_slice_in_dim(x, start + logits_offset, stop - start, axis=1)
     x = self.final_norm(x)
     head = self.embed.embedding[...].T if c.tied_embeddings else self.lm_head.kernel[...]
-    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+    logits, hidden = (None, x) if return_hidden else (_head_logits(x, head), None)
     return ForwardOutput(logits=logits, incoming_attention=stats.get("incoming_attention"),
-                         value_norms=stats.get("value_norms"), cache=new_cache)
+                         value_norms=stats.get("value_norms"), cache=new_cache, hidden=hidden)
+
+
+def _head_logits(hidden: jax.Array, head: jax.Array) -> jax.Array:
+  """[B, W, D] final-normed hidden states, head [D, V] -> float32 logits [B, W, V]."""
+  return jnp.einsum("btd,dv->btv", hidden, head, preferred_element_type=jnp.float32)
+
+
+def lm_head(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:
+  """The LM head on final-normed hidden states [B, W, D] (`forward(..., return_hidden=True)`): float32
+  logits [B, W, V], the same values `forward` returns for those positions."""
+  head = params["embed"]["embedding"].T if config.tied_embeddings else params["lm_head"]["kernel"]
+  return _head_logits(hidden, head)
 
 
 def _stat_buffers(config: ModelConfig, spec: StatsSpec, batch: int, n_keys: int, query_weights) -> dict:
@@ -345,10 +357,12 @@ def forward(
     query_chunk: int = 128,
     cache: KVCache | None = None,
     cache_offset: jax.Array | int = 0,
+    return_hidden: bool = False,
 ) -> ForwardOutput:
   """Pure forward pass of the Transformer described by `config`: full, windowed or KV-cached.
 
-  Jit it with `config`, `stats_spec`, `logits_window`, `attention_impl` and `query_chunk` static.
+  Jit it with `config`, `stats_spec`, `logits_window`, `attention_impl`, `query_chunk` and `return_hidden`
+  static.
 
   Args:
     params: parameter tree from `init_params` or `dlm_jax.checkpoint`.
@@ -371,6 +385,9 @@ def forward(
       statistics then address the S cache positions as keys; values zeroed by the bias are also zero in
       the returned cache.
     cache_offset: sequence index of the first token (scalar, may be traced); used with `cache`.
+    return_hidden: return the final-normed hidden states of the window (`ForwardOutput.hidden`) instead of
+      logits; `lm_head` turns any slice of them into logits (a sampler that chooses the positions it needs
+      inside the compiled loop).
 
   Returns:
     `ForwardOutput`: float32 logits [B, W, V], the requested statistics in the layout of
@@ -384,4 +401,5 @@ def forward(
   model = nnx.merge(_graphdef(config), params)
   return model(tokens, positions, bias=bias, query_weights=query_weights, stats_spec=stats_spec,
                logits_window=logits_window, logits_offset=logits_offset, impl=attention_impl,
-               query_chunk=query_chunk, cache=cache, cache_offset=0 if cache is None else cache_offset)
+               query_chunk=query_chunk, cache=cache, cache_offset=0 if cache is None else cache_offset,
+               return_hidden=return_hidden)

@@ -72,16 +72,19 @@ class ForwardOutput:
   """Result of `dlm_jax.model.forward`.
 
   Attributes:
-    logits: [B, W, V] float32 raw logits (no shift) for the W positions of the logits window.
+    logits: [B, W, V] float32 raw logits (no shift) for the W positions of the logits window (None when
+      the hidden states were asked for instead).
     incoming_attention: None unless requested; [L', B, Q, N', S] float32 (module docstring).
     value_norms: None unless requested; [L', B, K, S] float32.
     cache: the updated `dlm_jax.model.KVCache` of a cached call, else None.
+    hidden: with `return_hidden`, the final-normed hidden states [B, W, D] of the window, else None.
   """
 
-  logits: jax.Array
+  logits: jax.Array | None
   incoming_attention: jax.Array | None = None
   value_norms: jax.Array | None = None
   cache: Any = None
+  hidden: jax.Array | None = None
 
 
 def squeeze_incoming(incoming: jax.Array, spec: StatsSpec) -> jax.Array:

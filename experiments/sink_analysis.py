@@ -73,9 +73,8 @@ def analyse_row(model: workload.Model, item: workload.Item, prompts, host, row: 
   lp = prompts.ids.shape[1]
   tokens, decode_step = host["tokens"][row], host["decode_step"][row]
   incoming = np.asarray(host["incoming"][:, :, row], np.float32)  # [steps, L', (3,) N, S]
-  grouped = incoming.ndim == 5
-  all_queries = workload.remove_padded_prefill_rows(incoming.sum(axis=2) if grouped else incoming, model, prompts,
-                                                    row)
+  grouped = model.diffusion and FLAGS.split_queries  # as in _stats_spec: the [steps, L', 3, N, S] layout
+  all_queries = incoming.sum(axis=2) if grouped else incoming  # pad queries are in no statistic
   steps, total = all_queries.shape[0], all_queries.shape[-1]
   valid, active = workload.step_validity(model, prompts, row, tokens, steps)
   valid4 = valid[:, None, None, :]

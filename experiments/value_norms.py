@@ -43,7 +43,7 @@ flags.DEFINE_integer("max_points", 10000, "Points per class in the scatter plot 
 def analyse_row(model, item, prompts, host, row: int) -> dict:
   """One prompt's sink / normal value norms: per-layer sums and counts plus seeded subsamples."""
   lp = prompts.ids.shape[1]
-  incoming = workload.remove_padded_prefill_rows(host["incoming"][:, :, row], model, prompts, row)  # [steps, L', N, S]
+  incoming = np.asarray(host["incoming"][:, :, row], np.float32)  # [steps, L', N, S], over the real queries
   norms = np.asarray(host["values"][:, :, row], np.float32)  # [steps, L', K, S]
   valid, _ = workload.step_validity(model, prompts, row, host["tokens"][row], incoming.shape[0])
   valid4 = valid[:, None, None, :]

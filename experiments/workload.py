@@ -420,13 +420,3 @@ def step_validity(model: Model, prompts: Prompts, row: int, tokens: np.ndarray, 
     active = np.arange(steps) <= (int(np.argmax(stops)) if stops.any() else steps)
     valid &= active[:, None]
   return valid, active
-
-
-def remove_padded_prefill_rows(incoming: np.ndarray, model: Model, prompts: Prompts, row: int) -> np.ndarray:
-  """ARMs with a left-padded prompt: the pad queries of the prefill (step 0) see no key, and
-  `dlm_jax.attention` makes such a row uniform over all S keys, so each adds exactly 1/S to every key's
-  column sum; returns incoming [steps, ..., S] without them (a copy). DLMs: unchanged."""
-  incoming = np.array(incoming, np.float32)
-  if not model.diffusion and prompts.mask is not None:
-    incoming[0] -= float((~prompts.mask[row]).sum()) / incoming.shape[-1]
-  return incoming

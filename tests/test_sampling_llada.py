@@ -311,15 +311,14 @@ def test_confidence_eos_eot_rule_depends_on_temperature():
   logits = np.full((1, 2, 8), -4.0, np.float32)
   logits[0, 0, EOS] = 5.0  # position 0: EOS, very confident
   logits[0, 1, 5] = 1.0  # position 1: token 5, less confident
-  x_win = np.full((1, 2), MASK, np.int32)
+  canvas = jnp.full((1, 2), MASK, jnp.int32)
 
   def chosen(temperature):
     options = llada.LLaDAOptions(gen_length=2, steps=2, block_length=2, temperature=temperature,
                                  confidence_eos_eot_inf=True)
     family = llada.LLaDAFamily(options=options, mask_id=MASK, eos_id=EOS, eot_id=EOT)
-    out = family._denoise(params_for(), jnp.asarray(logits), None, jnp.asarray(x_win), 0, jnp.asarray([1]), 2,
-                          jax.random.key(0))
-    return np.asarray(out)[0]
+    x0, x0_p = family._proposals(params_for(), jnp.asarray(logits), None, jax.random.key(0))
+    return np.asarray(family._transfer(canvas, x0, x0_p, 2, jnp.asarray([1])))[0]
 
   np.testing.assert_array_equal(chosen(0.0), [MASK, 5])  # EOS confidence is 0 at T = 0
   np.testing.assert_array_equal(chosen(1e-6), [EOS, MASK])  # EOS keeps its confidence at T > 0

@@ -16,20 +16,15 @@ With `stop_at_eos`, a row that produced an EOS id keeps producing the pad id (sh
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from dlm_jax.config import ModelConfig
-from dlm_jax.interventions import NO_INTERVENTION, Intervention
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import driver, keys, padding
 from dlm_jax.sampling.selection import filter_top_k, filter_top_p
-from dlm_jax.sampling.trace import Trace
-from dlm_jax.stats import NO_STATS, StatsSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,17 +84,13 @@ class ARCarry:
 class ARFamily(driver.Family):
   """KV-cache decoding of a causal model (module docstring) with resolved EOS and pad ids."""
 
-  options: AROptions
   eos_ids: tuple[int, ...]
   pad_id: int
 
   name = "ar"
   min_prompt_length = 1
   has_prefill = True
-
-  @property
-  def gen_length(self) -> int:
-    return self.options.gen_length
+  shift_positions = True
 
   @property
   def n_steps(self) -> int:
@@ -109,20 +100,9 @@ class ARFamily(driver.Family):
   def fill_id(self) -> int:
     return self.pad_id
 
-  @property
-  def padding_attention(self) -> padding.PaddingAttention:
-    return "key"
-
-  @property
-  def shift_positions(self) -> bool:
-    return True
-
   def check(self, config: ModelConfig) -> None:
     if not config.causal:
       raise ValueError(f"Autoregressive decoding needs a causal model; config {config.name!r} is bidirectional.")
-
-  def constants(self, run, canvas, layout) -> padding.PaddingLayout:
-    return layout
 
   def init_carry(self, run, params, canvas, key, consts) -> ARCarry:
     b, total = canvas.shape
@@ -162,35 +142,8 @@ class ARFamily(driver.Family):
     return carry.tokens, jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32), (b, g)), jnp.asarray(g, jnp.int32)
 
 
-def generate(
-    params: dict,
-    prompt: jax.Array | np.ndarray,
-    *,
-    config: ModelConfig,
-    options: AROptions = AROptions(),
-    key: jax.Array | None = None,
-    prompt_mask: jax.Array | np.ndarray | None = None,
-    stats_spec: StatsSpec = NO_STATS,
-    intervention: Intervention = NO_INTERVENTION,
-    intervention_state: Any = None,
-    sink_top_k: int = 0,
-    attention_impl: str = "chunked",
-    query_chunk: int = 128,
-    loop: driver.Loop = "scan",
-    record_intervention: bool = False,
-) -> Trace:
-  """Greedy or sampled decoding of a causal model with a KV cache (module docstring).
-
-  Args:
-    params: model parameters of a causal config.
-    prompt: [B, Lp] int token ids (Lp >= 1), left-padded for batches.
-    config, options, key (one key or [B] row keys), prompt_mask, stats_spec, intervention, intervention_state,
-      sink_top_k, attention_impl, query_chunk, loop, record_intervention: as in `dlm_jax.sampling.llada.generate`.
-      Query groups (when asked) are masked (always empty), generated and prompt queries.
-
-  Returns:
-    `Trace` with tokens [B, Lp + G], decode_step[b, i] = i, nfe = G, stats over the S = Lp + G keys.
-  """
+def _family(config: ModelConfig, options: AROptions, prompt) -> ARFamily:
+  del prompt
   eos_ids = options.eos_token_ids
   if eos_ids is None:
     eos_ids = tuple(i for i in (config.eos_token_id, config.eot_token_id) if i is not None)
@@ -199,8 +152,19 @@ def generate(
     pad_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
   if options.stop_at_eos and (not eos_ids or pad_id is None):
     raise ValueError("stop_at_eos needs EOS and pad ids (config or AROptions.eos_token_ids / pad_token_id).")
-  family = ARFamily(options=options, eos_ids=tuple(eos_ids), pad_id=0 if pad_id is None else pad_id)
-  return driver.generate(family, params, prompt, config=config, key=key, prompt_mask=prompt_mask,
-                         stats_spec=stats_spec, intervention=intervention, intervention_state=intervention_state,
-                         sink_top_k=sink_top_k, attention_impl=attention_impl, query_chunk=query_chunk, loop=loop,
-                         record_intervention=record_intervention)
+  return ARFamily(options=options, eos_ids=tuple(eos_ids), pad_id=0 if pad_id is None else pad_id)
+
+
+generate = driver.public_sampler(_family, AROptions(), """Greedy or sampled decoding of a causal model with a
+KV cache (module docstring).
+
+Args:
+  params: model parameters of a causal config.
+  prompt: [B, Lp] int token ids (Lp >= 1), left-padded for batches.
+  config, options, key (one key or [B] row keys), prompt_mask, stats_spec, intervention, intervention_state,
+    sink_top_k, attention_impl, query_chunk, loop, record_intervention: see `dlm_jax.sampling.driver.run_family`.
+    Query groups (when asked) are masked (always empty), generated and prompt queries.
+
+Returns:
+  `Trace` with tokens [B, Lp + G], decode_step[b, i] = i, nfe = G, stats over the S = Lp + G keys.
+""")

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -42,12 +42,9 @@ import numpy as np
 from flax import struct
 
 from dlm_jax.config import ModelConfig
-from dlm_jax.interventions import NO_INTERVENTION, Intervention
 from dlm_jax.sampling import driver, keys, padding
 from dlm_jax.sampling.schedules import dream_transfer_count, dream_transfer_fractions
 from dlm_jax.sampling.selection import filter_top_k, filter_top_p, select_top_k, update_decode_step
-from dlm_jax.sampling.trace import Trace
-from dlm_jax.stats import NO_STATS, StatsSpec
 
 Alg = Literal["origin", "maskgit_plus", "topk_margin", "entropy"]
 
@@ -143,48 +140,21 @@ class DreamCarry:
 
 
 @dataclasses.dataclass(frozen=True)
-class DreamFamily(driver.Family):
+class DreamFamily(driver.MaskedDiffusionFamily):
   """Dream's `diffusion_generate` (module docstring). infill: the prompt holds mask tokens, so the
   logits of the whole canvas are needed (else those of the generation region only)."""
 
-  options: DreamOptions
-  mask_id: int
   infill: bool
 
   name = "dream"
   min_prompt_length = 1
-
-  @property
-  def gen_length(self) -> int:
-    return self.options.gen_length
-
-  @property
-  def n_steps(self) -> int:
-    return self.options.steps
-
-  @property
-  def fill_id(self) -> int:
-    return self.mask_id
-
-  @property
-  def query_mask_id(self) -> int:
-    return self.mask_id
-
-  @property
-  def padding_attention(self) -> padding.PaddingAttention:
-    return "outer"
-
-  @property
-  def shift_positions(self) -> bool:
-    return True
+  padding_attention = "outer"
+  shift_positions = True
 
   def check(self, config: ModelConfig) -> None:
     if config.logit_shift != 1:
       raise ValueError(f"Dream sampling reads shifted logits; config {config.name!r} has logit_shift=0 "
                        "(use dlm_jax.sampling.llada for unshifted models).")
-
-  def constants(self, run, canvas, layout) -> padding.PaddingLayout:
-    return layout
 
   def init_carry(self, run, params, canvas, key, consts) -> DreamCarry:
     b = canvas.shape[0]
@@ -222,47 +192,27 @@ class DreamFamily(driver.Family):
     carry = DreamCarry(tokens=new_x, key=key, decode_step=decode_step, nfe=carry.nfe + 1)
     return carry, result.intervention_state, result.outputs
 
-  def outcome(self, run, carry: DreamCarry):
-    return carry.tokens, carry.decode_step, carry.nfe
 
-
-def diffusion_generate(
-    params: dict,
-    prompt: jax.Array | np.ndarray,
-    *,
-    config: ModelConfig,
-    options: DreamOptions = DreamOptions(),
-    key: jax.Array | None = None,
-    prompt_mask: jax.Array | np.ndarray | None = None,
-    stats_spec: StatsSpec = NO_STATS,
-    intervention: Intervention = NO_INTERVENTION,
-    intervention_state: Any = None,
-    sink_top_k: int = 0,
-    attention_impl: str = "chunked",
-    query_chunk: int = 128,
-    loop: driver.Loop = "scan",
-    record_intervention: bool = False,
-) -> Trace:
-  """Dream masked-diffusion generation (module docstring), one compiled program per shape.
-
-  Args:
-    params: model parameters (a config with logit_shift=1).
-    prompt: [B, Lp] int token ids, left-padded for batches (Lp >= 1).
-    config: model config (static).
-    options: `DreamOptions` (static).
-    key: PRNG key; default key(0); or [B] keys, one per row (as in `dlm_jax.sampling.llada.generate`).
-    prompt_mask: [B, Lp] 1 = real token, 0 = pad; None = no padding.
-    stats_spec, intervention, intervention_state, sink_top_k, attention_impl, query_chunk, loop,
-      record_intervention: as in `dlm_jax.sampling.llada.generate`.
-
-  Returns:
-    `Trace` with tokens [B, Lp + G], decode_step [B, G], nfe = steps, stats [steps, ...], top_sinks.
-  """
+def _family(config: ModelConfig, options: DreamOptions, prompt) -> DreamFamily:
   mask_id = config.mask_token_id if options.mask_token_id is None else options.mask_token_id
   if mask_id is None:
     raise ValueError("Dream sampling needs a mask token id: set ModelConfig.mask_token_id or options.mask_token_id.")
-  family = DreamFamily(options=options, mask_id=mask_id, infill=bool(np.any(np.asarray(prompt) == mask_id)))
-  return driver.generate(family, params, prompt, config=config, key=key, prompt_mask=prompt_mask,
-                         stats_spec=stats_spec, intervention=intervention, intervention_state=intervention_state,
-                         sink_top_k=sink_top_k, attention_impl=attention_impl, query_chunk=query_chunk, loop=loop,
-                         record_intervention=record_intervention)
+  return DreamFamily(options=options, mask_id=mask_id, infill=bool(np.any(np.asarray(prompt) == mask_id)))
+
+
+diffusion_generate = driver.public_sampler(_family, DreamOptions(), """Dream masked-diffusion generation
+(module docstring), one compiled program per shape.
+
+Args:
+  params: model parameters (a config with logit_shift=1).
+  prompt: [B, Lp] int token ids, left-padded for batches (Lp >= 1).
+  config: model config (static).
+  options: `DreamOptions` (static).
+  key: PRNG key; default key(0); or [B] keys, one per row (see `dlm_jax.sampling.driver.run_family`).
+  prompt_mask: [B, Lp] 1 = real token, 0 = pad; None = no padding.
+  stats_spec, intervention, intervention_state, sink_top_k, attention_impl, query_chunk, loop,
+    record_intervention: see `dlm_jax.sampling.driver.run_family`.
+
+Returns:
+  `Trace` with tokens [B, Lp + G], decode_step [B, G], nfe = steps, stats [steps, ...], top_sinks.
+""")

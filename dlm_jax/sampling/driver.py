@@ -1,14 +1,15 @@
-"""The one sampler loop: every decoding family runs through `generate` here.
+"""The one sampler loop: every decoding family runs through `run_family` here.
 
-The driver owns everything that is not a family's own: it validates the prompt and its mask, builds the
-canvas (prompt, then G filler tokens), the padding layout (`dlm_jax.sampling.padding`), the statistics
-plan (`dlm_jax.stats.StatsPlan`) and the model caller (`model_call.ModelCaller`), initialises the
-intervention, runs the loop — one compiled program (`lax.scan` over the steps, donated canvas), or the
+The driver owns everything that is not a family's own: `run_family` validates the prompt and its mask,
+builds the canvas (prompt, then G filler tokens), the padding layout (`dlm_jax.sampling.padding`), the
+statistics plan (`dlm_jax.stats.StatsPlan`) and the model caller (`model_call.ModelCaller`), initialises
+the intervention, runs the loop — one compiled program (`lax.scan` over the steps, donated canvas), or the
 same step function driven by a Python loop for tests — and builds the `Trace`, squeezing statistics to
 the users' shapes at this one edge.
 
 A decoding family is a small frozen `Family` subclass (its static options and constants, its carry — a
-`flax.struct` dataclass — and its step function); see BUILD.md, "Adding a decoding family".
+`flax.struct` dataclass — and its step function) and its public function made by `public_sampler`; see
+BUILD.md, "The sampler driver and adding a decoding family".
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import jax
@@ -39,14 +41,19 @@ Loop = Literal["scan", "python"]
 class Family:
   """What a decoding family supplies (subclass it as a frozen dataclass; instances are static).
 
+  Fields: options, the family's frozen options (with a `gen_length`, and a `steps` unless `n_steps` is
+  overridden); subclasses add their resolved ids.
+
   Class attributes:
     name: key of `TRACE_COUNTS`.
     min_prompt_length: shortest prompt accepted.
     has_prefill: step 0 is `prefill` (traced apart: its shapes differ, e.g. a KV-cache prefill), steps
       1..n−1 are `step`; otherwise every step is `step`.
+    padding_attention, shift_positions: the padding policy (`dlm_jax.sampling.padding`).
 
   Methods (`run` is the static `Run`; carries are `flax.struct` dataclasses):
-    gen_length, n_steps, fill_id, padding_attention, shift_positions, query_mask_id: static facts.
+    gen_length, n_steps, fill_id (the generation's initial token), query_mask_id (for the sampler's query
+      groups): static facts.
     check(config): raises ValueError when the family cannot run this model.
     constants(run, canvas, layout) -> loop invariants (a pytree), from the canvas and `PaddingLayout`.
     init_carry(run, params, canvas, key, consts) -> the initial carry.
@@ -55,29 +62,25 @@ class Family:
     outcome(run, carry) -> (tokens [B, S], decode_step [B, G], nfe): what the `Trace` reports.
   """
 
+  options: Any
+
   name: ClassVar[str] = "family"
   min_prompt_length: ClassVar[int] = 0
   has_prefill: ClassVar[bool] = False
+  padding_attention: ClassVar[padding.PaddingAttention] = "key"
+  shift_positions: ClassVar[bool] = False
 
   @property
   def gen_length(self) -> int:
-    raise NotImplementedError
+    return self.options.gen_length
 
   @property
   def n_steps(self) -> int:
-    raise NotImplementedError
+    return self.options.steps
 
   @property
   def fill_id(self) -> int:
     raise NotImplementedError
-
-  @property
-  def padding_attention(self) -> padding.PaddingAttention:
-    return "key"
-
-  @property
-  def shift_positions(self) -> bool:
-    return False
 
   @property
   def query_mask_id(self) -> int | None:
@@ -87,7 +90,8 @@ class Family:
     del config
 
   def constants(self, run: Run, canvas: jax.Array, layout: padding.PaddingLayout) -> Any:
-    raise NotImplementedError
+    del run, canvas
+    return layout
 
   def init_carry(self, run: Run, params, canvas: jax.Array, key: jax.Array, consts: Any) -> Any:
     raise NotImplementedError
@@ -100,6 +104,25 @@ class Family:
 
   def outcome(self, run: Run, carry: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedDiffusionFamily(Family):
+  """A family whose generation starts as mask tokens (LLaDA/MMaDA, Dream): mask_id fills the canvas and
+  defines the masked query group; its carry has `tokens`, `decode_step` and `nfe` fields."""
+
+  mask_id: int
+
+  @property
+  def fill_id(self) -> int:
+    return self.mask_id
+
+  @property
+  def query_mask_id(self) -> int:
+    return self.mask_id
+
+  def outcome(self, run: Run, carry: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return carry.tokens, carry.decode_step, carry.nfe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +207,7 @@ def _python_loop(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
   return _trace(run, carry, _stack(outputs) if outputs else None)
 
 
-def generate(
+def run_family(
     family: Family,
     params: dict,
     prompt: jax.Array | np.ndarray,
@@ -247,3 +270,26 @@ def generate(
     intervention_state = intervention.init_state(config, b, total)
   runner = _compiled if loop == "scan" else _python_loop
   return runner(params, canvas, prompt_mask, key, intervention_state, run=run)
+
+
+def public_sampler(build_family: Callable[[ModelConfig, Any, Any], Family], default_options: Any, doc: str):
+  """A family's public `generate`-style function (one signature for every family; `doc` is its docstring).
+
+  build_family(config, options, prompt) -> Family resolves the family's ids (raising ValueError with a
+  clear message when they are missing). The function's keyword arguments after `options` are those of
+  `run_family`.
+  """
+
+  def sample(params: dict, prompt: jax.Array | np.ndarray, *, config: ModelConfig, options: Any = default_options,
+             key: jax.Array | None = None, prompt_mask: jax.Array | np.ndarray | None = None,
+             stats_spec: StatsSpec = NO_STATS, intervention: Intervention = NO_INTERVENTION,
+             intervention_state: Any = None, sink_top_k: int = 0, attention_impl: str = "chunked",
+             query_chunk: int = 128, loop: Loop = "scan", record_intervention: bool = False) -> Trace:
+    return run_family(build_family(config, options, prompt), params, prompt, config=config, key=key,
+               prompt_mask=prompt_mask, stats_spec=stats_spec, intervention=intervention,
+               intervention_state=intervention_state, sink_top_k=sink_top_k, attention_impl=attention_impl,
+               query_chunk=query_chunk, loop=loop, record_intervention=record_intervention)
+
+  sample.__doc__ = doc
+  sample.__module__ = build_family.__module__
+  return sample

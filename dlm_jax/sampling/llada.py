@@ -60,17 +60,14 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
+from dlm_jax import model
 from dlm_jax.attention import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
-from dlm_jax.interventions import NO_INTERVENTION, Intervention
 from dlm_jax.sampling import driver, keys, padding
 from dlm_jax.sampling.schedules import llada_transfer_counts
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
-from dlm_jax.sampling.trace import Trace
-from dlm_jax.stats import NO_STATS, StatsSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,31 +190,13 @@ class LLaDACarry:
 
 
 @dataclasses.dataclass(frozen=True)
-class LLaDAFamily(driver.Family):
+class LLaDAFamily(driver.MaskedDiffusionFamily):
   """LLaDA / MMaDA semi-autoregressive block decoding (module docstring) with resolved special ids."""
 
-  options: LLaDAOptions
-  mask_id: int
   eos_id: int | None
   eot_id: int | None
 
   name = "llada"
-
-  @property
-  def gen_length(self) -> int:
-    return self.options.gen_length
-
-  @property
-  def n_steps(self) -> int:
-    return self.options.steps
-
-  @property
-  def fill_id(self) -> int:
-    return self.mask_id
-
-  @property
-  def query_mask_id(self) -> int:
-    return self.mask_id
 
   @property
   def padding_attention(self) -> padding.PaddingAttention:
@@ -244,10 +223,9 @@ class LLaDAFamily(driver.Family):
       return jnp.float64
     return jnp.float32
 
-  def _denoise(self, params, logits, uncond_logits, x_win, window_start, transfer_count, block_end, key,
-               per_row: bool = False):
-    """One step's sampling and transfer on the window [window_start, window_start + W): logits [B, W, V],
-    x_win [B, W] -> new x_win. per_row: `key` is [B] keys."""
+  def _proposals(self, params, logits, uncond_logits, key, per_row: bool = False):
+    """Steps 1–5 of the module docstring on the logits [B, W, V] of a window (and of the unconditional
+    canvas under CFG): (x0 [B, W] int32, confidence p(x0) [B, W]). per_row: `key` is [B] keys."""
     o = self.options
     if o.cfg_scale > 0:
       logits = uncond_logits + (o.cfg_scale + 1.0) * (logits - uncond_logits)
@@ -268,12 +246,15 @@ class LLaDAFamily(driver.Family):
       x0_p = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
     else:
       x0_p = keys.uniform(random_key, x0.shape, jnp.float32, 0.0, 1.0, per_row)
-    position = window_start + jnp.arange(x_win.shape[1])
-    x0_p = jnp.where(position[None, :] >= block_end, -jnp.inf, x0_p)
-    masked = x_win == self.mask_id
-    x0 = jnp.where(masked, x0, x_win)
-    confidence = jnp.where(masked, x0_p, -jnp.inf)
-    return jnp.where(select_top_k(confidence, transfer_count), x0, x_win)
+    return x0, x0_p
+
+  def _transfer(self, x, x0, x0_p, block_end, transfer_count):
+    """Step 6 on the whole canvas x [B, S]: the transfer_count [B] most confident masked positions before
+    block_end take x0 [B, S] (confidence x0_p [B, S], −inf where no proposal was computed)."""
+    masked = x == self.mask_id
+    before_end = jnp.arange(x.shape[1])[None, :] < block_end
+    confidence = jnp.where(masked & before_end, x0_p, -jnp.inf)
+    return jnp.where(select_top_k(confidence, transfer_count), jnp.where(masked, x0, x), x)
 
   def step(self, run, params, consts: LLaDAConstants, carry: LLaDACarry, istate, i):
     o, mask_id, lp = self.options, self.mask_id, run.prompt_length
@@ -290,23 +271,29 @@ class LLaDAFamily(driver.Family):
     key, step_key = keys.split(carry.key, 2, run.row_keys)
     uncond = jnp.where(consts.prompt_index, mask_id, x) if o.cfg_scale > 0 else None
 
-    def decode(whole_canvas: bool):
-      def run_window(_):
-        window_start = 0 if whole_canvas else block_start
-        result = run.caller(
-            params, x, i, istate, window=(0, run.total_length) if whole_canvas else (lp, lp + o.block),
-            logits_offset=0 if whole_canvas else block * o.block, positions=consts.layout.positions,
-            valid_keys=consts.layout.valid, query_valid=consts.layout.valid, base_bias=consts.layout.bias,
-            uncond_tokens=uncond, uncond_base_bias=consts.uncond_bias)
-        x_win = jax.lax.dynamic_slice_in_dim(x, window_start, result.logits.shape[1], axis=1)
-        x_win = self._denoise(params, result.logits, result.uncond_logits, x_win, window_start, schedule[:, s],
-                              block_start + o.block, step_key, run.row_keys)
-        new_x = jax.lax.dynamic_update_slice_in_dim(x, x_win, window_start, axis=1)
-        return new_x, result.intervention_state, result.outputs
-      return run_window
+    def proposals(result, whole_canvas: bool):
+      """(x0, confidence) [B, S] from the logits of the whole canvas, or of the current block only
+      (confidence −inf elsewhere)."""
+      def propose(_):
+        start, width = (0, run.total_length) if whole_canvas else (block_start, o.block)
+        logits = [None if h is None else model.lm_head(params, jax.lax.dynamic_slice_in_dim(h, start, width, 1),
+                                                       config=run.config)
+                  for h in (result.hidden, result.uncond_hidden)]
+        x0, x0_p = self._proposals(params, *logits, step_key, run.row_keys)
+        full_p = jnp.full(x.shape, -jnp.inf, x0_p.dtype)
+        return (jax.lax.dynamic_update_slice_in_dim(x, x0, start, axis=1),
+                jax.lax.dynamic_update_slice_in_dim(full_p, x0_p, start, axis=1))
+      return propose
 
-    earlier_mask = jnp.any((x == mask_id) & (jnp.arange(x.shape[1]) < block_start)[None, :])
-    denoise = lambda _: jax.lax.cond(earlier_mask, decode(True), decode(False), None)
+    def denoise(_):
+      result = run.caller(params, x, i, istate, window=None, return_hidden=True, positions=consts.layout.positions,
+                          valid_keys=consts.layout.valid, query_valid=consts.layout.valid,
+                          base_bias=consts.layout.bias, uncond_tokens=uncond, uncond_base_bias=consts.uncond_bias)
+      earlier_mask = jnp.any((x == mask_id) & (jnp.arange(x.shape[1]) < block_start)[None, :])
+      x0, x0_p = jax.lax.cond(earlier_mask, proposals(result, True), proposals(result, False), None)
+      new_x = self._transfer(x, x0, x0_p, block_start + o.block, schedule[:, s])
+      return new_x, result.intervention_state, result.outputs
+
     if o.stop_token_id is None:
       new_x, istate, outputs = denoise(None)
     else:
@@ -317,9 +304,6 @@ class LLaDAFamily(driver.Family):
     nfe = carry.nfe + jnp.where(done, 0, 1).astype(jnp.int32)
     carry = LLaDACarry(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step, nfe=nfe, done=done)
     return carry, istate, outputs
-
-  def outcome(self, run, carry: LLaDACarry):
-    return carry.tokens, carry.decode_step, carry.nfe
 
 
 def _special_ids(config: ModelConfig, options: LLaDAOptions) -> tuple[int, int | None, int | None]:
@@ -335,47 +319,24 @@ def _special_ids(config: ModelConfig, options: LLaDAOptions) -> tuple[int, int |
   return mask_id, eos_id, eot_id
 
 
-def generate(
-    params: dict,
-    prompt: jax.Array | np.ndarray,
-    *,
-    config: ModelConfig,
-    options: LLaDAOptions = LLaDAOptions(),
-    key: jax.Array | None = None,
-    prompt_mask: jax.Array | np.ndarray | None = None,
-    stats_spec: StatsSpec = NO_STATS,
-    intervention: Intervention = NO_INTERVENTION,
-    intervention_state: Any = None,
-    sink_top_k: int = 0,
-    attention_impl: str = "chunked",
-    query_chunk: int = 128,
-    loop: driver.Loop = "scan",
-    record_intervention: bool = False,
-) -> Trace:
-  """LLaDA / MMaDA masked-diffusion generation (module docstring), one compiled program per shape.
-
-  Args:
-    params: model parameters.
-    prompt: [B, Lp] int token ids, left-padded for batches.
-    config: model config (static).
-    options: `LLaDAOptions` (static; `mmada_options(...)` for MMaDA).
-    key: PRNG key (temperature > 0, random remasking); default key(0). [B] keys: one per row, so that a
-      row's draws do not depend on the batch (`dlm_jax.sampling.keys`).
-    prompt_mask: [B, Lp] 1 = real token, 0 = pad; None = no padding.
-    stats_spec: per-step attention statistics to return (static).
-    intervention: attention-bias intervention applied at every step (static).
-    intervention_state: its initial state; default `intervention.init_state(config, B, Lp + G)`.
-    sink_top_k: also return the per-step top-k sinks (0 = off).
-    attention_impl, query_chunk: attention path (static).
-    loop: "scan" (the compiled program) or "python" (same step function, Python loop; for tests).
-    record_intervention: also return the intervention's per-step record (`Trace.intervention_record`).
-
-  Returns:
-    `Trace` with tokens [B, Lp + G], decode_step [B, G], nfe, stats [steps, ...], top_sinks.
-  """
+def _family(config: ModelConfig, options: LLaDAOptions, prompt) -> LLaDAFamily:
+  del prompt
   mask_id, eos_id, eot_id = _special_ids(config, options)
-  family = LLaDAFamily(options=options, mask_id=mask_id, eos_id=eos_id, eot_id=eot_id)
-  return driver.generate(family, params, prompt, config=config, key=key, prompt_mask=prompt_mask,
-                         stats_spec=stats_spec, intervention=intervention, intervention_state=intervention_state,
-                         sink_top_k=sink_top_k, attention_impl=attention_impl, query_chunk=query_chunk, loop=loop,
-                         record_intervention=record_intervention)
+  return LLaDAFamily(options=options, mask_id=mask_id, eos_id=eos_id, eot_id=eot_id)
+
+
+generate = driver.public_sampler(_family, LLaDAOptions(), """LLaDA / MMaDA masked-diffusion generation (module
+docstring), one compiled program per shape.
+
+Args:
+  params: model parameters.
+  prompt: [B, Lp] int token ids, left-padded for batches.
+  config: model config (static).
+  options: `LLaDAOptions` (static; `mmada_options(...)` for MMaDA).
+  key: PRNG key (temperature > 0, random remasking); default key(0); or [B] keys, one per row.
+  prompt_mask, stats_spec, intervention, intervention_state, sink_top_k, attention_impl, query_chunk, loop,
+    record_intervention: see `dlm_jax.sampling.driver.run_family`.
+
+Returns:
+  `Trace` with tokens [B, Lp + G], decode_step [B, G], nfe, stats [steps, ...], top_sinks.
+""")

@@ -45,12 +45,16 @@ class CallResult:
   """Named result of `ModelCaller.__call__`.
 
   logits: [B, W, V] float32 of the conditional canvas; uncond_logits: the same for the unconditional one
-  (CFG) or None; intervention_state: the state after `update`; cache: the updated `KVCache` or None;
-  outputs: the step's `StepOutput`.
+  (CFG) or None. With `return_hidden` both are None and hidden / uncond_hidden hold the final-normed
+  hidden states [B, W, D] instead (`dlm_jax.model.lm_head` turns a slice into logits).
+  intervention_state: the state after `update`; cache: the updated `KVCache` or None; outputs: the
+  step's `StepOutput`.
   """
 
-  logits: jax.Array
+  logits: jax.Array | None
   uncond_logits: jax.Array | None
+  hidden: jax.Array | None
+  uncond_hidden: jax.Array | None
   intervention_state: Any
   cache: KVCache | None
   outputs: StepOutput
@@ -89,11 +93,12 @@ class ModelCaller:
                base_bias: AttentionBias = NO_BIAS,
                uncond_tokens: jax.Array | None = None, uncond_base_bias: AttentionBias = NO_BIAS,
                cache: KVCache | None = None, cache_offset: jax.Array | int = 0, canvas: jax.Array | None = None,
-               logits_offset: jax.Array | int = 0) -> CallResult:
+               logits_offset: jax.Array | int = 0, return_hidden: bool = False) -> CallResult:
     """Runs the model on tokens [B, T] (with the unconditional canvas [B, T] as a 2B batch when given).
 
     window: (start, stop) positions whose logits are computed, "last" (the last position) or None (all);
-    logits_offset shifts it by a traced amount (see `dlm_jax.model.forward`).
+    logits_offset shifts it by a traced amount (see `dlm_jax.model.forward`); return_hidden: return the
+    window's hidden states instead of its logits.
     positions: [B, T] RoPE positions; valid_keys: [B, S] keys the top sinks may be chosen among;
     query_valid: [B, T] the real (not padding) queries, the ones the statistics sum over.
     base_bias / uncond_base_bias: the padding biases of the two halves.
@@ -128,14 +133,16 @@ class ModelCaller:
     output = forward(params, model_tokens, config=self.config, bias=bias, positions=positions,
                      query_weights=weights, stats_spec=spec, logits_window=window, logits_offset=logits_offset,
                      attention_impl=self.attention_impl, query_chunk=self.query_chunk, cache=cache,
-                     cache_offset=cache_offset)
-    logits, uncond_logits = output.logits[:batch], None
+                     cache_offset=cache_offset, return_hidden=return_hidden)
+    halves = {"logits": output.logits, "hidden": output.hidden}
+    cond = {name: None if x is None else x[:batch] for name, x in halves.items()}
+    uncond = {name: None if x is None or uncond_tokens is None else x[batch:] for name, x in halves.items()}
     if uncond_tokens is not None:
-      uncond_logits = output.logits[batch:]
-      output = ForwardOutput(logits=logits, incoming_attention=_split_rows(output.incoming_attention, batch),
+      output = ForwardOutput(logits=cond["logits"], incoming_attention=_split_rows(output.incoming_attention, batch),
                              value_norms=_split_rows(output.value_norms, batch), cache=output.cache)
     istate = self.intervention.update(istate, self.plan.intervention_output(output), context)
     outputs = StepOutput(stats=self.plan.user_stats(output), top_sinks=self.plan.top_sinks(output, valid_keys),
                          record=record)
-    return CallResult(logits=logits, uncond_logits=uncond_logits, intervention_state=istate,
-                      cache=output.cache, outputs=outputs)
+    return CallResult(logits=cond["logits"], uncond_logits=uncond["logits"], hidden=cond["hidden"],
+                      uncond_hidden=uncond["hidden"], intervention_state=istate, cache=output.cache,
+                      outputs=outputs)
