@@ -1,0 +1,40 @@
+"""The batches of a run: fixed groups of items (so a resumed run recomputes exactly the batches of an
+uninterrupted one), each with its padded prompts and its PRNG key."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import jax
+
+from experiments import decoding, devices, prompts
+from experiments.items import Item
+
+
+def fixed_batches(n_items: int, batch_size: int) -> list[list[int]]:
+  """Item indices in consecutive batches of `batch_size` (the last one shorter)."""
+  return [list(range(s, min(s + batch_size, n_items))) for s in range(0, n_items, batch_size)]
+
+
+@dataclasses.dataclass
+class Batch:
+  """items: the real items; prompts: their [rows, W] prompts (rows rounded up to the mesh's batch shards,
+  extra rows repeat the last item); key: the PRNG key of the call (the first item's `item_key`; a
+  stochastic run has one item per batch, `decoding.sampler_batch`)."""
+
+  items: list[Item]
+  prompts: prompts.Prompts
+  key: jax.Array
+
+
+def batches(items: list[Item], prompt_set: prompts.PromptSet, values: dict, batch_size: int, seed: int,
+            runtime: devices.Runtime, done: Callable[[Item], bool]) -> Iterator[Batch]:
+  """The batches with at least one item not `done`, in order."""
+  size = decoding.sampler_batch(values, batch_size)
+  rows = runtime.round_batch(size)
+  for indices in fixed_batches(len(items), size):
+    chunk = [items[i] for i in indices]
+    if all(done(item) for item in chunk):
+      continue
+    yield Batch(chunk, prompts.batch(prompt_set, chunk, rows), decoding.item_key(seed, chunk[0].id))
