@@ -64,6 +64,14 @@ def check_no_arguments(argv: list[str]) -> None:
     raise UsageError(f"unexpected arguments {argv[1:]}; every input is a --flag")
 
 
+def int_list(values: list[str], flag: str) -> tuple[int, ...]:
+  """A list flag's values as integers (a one-line error naming --flag otherwise)."""
+  try:
+    return tuple(int(v) for v in values)
+  except ValueError:
+    raise UsageError(f"--{flag}={','.join(values)}: expected comma-separated integers") from None
+
+
 def run(main: Callable[[list[str]], None]) -> None:
   """`absl.app.run(main)` with user errors reported as one line (module docstring)."""
 

@@ -121,9 +121,14 @@ def sampler_batch(values: dict[str, Any], batch_size: int) -> int:
   return 1 if stochastic(values) else batch_size
 
 
+def item_key_number(item_id: str) -> int:
+  """A stable 31-bit number of an item id (its CRC-32), for seeding per-item randomness."""
+  return zlib.crc32(item_id.encode("utf-8")) & 0x7FFFFFFF
+
+
 def item_key(seed: int, item_id: str) -> jax.Array:
-  """The PRNG key of one item: fold_in(key(seed), CRC-32 of its id)."""
-  return jax.random.fold_in(jax.random.key(seed), zlib.crc32(item_id.encode("utf-8")) & 0x7FFFFFFF)
+  """The PRNG key of one item: fold_in(key(seed), item_key_number(id))."""
+  return jax.random.fold_in(jax.random.key(seed), item_key_number(item_id))
 
 
 def _llada_padding(options_cls, padding: str, mmada: bool) -> dict[str, Any]:

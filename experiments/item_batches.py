@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 
 import jax
+import numpy as np
 
 from experiments import decoding, devices, prompts
 from experiments.items import Item
@@ -38,3 +39,11 @@ def batches(items: list[Item], prompt_set: prompts.PromptSet, values: dict, batc
     if all(done(item) for item in chunk):
       continue
     yield Batch(chunk, prompts.batch(prompt_set, chunk, rows), decoding.item_key(seed, chunk[0].id))
+
+
+def pad_rows(array: np.ndarray, size: int) -> np.ndarray:
+  """Pads the batch axis to `size` rows by repeating the last row (padding rows are discarded)."""
+  array = np.asarray(array)
+  if array.shape[0] >= size:
+    return array
+  return np.concatenate([array, np.repeat(array[-1:], size - array.shape[0], axis=0)], axis=0)

@@ -116,13 +116,6 @@ class Settings:
                             f"{config.n_heads} heads")
 
 
-def _int_list(values: list[str], flag: str) -> tuple[int, ...]:
-  try:
-    return tuple(int(v) for v in values)
-  except ValueError:
-    raise cli.UserError(f"--{flag}={','.join(values)}: expected comma-separated integers") from None
-
-
 def _stats_spec(settings: Settings, model: checkpoints.Model) -> StatsSpec:
   grouped = model.diffusion and settings.split_queries
   return StatsSpec(incoming_attention=True, per_head=True, layers=settings.layers, query_groups=3 if grouped else 0)
@@ -242,7 +235,7 @@ def main(argv):
   models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
   runtime = devices.init_runtime(runtime_settings)
   settings = Settings(checkpoints=entries, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
-                      epsilon=_EPSILON.value, layers=_int_list(_LAYERS.value, "layers") or None,
+                      epsilon=_EPSILON.value, layers=cli.int_list(_LAYERS.value, "layers") or None,
                       split_queries=_SPLIT_QUERIES.value, track_heads=tuple(_TRACK_HEADS.value),
                       figure_item=_FIGURE_ITEM.value, histogram_max=_HISTOGRAM_MAX.value, top_tokens=_TOP_TOKENS.value,
                       task=task, decode=decode, numerics=numerics_flags.from_flags(runtime_settings))
