@@ -93,7 +93,7 @@ def model_figures(out: str, meta: dict, agg: dict, track_heads: list[str], figur
   block = meta.get("block_length")
   blocks = list(range(lp + block, total, block)) if meta["diffusion"] and block else []
   picks = sorted({0, len(layers) // 2, len(layers) - 1})
-  xlabel = "key position (dashed: end of prompt)"
+  xlabel = "key position"
   step_label = "denoising step" if meta["diffusion"] else "decoding step (0 = prefill)"
   panels = [(f"layer {layers[i]}, head mean", data["layer_scores"][:, i]) for i in picks]
   save(plots.step_heatmaps(panels, f"{label}: incoming attention per key across steps, prompt {figure_item} "
@@ -109,7 +109,8 @@ def model_figures(out: str, meta: dict, agg: dict, track_heads: list[str], figur
     panels = [(f"masked queries, layer {layers[-1]}", shares[:, 0]), (f"unmasked queries, layer {layers[-1]}",
                                                                        shares[:, 1])]
     save(plots.step_heatmaps(panels, f"{label}: share of each query group's attention per key (Fig. 6a)",
-                             prompt_length=lp, block_starts=blocks, xlabel=xlabel, ylabel=step_label),
+                             prompt_length=lp, block_starts=blocks, xlabel=xlabel, ylabel=step_label,
+                             colorbar_label="share of the group's attention"),
          "fig6a_query_groups.png")
   if not meta["diffusion"]:
     prefill = data["layer_scores"][0][:, :lp]  # [L', Lp]
