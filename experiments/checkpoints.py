@@ -138,10 +138,10 @@ def prepare(entry: str, sampler: str, prompt_format: str) -> Model:
   from dlm_jax import checkpoint  # pylint: disable=import-outside-toplevel
   from dlm_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
   label, directory = resolve(entry)
+  config = checkpoint.read_config(directory)
   if not Tokenizer.exists_in(directory):
     raise UserError(f"{directory} has no tokenizer files; the experiments need text prompts")
   record = training_record(directory)
-  config = checkpoint.read_config(directory)
   sampler = default_sampler(config) if sampler == "auto" else sampler
   check_sampler(label, sampler, config)
   if prompt_format == "auto":

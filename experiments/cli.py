@@ -72,14 +72,15 @@ def int_list(values: list[str], flag: str) -> tuple[int, ...]:
     raise UsageError(f"--{flag}={','.join(values)}: expected comma-separated integers") from None
 
 
+def call(main: Callable[[list[str]], None], argv: list[str]) -> None:
+  """Runs `main(argv)` (flags parsed), reporting a user error as one line and exit code 1."""
+  try:
+    check_no_arguments(argv)
+    main(argv)
+  except USER_ERRORS as error:
+    report(error)
+
+
 def run(main: Callable[[list[str]], None]) -> None:
   """`absl.app.run(main)` with user errors reported as one line (module docstring)."""
-
-  def guarded(argv: list[str]) -> None:
-    try:
-      check_no_arguments(argv)
-      main(argv)
-    except USER_ERRORS as error:
-      report(error)
-
-  app.run(guarded)
+  app.run(lambda argv: call(main, argv))

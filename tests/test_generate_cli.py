@@ -87,7 +87,7 @@ def test_llada_json_and_attention_statistics(tmp_path, checkpoints):
 def test_llada_chat_prompt_text(tmp_path, checkpoints):
   directory, config, params = checkpoints["tiny-llada"]
   result = run_cli(tmp_path, directory, "--sampler=llada", "--prompt=what is two plus two", "--chat",
-                   "--gen_length=4", "--steps=2")
+                   "--gen_length=4", "--steps=2", "--block_length=4")
   assert result["tokens"][:2] == [0, 3]  # BOS, <|start_header_id|>
   assert result["prompt_length"] == len(result["tokens"]) - 4
   assert isinstance(result["text"], str)
