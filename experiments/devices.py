@@ -84,8 +84,11 @@ def init_runtime(settings: RuntimeSettings) -> Runtime:
   """Starts jax.distributed (per the settings), sets devices and precision, builds the mesh."""
   if settings.cpu_devices:
     jax.config.update("jax_num_cpu_devices", settings.cpu_devices)
-  distributed.initialize(settings.distributed, settings.coordinator_address, settings.num_processes,
-                         settings.process_id)
+  try:
+    distributed.initialize(settings.distributed, settings.coordinator_address, settings.num_processes,
+                           settings.process_id)
+  except ValueError as e:  # the flag checks of `distributed.initialize`, before any connection
+    raise UserError(str(e)) from None
   jax.config.update("jax_default_matmul_precision", settings.matmul_precision)
   mesh = None
   if settings.mesh_sizes is not None:
