@@ -134,3 +134,15 @@ def test_gguf_directory_and_a_real_process(inputs):
                           f"--output_dir={inputs['root'] / 'x'}")
   assert verbose.returncode == 1 and "Traceback" in verbose.stderr
   assert not (inputs["root"] / "x").exists()
+
+
+def test_resume_with_other_settings_is_refused_naming_them(inputs):
+  out = inputs["root"] / "resume"
+  base = [f"--checkpoints=dlm={inputs['dlm']}", f"--output_dir={out}", "--n_prompts=2", *SMALL]
+  results = fx.run_cases("sink_analysis", [base + ["--max_items_this_run=1"], base + ["--dtype=bfloat16"],
+                                           base + ["--epsilon=2", "--temperature=0.5"], base])
+  assert results[0][0] in (0, None), results[0][1][-2000:]
+  assert results[1][0] == 1 and "(settings.numerics.dtype)" in results[1][1], results[1][1]
+  assert results[2][0] == 1 and "(settings.decode.temperature, settings.epsilon)" in results[2][1], results[2][1]
+  assert results[3][0] in (0, None), results[3][1][-2000:]
+  assert len(fx.read_jsonl(out / "results.jsonl")) == 2 and (out / "summary.json").exists()

@@ -129,3 +129,32 @@ def test_errors_are_reported(tmp_path, checkpoints):
   assert result.returncode != 0 and "multiple of block_length" in result.stderr
   result = run_cli(tmp_path, directory, "--sampler=llada", expect_ok=False)
   assert result.returncode != 0 and "--prompt" in result.stderr
+
+
+def test_defaults_are_the_official_ones(tmp_path, checkpoints):
+  """LLaDA: gen_length = steps = block_length = 128; Dream: steps 512, alg origin (its generation config)."""
+  result = run_cli(tmp_path, checkpoints["tiny-llada"][0], "--prompt_ids=5,9")
+  settings = result["settings"]
+  assert result["sampler"] == "llada" and result["nfe"] == 128
+  assert (settings["gen_length"], settings["steps"], settings["block_length"]) == (128, 128, 128)
+  result = run_cli(tmp_path, checkpoints["tiny-dream"][0], "--prompt_ids=5,9", "--gen_length=4")
+  assert result["sampler"] == "dream" and result["nfe"] == 512 and result["settings"]["alg"] == "origin"
+  assert result["settings"]["eps"] == 1e-3 and result["settings"]["temperature"] == 0.0
+
+
+def test_helpfull_lists_only_the_flags_it_uses():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  text = subprocess.run([sys.executable, "-m", "experiments.generate", "--helpfull"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=120).stdout
+  for used in ("--checkpoint", "--mesh", "--dtype", "--attention_impl", "--[no]verbose", "--mask_sinks"):
+    assert used in text, used
+  for unused in ("--output_dir", "--max_items_this_run", "--samplers", "--n_items", "--task", "--overwrite"):
+    assert unused not in text, unused
+
+
+def test_mesh_may_use_a_subset_of_the_devices(tmp_path, checkpoints):
+  directory, config, params = checkpoints["tiny-llada"]
+  alone = run_cli(tmp_path, directory, "--prompt_ids=5,9,7", "--gen_length=8", "--steps=4", "--block_length=4")
+  subset = run_cli(tmp_path, directory, "--prompt_ids=5,9,7", "--gen_length=8", "--steps=4", "--block_length=4",
+                   "--cpu_devices=4", "--mesh=tensor:2")
+  assert subset["tokens"] == alone["tokens"]
