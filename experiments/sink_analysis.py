@@ -14,6 +14,11 @@ to the uniform share (`dlm_jax.sinks.relative_scores`: identical to the column s
 bidirectional map; an ARM step's single query row over n written keys is scaled by n), and a key is a
 sink when its score exceeds the mean of the others by ε (Eq. 3, ε = 3 by default).
 
+Tasks and prompts: `experiments.items`, `experiments.prompts`; decoding defaults (they differ from
+`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.decoding`. An
+item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
+settings (a resume with other settings is refused); nothing is written before the first result.
+
 Outputs in --output_dir (default results/sink_analysis):
   results.jsonl                one line per (model, prompt): completion, per-item summaries
   <model>/item_<id>.npz        per-step arrays of the --figure_item generation

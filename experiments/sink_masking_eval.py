@@ -24,6 +24,11 @@ Items are spread over the mesh's batch axes (data × fsdp) in fixed batches (the
 finished (model, condition, item) is one line of results.jsonl, so an interrupted run resumes exactly
 (--max_items_this_run stops early on purpose). Standard errors are binomial: sqrt(p(1 − p)/n).
 
+Tasks and prompts: `experiments.items`, `experiments.prompts`; decoding defaults (they differ from
+`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.decoding`. An
+item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
+settings (a resume with other settings is refused); nothing is written before the first result.
+
 Outputs in --output_dir (default results/sink_masking_eval): results.jsonl, table.md, table.json,
 masking_accuracy.png, summary.md (tables set against the paper's Table 1).
 """

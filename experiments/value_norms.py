@@ -12,6 +12,11 @@ relative score passes the ε-rule (`dlm_jax.sinks`, as in experiments.sink_analy
 norm of the kv head that query head reads (`sinks.value_norm_samples`). Up to --samples_per_item norms of
 each class are kept per prompt (a seeded subsample) together with exact per-layer means.
 
+Tasks and prompts: `experiments.items`, `experiments.prompts`; decoding defaults (they differ from
+`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.decoding`. An
+item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
+settings (a resume with other settings is refused); nothing is written before the first result.
+
 Outputs in --output_dir (default results/value_norms): results.jsonl (one line per model and prompt),
 <model>/fig1_value_norms.png (scatter of sink vs normal norms), <model>/value_norms_per_layer.png,
 summary.json, summary.md (against the paper: LLaDA sinks ≈ 2–2.5 vs normal ≈ 7–8; Dream ≈ 3 vs 7–8.5).
