@@ -10,6 +10,7 @@ them). Without a recorded template the sampler decides: llada, mmada, dream (Cha
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -57,8 +58,10 @@ def recorded_template(directory: str) -> str | None:
   return template if isinstance(template, str) else None
 
 
+@functools.lru_cache(maxsize=None)
 def chat_format(directory: str, sampler: str, override: str | None = None) -> ChatFormat:
-  """The chat format of a checkpoint (module docstring); `override` (a TEMPLATES name) wins."""
+  """The chat format of a checkpoint (module docstring); `override` (a TEMPLATES name) wins. Read once
+  per checkpoint and sampler."""
   recorded = recorded_template(directory) or ""
   if override is None and "<|im_start|>" in recorded:
     match = _CHATML_SYSTEM.search(recorded)

@@ -243,7 +243,8 @@ def main(argv):
   values = {k: v if v is not None else DEFAULTS[sampler].get(k) for k, v in given.items()}
   settings = Settings(
       checkpoint=directory, sampler=sampler, prompt_ids=tuple(ids),
-      gen_length=values["gen_length"], steps=values["steps"], block_length=values["block_length"], temperature=_TEMPERATURE.value, remasking=_REMASKING.value, cfg_scale=_CFG_SCALE.value,
+      gen_length=values["gen_length"], steps=values["steps"], block_length=values["block_length"],
+      temperature=_TEMPERATURE.value, remasking=_REMASKING.value, cfg_scale=_CFG_SCALE.value,
       logits_eos_inf=_LOGITS_EOS_INF.value, confidence_eos_eot_inf=_CONF_EOS_EOT_INF.value,
       stop_at_eot=_STOP_AT_EOT.value, alg=_ALG.value, alg_temp=_ALG_TEMP.value, top_p=_TOP_P.value,
       top_k=_TOP_K.value, eps=_EPS.value, seed=_SEED.value, mask_sinks=_MASK_SINKS.value,

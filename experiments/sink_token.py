@@ -209,8 +209,8 @@ def write_report(settings: Settings, out: str, records: list[dict], wall_s: floa
   evals = {r["variant"]: r for r in records if r["kind"] == "eval"}
   curves = {v: (np.asarray([int(s) for s in train[v]["loss_curve"]]), np.asarray(list(train[v]["loss_curve"].values())))
             for v in variants if v in train}
-  atomic_files.save_figure(plots.curves(curves, "Training loss (same data, steps, seed)", "step", "SFT loss", log_y=True),
-                     os.path.join(out, "loss_curves.png"))
+  loss_figure = plots.curves(curves, "Training loss (same data, steps, seed)", "step", "SFT loss", log_y=True)
+  atomic_files.save_figure(loss_figure, os.path.join(out, "loss_curves.png"))
   n_layers = len(next(iter(evals.values()))["top_key_mass_per_layer"]) if evals else 0
   layers = [str(i) for i in range(n_layers)]
   mass = {}
@@ -220,8 +220,8 @@ def write_report(settings: Settings, out: str, records: list[dict], wall_s: floa
         mass[f"{v}: sink token"] = np.asarray(evals[v]["sink_mass_per_layer"])
       mass[f"{v}: top content key"] = np.asarray(evals[v]["top_key_mass_per_layer"])
   if mass:
-    atomic_files.save_figure(plots.grouped_bars(layers, mass, "Where attention goes, per layer", "share of attention"),
-                       os.path.join(out, "sink_mass_per_layer.png"))
+    mass_figure = plots.grouped_bars(layers, mass, "Where attention goes, per layer", "share of attention")
+    atomic_files.save_figure(mass_figure, os.path.join(out, "sink_mass_per_layer.png"))
   norms = {}
   for v in variants:
     if v in evals:
@@ -230,8 +230,8 @@ def write_report(settings: Settings, out: str, records: list[dict], wall_s: floa
       norms[f"{v}: ε-sinks"] = np.nan_to_num(np.asarray(evals[v]["implicit_sink_value_norm_per_layer"], float))
       norms[f"{v}: other tokens"] = np.asarray(evals[v]["normal_value_norm_per_layer"])
   if norms:
-    atomic_files.save_figure(plots.grouped_bars(layers, norms, "Mean value norm r̄ per layer", "‖v‖₂ (mean over kv heads)"),
-                       os.path.join(out, "value_norms_per_layer.png"))
+    norm_figure = plots.grouped_bars(layers, norms, "Mean value norm r̄ per layer", "‖v‖₂ (mean over kv heads)")
+    atomic_files.save_figure(norm_figure, os.path.join(out, "value_norms_per_layer.png"))
   fmt = lambda xs: ", ".join("–" if x is None or not np.isfinite(x) else f"{x:.3f}" for x in xs) if xs is not None else "–"
   lines = ["# Extra sink token in miniature (Zhang et al.): `experiments.sink_token`", "",
            f"Same model ({settings.preset}{''.join(' ' + o for o in settings.overrides) or ', no overrides'}), data (synthetic arithmetic, {settings.train_size} "

@@ -166,12 +166,13 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
     model_dir = os.path.join(out, meta["label"])
     samples = {"normal tokens": np.concatenate([r["normal_samples"] for r in rows]),
                "sinks": np.concatenate([r["sink_samples"] for r in rows])}  # sinks drawn on top
-    atomic_files.save_figure(plots.value_norm_scatter(samples, f"{meta['label']}: value norms of sink and normal tokens",
-                                                settings.max_points, settings.decode.seed), os.path.join(model_dir, "fig1_value_norms.png"))
-    atomic_files.save_figure(plots.grouped_bars([str(l) for l in meta["layers"]],
-                                          {"sinks": np.nan_to_num(sink_layer), "normal": normal_layer},
-                                          f"{meta['label']}: mean value norm per layer", "‖v‖₂"),
-                       os.path.join(model_dir, "value_norms_per_layer.png"))
+    scatter = plots.value_norm_scatter(samples, f"{meta['label']}: value norms of sink and normal tokens",
+                                       settings.max_points, settings.decode.seed)
+    atomic_files.save_figure(scatter, os.path.join(model_dir, "fig1_value_norms.png"))
+    bars = plots.grouped_bars([str(l) for l in meta["layers"]],
+                              {"sinks": np.nan_to_num(sink_layer), "normal": normal_layer},
+                              f"{meta['label']}: mean value norm per layer", "‖v‖₂")
+    atomic_files.save_figure(bars, os.path.join(model_dir, "value_norms_per_layer.png"))
   lines += ["", "Per layer (mean value norm, sinks / normal):", ""]
   for label, s in summary.items():
     per_layer = ", ".join(f"L{l}: {a:.2f}/{b:.2f}" for l, a, b in zip(s["layers"], s["sink_mean_per_layer"],
