@@ -103,7 +103,8 @@ def _model_config(settings: Settings, tokenizer) -> config_lib.ModelConfig:
   ids = {"vocab_size": tokenizer.get_vocab_size(), "pad_token_id": tokenizer.token_to_id("[PAD]"),
          "bos_token_id": tokenizer.token_to_id("[BOS]"), "eos_token_id": tokenizer.token_to_id("[EOS]"),
          "mask_token_id": tokenizer.token_to_id("[MASK]"), "eot_token_id": None}
-  return train_flags.preset_config(dict(ids, name=f"{settings.preset}-sink-token-study", **train_flags.overrides()))
+  changes = dict(ids, name=f"{settings.preset}-sink-token-study", **train_flags.parse_overrides(settings.overrides))
+  return train_flags.preset_config(settings.preset, changes)
 
 
 def train_variant(settings: Settings, variant: str, out: run_dir.RunDir, tokenizer, examples, heldout,

@@ -98,19 +98,24 @@ def _load_tokenizer(data: DataSettings):
   return Tokenizer.from_file(os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path)
 
 
-def _model_config(tokenizer) -> config_lib.ModelConfig:
-  if (flags.FLAGS.preset is None) == (_CONFIG_JSON.value is None):
+def _model_config(tokenizer, preset: str | None, config_json: str | None, overrides: list[str],
+                  ids_from_tokenizer: bool) -> config_lib.ModelConfig:
+  """The model config of --preset or --config_json, with the tokenizer's ids and the overrides."""
+  if (preset is None) == (config_json is None):
     raise cli.UsageError("give exactly one of --preset and --config_json")
-  if flags.FLAGS.preset is not None:
-    config = train_flags.preset_config({})
+  if preset is not None:
+    config = train_flags.preset_config(preset, {})
   else:
-    text = _CONFIG_JSON.value
+    text = config_json
     if not text.lstrip().startswith("{"):
       with open(text, encoding="utf-8") as f:
         text = f.read()
-    config = config_lib.ModelConfig.from_json(text)
+    try:
+      config = config_lib.ModelConfig.from_json(text)
+    except json.JSONDecodeError as e:
+      raise cli.UserError(f"--config_json is not valid JSON ({e})") from None
   changes = {}
-  if _IDS_FROM_TOKENIZER.value:
+  if ids_from_tokenizer:
     changes["vocab_size"] = tokenizer.get_vocab_size()
     for field, token in (("pad_token_id", "[PAD]"), ("bos_token_id", "[BOS]"), ("eos_token_id", "[EOS]"),
                          ("mask_token_id", "[MASK]")):
@@ -119,7 +124,7 @@ def _model_config(tokenizer) -> config_lib.ModelConfig:
         changes[field] = token_id
     if config.eot_token_id is not None and config.eot_token_id >= changes["vocab_size"]:
       changes["eot_token_id"] = None
-  changes.update(train_flags.overrides())
+  changes.update(train_flags.parse_overrides(overrides))
   return train_flags.replace(config, changes)
 
 
@@ -155,7 +160,8 @@ def main(argv):
   if _RUN_DIR.value and os.path.isfile(_RUN_DIR.value):
     raise cli.UserError(f"--run_dir={_RUN_DIR.value} is a file; expected a directory")
   tokenizer = _load_tokenizer(data)
-  config = _model_config(tokenizer)
+  config = _model_config(tokenizer, flags.FLAGS.preset, _CONFIG_JSON.value, flags.FLAGS.override,
+                         _IDS_FROM_TOKENIZER.value)
   sink_id = _SINK_TOKEN_ID.value
   if sink_id is None and _SINK_TOKEN.value != "none":
     sink_id = tokenizer.token_to_id("[SINK]")

@@ -9,6 +9,7 @@ Each binary calls `define(...)` once at import with its own defaults; the flags 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from absl import flags
@@ -37,10 +38,10 @@ def define(*, train_steps: int, train_batch_size: int, lr: float, warmup: int, l
   flags.DEFINE_multi_string("override", [], "ModelConfig field overrides, key=value (JSON values), repeatable.")
 
 
-def overrides() -> dict[str, Any]:
-  """--override as {field: value} (a value that is not JSON is taken as a string)."""
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+  """--override values as {field: value} (a value that is not JSON is taken as a string)."""
   changes = {}
-  for item in FLAGS.override:
+  for item in items:
     key, sep, value = item.partition("=")
     if not sep or not key:
       raise UserError(f"--override={item}: expected FIELD=VALUE, e.g. --override=d_model=128")
@@ -51,11 +52,11 @@ def overrides() -> dict[str, Any]:
   return changes
 
 
-def preset_config(changes: dict[str, Any]) -> config_lib.ModelConfig:
-  """The --preset config with `changes` applied (unknown presets and fields are one-line errors)."""
-  if FLAGS.preset is None:
+def preset_config(preset: str | None, changes: dict[str, Any]) -> config_lib.ModelConfig:
+  """The config of --preset with `changes` applied (unknown presets and fields are one-line errors)."""
+  if preset is None:
     raise UserError("--preset is required")
-  return replace(config_lib.preset(FLAGS.preset), changes)
+  return replace(config_lib.preset(preset), changes)
 
 
 def replace(config: config_lib.ModelConfig, changes: dict[str, Any]) -> config_lib.ModelConfig:
