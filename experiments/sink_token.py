@@ -158,14 +158,14 @@ def evaluate_variant(settings: Settings, variant: str, model_dir: str, runtime, 
                                    settings.numerics)
   todo = items.load_items("synthetic", settings.n_eval, settings.data_seed)
   prompt_set = prompts.encode(model, todo)
-  values = decoding.model_settings(settings.decode, model)
+  decode_values = decoding.model_settings(settings.decode, model)
   spec = StatsSpec(incoming_attention=True, per_head=False, value_norms=True)
   has_sink = model.sink_token == "front"
   correct, mass_sink, mass_top, mass_first, v_sink, v_ep, v_normal = [], [], [], [], [], [], []
-  for batch in item_batches.batches(todo, prompt_set, values, settings.batch_size, settings.decode.seed, runtime,
+  for batch in item_batches.batches(todo, prompt_set, decode_values, settings.batch_size, settings.decode.seed, runtime,
                                     lambda item: False):
     chunk = batch.items
-    trace = decoding.generate(model, values, batch.prompts, runtime, settings.numerics, key=batch.key,
+    trace = decoding.generate(model, decode_values, batch.prompts, runtime, settings.numerics, key=batch.key,
                               stats_spec=spec)
     host = distributed.to_host({"tokens": trace.tokens, "incoming": trace.stats["incoming_attention"],
                            "values": trace.stats["value_norms"]})
