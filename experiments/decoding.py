@@ -16,18 +16,21 @@ hides pad keys without shifting positions (the Oct-2025 HF code), MMaDA applies 
 and none under CFG — so an item's results depend on the run's longest prompt. Pads that are visible prompt
 tokens by design (a diffusion model in its training layout) are the same in both.
 
-PRNG keys. Each item's key is derived from --seed and the item's id (`item_key`), never from its batch.
-Samplers take one key per call, so a run whose decoding draws random numbers (temperature > 0, random
-remasking, Dream alg_temp > 0) decodes one item per call; deterministic decoding uses --batch_size.
+PRNG keys. Each item's key is derived from --seed and the item's id (`item_key`), never from its batch:
+every sampler call gets one key per row (`batch_key`). With a library whose samplers take a single key
+(`ROW_KEYS` false), a run whose decoding draws random numbers (temperature > 0, random remasking, Dream
+alg_temp > 0) decodes one item per call instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import zlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from experiments import devices
 from experiments.checkpoints import Model
@@ -116,9 +119,14 @@ def stochastic(values: dict[str, Any]) -> bool:
           or (values["sampler"] == "dream" and bool(values.get("alg_temp"))))
 
 
+ROW_KEYS = importlib.util.find_spec("dlm_jax.sampling.keys") is not None
+"""The samplers accept one PRNG key per row (`dlm_jax.sampling.keys`); until they do, a stochastic run
+decodes one item per call."""
+
+
 def sampler_batch(values: dict[str, Any], batch_size: int) -> int:
-  """Items per sampler call: --batch_size, or 1 for stochastic decoding (module docstring)."""
-  return 1 if stochastic(values) else batch_size
+  """Items per sampler call: --batch_size, or 1 for stochastic decoding without per-row keys."""
+  return 1 if stochastic(values) and not ROW_KEYS else batch_size
 
 
 def item_key_number(item_id: str) -> int:
@@ -129,6 +137,15 @@ def item_key_number(item_id: str) -> int:
 def item_key(seed: int, item_id: str) -> jax.Array:
   """The PRNG key of one item: fold_in(key(seed), item_key_number(id))."""
   return jax.random.fold_in(jax.random.key(seed), item_key_number(item_id))
+
+
+def batch_key(seed: int, item_ids: list[str]) -> jax.Array:
+  """The key of a sampler call over rows holding `item_ids`: one `item_key` per row ([B] keys) when the
+  samplers take per-row keys, else the first item's key (a stochastic call then holds one item)."""
+  if not ROW_KEYS:
+    return item_key(seed, item_ids[0])
+  numbers = jnp.asarray([item_key_number(i) for i in item_ids], jnp.uint32)
+  return jax.vmap(lambda n: jax.random.fold_in(jax.random.key(seed), n))(numbers)
 
 
 def _llada_padding(options_cls, padding: str, mmada: bool) -> dict[str, Any]:

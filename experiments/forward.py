@@ -78,8 +78,8 @@ def main(argv: list[str]) -> None:
   jax.config.update("jax_default_matmul_precision", settings.matmul_precision)
   config, params = checkpoint.load(settings.checkpoint, dtype=jnp.dtype(settings.dtype))
   bad = [i for i in settings.token_ids if not 0 <= i < config.vocab_size]
-  if bad or not settings.token_ids:
-    raise cli.UserError(f"--token_ids must be non-empty ids in [0, {config.vocab_size}); got {bad or 'none'}")
+  if bad:
+    raise cli.UserError(f"--token_ids: token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
   logits, incoming = forward_with_attention(config, params, settings.token_ids, attention_impl=settings.attention_impl)
   atomic_files.write_npz(_OUT.value, logits=logits, incoming_attention=incoming,
                          token_ids=np.asarray(settings.token_ids, np.int32))

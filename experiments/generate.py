@@ -10,7 +10,7 @@ Defaults are the official ones: LLaDA / MMaDA gen_length = steps = block_length 
 `generate` signature); Dream gen_length = steps = 512 with alg origin, eps 1e-3, temperature 0 and no top-p
 / top-k (Dream's generation config; its README uses max_new_tokens = steps = 512); ar gen_length 128,
 greedy. The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A
-sampler knob given for a sampler that does not have it is refused.
+sampler knob given for a sampler that does not have it is ignored with a warning.
 
 --chat wraps --prompt as one user turn in the chat template recorded in the checkpoint (ChatML for
 SmolLM2 and Qwen-family checkpoints; `experiments.chat`), else the sampler's (--template overrides);
@@ -38,7 +38,7 @@ import json
 
 import jax
 import numpy as np
-from absl import flags
+from absl import flags, logging
 
 from dlm_jax import distributed
 from experiments import atomic_files, chat, checkpoints, cli, devices, numerics_flags, run_dir, runtime_flags
@@ -157,12 +157,12 @@ class Settings:
                                     eos_token_ids=tuple(sorted(ends)) if self.end_of_turn_id is not None else None)
 
 
-def _check_knobs(sampler: str) -> None:
-  """Refuses a sampler-specific flag given for a sampler that does not have it."""
+def _warn_unused_knobs(sampler: str) -> None:
+  """Warns about sampler-specific flags given for a sampler that does not have them (they are ignored)."""
   for name in sorted(set().union(*KNOBS.values()) - KNOBS[sampler]):
     if flags.FLAGS[name].present:
       owners = ", ".join(s for s in KNOBS if name in KNOBS[s])
-      raise cli.UsageError(f"--{name} applies to --sampler={owners}, not {sampler}")
+      logging.warning("--%s applies to --sampler=%s only; ignored for %s", name, owners, sampler)
 
 
 def _prompt_ids(config, tokenizer, directory: str, sampler: str) -> tuple[list[int], int | None]:
@@ -235,12 +235,13 @@ def main(argv):
   config = checkpoint.read_config(directory)
   sampler = checkpoints.default_sampler(config) if _SAMPLER.value == "auto" else _SAMPLER.value
   checkpoints.check_sampler(_CHECKPOINT.value, sampler, config)
-  _check_knobs(sampler)
+  _warn_unused_knobs(sampler)
   tokenizer = Tokenizer.from_dir(directory, config) if Tokenizer.exists_in(directory) else None
   ids, end_of_turn = _prompt_ids(config, tokenizer, directory, sampler)
   runtime = devices.init_runtime(runtime_settings)
   given = {"gen_length": _GEN_LENGTH.value, "steps": _STEPS.value, "block_length": _BLOCK_LENGTH.value}
-  values = {k: v if v is not None else DEFAULTS[sampler].get(k) for k, v in given.items()}
+  applies = KNOBS[sampler] | {"gen_length"}
+  values = {k: v if v is not None and k in applies else DEFAULTS[sampler].get(k) for k, v in given.items()}
   settings = Settings(
       checkpoint=directory, sampler=sampler, prompt_ids=tuple(ids),
       gen_length=values["gen_length"], steps=values["steps"], block_length=values["block_length"],

@@ -21,8 +21,7 @@ def fixed_batches(n_items: int, batch_size: int) -> list[list[int]]:
 @dataclasses.dataclass
 class Batch:
   """items: the real items; prompts: their [rows, W] prompts (rows rounded up to the mesh's batch shards,
-  extra rows repeat the last item); key: the PRNG key of the call (the first item's `item_key`; a
-  stochastic run has one item per batch, `decoding.sampler_batch`)."""
+  extra rows repeat the last item); key: the PRNG key(s) of the call (`decoding.batch_key`)."""
 
   items: list[Item]
   prompts: prompts.Prompts
@@ -38,7 +37,9 @@ def batches(items: list[Item], prompt_set: prompts.PromptSet, values: dict, batc
     chunk = [items[i] for i in indices]
     if all(done(item) for item in chunk):
       continue
-    yield Batch(chunk, prompts.batch(prompt_set, chunk, rows), decoding.item_key(seed, chunk[0].id))
+    ids = [item.id for item in chunk]
+    key = decoding.batch_key(seed, ids + ids[-1:] * (rows - len(ids)))
+    yield Batch(chunk, prompts.batch(prompt_set, chunk, rows), key)
 
 
 def pad_rows(array: np.ndarray, size: int) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Per-item results do not depend on the batch: the same items at batch sizes 1 and 3 (so item 3 shares
 its batch with nobody in one run and the items of different lengths share batches in the other) give the
 same tokens, completions and sinks, and statistics equal up to float32 rounding, for LLaDA, Dream and an
-ARM with left-padded prompts of different lengths; and each item's PRNG key comes from its id."""
+ARM with left-padded prompts of different lengths; and at temperature > 0 each item's sample comes from
+its own PRNG key (seed and item id)."""
 
 import json
 
@@ -54,6 +55,19 @@ def test_item_keys_come_from_the_seed_and_the_id():
   key = lambda seed, item: np.asarray(jax.random.key_data(decoding.item_key(seed, item)))
   np.testing.assert_array_equal(key(0, "7"), key(0, "7"))
   assert not np.array_equal(key(0, "7"), key(0, "8")) and not np.array_equal(key(0, "7"), key(1, "7"))
-  stochastic = {"sampler": "llada", "temperature": 0.5, "remasking": "low_confidence"}
-  assert decoding.sampler_batch(stochastic, 16) == 1  # one item (and its key) per sampler call
-  assert decoding.sampler_batch(dict(stochastic, temperature=0.0), 16) == 16
+  if decoding.ROW_KEYS:  # one key per row, each the row's item key
+    rows = np.asarray(jax.random.key_data(decoding.batch_key(0, ["7", "8"])))
+    np.testing.assert_array_equal(rows, np.stack([key(0, "7"), key(0, "8")]))
+
+
+def test_sampled_items_do_not_depend_on_the_batch(tmp_path):
+  """At temperature > 0 an item's sample comes from its own key: the same at batch sizes 1 and 3."""
+  dlm = fx.tiny_checkpoint(str(tmp_path / "dlm"), "dlm", seed=2)
+  runs = []
+  for batch_size in (1, 3):
+    out = tmp_path / f"t{batch_size}"
+    fx.run_binary("sink_masking_eval", f"--checkpoints=dlm={dlm}", f"--output_dir={out}", "--n_items=4",
+                  f"--batch_size={batch_size}", "--gen_length=8", "--steps=8", "--block_length=4", "--mask_top_k=0",
+                  "--temperature=1.5", "--prompt_format=plain", "--task=simple")
+    runs.append({r["item"]: r["completion_ids"] for r in fx.read_jsonl(out / "results.jsonl")})
+  assert runs[0] == runs[1] and len(runs[0]) == 4

@@ -91,7 +91,7 @@ def test_generate_forward_evaluate(inputs):
            ([f"--json_out={inputs['root']}"], ["is a directory"]), (["--checkpoint=/no/dir"], ["/no/dir"]),
            (["--prompt_ids=a,b"], ["--prompt_ids", "helpfull"]), (["--prompt_ids=5,999"], ["999"]),
            (["--prompt=hi"], ["exactly one", "helpfull"]), (["--mask_sinks=-3"], ["--mask_sinks=-3"]),
-           (["--alg=entropy"], ["--alg", "dream"]), (["--sampler=ar"], ["sampler ar"]),
+           (["--sampler=ar"], ["sampler ar"]),
            ([f"--checkpoint={inputs['corrupt']}"], ["config.json"]), (["--top_p=0", "--sampler=dream"], [])]
   flags = [base + args for args, _ in cases]
   results = fx.run_cases("generate", flags)
