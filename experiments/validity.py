@@ -31,10 +31,13 @@ def step_validity(model: Model, batch: prompts.Prompts, row: int, tokens: np.nda
 
 
 def remove_padded_prefill_rows(incoming: np.ndarray, model: Model, batch: prompts.Prompts, row: int) -> np.ndarray:
-  """ARMs with a left-padded prompt: the pad queries of the prefill (step 0) see no key, and
-  `dlm_jax.attention` makes such a row uniform over all S keys, so each adds exactly 1/S to every key's
-  column sum; returns incoming [steps, ..., S] without them (a copy). DLMs: unchanged."""
+  """ARMs with a left-padded prompt: returns incoming [steps, ..., S] (a copy) without what the pad queries
+  of the prefill (step 0) contributed. A pad query sees no key and `dlm_jax.attention` makes its row
+  uniform over all S keys, adding 1/S to every key's column sum — when the sampler counts it. Every query
+  row sums to 1, so the prefill's total mass minus the number of real queries is the number of pad rows
+  counted (all of them, or none with a sampler that reduces over real queries only). DLMs: unchanged."""
   incoming = np.array(incoming, np.float32)
   if not model.diffusion and batch.mask is not None:
-    incoming[0] -= float((~batch.mask[row]).sum()) / incoming.shape[-1]
+    counted_pads = np.rint(incoming[0].sum(-1, keepdims=True) - float(batch.mask[row].sum()))
+    incoming[0] -= np.maximum(counted_pads, 0.0) / incoming.shape[-1]
   return incoming

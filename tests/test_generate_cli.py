@@ -81,7 +81,7 @@ def test_llada_json_and_attention_statistics(tmp_path, checkpoints):
     canvas[5:] = np.where((decode_step >= 0) & (decode_step < t), tokens[5:], config.mask_token_id)
     dense = model.forward(params, jnp.asarray(canvas[None]), config=config, attention_impl="dense",
                           stats_spec=StatsSpec(incoming_attention=True)).incoming_attention
-    np.testing.assert_allclose(incoming[t], np.asarray(dense)[:, 0], atol=2e-5)
+    np.testing.assert_allclose(incoming[t], np.asarray(dense)[:, 0].reshape(incoming[t].shape), atol=2e-5)
 
 
 def test_llada_chat_prompt_text(tmp_path, checkpoints):
