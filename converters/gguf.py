@@ -9,6 +9,7 @@ The work is done by `converters.gguf_import.convert_gguf`.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -29,6 +30,15 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if not _GGUF.value or not _OUT_DIR.value:
     raise app.UsageError("--gguf and --out_dir are required.")
+  if os.path.isdir(_GGUF.value):
+    gguf_files = sorted(f for f in os.listdir(_GGUF.value) if f.endswith(".gguf"))
+    hint = f" (it holds {', '.join(gguf_files)})" if gguf_files else ""
+    print(f"converters.gguf: error: --gguf={_GGUF.value} is a directory{hint}; expected a .gguf file",
+          file=sys.stderr)
+    sys.exit(1)
+  if not os.path.isfile(_GGUF.value):
+    print(f"converters.gguf: error: --gguf={_GGUF.value}: no such file", file=sys.stderr)
+    sys.exit(1)
   start = time.perf_counter()
   try:
     config = convert_gguf(_GGUF.value, _OUT_DIR.value, dtype=_DTYPE.value, overwrite=_OVERWRITE.value,

@@ -1,36 +1,52 @@
-"""Runtime flags and helpers of every binary: distributed start-up, virtual CPU devices, matmul precision,
-the device mesh, and placing host arrays on it.
-
-Flags:
-  --mesh                 e.g. "data:2,fsdp:2,tensor:2" (default: no mesh, one device)
-  --distributed          auto|on|off: `dlm_jax.distributed.initialize` before anything touches devices
-  --coordinator_address  host:port of process 0 (else JAX_COORDINATOR_ADDRESS or cluster auto-detection)
-  --num_processes        processes in the run (with --coordinator_address, outside SLURM/TPU/MPI)
-  --process_id           this process's rank (same)
-  --cpu_devices          N > 0 asks the CPU backend for N virtual devices (to try meshes on a CPU)
-  --matmul_precision     jax_default_matmul_precision
-"""
+"""What a binary runs on: distributed start-up, virtual CPU devices, matmul precision, the device mesh,
+and placing host arrays on it. The flags are in `experiments.runtime_flags`."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags, logging
+from absl import logging
 
 from dlm_jax import distributed, sharding
+from experiments.cli import UserError
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("mesh", "", "Device mesh, e.g. 'data:2,fsdp:2,tensor:2' (empty: single device).")
-flags.DEFINE_enum("distributed", "auto", ["auto", "on", "off"], "jax.distributed start-up (multi-host runs).")
-flags.DEFINE_string("coordinator_address", None, "host:port of process 0 for jax.distributed (multi-process runs).")
-flags.DEFINE_integer("num_processes", None, "Number of processes of a multi-process run.")
-flags.DEFINE_integer("process_id", None, "Rank of this process in a multi-process run.")
-flags.DEFINE_integer("cpu_devices", 0, "Virtual CPU devices (0 = backend default); for trying --mesh on a CPU.")
-flags.DEFINE_enum("matmul_precision", "highest", ["default", "high", "highest"], "jax_default_matmul_precision.")
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeSettings:
+  """Where and how a binary runs (runtime_flags documents each field). `mesh` is the --mesh text; the
+  parsed sizes are `mesh_sizes`."""
+
+  mesh: str = ""
+  distributed: str = "auto"
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  cpu_devices: int = 0
+  matmul_precision: str = "highest"
+
+  def __post_init__(self):
+    if self.cpu_devices < 0:
+      raise UserError(f"--cpu_devices={self.cpu_devices}: expected 0 (backend default) or a positive count")
+    if self.num_processes is not None and self.num_processes < 1:
+      raise UserError(f"--num_processes={self.num_processes}: expected a positive count")
+    if self.process_id is not None and self.process_id < 0:
+      raise UserError(f"--process_id={self.process_id}: expected a rank >= 0")
+    self.mesh_sizes  # pylint: disable=pointless-statement  (validates --mesh now)
+
+  @property
+  def mesh_sizes(self) -> dict[str, int] | None:
+    """{axis: size} of --mesh, or None without a mesh."""
+    if not self.mesh:
+      return None
+    try:
+      return sharding.parse_mesh(self.mesh)
+    except ValueError as e:
+      raise UserError(f"--mesh={self.mesh}: {e}") from None
 
 
 class Runtime:
@@ -52,15 +68,31 @@ class Runtime:
     return int(math.ceil(max(batch_size, 1) / self.batch_shards) * self.batch_shards)
 
 
-def init_runtime() -> Runtime:
-  """Starts jax.distributed (per the flags), sets devices and precision, builds the --mesh."""
-  if FLAGS.cpu_devices:
-    jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
-  distributed.initialize(FLAGS.distributed, FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-  jax.config.update("jax_default_matmul_precision", FLAGS.matmul_precision)
+def _mesh(sizes: dict[str, int], text: str):
+  """The mesh over the first data·fsdp·tensor devices (all processes' devices in a multi-process run)."""
+  available = jax.devices()
+  needed = math.prod(sizes.values())
+  if needed > len(available):
+    raise UserError(f"--mesh={text} needs {needed} devices; {len(available)} are available")
+  if needed < len(available) and jax.process_count() > 1:
+    raise UserError(f"--mesh={text} uses {needed} of {len(available)} devices; a multi-process run must use "
+                    "every device")
+  return sharding.make_mesh(**sizes, devices=available[:needed])
+
+
+def init_runtime(settings: RuntimeSettings) -> Runtime:
+  """Starts jax.distributed (per the settings), sets devices and precision, builds the mesh."""
+  if settings.cpu_devices:
+    jax.config.update("jax_num_cpu_devices", settings.cpu_devices)
+  try:
+    distributed.initialize(settings.distributed, settings.coordinator_address, settings.num_processes,
+                           settings.process_id)
+  except ValueError as e:  # the flag checks of `distributed.initialize`, before any connection
+    raise UserError(str(e)) from None
+  jax.config.update("jax_default_matmul_precision", settings.matmul_precision)
   mesh = None
-  if FLAGS.mesh:
-    mesh = sharding.make_mesh(**sharding.parse_mesh(FLAGS.mesh))
+  if settings.mesh_sizes is not None:
+    mesh = _mesh(settings.mesh_sizes, settings.mesh)
     logging.info("mesh %s over %d devices in %d process(es)", dict(mesh.shape), mesh.size, jax.process_count())
   return Runtime(mesh, distributed.is_primary())
 

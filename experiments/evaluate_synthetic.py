@@ -1,54 +1,101 @@
 """Exact match of a converted checkpoint on the synthetic arithmetic test split.
 
-  python -m experiments.evaluate_synthetic --checkpoint=dlm_jax/default_models/tiny-dlm
-  python -m experiments.evaluate_synthetic --checkpoint=dlm_jax/default_models/tiny-arm
+  python -m experiments.evaluate_synthetic --checkpoint=tiny-dlm
+  python -m experiments.evaluate_synthetic --checkpoint=tiny-arm --output=tiny-arm.jsonl
 
-Diffusion models are decoded with LLaDA's `generate` (low-confidence remasking, temperature 0; steps =
-gen_length and one block by default); causal models greedily with the KV-cache decoder; prompts use the
-training layout (see `dlm_jax.tasks.evaluation`). Completions are scored with the GSM8K strict (`#### n`)
-and flexible (last number) extractors. Prints one JSON line; --output writes one JSON line per item.
+Prompts use the checkpoint's training layout (`experiments.prompts`: `[PAD … BOS question]` of the
+training prompt width). Diffusion models are decoded with LLaDA's `generate` (low-confidence remasking,
+temperature 0) with steps = gen_length and one block by default — pure diffusion, unlike the official
+block_length 128 of `experiments.generate`, because the answers are 32 tokens; causal models greedily
+with the KV-cache decoder. Completions are scored with the GSM8K strict (`#### n`) and flexible (last
+number) extractors. Progress lines go to the log; the summary is one JSON line on stdout; --output writes
+one JSON line per item (atomically, at the end).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 
-from dlm_jax import default_models
-from dlm_jax.tasks import evaluation, gsm8k, synthetic
+from dlm_jax import distributed
+from dlm_jax.tasks import gsm8k
+from experiments import (atomic_files, checkpoints, cli, decoding, devices, item_batches, items, numerics_flags,
+                         progress, prompts, run_dir, runtime_flags)
+from experiments.numerics import Numerics
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory; default: the embedded tiny-dlm.")
-flags.DEFINE_integer("n", 200, "Test problems.")
-flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic generator.")
-flags.DEFINE_integer("prompt_len", None, "Prompt width (default: the checkpoint's training.json, else 36).")
-flags.DEFINE_integer("gen_length", 32, "Generated positions.")
-flags.DEFINE_integer("steps", None, "Diffusion steps (default gen_length).")
-flags.DEFINE_integer("block_length", None, "Diffusion block length (default gen_length: pure diffusion).")
-flags.DEFINE_integer("batch_size", 100, "Prompts per sampler call.")
-flags.DEFINE_string("output", None, "Optional JSONL of per-item results.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, tiny-arm.")
+_N = flags.DEFINE_integer("n", 200, "Test problems (>= 1).")
+_DATA_SEED = flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic generator.")
+_GEN_LENGTH = flags.DEFINE_integer("gen_length", 32, "Generated positions.")
+_STEPS = flags.DEFINE_integer("steps", None, "Diffusion steps (default: gen_length).")
+_BLOCK_LENGTH = flags.DEFINE_integer("block_length", None, "Diffusion block length (default: gen_length, pure "
+                                     "diffusion; experiments.generate defaults to 128).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 100, "Prompts per sampler call (results do not depend on it).")
+_OUTPUT = flags.DEFINE_string("output", None, "Optional JSONL of per-item results.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """One evaluation: checkpoint directory, number of problems, their seed, decoding and numerics."""
+
+  checkpoint: str
+  n: int
+  data_seed: int
+  batch_size: int
+  decode: decoding.DecodeSettings
+  numerics: Numerics
+
+  def __post_init__(self):
+    if self.n < 1:
+      raise cli.UserError(f"--n={self.n}: expected a positive number of problems")
+    if self.batch_size < 1:
+      raise cli.UserError(f"--batch_size={self.batch_size}: expected a positive integer")
 
 
 def main(argv):
   del argv
-  directory = FLAGS.checkpoint or default_models.path("tiny-dlm")
-  problems = synthetic.make_split("test", FLAGS.n, FLAGS.data_seed)
+  runtime_settings = runtime_flags.from_flags()
+  if _OUTPUT.value:
+    run_dir.check_output_file(_OUTPUT.value, "output")
+  model = checkpoints.prepare(_CHECKPOINT.value, "auto", "training")
+  if model.sampler not in ("llada", "ar"):
+    raise cli.UserError(f"{model.label}: expected a LLaDA-style diffusion model or a causal model, got a "
+                        f"{model.sampler} model")
+  gen_length = _GEN_LENGTH.value
+  decode = decoding.DecodeSettings(gen_length=gen_length, steps=_STEPS.value,
+                                   block_length=_BLOCK_LENGTH.value if _BLOCK_LENGTH.value is not None else gen_length)
+  runtime = devices.init_runtime(runtime_settings)
+  settings = Settings(model.directory, _N.value, _DATA_SEED.value, _BATCH_SIZE.value, decode,
+                      numerics_flags.from_flags(runtime_settings))
+  values = decoding.model_settings(decode, model)
+  problems = items.load_items("synthetic", settings.n, settings.data_seed)
+  prompt_set = prompts.encode(model, problems)
+  model = checkpoints.load_weights(model, runtime, settings.numerics)
   start = time.time()
-  completions = evaluation.complete(directory, [p.question for p in problems], prompt_len=FLAGS.prompt_len,
-                                    gen_length=FLAGS.gen_length, steps=FLAGS.steps, block_length=FLAGS.block_length,
-                                    batch_size=FLAGS.batch_size)
-  scores = gsm8k.accuracy(problems, completions)
+  completions = {}
+  meter = progress.Progress(f"{model.label} problems", len(problems))
+  for batch in item_batches.batches(problems, prompt_set, settings.batch_size, decode.seed, runtime,
+                                    lambda item: False):
+    trace = decoding.generate(model, values, batch.prompts, runtime, settings.numerics, key=batch.key)
+    generated = distributed.to_host(trace.generated)
+    for row, item in enumerate(batch.items):
+      completions[item.id] = prompts.completion(model, generated[row])[1]
+    meter.update(len(batch.items))
+  problem_list = [gsm8k.Problem(p.question, p.target) for p in problems]
+  texts = [completions[p.id] for p in problems]
+  scores = gsm8k.accuracy(problem_list, texts)
   scores["wall_s"] = round(time.time() - start, 1)
-  if FLAGS.output:
-    with open(FLAGS.output, "w", encoding="utf-8") as f:
-      for problem, completion, item in zip(problems, completions, gsm8k.iter_scores(problems, completions)):
-        f.write(json.dumps({"question": problem.question, "completion": completion, **item}) + "\n")
-  for problem, completion in list(zip(problems, completions))[:3]:
+  if _OUTPUT.value:
+    lines = [json.dumps({"question": p.question, "completion": c, **s})
+             for p, c, s in zip(problem_list, texts, gsm8k.iter_scores(problem_list, texts))]
+    atomic_files.write_text(_OUTPUT.value, "".join(line + "\n" for line in lines))
+  for problem, completion in list(zip(problem_list, texts))[:3]:
     logging.info("Q: %s\nA: %s\ngot: %s", problem.question, problem.answer, completion)
-  print(json.dumps({"checkpoint": directory, **scores}))
+  print(json.dumps({"checkpoint": progress.display_path(model.directory), "settings": values, **scores}))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

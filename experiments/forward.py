@@ -1,6 +1,6 @@
 r"""One forward pass of a converted checkpoint on one unpadded sequence; writes logits and attention sums.
 
-  python -m experiments.forward --checkpoint=DIR --token_ids=1,2,3 --out=FILE.npz
+  python -m experiments.forward --checkpoint=DIR|tiny-dlm|tiny-arm|smollm2 --token_ids=1,2,3 --out=FILE.npz
 
 FILE.npz holds
   logits              float32 [S, V]  raw logits, no shift (Dream and the ARMs predict token i+1 at i)
@@ -12,22 +12,22 @@ The attention follows the config (bidirectional for the DLMs, causal for the ARM
 
 from __future__ import annotations
 
-import os
-import sys
-import uuid
+import dataclasses
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from dlm_jax import checkpoint
-from dlm_jax.config import ConfigError, ModelConfig
+from dlm_jax.config import ModelConfig
 from dlm_jax.model import Params, forward
 from dlm_jax.stats import StatsSpec
+from experiments import atomic_files, checkpoints, cli, run_dir
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory, or tiny-dlm, tiny-arm, "
+                                  "smollm2.")
 _TOKEN_IDS = flags.DEFINE_list("token_ids", None, "Comma-separated token ids of one sequence.")
 _OUT = flags.DEFINE_string("out", None, "Output .npz file.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ("float32", "bfloat16"), "Parameter and activation dtype.")
@@ -53,37 +53,37 @@ def forward_with_attention(config: ModelConfig, params: Params, token_ids: Seque
   return logits, incoming
 
 
-def write_npz(path: str, **arrays: np.ndarray) -> None:
-  """Writes `arrays` to `path` through a temporary file and a rename."""
-  tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-  try:
-    with open(tmp, "wb") as f:
-      np.savez(f, **arrays)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """One forward pass: the checkpoint directory, the token ids and the numerics."""
+
+  checkpoint: str
+  token_ids: tuple[int, ...]
+  dtype: str
+  matmul_precision: str
+  attention_impl: str
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  del argv
   if not _CHECKPOINT.value or not _TOKEN_IDS.value or not _OUT.value:
-    raise app.UsageError("--checkpoint, --token_ids and --out are required.")
-  jax.config.update("jax_default_matmul_precision", _MATMUL_PRECISION.value)
+    raise cli.UsageError("--checkpoint, --token_ids and --out are required")
   try:
-    ids = [int(t) for t in _TOKEN_IDS.value]
+    ids = tuple(int(t) for t in _TOKEN_IDS.value)
   except ValueError:
-    raise app.UsageError(f"--token_ids must be comma-separated integers, got {_TOKEN_IDS.value}.") from None
-  try:
-    config, params = checkpoint.load(_CHECKPOINT.value, dtype=jnp.dtype(_DTYPE.value))
-    logits, incoming = forward_with_attention(config, params, ids, attention_impl=_ATTENTION_IMPL.value)
-  except (checkpoint.CheckpointError, ConfigError, ValueError) as e:
-    print(f"experiments.forward: error: {e}", file=sys.stderr)
-    sys.exit(1)
-  write_npz(_OUT.value, logits=logits, incoming_attention=incoming, token_ids=np.asarray(ids, np.int32))
+    raise cli.UsageError(f"--token_ids must be comma-separated integers, got {','.join(_TOKEN_IDS.value)}") from None
+  run_dir.check_output_file(_OUT.value, "out")
+  _, directory = checkpoints.resolve(_CHECKPOINT.value)
+  settings = Settings(directory, ids, _DTYPE.value, _MATMUL_PRECISION.value, _ATTENTION_IMPL.value)
+  jax.config.update("jax_default_matmul_precision", settings.matmul_precision)
+  config, params = checkpoint.load(settings.checkpoint, dtype=jnp.dtype(settings.dtype))
+  bad = [i for i in settings.token_ids if not 0 <= i < config.vocab_size]
+  if bad:
+    raise cli.UserError(f"--token_ids: token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+  logits, incoming = forward_with_attention(config, params, settings.token_ids, attention_impl=settings.attention_impl)
+  atomic_files.write_npz(_OUT.value, logits=logits, incoming_attention=incoming,
+                         token_ids=np.asarray(settings.token_ids, np.int32))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

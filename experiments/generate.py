@@ -1,149 +1,277 @@
 """Generates from a converted checkpoint with one of the compiled samplers and writes the trace.
 
-  python -m experiments.generate --checkpoint=DIR (--prompt=TEXT [--chat] | --prompt_ids=1,2,3) \
-      --sampler=llada|mmada|dream|ar --gen_length=N --steps=N --block_length=N --temperature=T \
-      --remasking=low_confidence|random --cfg_scale=W --alg=origin|maskgit_plus|topk_margin|entropy \
-      --alg_temp=T --top_p=P --top_k=K --eps=E --seed=S --json_out=FILE [--stats_out=FILE.npz] [--mask_sinks=K]
+  python -m experiments.generate --checkpoint=DIR|tiny-dlm|tiny-arm|smollm2 (--prompt=TEXT [--chat] | \
+      --prompt_ids=1,2,3) [--sampler=auto|llada|mmada|dream|ar] --json_out=FILE [--stats_out=FILE.npz] \
+      [--gen_length=N --steps=N --block_length=N --temperature=T --remasking=... --cfg_scale=W \
+       --alg=origin|maskgit_plus|topk_margin|entropy --alg_temp=T --top_p=P --top_k=K --eps=E --seed=S \
+       --mask_sinks=K]
+
+Defaults are the official ones: LLaDA / MMaDA gen_length = steps = block_length = 128 (LLaDA's
+`generate` signature); Dream gen_length = steps = 512 with alg origin, eps 1e-3, temperature 0 and no top-p
+/ top-k (Dream's generation config; its README uses max_new_tokens = steps = 512); ar gen_length 128,
+greedy. The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A
+sampler knob given for a sampler that does not have it is ignored with a warning.
+
+--chat wraps --prompt as one user turn in the chat template recorded in the checkpoint (ChatML for
+SmolLM2 and Qwen-family checkpoints; `experiments.chat`), else the sampler's (--template overrides);
+the reply ends at the template's end-of-turn token (ar stops there; "text" is cut there for every
+sampler). Text the tokenizer maps to unknown tokens is warned about.
 
 JSON (written atomically): tokens (the whole sequence, prompt included), prompt_length, decode_step (per
 generated position, the 0-based step at which it was unmasked; for `ar` the step that produced it), nfe,
-and text (the generated part, special tokens skipped) when the checkpoint has a tokenizer.
+sampler, settings (every value used), and text (the generated part up to the end of the reply, special
+tokens skipped) when the checkpoint has a tokenizer.
 NPZ (--stats_out): incoming_attention [steps, L, N, S] float32 for batch row 0: entry [t, l, n, j] is the
 sum over all queries of the attention key j receives in layer l, head n, during the model call of step t
 (with CFG, the conditional call).
 --mask_sinks=K > 0 masks, at every step, the top-K sinks of the previous step
 (`dlm_jax.interventions.MaskPreviousSinks(top_k=K)`; `MaskPreviousSinksAR` for --sampler=ar).
-The shared flags of `experiments.common` apply: --mesh (parameters sharded over fsdp/tensor; the one
-prompt is replicated), --distributed, --cpu_devices, --dtype (default float32 on CPU, stored dtype on
-accelerators), --matmul_precision (default highest).
+Runtime flags (`experiments.runtime_flags`): --mesh (parameters sharded over fsdp/tensor; the one prompt
+is replicated), --distributed, --cpu_devices, --matmul_precision; numerics: --dtype (default float32 on
+CPU, stored dtype on accelerators), --attention_impl, --query_chunk.
 """
 
 from __future__ import annotations
 
-import io
+import dataclasses
 import json
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags, logging
 
 from dlm_jax import distributed
-from experiments import common, devices
+from experiments import atomic_files, chat, checkpoints, cli, devices, numerics_flags, run_dir, runtime_flags
+from experiments.numerics import Numerics
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory.", required=True)
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory, or tiny-dlm, tiny-arm, "
+                                  "smollm2.", required=True)
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (needs the checkpoint's tokenizer).")
-_CHAT = flags.DEFINE_bool("chat", False, "Wrap --prompt as one user turn in the sampler's chat template.")
-_TEMPLATE = flags.DEFINE_enum("template", None, ["llada", "mmada", "dream", "llama3"],
-                              "Chat template (default: llada, mmada, dream or llama3 by --sampler).")
+_CHAT = flags.DEFINE_bool("chat", False, "Wrap --prompt as one user turn in the checkpoint's chat template.")
+_TEMPLATE = flags.DEFINE_enum("template", None, list(chat.TEMPLATES), "Chat template (default: the one recorded "
+                              "in the checkpoint, else llada, mmada, dream or llama3 by --sampler).")
 _PROMPT_IDS = flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids.")
-_SAMPLER = flags.DEFINE_enum("sampler", None, ["llada", "mmada", "dream", "ar"], "Sampler.", required=True)
-_GEN_LENGTH = flags.DEFINE_integer("gen_length", 128, "Generated positions (Dream: max_new_tokens).")
-_STEPS = flags.DEFINE_integer("steps", 128, "Denoising steps (diffusion samplers).")
-_BLOCK_LENGTH = flags.DEFINE_integer("block_length", None, "LLaDA/MMaDA block length (default: gen_length).")
+_SAMPLER = flags.DEFINE_enum("sampler", "auto", ["auto", "llada", "mmada", "dream", "ar"], "Sampler (auto: ar for "
+                             "causal models, dream for shifted DLMs, llada otherwise).")
+_GEN_LENGTH = flags.DEFINE_integer("gen_length", None, "Generated positions (default 128; Dream 512, its "
+                                   "max_new_tokens).")
+_STEPS = flags.DEFINE_integer("steps", None, "Denoising steps (default: LLaDA/MMaDA 128, Dream 512).")
+_BLOCK_LENGTH = flags.DEFINE_integer("block_length", None, "LLaDA/MMaDA block length (default 128, as LLaDA's "
+                                     "generate; must divide gen_length).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = argmax).")
-_REMASKING = flags.DEFINE_enum("remasking", "low_confidence", ["low_confidence", "random"], "LLaDA remasking.")
+_REMASKING = flags.DEFINE_enum("remasking", "low_confidence", ["low_confidence", "random"], "LLaDA/MMaDA "
+                               "remasking.")
 _CFG_SCALE = flags.DEFINE_float("cfg_scale", 0.0, "LLaDA/MMaDA classifier-free guidance weight.")
 _LOGITS_EOS_INF = flags.DEFINE_bool("logits_eos_inf", False, "LLaDA: EOS is never sampled.")
-_CONF_EOS_EOT_INF = flags.DEFINE_bool("confidence_eos_eot_inf", False, "LLaDA: the official EOS/EoT confidence rule.")
+_CONF_EOS_EOT_INF = flags.DEFINE_bool("confidence_eos_eot_inf", False, "LLaDA: the official EOS/EoT confidence "
+                                      "rule.")
 _STOP_AT_EOT = flags.DEFINE_bool("stop_at_eot", False, "MMaDA mmu_generate_fast: stop when a block ends in EoT.")
-_ALG = flags.DEFINE_enum("alg", "origin", ["origin", "maskgit_plus", "topk_margin", "entropy"], "Dream alg.")
+_ALG = flags.DEFINE_enum("alg", "origin", ["origin", "maskgit_plus", "topk_margin", "entropy"], "Dream alg "
+                         "(default origin, Dream's generation config).")
 _ALG_TEMP = flags.DEFINE_float("alg_temp", None, "Dream alg_temp (None/0 = deterministic positions).")
-_TOP_P = flags.DEFINE_float("top_p", None, "Top-p filtering (Dream, ar).")
+_TOP_P = flags.DEFINE_float("top_p", None, "Top-p filtering in (0, 1] (Dream, ar).")
 _TOP_K = flags.DEFINE_integer("top_k", None, "Top-k filtering (Dream, ar).")
-_EPS = flags.DEFINE_float("eps", 1e-3, "Dream's last timestep.")
+_EPS = flags.DEFINE_float("eps", 1e-3, "Dream's last timestep, in (0, 1).")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Output JSON file.", required=True)
 _STATS_OUT = flags.DEFINE_string("stats_out", None, "Optional .npz with per-step incoming attention.")
 _MASK_SINKS = flags.DEFINE_integer("mask_sinks", 0, "Mask the previous step's top-K sinks (0 = off).")
 
-_DEFAULT_TEMPLATE = {"llada": "llada", "mmada": "mmada", "dream": "dream", "ar": "llama3"}
+DEFAULTS = {"llada": dict(gen_length=128, steps=128, block_length=128),
+            "mmada": dict(gen_length=128, steps=128, block_length=128),
+            "dream": dict(gen_length=512, steps=512), "ar": dict(gen_length=128)}
+"""Official defaults per sampler (module docstring)."""
+KNOBS = {"llada": {"steps", "block_length", "remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf"},
+         "mmada": {"steps", "block_length", "remasking", "cfg_scale", "stop_at_eot"},
+         "dream": {"steps", "alg", "alg_temp", "top_p", "top_k", "eps"}, "ar": {"top_p", "top_k"}}
+"""The sampler-specific flags each sampler takes."""
 
 
-def _prompt_ids(config, tokenizer) -> list[int]:
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """One generation: the sampler, its knobs (defaults resolved), the prompt and the numerics."""
+
+  checkpoint: str
+  sampler: str
+  prompt_ids: tuple[int, ...]
+  gen_length: int
+  steps: int | None
+  block_length: int | None
+  temperature: float
+  remasking: str
+  cfg_scale: float
+  logits_eos_inf: bool
+  confidence_eos_eot_inf: bool
+  stop_at_eot: bool
+  alg: str
+  alg_temp: float | None
+  top_p: float | None
+  top_k: int | None
+  eps: float
+  seed: int
+  mask_sinks: int
+  end_of_turn_id: int | None
+  numerics: Numerics
+
+  def __post_init__(self):
+    for name in ("gen_length", "steps", "block_length", "top_k"):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise cli.UserError(f"--{name}={value}: expected a positive integer")
+    if self.temperature < 0:
+      raise cli.UserError(f"--temperature={self.temperature}: expected >= 0 (0 = argmax)")
+    if self.cfg_scale < 0:
+      raise cli.UserError(f"--cfg_scale={self.cfg_scale}: expected >= 0 (0 = no guidance)")
+    if self.top_p is not None and not 0 < self.top_p <= 1:
+      raise cli.UserError(f"--top_p={self.top_p}: expected a value in (0, 1]")
+    if self.alg_temp is not None and self.alg_temp < 0:
+      raise cli.UserError(f"--alg_temp={self.alg_temp}: expected >= 0")
+    if not 0 < self.eps < 1:
+      raise cli.UserError(f"--eps={self.eps}: expected a value in (0, 1)")
+    if self.mask_sinks < 0:
+      raise cli.UserError(f"--mask_sinks={self.mask_sinks}: expected >= 0 (0 = off)")
+    if self.block_length is not None and self.gen_length % self.block_length:
+      raise cli.UserError(f"--gen_length={self.gen_length} must be a multiple of block_length ({self.block_length});"
+                          " change --gen_length or --block_length")
+    if self.block_length is not None and self.steps % (self.gen_length // self.block_length):
+      raise cli.UserError(f"--steps={self.steps} must be a multiple of the number of blocks gen_length / "
+                          f"block_length = {self.gen_length // self.block_length}")
+
+  def options(self, config):
+    """The library options of these settings."""
+    from dlm_jax.sampling import autoregressive, dream, llada  # pylint: disable=import-outside-toplevel
+    if self.sampler in ("llada", "mmada"):
+      values = dict(gen_length=self.gen_length, steps=self.steps, block_length=self.block_length,
+                    temperature=self.temperature, cfg_scale=self.cfg_scale, remasking=self.remasking)
+      if self.sampler == "llada":
+        return llada.LLaDAOptions(logits_eos_inf=self.logits_eos_inf,
+                                  confidence_eos_eot_inf=self.confidence_eos_eot_inf, **values)
+      return llada.mmada_options(stop_token_id=config.eot_token_id if self.stop_at_eot else None, **values)
+    if self.sampler == "dream":
+      return dream.DreamOptions(gen_length=self.gen_length, steps=self.steps, eps=self.eps, alg=self.alg,
+                                alg_temp=self.alg_temp, temperature=self.temperature, top_p=self.top_p,
+                                top_k=self.top_k)
+    ends = {config.eos_token_id, config.eot_token_id, self.end_of_turn_id} - {None}
+    return autoregressive.AROptions(gen_length=self.gen_length, temperature=self.temperature, top_k=self.top_k,
+                                    top_p=self.top_p, stop_at_eos=self.end_of_turn_id is not None,
+                                    eos_token_ids=tuple(sorted(ends)) if self.end_of_turn_id is not None else None)
+
+
+def _warn_unused_knobs(sampler: str) -> None:
+  """Warns about sampler-specific flags given for a sampler that does not have them (they are ignored)."""
+  for name in sorted(set().union(*KNOBS.values()) - KNOBS[sampler]):
+    if flags.FLAGS[name].present:
+      owners = ", ".join(s for s in KNOBS if name in KNOBS[s])
+      logging.warning("--%s applies to --sampler=%s only; ignored for %s", name, owners, sampler)
+
+
+def _prompt_ids(config, tokenizer, directory: str, sampler: str) -> tuple[list[int], int | None]:
+  """(prompt ids, the end-of-turn id of a chat prompt or None)."""
   if (_PROMPT.value is None) == (_PROMPT_IDS.value is None):
-    raise app.UsageError("Give exactly one of --prompt and --prompt_ids.")
+    raise cli.UsageError("give exactly one of --prompt and --prompt_ids")
   if _PROMPT_IDS.value is not None:
+    if _CHAT.value:
+      raise cli.UsageError("--chat needs --prompt text, not --prompt_ids")
     try:
       ids = [int(t) for t in _PROMPT_IDS.value.split(",") if t.strip()]
     except ValueError:
-      raise app.UsageError(f"--prompt_ids must be comma-separated integers, got {_PROMPT_IDS.value!r}.") from None
-    if not ids or any(not 0 <= i < config.vocab_size for i in ids):
-      raise app.UsageError(f"--prompt_ids must be non-empty ids in [0, {config.vocab_size}).")
-    return ids
+      raise cli.UsageError(f"--prompt_ids must be comma-separated integers, got {_PROMPT_IDS.value!r}") from None
+    bad = [i for i in ids if not 0 <= i < config.vocab_size]
+    if not ids or bad:
+      raise cli.UserError(f"--prompt_ids must be non-empty ids in [0, {config.vocab_size}); got {bad or 'none'}")
+    return ids, None
   if tokenizer is None:
-    raise app.UsageError(f"--prompt needs tokenizer files in {_CHECKPOINT.value}; use --prompt_ids.")
-  if _CHAT.value:
-    template = _TEMPLATE.value or _DEFAULT_TEMPLATE[_SAMPLER.value]
-    return tokenizer.apply_chat_template([{"role": "user", "content": _PROMPT.value}], template)
-  return tokenizer.encode(_PROMPT.value)
+    raise cli.UserError(f"--prompt needs tokenizer files in {directory}; use --prompt_ids")
+  if not _CHAT.value:
+    ids = tokenizer.encode(_PROMPT.value)
+    end = None
+  else:
+    form = chat.chat_format(directory, sampler, _TEMPLATE.value)
+    bos = None if config.bos_token_id is None else tokenizer.id_to_token(config.bos_token_id)
+    ids = tokenizer.encode(form.text(_PROMPT.value, bos))
+    end = tokenizer.token_to_id(form.end_of_turn)
+  chat.warn_unknown_tokens(tokenizer, ids, "--prompt")
+  if not ids:
+    raise cli.UserError("--prompt encodes to no tokens")
+  return ids, end
 
 
-def _intervention(config):
-  if _MASK_SINKS.value <= 0:
-    from dlm_jax.interventions import NO_INTERVENTION
-    return NO_INTERVENTION
-  from dlm_jax import interventions
-  if _SAMPLER.value == "ar" and hasattr(interventions, "MaskPreviousSinksAR"):
-    return interventions.MaskPreviousSinksAR(top_k=_MASK_SINKS.value)
-  return interventions.MaskPreviousSinks(top_k=_MASK_SINKS.value)
+def _intervention(sampler: str, top_k: int):
+  from dlm_jax import interventions  # pylint: disable=import-outside-toplevel
+  if top_k <= 0:
+    return interventions.NO_INTERVENTION
+  if sampler == "ar":
+    return interventions.MaskPreviousSinksAR(top_k=top_k)
+  return interventions.MaskPreviousSinks(top_k=top_k)
 
 
-def _run_sampler(params, config, prompt, key, stats_spec, intervention):
-  from dlm_jax.sampling import autoregressive, dream, llada
-  common = dict(config=config, key=key, stats_spec=stats_spec, intervention=intervention)
-  sampler = _SAMPLER.value
-  if sampler in ("llada", "mmada"):
-    values = dict(gen_length=_GEN_LENGTH.value, steps=_STEPS.value, block_length=_BLOCK_LENGTH.value,
-                  temperature=_TEMPERATURE.value, cfg_scale=_CFG_SCALE.value, remasking=_REMASKING.value)
-    if sampler == "llada":
-      options = llada.LLaDAOptions(logits_eos_inf=_LOGITS_EOS_INF.value,
-                                   confidence_eos_eot_inf=_CONF_EOS_EOT_INF.value, **values)
-    else:
-      stop = config.eot_token_id if _STOP_AT_EOT.value else None
-      options = llada.mmada_options(stop_token_id=stop, **values)
-    return llada.generate(params, prompt, options=options, **common)
-  if sampler == "dream":
-    options = dream.DreamOptions(gen_length=_GEN_LENGTH.value, steps=_STEPS.value, eps=_EPS.value, alg=_ALG.value,
-                                 alg_temp=_ALG_TEMP.value, temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
-                                 top_k=_TOP_K.value)
-    return dream.diffusion_generate(params, prompt, options=options, **common)
-  options = autoregressive.AROptions(gen_length=_GEN_LENGTH.value, temperature=_TEMPERATURE.value,
-                                     top_k=_TOP_K.value, top_p=_TOP_P.value)
-  return autoregressive.generate(params, prompt, options=options, **common)
+def _generate(params, config, settings: Settings, prompt, stats_spec):
+  from dlm_jax.sampling import autoregressive, dream, llada  # pylint: disable=import-outside-toplevel
+  kwargs = dict(config=config, options=settings.options(config), key=jax.random.key(settings.seed),
+                stats_spec=stats_spec, intervention=_intervention(settings.sampler, settings.mask_sinks),
+                attention_impl=settings.numerics.attention_impl, query_chunk=settings.numerics.query_chunk)
+  if settings.sampler in ("llada", "mmada"):
+    return llada.generate(params, prompt, **kwargs)
+  if settings.sampler == "dream":
+    return dream.diffusion_generate(params, prompt, **kwargs)
+  return autoregressive.generate(params, prompt, **kwargs)
+
+
+def _reply_text(tokenizer, generated: list[int], end_ids: set[int]) -> str:
+  cut = next((i for i, t in enumerate(generated) if t in end_ids), len(generated))
+  return tokenizer.decode(generated[:cut])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  runtime = devices.init_runtime()
-  from dlm_jax.stats import NO_STATS, StatsSpec
-  from dlm_jax.tokenizer import Tokenizer
-
-  config, params = common.load_params(_CHECKPOINT.value, runtime, common.weight_dtype())
-  tokenizer = Tokenizer.from_dir(_CHECKPOINT.value, config) if Tokenizer.exists_in(_CHECKPOINT.value) else None
-  ids = _prompt_ids(config, tokenizer)
-  stats_spec = StatsSpec(incoming_attention=True, per_head=True) if _STATS_OUT.value else NO_STATS
+  del argv
+  from dlm_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from dlm_jax.stats import NO_STATS, StatsSpec  # pylint: disable=import-outside-toplevel
+  from dlm_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  runtime_settings = runtime_flags.from_flags()
+  run_dir.check_output_file(_JSON_OUT.value, "json_out")
+  if _STATS_OUT.value:
+    run_dir.check_output_file(_STATS_OUT.value, "stats_out")
+  _, directory = checkpoints.resolve(_CHECKPOINT.value)
+  config = checkpoint.read_config(directory)
+  sampler = checkpoints.default_sampler(config) if _SAMPLER.value == "auto" else _SAMPLER.value
+  checkpoints.check_sampler(_CHECKPOINT.value, sampler, config)
+  _warn_unused_knobs(sampler)
+  tokenizer = Tokenizer.from_dir(directory, config) if Tokenizer.exists_in(directory) else None
+  ids, end_of_turn = _prompt_ids(config, tokenizer, directory, sampler)
+  runtime = devices.init_runtime(runtime_settings)
+  given = {"gen_length": _GEN_LENGTH.value, "steps": _STEPS.value, "block_length": _BLOCK_LENGTH.value}
+  applies = KNOBS[sampler] | {"gen_length"}
+  values = {k: v if v is not None and k in applies else DEFAULTS[sampler].get(k) for k, v in given.items()}
+  settings = Settings(
+      checkpoint=directory, sampler=sampler, prompt_ids=tuple(ids),
+      gen_length=values["gen_length"], steps=values["steps"], block_length=values["block_length"],
+      temperature=_TEMPERATURE.value, remasking=_REMASKING.value, cfg_scale=_CFG_SCALE.value,
+      logits_eos_inf=_LOGITS_EOS_INF.value, confidence_eos_eot_inf=_CONF_EOS_EOT_INF.value,
+      stop_at_eot=_STOP_AT_EOT.value, alg=_ALG.value, alg_temp=_ALG_TEMP.value, top_p=_TOP_P.value,
+      top_k=_TOP_K.value, eps=_EPS.value, seed=_SEED.value, mask_sinks=_MASK_SINKS.value,
+      end_of_turn_id=end_of_turn, numerics=numerics_flags.from_flags(runtime_settings))
   try:
-    prompt = devices.replicate(np.asarray([ids], np.int32), runtime)
-    trace = _run_sampler(params, config, prompt, jax.random.key(_SEED.value), stats_spec, _intervention(config))
+    settings.options(config)
   except ValueError as e:
-    raise app.UsageError(str(e)) from None
-  trace = distributed.to_host(trace)
+    raise cli.UserError(str(e)) from None
+  config, params = checkpoints.load_params(directory, runtime, settings.numerics.weight_dtype)
+  stats_spec = StatsSpec(incoming_attention=True, per_head=True) if _STATS_OUT.value else NO_STATS
+  prompt = devices.replicate(np.asarray([ids], np.int32), runtime)
+  trace = distributed.to_host(_generate(params, config, settings, prompt, stats_spec))
   if not runtime.primary:
     return
-  tokens = np.asarray(trace.tokens)[0]
-  result = {"tokens": [int(t) for t in tokens], "prompt_length": int(trace.prompt_length),
+  tokens = [int(t) for t in np.asarray(trace.tokens)[0]]
+  result = {"tokens": tokens, "prompt_length": int(trace.prompt_length),
             "decode_step": [int(s) for s in np.asarray(trace.decode_step)[0]], "nfe": int(trace.nfe),
-            "sampler": _SAMPLER.value}
+            "sampler": sampler, "settings": dataclasses.asdict(settings)}
   if tokenizer is not None:
-    result["text"] = tokenizer.decode(tokens[trace.prompt_length:])
-  common.atomic_write_bytes(_JSON_OUT.value, (json.dumps(result) + "\n").encode())
+    ends = {config.eos_token_id, end_of_turn} - {None} if _CHAT.value else set()
+    result["text"] = _reply_text(tokenizer, tokens[trace.prompt_length:], ends)
+  atomic_files.atomic_write_bytes(_JSON_OUT.value, (json.dumps(result) + "\n").encode())
   if _STATS_OUT.value:
     incoming = np.asarray(trace.stats["incoming_attention"][:, :, 0], np.float32)  # [steps, L, N, S]
-    buffer = io.BytesIO()
-    np.savez(buffer, incoming_attention=incoming)
-    common.atomic_write_bytes(_STATS_OUT.value, buffer.getvalue())
+    atomic_files.write_npz(_STATS_OUT.value, incoming_attention=incoming)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from experiments import common, plots
+from experiments import atomic_files, plots
 
 CONDITION_NAMES = {"none": "no masking", "first": "first token masked"}
 
@@ -114,16 +114,16 @@ def write_report(out: str, metas: list[dict], records: list[dict], ks: list[int]
   labels = [m["label"] for m in metas]
   accuracy = accuracy_table(records, labels, ks)
   ppl = perplexity_table(records, labels)
-  common.write_json(os.path.join(out, "table.json"), {"accuracy": accuracy, "perplexity": ppl, "top_k": ks,
+  atomic_files.write_json(os.path.join(out, "table.json"), {"accuracy": accuracy, "perplexity": ppl, "top_k": ks,
                                                       "models": metas, "standard_error": "sqrt(p(1-p)/n)"})
   acc_md = accuracy_markdown(accuracy, metas, ks)
   table_md = "## Accuracy with the previous step's top-K sinks masked\n\n" + acc_md + "\n"
   if ppl:
     table_md += "\n## Perplexity (teacher forcing)\n\n" + perplexity_markdown(ppl) + "\n"
-  common.write_text(os.path.join(out, "table.md"), table_md)
+  atomic_files.write_text(os.path.join(out, "table.md"), table_md)
   series = {label: (np.asarray([accuracy[label][str(k)]["accuracy"] for k in ks]),
                     np.asarray([accuracy[label][str(k)]["se"] for k in ks])) for label in labels}
-  common.save_figure(plots.accuracy_vs_masked(ks, series, "Accuracy with the previous step's top-K sinks masked"),
+  atomic_files.save_figure(plots.accuracy_vs_masked(ks, series, "Accuracy with the previous step's top-K sinks masked"),
                      os.path.join(out, "masking_accuracy.png"))
   lines = ["# Sink masking (Rulli et al. Table 1): `experiments.sink_masking_eval`", "",
            "At every step after the first, the K keys that received the most attention at the previous step "
@@ -139,5 +139,5 @@ def write_report(out: str, metas: list[dict], records: list[dict], ks: list[int]
             "only at top-10 (LLaDA −0.21, MMaDA −0.17 on GSM8K); LLaMA-3.1-8B collapses once its sink is masked "
             "(0.85 → 0.02).", "", "![accuracy](masking_accuracy.png)"]
   text = "\n".join(lines) + "\n" + _recompute_note(metas) + "\n"
-  common.write_text(os.path.join(out, "summary.md"), text)
+  atomic_files.write_text(os.path.join(out, "summary.md"), text)
   return text

@@ -1,5 +1,5 @@
 """Matplotlib figures of the experiment binaries (Agg backend, no display). Each function takes plain
-arrays and returns a `matplotlib.figure.Figure`; `experiments.common.save_figure` writes it as a PNG.
+arrays and returns a `matplotlib.figure.Figure`; `experiments.atomic_files.save_figure` writes it as a PNG.
 
 Scores are the incoming attention relative to the uniform share (`dlm_jax.sinks.relative_scores`): a key
 with score c receives c times the attention it would get if every query spread its attention evenly.
@@ -31,13 +31,28 @@ def _boundaries(ax, prompt_length: int | None, block_starts: Sequence[int] = (),
     line(start - 0.5, color="white", lw=0.5, ls=":")
 
 
+def _boundary_legend(fig, prompt_length: int | None, block_starts: Sequence[int]) -> None:
+  """A figure legend saying what the dashed and dotted lines of `_boundaries` mark."""
+  from matplotlib.lines import Line2D  # pylint: disable=import-outside-toplevel
+  handles = []
+  if prompt_length:
+    handles.append(Line2D([], [], color="cyan", lw=0.8, ls="--", label="end of prompt"))
+  if len(block_starts):
+    handles.append(Line2D([], [], color="gray", lw=0.8, ls=":", label="start of a block"))
+  if handles:
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, -0.06))
+
+
 def step_heatmaps(panels: Sequence[tuple[str, np.ndarray]], title: str, *, prompt_length: int | None = None,
                   block_starts: Sequence[int] = (), xlabel: str = "key position",
-                  ylabel: str = "denoising step") -> plt.Figure:
-  """One heatmap per panel of an array [steps, S] (score of every key at every step), side by side.
+                  ylabel: str = "denoising step",
+                  colorbar_label: str = "score (incoming attention / uniform share)") -> plt.Figure:
+  """One heatmap per panel of an array [steps, S] (a value of every key at every step), side by side.
 
-  Colour is a power-law (γ = 0.5) scale so that both sinks and the background are visible. A dashed
-  cyan line marks the end of the prompt, dotted white lines the block starts."""
+  Colour is a power-law (γ = 0.5) scale so that both sinks and the background are visible; the colour
+  bar says what the colour measures. A dashed cyan line marks the end of the prompt, dotted white lines the
+  block starts (explained in a legend under the panels)."""
   fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
   for ax, (name, values) in zip(axes[0], panels):
     values = np.asarray(values, np.float32)
@@ -48,9 +63,10 @@ def step_heatmaps(panels: Sequence[tuple[str, np.ndarray]], title: str, *, promp
     ax.set_title(name, fontsize=9)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.02)
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.02).set_label(colorbar_label, fontsize=8)
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
+  _boundary_legend(fig, prompt_length, block_starts)
   return fig
 
 
@@ -97,8 +113,8 @@ def largest_sink_tracks(tracks: Mapping[str, np.ndarray], title: str, *, prompt_
     ax.plot(np.arange(len(positions)), positions, marker=".", ms=3, lw=1, label=label)
   if prompt_length:
     ax.axhline(prompt_length - 0.5, color="gray", ls="--", lw=0.8, label="end of prompt")
-  for start in block_starts:
-    ax.axhline(start - 0.5, color="gray", ls=":", lw=0.5)
+  for i, start in enumerate(block_starts):
+    ax.axhline(start - 0.5, color="gray", ls=":", lw=0.5, label="start of a block" if i == 0 else None)
   if total_length:
     ax.set_ylim(-0.5, total_length - 0.5)
   ax.set_xlabel("step")
@@ -115,7 +131,7 @@ def nonsink_fraction(epsilons: np.ndarray, fractions: Mapping[str, np.ndarray], 
   fig, ax = plt.subplots(figsize=(5.5, 3.6))
   for label, values in fractions.items():
     ax.plot(epsilons, values, marker=".", ms=3, label=label)
-  ax.axvline(epsilon, color="k", ls="--", lw=0.8)
+  ax.axvline(epsilon, color="k", ls="--", lw=0.8, label=f"ε = {epsilon:g}")
   ax.axhline(0.96, color="gray", ls=":", lw=0.8, label="96% (Rulli et al.)")
   ax.set_xlabel("ε")
   ax.set_ylabel("fraction of non-sinks")

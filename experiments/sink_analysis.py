@@ -14,6 +14,11 @@ to the uniform share (`dlm_jax.sinks.relative_scores`: identical to the column s
 bidirectional map; an ARM step's single query row over n written keys is scaled by n), and a key is a
 sink when its score exceeds the mean of the others by ε (Eq. 3, ε = 3 by default).
 
+Tasks and prompts: `experiments.items`, `experiments.prompts`; decoding defaults (they differ from
+`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.decoding`. An
+item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
+settings (a resume with other settings is refused); nothing is written before the first result.
+
 Outputs in --output_dir (default results/sink_analysis):
   results.jsonl                one line per (model, prompt): completion, per-item summaries
   <model>/item_<id>.npz        per-step arrays of the --figure_item generation
@@ -30,56 +35,110 @@ Outputs in --output_dir (default results/sink_analysis):
 from __future__ import annotations
 
 import collections
-import os
+import dataclasses
 import time
 import warnings
 
-import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from dlm_jax import distributed, sinks
 from dlm_jax.stats import StatsSpec
-from experiments import common, devices, sink_report, workload
+from experiments import (checkpoints, cli, decode_flags, decoding, devices, item_batches, items, numerics_flags,
+                         output_flags, progress, prompts, run_dir, runtime_flags, scoring, sink_report, validity)
+from experiments.decoding import DecodeSettings
+from experiments.items import TaskSettings
+from experiments.numerics import Numerics
 
-FLAGS = flags.FLAGS
-flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-arm"], "Checkpoints ([label=]DIR or tiny-dlm, tiny-arm, smollm2).")
-flags.DEFINE_integer("n_prompts", 16, "Prompts (generations) per model.")
-flags.DEFINE_integer("batch_size", 8, "Prompts per sampler call (rounded up to a multiple of the batch shards).")
-flags.DEFINE_float("epsilon", 3.0, "ε of the sink rule (Eq. 3).")
-flags.DEFINE_list("layers", [], "Layers to record (default: all).")
-flags.DEFINE_bool("split_queries", True, "DLMs: also record incoming attention of masked / unmasked queries.")
-flags.DEFINE_list("track_heads", [], "LAYER:HEAD pairs for Fig. 7 (default: the 3 heads with the largest "
-                  "main-sink score).")
-flags.DEFINE_string("figure_item", "0", "Item id whose generation is drawn in the per-generation figures.")
-flags.DEFINE_float("histogram_max", 50.0, "Upper edge of the score histogram (larger scores go in the last bin).")
-flags.DEFINE_integer("top_tokens", 8, "Rows of the sink-token table.")
+_CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-arm"],
+                                 "Checkpoints ([label=]DIR or tiny-dlm, tiny-arm, smollm2).")
+_N_PROMPTS = flags.DEFINE_integer("n_prompts", 16, "Prompts (generations) per model (0 = the whole task).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Prompts per sampler call (results do not depend on it).")
+_EPSILON = flags.DEFINE_float("epsilon", 3.0, "ε of the sink rule (Eq. 3), > 0.")
+_LAYERS = flags.DEFINE_list("layers", [], "Layers to record (default: all).")
+_SPLIT_QUERIES = flags.DEFINE_bool("split_queries", True, "DLMs: also record incoming attention of masked / "
+                                   "unmasked queries.")
+_TRACK_HEADS = flags.DEFINE_list("track_heads", [], "LAYER:HEAD pairs for Fig. 7 (default: the 3 heads with the "
+                                 "largest main-sink score).")
+_FIGURE_ITEM = flags.DEFINE_string("figure_item", "0", "Item id whose generation is drawn in the per-generation "
+                                   "figures.")
+_HISTOGRAM_MAX = flags.DEFINE_float("histogram_max", 50.0, "Upper edge of the score histogram (larger scores go in "
+                                    "the last bin).")
+_TOP_TOKENS = flags.DEFINE_integer("top_tokens", 8, "Rows of the sink-token table.")
 
 EPSILON_GRID = np.round(np.arange(0.0, 10.01, 0.25), 2)
 HIST_BINS = 100
 
 
-def _stats_spec(model: workload.Model, n_layers: int) -> StatsSpec:
-  layers = tuple(int(x) for x in FLAGS.layers) if FLAGS.layers else None
-  if layers is not None and any(not 0 <= i < n_layers for i in layers):
-    raise SystemExit(f"--layers {FLAGS.layers} outside the {n_layers} layers of {model.label}.")
-  grouped = model.diffusion and FLAGS.split_queries
-  return StatsSpec(incoming_attention=True, per_head=True, layers=layers, query_groups=3 if grouped else 0)
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """Everything that defines a sink_analysis run (recorded in run.json; flags of the same names)."""
+
+  checkpoints: tuple[str, ...]
+  n_prompts: int
+  batch_size: int
+  epsilon: float
+  layers: tuple[int, ...] | None
+  split_queries: bool
+  track_heads: tuple[str, ...]
+  figure_item: str
+  histogram_max: float
+  top_tokens: int
+  task: TaskSettings
+  decode: DecodeSettings
+  numerics: Numerics
+
+  def __post_init__(self):
+    if not self.checkpoints:
+      raise cli.UserError("--checkpoints is empty; give at least one checkpoint")
+    if self.n_prompts < 0:
+      raise cli.UserError(f"--n_prompts={self.n_prompts}: expected >= 0 (0 = the whole task)")
+    if self.batch_size < 1:
+      raise cli.UserError(f"--batch_size={self.batch_size}: expected a positive integer")
+    if self.epsilon <= 0:
+      raise cli.UserError(f"--epsilon={self.epsilon}: expected > 0")
+    if self.histogram_max <= 0:
+      raise cli.UserError(f"--histogram_max={self.histogram_max}: expected > 0")
+    if self.top_tokens < 1:
+      raise cli.UserError(f"--top_tokens={self.top_tokens}: expected a positive integer")
+    if self.layers is not None and any(l < 0 for l in self.layers):
+      raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: expected layer indices >= 0")
+    for entry in self.track_heads:
+      layer, sep, head = entry.partition(":")
+      if not sep or not layer.isdigit() or not head.isdigit():
+        raise cli.UserError(f"--track_heads entry {entry!r}: expected LAYER:HEAD with non-negative integers")
+
+  def check_model(self, model: checkpoints.Model) -> None:
+    """Refuses layers and heads the model does not have."""
+    config = model.config
+    if self.layers is not None and any(l >= config.n_layers for l in self.layers):
+      raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: {model.label} has {config.n_layers} "
+                          f"layers (0 to {config.n_layers - 1})")
+    for entry in self.track_heads:
+      layer, _, head = entry.partition(":")
+      if int(layer) >= config.n_layers or int(head) >= config.n_heads:
+        raise cli.UserError(f"--track_heads entry {entry}: {model.label} has {config.n_layers} layers and "
+                            f"{config.n_heads} heads")
 
 
-def analyse_row(model: workload.Model, item: workload.Item, prompts, host, row: int, layers: list[int],
-                edges: np.ndarray) -> tuple[dict, dict]:
+def _stats_spec(settings: Settings, model: checkpoints.Model) -> StatsSpec:
+  grouped = model.diffusion and settings.split_queries
+  return StatsSpec(incoming_attention=True, per_head=True, layers=settings.layers, query_groups=3 if grouped else 0)
+
+
+def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, batch: prompts.Prompts, host, row: int,
+                layers: list[int], edges: np.ndarray) -> tuple[dict, dict]:
   """Per-item summaries (a JSON-able record) and the per-step arrays kept for the figure item."""
-  lp = prompts.ids.shape[1]
+  lp = batch.ids.shape[1]
   tokens, decode_step = host["tokens"][row], host["decode_step"][row]
   incoming = np.asarray(host["incoming"][:, :, row], np.float32)  # [steps, L', (3,) N, S]
-  grouped = model.diffusion and FLAGS.split_queries  # as in _stats_spec: the [steps, L', 3, N, S] layout
-  all_queries = incoming.sum(axis=2) if grouped else incoming  # pad queries are in no statistic
+  grouped = model.diffusion and settings.split_queries
+  all_queries = incoming.sum(axis=2) if grouped else incoming  # over the real queries (pads are in no group)
   steps, total = all_queries.shape[0], all_queries.shape[-1]
-  valid, active = workload.step_validity(model, prompts, row, tokens, steps)
+  valid, active = validity.step_validity(model, batch, row, tokens, steps)
   valid4 = valid[:, None, None, :]
   scores = np.asarray(sinks.relative_scores(all_queries, valid4))  # [steps, L', N, S]
-  sink_mask = np.asarray(sinks.epsilon_rule(scores, FLAGS.epsilon, "sum", valid4))
+  sink_mask = np.asarray(sinks.epsilon_rule(scores, settings.epsilon, "sum", valid4))
   n_entries = int(np.broadcast_to(valid4, scores.shape).sum())
   mask_id = model.config.mask_token_id if model.diffusion else None
   canvas = sinks.step_canvases(tokens[None], decode_step[None], lp, steps, mask_id=mask_id)[:, 0]  # [steps, S]
@@ -87,7 +146,7 @@ def analyse_row(model: workload.Model, item: workload.Item, prompts, host, row: 
   hist, _ = np.histogram(np.minimum(scores[np.broadcast_to(valid4, scores.shape)], edges[-1] - 1e-6), bins=edges)
   nonsink = n_entries - sinks.sink_counts_over_epsilon(scores, EPSILON_GRID, valid4)
   main_score = np.where(valid4, scores, -np.inf).max(-1)[active]  # [active steps, L', N]
-  largest = np.asarray(sinks.largest_sink_positions(scores, FLAGS.epsilon, "sum", valid4))  # [steps, L', N]
+  largest = np.asarray(sinks.largest_sink_positions(scores, settings.epsilon, "sum", valid4))  # [steps, L', N]
   counts = sinks.sink_token_counts(sink_mask, canvas[:, None, None, :])
   token_counts = collections.Counter()
   for token_id, n in counts.items():
@@ -113,7 +172,7 @@ def analyse_row(model: workload.Model, item: workload.Item, prompts, host, row: 
   has = largest >= 0
   record = {
       "model": model.label, "item": item.id, "prompt": item.question,
-      "completion": workload.completion(model, tokens[lp:])[1], "steps": steps, "prompt_length": lp,
+      "completion": prompts.completion(model, tokens[lp:])[1], "steps": steps, "prompt_length": lp,
       "first_real_position": first,
       "score_histogram": hist, "n_entries": n_entries, "nonsink_counts": nonsink,
       "sink_fraction": float(sink_mask.sum() / max(n_entries, 1)),
@@ -124,7 +183,7 @@ def analyse_row(model: workload.Model, item: workload.Item, prompts, host, row: 
       "largest_in_prompt": float(((largest < lp) & has).sum() / max(has.sum(), 1)),
   }
   if item.kind != "humaneval":
-    record["correct"] = workload.score(item, record["completion"], model.prompt_format == "chat")["correct"]
+    record["correct"] = scoring.score(item, record["completion"], model.prompt_format == "chat")["correct"]
   arrays = {"layer_scores": scores.mean(2), "largest": largest, "tokens": tokens, "decode_step": decode_step,
             "valid": valid, "layers": np.asarray(layers), "prompt_length": np.asarray(lp)}
   if grouped:
@@ -140,74 +199,77 @@ def analyse_row(model: workload.Model, item: workload.Item, prompts, host, row: 
   return record, arrays
 
 
-def run_model(model: workload.Model, runtime: devices.Runtime, log: common.ResultsLog, out: str) -> dict:
+def run_model(settings: Settings, model: checkpoints.Model, runtime: devices.Runtime, log: run_dir.ResultsLog) -> dict:
   """Generates and analyses the model's prompts not done yet; returns its metadata for the report."""
   config = model.config
-  spec = _stats_spec(model, config.n_layers)
+  spec = _stats_spec(settings, model)
   layers = list(spec.layers) if spec.layers is not None else list(range(config.n_layers))
-  items = workload.load_items(workload.task_name(model), FLAGS.n_prompts)
-  batch = runtime.round_batch(FLAGS.batch_size)
-  batches = common.fixed_batches(len(items), batch)
-  edges = np.linspace(0.0, FLAGS.histogram_max, HIST_BINS + 1)
-  model_dir = os.path.join(out, model.label)
-  if runtime.primary:
-    os.makedirs(model_dir, exist_ok=True)
-  done = sum(log.done(model=model.label, item=it.id) for it in items)
-  progress = common.Progress(f"{model.label} prompts", len(items), done)
-  for index, rows in enumerate(batches):
-    chunk = [items[i] for i in rows]
-    if all(log.done(model=model.label, item=it.id) for it in chunk):
-      continue
-    prompts = workload.encode_prompts(model, chunk)
-    padded = workload.Prompts(common.pad_rows(prompts.ids, batch),
-                              None if prompts.mask is None else common.pad_rows(prompts.mask, batch), prompts.rows)
+  task = items.task_name(settings.task.task, model.record)
+  todo = items.load_items(task, settings.n_prompts, settings.task.data_seed)
+  prompt_set = prompts.encode(model, todo)
+  values = decoding.model_settings(settings.decode, model)
+  edges = edges_of(settings)
+  done = lambda item: log.done(model=model.label, item=item.id)
+  meter = progress.Progress(f"{model.label} prompts", len(todo), sum(map(done, todo)))
+  for batch in item_batches.batches(todo, prompt_set, settings.batch_size, settings.decode.seed, runtime,
+                                    done):
     start = time.time()
-    trace = workload.generate(model, padded, runtime, key=jax.random.fold_in(jax.random.key(FLAGS.seed), index),
+    trace = decoding.generate(model, values, batch.prompts, runtime, settings.numerics, key=batch.key,
                               stats_spec=spec)
     host = distributed.to_host({"tokens": trace.tokens, "decode_step": trace.decode_step,
-                           "incoming": trace.stats["incoming_attention"]})
-    for row, item in enumerate(chunk):
-      if log.done(model=model.label, item=item.id):
+                                "incoming": trace.stats["incoming_attention"]})
+    for row, item in enumerate(batch.items):
+      if done(item):
         continue
-      record, arrays = analyse_row(model, item, padded, host, row, layers, edges)
-      if item.id == FLAGS.figure_item and runtime.primary:
-        common.write_npz(os.path.join(model_dir, f"item_{item.id}.npz"), **arrays)
+      record, arrays = analyse_row(settings, model, item, batch.prompts, host, row, layers, edges)
+      if item.id == settings.figure_item:
+        log.run_dir.write_npz(f"{model.label}/item_{item.id}.npz", **arrays)
       log.append(record)
-      progress.update(1, f"{time.time() - start:.1f}s for the batch")
-  return {"label": model.label, "directory": common.display_path(model.directory), "sampler": model.sampler, "layers": layers,
-          "n_heads": config.n_heads, "diffusion": model.diffusion, "task": workload.task_name(model),
-          "prompt_format": model.prompt_format, "settings": workload.sampler_settings(model),
-          "block_length": workload.sampler_settings(model).get("block_length")}
+      meter.update(1, f"{time.time() - start:.1f}s for the batch")
+  return {"label": model.label, "directory": progress.display_path(model.directory), "sampler": model.sampler,
+          "layers": layers, "n_heads": config.n_heads, "diffusion": model.diffusion, "task": task,
+          "prompt_format": model.prompt_format, "settings": values, "block_length": values.get("block_length")}
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  runtime = devices.init_runtime()
-  out = common.output_dir("sink_analysis")
-  entries = FLAGS.checkpoints
-  samplers = workload.samplers_for(entries)
-  settings = {name: FLAGS[name].value for name in (
-      "checkpoints", "samplers", "n_prompts", "batch_size", "epsilon", "layers", "split_queries", "task",
-      "data_seed", "prompt_format", "gen_length", "steps", "block_length", "temperature", "cfg_scale",
-      "remasking", "alg", "alg_temp", "top_p", "top_k", "seed", "histogram_max")}
-  common.prepare_output_dir(out, runtime, settings)
-  log = common.ResultsLog(os.path.join(out, "results.jsonl"), ("model", "item"), runtime.primary)
-  metas, stopped = [], False
-  start = time.time()
+  del argv
+  runtime_settings = runtime_flags.from_flags()
+  task, decode = decode_flags.task_from_flags(), decode_flags.decode_from_flags()
+  output = output_flags.from_flags("sink_analysis")
+  entries = tuple(_CHECKPOINTS.value)
+  models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
+  runtime = devices.init_runtime(runtime_settings)
+  settings = Settings(checkpoints=entries, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
+                      epsilon=_EPSILON.value, layers=cli.int_list(_LAYERS.value, "layers") or None,
+                      split_queries=_SPLIT_QUERIES.value, track_heads=tuple(_TRACK_HEADS.value),
+                      figure_item=_FIGURE_ITEM.value, histogram_max=_HISTOGRAM_MAX.value, top_tokens=_TOP_TOKENS.value,
+                      task=task, decode=decode, numerics=numerics_flags.from_flags(runtime_settings))
+  for model in models:
+    settings.check_model(model)
+    decoding.model_settings(decode, model)
+  out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
+                                           "checkpoints": checkpoints.identities(models)},
+                       overwrite=output.overwrite, primary=runtime.primary)
+  log = run_dir.ResultsLog(out, "results.jsonl", ("model", "item"), output.max_items_this_run)
+  metas, start = [], time.time()
   try:
-    for entry, sampler in zip(entries, samplers):
-      model = workload.load_model(entry, sampler, runtime)
-      metas.append(run_model(model, runtime, log, out))
-  except common.ItemBudget as stop:
+    for model in models:
+      metas.append(run_model(settings, checkpoints.load_weights(model, runtime, settings.numerics), runtime, log))
+  except run_dir.ItemBudget as stop:
     logging.info("%s", stop)
-    stopped = True
-  if runtime.primary and not stopped:
-    text = sink_report.write_report(out, metas, log.records, EPSILON_GRID, FLAGS.epsilon,
-                                    np.linspace(0.0, FLAGS.histogram_max, HIST_BINS + 1), FLAGS.track_heads,
-                                    FLAGS.figure_item, FLAGS.top_tokens, time.time() - start)
-    common.summary_banner(out, text)
+    return
+  if runtime.primary:
+    out.ensure()
+    text = sink_report.write_report(out.path, metas, log.records, EPSILON_GRID, settings.epsilon, edges_of(settings),
+                                    list(settings.track_heads), settings.figure_item, settings.top_tokens,
+                                    time.time() - start)
+    progress.summary_banner(out.path, text)
+
+
+def edges_of(settings: Settings) -> np.ndarray:
+  """The score histogram's bin edges."""
+  return np.linspace(0.0, settings.histogram_max, HIST_BINS + 1)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

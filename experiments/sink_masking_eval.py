@@ -24,33 +24,49 @@ Items are spread over the mesh's batch axes (data × fsdp) in fixed batches (the
 finished (model, condition, item) is one line of results.jsonl, so an interrupted run resumes exactly
 (--max_items_this_run stops early on purpose). Standard errors are binomial: sqrt(p(1 − p)/n).
 
+Tasks and prompts: `experiments.items`, `experiments.prompts`; decoding defaults (they differ from
+`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.decoding`. An
+item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
+settings (a resume with other settings is refused); nothing is written before the first result.
+
 Outputs in --output_dir (default results/sink_masking_eval): results.jsonl, table.md, table.json,
 masking_accuracy.png, summary.md (tables set against the paper's Table 1).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from dlm_jax import distributed, interventions
-from experiments import common, devices, masking_report, workload
+from experiments import (checkpoints, cli, decode_flags, decoding, devices, item_batches, items, masking_report,
+                         numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags, scoring)
+from experiments.decoding import DecodeSettings
+from experiments.items import TaskSettings
+from experiments.numerics import Numerics
 
-FLAGS = flags.FLAGS
-flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-arm"], "Checkpoints ([label=]DIR or tiny-dlm, tiny-arm, smollm2).")
-flags.DEFINE_list("mask_top_k", ["0", "1", "5", "10"], "Numbers K of sinks to mask (0 = unmasked baseline).")
-flags.DEFINE_integer("n_items", 64, "Items per model (0 = the whole task).")
-flags.DEFINE_integer("batch_size", 16, "Items per sampler call (rounded up to a multiple of the batch shards).")
-flags.DEFINE_enum("mask_scope", "head", ["head", "global"], "Sinks chosen and masked per (layer, head) or globally.")
-flags.DEFINE_float("sink_epsilon", None, "Only mask keys passing the ε-rule (default: the top-K regardless).")
-flags.DEFINE_bool("ar_last_row", True, "ARMs: choose the sinks from the previous call's last query row.")
-flags.DEFINE_bool("perplexity", True, "Causal models: also measure perplexity under masking.")
-flags.DEFINE_string("perplexity_text", None, "Text file (paragraphs separated by blank lines) for perplexity.")
-flags.DEFINE_integer("perplexity_items", 32, "Synthetic problems scored for perplexity (synthetic-trained models).")
+_CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-arm"],
+                                 "Checkpoints ([label=]DIR or tiny-dlm, tiny-arm, smollm2).")
+_MASK_TOP_K = flags.DEFINE_list("mask_top_k", ["0", "1", "5", "10"], "Numbers K >= 0 of sinks to mask (0 = "
+                                "unmasked baseline), distinct.")
+_N_ITEMS = flags.DEFINE_integer("n_items", 64, "Items per model (0 = the whole task).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Items per sampler call (results do not depend on it).")
+_MASK_SCOPE = flags.DEFINE_enum("mask_scope", "head", ["head", "global"], "Sinks chosen and masked per (layer, "
+                                "head) or globally.")
+_SINK_EPSILON = flags.DEFINE_float("sink_epsilon", None, "Only mask keys passing the ε-rule (> 0; default: the "
+                                   "top-K regardless).")
+_AR_LAST_ROW = flags.DEFINE_bool("ar_last_row", True, "ARMs: choose the sinks from the previous call's last query "
+                                 "row.")
+_PERPLEXITY = flags.DEFINE_bool("perplexity", True, "Causal models: also measure perplexity under masking.")
+_PERPLEXITY_TEXT = flags.DEFINE_string("perplexity_text", None, "Text file (paragraphs separated by blank lines) "
+                                       "for perplexity.")
+_PERPLEXITY_ITEMS = flags.DEFINE_integer("perplexity_items", 32, "Synthetic problems scored for perplexity "
+                                         "(synthetic-trained models), >= 1.")
 
 PAPER_TABLE1 = {
     "GSM8K": {"Dream-7B": ["0.82±0.01", "0.79±0.01", "0.78±0.01", "0.75±0.01"],
@@ -64,21 +80,47 @@ PAPER_TABLE1 = {
 }
 
 
-def _top_ks() -> list[int]:
-  try:
-    ks = [int(k) for k in FLAGS.mask_top_k]
-  except ValueError:
-    raise app.UsageError(f"--mask_top_k must be integers, got {FLAGS.mask_top_k}.") from None
-  if not ks or any(k < 0 for k in ks) or len(set(ks)) != len(ks):
-    raise app.UsageError(f"--mask_top_k must be distinct integers >= 0, got {FLAGS.mask_top_k}.")
-  return ks
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """Everything that defines a sink_masking_eval run (recorded in run.json; flags of the same names)."""
+
+  checkpoints: tuple[str, ...]
+  mask_top_k: tuple[int, ...]
+  n_items: int
+  batch_size: int
+  mask_scope: str
+  sink_epsilon: float | None
+  ar_last_row: bool
+  perplexity: bool
+  perplexity_text: str | None
+  perplexity_items: int
+  task: TaskSettings
+  decode: DecodeSettings
+  numerics: Numerics
+
+  def __post_init__(self):
+    if not self.checkpoints:
+      raise cli.UserError("--checkpoints is empty; give at least one checkpoint")
+    ks = self.mask_top_k
+    if not ks or any(k < 0 for k in ks) or len(set(ks)) != len(ks):
+      raise cli.UserError(f"--mask_top_k={','.join(map(str, ks))}: expected distinct integers >= 0")
+    if self.n_items < 0:
+      raise cli.UserError(f"--n_items={self.n_items}: expected >= 0 (0 = the whole task)")
+    if self.batch_size < 1:
+      raise cli.UserError(f"--batch_size={self.batch_size}: expected a positive integer")
+    if self.sink_epsilon is not None and self.sink_epsilon <= 0:
+      raise cli.UserError(f"--sink_epsilon={self.sink_epsilon}: expected > 0 (or leave it unset)")
+    if self.perplexity_items < 1:
+      raise cli.UserError(f"--perplexity_items={self.perplexity_items}: expected a positive integer")
+    if self.perplexity_text is not None and not os.path.isfile(self.perplexity_text):
+      raise cli.UserError(f"--perplexity_text={self.perplexity_text}: no such file")
 
 
-def _masker(model: workload.Model):
-  per_head = FLAGS.mask_scope == "head"
+def _masker(settings: Settings, model: checkpoints.Model):
+  per_head = settings.mask_scope == "head"
   if model.diffusion:
-    return interventions.MaskPreviousSinks(top_k=1, per_head=per_head, epsilon=FLAGS.sink_epsilon)
-  return interventions.MaskPreviousSinksAR(top_k=1, per_head=per_head, last_row_weights=FLAGS.ar_last_row)
+    return interventions.MaskPreviousSinks(top_k=1, per_head=per_head, epsilon=settings.sink_epsilon)
+  return interventions.MaskPreviousSinksAR(top_k=1, per_head=per_head, last_row_weights=settings.ar_last_row)
 
 
 def _state(model, intervention, masker, batch: int, total: int, k: int, valid: np.ndarray):
@@ -93,79 +135,84 @@ def _state(model, intervention, masker, batch: int, total: int, k: int, valid: n
   return set_k(state)
 
 
-def run_accuracy(model, runtime, log, ks) -> int:
+def run_accuracy(settings: Settings, model, runtime, log) -> int:
   """Runs every (batch, K) not finished yet; returns the number of items."""
-  items = workload.load_items(workload.task_name(model), FLAGS.n_items)
-  batch = runtime.round_batch(FLAGS.batch_size)
-  masker = _masker(model)
-  intervention = workload.combined_intervention(model, masker)
+  todo = items.load_items(items.task_name(settings.task.task, model.record), settings.n_items,
+                          settings.task.data_seed)
+  prompt_set = prompts.encode(model, todo)
+  values = decoding.model_settings(settings.decode, model)
+  masker = _masker(settings, model)
+  intervention = decoding.combined_intervention(model, masker)
   chat = model.prompt_format == "chat"
-  units = [(index, rows, k) for index, rows in enumerate(common.fixed_batches(len(items), batch)) for k in ks]
-  done = sum(log.done(kind="accuracy", model=model.label, condition=k, item=it.id) for it in items for k in ks)
-  progress = common.Progress(f"{model.label} items×conditions", len(items) * len(ks), done)
-  for index, rows, k in units:
-    chunk = [items[i] for i in rows]
-    if all(log.done(kind="accuracy", model=model.label, condition=k, item=it.id) for it in chunk):
-      continue
-    prompts = workload.encode_prompts(model, chunk)
-    ids = common.pad_rows(prompts.ids, batch)
-    mask = None if prompts.mask is None else common.pad_rows(prompts.mask, batch)
-    padded = workload.Prompts(ids, mask, prompts.rows)
-    length = workload.gen_length(model)
-    total = ids.shape[1] + length
-    valid = np.ones((batch, total), bool)
+  ks = settings.mask_top_k
+  done_k = lambda item, k: log.done(kind="accuracy", model=model.label, condition=k, item=item.id)
+  done = lambda item: all(done_k(item, k) for k in ks)
+  meter = progress.Progress(f"{model.label} items×conditions", len(todo) * len(ks),
+                            sum(done_k(it, k) for it in todo for k in ks))
+  for batch in item_batches.batches(todo, prompt_set, settings.batch_size, settings.decode.seed, runtime,
+                                    done):
+    ids, mask = batch.prompts.ids, batch.prompts.mask
+    total = ids.shape[1] + values["gen_length"]
+    valid = np.ones((ids.shape[0], total), bool)
     if mask is not None:
       valid[:, :ids.shape[1]] = mask
-    state = _state(model, intervention, masker, batch, total, k, valid)
-    start = time.time()
-    trace = workload.generate(model, padded, runtime, key=jax.random.fold_in(jax.random.key(FLAGS.seed), index),
-                              intervention=intervention, intervention_state=state)
-    generated = distributed.to_host(trace.generated)
-    for row, item in enumerate(chunk):
-      completion_ids, text = workload.completion(model, generated[row])
-      result = workload.score(item, text, chat)
-      log.append({"kind": "accuracy", "model": model.label, "condition": k, "item": item.id,
-                  "prompt_ids": prompts.rows[row], "completion_ids": completion_ids, "completion": text, **result})
-    progress.update(len(chunk), f"K={k}, {time.time() - start:.1f}s")
-  return len(items)
+    for k in ks:
+      if all(done_k(item, k) for item in batch.items):
+        continue
+      state = _state(model, intervention, masker, ids.shape[0], total, k, valid)
+      start = time.time()
+      trace = decoding.generate(model, values, batch.prompts, runtime, settings.numerics, key=batch.key,
+                                intervention=intervention, intervention_state=state)
+      generated = distributed.to_host(trace.generated)
+      written = 0
+      for row, item in enumerate(batch.items):
+        completion_ids, text = prompts.completion(model, generated[row])
+        result = scoring.score(item, text, chat)
+        written += log.append({"kind": "accuracy", "model": model.label, "condition": k, "item": item.id,
+                               "prompt_ids": batch.prompts.rows[row], "completion_ids": completion_ids,
+                               "completion": text, **result})
+      meter.update(written, f"K={k}, {time.time() - start:.1f}s")
+  return len(todo)
 
 
-def _perplexity_texts(model) -> list[list[int]]:
+def _perplexity_texts(settings: Settings, model) -> list[list[int]]:
   """Token rows to score: synthetic test problems in the AR training layout for models trained on the
   synthetic task, else the paragraphs of --perplexity_text (default experiments/data/paragraphs.txt)."""
   tok, config = model.tokenizer, model.config
   bos = [] if config.bos_token_id is None else [config.bos_token_id]
-  if FLAGS.perplexity_text is None and model.record.get("data", {}).get("data") == "synthetic":
+  if settings.perplexity_text is None and model.record.get("data", {}).get("data") == "synthetic":
     from dlm_jax.tasks import synthetic  # pylint: disable=import-outside-toplevel
-    problems = synthetic.make_split("test", FLAGS.perplexity_items, FLAGS.data_seed + 1)
+    problems = synthetic.make_split("test", settings.perplexity_items, settings.task.data_seed + 1)
     return [bos + tok.encode(p.question) + tok.encode(p.answer) + [config.eos_token_id] for p in problems]
-  path = FLAGS.perplexity_text or os.path.join(workload.DATA_DIR, "paragraphs.txt")
+  path = settings.perplexity_text or os.path.join(items.DATA_DIR, "paragraphs.txt")
   with open(path, encoding="utf-8") as f:
     paragraphs = [p.strip() for p in f.read().split("\n\n") if p.strip()]
+  if not paragraphs:
+    raise cli.UserError(f"--perplexity_text={path} holds no text")
   return [bos + tok.encode(p) for p in paragraphs]
 
 
-def run_perplexity(model, runtime, log, ks) -> None:
+def run_perplexity(settings: Settings, model, runtime, log) -> None:
+  """Teacher-forced perplexity of every text under every condition not finished yet."""
   from experiments import perplexity  # pylint: disable=import-outside-toplevel
+  ks = list(settings.mask_top_k)
   names = perplexity.condition_names(ks)
-  texts = _perplexity_texts(model)
-  if all(log.done(kind="perplexity", model=model.label, condition=c, item=str(i)) for c in names
-         for i in range(len(texts))):
-    return
+  texts = _perplexity_texts(settings, model)
+  done = lambda i: all(log.done(kind="perplexity", model=model.label, condition=c, item=str(i)) for c in names)
   width = max(len(t) for t in texts)
   tokens = np.full((len(texts), width), model.config.pad_token_id or 0, np.int32)
   real = np.zeros((len(texts), width), bool)
   for i, row in enumerate(texts):
     tokens[i, :len(row)], real[i, :len(row)] = row, True
-  batch = runtime.round_batch(FLAGS.batch_size)
-  for rows in common.fixed_batches(len(texts), batch):
-    if all(log.done(kind="perplexity", model=model.label, condition=c, item=str(i)) for c in names for i in rows):
+  rows_per_call = runtime.round_batch(settings.batch_size)
+  for rows in item_batches.fixed_batches(len(texts), settings.batch_size):
+    if all(done(i) for i in rows):
       continue
     start = time.time()
-    toks = devices.place_batch(common.pad_rows(tokens[rows], batch), runtime)
-    reals = devices.place_batch(common.pad_rows(real[rows], batch), runtime)
+    toks = devices.place_batch(item_batches.pad_rows(tokens[rows], rows_per_call), runtime)
+    reals = devices.place_batch(item_batches.pad_rows(real[rows], rows_per_call), runtime)
     nll = distributed.to_host(perplexity.perplexity_conditions(model.params, toks, reals, ks, config=model.config,
-                                                          attention_impl=FLAGS.attention_impl))
+                                                               attention_impl=settings.numerics.attention_impl))
     for name in names:
       for row, i in enumerate(rows):
         log.append({"kind": "perplexity", "model": model.label, "condition": name, "item": str(i),
@@ -174,37 +221,44 @@ def run_perplexity(model, runtime, log, ks) -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  ks = _top_ks()
-  runtime = devices.init_runtime()
-  out = common.output_dir("sink_masking_eval")
-  entries = FLAGS.checkpoints
-  samplers = workload.samplers_for(entries)
-  settings = {name: FLAGS[name].value for name in (
-      "checkpoints", "samplers", "mask_top_k", "n_items", "batch_size", "mask_scope", "sink_epsilon", "ar_last_row",
-      "perplexity", "perplexity_text", "perplexity_items", "task", "data_seed", "prompt_format", "gen_length",
-      "steps", "block_length", "temperature", "cfg_scale", "remasking", "alg", "alg_temp", "top_p", "top_k",
-      "seed")}
-  common.prepare_output_dir(out, runtime, settings)
-  log = common.ResultsLog(os.path.join(out, "results.jsonl"), ("kind", "model", "condition", "item"), runtime.primary)
-  metas, stopped, start = [], False, time.time()
+  del argv
+  runtime_settings = runtime_flags.from_flags()
+  task, decode = decode_flags.task_from_flags(), decode_flags.decode_from_flags()
+  output = output_flags.from_flags("sink_masking_eval")
+  entries = tuple(_CHECKPOINTS.value)
+  ks = cli.int_list(_MASK_TOP_K.value, "mask_top_k")
+  models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
+  runtime = devices.init_runtime(runtime_settings)
+  settings = Settings(checkpoints=entries, mask_top_k=ks, n_items=_N_ITEMS.value, batch_size=_BATCH_SIZE.value,
+                      mask_scope=_MASK_SCOPE.value, sink_epsilon=_SINK_EPSILON.value, ar_last_row=_AR_LAST_ROW.value,
+                      perplexity=_PERPLEXITY.value, perplexity_text=_PERPLEXITY_TEXT.value,
+                      perplexity_items=_PERPLEXITY_ITEMS.value, task=task, decode=decode,
+                      numerics=numerics_flags.from_flags(runtime_settings))
+  for model in models:
+    decoding.model_settings(decode, model)
+  out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
+                                           "checkpoints": checkpoints.identities(models)},
+                       overwrite=output.overwrite, primary=runtime.primary)
+  log = run_dir.ResultsLog(out, "results.jsonl", ("kind", "model", "condition", "item"), output.max_items_this_run)
+  metas, start = [], time.time()
   try:
-    for entry, sampler in zip(entries, samplers):
-      model = workload.load_model(entry, sampler, runtime)
-      n_items = run_accuracy(model, runtime, log, ks)
-      if FLAGS.perplexity and not model.diffusion:
-        run_perplexity(model, runtime, log, ks)
-      metas.append({"label": model.label, "directory": common.display_path(model.directory), "task": workload.task_name(model),
-                    "prompt_format": model.prompt_format, "n_items": n_items, "diffusion": model.diffusion,
-                    "settings": workload.sampler_settings(model)})
-  except common.ItemBudget as stop:
+    for model in models:
+      model = checkpoints.load_weights(model, runtime, settings.numerics)
+      n_items = run_accuracy(settings, model, runtime, log)
+      if settings.perplexity and not model.diffusion:
+        run_perplexity(settings, model, runtime, log)
+      metas.append({"label": model.label, "directory": progress.display_path(model.directory),
+                    "task": items.task_name(settings.task.task, model.record), "prompt_format": model.prompt_format,
+                    "n_items": n_items, "diffusion": model.diffusion,
+                    "settings": decoding.model_settings(settings.decode, model)})
+  except run_dir.ItemBudget as stop:
     logging.info("%s", stop)
-    stopped = True
-  if runtime.primary and not stopped:
-    text = masking_report.write_report(out, metas, log.records, ks, PAPER_TABLE1, time.time() - start)
-    common.summary_banner(out, text)
+    return
+  if runtime.primary:
+    out.ensure()
+    text = masking_report.write_report(out.path, metas, log.records, list(ks), PAPER_TABLE1, time.time() - start)
+    progress.summary_banner(out.path, text)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -10,7 +10,7 @@ import warnings
 
 import numpy as np
 
-from experiments import common, plots
+from experiments import atomic_files, plots
 
 PAPER_TABLE2 = {
     "LLaDA-8B": [("Ċ", 0.368), ("<|mdm_mask|>", 0.366), (".", 0.050), ("<|start_header_id|>", 0.008),
@@ -79,7 +79,7 @@ def model_figures(out: str, meta: dict, agg: dict, track_heads: list[str], figur
   written = []
 
   def save(fig, name):
-    common.save_figure(fig, os.path.join(model_dir, name))
+    atomic_files.save_figure(fig, os.path.join(model_dir, name))
     written.append(os.path.join(label, name))
 
   save(plots.layer_head_grid(agg["main_sink_grid"], f"{label}: main-sink score per (layer, head), mean over "
@@ -93,7 +93,7 @@ def model_figures(out: str, meta: dict, agg: dict, track_heads: list[str], figur
   block = meta.get("block_length")
   blocks = list(range(lp + block, total, block)) if meta["diffusion"] and block else []
   picks = sorted({0, len(layers) // 2, len(layers) - 1})
-  xlabel = "key position (dashed: end of prompt)"
+  xlabel = "key position"
   step_label = "denoising step" if meta["diffusion"] else "decoding step (0 = prefill)"
   panels = [(f"layer {layers[i]}, head mean", data["layer_scores"][:, i]) for i in picks]
   save(plots.step_heatmaps(panels, f"{label}: incoming attention per key across steps, prompt {figure_item} "
@@ -109,7 +109,8 @@ def model_figures(out: str, meta: dict, agg: dict, track_heads: list[str], figur
     panels = [(f"masked queries, layer {layers[-1]}", shares[:, 0]), (f"unmasked queries, layer {layers[-1]}",
                                                                        shares[:, 1])]
     save(plots.step_heatmaps(panels, f"{label}: share of each query group's attention per key (Fig. 6a)",
-                             prompt_length=lp, block_starts=blocks, xlabel=xlabel, ylabel=step_label),
+                             prompt_length=lp, block_starts=blocks, xlabel=xlabel, ylabel=step_label,
+                             colorbar_label="share of the group's attention"),
          "fig6a_query_groups.png")
   if not meta["diffusion"]:
     prefill = data["layer_scores"][0][:, :lp]  # [L', Lp]
@@ -125,7 +126,7 @@ def _fmt(x, digits=3):
   return f"{x:.{digits}f}"
 
 
-def _markdown(metas, aggs, figures, epsilon, wall_s) -> str:
+def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
   lines = ["# Attention sinks across denoising steps (Rulli et al. §4): `experiments.sink_analysis`", ""]
   lines.append(f"Scores are incoming attention relative to the uniform share (column sums over all queries for "
                f"DLMs; an ARM step's newest query row × the number of keys it sees). A key is a sink when its score "
@@ -149,7 +150,7 @@ def _markdown(metas, aggs, figures, epsilon, wall_s) -> str:
     agg = aggs.get(meta["label"])
     if agg is None:
       continue
-    top = ", ".join(f"`{t!r}` {f:.3f}" for t, f in agg["sink_tokens"][:8]) or "no sinks"
+    top = ", ".join(f"`{t!r}` {f:.3f}" for t, f in agg["sink_tokens"][:top_tokens]) or "no sinks"
     lines.append(f"- **{meta['label']}**: {top}")
   lines += ["", "Paper (30 generations, length 128, 128 steps, block 32):"]
   for name, row in PAPER_TABLE2.items():
@@ -192,7 +193,6 @@ def _markdown(metas, aggs, figures, epsilon, wall_s) -> str:
 def write_report(out, metas, records, epsilon_grid, epsilon, edges, track_heads, figure_item, top_tokens,
                  wall_s) -> str:
   """Writes every figure, summary.json and summary.md; returns the markdown."""
-  del top_tokens
   aggs, figures = {}, []
   for meta in metas:
     rows = [r for r in records if r["model"] == meta["label"]]
@@ -200,16 +200,16 @@ def write_report(out, metas, records, epsilon_grid, epsilon, edges, track_heads,
       aggs[meta["label"]] = aggregate(rows, epsilon_grid, epsilon)
       figures += model_figures(out, meta, aggs[meta["label"]], track_heads, figure_item)
   if aggs:
-    common.save_figure(plots.score_histogram(edges, {k: a["score_histogram"] for k, a in aggs.items()}, epsilon,
+    atomic_files.save_figure(plots.score_histogram(edges, {k: a["score_histogram"] for k, a in aggs.items()}, epsilon,
                                              "Scores of every (step, layer, head, key) (Fig. 3)"),
                        os.path.join(out, "fig3_score_histogram.png"))
-    common.save_figure(plots.nonsink_fraction(epsilon_grid, {k: a["nonsink_fraction_curve"]["fraction"]
+    atomic_files.save_figure(plots.nonsink_fraction(epsilon_grid, {k: a["nonsink_fraction_curve"]["fraction"]
                                                              for k, a in aggs.items()}, epsilon,
                                               "Fraction of non-sinks against ε (Fig. 10)"),
                        os.path.join(out, "fig10_nonsink_fraction.png"))
     figures = ["fig3_score_histogram.png", "fig10_nonsink_fraction.png"] + figures
-  common.write_json(os.path.join(out, "summary.json"), {"models": metas, "aggregates": aggs, "epsilon": epsilon,
+  atomic_files.write_json(os.path.join(out, "summary.json"), {"models": metas, "aggregates": aggs, "epsilon": epsilon,
                                                         "wall_s": wall_s})
-  text = _markdown(metas, aggs, figures, epsilon, wall_s)
-  common.write_text(os.path.join(out, "summary.md"), text)
+  text = _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s)
+  atomic_files.write_text(os.path.join(out, "summary.md"), text)
   return text

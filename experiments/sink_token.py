@@ -2,7 +2,7 @@ r"""*One Token Is Enough* (Zhang et al., paper B) in miniature: the same tiny ma
 with and without the extra sink token, on the same data, steps and seed.
 
   python -m experiments.sink_token                                   # a few minutes on a CPU
-  python -m experiments.sink_token --variants=none,front,front_zero --steps=3000 --override=d_model=128 \
+  python -m experiments.sink_token --variants=none,front,front_zero --train_steps=3000 --override=d_model=128 \
       --override=n_layers=4 --override=head_dim=32 --override=mlp_hidden=384
 
 Variants: `none` (plain SFT on the synthetic arithmetic task, `dlm_jax.training`), `front` (a learned sink
@@ -32,76 +32,108 @@ import json
 import os
 import time
 
-import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from dlm_jax import config as config_lib
 from dlm_jax import distributed, sinks, train_loop, training_data
 from dlm_jax.stats import StatsSpec
 from dlm_jax.tasks import synthetic
-from experiments import common, devices, plots, workload
+from experiments import (atomic_files, checkpoints, cli, decoding, devices, item_batches, items, numerics_flags,
+                         output_flags, plots, progress, prompts, run_dir, runtime_flags, scoring, train_flags)
+from experiments.decoding import DecodeSettings
+from experiments.numerics import Numerics
 
-FLAGS = flags.FLAGS
-flags.DEFINE_list("variants", ["none", "front"], "Variants to train: none, front, front_zero.")
-flags.DEFINE_string("preset", "tiny-llada", "Model preset (the same for every variant).")
-flags.DEFINE_multi_string("override", [], "ModelConfig overrides key=value (JSON values), repeatable.")
-flags.DEFINE_integer("train_steps", 500, "Optimizer steps per variant.")
-flags.DEFINE_integer("train_batch_size", 32, "Sequences per step.")
-flags.DEFINE_integer("train_size", 5000, "Synthetic training problems.")
-flags.DEFINE_integer("seq_len", 68, "Training sequence length.")
-flags.DEFINE_integer("prompt_len", 36, "Prompt region width (left-padded).")
-flags.DEFINE_float("lr", 3e-3, "Peak learning rate.")
-flags.DEFINE_integer("warmup", 50, "Warmup steps.")
-flags.DEFINE_integer("log_every", 25, "Steps between loss-curve points.")
-flags.DEFINE_integer("n_eval", 64, "Synthetic test problems for accuracy and attention statistics.")
-flags.DEFINE_integer("batch_size", 32, "Evaluation prompts per sampler call.")
-flags.DEFINE_float("epsilon", 3.0, "ε of the sink rule for the implicit sinks.")
+train_flags.define(train_steps=500, train_batch_size=32, lr=3e-3, warmup=50, log_every=25, checkpoint_every=125,
+                   preset="tiny-llada")
+_VARIANTS = flags.DEFINE_list("variants", ["none", "front"], "Variants to train: none, front, front_zero.")
+_TRAIN_SIZE = flags.DEFINE_integer("train_size", 5000, "Synthetic training problems (>= 1).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 68, "Training sequence length.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 36, "Prompt region width (left-padded).")
+_N_EVAL = flags.DEFINE_integer("n_eval", 64, "Synthetic test problems for accuracy and attention statistics (>= 1).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Evaluation prompts per sampler call (results do not depend "
+                                   "on it).")
+_EPSILON = flags.DEFINE_float("epsilon", 3.0, "ε of the sink rule for the implicit sinks (> 0).")
+_GEN_LENGTH = flags.DEFINE_integer("gen_length", None, "Generated positions at evaluation (default: the training "
+                                   "answer width seq_len - prompt_len).")
+_STEPS = flags.DEFINE_integer("steps", None, "LLaDA denoising steps at evaluation (default: gen_length); the "
+                              "training steps are --train_steps.")
+_BLOCK_LENGTH = flags.DEFINE_integer("block_length", None, "LLaDA block length at evaluation (default: gen_length "
+                                     "/ 4, or 32 for larger multiples of 32).")
+_SEED = flags.DEFINE_integer("seed", 0, "Initialisation, data order, noise and sampling seed.")
+_DATA_SEED = flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic task generator.")
 
 VARIANTS = {"none": ("none", False), "front": ("front", False), "front_zero": ("front", True)}
 
 
-def _model_config(tokenizer) -> config_lib.ModelConfig:
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """Everything that defines a sink_token run (recorded in run.json). train: the shared training flags
+  (its sink fields are those of the `none` variant; each variant sets its own)."""
+
+  variants: tuple[str, ...]
+  preset: str
+  overrides: tuple[str, ...]
+  train: train_loop.TrainConfig
+  train_size: int
+  seq_len: int
+  prompt_len: int
+  n_eval: int
+  batch_size: int
+  epsilon: float
+  data_seed: int
+  decode: DecodeSettings
+  numerics: Numerics
+
+  def __post_init__(self):
+    unknown = [v for v in self.variants if v not in VARIANTS]
+    if unknown or not self.variants or len(set(self.variants)) != len(self.variants):
+      raise cli.UserError(f"--variants={','.join(self.variants)}: expected distinct values from "
+                          f"{', '.join(VARIANTS)}")
+    for name in ("train_size", "n_eval", "batch_size"):
+      if getattr(self, name) < 1:
+        raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
+    if not 1 <= self.prompt_len < self.seq_len:
+      raise cli.UserError(f"--prompt_len={self.prompt_len}: expected 1 <= prompt_len < seq_len ({self.seq_len})")
+    if self.epsilon <= 0:
+      raise cli.UserError(f"--epsilon={self.epsilon}: expected > 0")
+
+
+def _model_config(settings: Settings, tokenizer) -> config_lib.ModelConfig:
   ids = {"vocab_size": tokenizer.get_vocab_size(), "pad_token_id": tokenizer.token_to_id("[PAD]"),
          "bos_token_id": tokenizer.token_to_id("[BOS]"), "eos_token_id": tokenizer.token_to_id("[EOS]"),
          "mask_token_id": tokenizer.token_to_id("[MASK]"), "eot_token_id": None}
-  changes = dict(ids, name=f"{FLAGS.preset}-sink-token-study")
-  for item in FLAGS.override:
-    key, _, value = item.partition("=")
-    try:
-      changes[key] = json.loads(value)
-    except json.JSONDecodeError:
-      changes[key] = value
-  return config_lib.preset(FLAGS.preset).replace(**changes)
+  changes = dict(ids, name=f"{settings.preset}-sink-token-study", **train_flags.parse_overrides(settings.overrides))
+  return train_flags.preset_config(settings.preset, changes)
 
 
-def train_variant(variant: str, out: str, tokenizer, examples, heldout, runtime: devices.Runtime,
-                  log: common.ResultsLog) -> str:
+def train_variant(settings: Settings, variant: str, out: run_dir.RunDir, tokenizer, examples, heldout,
+                  runtime: devices.Runtime, log: run_dir.ResultsLog) -> str:
   """Trains (or resumes) one variant, sharded on the --mesh if any, and writes its converted checkpoint
   (process 0; the others wait for it); returns the directory."""
   sink, zero = VARIANTS[variant]
-  model_dir = os.path.join(out, "models", variant)
+  model_dir = out.file(os.path.join("models", variant))
   if log.done(kind="train", variant=variant) and os.path.isfile(os.path.join(model_dir, "config.json")):
     return model_dir
-  config = _model_config(tokenizer)
-  tc = train_loop.TrainConfig(objective="sft", sink=sink, sink_token_id=tokenizer.token_to_id("[SINK]") if sink != "none"
-                              else None, zero_sink_value=zero, steps=FLAGS.train_steps,
-                              batch_size=FLAGS.train_batch_size, lr=FLAGS.lr, warmup=FLAGS.warmup, seed=FLAGS.seed,
-                              checkpoint_every=max(FLAGS.train_steps // 4, 1), log_every=FLAGS.log_every)
-  run_dir = os.path.join(out, "runs", variant)
-  result = train_loop.train(config, tc, examples, run_dir=run_dir, log=lambda m: logging.info("[%s] %s", variant, m),
-                            mesh=runtime.mesh)
+  config = _model_config(settings, tokenizer)
+  tc = dataclasses.replace(settings.train, sink=sink, zero_sink_value=zero,
+                           sink_token_id=tokenizer.token_to_id("[SINK]") if sink != "none" else None)
+  train_flags.check_fits(config, tc, runtime.mesh)
+  out.ensure()
+  run_path = out.file(os.path.join("runs", variant))
+  result = train_loop.train(config, tc, examples, run_dir=run_path,
+                            log=lambda m: logging.info("[%s] %s", variant, m), mesh=runtime.mesh)
   if result.stopped_early:
-    raise SystemExit(f"training of {variant} was interrupted; run again to resume")
+    raise cli.UserError(f"training of {variant} was interrupted; run again to resume")
   record = {"train_config": dataclasses.asdict(tc),
-            "data": {"data": "synthetic", "train_size": FLAGS.train_size, "data_seed": FLAGS.data_seed,
-                     "seq_len": FLAGS.seq_len, "prompt_len": FLAGS.prompt_len, "layout": "sft"}}
+            "data": {"data": "synthetic", "train_size": settings.train_size, "data_seed": settings.data_seed,
+                     "seq_len": settings.seq_len, "prompt_len": settings.prompt_len, "layout": "sft"}}
   if runtime.primary:
     train_loop.save_converted(model_dir, config, result.params, tokenizer, training_record=record)
   distributed.barrier(f"sink_token-{variant}-saved")
   heldout_loss = train_loop.evaluate_loss(config, tc, result.params, heldout, mesh=runtime.mesh)
   log.append({"kind": "train", "variant": variant, "final_metrics": result.metrics, "steps": result.step,
-              "heldout_loss": heldout_loss, "wall_s": result.wall_s, "loss_curve": _loss_curve(run_dir)})
+              "heldout_loss": heldout_loss, "wall_s": result.wall_s, "loss_curve": _loss_curve(run_path)})
   return model_dir
 
 
@@ -118,25 +150,26 @@ def _loss_curve(run_dir: str) -> dict:
   return {str(k): curve[k] for k in sorted(curve)}
 
 
-def evaluate_variant(variant: str, model_dir: str, runtime, log: common.ResultsLog) -> None:
+def evaluate_variant(settings: Settings, variant: str, model_dir: str, runtime, log: run_dir.ResultsLog) -> None:
   """Accuracy, sink mass and value norms of one trained variant (one results line)."""
   if log.done(kind="eval", variant=variant):
     return
-  model = workload.load_model(f"{variant}={model_dir}", "llada", runtime)
-  items = workload.load_items("synthetic", FLAGS.n_eval)
+  model = checkpoints.load_weights(checkpoints.prepare(f"{variant}={model_dir}", "llada", "training"), runtime,
+                                   settings.numerics)
+  todo = items.load_items("synthetic", settings.n_eval, settings.data_seed)
+  prompt_set = prompts.encode(model, todo)
+  decode_values = decoding.model_settings(settings.decode, model)
   spec = StatsSpec(incoming_attention=True, per_head=False, value_norms=True)
   has_sink = model.sink_token == "front"
-  batch = runtime.round_batch(FLAGS.batch_size)
   correct, mass_sink, mass_top, mass_first, v_sink, v_ep, v_normal = [], [], [], [], [], [], []
-  for index, rows in enumerate(common.fixed_batches(len(items), batch)):
-    chunk = [items[i] for i in rows]
-    prompts = workload.encode_prompts(model, chunk)
-    padded = workload.Prompts(common.pad_rows(prompts.ids, batch), None, prompts.rows)
-    trace = workload.generate(model, padded, runtime, key=jax.random.fold_in(jax.random.key(FLAGS.seed), index),
+  for batch in item_batches.batches(todo, prompt_set, settings.batch_size, settings.decode.seed, runtime,
+                                    lambda item: False):
+    chunk = batch.items
+    trace = decoding.generate(model, decode_values, batch.prompts, runtime, settings.numerics, key=batch.key,
                               stats_spec=spec)
     host = distributed.to_host({"tokens": trace.tokens, "incoming": trace.stats["incoming_attention"],
                            "values": trace.stats["value_norms"]})
-    lp = padded.ids.shape[1]
+    lp = batch.prompts.ids.shape[1]
     incoming = host["incoming"][:, :, :len(chunk)]  # [steps, L, b, S]
     values = host["values"][:, :, :len(chunk)].mean(3)  # [steps, L, b, S]: r̄, mean over kv heads
     total = incoming.shape[-1]
@@ -146,7 +179,7 @@ def evaluate_variant(variant: str, model_dir: str, runtime, log: common.ResultsL
       mass_sink.append(((incoming[..., 0] - 1.0) / (total - 1)).mean(axis=(0, 2)))
       v_sink.append(values[..., 0].mean(axis=(0, 2)))
     scores = np.asarray(sinks.relative_scores(incoming, content))
-    implicit = np.asarray(sinks.epsilon_rule(scores, FLAGS.epsilon, "sum", content))
+    implicit = np.asarray(sinks.epsilon_rule(scores, settings.epsilon, "sum", content))
     mass_top.append((np.where(content, incoming, -np.inf).max(-1) / total).mean(axis=(0, 2)))
     first = 1 if has_sink else 0
     mass_first.append((incoming[..., first] / total).mean(axis=(0, 2)))
@@ -154,8 +187,8 @@ def evaluate_variant(variant: str, model_dir: str, runtime, log: common.ResultsL
       v_ep.append(np.where(implicit, values, np.nan))
       v_normal.append(np.where(~implicit & content, values, np.nan))
     for row, item in enumerate(chunk):
-      text = workload.completion(model, host["tokens"][row][lp:])[1]
-      correct.append(workload.score(item, text)["correct"])
+      text = prompts.completion(model, host["tokens"][row][lp:])[1]
+      correct.append(scoring.score(item, text)["correct"])
   nanmean = lambda xs: np.nanmean(np.concatenate([x.transpose(1, 0, 2, 3).reshape(x.shape[1], -1) for x in xs], 1), 1)
   with np.errstate(invalid="ignore"):
     import warnings  # pylint: disable=import-outside-toplevel
@@ -169,14 +202,16 @@ def evaluate_variant(variant: str, model_dir: str, runtime, log: common.ResultsL
   log.append(record)
 
 
-def write_report(out: str, records: list[dict], variants: list[str], wall_s: float) -> str:
+def write_report(settings: Settings, out: str, records: list[dict], wall_s: float) -> str:
+  """Writes the figures, summary.json and summary.md; returns the markdown."""
+  variants = settings.variants
   from experiments.masking_report import binomial_se  # pylint: disable=import-outside-toplevel
   train = {r["variant"]: r for r in records if r["kind"] == "train"}
   evals = {r["variant"]: r for r in records if r["kind"] == "eval"}
   curves = {v: (np.asarray([int(s) for s in train[v]["loss_curve"]]), np.asarray(list(train[v]["loss_curve"].values())))
             for v in variants if v in train}
-  common.save_figure(plots.curves(curves, "Training loss (same data, steps, seed)", "step", "SFT loss", log_y=True),
-                     os.path.join(out, "loss_curves.png"))
+  loss_figure = plots.curves(curves, "Training loss (same data, steps, seed)", "step", "SFT loss", log_y=True)
+  atomic_files.save_figure(loss_figure, os.path.join(out, "loss_curves.png"))
   n_layers = len(next(iter(evals.values()))["top_key_mass_per_layer"]) if evals else 0
   layers = [str(i) for i in range(n_layers)]
   mass = {}
@@ -186,8 +221,8 @@ def write_report(out: str, records: list[dict], variants: list[str], wall_s: flo
         mass[f"{v}: sink token"] = np.asarray(evals[v]["sink_mass_per_layer"])
       mass[f"{v}: top content key"] = np.asarray(evals[v]["top_key_mass_per_layer"])
   if mass:
-    common.save_figure(plots.grouped_bars(layers, mass, "Where attention goes, per layer", "share of attention"),
-                       os.path.join(out, "sink_mass_per_layer.png"))
+    mass_figure = plots.grouped_bars(layers, mass, "Where attention goes, per layer", "share of attention")
+    atomic_files.save_figure(mass_figure, os.path.join(out, "sink_mass_per_layer.png"))
   norms = {}
   for v in variants:
     if v in evals:
@@ -196,12 +231,12 @@ def write_report(out: str, records: list[dict], variants: list[str], wall_s: flo
       norms[f"{v}: ε-sinks"] = np.nan_to_num(np.asarray(evals[v]["implicit_sink_value_norm_per_layer"], float))
       norms[f"{v}: other tokens"] = np.asarray(evals[v]["normal_value_norm_per_layer"])
   if norms:
-    common.save_figure(plots.grouped_bars(layers, norms, "Mean value norm r̄ per layer", "‖v‖₂ (mean over kv heads)"),
-                       os.path.join(out, "value_norms_per_layer.png"))
+    norm_figure = plots.grouped_bars(layers, norms, "Mean value norm r̄ per layer", "‖v‖₂ (mean over kv heads)")
+    atomic_files.save_figure(norm_figure, os.path.join(out, "value_norms_per_layer.png"))
   fmt = lambda xs: ", ".join("–" if x is None or not np.isfinite(x) else f"{x:.3f}" for x in xs) if xs is not None else "–"
   lines = ["# Extra sink token in miniature (Zhang et al.): `experiments.sink_token`", "",
-           f"Same model ({FLAGS.preset}{''.join(' ' + o for o in FLAGS.override) or ', no overrides'}), data (synthetic arithmetic, {FLAGS.train_size} "
-           f"problems), {FLAGS.train_steps} steps, seed {FLAGS.seed}; evaluation on {FLAGS.n_eval} test problems with "
+           f"Same model ({settings.preset}{''.join(' ' + o for o in settings.overrides) or ', no overrides'}), data (synthetic arithmetic, {settings.train_size} "
+           f"problems), {settings.train.steps} steps, seed {settings.train.seed}; evaluation on {settings.n_eval} test problems with "
            f"the LLaDA sampler. Wall time {wall_s:.0f}s.", "",
            "| variant | final train loss | held-out loss | accuracy ± se | sink-token share of attention per layer | top content-key "
            "share per layer | value norm: sink token / ε-sinks / others (per layer) |", "|---|---|---|---|---|---|---|"]
@@ -223,8 +258,8 @@ def write_report(out: str, records: list[dict], variants: list[str], wall_s: flo
             "instead of moving content sinks).", "",
            "![loss](loss_curves.png) ![mass](sink_mass_per_layer.png) ![norms](value_norms_per_layer.png)"]
   text = "\n".join(lines) + "\n"
-  common.write_json(os.path.join(out, "summary.json"), {"train": train, "eval": evals, "wall_s": wall_s})
-  common.write_text(os.path.join(out, "summary.md"), text)
+  atomic_files.write_json(os.path.join(out, "summary.json"), {"train": train, "eval": evals, "wall_s": wall_s})
+  atomic_files.write_text(os.path.join(out, "summary.md"), text)
   return text
 
 
@@ -236,41 +271,46 @@ def _quiet_orbax() -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  del argv
   _quiet_orbax()
-  variants = FLAGS.variants
-  unknown = [v for v in variants if v not in VARIANTS]
-  if unknown or not variants:
-    raise app.UsageError(f"--variants must be from {sorted(VARIANTS)}, got {variants}.")
-  runtime = devices.init_runtime()
-  out = common.output_dir("sink_token")
-  settings = {name: FLAGS[name].value for name in (
-      "variants", "preset", "override", "train_steps", "train_batch_size", "train_size", "seq_len", "prompt_len",
-      "lr", "warmup", "n_eval", "batch_size", "epsilon", "seed", "data_seed", "gen_length", "steps", "block_length")}
-  common.prepare_output_dir(out, runtime, settings)
-  log = common.ResultsLog(os.path.join(out, "results.jsonl"), ("kind", "variant"), runtime.primary)
+  runtime_settings = runtime_flags.from_flags()
+  output = output_flags.from_flags("sink_token")
+  decode = DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value, block_length=_BLOCK_LENGTH.value,
+                          seed=_SEED.value)
+  train = train_flags.train_config(objective="sft", sink="none", sink_token_id=None, zero_sink_value=False,
+                                   seed=_SEED.value, attention_impl="chunked")
   tokenizer = synthetic.build_tokenizer()
+  runtime = devices.init_runtime(runtime_settings)
+  settings = Settings(variants=tuple(_VARIANTS.value), preset=flags.FLAGS.preset,
+                      overrides=tuple(flags.FLAGS.override), train=train, train_size=_TRAIN_SIZE.value,
+                      seq_len=_SEQ_LEN.value, prompt_len=_PROMPT_LEN.value, n_eval=_N_EVAL.value,
+                      batch_size=_BATCH_SIZE.value, epsilon=_EPSILON.value, data_seed=_DATA_SEED.value,
+                      decode=decode, numerics=numerics_flags.from_flags(runtime_settings))
+  _model_config(settings, tokenizer)  # refuses a bad preset or override before anything is written
+  out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings)}, overwrite=output.overwrite,
+                       primary=runtime.primary)
+  log = run_dir.ResultsLog(out, "results.jsonl", ("kind", "variant"), output.max_items_this_run)
   ids = training_data.SpecialIds(pad=tokenizer.token_to_id("[PAD]"), bos=tokenizer.token_to_id("[BOS]"),
                                  eos=tokenizer.token_to_id("[EOS]"))
   encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
   def examples(split, n):
-    pairs = [(p.question, p.answer) for p in synthetic.make_split(split, n, FLAGS.data_seed)]
-    return training_data.encode_examples(pairs, encode, "sft", ids, seq_len=FLAGS.seq_len, prompt_len=FLAGS.prompt_len)
+    pairs = [(p.question, p.answer) for p in synthetic.make_split(split, n, settings.data_seed)]
+    return training_data.encode_examples(pairs, encode, "sft", ids, seq_len=settings.seq_len,
+                                         prompt_len=settings.prompt_len)
 
-  train_examples, heldout = examples("train", FLAGS.train_size), examples("test", max(FLAGS.n_eval, 64))
-  start, stopped = time.time(), False
+  train_examples, heldout = examples("train", settings.train_size), examples("test", max(settings.n_eval, 64))
+  start = time.time()
   try:
-    for variant in variants:
-      model_dir = train_variant(variant, out, tokenizer, train_examples, heldout, runtime, log)
-      evaluate_variant(variant, model_dir, runtime, log)
-  except common.ItemBudget as stop:
+    for variant in settings.variants:
+      model_dir = train_variant(settings, variant, out, tokenizer, train_examples, heldout, runtime, log)
+      evaluate_variant(settings, variant, model_dir, runtime, log)
+  except run_dir.ItemBudget as stop:
     logging.info("%s", stop)
-    stopped = True
-  if runtime.primary and not stopped:
-    common.summary_banner(out, write_report(out, log.records, variants, time.time() - start))
+    return
+  if runtime.primary:
+    progress.summary_banner(out.path, write_report(settings, out.path, log.records, time.time() - start))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

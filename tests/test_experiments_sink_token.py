@@ -14,7 +14,7 @@ except ImportError:
 def test_sink_token_end_to_end(tmp_path):
   out = tmp_path / "out"
   flags = (f"--output_dir={out}", "--variants=none,front,front_zero", "--train_steps=4", "--train_batch_size=4",
-           "--train_size=64", "--n_eval=4", "--batch_size=4", "--log_every=2", "--warmup=1", "--gen_length=8",
+           "--train_size=64", "--n_eval=4", "--batch_size=2", "--log_every=2", "--warmup=1", "--gen_length=8",
            "--steps=8", "--block_length=4")
   result = fx.run_binary("sink_token", *flags)
   assert "held-out loss" in result.stdout

@@ -87,7 +87,7 @@ def test_llada_json_and_attention_statistics(tmp_path, checkpoints):
 def test_llada_chat_prompt_text(tmp_path, checkpoints):
   directory, config, params = checkpoints["tiny-llada"]
   result = run_cli(tmp_path, directory, "--sampler=llada", "--prompt=what is two plus two", "--chat",
-                   "--gen_length=4", "--steps=2")
+                   "--gen_length=4", "--steps=2", "--block_length=4")
   assert result["tokens"][:2] == [0, 3]  # BOS, <|start_header_id|>
   assert result["prompt_length"] == len(result["tokens"]) - 4
   assert isinstance(result["text"], str)
@@ -112,6 +112,9 @@ def test_ar_and_mmada_with_sink_masking(tmp_path, checkpoints):
                                   intervention=iv.MaskPreviousSinksAR(top_k=1))
   assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
   assert result["decode_step"] == list(range(5)) and result["nfe"] == 5
+  ignored = run_cli(tmp_path, directory, "--sampler=ar", "--prompt_ids=5,9,7", "--gen_length=5", "--mask_sinks=1",
+                    "--steps=3", expect_ok=False)
+  assert ignored.returncode == 0 and "--steps applies to --sampler=llada, mmada, dream only" in ignored.stderr
   directory, config, params = checkpoints["tiny-llada"]
   result = run_cli(tmp_path, directory, "--sampler=mmada", "--prompt_ids=5,9,7", "--gen_length=8", "--steps=8",
                    "--block_length=4", "--mask_sinks=2")
@@ -129,3 +132,32 @@ def test_errors_are_reported(tmp_path, checkpoints):
   assert result.returncode != 0 and "multiple of block_length" in result.stderr
   result = run_cli(tmp_path, directory, "--sampler=llada", expect_ok=False)
   assert result.returncode != 0 and "--prompt" in result.stderr
+
+
+def test_defaults_are_the_official_ones(tmp_path, checkpoints):
+  """LLaDA: gen_length = steps = block_length = 128; Dream: steps 512, alg origin (its generation config)."""
+  result = run_cli(tmp_path, checkpoints["tiny-llada"][0], "--prompt_ids=5,9")
+  settings = result["settings"]
+  assert result["sampler"] == "llada" and result["nfe"] == 128
+  assert (settings["gen_length"], settings["steps"], settings["block_length"]) == (128, 128, 128)
+  result = run_cli(tmp_path, checkpoints["tiny-dream"][0], "--prompt_ids=5,9", "--gen_length=4")
+  assert result["sampler"] == "dream" and result["nfe"] == 512 and result["settings"]["alg"] == "origin"
+  assert result["settings"]["eps"] == 1e-3 and result["settings"]["temperature"] == 0.0
+
+
+def test_helpfull_lists_only_the_flags_it_uses():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  text = subprocess.run([sys.executable, "-m", "experiments.generate", "--helpfull"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=120).stdout
+  for used in ("--checkpoint", "--mesh", "--dtype", "--attention_impl", "--[no]verbose", "--mask_sinks"):
+    assert used in text, used
+  for unused in ("--output_dir", "--max_items_this_run", "--samplers", "--n_items", "--task", "--overwrite"):
+    assert unused not in text, unused
+
+
+def test_mesh_may_use_a_subset_of_the_devices(tmp_path, checkpoints):
+  directory, config, params = checkpoints["tiny-llada"]
+  alone = run_cli(tmp_path, directory, "--prompt_ids=5,9,7", "--gen_length=8", "--steps=4", "--block_length=4")
+  subset = run_cli(tmp_path, directory, "--prompt_ids=5,9,7", "--gen_length=8", "--steps=4", "--block_length=4",
+                   "--cpu_devices=4", "--mesh=tensor:2")
+  assert subset["tokens"] == alone["tokens"]

@@ -1,0 +1,104 @@
+"""Every `python -m experiments.* / converters.* / benchmarks.*` command in README.md and BUILD.md parses as
+written: its module exists, every flag exists and takes its value, no stray arguments (shell variables of
+the same code block are expanded by bash). The quick ones on the embedded models run as written."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ("README.md", "BUILD.md")
+COMMAND = re.compile(r"python -m ((?:experiments|converters|benchmarks)\.\w+)")
+ASSIGNMENT = re.compile(r"^[A-Z_]+=")
+RUN_AS_WRITTEN = ("experiments.generate", "experiments.forward")
+
+_PARSE_DRIVER = r"""
+import importlib, json, sys
+from absl import flags
+module, commands = sys.argv[1], json.loads(sys.argv[2])
+importlib.import_module(module)
+problems = []
+for argv in commands:
+  flags.FLAGS.unparse_flags()
+  try:
+    rest = flags.FLAGS([module] + argv)
+    if len(rest) > 1:
+      problems.append([argv, "stray arguments %s" % rest[1:]])
+  except flags.Error as e:
+    problems.append([argv, str(e)])
+print(json.dumps(problems))
+"""
+
+
+def _snippets(text: str) -> list[tuple[list[str], str]]:
+  """(variable assignments, command text from `python -m` on) of every documented command."""
+  found = []
+  blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+  for block in blocks:
+    assignments = []
+    for line in block.replace("\\\n", " ").splitlines():
+      line = line.strip()
+      if ASSIGNMENT.match(line):
+        assignments.append(line)
+      match = COMMAND.search(line)
+      if match:
+        command = line[match.start():].split(" & done")[0]
+        found.append((assignments, re.sub(r"\s+#.*$", "", command)))
+  rest = re.sub(r"```.*?```", "", text, flags=re.S)
+  for span in re.findall(r"`([^`\n]+)`", rest):
+    match = COMMAND.search(span)
+    if match and " " in span[match.end():].strip() + " ":
+      found.append(([], span[match.start():].split('"')[0]))
+  return found
+
+
+def _argv(assignments: list[str], command: str) -> list[str]:
+  """The command's words after shell expansion (i=0 for the loop variable of the two-process recipe)."""
+  script = "\n".join(assignments + ["i=0", "printf '%s\\0' " + command])
+  out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+  return out.split("\0")[:-1]
+
+
+def _documented() -> dict[str, list[list[str]]]:
+  """{module: [argv, ...]} of every documented command."""
+  by_module = {}
+  for name in DOCS:
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+      text = f.read()
+    for assignments, command in _snippets(text):
+      words = _argv(assignments, command)
+      assert words[:2] == ["python", "-m"], (name, command)
+      by_module.setdefault(words[2], []).append(words[3:])
+  return by_module
+
+
+def test_documented_commands_parse():
+  by_module = _documented()
+  assert {"experiments.sink_analysis", "experiments.generate", "experiments.train", "converters.convert",
+          "experiments.sink_masking_eval", "experiments.sink_token", "experiments.forward"} <= set(by_module)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  failures = []
+  for module, commands in sorted(by_module.items()):
+    assert all("..." not in word for argv in commands for word in argv), (module, commands)
+    done = subprocess.run([sys.executable, "-c", _PARSE_DRIVER, module, json.dumps(commands)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (module, done.stderr[-3000:])
+    failures += [(module, argv, why) for argv, why in json.loads(done.stdout.strip().splitlines()[-1])]
+  assert not failures, failures
+
+
+@pytest.mark.parametrize("module", RUN_AS_WRITTEN)
+def test_quick_commands_run_as_written(tmp_path, module):
+  """The documented commands of `module` on the embedded models, run in a scratch working directory."""
+  commands = [argv for argv in _documented().get(module, []) if any(w.endswith(("=tiny-dlm", "=tiny-arm"))
+                                                                     for w in argv)]
+  assert commands, module
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  for argv in commands:
+    done = subprocess.run([sys.executable, "-m", module, *argv], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, (argv, done.stderr[-3000:])

@@ -1,0 +1,51 @@
+"""The chat template a checkpoint records wins over the sampler's (SmolLM2's ChatML from its GGUF
+metadata), its end-of-turn token ends a reply, and unknown tokens are counted and warned about."""
+
+import json
+
+from tokenizers import Tokenizer as Backend
+from tokenizers import models, pre_tokenizers
+
+from dlm_jax.tokenizer import Tokenizer
+from experiments import chat
+
+SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                    "'<|im_end|>' + '\n'}}{% endfor %}")
+
+
+def _checkpoint_dir(tmp_path, template):
+  if template is not None:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+  return str(tmp_path)
+
+
+def test_recorded_chatml_template_wins_over_the_sampler(tmp_path):
+  form = chat.chat_format(_checkpoint_dir(tmp_path, SMOLLM2_TEMPLATE), "ar")
+  assert form.template == "chatml" and form.end_of_turn == "<|im_end|>"
+  assert form.system == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+  text = form.text("Hi?", bos="<|begin_of_text|>")
+  assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+                  "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n")
+  assert chat.chat_format(str(tmp_path), "ar", override="llama3").template == "llama3"
+
+
+def test_without_a_chatml_template_the_sampler_decides(tmp_path):
+  llama = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}"
+  assert chat.chat_format(_checkpoint_dir(tmp_path, llama), "ar").template == "llama3"
+  assert chat.chat_format(str(tmp_path), "llada").template == "llada"
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  form = chat.chat_format(str(empty), "dream")
+  assert form.template == "dream" and form.end_of_turn == "<|im_end|>"
+  assert chat.chat_format(str(empty), "mmada").end_of_turn == "<|eot_id|>"
+
+
+def test_unknown_tokens_are_counted():
+  backend = Backend(models.WordLevel({"[UNK]": 0, "two": 1, "plus": 2}, unk_token="[UNK]"))
+  backend.pre_tokenizer = pre_tokenizers.Whitespace()
+  tokenizer = Tokenizer(backend)
+  ids = tokenizer.encode("two plus three plus four")
+  assert chat.warn_unknown_tokens(tokenizer, ids, "test") == 2
+  assert chat.warn_unknown_tokens(tokenizer, tokenizer.encode("two plus two"), "test") == 0

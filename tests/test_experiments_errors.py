@@ -1,0 +1,148 @@
+"""Every experiment binary answers an ordinary mistake with one line naming the problem, exit code 1, no
+traceback, and leaves nothing behind (no output directory, run.json or temporary file)."""
+
+import json
+import os
+
+import pytest
+
+try:
+  from tests import experiments_fixtures as fx
+except ImportError:
+  import experiments_fixtures as fx
+
+SMALL = ["--gen_length=8", "--steps=8", "--block_length=4"]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+  root = tmp_path_factory.mktemp("bad_inputs")
+  corrupt = root / "corrupt"
+  corrupt.mkdir()
+  (corrupt / "config.json").write_text("{not json")
+  malformed = root / "malformed.jsonl"
+  malformed.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": oops}\n')
+  long_prompt = root / "long.jsonl"
+  long_prompt.write_text(json.dumps({"question": "1 + 1 = ? " * 40, "answer": "#### 2"}) + "\n")
+  a_file = root / "a_file"
+  a_file.write_text("x")
+  return {"root": root, "corrupt": str(corrupt), "malformed": str(malformed), "long": str(long_prompt),
+          "file": str(a_file), "dlm": fx.tiny_checkpoint(str(root / "dlm"), "dlm", seed=1)}
+
+
+def _check(results, cases, must_mention, leftovers):
+  for (code, stderr), args, words in zip(results, cases, must_mention):
+    lines = stderr.strip().splitlines()
+    assert code == 1, (args, stderr)
+    assert len(lines) == 1 and "Traceback" not in stderr, (args, stderr)
+    assert "error" in lines[0] and all(w in lines[0] for w in words), (args, lines[0], words)
+  for path in leftovers:
+    assert not os.path.exists(path), path
+
+
+def test_analysis_binaries(inputs):
+  out = str(inputs["root"] / "never")
+  base = [f"--output_dir={out}", f"--checkpoints=dlm={inputs['dlm']}", "--n_prompts=2", *SMALL]
+  cases = [
+      (["--n_prompts=-5"], ["--n_prompts=-5", ">= 0"]),
+      (["--epsilon=0"], ["--epsilon"]),
+      (["--batch_size=0"], ["--batch_size"]),
+      (["--steps=0"], ["--steps=0"]),
+      (["--block_length=3"], ["--block_length=3", "divide"]),
+      (["--top_p=1.5"], ["--top_p"]),
+      (["--temperature=-1"], ["--temperature"]),
+      (["--layers=9"], ["--layers=9", "layers"]),
+      (["--layers=a"], ["--layers", "helpfull"]),
+      (["--track_heads=1"], ["LAYER:HEAD"]),
+      (["--checkpoints=/no/such/dir"], ["/no/such/dir"]),
+      ([f"--checkpoints={inputs['corrupt']}"], ["config.json", "JSON"]),
+      ([f"--task={inputs['malformed']}"], ["malformed.jsonl:2"]),
+      (["--task=nope"], ["--task=nope"]),
+      ([f"--task={inputs['long']}"], ["item 0", "at most 36"]),
+      (["--mesh=data:3"], ["--mesh=data:3", "devices"]),
+      (["--mesh=rows:2"], ["--mesh=rows:2"]),
+      (["--samplers=ar"], ["sampler ar", "bidirectional"]),
+      (["--samplers=llada,ar"], ["--samplers"]),
+      ([f"--output_dir={inputs['file']}"], ["is a file"]),
+      (["extra"], ["unexpected arguments", "helpfull"]),
+  ]
+  flags = [base + args for args, _ in cases]
+  _check(fx.run_cases("sink_analysis", flags), flags, [w for _, w in cases], [out])
+
+
+def test_masking_and_value_norms(inputs):
+  out = str(inputs["root"] / "never2")
+  base = [f"--output_dir={out}", f"--checkpoints=dlm={inputs['dlm']}", "--n_items=2", *SMALL]
+  cases = [(["--mask_top_k=-3"], ["--mask_top_k=-3"]), (["--mask_top_k=a"], ["--mask_top_k=a"]),
+           (["--mask_top_k=1,1"], ["distinct"]), (["--n_items=-5"], ["--n_items=-5"]),
+           (["--sink_epsilon=0"], ["--sink_epsilon"]), (["--perplexity_text=/no/file"], ["/no/file"])]
+  flags = [base + args for args, _ in cases]
+  _check(fx.run_cases("sink_masking_eval", flags), flags, [w for _, w in cases], [out])
+  base = [f"--output_dir={out}", f"--checkpoints=dlm={inputs['dlm']}", "--n_prompts=2", *SMALL]
+  cases = [(["--samples_per_item=0"], ["--samples_per_item"]), (["--n_prompts=-1"], ["--n_prompts"])]
+  flags = [base + args for args, _ in cases]
+  _check(fx.run_cases("value_norms", flags), flags, [w for _, w in cases], [out])
+
+
+def test_generate_forward_evaluate(inputs):
+  json_out = str(inputs["root"] / "g.json")
+  base = [f"--checkpoint={inputs['dlm']}", f"--json_out={json_out}", "--prompt_ids=5,6", *SMALL]
+  cases = [(["--steps=0"], ["--steps=0"]), (["--gen_length=10"], ["block_length"]),
+           ([f"--json_out={inputs['root']}"], ["is a directory"]), (["--checkpoint=/no/dir"], ["/no/dir"]),
+           (["--prompt_ids=a,b"], ["--prompt_ids", "helpfull"]), (["--prompt_ids=5,999"], ["999"]),
+           (["--prompt=hi"], ["exactly one", "helpfull"]), (["--mask_sinks=-3"], ["--mask_sinks=-3"]),
+           (["--sampler=ar"], ["sampler ar"]),
+           ([f"--checkpoint={inputs['corrupt']}"], ["config.json"]), (["--top_p=0", "--sampler=dream"], [])]
+  flags = [base + args for args, _ in cases]
+  results = fx.run_cases("generate", flags)
+  _check(results[:-1], flags[:-1], [w for _, w in cases[:-1]], [json_out])
+  assert results[-1][0] == 1  # --sampler=dream on a LLaDA-style model (logit_shift 0) is refused too
+  out = str(inputs["root"] / "f.npz")
+  cases = [(["--token_ids=x"], ["--token_ids"]), (["--token_ids=1,999"], ["999"]),
+           ([f"--out={inputs['root']}"], ["is a directory"]), (["--checkpoint=nope"], ["nope"])]
+  flags = [[f"--checkpoint={inputs['dlm']}", "--token_ids=1,2", f"--out={out}", *args] for args, _ in cases]
+  _check(fx.run_cases("forward", flags), flags, [w for _, w in cases], [out])
+  cases = [(["--n=0"], ["--n=0"]), (["--checkpoint=nope"], ["nope"]), (["--batch_size=0"], ["--batch_size"])]
+  flags = [[f"--checkpoint={inputs['dlm']}", *args] for args, _ in cases]
+  _check(fx.run_cases("evaluate_synthetic", flags), flags, [w for _, w in cases], [])
+
+
+def test_training_binaries(inputs):
+  run = str(inputs["root"] / "run")
+  cases = [(["--lr=0"], ["--lr"]), (["--train_steps=0"], ["--train_steps"]), (["--preset=nope"], ["nope"]),
+           (["--override=foo=1"], ["foo"]), (["--data=/no/data.jsonl"], ["/no/data.jsonl"]),
+           (["--prompt_len=99"], ["--prompt_len"]), ([f"--out_dir={inputs['file']}/x"], ["is a file"])]
+  flags = [["--preset=tiny-llada", f"--run_dir={run}", *args] for args, _ in cases]
+  _check(fx.run_cases("train", flags), flags, [w for _, w in cases], [run])
+  out = str(inputs["root"] / "never3")
+  cases = [(["--variants=bogus"], ["bogus"]), (["--train_steps=0"], ["--train_steps"]),
+           (["--epsilon=0"], ["--epsilon"]), (["--override=d_model=x"], [])]
+  flags = [[f"--output_dir={out}", *args] for args, _ in cases]
+  results = fx.run_cases("sink_token", flags)
+  _check(results, flags, [w for _, w in cases], [out])
+
+
+def test_gguf_directory_and_a_real_process(inputs):
+  result = fx.run_module("converters.gguf", f"--gguf={inputs['root']}", f"--out_dir={inputs['root'] / 'g'}")
+  assert result.returncode == 1 and "is a directory" in result.stderr and "Traceback" not in result.stderr
+  result = fx.run_module("experiments.sink_analysis", "--n_prompts=-5", f"--output_dir={inputs['root'] / 'x'}")
+  assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+      "experiments.sink_analysis: error: --n_prompts=-5: expected >= 0 (0 = the whole task)"]
+  result = fx.run_module("experiments.sink_analysis", "--n_prompts=abc")
+  assert result.returncode == 1 and "Traceback" not in result.stderr and "--helpfull" in result.stderr
+  verbose = fx.run_module("experiments.sink_analysis", "--n_prompts=-5", "--verbose",
+                          f"--output_dir={inputs['root'] / 'x'}")
+  assert verbose.returncode == 1 and "Traceback" in verbose.stderr
+  assert not (inputs["root"] / "x").exists()
+
+
+def test_resume_with_other_settings_is_refused_naming_them(inputs):
+  out = inputs["root"] / "resume"
+  base = [f"--checkpoints=dlm={inputs['dlm']}", f"--output_dir={out}", "--n_prompts=2", *SMALL]
+  results = fx.run_cases("sink_analysis", [base + ["--max_items_this_run=1"], base + ["--dtype=bfloat16"],
+                                           base + ["--epsilon=2", "--temperature=0.5"], base])
+  assert results[0][0] in (0, None), results[0][1][-2000:]
+  assert results[1][0] == 1 and "(settings.numerics.dtype)" in results[1][1], results[1][1]
+  assert results[2][0] == 1 and "(settings.decode.temperature, settings.epsilon)" in results[2][1], results[2][1]
+  assert results[3][0] in (0, None), results[3][1][-2000:]
+  assert len(fx.read_jsonl(out / "results.jsonl")) == 2 and (out / "summary.json").exists()
