@@ -35,10 +35,6 @@ class StepOutput:
   top_sinks: jax.Array | None = None
   record: Any = None
 
-  def zeros_like(self) -> StepOutput:
-    """The same structure filled with zeros (a step skipped by an early stop)."""
-    return jax.tree.map(jnp.zeros_like, self)
-
 
 @struct.dataclass
 class CallResult:
