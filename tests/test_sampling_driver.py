@@ -68,11 +68,9 @@ def test_row_keys_make_a_sample_independent_of_its_batch(name):
     np.testing.assert_array_equal(np.asarray(trace.decode_step)[row], np.asarray(alone.decode_step)[0])
     incoming = np.asarray(trace.stats["incoming_attention"])[:, :, row, pad:]  # [steps, L, S] real keys
     np.testing.assert_allclose(incoming, np.asarray(alone.stats["incoming_attention"])[:, :, 0], atol=2e-5)
-  # the same rows with one shared key draw other samples: the keys, not the layout, carry the invariance
-  shared = run(params, first, prompt_mask=mask, options=options, key=jax.random.key(2024), stats_spec=spec)
+  # another key for row 0 draws another sample there: the keys, not the layout, carry the invariance
   others = run(params, first, prompt_mask=mask, options=options, key=item_keys(3, 1), stats_spec=spec)
   assert not np.array_equal(np.asarray(others.generated)[0], np.asarray(together.generated)[0])
-  assert np.asarray(shared.generated).shape == np.asarray(together.generated).shape
 
 
 def test_single_and_raw_keys_give_the_same_draws():
