@@ -16,7 +16,7 @@ from typing import Any
 
 from dlm_jax import default_models
 from dlm_jax.config import ModelConfig
-from experiments import smollm2
+from experiments import progress, smollm2
 from experiments.cli import UserError
 
 NAMES = tuple(default_models.NAMES) + smollm2.ALIASES
@@ -49,13 +49,14 @@ def resolve(entry: str) -> tuple[str, str]:
 
 
 def identity(directory: str) -> dict[str, Any]:
-  """What identifies a checkpoint's results: its directory, the SHA-256 of config.json and the size of
-  every weight file (recorded in run.json so a resumed run uses the same weights)."""
+  """What identifies a checkpoint's results: its directory (relative to the working directory when inside
+  it, so results written from a checkout hold no machine-specific path), the SHA-256 of config.json and
+  the size of every weight file (recorded in run.json so a resumed run uses the same weights)."""
   with open(os.path.join(directory, "config.json"), "rb") as f:
     config_hash = hashlib.sha256(f.read()).hexdigest()
   weights = {name: os.path.getsize(os.path.join(directory, name)) for name in sorted(os.listdir(directory))
              if name.endswith(".safetensors")}
-  return {"directory": directory, "config_sha256": config_hash, "weights": weights}
+  return {"directory": progress.display_path(directory), "config_sha256": config_hash, "weights": weights}
 
 
 def training_record(directory: str) -> dict[str, Any]:
