@@ -89,12 +89,11 @@ class ARFamily(driver.Family):
 
   name = "ar"
   min_prompt_length = 1
-  has_prefill = True
   shift_positions = True
 
-  @property
-  def n_steps(self) -> int:
-    return self.options.gen_length
+  def phases(self, run) -> tuple[driver.Phase, ...]:
+    """The prompt's prefill (an opening: its shapes differ), then G − 1 one-token steps."""
+    return (driver.Phase(steps=self.options.gen_length - 1, opening=True),)
 
   @property
   def fill_id(self) -> int:
@@ -129,17 +128,17 @@ class ARFamily(driver.Family):
     carry = ARCarry(tokens=canvas, cache=result.cache, key=key, finished=finished)
     return carry, result.intervention_state, result.outputs
 
-  def prefill(self, run, params, consts, carry, istate):
+  def open_phase(self, run, params, consts, carry, istate, i, phase):
     """Step 0: the whole prompt (cache positions 0..Lp−1) yields the first new token."""
-    return self._feed(run, params, consts, carry, istate, 0, run.prompt_length, 0)
+    return self._feed(run, params, consts, carry, istate, 0, run.prompt_length, i)
 
-  def step(self, run, params, consts, carry, istate, i):
+  def step(self, run, params, consts, carry, istate, i, phase):
     """Step i >= 1: feeds the token at Lp + i − 1 and writes the one at Lp + i."""
     return self._feed(run, params, consts, carry, istate, run.prompt_length + i - 1, 1, i)
 
   def outcome(self, run, carry: ARCarry):
     b, g = carry.tokens.shape[0], self.options.gen_length
-    return carry.tokens, jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32), (b, g)), jnp.asarray(g, jnp.int32)
+    return carry.tokens, jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32), (b, g))
 
 
 def _family(config: ModelConfig, options: AROptions, prompt) -> ARFamily:

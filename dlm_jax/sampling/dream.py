@@ -131,12 +131,11 @@ def shift_logits(outputs: jax.Array, target_start: int) -> jax.Array:
 
 @struct.dataclass
 class DreamCarry:
-  """tokens [B, S]; key; decode_step [B, G]; nfe (scalar)."""
+  """tokens [B, S]; key; decode_step [B, G]."""
 
   tokens: jax.Array
   key: jax.Array
   decode_step: jax.Array
-  nfe: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,10 +157,9 @@ class DreamFamily(driver.MaskedDiffusionFamily):
 
   def init_carry(self, run, params, canvas, key, consts) -> DreamCarry:
     b = canvas.shape[0]
-    return DreamCarry(tokens=canvas, key=key, decode_step=jnp.full((b, self.options.gen_length), -1, jnp.int32),
-                      nfe=jnp.zeros((), jnp.int32))
+    return DreamCarry(tokens=canvas, key=key, decode_step=jnp.full((b, self.options.gen_length), -1, jnp.int32))
 
-  def step(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i):
+  def step(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
     o, mask_id, lp = self.options, self.mask_id, run.prompt_length
     w0 = 0 if self.infill else lp
     x = carry.tokens
@@ -189,7 +187,7 @@ class DreamFamily(driver.MaskedDiffusionFamily):
       x_win = jnp.where(chosen, jnp.where(masked, x0, mask_id), x_win)
     new_x = x.at[:, w0:].set(x_win)
     decode_step = update_decode_step(carry.decode_step, x[:, lp:], new_x[:, lp:], mask_id, i)
-    carry = DreamCarry(tokens=new_x, key=key, decode_step=decode_step, nfe=carry.nfe + 1)
+    carry = DreamCarry(tokens=new_x, key=key, decode_step=decode_step)
     return carry, result.intervention_state, result.outputs
 
 

@@ -38,37 +38,63 @@ Loop = Literal["scan", "python"]
 
 
 @dataclasses.dataclass(frozen=True)
+class Phase:
+  """A stretch of the loop with static shapes (e.g. one block of a KV-cache mode).
+
+  arg: static value handed to the family's `open_phase` and `step` (e.g. the block index; None for
+    families with one phase).
+  steps: the most calls of `Family.step` the phase makes (a bound when the family finishes early).
+  opening: the phase starts with one call of `Family.open_phase` (e.g. a KV-cache prefill or refresh,
+    whose shapes differ from the steps'), counted as a step of its own.
+  """
+
+  arg: Any = None
+  steps: int = 0
+  opening: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
   """What a decoding family supplies (subclass it as a frozen dataclass; instances are static).
 
-  Fields: options, the family's frozen options (with a `gen_length`, and a `steps` unless `n_steps` is
-  overridden); subclasses add their resolved ids.
+  Fields: options, the family's frozen options (with a `gen_length`, and a `steps` unless `n_steps` or
+  `phases` is overridden); subclasses add their resolved ids.
 
   Class attributes:
     name: key of `TRACE_COUNTS`.
     min_prompt_length: shortest prompt accepted.
-    has_prefill: step 0 is `prefill` (traced apart: its shapes differ, e.g. a KV-cache prefill), steps
-      1..n−1 are `step`; otherwise every step is `step`.
     padding_attention, shift_positions: the padding policy (`dlm_jax.sampling.padding`).
+    can_finish_early: `finished` may be true (the driver then guards every call with a `lax.cond`).
+
+  Every call of `open_phase` or `step` is one model evaluation ("step"); the driver numbers the steps it
+  runs 0, 1, … (the `i` handed to the family) and writes step i's `StepOutput` at index i of the
+  `[max_steps, ...]` buffers of the `Trace`, `max_steps` being the sum of the phases' bounds. Steps that
+  `finished` skips make no call, take no index and leave no output.
 
   Methods (`run` is the static `Run`; carries are `flax.struct` dataclasses):
     gen_length, n_steps, fill_id (the generation's initial token), query_mask_id (for the sampler's query
       groups): static facts.
+    phases(run) -> the static `Phase`s, run in order (default: one phase of n_steps steps).
     check(config): raises ValueError when the family cannot run this model.
     constants(run, canvas, layout) -> loop invariants (a pytree), from the canvas and `PaddingLayout`.
     init_carry(run, params, canvas, key, consts) -> the initial carry.
-    step(run, params, consts, carry, istate, i) -> (carry, istate, StepOutput): step i (traced int32).
-    prefill(run, params, consts, carry, istate) -> (carry, istate, StepOutput), when has_prefill.
-    outcome(run, carry) -> (tokens [B, S], decode_step [B, G], nfe): what the `Trace` reports.
+    finished(run, consts, carry, i, phase) -> scalar bool: skip the next call of this phase (every row is
+      done with it); only called when can_finish_early.
+    open_phase(run, params, consts, carry, istate, i, phase) -> (carry, istate, StepOutput), for a phase
+      with an opening.
+    step(run, params, consts, carry, istate, i, phase) -> (carry, istate, StepOutput): step i (traced
+      int32). A family whose rows can be idle in a batch (done with the phase while others are not) sets
+      `StepOutput.active` [B] to the rows the step decoded for (default: all).
+    outcome(run, carry) -> (tokens [B, S], decode_step [B, G]): what the `Trace` reports.
   """
 
   options: Any
 
   name: ClassVar[str] = "family"
   min_prompt_length: ClassVar[int] = 0
-  has_prefill: ClassVar[bool] = False
   padding_attention: ClassVar[padding.PaddingAttention] = "key"
   shift_positions: ClassVar[bool] = False
+  can_finish_early: ClassVar[bool] = False
 
   @property
   def gen_length(self) -> int:
@@ -86,6 +112,10 @@ class Family:
   def query_mask_id(self) -> int | None:
     return None
 
+  def phases(self, run: Run) -> tuple[Phase, ...]:
+    del run
+    return (Phase(steps=self.n_steps),)
+
   def check(self, config: ModelConfig) -> None:
     del config
 
@@ -96,20 +126,23 @@ class Family:
   def init_carry(self, run: Run, params, canvas: jax.Array, key: jax.Array, consts: Any) -> Any:
     raise NotImplementedError
 
-  def step(self, run: Run, params, consts: Any, carry: Any, istate: Any, i: jax.Array):
+  def finished(self, run: Run, consts: Any, carry: Any, i: jax.Array, phase: Phase) -> jax.Array:
     raise NotImplementedError
 
-  def prefill(self, run: Run, params, consts: Any, carry: Any, istate: Any):
+  def open_phase(self, run: Run, params, consts: Any, carry: Any, istate: Any, i: jax.Array, phase: Phase):
     raise NotImplementedError
 
-  def outcome(self, run: Run, carry: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def step(self, run: Run, params, consts: Any, carry: Any, istate: Any, i: jax.Array, phase: Phase):
+    raise NotImplementedError
+
+  def outcome(self, run: Run, carry: Any) -> tuple[jax.Array, jax.Array]:
     raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)
 class MaskedDiffusionFamily(Family):
   """A family whose generation starts as mask tokens (LLaDA/MMaDA, Dream): mask_id fills the canvas and
-  defines the masked query group; its carry has `tokens`, `decode_step` and `nfe` fields."""
+  defines the masked query group; its carry has `tokens` and `decode_step` fields."""
 
   mask_id: int
 
@@ -121,8 +154,8 @@ class MaskedDiffusionFamily(Family):
   def query_mask_id(self) -> int:
     return self.mask_id
 
-  def outcome(self, run: Run, carry: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return carry.tokens, carry.decode_step, carry.nfe
+  def outcome(self, run: Run, carry: Any) -> tuple[jax.Array, jax.Array]:
+    return carry.tokens, carry.decode_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,16 +175,14 @@ class Run:
   row_keys: bool = False
 
 
-def _stack(outputs: list[StepOutput]) -> StepOutput:
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
+def _max_steps(phases: tuple[Phase, ...]) -> int:
+  return sum(int(p.opening) + p.steps for p in phases)
 
 
-def _prepend(first: StepOutput | None, rest: StepOutput | None) -> StepOutput:
-  if first is None:
-    return rest
-  if rest is None:
-    return jax.tree.map(lambda a: a[None], first)
-  return jax.tree.map(lambda a, b: jnp.concatenate([a[None], b], axis=0), first, rest)
+def _with_active(output: StepOutput, batch: int) -> StepOutput:
+  if output.active is None:
+    return output.replace(active=jnp.ones((batch,), bool))
+  return output
 
 
 def _start(run: Run, params, canvas, prompt_mask, key):
@@ -161,50 +192,88 @@ def _start(run: Run, params, canvas, prompt_mask, key):
   return consts, run.family.init_carry(run, params, canvas, key, consts)
 
 
-def _trace(run: Run, carry, outputs: StepOutput | None) -> Trace:
+def _trace(run: Run, carry, outputs: StepOutput, n_steps) -> Trace:
   """The users' `Trace`: statistics squeezed to their shapes (the one place that does it)."""
-  tokens, decode_step, nfe = run.family.outcome(run, carry)
+  tokens, decode_step = run.family.outcome(run, carry)
   plan = run.caller.plan
-  outputs = StepOutput() if outputs is None else outputs
-  return Trace(tokens=tokens, decode_step=decode_step, nfe=nfe, stats=plan.squeeze_user(outputs.stats),
+  return Trace(tokens=tokens, decode_step=decode_step, nfe=jnp.asarray(n_steps, jnp.int32),
+               active_rows=outputs.active, stats=plan.squeeze_user(outputs.stats),
                top_sinks=plan.squeeze_sinks(outputs.top_sinks), intervention_record=outputs.record,
                prompt_length=run.prompt_length)
+
+
+def _calls(run: Run, params, consts, phase: Phase):
+  """The phase's two calls (opening, step) as functions (carry, istate, i) -> (carry, istate, StepOutput)."""
+  family = run.family
+
+  def opening(carry, istate, i):
+    return family.open_phase(run, params, consts, carry, istate, i, phase)
+
+  def step(carry, istate, i):
+    return family.step(run, params, consts, carry, istate, i, phase)
+
+  return opening, step
 
 
 @functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("canvas",))
 def _compiled(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
   TRACE_COUNTS[run.family.name] += 1
-  family = run.family
+  family, batch = run.family, canvas.shape[0]
+  phases = family.phases(run)
   consts, carry = _start(run, params, canvas, prompt_mask, key)
-  first = None
-  if family.has_prefill:
-    carry, istate, first = family.prefill(run, params, consts, carry, istate)
+  first = phases[0]
+  probe = family.open_phase if first.opening else family.step
+  shapes = jax.eval_shape(lambda c, s: _with_active(probe(run, params, consts, c, s, jnp.int32(0), first)[2], batch),
+                          carry, istate)
+  n_max = _max_steps(phases)
+  buffers = jax.tree.map(lambda a: jnp.zeros((n_max, *a.shape), a.dtype), shapes)
 
-  def body(state, i):
-    carry, istate = state
-    carry, istate, outputs = family.step(run, params, consts, carry, istate, i)
-    return (carry, istate), outputs
+  def guarded(call, phase):
+    """One driver step: the family's call, its output written at index count; skipped when finished."""
+    def run_call(state):
+      carry, istate, count, buffers = state
+      carry, istate, output = call(carry, istate, count)
+      output = _with_active(output, batch)
+      buffers = jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, count, 0), buffers, output)
+      return carry, istate, count + 1, buffers
 
-  rest = None
-  start = int(family.has_prefill)
-  if family.n_steps > start:
-    (carry, istate), rest = jax.lax.scan(body, (carry, istate), jnp.arange(start, family.n_steps, dtype=jnp.int32))
-  return _trace(run, carry, _prepend(first, rest))
+    if not family.can_finish_early:
+      return run_call
+    return lambda state: jax.lax.cond(family.finished(run, consts, state[0], state[2], phase), lambda s: s,
+                                      run_call, state)
+
+  state = (carry, istate, jnp.zeros((), jnp.int32), buffers)
+  for phase in phases:
+    opening, step = _calls(run, params, consts, phase)
+    if phase.opening:
+      state = guarded(opening, phase)(state)
+    if phase.steps:
+      body = guarded(step, phase)
+      state, _ = jax.lax.scan(lambda st, _: (body(st), None), state, None, length=phase.steps)
+  carry, _, count, buffers = state
+  return _trace(run, carry, buffers, count)
 
 
 def _python_loop(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
   """The same family functions driven by a Python loop (one jitted call per step); for tests."""
-  family = run.family
+  family, batch = run.family, canvas.shape[0]
+  phases = family.phases(run)
   consts, carry = jax.jit(functools.partial(_start, run))(params, canvas, prompt_mask, key)
   outputs = []
-  if family.has_prefill:
-    carry, istate, first = jax.jit(functools.partial(family.prefill, run))(params, consts, carry, istate)
-    outputs.append(first)
-  step = jax.jit(functools.partial(family.step, run))
-  for i in range(int(family.has_prefill), family.n_steps):
-    carry, istate, out = step(params, consts, carry, istate, jnp.int32(i))
-    outputs.append(out)
-  return _trace(run, carry, _stack(outputs) if outputs else None)
+  for phase in phases:
+    finished = jax.jit(lambda c, i, phase=phase: family.finished(run, consts, c, i, phase))
+    opening = jax.jit(lambda p, k, c, s, i, phase=phase: family.open_phase(run, p, k, c, s, i, phase))
+    step = jax.jit(lambda p, k, c, s, i, phase=phase: family.step(run, p, k, c, s, i, phase))
+    for call in [opening] * int(phase.opening) + [step] * phase.steps:
+      i = jnp.int32(len(outputs))
+      if family.can_finish_early and bool(finished(carry, i)):
+        continue
+      carry, istate, output = call(params, consts, carry, istate, i)
+      outputs.append(_with_active(output, batch))
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
+  pad = _max_steps(phases) - len(outputs)
+  stacked = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros((pad, *a.shape[1:]), a.dtype)]), stacked)
+  return _trace(run, carry, stacked, len(outputs))
 
 
 def run_family(

@@ -179,14 +179,12 @@ class LLaDAConstants:
 @struct.dataclass
 class LLaDACarry:
   """tokens [B, S]; key; schedule [B, steps_per_block] transfer counts of the current block; decode_step
-  [B, G]; nfe (scalar); done: the early stop fired (scalar bool)."""
+  [B, G]."""
 
   tokens: jax.Array
   key: jax.Array
   schedule: jax.Array
   decode_step: jax.Array
-  nfe: jax.Array
-  done: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +211,7 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
   def init_carry(self, run, params, canvas, key, consts) -> LLaDACarry:
     b, o = canvas.shape[0], self.options
     return LLaDACarry(tokens=canvas, key=key, schedule=jnp.zeros((b, o.steps_per_block), jnp.int32),
-                      decode_step=jnp.full((b, o.gen_length), -1, jnp.int32), nfe=jnp.zeros((), jnp.int32),
-                      done=jnp.zeros((), bool))
+                      decode_step=jnp.full((b, o.gen_length), -1, jnp.int32))
 
   def _confidence_dtype(self, params) -> Any:
     if self.options.confidence_dtype is None:
@@ -256,7 +253,20 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
     confidence = jnp.where(masked & before_end, x0_p, -jnp.inf)
     return jnp.where(select_top_k(confidence, transfer_count), jnp.where(masked, x0, x), x)
 
-  def step(self, run, params, consts: LLaDAConstants, carry: LLaDACarry, istate, i):
+  @property
+  def can_finish_early(self) -> bool:
+    return self.options.stop_token_id is not None
+
+  def finished(self, run, consts, carry: LLaDACarry, i, phase):
+    """MMaDA's early stop: at a block start after the first, every row's previous position holds the stop id
+    (the later steps are skipped)."""
+    o = self.options
+    block, s = i // o.steps_per_block, i % o.steps_per_block
+    last = jax.lax.dynamic_index_in_dim(carry.tokens, jnp.maximum(run.prompt_length + block * o.block - 1, 0),
+                                        axis=1, keepdims=False)
+    return (s == 0) & (block > 0) & jnp.all(last == o.stop_token_id)
+
+  def step(self, run, params, consts: LLaDAConstants, carry: LLaDACarry, istate, i, phase):
     o, mask_id, lp = self.options, self.mask_id, run.prompt_length
     block, s = i // o.steps_per_block, i % o.steps_per_block
     block_start = lp + block * o.block
@@ -264,10 +274,6 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
     block_tokens = jax.lax.dynamic_slice_in_dim(x, block_start, o.block, axis=1)
     new_schedule = llada_transfer_counts(jnp.sum(block_tokens == mask_id, axis=1), o.steps_per_block)
     schedule = jnp.where(s == 0, new_schedule, carry.schedule)
-    done = carry.done
-    if o.stop_token_id is not None:
-      last = jax.lax.dynamic_index_in_dim(x, jnp.maximum(block_start - 1, 0), axis=1, keepdims=False)
-      done = done | ((s == 0) & (block > 0) & jnp.all(last == o.stop_token_id))
     key, step_key = keys.split(carry.key, 2, run.row_keys)
     uncond = jnp.where(consts.prompt_index, mask_id, x) if o.cfg_scale > 0 else None
 
@@ -285,24 +291,15 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
                 jax.lax.dynamic_update_slice_in_dim(full_p, x0_p, start, axis=1))
       return propose
 
-    def denoise(_):
-      result = run.caller(params, x, i, istate, window=None, return_hidden=True, positions=consts.layout.positions,
-                          valid_keys=consts.layout.valid, query_valid=consts.layout.valid,
-                          base_bias=consts.layout.bias, uncond_tokens=uncond, uncond_base_bias=consts.uncond_bias)
-      earlier_mask = jnp.any((x == mask_id) & (jnp.arange(x.shape[1]) < block_start)[None, :])
-      x0, x0_p = jax.lax.cond(earlier_mask, proposals(result, True), proposals(result, False), None)
-      new_x = self._transfer(x, x0, x0_p, block_start + o.block, schedule[:, s])
-      return new_x, result.intervention_state, result.outputs
-
-    if o.stop_token_id is None:
-      new_x, istate, outputs = denoise(None)
-    else:
-      skipped = jax.eval_shape(denoise, None)[2]
-      skip = lambda _: (x, istate, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), skipped))
-      new_x, istate, outputs = jax.lax.cond(done, skip, denoise, None)
+    result = run.caller(params, x, i, istate, window=None, return_hidden=True, positions=consts.layout.positions,
+                        valid_keys=consts.layout.valid, query_valid=consts.layout.valid,
+                        base_bias=consts.layout.bias, uncond_tokens=uncond, uncond_base_bias=consts.uncond_bias)
+    earlier_mask = jnp.any((x == mask_id) & (jnp.arange(x.shape[1]) < block_start)[None, :])
+    x0, x0_p = jax.lax.cond(earlier_mask, proposals(result, True), proposals(result, False), None)
+    new_x = self._transfer(x, x0, x0_p, block_start + o.block, schedule[:, s])
+    istate, outputs = result.intervention_state, result.outputs
     decode_step = update_decode_step(carry.decode_step, x[:, lp:], new_x[:, lp:], mask_id, i)
-    nfe = carry.nfe + jnp.where(done, 0, 1).astype(jnp.int32)
-    carry = LLaDACarry(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step, nfe=nfe, done=done)
+    carry = LLaDACarry(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step)
     return carry, istate, outputs
 
 

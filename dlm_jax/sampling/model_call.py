@@ -29,11 +29,13 @@ class StepOutput:
     "value_norms": [L', B, K, S]}).
   top_sinks: [L', B, N', k] int32.
   record: the intervention's record of the step (`Intervention.record`, taken before the call).
+  active: [B] bool, the rows the step decoded for (set by the family; the driver fills all-true when None).
   """
 
   stats: dict[str, jax.Array] | None = None
   top_sinks: jax.Array | None = None
   record: Any = None
+  active: jax.Array | None = None
 
 
 @struct.dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 
@@ -19,11 +20,15 @@ class Trace:
       produced it (autoregressive); -1 if it never did.
     nfe: scalar int32, the number of model evaluations (forward calls; a CFG step runs the conditional and
       unconditional canvases as one 2B batch and counts once; steps skipped by an early stop do not count).
+      It is also the number of steps run: indices 0..nfe−1 of every per-step buffer below are valid, the
+      rest (up to the sampler's step bound, `max_steps`) are zeros.
+    active_rows: [max_steps, B] bool, the rows each step decoded for: all rows at every step run, except
+      in modes where rows of a batch finish a block at different steps (threshold decoding): a row that
+      is done waits, unchanged, while its model call still runs with the batch. False after step nfe − 1.
     stats: None, or the user's statistics stacked over steps, in the users' shapes
-      (`dlm_jax.stats.squeeze_incoming`): {"incoming_attention": [steps, L', B, (Q,) (N,) S] — the Q axis
-      only with query groups, the head axis only per head — "value_norms": [steps, L', B, K, S]}; zeros
-      for skipped steps.
-    top_sinks: None, or [steps, L', B, (N,) k] int32, the k keys with the most incoming attention (all
+      (`dlm_jax.stats.squeeze_incoming`): {"incoming_attention": [max_steps, L', B, (Q,) (N,) S] — the Q
+      axis only with query groups, the head axis only per head — "value_norms": [max_steps, L', B, K, S]}.
+    top_sinks: None, or [max_steps, L', B, (N,) k] int32, the k keys with the most incoming attention (all
       queries) at each step, per layer (and head when the stats are per head), among the valid keys.
     intervention_record: None, or (with `record_intervention=True`) the intervention's per-step record
       stacked over steps (`Intervention.record`; e.g. the keys `MaskPreviousSinks` masked at each step,
@@ -34,10 +39,16 @@ class Trace:
   tokens: jax.Array
   decode_step: jax.Array
   nfe: jax.Array
+  active_rows: jax.Array | None = None
   stats: dict[str, jax.Array] | None = None
   top_sinks: jax.Array | None = None
   intervention_record: Any = None
   prompt_length: int = struct.field(pytree_node=False, default=0)
+
+  @property
+  def row_nfe(self) -> jax.Array:
+    """[B] int32, the model evaluations each row decoded with (equals `nfe` unless rows can wait)."""
+    return jnp.sum(self.active_rows, axis=0, dtype=jnp.int32)
 
   @property
   def generated(self) -> jax.Array:
