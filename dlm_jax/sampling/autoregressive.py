@@ -126,7 +126,8 @@ class ARFamily(driver.Family):
       finished = finished | jnp.isin(token, jnp.asarray(self.eos_ids))
     canvas = jax.lax.dynamic_update_slice_in_dim(canvas, token[:, None], offset + length, axis=1)
     carry = ARCarry(tokens=canvas, cache=result.cache, key=key, finished=finished)
-    return carry, result.intervention_state, result.outputs
+    queries = jnp.stack([jnp.asarray(offset, jnp.int32), jnp.asarray(offset + length, jnp.int32)])
+    return carry, result.intervention_state, result.outputs.replace(queries=queries)
 
   def open_phase(self, run, params, consts, carry, istate, i, phase):
     """Step 0: the whole prompt (cache positions 0..Lp−1) yields the first new token."""

@@ -179,9 +179,12 @@ def _max_steps(phases: tuple[Phase, ...]) -> int:
   return sum(int(p.opening) + p.steps for p in phases)
 
 
-def _with_active(output: StepOutput, batch: int) -> StepOutput:
+def _with_defaults(output: StepOutput, batch: int, total: int) -> StepOutput:
+  """The step's output with `active` (all rows) and `queries` ([0, S)) filled in when the family left them."""
   if output.active is None:
-    return output.replace(active=jnp.ones((batch,), bool))
+    output = output.replace(active=jnp.ones((batch,), bool))
+  if output.queries is None:
+    output = output.replace(queries=jnp.array([0, total], jnp.int32))
   return output
 
 
@@ -197,7 +200,7 @@ def _trace(run: Run, carry, outputs: StepOutput, n_steps) -> Trace:
   tokens, decode_step = run.family.outcome(run, carry)
   plan = run.caller.plan
   return Trace(tokens=tokens, decode_step=decode_step, nfe=jnp.asarray(n_steps, jnp.int32),
-               active_rows=outputs.active, stats=plan.squeeze_user(outputs.stats),
+               active_rows=outputs.active, computed_queries=outputs.queries, stats=plan.squeeze_user(outputs.stats),
                top_sinks=plan.squeeze_sinks(outputs.top_sinks), intervention_record=outputs.record,
                prompt_length=run.prompt_length)
 
@@ -223,7 +226,8 @@ def _compiled(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
   consts, carry = _start(run, params, canvas, prompt_mask, key)
   first = phases[0]
   probe = family.open_phase if first.opening else family.step
-  shapes = jax.eval_shape(lambda c, s: _with_active(probe(run, params, consts, c, s, jnp.int32(0), first)[2], batch),
+  shapes = jax.eval_shape(lambda c, s: _with_defaults(probe(run, params, consts, c, s, jnp.int32(0), first)[2], batch,
+                                                          run.total_length),
                           carry, istate)
   n_max = _max_steps(phases)
   buffers = jax.tree.map(lambda a: jnp.zeros((n_max, *a.shape), a.dtype), shapes)
@@ -233,7 +237,7 @@ def _compiled(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
     def run_call(state):
       carry, istate, count, buffers = state
       carry, istate, output = call(carry, istate, count)
-      output = _with_active(output, batch)
+      output = _with_defaults(output, batch, run.total_length)
       buffers = jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, count, 0), buffers, output)
       return carry, istate, count + 1, buffers
 
@@ -269,7 +273,7 @@ def _python_loop(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
       if family.can_finish_early and bool(finished(carry, i)):
         continue
       carry, istate, output = call(params, consts, carry, istate, i)
-      outputs.append(_with_active(output, batch))
+      outputs.append(_with_defaults(output, batch, run.total_length))
   stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
   pad = _max_steps(phases) - len(outputs)
   stacked = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros((pad, *a.shape[1:]), a.dtype)]), stacked)

@@ -65,7 +65,8 @@ from flax import struct
 from dlm_jax import model
 from dlm_jax.attention import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
-from dlm_jax.sampling import driver, keys, padding
+from dlm_jax.model import KVCache
+from dlm_jax.sampling import driver, keys, llada_blockwise, padding
 from dlm_jax.sampling.schedules import llada_transfer_counts
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
 
@@ -92,6 +93,15 @@ class LLaDAOptions:
     stop_token_id: MMaDA `mmu_generate_fast`: after a block, stop when every row's last position of that
       block holds this id (later blocks stay masks, their steps are skipped). None = never stop.
     mask_token_id, eos_token_id, eot_token_id: overrides of the config's ids (None = config).
+    threshold: Fast-dLLM confidence-threshold parallel decoding: at each step every masked position of
+      the current block whose confidence is >= threshold is transferred, and at least the most confident
+      one; a block takes as many steps as it needs (`steps` is then unused). None = the quota rule.
+    factor: Fast-dLLM's factor rule instead (`dlm_jax.sampling.parallel.factor_transfer`); not with
+      threshold. None = off.
+    cache: "none", "prefix" or "dual": Fast-dLLM's approximate KV caches, refreshed by a whole-canvas
+      step at each block start (`dlm_jax.sampling.llada_blockwise`).
+    Any of threshold, factor or a cache selects the block-by-block modes of `llada_blockwise`; with none
+    of them this is the exact sampler above.
   """
 
   gen_length: int = 128
@@ -110,6 +120,9 @@ class LLaDAOptions:
   mask_token_id: int | None = None
   eos_token_id: int | None = None
   eot_token_id: int | None = None
+  threshold: float | None = None
+  factor: float | None = None
+  cache: Literal["none", "prefix", "dual"] = "none"
 
   def __post_init__(self):
     if isinstance(self.gen_length, bool) or not isinstance(self.gen_length, int) or self.gen_length <= 0:
@@ -132,6 +145,22 @@ class LLaDAOptions:
       raise ValueError(f"padding must be 'visible', 'key' or 'outer', got {self.padding!r}.")
     if self.confidence_dtype not in (None, "float32", "float64"):
       raise ValueError(f"confidence_dtype must be None, 'float32' or 'float64', got {self.confidence_dtype!r}.")
+    if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+      raise ValueError(f"threshold must be in [0, 1] (a confidence) or None, got {self.threshold!r}.")
+    if self.factor is not None and not self.factor > 0.0:
+      raise ValueError(f"factor must be > 0 or None, got {self.factor!r}.")
+    if self.threshold is not None and self.factor is not None:
+      raise ValueError("set threshold or factor, not both (they are two transfer rules).")
+    if self.cache not in ("none", "prefix", "dual"):
+      raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
+    if self.cache != "none" and self.cfg_scale > 0:
+      raise ValueError(f"cache={self.cache!r} cannot be combined with cfg_scale > 0 (classifier-free guidance "
+                       "would need a cache for the unconditional canvas); use cache='none'.")
+
+  @property
+  def blockwise(self) -> bool:
+    """The block-by-block modes (threshold, factor or a cache) rather than the exact sampler."""
+    return self.threshold is not None or self.factor is not None or self.cache != "none"
 
   @property
   def block(self) -> int:
@@ -179,12 +208,14 @@ class LLaDAConstants:
 @struct.dataclass
 class LLaDACarry:
   """tokens [B, S]; key; schedule [B, steps_per_block] transfer counts of the current block; decode_step
-  [B, G]."""
+  [B, G]; block_step: steps taken in the current block and cache: the `KVCache` (block-by-block modes)."""
 
   tokens: jax.Array
   key: jax.Array
   schedule: jax.Array
   decode_step: jax.Array
+  block_step: jax.Array | None = None
+  cache: KVCache | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +242,8 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
   def init_carry(self, run, params, canvas, key, consts) -> LLaDACarry:
     b, o = canvas.shape[0], self.options
     return LLaDACarry(tokens=canvas, key=key, schedule=jnp.zeros((b, o.steps_per_block), jnp.int32),
-                      decode_step=jnp.full((b, o.gen_length), -1, jnp.int32))
+                      decode_step=jnp.full((b, o.gen_length), -1, jnp.int32),
+                      block_step=jnp.zeros((), jnp.int32), cache=llada_blockwise.init_cache(run, params, b))
 
   def _confidence_dtype(self, params) -> Any:
     if self.options.confidence_dtype is None:
@@ -255,19 +287,33 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
 
   @property
   def can_finish_early(self) -> bool:
-    return self.options.stop_token_id is not None
+    return self.options.blockwise or self.options.stop_token_id is not None
+
+  def phases(self, run) -> tuple[driver.Phase, ...]:
+    if self.options.blockwise:
+      return llada_blockwise.phases(self.options)
+    return super().phases(run)
 
   def finished(self, run, consts, carry: LLaDACarry, i, phase):
     """MMaDA's early stop: at a block start after the first, every row's previous position holds the stop id
-    (the later steps are skipped)."""
+    (the later steps are skipped); in the block-by-block modes also a block every row has finished."""
     o = self.options
+    if o.blockwise:
+      return llada_blockwise.finished(self, run, carry, phase)
     block, s = i // o.steps_per_block, i % o.steps_per_block
     last = jax.lax.dynamic_index_in_dim(carry.tokens, jnp.maximum(run.prompt_length + block * o.block - 1, 0),
                                         axis=1, keepdims=False)
     return (s == 0) & (block > 0) & jnp.all(last == o.stop_token_id)
 
+  def open_phase(self, run, params, consts: LLaDAConstants, carry: LLaDACarry, istate, i, phase):
+    """A cached block's first step: the whole canvas, refreshing the cache."""
+    return llada_blockwise.decode(self, run, params, consts, carry, istate, i, phase, "refresh")
+
   def step(self, run, params, consts: LLaDAConstants, carry: LLaDACarry, istate, i, phase):
     o, mask_id, lp = self.options, self.mask_id, run.prompt_length
+    if o.blockwise:
+      call = {"none": "full", "prefix": "prefix", "dual": "dual"}[o.cache]
+      return llada_blockwise.decode(self, run, params, consts, carry, istate, i, phase, call)
     block, s = i // o.steps_per_block, i % o.steps_per_block
     block_start = lp + block * o.block
     x = carry.tokens
@@ -299,7 +345,7 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
     new_x = self._transfer(x, x0, x0_p, block_start + o.block, schedule[:, s])
     istate, outputs = result.intervention_state, result.outputs
     decode_step = update_decode_step(carry.decode_step, x[:, lp:], new_x[:, lp:], mask_id, i)
-    carry = LLaDACarry(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step)
+    carry = carry.replace(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step)
     return carry, istate, outputs
 
 

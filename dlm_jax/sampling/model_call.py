@@ -30,12 +30,15 @@ class StepOutput:
   top_sinks: [L', B, N', k] int32.
   record: the intervention's record of the step (`Intervention.record`, taken before the call).
   active: [B] bool, the rows the step decoded for (set by the family; the driver fills all-true when None).
+  queries: [2] int32, the canvas positions [start, stop) whose queries the step computed (set by families
+    that compute part of the canvas; the driver fills [0, S) when None).
   """
 
   stats: dict[str, jax.Array] | None = None
   top_sinks: jax.Array | None = None
   record: Any = None
   active: jax.Array | None = None
+  queries: jax.Array | None = None
 
 
 @struct.dataclass

@@ -73,3 +73,11 @@ def layout(prompt_mask: jax.Array | None, total: int, attention: PaddingAttentio
   positions = shifted_positions(valid) if shift_positions else plain
   bias = NO_BIAS if attention == "visible" else padding_bias(valid, outer=attention == "outer")
   return PaddingLayout(valid=valid, positions=positions, bias=bias)
+
+
+def query_rows(bias: AttentionBias, start: int, length: int) -> AttentionBias:
+  """The bias of a call whose queries are canvas positions start..start+length−1 (its pairwise rows;
+  key biases apply to every query unchanged). start, length: static ints."""
+  if bias.pairwise is None or bias.pairwise.shape[-2] == 1:
+    return bias
+  return bias.replace(pairwise=jax.lax.slice_in_dim(bias.pairwise, start, start + length, axis=bias.pairwise.ndim - 2))

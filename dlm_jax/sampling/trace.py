@@ -25,6 +25,10 @@ class Trace:
     active_rows: [max_steps, B] bool, the rows each step decoded for: all rows at every step run, except
       in modes where rows of a batch finish a block at different steps (threshold decoding): a row that
       is done waits, unchanged, while its model call still runs with the batch. False after step nfe − 1.
+    computed_queries: [max_steps, 2] int32, the canvas positions [start, stop) whose queries each step
+      computed: [0, S) for a whole-canvas step; the block and what follows it (prefix cache), the block
+      (dual cache, block diffusion) or the fed tokens (autoregressive) otherwise. Statistics sum over
+      these queries (and attend over all S keys, cached ones included).
     stats: None, or the user's statistics stacked over steps, in the users' shapes
       (`dlm_jax.stats.squeeze_incoming`): {"incoming_attention": [max_steps, L', B, (Q,) (N,) S] — the Q
       axis only with query groups, the head axis only per head — "value_norms": [max_steps, L', B, K, S]}.
@@ -40,6 +44,7 @@ class Trace:
   decode_step: jax.Array
   nfe: jax.Array
   active_rows: jax.Array | None = None
+  computed_queries: jax.Array | None = None
   stats: dict[str, jax.Array] | None = None
   top_sinks: jax.Array | None = None
   intervention_record: Any = None

@@ -1,0 +1,46 @@
+"""Parallel-decoding transfer rules: which of a block's masked positions take their proposal at a step.
+
+Each rule maps the confidence [B, W] of the proposals in a window (a block) and the candidates [B, W]
+bool (masked positions that may be decoded) to the transferred positions [B, W] bool. Ties go to the
+lowest index first (as everywhere in `dlm_jax.sampling`).
+
+* `threshold_transfer` — Fast-dLLM (`reference/decoding_modes.md` §2): every candidate whose confidence
+  is at least τ (equality accepted), and always the most confident candidate, so a row with a candidate
+  transfers at least one token per step.
+* `factor_transfer` — Fast-dLLM's factor rule (§3): with the candidates sorted by confidence
+  c_(1) ≥ c_(2) ≥ …, rank r is accepted when c_(r) ≥ 1 − f/(r + 1) (rank 1 always); the accepted set is
+  the longest accepted prefix of that order. This is the exact prefix (as dllm's vectorised rule); the
+  loop of the Fast-dLLM fork and dInfer also commits the last candidate when only it fails (§3, "quirk"),
+  which we do not.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dlm_jax.sampling.selection import select_top_k
+
+
+def _candidate_confidence(confidence: jax.Array, candidates: jax.Array) -> jax.Array:
+  """Confidence where a candidate, −inf elsewhere (compared in the confidence's own dtype)."""
+  return jnp.where(candidates, confidence, -jnp.inf)
+
+
+def threshold_transfer(confidence: jax.Array, candidates: jax.Array, threshold: float) -> jax.Array:
+  """Candidates with confidence >= threshold, plus each row's most confident candidate. [B, W] -> [B, W]."""
+  scores = _candidate_confidence(confidence, candidates)
+  top = select_top_k(scores, 1) & candidates
+  return candidates & ((scores >= threshold) | top)
+
+
+def factor_transfer(confidence: jax.Array, candidates: jax.Array, factor: float) -> jax.Array:
+  """The longest prefix (by descending confidence) with c_(r) >= 1 − factor/(r + 1), rank 1 always.
+  [B, W] -> [B, W]."""
+  scores = _candidate_confidence(confidence, candidates)
+  ordered = -jnp.sort(-scores, axis=-1, stable=True)
+  rank = jnp.arange(1, scores.shape[-1] + 1)
+  bound = jnp.where(rank == 1, -jnp.inf, 1.0 - factor / (rank + 1.0)).astype(ordered.dtype)
+  accepted = (ordered >= bound) & jnp.isfinite(ordered)
+  count = jnp.sum(jnp.cumprod(accepted, axis=-1), axis=-1)
+  return select_top_k(scores, count) & candidates
