@@ -13,6 +13,10 @@ Three implementations share one set of semantics:
     elsewhere) with its log-sum-exp residual; the incoming attention comes from a second query-chunked
     pass that rebuilds exp(score − lse) block by block, never materialising [N, T, S].
 
+Besides the biases, two structural patterns are built from indices (never stored as [T, S] inputs):
+`causal` (query at sequence index i sees keys 0..i) and `block_size` B (block-causal: i sees j iff
+j // B <= i // B). Query sequence indices are `query_offset + row` (a KV-cache call), key indices 0..S-1.
+
 Masking uses a large finite negative value (`MASK_VALUE`); after all biases are added, scores are clamped
 from below at `MASK_VALUE`, so stacked masks never overflow to -inf and a row whose keys are all masked
 gets a finite (uniform) distribution instead of NaN. A masked key in a row with any visible key receives
@@ -122,23 +126,37 @@ def _heads_to_kv_groups(bias: jax.Array, n_kv_heads: int) -> jax.Array:
   return bias.reshape(bias.shape[0], n_kv_heads, bias.shape[1] // n_kv_heads, *bias.shape[2:])
 
 
-def _masked_scores(scores, pairwise_bias, key_bias, causal, query_index, key_index):
-  """Scores [B, K, G, T, S] (float32) plus biases and the causal mask, clamped below at MASK_VALUE.
+def _visible(query_index, key_index, causal, block_size):
+  """[T, S] bool: key j is visible to query i under the causal and block-causal patterns; None if neither.
+
+  query_index: [T] sequence index of each query; key_index: [S]; block_size: B or None.
+  """
+  visible = None
+  if causal:
+    visible = key_index[None, :] <= query_index[:, None]
+  if block_size is not None:
+    same_or_earlier_block = key_index[None, :] // block_size <= query_index[:, None] // block_size
+    visible = same_or_earlier_block if visible is None else visible & same_or_earlier_block
+  return visible
+
+
+def _masked_scores(scores, pairwise_bias, key_bias, causal, block_size, query_index, key_index):
+  """Scores [B, K, G, T, S] (float32) plus biases and the structural masks, clamped below at MASK_VALUE.
 
   pairwise_bias: [B|1, K|1, G|1, T|1, S] or None; key_bias: [B|1, K|1, G|1, S] or None;
-  query_index: [T] sequence index of each query (for the causal mask); key_index: [S].
+  query_index: [T] sequence index of each query (for the structural masks); key_index: [S].
   """
   if pairwise_bias is not None:
     scores = scores + pairwise_bias.astype(jnp.float32)
   if key_bias is not None:
     scores = scores + key_bias[..., None, :].astype(jnp.float32)
-  if causal:
-    visible = key_index[None, :] <= query_index[:, None]
+  visible = _visible(query_index, key_index, causal, block_size)
+  if visible is not None:
     scores = jnp.where(visible, scores, MASK_VALUE)
   return jnp.maximum(scores, MASK_VALUE)
 
 
-def _attend_block(q, k, v, *, scale, causal, pairwise_bias, key_bias, query_weights, query_index):
+def _attend_block(q, k, v, *, scale, causal, block_size, pairwise_bias, key_bias, query_weights, query_index):
   """Attention of one block of queries against all keys.
 
   q: [B, T, K, G, H]; k, v: [B, S, K, H]; query_weights: [B, Q, T] or None.
@@ -146,7 +164,8 @@ def _attend_block(q, k, v, *, scale, causal, pairwise_bias, key_bias, query_weig
   """
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
   key_index = jnp.arange(k.shape[1])
-  probs = jax.nn.softmax(_masked_scores(scores, pairwise_bias, key_bias, causal, query_index, key_index), axis=-1)
+  probs = jax.nn.softmax(_masked_scores(scores, pairwise_bias, key_bias, causal, block_size, query_index, key_index),
+                         axis=-1)
   out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v)
   incoming = None
   if query_weights is not None:
@@ -183,6 +202,7 @@ def attention(
     *,
     scale: float,
     causal: bool = False,
+    block_size: int | None = None,
     pairwise_bias: jax.Array | None = None,
     key_bias: jax.Array | None = None,
     query_weights: jax.Array | None = None,
@@ -198,6 +218,9 @@ def attention(
     k, v: [B, S, K, H] keys and values; N must be a multiple of K.
     scale: multiplier of q·k (1/√H for the supported models).
     causal: query at sequence index i sees keys 0..i (sequence index = query_offset + row).
+    block_size: None, or B for block-causal attention: query at sequence index i sees key j iff
+      j // B <= i // B (bidirectional inside a block of B positions, causal across blocks; the grid starts
+      at sequence index 0). Combined with `causal` by intersection.
     pairwise_bias: [B|1, N|1, T|1, S] additive bias, or None.
     key_bias: [B|1, N|1, S] additive per-key bias broadcast over queries (key masks, padding), or None.
     query_weights: [B, Q, T] weights of the queries in each statistics group; None means one group with
@@ -217,6 +240,8 @@ def attention(
     raise ValueError(f"impl must be 'dense', 'chunked' or 'fused', got {impl!r}.")
   if query_chunk <= 0:
     raise ValueError(f"query_chunk must be positive, got {query_chunk}.")
+  if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0):
+    raise ValueError(f"block_size must be None or a positive integer, got {block_size!r}.")
   b, t, n, h = q.shape
   kv = k.shape[2]
   q = q.reshape(b, t, kv, n // kv, h)
@@ -227,10 +252,10 @@ def attention(
   pairwise = None if pairwise_bias is None else _heads_to_kv_groups(pairwise_bias, kv)
   keys = None if key_bias is None else _heads_to_kv_groups(key_bias, kv)
   query_index = query_offset + jnp.arange(t)
-  common = dict(scale=scale, causal=causal, key_bias=keys)
+  common = dict(scale=scale, causal=causal, block_size=block_size, key_bias=keys)
 
   if impl == "fused":
-    out, lse = _fused(q, k, v, scale, causal, pairwise, keys, query_offset)
+    out, lse = _fused(q, k, v, scale, causal, block_size, pairwise, keys, query_offset)
     incoming = None
     if query_weights is not None:
       incoming = _incoming_from_lse(q, k, lse, pairwise, query_weights, query_index, query_chunk, common)
@@ -287,7 +312,7 @@ def _chunked(q, k, v, pairwise, query_weights, query_index, chunk, common):
   return out, incoming
 
 
-def _fused(q, k, v, scale, causal, pairwise, keys, query_offset):
+def _fused(q, k, v, scale, causal, block_size, pairwise, keys, query_offset):
   """Fused-kernel attention. q: [B, T, K, G, H]. Returns out [B, T, K, G, H] and lse [B, K, G, T]."""
   b, t, kv, g, h = q.shape
   s = k.shape[1]
@@ -298,10 +323,10 @@ def _fused(q, k, v, scale, causal, pairwise, keys, query_offset):
       term = term.reshape(term.shape[0], -1, *term.shape[3:]) if term.shape[1:3] != (1, 1) else term[:, 0]
       bias = term if bias is None else bias + term
   static_causal = causal and isinstance(query_offset, int) and query_offset == 0 and t == s
-  if causal and not static_causal:
-    query_index = query_offset + jnp.arange(t)
-    causal_bias = jnp.where(jnp.arange(s)[None, :] <= query_index[:, None], 0.0, MASK_VALUE)
-    bias = causal_bias[None, None] if bias is None else bias + causal_bias
+  visible = _visible(query_offset + jnp.arange(t), jnp.arange(s), causal and not static_causal, block_size)
+  if visible is not None:
+    structure_bias = jnp.where(visible, 0.0, MASK_VALUE)
+    bias = structure_bias[None, None] if bias is None else bias + structure_bias
   if bias is not None:
     bias = jnp.maximum(bias, 0.7 * float(jnp.finfo(q.dtype).min)).astype(q.dtype)
   out, lse = jax.nn.dot_product_attention(
@@ -327,7 +352,7 @@ def _incoming_from_lse(q, k, lse, pairwise, query_weights, query_index, chunk, c
   def body(total, block):
     scores = jnp.einsum("btkgh,bskh->bkgts", block["q"], k, preferred_element_type=jnp.float32)
     scores = _masked_scores(scores * common["scale"], block.get("pairwise", pairwise), common["key_bias"],
-                            common["causal"], block["query_index"], key_index)
+                            common["causal"], common["block_size"], block["query_index"], key_index)
     probs = jnp.exp(scores - block["lse"][..., None])
     return total + jnp.einsum("bqt,bkgts->bqkgs", block["weights"].astype(jnp.float32), probs), None
 

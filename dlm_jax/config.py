@@ -37,6 +37,13 @@ class ModelConfig:
     qkv_bias: q/k/v projections carry a bias (Dream, Qwen2).
     tied_embeddings: the LM head reuses the token embedding (SmolLM2).
     causal: causal attention (autoregressive baselines); bidirectional otherwise (DLMs).
+    attention_block_size: None (the default) leaves attention as `causal` says; an int B makes it
+      block-causal: the query at absolute sequence index i sees key j iff j // B <= i // B, i.e.
+      bidirectional inside a block and causal across blocks, on a grid of blocks of B positions counted
+      from position 0, the prompt included (LLaDA2.x, SDAR and dInfer block diffusion). The last block
+      may be shorter. With a KV cache the query index is the call's cache offset plus its row, so a call
+      whose queries are block [s, e) sees the cached keys of every block up to its own. Needs
+      causal=False.
     logit_shift: 1 when the output at position i predicts token i+1 (Dream, ARMs), 0 when it
       predicts token i (LLaDA, MMaDA).
     mask_token_id, eos_token_id, eot_token_id, bos_token_id, pad_token_id: special token ids, or
@@ -57,6 +64,7 @@ class ModelConfig:
   qkv_bias: bool = False
   tied_embeddings: bool = False
   causal: bool = False
+  attention_block_size: int | None = None
   logit_shift: int = 0
   mask_token_id: int | None = None
   eos_token_id: int | None = None
@@ -84,6 +92,15 @@ class ModelConfig:
     for field in ("rope_fp32", "qkv_bias", "tied_embeddings", "causal"):
       if not isinstance(getattr(self, field), bool):
         raise ConfigError(f"ModelConfig.{field} must be a bool, got {getattr(self, field)!r}.")
+    block = self.attention_block_size
+    if block is not None:
+      if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ConfigError(f"ModelConfig.attention_block_size must be None or a positive integer, got {block!r}.")
+      if self.causal:
+        raise ConfigError(
+            f"ModelConfig.attention_block_size={block} (block-causal attention) cannot be combined with "
+            "causal=True; set causal=False for block-causal attention, or attention_block_size=None for "
+            "token-causal attention.")
     for field in _SPECIAL_TOKEN_FIELDS:
       value = getattr(self, field)
       if value is None:

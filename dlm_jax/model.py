@@ -86,7 +86,7 @@ def _linear(d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs, dtype: Any) -> nn
 
 
 class Attention(nnx.Module):
-  """Multi-head attention with GQA, optional q/k/v bias, RoPE and statistics."""
+  """Multi-head attention with GQA, optional q/k/v bias, RoPE, the configured attention pattern and statistics."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any):
     c = config
@@ -120,9 +120,9 @@ class Attention(nnx.Module):
     if zero_values is not None:
       v = jnp.where(zero_values[:, :, None, None], jnp.zeros((), v.dtype), v)
     out, incoming = attention(
-        q, k, v, scale=1.0 / math.sqrt(c.head_dim), causal=c.causal, pairwise_bias=pairwise_bias,
-        key_bias=key_bias, query_weights=query_weights, query_offset=cache_offset, with_incoming=with_incoming,
-        impl=impl, query_chunk=query_chunk)
+        q, k, v, scale=1.0 / math.sqrt(c.head_dim), causal=c.causal, block_size=c.attention_block_size,
+        pairwise_bias=pairwise_bias, key_bias=key_bias, query_weights=query_weights, query_offset=cache_offset,
+        with_incoming=with_incoming, impl=impl, query_chunk=query_chunk)
     return self.o(out.reshape(b, t, c.n_heads * c.head_dim)), incoming, (k, v)
 
 
@@ -381,7 +381,10 @@ def forward(
     query_chunk: queries per block in the chunked path.
     cache: a `KVCache` ([L, B, S, K, H]); this call's keys and values are written at sequence positions
       cache_offset..cache_offset+T-1 and the queries attend to all S cache positions (for a causal model
-      the causal mask hides the slots after each query, so unwritten slots are never seen). Biases and
+      the causal mask hides the slots after each query, so unwritten slots are never seen; with
+      `config.attention_block_size` each query sees the slots up to the end of its own block, so a call
+      should cover whole blocks, e.g. the current block [s, e) at cache_offset=s, or hide the block's
+      unwritten slots with a key bias). Biases and
       statistics then address the S cache positions as keys; values zeroed by the bias are also zero in
       the returned cache.
     cache_offset: sequence index of the first token (scalar, may be traced); used with `cache`.
