@@ -56,9 +56,10 @@ def _rope(x, positions):
   return x * cos + rot * sin
 
 
-def np_forward(p, tokens, start, stop, cache=None):
+def np_forward(p, tokens, start, stop, cache=None, sink_front=False):
   """One row: tokens [S]; computes positions [start, stop). cache: per layer (K, V) [S, N, H] after RoPE,
   read for the positions outside [start, stop) (required unless the range is the whole row).
+  sink_front: position 0 is an extra sink token (its query row sees only its own key).
   Returns (logits [stop − start, V], new cache with this call's keys and values written, per-layer
   attention probabilities [N, stop − start, S])."""
   c = CONFIG
@@ -78,6 +79,8 @@ def np_forward(p, tokens, start, stop, cache=None):
     keys[start:stop], values[start:stop] = k, v
     new_cache.append((keys, values))
     scores = np.einsum("tnh,snh->nts", q, keys) / np.sqrt(c.head_dim)
+    if sink_front and start == 0:
+      scores[:, 0, 1:] = -np.inf
     scores -= scores.max(-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(-1, keepdims=True)
@@ -120,7 +123,7 @@ def reference_transfer(conf, candidates, rule, value, quota):
 
 
 def reference_generate(p, prompt, *, rule, value=None, cache="none", steps=GEN, gen=GEN, block=BLOCK,
-                       margins=None):
+                       margins=None, sink_front=False):
   """Fast-dLLM decoding of one row at temperature 0 (§2–§5): (tokens, decode_step, nfe, per-step
   (computed range, attention probabilities)). `margins` collects, at each step, how far the decision was
   from flipping: the confidence gap between the last transferred and the first kept candidate (every rule
@@ -158,15 +161,15 @@ def reference_generate(p, prompt, *, rule, value=None, cache="none", steps=GEN, 
         m = int(np.sum(x[s:e] == MASK))
         quotas = [m // spb + (1 if j < m % spb else 0) for j in range(spb)]
       if cache == "none" or kv is None:
-        logits, kv, probs = np_forward(p, x, 0, s_len)
+        logits, kv, probs = np_forward(p, x, 0, s_len, sink_front=sink_front)
         calls.append(((0, s_len), probs))
         decode(logits[s:e], s, quotas[taken])
       elif cache == "prefix":
-        logits, _, probs = np_forward(p, x, s, s_len, kv)  # the prefix cache is not modified
+        logits, _, probs = np_forward(p, x, s, s_len, kv, sink_front)  # the prefix cache is not modified
         calls.append(((s, s_len), probs))
         decode(logits[:block], s, quotas[taken])
       else:
-        logits, kv, probs = np_forward(p, x, s, e, kv)  # the block's keys and values written in place
+        logits, kv, probs = np_forward(p, x, s, e, kv, sink_front)  # the block's keys and values written in place
         calls.append(((s, e), probs))
         decode(logits, s, quotas[taken])
       taken += 1
@@ -192,9 +195,10 @@ def _options(case):
   return llada.LLaDAOptions(**values)
 
 
-def _reference(case, prompt, margins=None):
+def _reference(case, prompt, margins=None, sink_front=False):
   kwargs = {k: case[k] for k in ("value", "cache", "steps") if k in case}
-  return reference_generate(_np_params(), prompt, rule=case["rule"], margins=margins, **kwargs)
+  return reference_generate(_np_params(), prompt, rule=case["rule"], margins=margins, sink_front=sink_front,
+                            **kwargs)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -283,6 +287,25 @@ def test_sink_masking_runs_under_the_dual_cache():
     masked = np.argwhere(record[step, :, 0])  # (layer, head, key)
     expected = [(l, h, sinks[step - 1, l, 0, h, 0]) for l in range(sinks.shape[1]) for h in range(sinks.shape[3])]
     assert sorted(map(tuple, masked)) == sorted(expected)
+
+
+@pytest.mark.parametrize("name", ["threshold_dual", "threshold_prefix"])
+def test_the_extra_sink_token_composes_with_the_caches(name):
+  """*One Token Is Enough*'s sink token at position 0 (its query row sees only itself) under a cached mode:
+  token- and step-identical to the reference run with the same attention rule."""
+  case = CASES[name]
+  sink_id = 254
+  prompt = np.concatenate([[sink_id], prompts(1, seed=7)[0][1:]]).astype(np.int32)
+  margins = []
+  tokens, decode_step, nfe, _ = _reference(case, prompt, margins, sink_front=True)
+  plain, _, _, _ = _reference(case, prompt)
+  assert min(margins) > 1e-5
+  assert not np.array_equal(tokens, plain), "the sink rule does not change this case: it would not be tested"
+  trace = llada.generate(peaked_params(), prompt[None], config=CONFIG, options=_options(case),
+                         intervention=iv.SinkToken())
+  np.testing.assert_array_equal(np.asarray(trace.tokens)[0], tokens)
+  np.testing.assert_array_equal(np.asarray(trace.decode_step)[0], decode_step)
+  assert int(trace.nfe) == nfe
 
 
 @pytest.mark.parametrize("values, message", [
