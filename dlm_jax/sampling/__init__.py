@@ -2,7 +2,7 @@
 
   driver                     the one loop: prompt checks, canvas, statistics plan, model caller, runners
   llada.generate             LLaDA `generate`; MMaDA t2t / mmu / mmu_generate_fast via `llada.mmada_options`
-  dream.diffusion_generate   Dream `diffusion_generate`
+  dream.diffusion_generate   Dream `diffusion_generate`, and Fast-dLLM's Dream block modes (dream_blockwise)
   autoregressive.generate    KV-cache decoding of the autoregressive baselines
   padding                    left-padding validity, shifted positions and padding biases
   selection                  top-k positions, logit filters, decode steps

@@ -26,6 +26,13 @@ Without a prompt mask the model is fully bidirectional with positions 0..S−1, 
 The original's `generation_tokens_hook_func` / `generation_logits_hook_func` are not offered; attention-side
 changes go through interventions.
 
+Block modes (`DreamOptions.block_length` set; `dlm_jax.sampling.dream_blockwise`): Fast-dLLM's Dream code —
+blocks of B positions after the prompt, decoded left to right; each block opens with a whole-canvas step
+that commits its first position unconditionally (the cache refresh with a cache), then steps that decode
+the rest of the block by the confidence threshold (`threshold`), the factor rule (`factor`) or the
+per-block timestep quota (neither), with no cache, the prefix KV cache or the dual KV cache (`cache`).
+With block_length None this module's exact sampler runs, unchanged.
+
 Precision: logits, softmax and confidences are float32 (the original computes them in the model dtype,
 bf16 for the released weights); compare at temperature 0 in float32.
 """
@@ -33,7 +40,6 @@ bf16 for the released weights); compare at temperature 0 in float32.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Literal
 
 import jax
@@ -42,7 +48,8 @@ import numpy as np
 from flax import struct
 
 from dlm_jax.config import ModelConfig
-from dlm_jax.sampling import driver, keys, padding
+from dlm_jax.model import KVCache
+from dlm_jax.sampling import dream_blockwise, driver, keys, padding
 from dlm_jax.sampling.schedules import dream_transfer_count, dream_transfer_fractions
 from dlm_jax.sampling.selection import filter_top_k, filter_top_p, select_top_k, update_decode_step
 
@@ -63,6 +70,19 @@ class DreamOptions:
     top_p: nucleus filtering (None or >= 1 = off).
     top_k: top-k filtering (None = off).
     mask_token_id: override of the config's mask id.
+    block_length: None (the exact sampler above) or B, which selects Fast-dLLM's block-by-block modes
+      (`dlm_jax.sampling.dream_blockwise`): G / B blocks decoded left to right, each opened by a step that
+      commits its first position unconditionally. B must divide gen_length.
+    threshold: block modes: Fast-dLLM's confidence-threshold rule (alg='confidence_threshold'): at each
+      step the block's most confident mask and every mask with p(x0) >= threshold take their proposal; a
+      block takes the steps it needs (`steps` is then unused). None = off.
+    factor: block modes: Fast-dLLM's factor rule on p(x0) instead (`parallel.factor_transfer`); not with
+      threshold. None = off.
+    With neither, the block modes use Fast-dLLM's per-block quota: steps / num_blocks steps per block
+      (at least 2 when B > 1), ranked by alg's confidence ("maskgit_plus", "topk_margin" or "entropy").
+      With either, alg must stay "origin" (the default) or be "maskgit_plus" (both: p(x0)), alg_temp unset.
+    cache: block modes: "none" (every step runs the whole canvas), "prefix" or "dual" (Fast-dLLM's
+      approximate KV caches, refreshed by each block-start step).
   """
 
   gen_length: int = 512
@@ -74,6 +94,10 @@ class DreamOptions:
   top_p: float | None = None
   top_k: int | None = None
   mask_token_id: int | None = None
+  block_length: int | None = None
+  threshold: float | None = None
+  factor: float | None = None
+  cache: Literal["none", "prefix", "dual"] = "none"
 
   def __post_init__(self):
     if not isinstance(self.gen_length, int) or self.gen_length <= 0:
@@ -90,6 +114,58 @@ class DreamOptions:
       raise ValueError(f"top_p must be None or > 0, got {self.top_p!r}.")
     if self.alg_temp is not None and self.alg_temp < 0:
       raise ValueError(f"alg_temp must be None or >= 0, got {self.alg_temp!r}.")
+    if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+      raise ValueError(f"threshold must be in [0, 1] (a confidence) or None, got {self.threshold!r}.")
+    if self.factor is not None and not self.factor > 0.0:
+      raise ValueError(f"factor must be > 0 or None, got {self.factor!r}.")
+    if self.threshold is not None and self.factor is not None:
+      raise ValueError("set threshold or factor, not both (they are two transfer rules).")
+    if self.cache not in ("none", "prefix", "dual"):
+      raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
+    if self.block_length is None:
+      if self.threshold is not None or self.factor is not None or self.cache != "none":
+        raise ValueError("threshold, factor and cache are Fast-dLLM's block-by-block modes: set block_length "
+                         "(block_length=gen_length for one block).")
+      return
+    if isinstance(self.block_length, bool) or not isinstance(self.block_length, int) or self.block_length <= 0:
+      raise ValueError(f"block_length must be a positive integer or None, got {self.block_length!r}.")
+    if self.gen_length % self.block_length:
+      raise ValueError(f"gen_length ({self.gen_length}) must be a multiple of block_length ({self.block_length}).")
+    if self.threshold is not None or self.factor is not None:
+      if self.alg not in ("origin", "maskgit_plus"):
+        raise ValueError(f"threshold and factor compare the proposal's probability p(x0); alg={self.alg!r} ranks "
+                         "by another confidence. Leave alg at 'origin' or use 'maskgit_plus'.")
+      if self.alg_temp:
+        raise ValueError("alg_temp samples positions for the quota rule; threshold and factor choose them by "
+                         "confidence. Leave alg_temp unset.")
+      return
+    if self.alg == "origin":
+      raise ValueError("alg='origin' reveals positions at random and has no block mode: with block_length set "
+                       "use alg 'maskgit_plus', 'topk_margin' or 'entropy' (Fast-dLLM's quota ranks by entropy), "
+                       "or a threshold.")
+    if self.steps % self.num_blocks:
+      raise ValueError(f"steps ({self.steps}) must be a multiple of the number of blocks gen_length / "
+                       f"block_length = {self.num_blocks}.")
+    if self.block_length > 1 and self.steps_per_block < 2:
+      raise ValueError(f"steps / num_blocks = {self.steps_per_block} step per block: the block-start step decodes "
+                       "only the block's first position, so the quota needs at least 2 steps per block; raise steps.")
+
+  @property
+  def blockwise(self) -> bool:
+    """Fast-dLLM's block-by-block modes (`dream_blockwise`) rather than the exact sampler."""
+    return self.block_length is not None
+
+  @property
+  def block(self) -> int:
+    return self.gen_length if self.block_length is None else self.block_length
+
+  @property
+  def num_blocks(self) -> int:
+    return self.gen_length // self.block
+
+  @property
+  def steps_per_block(self) -> int:
+    return self.steps // self.num_blocks
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float | None,
@@ -131,11 +207,16 @@ def shift_logits(outputs: jax.Array, target_start: int) -> jax.Array:
 
 @struct.dataclass
 class DreamCarry:
-  """tokens [B, S]; key; decode_step [B, G]."""
+  """tokens [B, S]; key; decode_step [B, G]. Block modes also: block, the index of the last block whose
+  block-start step ran (scalar int32, −1 before the first); block_step, the steps taken in that block;
+  cache, the `KVCache` (None without a cache)."""
 
   tokens: jax.Array
   key: jax.Array
   decode_step: jax.Array
+  block: jax.Array | None = None
+  block_step: jax.Array | None = None
+  cache: KVCache | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,11 +236,42 @@ class DreamFamily(driver.MaskedDiffusionFamily):
       raise ValueError(f"Dream sampling reads shifted logits; config {config.name!r} has logit_shift=0 "
                        "(use dlm_jax.sampling.llada for unshifted models).")
 
+  @property
+  def can_finish_early(self) -> bool:
+    return self.options.blockwise
+
+  def phases(self, run) -> tuple[driver.Phase, ...]:
+    if self.options.blockwise:
+      return dream_blockwise.phases(self.options)
+    return super().phases(run)
+
   def init_carry(self, run, params, canvas, key, consts) -> DreamCarry:
     b = canvas.shape[0]
-    return DreamCarry(tokens=canvas, key=key, decode_step=jnp.full((b, self.options.gen_length), -1, jnp.int32))
+    decode_step = jnp.full((b, self.options.gen_length), -1, jnp.int32)
+    if not self.options.blockwise:
+      return DreamCarry(tokens=canvas, key=key, decode_step=decode_step)
+    return DreamCarry(tokens=canvas, key=key, decode_step=decode_step, block=jnp.int32(-1), block_step=jnp.int32(0),
+                      cache=dream_blockwise.init_cache(run, params, b))
+
+  def proposals(self, run, logits: jax.Array, key: jax.Array, alg: Alg = "maskgit_plus"):
+    """`sample_tokens` with the options' temperature, top-p and top-k and alg's confidence (p(x0), the
+    top1 − top2 margin for "topk_margin", the negative entropy for "entropy"): logits [B, W, V] ->
+    (confidence [B, W] float32, x0 [B, W] int32)."""
+    o = self.options
+    return sample_tokens(logits, key, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+                         margin=alg == "topk_margin", neg_entropy=alg == "entropy", per_row=run.row_keys)
+
+  def finished(self, run, consts, carry: DreamCarry, i, phase):
+    """Block modes: every row has finished the block (`dream_blockwise.finished`)."""
+    return dream_blockwise.finished(self, run, carry, phase)
+
+  def open_phase(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
+    """Block modes: the block-start step (the cache refresh with a cache)."""
+    return dream_blockwise.open_block(self, run, params, consts, carry, istate, i, phase)
 
   def step(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
+    if self.options.blockwise:
+      return dream_blockwise.step(self, run, params, consts, carry, istate, i, phase)
     o, mask_id, lp = self.options, self.mask_id, run.prompt_length
     w0 = 0 if self.infill else lp
     x = carry.tokens
@@ -171,9 +283,7 @@ class DreamFamily(driver.MaskedDiffusionFamily):
     x_win = x[:, w0:]
     masked = x_win == mask_id
     fraction = jnp.asarray(dream_transfer_fractions(o.steps, o.eps))[i]
-    sample = functools.partial(sample_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
-                               margin=o.alg == "topk_margin", neg_entropy=o.alg == "entropy", per_row=run.row_keys)
-    confidence, x0 = sample(logits, sample_key)
+    confidence, x0 = self.proposals(run, logits, sample_key, o.alg)
     if o.alg == "origin":
       reveal = keys.uniform(select_key, masked.shape, jnp.float32, 0.0, 1.0, run.row_keys) < fraction
       x_win = jnp.where(masked & reveal, x0, x_win)
@@ -212,5 +322,7 @@ Args:
     record_intervention: see `dlm_jax.sampling.driver.run_family`.
 
 Returns:
-  `Trace` with tokens [B, Lp + G], decode_step [B, G], nfe = steps, stats [steps, ...], top_sinks.
+  `Trace` with tokens [B, Lp + G], decode_step [B, G], nfe (= steps for the exact sampler; the model calls
+  run in the block modes), stats [max_steps, ...] (valid for the first nfe steps), top_sinks, active_rows,
+  computed_queries.
 """)
