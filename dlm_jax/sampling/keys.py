@@ -67,6 +67,6 @@ def categorical(key: jax.Array, logits: jax.Array, per_row: bool) -> jax.Array:
 
 def keep_rows(active: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
   """[B] keys: `new` where active [B] bool, else `old` (rows that wait keep their key, so a row's draws do
-  not depend on how long it waited for the rest of its batch)."""
-  data = jnp.where(active[:, None], jax.random.key_data(new), jax.random.key_data(old))
+  not depend on how long it waited for the rest of its batch); one key with a scalar `active` likewise."""
+  data = jnp.where(active[..., None], jax.random.key_data(new), jax.random.key_data(old))
   return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))

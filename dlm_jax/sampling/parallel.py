@@ -12,6 +12,9 @@ lowest index first (as everywhere in `dlm_jax.sampling`).
   the longest accepted prefix of that order. This is the exact prefix (as dllm's vectorised rule); the
   loop of the Fast-dLLM fork and dInfer also commits the last candidate when only it fails (§3, "quirk"),
   which we do not.
+* `quota_threshold_transfer` — LLaDA2.0's sampler (§6; SDAR's `low_confidence_dynamic`): the candidates whose
+  confidence exceeds τ (strictly) when there are at least the step's quota of them, else the quota's most
+  confident candidates (at most all of them).
 """
 
 from __future__ import annotations
@@ -44,3 +47,15 @@ def factor_transfer(confidence: jax.Array, candidates: jax.Array, factor: float)
   accepted = (ordered >= bound) & jnp.isfinite(ordered)
   count = jnp.sum(jnp.cumprod(accepted, axis=-1), axis=-1)
   return select_top_k(scores, count) & candidates
+
+
+def quota_threshold_transfer(confidence: jax.Array, candidates: jax.Array, threshold: float | None,
+                             quota: jax.Array) -> jax.Array:
+  """H = candidates with confidence > threshold (strict; none when threshold is None); H where |H| >= quota,
+  else the min(quota, #candidates) most confident candidates. confidence, candidates [B, W], quota scalar or
+  [B] int -> [B, W] bool."""
+  scores = _candidate_confidence(confidence, candidates)
+  high = candidates & (scores > threshold) if threshold is not None else jnp.zeros_like(candidates)
+  quota = jnp.broadcast_to(jnp.asarray(quota, jnp.int32), confidence.shape[:1])
+  fallback = select_top_k(scores, jnp.minimum(quota, jnp.sum(candidates, axis=-1))) & candidates
+  return jnp.where((jnp.sum(high, axis=-1) >= quota)[:, None], high, fallback)

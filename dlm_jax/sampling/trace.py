@@ -23,8 +23,10 @@ class Trace:
       It is also the number of steps run: indices 0..nfe−1 of every per-step buffer below are valid, the
       rest (up to the sampler's step bound, `max_steps`) are zeros.
     active_rows: [max_steps, B] bool, the rows each step decoded for: all rows at every step run, except
-      in modes where rows of a batch finish a block at different steps (threshold decoding): a row that
-      is done waits, unchanged, while its model call still runs with the batch. False after step nfe − 1.
+      in modes where rows of a batch finish a block at different steps (threshold decoding, block
+      diffusion): a row that is done waits, unchanged, while its model call still runs with the batch; and
+      no row at block diffusion's cache calls (the prefill, a block's commit), which decode nothing.
+      False after step nfe − 1.
     computed_queries: [max_steps, 2] int32, the canvas positions [start, stop) whose queries each step
       computed: [0, S) for a whole-canvas step; the block and what follows it (prefix cache), the block
       (dual cache, block diffusion) or the fed tokens (autoregressive) otherwise. Statistics sum over
@@ -52,7 +54,8 @@ class Trace:
 
   @property
   def row_nfe(self) -> jax.Array:
-    """[B] int32, the model evaluations each row decoded with (equals `nfe` unless rows can wait)."""
+    """[B] int32, the model evaluations each row decoded with (equals `nfe` unless rows can wait or the
+    sampler makes cache calls that decode no row)."""
     return jnp.sum(self.active_rows, axis=0, dtype=jnp.int32)
 
   @property
