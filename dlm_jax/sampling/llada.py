@@ -208,13 +208,15 @@ class LLaDAConstants:
 @struct.dataclass
 class LLaDACarry:
   """tokens [B, S]; key; schedule [B, steps_per_block] transfer counts of the current block; decode_step
-  [B, G]; block_step: steps taken in the current block and cache: the `KVCache` (block-by-block modes)."""
+  [B, G]; block_step: steps taken in the current block, block: the current block (the one-phase layout)
+  and cache: the `KVCache` (block-by-block modes)."""
 
   tokens: jax.Array
   key: jax.Array
   schedule: jax.Array
   decode_step: jax.Array
   block_step: jax.Array | None = None
+  block: jax.Array | None = None
   cache: KVCache | None = None
 
 
@@ -243,7 +245,8 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
     b, o = canvas.shape[0], self.options
     return LLaDACarry(tokens=canvas, key=key, schedule=jnp.zeros((b, o.steps_per_block), jnp.int32),
                       decode_step=jnp.full((b, o.gen_length), -1, jnp.int32),
-                      block_step=jnp.zeros((), jnp.int32), cache=llada_blockwise.init_cache(run, params, b))
+                      block_step=jnp.zeros((), jnp.int32), block=jnp.zeros((), jnp.int32),
+                      cache=llada_blockwise.init_cache(run, params, b))
 
   def _confidence_dtype(self, params) -> Any:
     if self.options.confidence_dtype is None:

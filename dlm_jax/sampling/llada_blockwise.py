@@ -3,8 +3,11 @@ confidence-threshold and factor parallel decoding, and the prefix and dual KV ca
 
 `LLaDAOptions.threshold` / `factor` choose the transfer rule (`dlm_jax.sampling.parallel`; neither = the
 per-step quota of the exact sampler) and `LLaDAOptions.cache` the model calls. The blocks are the same as
-the exact sampler's ([Lp + kB, Lp + (k + 1)B), after the prompt); each block is a static driver `Phase`
-and at each step the candidates are the masked positions of the current block only.
+the exact sampler's ([Lp + kB, Lp + (k + 1)B), after the prompt) and at each step the candidates are the
+masked positions of the current block only. Without a cache and with the dual cache every call has fixed
+shapes, so the whole run is one driver phase with the block index in the carry (a `lax.cond` picks the
+refresh at a block's first step); the prefix cache computes S − s queries, a count that changes with the
+block, so each of its blocks is a phase of its own (compile time grows with the number of blocks).
 
 Model calls in block k = [s, e):
   * "none":   every step runs the whole canvas (exact attention); the logits are the block's.
@@ -48,11 +51,18 @@ from dlm_jax.sampling.selection import select_top_k, update_decode_step
 Call = Literal["full", "refresh", "prefix", "dual"]
 
 
+def _bound(options) -> int:
+  """The most steps a block takes: its quota steps, or B with a threshold or factor."""
+  return options.steps_per_block if options.threshold is None and options.factor is None else options.block
+
+
 def phases(options) -> tuple[driver.Phase, ...]:
-  """One phase per block: an opening refresh with a cache, then steps up to the block's bound."""
-  cached = options.cache != "none"
-  bound = options.steps_per_block if options.threshold is None and options.factor is None else options.block
-  return tuple(driver.Phase(arg=k, steps=bound - int(cached), opening=cached) for k in range(options.num_blocks))
+  """The prefix cache: one phase per block (its query count S − s changes with the block), an opening
+  refresh, then steps up to the block's bound. No cache and the dual cache: one phase over all blocks with
+  the block index in the carry (fixed shapes; compiled once whatever the number of blocks)."""
+  if options.cache == "prefix":
+    return tuple(driver.Phase(arg=k, steps=_bound(options) - 1, opening=True) for k in range(options.num_blocks))
+  return (driver.Phase(steps=options.num_blocks * _bound(options)),)
 
 
 def init_cache(run, params, batch: int) -> KVCache | None:
@@ -61,14 +71,26 @@ def init_cache(run, params, batch: int) -> KVCache | None:
   return KVCache.zeros(run.config, batch, run.total_length, params["embed"]["embedding"].dtype)
 
 
+def _block_index(carry, phase: driver.Phase):
+  """The current block: static for a per-block phase, else the carry's (traced)."""
+  return carry.block if phase.arg is None else phase.arg
+
+
 def finished(family, run, carry, phase: driver.Phase) -> jax.Array:
-  """Every row's block `phase.arg` holds no mask, or (MMaDA's stop id) every row's previous position holds
-  the stop id."""
+  """Skip the call: the block is done for every row (per-block phases), every block is done (the one-phase
+  layout), or (MMaDA's stop id) at a block start every row's previous position holds the stop id."""
   o = family.options
-  s = run.prompt_length + phase.arg * o.block
-  done = ~jnp.any(carry.tokens[:, s:s + o.block] == family.mask_id)
-  if o.stop_token_id is not None and phase.arg > 0:
-    done = done | jnp.all(carry.tokens[:, s - 1] == o.stop_token_id)
+  k = _block_index(carry, phase)
+  s = run.prompt_length + k * o.block
+  if phase.arg is None:
+    done = carry.block >= o.num_blocks
+    at_start = (carry.block_step == 0) & (k > 0)
+  else:
+    done = ~jnp.any(carry.tokens[:, s:s + o.block] == family.mask_id)
+    at_start = jnp.asarray(phase.arg > 0)
+  if o.stop_token_id is not None:
+    previous = jax.lax.dynamic_index_in_dim(carry.tokens, jnp.maximum(s - 1, 0), axis=1, keepdims=False)
+    done = done | (at_start & jnp.all(previous == o.stop_token_id))
   return done
 
 
@@ -81,37 +103,67 @@ def _transfer(options, confidence, candidates, schedule, block_step):
   return select_top_k(jnp.where(candidates, confidence, -jnp.inf), count) & candidates
 
 
+def _rows(array, start, length):
+  return jax.lax.dynamic_slice_in_dim(array, start, length, axis=1)
+
+
+def _model_call(family, run, params, consts, carry, istate, i, s, call: Call, step_key):
+  """The step's model call: (logits [B, block, V], uncond logits or None, CallResult, queries [2])."""
+  o, total, x, layout = family.options, run.total_length, carry.tokens, consts.layout
+  if call == "prefix":
+    start, length = s, total - s
+  elif call == "dual":
+    start, length = s, o.block
+  else:
+    start, length = 0, total
+  uncond = jnp.where(consts.prompt_index, family.mask_id, x) if o.cfg_scale > 0 else None
+  cache = None if call == "full" else carry.cache
+  whole = call in ("full", "refresh")
+  result = run.caller(params, x if whole else _rows(x, start, length), i, istate, window=(0, o.block),
+                      logits_offset=s if whole else 0, positions=_rows(layout.positions, start, length),
+                      valid_keys=layout.valid, query_valid=_rows(layout.valid, start, length),
+                      base_bias=padding.query_rows(layout.bias, start, length), uncond_tokens=uncond,
+                      uncond_base_bias=consts.uncond_bias, cache=cache, cache_offset=start,
+                      canvas=None if cache is None else x)
+  queries = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(start + length, jnp.int32)])
+  return result, queries
+
+
 def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, call: Call) -> tuple[Any, Any, Any]:
-  """One step of block `phase.arg` with the model call `call` (module docstring): "full" (no cache),
-  "refresh" (the whole canvas, filling the cache), "prefix" or "dual". Returns (carry, istate, StepOutput)."""
-  o, mask_id, lp, total = family.options, family.mask_id, run.prompt_length, run.total_length
-  s = lp + phase.arg * o.block
-  e = s + o.block
+  """One step with the model call `call` (module docstring): "full" (no cache), "refresh" (the whole
+  canvas, filling the cache), "prefix" or "dual" — in the one-phase layout "dual" means the refresh at a
+  block's first step (a `lax.cond`) and the dual call after. Returns (carry, istate, StepOutput)."""
+  o, mask_id, lp = family.options, family.mask_id, run.prompt_length
+  k = _block_index(carry, phase)
+  s = lp + k * o.block
   x = carry.tokens
-  candidates = x[:, s:e] == mask_id
+  block_tokens = _rows(x, s, o.block)
+  candidates = block_tokens == mask_id
   active = jnp.any(candidates, axis=1)
-  schedule, block_step = carry.schedule, carry.block_step
-  if call == "refresh":
-    schedule = llada_transfer_counts(jnp.sum(candidates, axis=1), o.steps_per_block)
-    block_step = jnp.zeros((), jnp.int32)
-  start, stop = {"full": (0, total), "refresh": (0, total), "prefix": (s, total), "dual": (s, e)}[call]
-  layout = consts.layout
+  block_step = jnp.zeros((), jnp.int32) if call == "refresh" else carry.block_step
+  fresh = block_step == 0
+  schedule = jnp.where(fresh, llada_transfer_counts(jnp.sum(candidates, axis=1), o.steps_per_block),
+                       carry.schedule)
   key, step_key = keys.split(carry.key, 2, run.row_keys)
   if run.row_keys:
     key = keys.keep_rows(active, key, carry.key)
-  uncond = jnp.where(consts.prompt_index, mask_id, x) if o.cfg_scale > 0 else None
-  cache = None if call == "full" else carry.cache
-  result = run.caller(params, x[:, start:stop], i, istate, window=(s - start, e - start),
-                      positions=layout.positions[:, start:stop], valid_keys=layout.valid,
-                      query_valid=layout.valid[:, start:stop], base_bias=padding.query_rows(layout.bias, start,
-                                                                                            stop - start),
-                      uncond_tokens=uncond, uncond_base_bias=consts.uncond_bias, cache=cache, cache_offset=start,
-                      canvas=None if cache is None else x)
+  if call == "dual" and phase.arg is None:
+    result, queries = jax.lax.cond(
+        fresh, lambda: _model_call(family, run, params, consts, carry, istate, i, s, "refresh", step_key),
+        lambda: _model_call(family, run, params, consts, carry, istate, i, s, "dual", step_key))
+  else:
+    result, queries = _model_call(family, run, params, consts, carry, istate, i, s, call, step_key)
   x0, confidence = family._proposals(params, result.logits, result.uncond_logits, step_key, run.row_keys)
   chosen = _transfer(o, confidence, candidates, schedule, block_step)
-  new_x = x.at[:, s:e].set(jnp.where(chosen, x0, x[:, s:e]))
+  new_x = jax.lax.dynamic_update_slice_in_dim(x, jnp.where(chosen, x0, block_tokens), s, axis=1)
   decode_step = update_decode_step(carry.decode_step, x[:, lp:], new_x[:, lp:], mask_id, i)
-  carry = carry.replace(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step,
-                        block_step=block_step + 1, cache=result.cache if cache is not None else carry.cache)
-  outputs = result.outputs.replace(active=active, queries=jnp.array([start, stop], jnp.int32))
+  block_step = block_step + 1
+  block = carry.block
+  if phase.arg is None:
+    block_over = ~jnp.any(_rows(new_x, s, o.block) == mask_id) | (block_step >= _bound(o))
+    block = block + block_over.astype(jnp.int32)
+    block_step = jnp.where(block_over, 0, block_step)
+  carry = carry.replace(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step, block_step=block_step,
+                        block=block, cache=result.cache if result.cache is not None else carry.cache)
+  outputs = result.outputs.replace(active=active, queries=queries)
   return carry, result.intervention_state, outputs

@@ -77,7 +77,8 @@ def layout(prompt_mask: jax.Array | None, total: int, attention: PaddingAttentio
 
 def query_rows(bias: AttentionBias, start: int, length: int) -> AttentionBias:
   """The bias of a call whose queries are canvas positions start..start+length−1 (its pairwise rows;
-  key biases apply to every query unchanged). start, length: static ints."""
+  key biases apply to every query unchanged). start: int or traced scalar; length: static int."""
   if bias.pairwise is None or bias.pairwise.shape[-2] == 1:
     return bias
-  return bias.replace(pairwise=jax.lax.slice_in_dim(bias.pairwise, start, start + length, axis=bias.pairwise.ndim - 2))
+  return bias.replace(pairwise=jax.lax.dynamic_slice_in_dim(bias.pairwise, start, length,
+                                                            axis=bias.pairwise.ndim - 2))
