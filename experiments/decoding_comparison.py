@@ -17,8 +17,10 @@ it writes to --output_dir:
 
 Sink positions: for each item and recorded layer, the modal largest sink (the position most often the
 largest sink over the item's decoded steps and the heads); "same modal sink" is the fraction of (item,
-layer) pairs where a mode's equals the reference's. No model is run; nothing is written before every
-input has been read.
+layer) pairs where a mode's equals the reference's, over all decoded steps and over the whole-canvas steps
+only (every step without a cache, a block's refresh step with one). "lifetime / NFE" is the mean sink
+lifetime as a fraction of the item's steps (the modes take different numbers of steps). No model is run;
+nothing is written before every input has been read.
 """
 
 from __future__ import annotations
@@ -107,7 +109,12 @@ def _sinks(part_dir: str, model: str) -> dict:
           "per_layer": {k: moving[k] for k in SINK_KEYS},
           "mean": {k: _mean(moving[k]) for k in SINK_KEYS},
           "separate_sinks": _mean(agg["separate_sinks_per_layer"]) if "separate_sinks_per_layer" in agg else None,
-          "modal_largest_sink": {r["item"]: r["modal_largest_sink"] for r in records}}
+          "lifetime_fraction": _mean([np.asarray(r["moving"]["mean_lifetime"], np.float64) / r["nfe"]
+                                      for r in records]),
+          "whole_canvas_fraction": float(np.sum([r["whole_canvas_steps"] for r in records])
+                                         / max(np.sum([r["nfe"] for r in records]), 1)),
+          "modal_largest_sink": {r["item"]: r["modal_largest_sink"] for r in records},
+          "modal_largest_sink_whole_canvas": {r["item"]: r["modal_largest_sink_whole_canvas"] for r in records}}
 
 
 def _masking(part_dir: str, model: str) -> dict:
@@ -161,6 +168,8 @@ def collect(settings: Settings) -> dict:
     if reference is not None and "sinks" in entry:
       overall, per_layer = _agreement(entry["sinks"]["modal_largest_sink"], reference["modal_largest_sink"])
       entry["sinks"]["same_modal_sink"], entry["sinks"]["same_modal_sink_per_layer"] = overall, per_layer
+      entry["sinks"]["same_modal_sink_whole_canvas"] = _agreement(
+          entry["sinks"]["modal_largest_sink_whole_canvas"], reference["modal_largest_sink_whole_canvas"])[0]
   return {"model": model, "reference": labels[0], "modes": modes}
 
 
@@ -181,11 +190,11 @@ def _sinks_markdown(result: dict) -> list[str]:
   lines = ["## Sinks across the decoded steps (experiments.sink_analysis)", "",
            f"{result['model']}, {ref['n_items']} prompts per mode; in parentheses the change from "
            f"{rows[0]['mode']}. Per-layer values are averaged over the recorded layers.", "",
-           "| mode | accuracy | NFE per row | sink fraction (ε-rule) | non-sinks at ε | sinks per head and step | "
-           "steps with a sink | largest sink moved (change rate) | drift | sink lifetime (steps) | "
-           "largest sink in prompt | largest sink = first token | same modal sink as reference | "
-           "masked/unmasked separate | top sink tokens |",
-           "|---|" + "---|" * 14]
+           "| mode | accuracy | NFE per row | whole-canvas steps | sink fraction (ε-rule) | non-sinks at ε | "
+           "sinks per head and step | steps with a sink | largest sink moved (change rate) | drift | "
+           "sink lifetime (steps) | lifetime / NFE | largest sink in prompt | largest sink = first token | "
+           "same modal sink as reference | same, whole-canvas steps | masked/unmasked separate | top sink tokens |",
+           "|---|" + "---|" * 17]
   for m in rows:
     s = m["sinks"]
     base = None if m is rows[0] else ref
@@ -194,12 +203,14 @@ def _sinks_markdown(result: dict) -> list[str]:
     tokens = ", ".join(f"`{t}` {f:.2f}" for t, f in s["sink_tokens"])
     lines.append(
         f"| {m['mode']} | {_fmt(s['accuracy'], 2, pick('accuracy'))} | {_fmt(s['mean_nfe'], 1, pick('mean_nfe'))} | "
-        f"{_fmt(s['sink_fraction'], 4, pick('sink_fraction'))} | "
+        f"{_fmt(s['whole_canvas_fraction'], 2)} | {_fmt(s['sink_fraction'], 4, pick('sink_fraction'))} | "
         f"{_fmt(s['nonsink_fraction_at_epsilon'], 4, pick('nonsink_fraction_at_epsilon'))} | "
         + " | ".join(_fmt(s["mean"][k], 2, mean(k)) for k in SINK_KEYS) + " | "
+        f"{_fmt(s['lifetime_fraction'], 2, pick('lifetime_fraction'))} | "
         f"{_fmt(s['largest_in_prompt'], 2, pick('largest_in_prompt'))} | "
         f"{_fmt(s['largest_at_first_token'], 2, pick('largest_at_first_token'))} | "
-        f"{_fmt(s.get('same_modal_sink'), 2)} | {_fmt(s['separate_sinks'], 2, pick('separate_sinks'))} | {tokens} |")
+        f"{_fmt(s.get('same_modal_sink'), 2)} | {_fmt(s.get('same_modal_sink_whole_canvas'), 2)} | "
+        f"{_fmt(s['separate_sinks'], 2, pick('separate_sinks'))} | {tokens} |")
   return lines
 
 

@@ -239,6 +239,8 @@ def decoding_mode_panels(ks: Sequence[int], masking: Mapping[str, tuple[np.ndarr
     ax.set_xticks(groups, [str(l) for l in layers])
     ax.set_xlabel("layer")
     ax.set_title(panel, fontsize=10)
+    if index == 1:
+      ax.legend(fontsize=7)
   for index in range(n, rows * cols):
     axes[index // cols, index % cols].axis("off")
   fig.suptitle(title, fontsize=11)

@@ -185,6 +185,7 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
   first = int(real[0]) if real.size else 0  # the first real prompt token (BOS when there is one)
   shares = all_queries[..., first] / np.maximum(np.where(valid4, all_queries, 0).sum(-1), 1e-30)
   has = largest >= 0
+  whole = (queries[:, 0] == 0) & (queries[:, 1] == total)  # [steps]: the step computed every query
   record = {
       "model": model.label, "item": item.id, "prompt": item.question,
       "completion": prompts.completion(model, tokens[lp:])[1], "steps": steps, "nfe": steps, "prompt_length": lp,
@@ -197,6 +198,8 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
       "largest_at_first_token": float(((largest == first) & has).sum() / max(has.sum(), 1)),
       "largest_in_prompt": float(((largest < lp) & has).sum() / max(has.sum(), 1)),
       "modal_largest_sink": [_modal_position(largest[active][:, l]) for l in range(len(layers))],
+      "whole_canvas_steps": int((whole & active).sum()),
+      "modal_largest_sink_whole_canvas": [_modal_position(largest[active & whole][:, l]) for l in range(len(layers))],
   }
   if item.kind != "humaneval":
     record["correct"] = scoring.score(item, record["completion"], model.prompt_format == "chat")["correct"]

@@ -23,6 +23,7 @@ except ImportError:
   import experiments_fixtures as fx
 
 SMALL = ["--gen_length=8", "--steps=8", "--block_length=4"]
+FAST = ["--decoding=threshold_dual_cache", "--threshold=0.1"]  # rows of the random tiny model finish apart
 
 
 def test_modes_map_to_sampler_options():
@@ -108,12 +109,13 @@ def test_analysis_binaries_and_comparison_in_a_threshold_cache_mode(checkpoints,
   results = fx.run_cases("sink_analysis", [
       common + ["--decoding=bogus", f"--output_dir={tmp_path / 'never'}"],
       common + ["--batch_size=2", f"--output_dir={exact}/sink_analysis"],
-      common + ["--decoding=threshold_dual_cache", "--batch_size=2", f"--output_dir={fast}/sink_analysis"],
-      common + ["--decoding=threshold_dual_cache", "--batch_size=1", f"--output_dir={alone}"]])
+      common + [*FAST, "--batch_size=2", f"--output_dir={fast}/sink_analysis"],
+      common + [*FAST, "--batch_size=1", f"--output_dir={alone}"]])
   assert results[0][0] == 1 and "--decoding=bogus" in results[0][1] and not (tmp_path / "never").exists()
   assert [code for code, _ in results[1:]] == [0, 0, 0], results
   batched, single = (fx.read_jsonl(d / "results.jsonl") for d in (fast / "sink_analysis", alone))
   assert [r["nfe"] for r in batched] == [r["nfe"] for r in single]  # waiting steps are not the row's
+  assert len({r["nfe"] for r in batched}) == 2  # one row of the batch waited for the other
   for a, b in zip(batched, single):
     np.testing.assert_allclose(a["score_histogram"], b["score_histogram"])
     assert a["token_counts"] == b["token_counts"] and a["modal_largest_sink"] == b["modal_largest_sink"]
@@ -124,16 +126,16 @@ def test_analysis_binaries_and_comparison_in_a_threshold_cache_mode(checkpoints,
   summary = (fast / "sink_analysis" / "summary.md").read_text()
   assert "cached keys included" in summary and "decoding=threshold_dual_cache" in summary
   masking = fx.run_cases("sink_masking_eval", [[dlm, "--n_items=2", "--batch_size=2", "--mask_top_k=0,1",
-                                                "--decoding=threshold_dual_cache", *SMALL,
+                                                *FAST, *SMALL,
                                                 f"--output_dir={fast}/sink_masking_eval"]])
   assert masking[0][0] == 0, masking
   table = json.loads((fast / "sink_masking_eval" / "table.json").read_text())
   assert table["accuracy"]["dlm"]["1"]["mean_nfe"] > 0
   out = tmp_path / "comparison"
   done = fx.run_binary("decoding_comparison", f"--runs={exact},{fast}", f"--output_dir={out}")
-  assert "threshold_dual_cache:0.9" in done.stdout
+  assert "threshold_dual_cache:0.1" in done.stdout
   compared = json.loads((out / "comparison.json").read_text())
-  assert [m["mode"] for m in compared["modes"]] == ["exact", "threshold_dual_cache:0.9"]
+  assert [m["mode"] for m in compared["modes"]] == ["exact", "threshold_dual_cache:0.1"]
   assert compared["modes"][0]["sinks"]["same_modal_sink"] == 1.0 and "masking" in compared["modes"][1]
   assert (out / "decoding_modes.png").stat().st_size > 0 and (out / "comparison.md").exists()
 
