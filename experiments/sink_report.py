@@ -140,8 +140,9 @@ def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
                f"each generation decoded at (NFE per row). Wall time {wall_s:.0f}s.")
   if any(MODES.get(m["settings"].get("decoding", "exact"), ("", "none"))[1] != "none" for m in metas):
     lines += ["", CACHE_NOTE]
-  lines += ["", "| model | sampler | task / prompts | accuracy | NFE per row | sinks (fraction of step·layer·head·key) | "
-            "non-sinks at ε | largest sink in prompt | largest sink = first token | first-token share (last layer) |",
+  lines += ["", "| model | sampler | task / prompts | accuracy | NFE per row | "
+            "sinks (fraction of step·layer·head·key) | non-sinks at ε | largest sink in prompt | "
+            "largest sink = first token | first-token share (last layer) |",
             "|---|---|---|---|---|---|---|---|---|---|"]
   for meta in metas:
     agg = aggs.get(meta["label"])
@@ -150,7 +151,8 @@ def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
     s = meta["settings"]
     sampler = ", ".join(f"{k}={v}" for k, v in s.items() if v is not None)
     lines.append(f"| {meta['label']} | {sampler} | {meta['task']} / {agg['n_items']} | {_fmt(agg['accuracy'], 2)} | "
-                 f"{_fmt(agg['mean_nfe'], 1)} | {_fmt(agg['sink_fraction'], 4)} | {_fmt(agg['nonsink_fraction_at_epsilon'], 4)} | "
+                 f"{_fmt(agg['mean_nfe'], 1)} | {_fmt(agg['sink_fraction'], 4)} | "
+                 f"{_fmt(agg['nonsink_fraction_at_epsilon'], 4)} | "
                  f"{_fmt(agg['largest_in_prompt'], 2)} | {_fmt(agg['largest_at_first_token'], 2)} | "
                  f"{_fmt(float(agg['first_token_share_per_layer'][-1]), 3)} |")
   lines += ["", "## Most frequent sink tokens (Table 2)", "",
