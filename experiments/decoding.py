@@ -15,6 +15,10 @@ hides pad keys without shifting positions (the Oct-2025 HF code), MMaDA applies 
 and none under CFG — so an item's results depend on the run's longest prompt. Pads that are visible prompt
 tokens by design (a diffusion model in its training layout) are the same in both.
 
+Decoding modes (--decoding, --threshold, --factor; `experiments.decoding_modes`): exact decoding (the
+default), or Fast-dLLM's threshold / factor parallel decoding and prefix / dual KV caches, for the LLaDA
+and MMaDA samplers; the values of a model record the mode.
+
 PRNG keys. Each item's key is derived from --seed and the item's id (`item_key`), never from its batch:
 every sampler call gets one key per row (`batch_key`; `dlm_jax.sampling.keys`).
 """
@@ -31,6 +35,7 @@ import jax.numpy as jnp
 from experiments import devices
 from experiments.checkpoints import Model
 from experiments.cli import UserError
+from experiments.decoding_modes import DecodingMode
 from experiments import prompts as prompts_lib
 from experiments.prompts import Prompts
 
@@ -83,9 +88,14 @@ def _default_block(length: int) -> int:
   return length // 4 if length % 4 == 0 else length
 
 
-def model_settings(decode: DecodeSettings, model: Model) -> dict[str, Any]:
+def model_settings(decode: DecodeSettings, model: Model, mode: DecodingMode = DecodingMode()) -> dict[str, Any]:
   """The decoding values used for `model` (defaults resolved) as a JSON-able dict; refuses values that do
-  not fit together (block length not dividing gen_length, steps not a multiple of the blocks)."""
+  not fit together (block length not dividing gen_length, steps not a multiple of the blocks, a decoding
+  mode the sampler does not have or a KV cache with guidance).
+
+  mode: the --decoding mode (`experiments.decoding_modes`); diffusion samplers record it ("decoding" and
+  the rule's "threshold" or "factor"), the autoregressive sampler, to which it does not apply, does not."""
+  mode.option_fields(model.sampler)
   data = model.record.get("data", {})
   length = decode.gen_length
   if length is None:
@@ -100,10 +110,12 @@ def model_settings(decode: DecodeSettings, model: Model) -> dict[str, Any]:
     if steps % (length // block):
       raise UserError(f"{model.label}: --steps={steps} must be a multiple of the number of blocks "
                       f"gen_length / block_length = {length // block}")
-    values.update(steps=steps, block_length=block, cfg_scale=decode.cfg_scale, remasking=decode.remasking)
+    mode.check_guidance(decode.cfg_scale)
+    values.update(steps=steps, block_length=block, cfg_scale=decode.cfg_scale, remasking=decode.remasking,
+                  **mode.record())
   elif model.sampler == "dream":
     values.update(steps=decode.steps or length, alg=decode.alg, alg_temp=decode.alg_temp, top_p=decode.top_p,
-                  top_k=decode.top_k)
+                  top_k=decode.top_k, **mode.record())
   else:
     values.update(top_p=decode.top_p, top_k=decode.top_k, stop_at_eos=True)
   return values
@@ -139,7 +151,8 @@ def sampler_options(values: dict[str, Any], padded: bool, end_ids: tuple[int, ..
   v = values
   if v["sampler"] in ("llada", "mmada"):
     common = dict(gen_length=v["gen_length"], steps=v["steps"], block_length=v["block_length"],
-                  temperature=v["temperature"], cfg_scale=v["cfg_scale"], remasking=v["remasking"])
+                  temperature=v["temperature"], cfg_scale=v["cfg_scale"], remasking=v["remasking"],
+                  **DecodingMode.from_record(v).option_fields(v["sampler"]))
     if padded:
       common.update(_llada_padding(v["padding"], v["sampler"] == "mmada"))
     if v["sampler"] == "mmada":
@@ -147,7 +160,8 @@ def sampler_options(values: dict[str, Any], padded: bool, end_ids: tuple[int, ..
     return llada.LLaDAOptions(**common)
   if v["sampler"] == "dream":
     return dream.DreamOptions(gen_length=v["gen_length"], steps=v["steps"], alg=v["alg"], alg_temp=v["alg_temp"],
-                              temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"])
+                              temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"],
+                              **DecodingMode.from_record(v).option_fields("dream"))
   return autoregressive.AROptions(gen_length=v["gen_length"], temperature=v["temperature"], top_k=v["top_k"],
                                   top_p=v["top_p"], stop_at_eos=True, eos_token_ids=tuple(sorted(end_ids)) or None)
 

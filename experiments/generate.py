@@ -4,7 +4,8 @@
       --prompt_ids=1,2,3) [--sampler=auto|llada|mmada|dream|ar] --json_out=FILE [--stats_out=FILE.npz] \
       [--gen_length=N --steps=N --block_length=N --temperature=T --remasking=... --cfg_scale=W \
        --alg=origin|maskgit_plus|topk_margin|entropy --alg_temp=T --top_p=P --top_k=K --eps=E --seed=S \
-       --mask_sinks=K]
+       --mask_sinks=K] [--decoding=exact|threshold|factor|prefix_cache|dual_cache|threshold_prefix_cache|\
+       threshold_dual_cache --threshold=0.9 --factor=1.0]
 
 Defaults are the official ones: LLaDA / MMaDA gen_length = steps = block_length = 128 (LLaDA's
 `generate` signature); Dream gen_length = steps = 512 with alg origin, eps 1e-3, temperature 0 and no top-p
@@ -12,18 +13,26 @@ Defaults are the official ones: LLaDA / MMaDA gen_length = steps = block_length 
 greedy. The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A
 sampler knob given for a sampler that does not have it is ignored with a warning.
 
+--decoding (LLaDA / MMaDA; `experiments.decoding_modes`): exact (default), Fast-dLLM's confidence-threshold
+(--threshold, default 0.9) or factor (--factor, default 1.0) parallel decoding, the prefix or dual KV cache
+(refreshed at every block start), or threshold decoding with a cache. Dream takes only exact decoding for
+now (a one-line error otherwise); for ar the flag is ignored with a warning.
+
 --chat wraps --prompt as one user turn in the chat template recorded in the checkpoint (ChatML for
 SmolLM2 and Qwen-family checkpoints; `experiments.chat`), else the sampler's (--template overrides);
 the reply ends at the template's end-of-turn token (ar stops there; "text" is cut there for every
 sampler). Text the tokenizer maps to unknown tokens is warned about.
 
 JSON (written atomically): tokens (the whole sequence, prompt included), prompt_length, decode_step (per
-generated position, the 0-based step at which it was unmasked; for `ar` the step that produced it), nfe,
-sampler, settings (every value used), and text (the generated part up to the end of the reply, special
-tokens skipped) when the checkpoint has a tokenizer.
-NPZ (--stats_out): incoming_attention [steps, L, N, S] float32 for batch row 0: entry [t, l, n, j] is the
-sum over all queries of the attention key j receives in layer l, head n, during the model call of step t
-(with CFG, the conditional call).
+generated position, the 0-based step at which it was unmasked; for `ar` the step that produced it), nfe
+(model calls), row_nfe (the calls the row decoded with; equal to nfe for one prompt), decoding (the mode,
+e.g. "threshold:0.9"), sampler, settings (every value used), and text (the generated part up to the end of
+the reply, special tokens skipped) when the checkpoint has a tokenizer.
+NPZ (--stats_out): incoming_attention [nfe, L, N, S] float32 for batch row 0: entry [t, l, n, j] is the
+sum over the queries step t computed of the attention key j receives in layer l, head n, during the model
+call of step t (with CFG, the conditional call); computed_queries [nfe, 2] int32, those queries' positions
+[start, stop): [0, S) for a whole-canvas step, [s, S) or the block [s, e) for the prefix / dual cache steps
+after a block's refresh. The keys are all S positions, cached ones included.
 --mask_sinks=K > 0 masks, at every step, the top-K sinks of the previous step
 (`dlm_jax.interventions.MaskPreviousSinks(top_k=K)`; `MaskPreviousSinksAR` for --sampler=ar).
 Runtime flags (`experiments.runtime_flags`): --mesh (parameters sharded over fsdp/tensor; the one prompt
@@ -41,7 +50,9 @@ import numpy as np
 from absl import flags, logging
 
 from dlm_jax import distributed
-from experiments import atomic_files, chat, checkpoints, cli, devices, numerics_flags, run_dir, runtime_flags
+from experiments import (atomic_files, chat, checkpoints, cli, decoding_flags, decoding_modes, devices, numerics_flags,
+                         run_dir, runtime_flags)
+from experiments.decoding_modes import DecodingMode
 from experiments.numerics import Numerics
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory, or tiny-dlm, tiny-arm, "
@@ -112,6 +123,7 @@ class Settings:
   mask_sinks: int
   end_of_turn_id: int | None
   numerics: Numerics
+  decoding: DecodingMode = DecodingMode()
 
   def __post_init__(self):
     for name in ("gen_length", "steps", "block_length", "top_k"):
@@ -136,13 +148,16 @@ class Settings:
     if self.block_length is not None and self.steps % (self.gen_length // self.block_length):
       raise cli.UserError(f"--steps={self.steps} must be a multiple of the number of blocks gen_length / "
                           f"block_length = {self.gen_length // self.block_length}")
+    if self.sampler in ("llada", "mmada"):
+      self.decoding.check_guidance(self.cfg_scale)
 
   def options(self, config):
-    """The library options of these settings."""
+    """The library options of these settings (a one-line error for a decoding mode the sampler lacks)."""
     from dlm_jax.sampling import autoregressive, dream, llada  # pylint: disable=import-outside-toplevel
     if self.sampler in ("llada", "mmada"):
       values = dict(gen_length=self.gen_length, steps=self.steps, block_length=self.block_length,
-                    temperature=self.temperature, cfg_scale=self.cfg_scale, remasking=self.remasking)
+                    temperature=self.temperature, cfg_scale=self.cfg_scale, remasking=self.remasking,
+                    **self.decoding.option_fields(self.sampler))
       if self.sampler == "llada":
         return llada.LLaDAOptions(logits_eos_inf=self.logits_eos_inf,
                                   confidence_eos_eot_inf=self.confidence_eos_eot_inf, **values)
@@ -150,7 +165,7 @@ class Settings:
     if self.sampler == "dream":
       return dream.DreamOptions(gen_length=self.gen_length, steps=self.steps, eps=self.eps, alg=self.alg,
                                 alg_temp=self.alg_temp, temperature=self.temperature, top_p=self.top_p,
-                                top_k=self.top_k)
+                                top_k=self.top_k, **self.decoding.option_fields("dream"))
     ends = {config.eos_token_id, config.eot_token_id, self.end_of_turn_id} - {None}
     return autoregressive.AROptions(gen_length=self.gen_length, temperature=self.temperature, top_k=self.top_k,
                                     top_p=self.top_p, stop_at_eos=self.end_of_turn_id is not None,
@@ -236,6 +251,8 @@ def main(argv):
   sampler = checkpoints.default_sampler(config) if _SAMPLER.value == "auto" else _SAMPLER.value
   checkpoints.check_sampler(_CHECKPOINT.value, sampler, config)
   _warn_unused_knobs(sampler)
+  mode = decoding_flags.from_flags()
+  decoding_modes.warn_if_unused(mode, sampler, _CHECKPOINT.value)
   tokenizer = Tokenizer.from_dir(directory, config) if Tokenizer.exists_in(directory) else None
   ids, end_of_turn = _prompt_ids(config, tokenizer, directory, sampler)
   runtime = devices.init_runtime(runtime_settings)
@@ -249,7 +266,8 @@ def main(argv):
       logits_eos_inf=_LOGITS_EOS_INF.value, confidence_eos_eot_inf=_CONF_EOS_EOT_INF.value,
       stop_at_eot=_STOP_AT_EOT.value, alg=_ALG.value, alg_temp=_ALG_TEMP.value, top_p=_TOP_P.value,
       top_k=_TOP_K.value, eps=_EPS.value, seed=_SEED.value, mask_sinks=_MASK_SINKS.value,
-      end_of_turn_id=end_of_turn, numerics=numerics_flags.from_flags(runtime_settings))
+      end_of_turn_id=end_of_turn, numerics=numerics_flags.from_flags(runtime_settings),
+      decoding=mode if sampler != "ar" else DecodingMode())
   try:
     settings.options(config)
   except ValueError as e:
@@ -263,14 +281,17 @@ def main(argv):
   tokens = [int(t) for t in np.asarray(trace.tokens)[0]]
   result = {"tokens": tokens, "prompt_length": int(trace.prompt_length),
             "decode_step": [int(s) for s in np.asarray(trace.decode_step)[0]], "nfe": int(trace.nfe),
-            "sampler": sampler, "settings": dataclasses.asdict(settings)}
+            "row_nfe": int(np.asarray(trace.row_nfe)[0]), "decoding": settings.decoding.spec, "sampler": sampler,
+            "settings": dataclasses.asdict(settings)}
   if tokenizer is not None:
     ends = {config.eos_token_id, end_of_turn} - {None} if _CHAT.value else set()
     result["text"] = _reply_text(tokenizer, tokens[trace.prompt_length:], ends)
   atomic_files.atomic_write_bytes(_JSON_OUT.value, (json.dumps(result) + "\n").encode())
   if _STATS_OUT.value:
-    incoming = np.asarray(trace.stats["incoming_attention"][:, :, 0], np.float32)  # [steps, L, N, S]
-    atomic_files.write_npz(_STATS_OUT.value, incoming_attention=incoming)
+    nfe = int(trace.nfe)  # the steps run; the buffers' later entries are zeros
+    incoming = np.asarray(trace.stats["incoming_attention"][:nfe, :, 0], np.float32)  # [nfe, L, N, S]
+    atomic_files.write_npz(_STATS_OUT.value, incoming_attention=incoming,
+                           computed_queries=np.asarray(trace.computed_queries[:nfe], np.int32))
 
 
 if __name__ == "__main__":

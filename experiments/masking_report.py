@@ -19,7 +19,8 @@ def binomial_se(p: float, n: int) -> float:
 
 
 def accuracy_table(records: list[dict], labels: list[str], ks: list[int]) -> dict:
-  """{model: {K: {n, accuracy, se, strict_accuracy?}}} from the accuracy records."""
+  """{model: {K: {n, accuracy, se, strict_accuracy?, mean_nfe?}}} from the accuracy records (mean_nfe: the
+  model calls per item, when the records hold them)."""
   table = {}
   for label in labels:
     table[label] = {}
@@ -30,6 +31,8 @@ def accuracy_table(records: list[dict], labels: list[str], ks: list[int]) -> dic
       cell = {"n": n, "accuracy": p, "se": binomial_se(p, n)}
       if rows and all("strict_match" in r for r in rows):
         cell["strict_accuracy"] = float(np.mean([r["strict_match"] for r in rows]))
+      if rows and all("nfe" in r for r in rows):
+        cell["mean_nfe"] = float(np.mean([r["nfe"] for r in rows]))
       table[label][str(k)] = cell
   return table
 
@@ -68,6 +71,15 @@ def accuracy_markdown(table: dict, metas: list[dict], ks: list[int]) -> str:
   return "\n".join(lines)
 
 
+def nfe_markdown(table: dict, metas: list[dict], ks: list[int]) -> str:
+  """Mean NFE per item for each model and K ("–" where the records hold none)."""
+  lines = ["| sinks | " + " | ".join(m["label"] for m in metas) + " |", "|---|" + "---|" * len(metas)]
+  for k in ks:
+    cells = [table[m["label"]][str(k)].get("mean_nfe") for m in metas]
+    lines.append(f"| {_condition(k)} | " + " | ".join("–" if c is None else f"{c:.1f}" for c in cells) + " |")
+  return "\n".join(lines)
+
+
 def perplexity_markdown(table: dict) -> str:
   labels = list(table)
   conditions = list(dict.fromkeys(c for label in labels for c in table[label]))
@@ -96,7 +108,8 @@ def _recompute_note(metas: list[dict]) -> str:
            "for a DLM in the training layout the left pads are part of the prompt) and its `completion_ids`. "
            "For a DLM, `python -m experiments.generate --checkpoint=DIR --prompt_ids=<prompt_ids> "
            "--sampler=llada --gen_length=G --steps=T --block_length=B --mask_sinks=K --json_out=x.json` decodes "
-           "the same tokens (same `MaskPreviousSinks(top_k=K)`, per (layer, head), first step unmasked)."]
+           "the same tokens (same `MaskPreviousSinks(top_k=K)`, per (layer, head), first step unmasked); add "
+           "`--decoding=... --threshold=τ` (or `--factor=f`) when the settings below name a decoding mode."]
   if any(not m["diffusion"] for m in metas):
     lines.append("For an ARM the sinks of an iteration are the top-K keys of the previous iteration's last query "
                  "row (`MaskPreviousSinksAR(last_row_weights=True)`, exact at the prefill too); "
@@ -130,6 +143,8 @@ def write_report(out: str, metas: list[dict], records: list[dict], ks: list[int]
            "are removed from attention (per (layer, head) unless --mask_scope=global); ARMs use the previous "
            "iteration's last query row. Accuracy ± binomial standard error sqrt(p(1−p)/n) over the n items. "
            f"Wall time {wall_s:.0f}s.", "", acc_md]
+  if any("mean_nfe" in cell for label in labels for cell in accuracy[label].values()):
+    lines += ["", "Model calls (NFE) per item, mean:", "", nfe_markdown(accuracy, metas, ks)]
   if ppl:
     lines += ["", "Perplexity of causal models (teacher forcing; 'first token masked': key 0 hidden from every "
               "other query; 'top-K static': per (layer, head) the K keys with the most incoming attention in the "

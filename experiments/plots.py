@@ -208,3 +208,41 @@ def value_norm_scatter(samples: Mapping[str, np.ndarray], title: str, max_points
   ax.legend(fontsize=8, markerscale=4)
   fig.tight_layout()
   return fig
+
+
+def decoding_mode_panels(ks: Sequence[int], masking: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                         layers: Sequence[int], per_layer: Mapping[str, Mapping[str, np.ndarray]],
+                         title: str) -> plt.Figure:
+  """Decoding modes side by side: accuracy ± standard error against the number K of masked sinks (one
+  line per mode), then one panel of per-layer bars per entry of `per_layer` ({panel title: {mode: [L']}})."""
+  n = 1 + len(per_layer)
+  cols = 2
+  rows = (n + cols - 1) // cols
+  fig, axes = plt.subplots(rows, cols, figsize=(11, 3.6 * rows), squeeze=False)
+  ax = axes[0, 0]
+  x = np.arange(len(ks))
+  for label, (acc, se) in masking.items():
+    ax.errorbar(x, acc, yerr=se, marker="o", capsize=3, label=label)
+  ax.set_xticks(x, ["none" if k == 0 else f"top-{k}" for k in ks])
+  ax.set_xlabel("sinks masked (from the previous step)")
+  ax.set_ylabel("accuracy")
+  ax.set_ylim(-0.02, 1.02)
+  ax.set_title("accuracy with sinks masked", fontsize=10)
+  ax.legend(fontsize=7)
+  groups = np.arange(len(layers))
+  for index, (panel, series) in enumerate(per_layer.items(), start=1):
+    ax = axes[index // cols, index % cols]
+    width = 0.8 / max(len(series), 1)
+    for i, (label, values) in enumerate(series.items()):
+      if len(values) == len(layers):
+        ax.bar(groups + (i - (len(series) - 1) / 2) * width, values, width, label=label)
+    ax.set_xticks(groups, [str(l) for l in layers])
+    ax.set_xlabel("layer")
+    ax.set_title(panel, fontsize=10)
+    if index == 1:
+      ax.legend(fontsize=7)
+  for index in range(n, rows * cols):
+    axes[index // cols, index % cols].axis("off")
+  fig.suptitle(title, fontsize=11)
+  fig.tight_layout()
+  return fig

@@ -19,9 +19,18 @@ Tasks and prompts: `experiments.items`, `experiments.prompts`; decoding defaults
 item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
 settings (a resume with other settings is refused); nothing is written before the first result.
 
+Decoding modes: --decoding=exact|threshold|factor|prefix_cache|dual_cache|threshold_prefix_cache|
+threshold_dual_cache with --threshold / --factor (`experiments.decoding_modes`; DLMs only). Every measure
+reads only the steps a generation decoded at — the first `nfe` steps of the trace, less those its row waited
+through while other rows of the batch finished a block (`validity.decoded_steps`) — so its NFE is its own.
+Under a KV cache a step's statistics are the incoming attention of the queries the step computed (the
+whole canvas at a block's refresh step, then the block and every later position with the prefix cache, the
+block alone with the dual cache) over all keys, cached ones included; the query groups split those queries.
+
 Outputs in --output_dir (default results/sink_analysis):
-  results.jsonl                one line per (model, prompt): completion, per-item summaries
-  <model>/item_<id>.npz        per-step arrays of the --figure_item generation
+  results.jsonl                one line per (model, prompt): completion, NFE, per-item summaries
+  <model>/item_<id>.npz        per-step arrays of the --figure_item generation (its decoded steps: step_index,
+                               computed_queries [steps, 2])
   <model>/fig1_incoming_heatmap.png   incoming attention per key across steps (selected layers, head mean)
   <model>/fig5_main_sink_grid.png     per-(layer, head) main-sink score, averaged over steps and prompts
   <model>/fig7_largest_sink.png       position of the largest sink against the step for chosen heads
@@ -44,9 +53,11 @@ from absl import flags, logging
 
 from dlm_jax import distributed, sinks
 from dlm_jax.stats import StatsSpec
-from experiments import (checkpoints, cli, decode_flags, decoding, devices, item_batches, items, numerics_flags,
-                         output_flags, progress, prompts, run_dir, runtime_flags, scoring, sink_report, validity)
+from experiments import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
+                         item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags,
+                         scoring, sink_report, validity)
 from experiments.decoding import DecodeSettings
+from experiments.decoding_modes import DecodingMode
 from experiments.items import TaskSettings
 from experiments.numerics import Numerics
 
@@ -87,6 +98,7 @@ class Settings:
   task: TaskSettings
   decode: DecodeSettings
   numerics: Numerics
+  decoding: DecodingMode = DecodingMode()
 
   def __post_init__(self):
     if not self.checkpoints:
@@ -131,7 +143,9 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
   """Per-item summaries (a JSON-able record) and the per-step arrays kept for the figure item."""
   lp = batch.ids.shape[1]
   tokens, decode_step = host["tokens"][row], host["decode_step"][row]
-  incoming = np.asarray(host["incoming"][:, :, row], np.float32)  # [steps, L', (3,) N, S]
+  decoded = validity.decoded_steps(host["nfe"], host["active_rows"], row)  # the row's steps, [steps]
+  incoming = np.asarray(host["incoming"][decoded, :, row], np.float32)  # [steps, L', (3,) N, S]
+  queries = np.asarray(host["queries"][decoded])  # [steps, 2]: the computed queries [start, stop)
   grouped = model.diffusion and settings.split_queries
   all_queries = incoming.sum(axis=2) if grouped else incoming  # over the real queries (pads are in no group)
   steps, total = all_queries.shape[0], all_queries.shape[-1]
@@ -141,7 +155,8 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
   sink_mask = np.asarray(sinks.epsilon_rule(scores, settings.epsilon, "sum", valid4))
   n_entries = int(np.broadcast_to(valid4, scores.shape).sum())
   mask_id = model.config.mask_token_id if model.diffusion else None
-  canvas = sinks.step_canvases(tokens[None], decode_step[None], lp, steps, mask_id=mask_id)[:, 0]  # [steps, S]
+  canvas = sinks.step_canvases(tokens[None], decode_step[None], lp, int(host["nfe"]),
+                               mask_id=mask_id)[decoded, 0]  # [steps, S]
 
   hist, _ = np.histogram(np.minimum(scores[np.broadcast_to(valid4, scores.shape)], edges[-1] - 1e-6), bins=edges)
   nonsink = n_entries - sinks.sink_counts_over_epsilon(scores, EPSILON_GRID, valid4)
@@ -170,9 +185,10 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
   first = int(real[0]) if real.size else 0  # the first real prompt token (BOS when there is one)
   shares = all_queries[..., first] / np.maximum(np.where(valid4, all_queries, 0).sum(-1), 1e-30)
   has = largest >= 0
+  whole = (queries[:, 0] == 0) & (queries[:, 1] == total)  # [steps]: the step computed every query
   record = {
       "model": model.label, "item": item.id, "prompt": item.question,
-      "completion": prompts.completion(model, tokens[lp:])[1], "steps": steps, "prompt_length": lp,
+      "completion": prompts.completion(model, tokens[lp:])[1], "steps": steps, "nfe": steps, "prompt_length": lp,
       "first_real_position": first,
       "score_histogram": hist, "n_entries": n_entries, "nonsink_counts": nonsink,
       "sink_fraction": float(sink_mask.sum() / max(n_entries, 1)),
@@ -181,16 +197,23 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
       "first_token_share": shares[active].mean(axis=(0, 2)), "active_steps": int(active.sum()),
       "largest_at_first_token": float(((largest == first) & has).sum() / max(has.sum(), 1)),
       "largest_in_prompt": float(((largest < lp) & has).sum() / max(has.sum(), 1)),
+      "modal_largest_sink": [_modal_position(largest[active][:, l]) for l in range(len(layers))],
+      "whole_canvas_steps": int((whole & active).sum()),
+      "modal_largest_sink_whole_canvas": [_modal_position(largest[active & whole][:, l]) for l in range(len(layers))],
   }
   if item.kind != "humaneval":
     record["correct"] = scoring.score(item, record["completion"], model.prompt_format == "chat")["correct"]
   arrays = {"layer_scores": scores.mean(2), "largest": largest, "tokens": tokens, "decode_step": decode_step,
-            "valid": valid, "layers": np.asarray(layers), "prompt_length": np.asarray(lp)}
+            "valid": valid, "layers": np.asarray(layers), "prompt_length": np.asarray(lp),
+            "step_index": decoded, "computed_queries": queries}
   if grouped:
     masked_q = incoming[:, :, 0]
     unmasked_q = incoming[:, :, 1] + incoming[:, :, 2]
-    n_masked = (canvas == model.config.mask_token_id).sum(-1)
-    both_groups = np.broadcast_to(((n_masked > 0) & (n_masked < total))[:, None], (steps, masked_q.shape[2]))
+    positions = np.arange(total)[None, :]
+    computed = (positions >= queries[:, :1]) & (positions < queries[:, 1:])  # [steps, S]
+    n_masked, n_computed = ((canvas == model.config.mask_token_id) & computed).sum(-1), computed.sum(-1)
+    both = (n_masked > 0) & (n_masked < n_computed)  # the step's queries hold both groups
+    both_groups = np.broadcast_to(both[:, None], (steps, masked_q.shape[2]))
     masked_keys, unmasked_keys = np.where(valid4, masked_q, -1.0), np.where(valid4, unmasked_q, -1.0)
     separate = [sinks.main_sink_disagreement(masked_keys[:, l], unmasked_keys[:, l], both_groups)
                 for l in range(len(layers))]
@@ -207,7 +230,7 @@ def run_model(settings: Settings, model: checkpoints.Model, runtime: devices.Run
   task = items.task_name(settings.task.task, model.record)
   todo = items.load_items(task, settings.n_prompts, settings.task.data_seed)
   prompt_set = prompts.encode(model, todo)
-  values = decoding.model_settings(settings.decode, model)
+  values = decoding.model_settings(settings.decode, model, settings.decoding)
   edges = edges_of(settings)
   done = lambda item: log.done(model=model.label, item=item.id)
   meter = progress.Progress(f"{model.label} prompts", len(todo), sum(map(done, todo)))
@@ -216,7 +239,8 @@ def run_model(settings: Settings, model: checkpoints.Model, runtime: devices.Run
     start = time.time()
     trace = decoding.generate(model, values, batch.prompts, runtime, settings.numerics, key=batch.key,
                               stats_spec=spec)
-    host = distributed.to_host({"tokens": trace.tokens, "decode_step": trace.decode_step,
+    host = distributed.to_host({"tokens": trace.tokens, "decode_step": trace.decode_step, "nfe": trace.nfe,
+                                "active_rows": trace.active_rows, "queries": trace.computed_queries,
                                 "incoming": trace.stats["incoming_attention"]})
     for row, item in enumerate(batch.items):
       if done(item):
@@ -235,6 +259,7 @@ def main(argv):
   del argv
   runtime_settings = runtime_flags.from_flags()
   task, decode = decode_flags.task_from_flags(), decode_flags.decode_from_flags()
+  mode = decoding_flags.from_flags()
   output = output_flags.from_flags("sink_analysis")
   entries = tuple(_CHECKPOINTS.value)
   models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
@@ -243,10 +268,11 @@ def main(argv):
                       epsilon=_EPSILON.value, layers=cli.int_list(_LAYERS.value, "layers") or None,
                       split_queries=_SPLIT_QUERIES.value, track_heads=tuple(_TRACK_HEADS.value),
                       figure_item=_FIGURE_ITEM.value, histogram_max=_HISTOGRAM_MAX.value, top_tokens=_TOP_TOKENS.value,
-                      task=task, decode=decode, numerics=numerics_flags.from_flags(runtime_settings))
+                      task=task, decode=decode, numerics=numerics_flags.from_flags(runtime_settings), decoding=mode)
   for model in models:
     settings.check_model(model)
-    decoding.model_settings(decode, model)
+    decoding.model_settings(decode, model, mode)
+    decoding_modes.warn_if_unused(mode, model.sampler, model.label)
   out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
                                            "checkpoints": checkpoints.identities(models)},
                        overwrite=output.overwrite, primary=runtime.primary)
@@ -264,6 +290,12 @@ def main(argv):
                                     list(settings.track_heads), settings.figure_item, settings.top_tokens,
                                     time.time() - start)
     progress.summary_banner(out.path, text)
+
+
+def _modal_position(largest: np.ndarray) -> int:
+  """The most frequent largest-sink position of largest [steps, N] (−1 = none; ties: the lower position)."""
+  found = largest[largest >= 0]
+  return int(np.bincount(found).argmax()) if found.size else -1
 
 
 def edges_of(settings: Settings) -> np.ndarray:

@@ -20,6 +20,13 @@ For causal models it also reports teacher-forced perplexity (`experiments.perple
 experiments/data/paragraphs.txt) with no masking, the first token masked, and the top-K static sinks
 masked.
 
+Decoding modes: --decoding=exact|threshold|factor|prefix_cache|dual_cache|threshold_prefix_cache|
+threshold_dual_cache with --threshold / --factor (`experiments.decoding_modes`; DLMs only). Under a KV cache
+the sinks of a step come from the incoming attention of the queries it computed (the whole canvas at a
+block's refresh step, then the block and every later position with the prefix cache, the block alone with
+the dual cache) over all keys, cached ones included. With a threshold or factor rule and K > 0 each item is
+decoded alone (one item per call; see `_batch_size`). Every record holds the item's NFE.
+
 Items are spread over the mesh's batch axes (data × fsdp) in fixed batches (the last padded), and every
 finished (model, condition, item) is one line of results.jsonl, so an interrupted run resumes exactly
 (--max_items_this_run stops early on purpose). Standard errors are binomial: sqrt(p(1 − p)/n).
@@ -44,9 +51,11 @@ import numpy as np
 from absl import flags, logging
 
 from dlm_jax import distributed, interventions
-from experiments import (checkpoints, cli, decode_flags, decoding, devices, item_batches, items, masking_report,
-                         numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags, scoring)
+from experiments import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
+                         item_batches, items, masking_report, numerics_flags, output_flags, progress, prompts, run_dir,
+                         runtime_flags, scoring)
 from experiments.decoding import DecodeSettings
+from experiments.decoding_modes import DecodingMode
 from experiments.items import TaskSettings
 from experiments.numerics import Numerics
 
@@ -97,6 +106,7 @@ class Settings:
   task: TaskSettings
   decode: DecodeSettings
   numerics: Numerics
+  decoding: DecodingMode = DecodingMode()
 
   def __post_init__(self):
     if not self.checkpoints:
@@ -135,22 +145,34 @@ def _state(model, intervention, masker, batch: int, total: int, k: int, valid: n
   return set_k(state)
 
 
+def _batch_size(settings: Settings, model) -> int:
+  """Items per sampler call: --batch_size, except one for a DLM decoded with a threshold or factor rule under
+  sink masking. There a row whose block is done waits for the other rows of its batch, and its masker state
+  still updates from those waiting calls, so its tokens would depend on the batch; alone it never waits."""
+  if model.diffusion and settings.decoding.rule != "quota" and any(settings.mask_top_k) and settings.batch_size > 1:
+    logging.warning("%s: --decoding=%s with sink masking decodes one item per sampler call (--batch_size=%d "
+                    "ignored) so that each item's result is its own", model.label, settings.decoding.decoding,
+                    settings.batch_size)
+    return 1
+  return settings.batch_size
+
+
 def run_accuracy(settings: Settings, model, runtime, log) -> int:
   """Runs every (batch, K) not finished yet; returns the number of items."""
   todo = items.load_items(items.task_name(settings.task.task, model.record), settings.n_items,
                           settings.task.data_seed)
   prompt_set = prompts.encode(model, todo)
-  values = decoding.model_settings(settings.decode, model)
+  values = decoding.model_settings(settings.decode, model, settings.decoding)
   masker = _masker(settings, model)
   intervention = decoding.combined_intervention(model, masker)
   chat = model.prompt_format == "chat"
   ks = settings.mask_top_k
+  batch_size = _batch_size(settings, model)
   done_k = lambda item, k: log.done(kind="accuracy", model=model.label, condition=k, item=item.id)
   done = lambda item: all(done_k(item, k) for k in ks)
   meter = progress.Progress(f"{model.label} items×conditions", len(todo) * len(ks),
                             sum(done_k(it, k) for it in todo for k in ks))
-  for batch in item_batches.batches(todo, prompt_set, settings.batch_size, settings.decode.seed, runtime,
-                                    done):
+  for batch in item_batches.batches(todo, prompt_set, batch_size, settings.decode.seed, runtime, done):
     ids, mask = batch.prompts.ids, batch.prompts.mask
     total = ids.shape[1] + values["gen_length"]
     valid = np.ones((ids.shape[0], total), bool)
@@ -163,14 +185,14 @@ def run_accuracy(settings: Settings, model, runtime, log) -> int:
       start = time.time()
       trace = decoding.generate(model, values, batch.prompts, runtime, settings.numerics, key=batch.key,
                                 intervention=intervention, intervention_state=state)
-      generated = distributed.to_host(trace.generated)
+      generated, row_nfe = distributed.to_host((trace.generated, trace.row_nfe))
       written = 0
       for row, item in enumerate(batch.items):
         completion_ids, text = prompts.completion(model, generated[row])
         result = scoring.score(item, text, chat)
         written += log.append({"kind": "accuracy", "model": model.label, "condition": k, "item": item.id,
                                "prompt_ids": batch.prompts.rows[row], "completion_ids": completion_ids,
-                               "completion": text, **result})
+                               "completion": text, "nfe": int(row_nfe[row]), **result})
       meter.update(written, f"K={k}, {time.time() - start:.1f}s")
   return len(todo)
 
@@ -224,6 +246,7 @@ def main(argv):
   del argv
   runtime_settings = runtime_flags.from_flags()
   task, decode = decode_flags.task_from_flags(), decode_flags.decode_from_flags()
+  mode = decoding_flags.from_flags()
   output = output_flags.from_flags("sink_masking_eval")
   entries = tuple(_CHECKPOINTS.value)
   ks = cli.int_list(_MASK_TOP_K.value, "mask_top_k")
@@ -233,9 +256,10 @@ def main(argv):
                       mask_scope=_MASK_SCOPE.value, sink_epsilon=_SINK_EPSILON.value, ar_last_row=_AR_LAST_ROW.value,
                       perplexity=_PERPLEXITY.value, perplexity_text=_PERPLEXITY_TEXT.value,
                       perplexity_items=_PERPLEXITY_ITEMS.value, task=task, decode=decode,
-                      numerics=numerics_flags.from_flags(runtime_settings))
+                      numerics=numerics_flags.from_flags(runtime_settings), decoding=mode)
   for model in models:
-    decoding.model_settings(decode, model)
+    decoding.model_settings(decode, model, mode)
+    decoding_modes.warn_if_unused(mode, model.sampler, model.label)
   out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
                                            "checkpoints": checkpoints.identities(models)},
                        overwrite=output.overwrite, primary=runtime.primary)
@@ -250,7 +274,7 @@ def main(argv):
       metas.append({"label": model.label, "directory": progress.display_path(model.directory),
                     "task": items.task_name(settings.task.task, model.record), "prompt_format": model.prompt_format,
                     "n_items": n_items, "diffusion": model.diffusion,
-                    "settings": decoding.model_settings(settings.decode, model)})
+                    "settings": decoding.model_settings(settings.decode, model, settings.decoding)})
   except run_dir.ItemBudget as stop:
     logging.info("%s", stop)
     return

@@ -11,6 +11,7 @@ import warnings
 import numpy as np
 
 from experiments import atomic_files, plots
+from experiments.decoding_modes import MODES
 
 PAPER_TABLE2 = {
     "LLaDA-8B": [("Ċ", 0.368), ("<|mdm_mask|>", 0.366), (".", 0.050), ("<|start_header_id|>", 0.008),
@@ -19,6 +20,10 @@ PAPER_TABLE2 = {
     "MMaDA-8B": [("Ċ", 0.180), ("<|mdm_mask|>", 0.166), ("<|end_header_id|>", 0.160), ("<|startoftext|>", 0.108),
                  ("istant", 0.066)],
 }
+CACHE_NOTE = ("With a KV cache (--decoding=prefix_cache, dual_cache, ...) a step's statistics are the incoming "
+              "attention of the queries that step computed — the whole canvas at a block's first (refresh) step, "
+              "then the block and every later position (prefix cache) or the block alone (dual cache) — over all "
+              "keys, cached keys included; the scores stay relative to the uniform share of those queries.")
 MOVING_KEYS = ("sinks_per_head", "steps_with_sink", "change_rate", "drift", "signed_drift", "mean_lifetime",
                "centroid_variance")
 
@@ -41,6 +46,7 @@ def aggregate(records: list[dict], epsilon_grid: np.ndarray, epsilon: float) -> 
   agg = {
       "n_items": len(records),
       "accuracy": float(np.mean(correct)) if correct else None,
+      "mean_nfe": float(np.mean([r.get("nfe", r["steps"]) for r in records])),
       "sink_fraction": float(np.sum([r["sink_fraction"] * r["n_entries"] for r in records]) / max(n_entries.sum(), 1)),
       "nonsink_fraction_curve": {"epsilon": epsilon_grid, "fraction": nonsink},
       "score_histogram": np.sum([r["score_histogram"] for r in records], axis=0),
@@ -130,10 +136,14 @@ def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
   lines = ["# Attention sinks across denoising steps (Rulli et al. §4): `experiments.sink_analysis`", ""]
   lines.append(f"Scores are incoming attention relative to the uniform share (column sums over all queries for "
                f"DLMs; an ARM step's newest query row × the number of keys it sees). A key is a sink when its score "
-               f"exceeds the mean of the other keys by ε = {epsilon:g} (Eq. 3). Wall time {wall_s:.0f}s.")
-  lines += ["", "| model | sampler | task / prompts | accuracy | sinks (fraction of step·layer·head·key) | "
-            "non-sinks at ε | largest sink in prompt | largest sink = first token | first-token share (last layer) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+               f"exceeds the mean of the other keys by ε = {epsilon:g} (Eq. 3). Every measure reads only the steps "
+               f"each generation decoded at (NFE per row). Wall time {wall_s:.0f}s.")
+  if any(MODES.get(m["settings"].get("decoding", "exact"), ("", "none"))[1] != "none" for m in metas):
+    lines += ["", CACHE_NOTE]
+  lines += ["", "| model | sampler | task / prompts | accuracy | NFE per row | "
+            "sinks (fraction of step·layer·head·key) | non-sinks at ε | largest sink in prompt | "
+            "largest sink = first token | first-token share (last layer) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
   for meta in metas:
     agg = aggs.get(meta["label"])
     if agg is None:
@@ -141,7 +151,8 @@ def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
     s = meta["settings"]
     sampler = ", ".join(f"{k}={v}" for k, v in s.items() if v is not None)
     lines.append(f"| {meta['label']} | {sampler} | {meta['task']} / {agg['n_items']} | {_fmt(agg['accuracy'], 2)} | "
-                 f"{_fmt(agg['sink_fraction'], 4)} | {_fmt(agg['nonsink_fraction_at_epsilon'], 4)} | "
+                 f"{_fmt(agg['mean_nfe'], 1)} | {_fmt(agg['sink_fraction'], 4)} | "
+                 f"{_fmt(agg['nonsink_fraction_at_epsilon'], 4)} | "
                  f"{_fmt(agg['largest_in_prompt'], 2)} | {_fmt(agg['largest_at_first_token'], 2)} | "
                  f"{_fmt(float(agg['first_token_share_per_layer'][-1]), 3)} |")
   lines += ["", "## Most frequent sink tokens (Table 2)", "",

@@ -1,5 +1,6 @@
-"""Which keys and steps of a sampler trace count in an analysis (padding, keys an ARM has not written
-yet, the fixed-shape steps after an ARM's row ended), and the ARM prefill correction."""
+"""Which keys and steps of a sampler trace count in an analysis: the steps a row decoded at (the steps run,
+less those the row waited through), padding, keys an ARM has not written yet, the fixed-shape steps after
+an ARM's row ended."""
 
 from __future__ import annotations
 
@@ -9,9 +10,18 @@ from experiments import prompts
 from experiments.checkpoints import Model
 
 
+def decoded_steps(nfe: int, active_rows: np.ndarray, row: int) -> np.ndarray:
+  """int [n]: the indices of the steps row `row` decoded at, in order — of the first `nfe` steps (the later
+  entries of a trace's [max_steps, ...] buffers are zeros), those where `active_rows` [max_steps, B] holds
+  the row (a row of a batch waits, unchanged, while other rows finish a block under threshold decoding).
+  Every per-step analysis reads only these steps; `n` is the row's NFE."""
+  return np.flatnonzero(np.asarray(active_rows)[:int(nfe), row])
+
+
 def step_validity(model: Model, batch: prompts.Prompts, row: int, tokens: np.ndarray, steps: int) -> tuple[np.ndarray,
                                                                                                         np.ndarray]:
-  """(valid [steps, S] bool, active [steps] bool) for row `row` of a trace with final canvas `tokens` [S].
+  """(valid [steps, S] bool, active [steps] bool) for row `row` of a trace with final canvas `tokens` [S],
+  over the row's `steps` decoded steps (`decoded_steps`).
 
   valid: the keys that count at each step — not padding (when the prompts carry a mask), for an ARM
   already written, and only at active steps. active: every step of a DLM; for an ARM the steps up to the

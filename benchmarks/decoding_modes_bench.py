@@ -1,0 +1,257 @@
+r"""Decoding-modes benchmark: exact LLaDA decoding against Fast-dLLM's threshold decoding and KV caches, with
+and without per-step attention statistics, in one run.
+
+    python -m benchmarks.decoding_modes_bench                 # embedded tiny DLM, the 200-problem synthetic test split
+    python -m benchmarks.decoding_modes_bench --checkpoint=random:llada-8b --n=2 --gen_length=256 \
+        --block_length=32 --dtype=bfloat16 --attention_impl=fused   # LLaDA-8B shape, random weights (GPU)
+
+--checkpoint is a converted directory or `tiny-dlm` (prompts: the synthetic test split in the training
+layout, as `experiments.evaluate_synthetic`; scored by exact match, GSM8K strict `#### n`), or
+`random:<preset>` (random weights of a `dlm_jax.config` preset, random prompts of --prompt_length tokens;
+no accuracy — random weights are rarely confident, so the threshold rule commits about one token per
+call and the run measures the cost of each mode's model calls).
+
+For each mode of --modes (`name` or `name:τ`; `experiments.decoding_modes`) it decodes the --n prompts in
+batches of --batch_size (default 1, as Fast-dLLM measures) with statistics off, then with per-head incoming
+attention of every layer on (`StatsSpec(incoming_attention=True, per_head=True)`), and reports:
+
+  accuracy      exact match over the problems (statistics never change the tokens);
+  NFE per row   model calls each prompt decoded with (`Trace.row_nfe`), mean; calls per batch (`Trace.nfe`);
+  tokens/s      generated non-EOS tokens / wall time of the decoding loop (Fast-dLLM's count), each mode's
+                program compiled beforehand by one warm-up call; "× exact": the ratio to exact decoding
+                with the same statistics setting;
+  ms per call   wall time / model calls;
+  stats cost    time with statistics / time without − 1, per mode.
+
+Timings are the minimum over --repeats passes (statistics off and on alternate, so that the load of a
+shared machine affects both alike). The CPU model (/proc/cpuinfo) and the JAX device are
+printed and written with the results to --json_out. The targets are checked at the end: threshold +
+dual cache at least 4× the tokens/s of exact decoding with accuracy within 2 points, statistics at most
+15% per mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+from absl import app, flags
+
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted directory, tiny-dlm, or random:<preset> "
+                                  "(e.g. random:llada-8b).")
+_MODES = flags.DEFINE_list("modes", ["exact", "threshold:0.9", "threshold:0.7", "prefix_cache", "dual_cache",
+                                     "threshold_dual_cache:0.9"], "Decoding modes, name or name:value.")
+_N = flags.DEFINE_integer("n", 200, "Prompts (synthetic test problems, or random prompts), >= 1.")
+_DATA_SEED = flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic test split / random prompts.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 1, "Prompts per sampler call.")
+_GEN_LENGTH = flags.DEFINE_integer("gen_length", None, "Generated positions (default: the checkpoint's training "
+                                   "answer width, else 256).")
+_BLOCK_LENGTH = flags.DEFINE_integer("block_length", None, "Block length (default: 8 for 32 positions, else 32).")
+_STEPS = flags.DEFINE_integer("steps", None, "Steps of the quota modes (default: gen_length, one token per step).")
+_PROMPT_LENGTH = flags.DEFINE_integer("prompt_length", 512, "random:<preset>: prompt tokens.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights and activations dtype.")
+_IMPL = flags.DEFINE_enum("attention_impl", "chunked", ["chunked", "dense", "fused"], "dlm_jax attention path.")
+_QUERY_CHUNK = flags.DEFINE_integer("query_chunk", 128, "Query block of the chunked attention.")
+_REPEATS = flags.DEFINE_integer("repeats", 1, "Timed passes per (mode, statistics); the minimum is reported.")
+_JSON_OUT = flags.DEFINE_string("json_out", "decoding_modes_bench.json", "Where to write the results.")
+
+TARGET_SPEEDUP, TARGET_ACCURACY_POINTS, TARGET_STATS_COST = 4.0, 2.0, 0.15
+
+
+def cpu_model() -> str:
+  """The CPU's model name (/proc/cpuinfo) and logical CPU count."""
+  name = platform.processor() or "unknown CPU"
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    if names:
+      name = names[0]
+  except OSError:
+    pass
+  return f"{name} ({os.cpu_count()} logical CPUs)"
+
+
+def _workload(checkpoint: str, n: int, seed: int, dtype):
+  """(config, params, problems or None, model or None, prompt ids [n, Lp], prompt mask [n, Lp] or None)."""
+  import jax
+  import numpy as np
+  from dlm_jax import checkpoint as ckpt
+  from dlm_jax import model as model_lib
+  from dlm_jax.config import preset
+  from experiments import checkpoints, items, prompts
+  if checkpoint.startswith("random:"):
+    config = preset(checkpoint.split(":", 1)[1])
+    params = model_lib.init_params(config, jax.random.key(seed), dtype)
+    specials = [i for i in (config.mask_token_id, config.eos_token_id, config.eot_token_id, config.pad_token_id,
+                            config.bos_token_id) if i is not None]
+    ordinary = np.setdiff1d(np.arange(config.vocab_size), specials)
+    ids = np.random.default_rng(seed).choice(ordinary, size=(n, _PROMPT_LENGTH.value)).astype(np.int32)
+    return config, params, None, None, ids, None
+  model = checkpoints.prepare(checkpoint, "auto", "training")
+  if model.sampler != "llada":
+    raise app.UsageError(f"--checkpoint={checkpoint}: expected a LLaDA-style diffusion model, got {model.sampler}")
+  config, params = ckpt.load(model.directory, dtype=dtype)
+  problems = items.load_items("synthetic", n, seed)
+  batch = prompts.batch(prompts.encode(model, problems), problems, len(problems))
+  return config, params, problems, model, batch.ids, batch.mask
+
+
+def _lengths(model) -> tuple[int, int, int]:
+  data = model.record.get("data", {}) if model is not None else {}
+  gen = _GEN_LENGTH.value
+  if gen is None:
+    gen = int(data["seq_len"]) - int(data["prompt_len"]) if data.get("seq_len") else 256
+  block = _BLOCK_LENGTH.value or (8 if gen == 32 else min(32, gen))
+  return gen, block, _STEPS.value or gen
+
+
+def _decode(params, config, options, ids, mask, batch_size: int, stats_spec, impl: dict):
+  """Decodes every prompt in batches; returns (wall seconds, traces)."""
+  import jax
+  from dlm_jax.sampling import llada
+  traces = []
+  start = time.perf_counter()
+  for s in range(0, ids.shape[0], batch_size):
+    trace = llada.generate(params, ids[s:s + batch_size], config=config, options=options,
+                           prompt_mask=None if mask is None else mask[s:s + batch_size], stats_spec=stats_spec, **impl)
+    traces.append(jax.block_until_ready(trace))
+  return time.perf_counter() - start, traces
+
+
+def _accuracy(model, problems, generated) -> float | None:
+  from dlm_jax.tasks import gsm8k
+  from experiments import prompts
+  if problems is None:
+    return None
+  texts = [prompts.completion(model, row)[1] for row in generated]
+  return gsm8k.accuracy([gsm8k.Problem(p.question, p.target) for p in problems], texts)["strict_match"]
+
+
+def measure(mode_spec: str, setup: dict) -> list[dict]:
+  """One mode with statistics off and on: a warm-up (compiling) call of each, then --repeats rounds of one
+  timed pass over every prompt per setting, the two settings alternating so that a change in the machine's
+  load affects both alike. Returns the (off, on) results."""
+  import numpy as np
+  from dlm_jax.sampling import llada
+  from dlm_jax.stats import NO_STATS, StatsSpec
+  from experiments import decoding_modes
+  mode = decoding_modes.from_spec(mode_spec)
+  gen, block, steps = setup["lengths"]
+  options = llada.LLaDAOptions(gen_length=gen, steps=steps, block_length=block, **mode.option_fields("llada"))
+  specs = (NO_STATS, StatsSpec(incoming_attention=True, per_head=True))
+  ids, mask, bs = setup["ids"], setup["mask"], setup["batch_size"]
+  args = (setup["params"], setup["config"], options)
+  for spec in specs:
+    for rows in {min(bs, ids.shape[0]), ids.shape[0] % bs or bs}:  # every batch shape of the timed passes
+      _decode(*args, ids[:rows], None if mask is None else mask[:rows], rows, spec, setup["impl"])
+  best, traces = [float("inf")] * len(specs), [None] * len(specs)
+  for _ in range(setup["repeats"]):
+    for i, spec in enumerate(specs):
+      wall, traces[i] = _decode(*args, ids, mask, bs, spec, setup["impl"])
+      best[i] = min(best[i], wall)
+  results = []
+  for stats, wall, run in zip((False, True), best, traces):
+    generated = np.concatenate([np.asarray(t.generated) for t in run])
+    row_nfe = np.concatenate([np.asarray(t.row_nfe) for t in run])
+    calls = sum(int(t.nfe) for t in run)
+    eos = setup["config"].eos_token_id
+    tokens = int((generated != eos).sum()) if eos is not None else int(generated.size)
+    results.append({"mode": mode.spec, "statistics": stats,
+                    "accuracy": _accuracy(setup["model"], setup["problems"], generated),
+                    "mean_row_nfe": float(row_nfe.mean()), "calls": calls, "calls_per_batch": calls / len(run),
+                    "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "ms_per_call": 1e3 * wall / calls})
+  return results
+
+
+def _table(results: list[dict]) -> list[str]:
+  exact = {r["statistics"]: r for r in results if r["mode"] == "exact"}
+  off = {r["mode"]: r for r in results if not r["statistics"]}
+  lines = [f"{'mode':<26} {'stats':>5} {'accuracy':>8} {'NFE/row':>7} {'calls/batch':>11} {'tok/s':>9} "
+           f"{'x exact':>7} {'ms/call':>8} {'stats cost':>10}"]
+  for r in results:
+    ref = exact.get(r["statistics"])
+    r["ratio_to_exact"] = r["tokens_per_s"] / ref["tokens_per_s"] if ref else None
+    if r["statistics"] and r["mode"] in off:
+      r["stats_cost"] = r["wall_s"] / off[r["mode"]]["wall_s"] - 1
+    acc = "–" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}%"
+    ratio = "–" if r["ratio_to_exact"] is None else f"{r['ratio_to_exact']:.2f}x"
+    cost = f"{100 * r['stats_cost']:+.1f}%" if "stats_cost" in r else ""
+    lines.append(f"{r['mode']:<26} {'on' if r['statistics'] else 'off':>5} {acc:>8} {r['mean_row_nfe']:>7.2f} "
+                 f"{r['calls_per_batch']:>11.2f} {r['tokens_per_s']:>9.1f} {ratio:>7} {r['ms_per_call']:>8.2f} "
+                 f"{cost:>10}")
+  return lines
+
+
+def targets(results: list[dict]) -> dict:
+  """Whether threshold + dual cache reaches 4× exact tokens/s within 2 accuracy points, and statistics cost
+  at most 15% in every mode."""
+  off = {r["mode"]: r for r in results if not r["statistics"]}
+  fast = next((r for m, r in off.items() if m.startswith("threshold_dual_cache")), None)
+  out = {}
+  if fast is not None and "exact" in off:
+    exact = off["exact"]
+    points = None if fast["accuracy"] is None else 100 * abs(fast["accuracy"] - exact["accuracy"])
+    out["speedup"] = {"mode": fast["mode"], "ratio": fast["ratio_to_exact"], "accuracy_points": points,
+                      "met": fast["ratio_to_exact"] >= TARGET_SPEEDUP and (points is None
+                                                                          or points <= TARGET_ACCURACY_POINTS + 1e-9)}
+  costs = {r["mode"]: r["stats_cost"] for r in results if "stats_cost" in r}
+  out["statistics"] = {"cost": costs, "met": all(c <= TARGET_STATS_COST for c in costs.values())}
+  return out
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  import jax
+  import jax.numpy as jnp
+  from experiments import decoding_modes
+  from experiments.cli import UserError
+  if _N.value < 1 or _BATCH_SIZE.value < 1 or _REPEATS.value < 1:
+    raise app.UsageError("--n, --batch_size and --repeats must be positive")
+  try:
+    for spec in _MODES.value:
+      decoding_modes.from_spec(spec)
+  except UserError as e:
+    raise app.UsageError(f"--modes: {e}") from None
+  machine = {"cpu": cpu_model(), "jax_device": f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}",
+             "jax_version": jax.__version__}
+  print(f"CPU: {machine['cpu']}\nJAX device: {machine['jax_device']}")
+  config, params, problems, model, ids, mask = _workload(_CHECKPOINT.value, _N.value, _DATA_SEED.value,
+                                                         jnp.dtype(_DTYPE.value))
+  setup = {"config": config, "params": params, "problems": problems, "model": model, "ids": ids, "mask": mask,
+           "lengths": _lengths(model), "batch_size": _BATCH_SIZE.value, "repeats": _REPEATS.value,
+           "impl": {"attention_impl": _IMPL.value, "query_chunk": _QUERY_CHUNK.value}}
+  gen, block, steps = setup["lengths"]
+  print(f"{_CHECKPOINT.value}: {ids.shape[0]} prompts of {ids.shape[1]} tokens, {gen} generated, blocks of {block}, "
+        f"{steps} steps (quota modes), batch {_BATCH_SIZE.value}, {_DTYPE.value}, {_IMPL.value} attention")
+  results = []
+  for spec in _MODES.value:
+    results += measure(spec, setup)
+    print(f"  {spec}: {results[-2]['wall_s']:.2f}s with statistics off, {results[-1]['wall_s']:.2f}s on", flush=True)
+  lines = _table(results)
+  print("\n".join(lines))
+  checked = targets(results)
+  if "speedup" in checked:
+    s = checked["speedup"]
+    points = "–" if s["accuracy_points"] is None else f"{s['accuracy_points']:.1f} points"
+    print(f"target {s['mode']} >= {TARGET_SPEEDUP:g}x exact tokens/s within {TARGET_ACCURACY_POINTS:g} accuracy "
+          f"points: {s['ratio']:.2f}x, {points} -> {'met' if s['met'] else 'NOT met'}")
+  worst = max(checked["statistics"]["cost"].items(), key=lambda kv: kv[1])
+  print(f"target statistics <= {100 * TARGET_STATS_COST:g}% per mode: worst {worst[0]} {100 * worst[1]:+.1f}% -> "
+        f"{'met' if checked['statistics']['met'] else 'NOT met'}")
+  report = {"machine": machine, "flags": {"checkpoint": _CHECKPOINT.value, "n": int(ids.shape[0]),
+                                          "prompt_length": int(ids.shape[1]), "gen_length": gen, "block_length": block,
+                                          "steps": steps, "batch_size": _BATCH_SIZE.value, "dtype": _DTYPE.value,
+                                          "attention_impl": _IMPL.value, "repeats": _REPEATS.value},
+            "results": results, "table": lines, "targets": checked}
+  tmp = f"{_JSON_OUT.value}.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=2)
+  os.replace(tmp, _JSON_OUT.value)
+  print(f"results written to {_JSON_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)
