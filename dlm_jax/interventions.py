@@ -117,6 +117,13 @@ class Intervention:
     del state
     return None
 
+  def keep_rows(self, new: Any, old: Any, active: jax.Array) -> Any:
+    """The state after a call for the rows that decoded (active [B] bool) and `old` for the rows that
+    waited (a sampler whose rows wait for the batch, e.g. threshold decoding), so that a row's state does
+    not depend on its batch. Interventions whose `update` changes the state override this."""
+    del old, active
+    return new
+
 
 NO_INTERVENTION = Intervention()
 
@@ -403,6 +410,10 @@ class MaskPreviousSinks(Intervention):
     incoming = output.incoming_attention[:, :, 0]
     return incoming if self.per_head else incoming.mean(axis=(0, 2))
 
+  def keep_rows(self, new: PreviousSinksState, old: PreviousSinksState, active: jax.Array) -> PreviousSinksState:
+    rows = active[None, :, None, None] if self.per_head else active[:, None]
+    return new.replace(masked=jnp.where(rows, new.masked, old.masked))
+
   def update(self, state: PreviousSinksState, output: ForwardOutput, context: CallContext) -> PreviousSinksState:
     del context
     scores = self._scores(output)
@@ -484,6 +495,9 @@ class Compose(Intervention):
 
   def update(self, state: tuple[Any, ...], output: ForwardOutput, context: CallContext) -> tuple[Any, ...]:
     return tuple(p.update(s, output, context) for p, s in zip(self.parts, state))
+
+  def keep_rows(self, new: tuple[Any, ...], old: tuple[Any, ...], active: jax.Array) -> tuple[Any, ...]:
+    return tuple(p.keep_rows(n, o, active) for p, n, o in zip(self.parts, new, old))
 
   def record(self, state: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The parts' records, in `parts` order (None for a part that records nothing); None if none does."""

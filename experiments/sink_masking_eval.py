@@ -24,8 +24,10 @@ Decoding modes: --decoding=exact|threshold|factor|prefix_cache|dual_cache|thresh
 threshold_dual_cache with --threshold / --factor (`experiments.decoding_modes`; DLMs only). Under a KV cache
 the sinks of a step come from the incoming attention of the queries it computed (the whole canvas at a
 block's refresh step, then the block and every later position with the prefix cache, the block alone with
-the dual cache) over all keys, cached ones included. With a threshold or factor rule and K > 0 each item is
-decoded alone (one item per call; see `_batch_size`). Every record holds the item's NFE.
+the dual cache) over all keys, cached ones included. With a threshold or factor rule the rows of a batch
+wait for each other block by block; a waiting row keeps its tokens, key and masker state
+(`Intervention.keep_rows`), so every item's result is its own whatever its batch. Every record holds the
+item's NFE.
 
 Items are spread over the mesh's batch axes (data × fsdp) in fixed batches (the last padded), and every
 finished (model, condition, item) is one line of results.jsonl, so an interrupted run resumes exactly
@@ -145,18 +147,6 @@ def _state(model, intervention, masker, batch: int, total: int, k: int, valid: n
   return set_k(state)
 
 
-def _batch_size(settings: Settings, model) -> int:
-  """Items per sampler call: --batch_size, except one for a DLM decoded with a threshold or factor rule under
-  sink masking. There a row whose block is done waits for the other rows of its batch, and its masker state
-  still updates from those waiting calls, so its tokens would depend on the batch; alone it never waits."""
-  if model.diffusion and settings.decoding.rule != "quota" and any(settings.mask_top_k) and settings.batch_size > 1:
-    logging.warning("%s: --decoding=%s with sink masking decodes one item per sampler call (--batch_size=%d "
-                    "ignored) so that each item's result is its own", model.label, settings.decoding.decoding,
-                    settings.batch_size)
-    return 1
-  return settings.batch_size
-
-
 def run_accuracy(settings: Settings, model, runtime, log) -> int:
   """Runs every (batch, K) not finished yet; returns the number of items."""
   todo = items.load_items(items.task_name(settings.task.task, model.record), settings.n_items,
@@ -167,12 +157,11 @@ def run_accuracy(settings: Settings, model, runtime, log) -> int:
   intervention = decoding.combined_intervention(model, masker)
   chat = model.prompt_format == "chat"
   ks = settings.mask_top_k
-  batch_size = _batch_size(settings, model)
   done_k = lambda item, k: log.done(kind="accuracy", model=model.label, condition=k, item=item.id)
   done = lambda item: all(done_k(item, k) for k in ks)
   meter = progress.Progress(f"{model.label} items×conditions", len(todo) * len(ks),
                             sum(done_k(it, k) for it in todo for k in ks))
-  for batch in item_batches.batches(todo, prompt_set, batch_size, settings.decode.seed, runtime, done):
+  for batch in item_batches.batches(todo, prompt_set, settings.batch_size, settings.decode.seed, runtime, done):
     ids, mask = batch.prompts.ids, batch.prompts.mask
     total = ids.shape[1] + values["gen_length"]
     valid = np.ones((ids.shape[0], total), bool)

@@ -272,6 +272,21 @@ def test_rows_wait_for_the_batch_and_keep_their_own_results():
   assert not np.all(np.asarray(together.active_rows)[:int(together.nfe)])
 
 
+@pytest.mark.parametrize("cache", ["none", "dual"])
+def test_waiting_rows_keep_their_sink_masker_state(cache):
+  """Under previous-step sink masking a row that waits for its batch keeps the sinks of its own last step
+  (`Intervention.keep_rows`): each of 6 rows decodes as it does alone (3–6 of them differ when waiting
+  calls update the state)."""
+  options = llada.LLaDAOptions(gen_length=GEN, steps=GEN, block_length=4, threshold=0.7, cache=cache)
+  batch = prompts(6, seed=11)
+  run = dict(config=CONFIG, options=options, intervention=iv.MaskPreviousSinks(top_k=1))
+  together = llada.generate(peaked_params(), batch, **run)
+  assert not np.all(np.asarray(together.active_rows)[:int(together.nfe)]), "no row waited"
+  for row in range(batch.shape[0]):
+    alone = llada.generate(peaked_params(), batch[row:row + 1], **run)
+    np.testing.assert_array_equal(np.asarray(together.tokens)[row], np.asarray(alone.tokens)[0], err_msg=f"row {row}")
+
+
 def test_sink_masking_runs_under_the_dual_cache():
   """MaskPreviousSinks composes with a cached mode: the masked keys recorded at each step are the previous
   step's top sinks of the computed queries."""

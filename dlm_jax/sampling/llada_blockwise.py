@@ -27,9 +27,8 @@ the block's completion is tested before each call (as the later Fast-dLLM code; 
 tested after, making one extra call when the refresh step had already finished the block). A block still
 unfinished after B steps (possible only when the most confident proposal is the mask token itself) is
 left with its masks. In a batch the rows move to the next block together: a row whose block is done waits
-(unchanged, `Trace.active_rows` False, its key not advanced) while the others finish, so its tokens and
-`row_nfe` are those it gets alone (an intervention's state, e.g. the previous step's sinks, still updates
-on its unchanged canvas while it waits).
+(unchanged, `Trace.active_rows` False, its key and its intervention state not advanced —
+`Intervention.keep_rows`) while the others finish, so its tokens and `row_nfe` are those it gets alone.
 
 Not supported (a clear error): classifier-free guidance with a cache (the unconditional canvas would need
 a cache of its own; Fast-dLLM has no CFG).
@@ -166,4 +165,4 @@ def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, c
   carry = carry.replace(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step, block_step=block_step,
                         block=block, cache=result.cache if result.cache is not None else carry.cache)
   outputs = result.outputs.replace(active=active, queries=queries)
-  return carry, result.intervention_state, outputs
+  return carry, run.caller.intervention.keep_rows(result.intervention_state, istate, active), outputs
