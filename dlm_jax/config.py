@@ -46,6 +46,42 @@ class ModelConfig:
       causal=False.
     logit_shift: 1 when the output at position i predicts token i+1 (Dream, ARMs), 0 when it
       predicts token i (LLaDA, MMaDA).
+    qk_norm: RMSNorm (weight [H], eps `norm_eps`) over each query and key head after the projection and
+      before RoPE (LLaDA-MoE `q_norm`/`k_norm`, LLaDA2.x `query_layernorm`/`key_layernorm`).
+    rotary_dim: None rotates all H dims of each head; an even d_r < H rotates only the leading d_r dims
+      (rotate-half inside them, inv_freq_j = θ^(−2j/d_r)) and passes the rest through — HF's
+      `partial_rotary_factor` f gives d_r = int(H·f) (LLaDA2.x: 64 of 128).
+    n_experts: routed experts E per mixture-of-experts layer; 0 (the default) makes every layer's
+      feed-forward the dense SwiGLU of width `mlp_hidden`.
+    experts_per_token: top-k experts each token is sent to (1 <= k <= E); 0 when n_experts is 0.
+    expert_hidden: SwiGLU hidden width of each routed expert; 0 when n_experts is 0.
+    n_shared_experts: experts every token always passes through (their outputs added unweighted to the
+      routed mixture, no gate), stored as one SwiGLU of width n_shared_experts·shared_expert_hidden.
+    shared_expert_hidden: hidden width of each shared expert (required > 0 iff n_shared_experts > 0).
+    first_k_dense: the first k layers keep the dense SwiGLU (width `mlp_hidden`) and the other
+      n_layers − k are MoE layers (LLaDA2.x `first_k_dense_replace` = 1). `mlp_hidden` is unused when
+      first_k_dense is 0 in an MoE model.
+    router: how the router's logits r = x·W_r [E] choose and weight experts —
+      "softmax_topk" (LLaDA-MoE, OLMoE, Qwen-MoE): p = softmax(r); the k largest p are chosen and their p
+      are the weights (divided by their sum only when `router_renormalize`);
+      "sigmoid_group" (LLaDA2.x, DeepSeek-V3): s = sigmoid(r); selection scores s + `router.score_bias`
+      (a per-expert correction bias used for the choice only); the E experts form `router_groups`
+      contiguous groups, a group's score is the sum of its two best selection scores, only the best
+      `router_topk_groups` groups stay eligible, the k best eligible experts are chosen; weights are their
+      unbiased s, divided by (their sum + 1e-20) when `router_renormalize`, times `routed_scaling_factor`.
+    router_renormalize: renormalise the k chosen weights to sum to one (OLMoE/LLaDA-MoE: False;
+      LLaDA2.x: True).
+    router_groups: expert groups for "sigmoid_group" (HF `n_group`); must divide E into groups of >= 2.
+    router_topk_groups: groups kept per token for "sigmoid_group" (HF `topk_group`); the kept groups must
+      hold at least k experts.
+    routed_scaling_factor: multiplies the routed weights (LLaDA2.x 2.5); must be 1 for "softmax_topk".
+    router_fp32: compute the router logits from float32 copies of the input and weight (LLaDA2.x,
+      DeepSeek-V3); otherwise the logits are computed in the activation dtype and only the scores are
+      float32 (LLaDA-MoE, OLMoE). The scores, choice and weights are float32 either way.
+    capacity_factor: None (the default) routes exactly: every token reaches its k experts. A float c > 0
+      caps each expert at ceil(c·M·k/E) of the M = B·T tokens of a call; an expert's slots go to tokens in
+      (batch row, position) order, and a token's choice beyond the cap is dropped (weight 0; the shared
+      experts and the residual still apply).
     mask_token_id, eos_token_id, eot_token_id, bos_token_id, pad_token_id: special token ids, or
       None when the model has no such token.
   """
@@ -71,6 +107,21 @@ class ModelConfig:
   eot_token_id: int | None = None
   bos_token_id: int | None = None
   pad_token_id: int | None = None
+  qk_norm: bool = False
+  rotary_dim: int | None = None
+  n_experts: int = 0
+  experts_per_token: int = 0
+  expert_hidden: int = 0
+  n_shared_experts: int = 0
+  shared_expert_hidden: int = 0
+  first_k_dense: int = 0
+  router: str = "softmax_topk"
+  router_renormalize: bool = False
+  router_groups: int = 1
+  router_topk_groups: int = 1
+  routed_scaling_factor: float = 1.0
+  router_fp32: bool = True
+  capacity_factor: float | None = None
 
   def __post_init__(self):
     for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "vocab_size"):
@@ -89,7 +140,8 @@ class ModelConfig:
       raise ConfigError(f"ModelConfig.head_dim must be even for rotate-half RoPE, got {self.head_dim}.")
     if self.logit_shift not in (0, 1):
       raise ConfigError(f"ModelConfig.logit_shift must be 0 or 1, got {self.logit_shift!r}.")
-    for field in ("rope_fp32", "qkv_bias", "tied_embeddings", "causal"):
+    for field in ("rope_fp32", "qkv_bias", "tied_embeddings", "causal", "qk_norm", "router_renormalize",
+                  "router_fp32"):
       if not isinstance(getattr(self, field), bool):
         raise ConfigError(f"ModelConfig.{field} must be a bool, got {getattr(self, field)!r}.")
     block = self.attention_block_size
@@ -101,6 +153,12 @@ class ModelConfig:
             f"ModelConfig.attention_block_size={block} (block-causal attention) cannot be combined with "
             "causal=True; set causal=False for block-causal attention, or attention_block_size=None for "
             "token-causal attention.")
+    rotary = self.rotary_dim
+    if rotary is not None and (isinstance(rotary, bool) or not isinstance(rotary, int) or rotary <= 0
+                               or rotary % 2 or rotary > self.head_dim):
+      raise ConfigError(f"ModelConfig.rotary_dim must be None or an even integer in [2, head_dim={self.head_dim}], "
+                        f"got {rotary!r}.")
+    self._check_experts()
     for field in _SPECIAL_TOKEN_FIELDS:
       value = getattr(self, field)
       if value is None:
@@ -108,6 +166,69 @@ class ModelConfig:
       if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
         raise ConfigError(
             f"ModelConfig.{field} must be None or an id in [0, vocab_size={self.vocab_size}), got {value!r}.")
+
+  def _check_experts(self) -> None:
+    for field in ("n_experts", "experts_per_token", "expert_hidden", "n_shared_experts", "shared_expert_hidden",
+                  "first_k_dense", "router_groups", "router_topk_groups"):
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"ModelConfig.{field} must be a non-negative integer, got {value!r}.")
+    if self.router not in ("softmax_topk", "sigmoid_group"):
+      raise ConfigError(f"ModelConfig.router must be 'softmax_topk' or 'sigmoid_group', got {self.router!r}.")
+    scale = self.routed_scaling_factor
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
+      raise ConfigError(f"ModelConfig.routed_scaling_factor must be a positive number, got {scale!r}.")
+    capacity = self.capacity_factor
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, float))
+                                 or capacity <= 0):
+      raise ConfigError(f"ModelConfig.capacity_factor must be None (exact routing) or a positive number, "
+                        f"got {capacity!r}.")
+    e = self.n_experts
+    if e == 0:
+      moe_only = {"experts_per_token": 0, "expert_hidden": 0, "n_shared_experts": 0, "shared_expert_hidden": 0,
+                  "first_k_dense": 0, "router": "softmax_topk", "router_renormalize": False, "router_groups": 1,
+                  "router_topk_groups": 1, "routed_scaling_factor": 1.0, "router_fp32": True,
+                  "capacity_factor": None}
+      for field, default in moe_only.items():
+        if getattr(self, field) != default:
+          raise ConfigError(f"ModelConfig.{field}={getattr(self, field)!r} needs a mixture-of-experts model; "
+                            f"set n_experts > 0, or leave {field} at {default!r} for a dense model.")
+      return
+    if not 1 <= self.experts_per_token <= e:
+      raise ConfigError(f"ModelConfig.experts_per_token must be in [1, n_experts={e}], got "
+                        f"{self.experts_per_token}.")
+    if self.expert_hidden <= 0:
+      raise ConfigError(f"ModelConfig.expert_hidden must be positive when n_experts={e}, got {self.expert_hidden}.")
+    if (self.n_shared_experts > 0) != (self.shared_expert_hidden > 0):
+      raise ConfigError(
+          f"ModelConfig.n_shared_experts ({self.n_shared_experts}) and shared_expert_hidden "
+          f"({self.shared_expert_hidden}) must both be positive (shared experts) or both 0 (none).")
+    if self.first_k_dense >= self.n_layers:
+      raise ConfigError(f"ModelConfig.first_k_dense ({self.first_k_dense}) must be below n_layers "
+                        f"({self.n_layers}); use n_experts=0 for an all-dense model.")
+    if self.router == "softmax_topk":
+      if (self.router_groups, self.router_topk_groups, self.routed_scaling_factor) != (1, 1, 1.0):
+        raise ConfigError("ModelConfig.router_groups, router_topk_groups and routed_scaling_factor apply to "
+                          "router='sigmoid_group' only; leave them at 1, 1 and 1.0 for 'softmax_topk'.")
+      return
+    groups, kept = self.router_groups, self.router_topk_groups
+    if groups < 1 or e % groups or e // groups < 2:
+      raise ConfigError(f"ModelConfig.router_groups ({groups}) must divide n_experts ({e}) into groups of at "
+                        "least 2 experts.")
+    if not 1 <= kept <= groups or kept * (e // groups) < self.experts_per_token:
+      raise ConfigError(
+          f"ModelConfig.router_topk_groups ({kept}) must be in [1, router_groups={groups}] and the kept groups "
+          f"({kept} x {e // groups} experts) must hold experts_per_token ({self.experts_per_token}) experts.")
+
+  @property
+  def is_moe(self) -> bool:
+    """True when the feed-forward of the layers after `first_k_dense` is a mixture of experts."""
+    return self.n_experts > 0
+
+  @property
+  def rope_dim(self) -> int:
+    """d_r: the leading dims of each head that RoPE rotates (`rotary_dim`, or all H)."""
+    return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
   @property
   def heads_per_kv(self) -> int:
