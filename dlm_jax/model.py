@@ -458,6 +458,21 @@ def param_count(config: ModelConfig) -> int:
   return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params(config)))
 
 
+def active_param_count(config: ModelConfig) -> int:
+  """Non-embedding parameters one token passes through: everything except the embedding table and the
+  LM head, with the routed experts counted k/E (the k experts a token is sent to). Equals
+  `param_count` minus the vocabulary matrices for a dense model."""
+  total = 0
+  for name, leaf in flatten_params(abstract_params(config)).items():
+    if name in ("embed.embedding", "lm_head.kernel"):
+      continue
+    size = math.prod(leaf.shape)
+    if ".mlp.experts." in name:
+      size = size // config.n_experts * config.experts_per_token
+    total += size
+  return total
+
+
 def flatten_params(params: Params) -> dict[str, Any]:
   """{"blocks.attn.q.kernel": array, ...}: the tensor names used by converted checkpoints."""
   flat = {}

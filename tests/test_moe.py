@@ -303,18 +303,27 @@ def test_expert_dispatch_and_capacity_match_a_token_loop(capacity_factor):
 
 
 def _tiny_moe(**overrides):
-  values = dict(n_layers=3, n_experts=8, experts_per_token=2, expert_hidden=24, n_shared_experts=1,
-                shared_expert_hidden=16, first_k_dense=1, router="sigmoid_group", router_groups=4,
-                router_topk_groups=2, router_renormalize=True, routed_scaling_factor=2.5, qk_norm=True,
-                rotary_dim=8)
-  values.update(overrides)
-  return preset("tiny-llada").replace(name="tiny-moe", **values)
+  return preset("tiny-llada2").replace(**overrides)
+
+
+@pytest.mark.parametrize("name", ["tiny-llada-moe", "tiny-llada2"])
+def test_tiny_moe_presets_run_jitted_with_windows_and_block_causal_attention(name):
+  config = preset(name)
+  params = model.init_params(config, jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, 11), 0, config.vocab_size)
+  full = jax.jit(functools.partial(model.forward, config=config))(params, tokens).logits
+  window = model.forward(params, tokens, config=config, logits_window=(3, 8)).logits
+  np.testing.assert_allclose(window, full[:, 3:8], atol=1e-5, rtol=0)  # jitted vs eager rounding
+  assert np.isfinite(np.asarray(full)).all()
+  if config.attention_block_size:  # the last block (positions 8-10) cannot change the first two blocks
+    changed = model.forward(params, tokens.at[:, 9].set(0), config=config).logits
+    np.testing.assert_allclose(changed[:, :8], full[:, :8], atol=1e-5, rtol=0)
 
 
 def test_kv_cache_and_layer_subsets_cross_the_dense_to_moe_boundary():
   from dlm_jax.attention import AttentionBias
   from dlm_jax.stats import StatsSpec
-  config = _tiny_moe(causal=True, logit_shift=1, mask_token_id=None)
+  config = _tiny_moe(causal=True, attention_block_size=None, logit_shift=1, mask_token_id=None)
   params = model.init_params(config, jax.random.key(3))
   tokens = jax.random.randint(jax.random.key(4), (2, 10), 0, config.vocab_size)
   spec = StatsSpec(incoming_attention=True, value_norms=True)
