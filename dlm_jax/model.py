@@ -20,8 +20,8 @@ Logical axis sizes: layers (the stack's length), vocab V, embed D, heads N·H, k
 expert E, shared_mlp n_shared_experts·shared_expert_hidden. The q/k/v biases exist only when `qkv_bias`,
 `attn.{q,k}_norm.weight` [H] only when `qk_norm`; `lm_head.kernel` is absent when `tied_embeddings`. MoE
 layers replace `mlp.{gate,up,down}.kernel` by `mlp.router.kernel` [D, E] (+ `mlp.router.score_bias` [E]
-for the "sigmoid_group" router), the stacked experts `mlp.experts.{gate,up}` [E, D, F_e] and
-`mlp.experts.down` [E, F_e, D], and, with shared experts, `mlp.shared.{gate,up,down}.kernel`.
+for the "sigmoid_group" router), the stacked experts `mlp.experts.{gate,up}.kernel` [E, D, F_e] and
+`mlp.experts.down.kernel` [E, F_e, D], and, with shared experts, `mlp.shared.{gate,up,down}.kernel`.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ _DENSE_BLOCK_AXES: dict[str, tuple[str | None, ...]] = {
 _MOE_FEED_FORWARD_AXES: dict[str, tuple[str | None, ...]] = {
     "mlp.router.kernel": ("layers", "embed", None),
     "mlp.router.score_bias": ("layers", None),
-    "mlp.experts.gate": ("layers", "expert", "embed", None),
-    "mlp.experts.up": ("layers", "expert", "embed", None),
-    "mlp.experts.down": ("layers", "expert", None, "embed"),
+    "mlp.experts.gate.kernel": ("layers", "expert", "embed", None),
+    "mlp.experts.up.kernel": ("layers", "expert", "embed", None),
+    "mlp.experts.down.kernel": ("layers", "expert", None, "embed"),
     "mlp.shared.gate.kernel": ("layers", "embed", "shared_mlp"),
     "mlp.shared.up.kernel": ("layers", "embed", "shared_mlp"),
     "mlp.shared.down.kernel": ("layers", "shared_mlp", "embed"),
@@ -219,17 +219,24 @@ class Router(nnx.Module):
     return route(self.config, logits, bias)
 
 
+class ExpertKernel(nnx.Module):
+  """One projection of all E experts: `kernel` [E, d_in, d_out] (fan-in scaled per expert)."""
+
+  def __init__(self, n_experts: int, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype: Any):
+    init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
+                                             batch_axis=(0,))
+    self.kernel = nnx.Param(init(rngs.params(), (n_experts, d_in, d_out), dtype))
+
+
 class Experts(nnx.Module):
-  """E SwiGLU experts stored stacked: `gate`, `up` [E, D, F_e] and `down` [E, F_e, D]."""
+  """E SwiGLU experts stored stacked: `gate`, `up` [E, D, F_e] and `down` [E, F_e, D] kernels."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any):
     e, d, f = config.n_experts, config.d_model, config.expert_hidden
     self.config = config
-    init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
-                                             batch_axis=(0,))
-    self.gate = nnx.Param(init(rngs.params(), (e, d, f), dtype))
-    self.up = nnx.Param(init(rngs.params(), (e, d, f), dtype))
-    self.down = nnx.Param(init(rngs.params(), (e, f, d), dtype))
+    self.gate = ExpertKernel(e, d, f, rngs=rngs, dtype=dtype)
+    self.up = ExpertKernel(e, d, f, rngs=rngs, dtype=dtype)
+    self.down = ExpertKernel(e, f, d, rngs=rngs, dtype=dtype)
 
   def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
     """Σ_k weights[m, k] · Expert_{experts[m, k]}(x[m]): x [M, D], weights [M, k], experts [M, k] -> [M, D].
@@ -246,9 +253,9 @@ class Experts(nnx.Module):
     token = order // k
     sizes = jnp.bincount(flat, length=c.n_experts).astype(jnp.int32)
     rows = x[token]
-    hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, self.gate[...], sizes))
-              * jax.lax.ragged_dot(rows, self.up[...], sizes))
-    out = jax.lax.ragged_dot(hidden, self.down[...], sizes)
+    hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, self.gate.kernel[...], sizes))
+              * jax.lax.ragged_dot(rows, self.up.kernel[...], sizes))
+    out = jax.lax.ragged_dot(hidden, self.down.kernel[...], sizes)
     pair_weights = weights.reshape(-1)[order]
     if c.capacity_factor is not None:
       capacity = math.ceil(c.capacity_factor * m * k / c.n_experts)

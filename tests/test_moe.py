@@ -45,8 +45,8 @@ def _hf_moe_params(get, config: ModelConfig, prefix: str = "mlp.") -> dict:
   gate_up = get(f"{prefix}experts.gate_up_proj")
   params = {
       "router": {"kernel": t(get(f"{prefix}gate.weight"))},
-      "experts": {"gate": t(gate_up[..., :f, :]), "up": t(gate_up[..., f:, :]),
-                  "down": t(get(f"{prefix}experts.down_proj"))},
+      "experts": {"gate": {"kernel": t(gate_up[..., :f, :])}, "up": {"kernel": t(gate_up[..., f:, :])},
+                  "down": {"kernel": t(get(f"{prefix}experts.down_proj"))}},
   }
   if config.router == "sigmoid_group":
     params["router"]["score_bias"] = get(f"{prefix}gate.e_score_correction_bias")
@@ -297,8 +297,8 @@ def test_expert_dispatch_and_capacity_match_a_token_loop(capacity_factor):
   x = jax.random.normal(jax.random.key(1), (30, 16))
   weights, experts = model.route(config, jax.random.normal(jax.random.key(2), (30, 6)) * 3)
   capacity = None if capacity_factor is None else math.ceil(capacity_factor * 30 * 2 / 6)
-  expected = _numpy_moe(*map(np.asarray, (x, weights, experts, experts_module.gate[...], experts_module.up[...],
-                                          experts_module.down[...])), capacity)
+  expected = _numpy_moe(*map(np.asarray, (x, weights, experts, experts_module.gate.kernel[...],
+                                          experts_module.up.kernel[...], experts_module.down.kernel[...])), capacity)
   np.testing.assert_allclose(experts_module(x, weights, experts), expected, atol=1e-5, rtol=0)
 
 
@@ -354,7 +354,7 @@ def test_moe_forward_is_the_same_under_a_sharded_mesh():
   mesh = sharding.make_mesh(2, 2, 2)
   placed = jax.device_put(params, sharding.param_shardings(config, mesh, params))
   specs = jax.tree.map(lambda s: s.spec, sharding.param_shardings(config, mesh, params))
-  assert specs["blocks"]["mlp"]["experts"]["gate"] == jax.sharding.PartitionSpec(None, "tensor", "fsdp", None)
+  assert specs["blocks"]["mlp"]["experts"]["gate"]["kernel"] == jax.sharding.PartitionSpec(None, "tensor", "fsdp", None)
   tokens = jax.device_put(tokens, sharding.batch_sharding(mesh, tokens.ndim))
   out = jax.jit(functools.partial(model.forward, config=config))(placed, tokens)
   np.testing.assert_allclose(out.logits, reference, atol=1e-5)
@@ -407,3 +407,11 @@ def test_dense_defaults_have_no_moe_parameters():
 def test_invalid_moe_configs_say_what_to_change(overrides, message):
   with pytest.raises(ConfigError, match=message):
     _tiny_moe(**overrides)
+
+
+def test_expert_matrices_are_weight_decayed_and_the_selection_bias_is_not():
+  from dlm_jax import training
+  flat = model.flatten_params(training._decay_mask(model.abstract_params(preset("tiny-llada2"))))
+  assert all(flat[f"blocks.mlp.experts.{n}.kernel"] for n in ("gate", "up", "down"))
+  assert flat["blocks.mlp.router.kernel"] and flat["blocks.mlp.shared.up.kernel"]
+  assert not flat["blocks.mlp.router.score_bias"] and not flat["blocks.attn.q_norm.weight"]

@@ -72,8 +72,8 @@ def test_moe_presets_have_the_published_total_and_active_counts(name, total, act
 def test_llada2_mini_shapes_put_the_dense_layer_in_its_own_stack():
   shapes = jax.tree.map(lambda leaf: leaf.shape, model.abstract_params(preset("llada2-mini")))
   assert shapes["dense_blocks"]["mlp"]["gate"]["kernel"] == (1, 2048, 5120)
-  assert shapes["blocks"]["mlp"]["experts"]["gate"] == (19, 256, 2048, 512)
-  assert shapes["blocks"]["mlp"]["experts"]["down"] == (19, 256, 512, 2048)
+  assert shapes["blocks"]["mlp"]["experts"]["gate"]["kernel"] == (19, 256, 2048, 512)
+  assert shapes["blocks"]["mlp"]["experts"]["down"]["kernel"] == (19, 256, 512, 2048)
   assert shapes["blocks"]["mlp"]["router"]["score_bias"] == (19, 256)
   assert shapes["blocks"]["mlp"]["shared"]["up"]["kernel"] == (19, 2048, 512)
   assert shapes["blocks"]["attn"]["q_norm"]["weight"] == (19, 128)
