@@ -64,14 +64,14 @@ class ModelConfig:
       first_k_dense is 0 in an MoE model.
     router: how the router's logits r = x·W_r [E] choose and weight experts —
       "softmax_topk" (LLaDA-MoE, OLMoE, Qwen-MoE): p = softmax(r); the k largest p are chosen and their p
-      are the weights (divided by their sum only when `router_renormalize`);
+      are the weights (renormalised only when `router_renormalize`);
       "sigmoid_group" (LLaDA2.x, DeepSeek-V3): s = sigmoid(r); selection scores s + `router.score_bias`
       (a per-expert correction bias used for the choice only); the E experts form `router_groups`
       contiguous groups, a group's score is the sum of its two best selection scores, only the best
       `router_topk_groups` groups stay eligible, the k best eligible experts are chosen; weights are their
-      unbiased s, divided by (their sum + 1e-20) when `router_renormalize`, times `routed_scaling_factor`.
-    router_renormalize: renormalise the k chosen weights to sum to one (OLMoE/LLaDA-MoE: False;
-      LLaDA2.x: True).
+      unbiased s, renormalised when `router_renormalize`, times `routed_scaling_factor`.
+    router_renormalize: renormalise the k chosen weights to sum to one, dividing by (their sum + 1e-20)
+      for either router (OLMoE/LLaDA-MoE: False; LLaDA2.x: True).
     router_groups: expert groups for "sigmoid_group" (HF `n_group`); must divide E into groups of >= 2.
     router_topk_groups: groups kept per token for "sigmoid_group" (HF `topk_group`); the kept groups must
       hold at least k experts.

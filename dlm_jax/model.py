@@ -200,7 +200,8 @@ def route(config: ModelConfig, logits: jax.Array, score_bias: jax.Array | None =
 
 
 class Router(nnx.Module):
-  """Router weight `kernel` [D, E] and, for "sigmoid_group", the selection bias `score_bias` [E]."""
+  """Router weight `kernel` [D, E] and, for "sigmoid_group", the selection bias `score_bias` [E] (float32
+  whatever the parameter dtype, as the originals keep it)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any):
     self.config = config
@@ -403,7 +404,7 @@ class Transformer(nnx.Module):
         xs = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], per_layer_xs)
       carry, ys = jax.lax.scan(functools.partial(layer, block_graph), carry, (block_state, *xs))
       stack_ys.append(ys)
-    (x, buffers) = carry
+    x, buffers = carry
     ys = stack_ys[0] if len(stack_ys) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *stack_ys)
     new_cache = None if cache is None else KVCache(*ys.pop("cache"))
     stats = buffers if slots is not None else ys
