@@ -4,6 +4,8 @@ References (float32, eager attention, explicit all-visible 4-D mask, highest mat
 - OLMoE (`OlmoeForCausalLM`): softmax top-k router without (and with) renormalisation — the LLaDA-MoE
   router. OLMoE normalises q and k over the whole projection width, so it is run with one head, where
   that equals our per-head QK norm.
+- Qwen3-MoE (`Qwen3MoeForCausalLM`): the same router with several heads, per-head QK norm, GQA and a
+  leading dense layer (`mlp_only_layers=[0]`).
 - GLM-4-MoE (`Glm4MoeForCausalLM`): sigmoid router with a score-correction bias, group-limited top-k,
   renormalisation and scaling, one always-on shared expert, a leading dense layer, per-head QK norm and
   partial RoPE with standard GQA attention — every part of LLaDA2.x except its fused-QKV tensor names.
@@ -162,6 +164,28 @@ def test_softmax_topk_model_matches_olmoe(renormalize):
   diff, chosen, _ = _compare_full_model(reference, config, tokens)
   assert diff < 1e-4
   assert len({int(e) for c in chosen for e in c.ravel()}) == experts  # every expert is used somewhere
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_softmax_topk_model_with_per_head_qk_norm_and_a_dense_layer_matches_qwen3_moe(renormalize):
+  """LLaDA-MoE's layout with several heads: per-head QK norm, GQA, softmax router, a leading dense layer."""
+  d, layers, heads, kv_heads, head_dim, experts, k, f, dense_f, vocab = 48, 3, 4, 2, 16, 8, 3, 20, 56, 67
+  hf_config = transformers.Qwen3MoeConfig(
+      vocab_size=vocab, hidden_size=d, intermediate_size=dense_f, moe_intermediate_size=f, num_hidden_layers=layers,
+      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, num_experts=experts,
+      num_experts_per_tok=k, norm_topk_prob=renormalize, mlp_only_layers=[0], decoder_sparse_step=1,
+      rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+      tie_word_embeddings=False, attn_implementation="eager", dtype=torch.float32)
+  reference = transformers.Qwen3MoeForCausalLM(hf_config)
+  hf_fixtures.randomize_parameters(reference, seed=4)
+  reference.eval()
+  config = ModelConfig(name="qwen3moe-parity", d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads,
+                       head_dim=head_dim, mlp_hidden=dense_f, vocab_size=vocab, norm_eps=1e-5, rope_theta=50000.0,
+                       qk_norm=True, n_experts=experts, experts_per_token=k, expert_hidden=f, first_k_dense=1,
+                       router="softmax_topk", router_renormalize=renormalize, router_fp32=False)
+  tokens = np.random.default_rng(2).integers(0, vocab, size=17).tolist()
+  diff, _, _ = _compare_full_model(reference, config, tokens)
+  assert diff < 1e-4
 
 
 def _glm4_moe(*, d, layers, heads, kv_heads, head_dim, dense_f, experts, k, f, shared, groups, kept, scale,
