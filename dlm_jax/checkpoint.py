@@ -488,7 +488,7 @@ def save(directory: str | os.PathLike, config: ModelConfig, params: model_lib.Pa
     with SafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes) as writer:
       for name, (shape, _) in specs.items():
         leaf = flat[name]
-        if name.startswith("blocks."):
+        if model_lib.PARAM_AXES[name][0] == "layers":
           for layer in range(shape[0]):
             writer.write(name, np.asarray(leaf[layer:layer + 1]), at=(layer,))
         else:

@@ -1,16 +1,27 @@
 """The one Transformer behind every supported model, as Flax NNX modules, and its pure entry point.
 
-token embedding → L pre-norm blocks (RMSNorm → attention with rotate-half RoPE, GQA, optional q/k/v bias
-→ residual; RMSNorm → SwiGLU MLP → residual) → final RMSNorm → LM head (untied, or tied to the embedding).
+token embedding → L pre-norm blocks (RMSNorm → attention with optional q/k/v bias, optional per-head QK
+RMSNorm, full or partial rotate-half RoPE, GQA → residual; RMSNorm → feed-forward → residual) → final
+RMSNorm → LM head (untied, or tied to the embedding). The feed-forward is a dense SwiGLU, or in a
+mixture-of-experts model (`config.n_experts > 0`) a router choosing k of E SwiGLU experts per token plus
+optional always-on shared experts (`MoE`), after `config.first_k_dense` leading dense layers.
 
-The L blocks are stored stacked (every block parameter has a leading [L] axis) and run with `lax.scan`,
-so compile time does not grow with depth. Public functions take the params as a pure nested dict
+The blocks are stored stacked (every block parameter has a leading layer axis) and run with `lax.scan`,
+so compile time does not grow with depth. A dense model has one stack `blocks` [L]. An MoE model has
+`blocks` [L − k] for its MoE layers and, when k = `first_k_dense` > 0, a second stack `dense_blocks` [k]
+for the leading dense layers; the two are scanned one after the other (dense first), and everything that
+is per layer outside the parameters (KV cache, per-layer biases, statistics) keeps one [L] axis in
+absolute layer order. Public functions take the params as a pure nested dict
 (`init_params`, `forward`); the NNX modules are rebuilt from it inside the traced function.
 
 Parameter tree: `PARAM_AXES` below lists every tensor by flat name (the names joined with "." are the
 tensor names of converted checkpoints) with its logical axes, which `dlm_jax.sharding` maps to mesh axes.
-Logical axis sizes: layers L, vocab V, embed D, heads N·H, kv_heads K·H, mlp F. The q/k/v biases exist
-only when `qkv_bias`; `lm_head.kernel` is absent when `tied_embeddings`.
+Logical axis sizes: layers (the stack's length), vocab V, embed D, heads N·H, kv_heads K·H, mlp F,
+expert E, shared_mlp n_shared_experts·shared_expert_hidden. The q/k/v biases exist only when `qkv_bias`,
+`attn.{q,k}_norm.weight` [H] only when `qk_norm`; `lm_head.kernel` is absent when `tied_embeddings`. MoE
+layers replace `mlp.{gate,up,down}.kernel` by `mlp.router.kernel` [D, E] (+ `mlp.router.score_bias` [E]
+for the "sigmoid_group" router), the stacked experts `mlp.experts.{gate,up}.kernel` [E, D, F_e] and
+`mlp.experts.down.kernel` [E, F_e, D], and, with shared experts, `mlp.shared.{gate,up,down}.kernel`.
 """
 
 from __future__ import annotations
@@ -31,20 +42,37 @@ from dlm_jax.stats import NO_STATS, ForwardOutput, StatsSpec
 
 Params = dict[str, Any]
 
+_DENSE_BLOCK_AXES: dict[str, tuple[str | None, ...]] = {
+    "attn_norm.weight": ("layers", None),
+    "attn.q.kernel": ("layers", "embed", "heads"),
+    "attn.q.bias": ("layers", "heads"),
+    "attn.k.kernel": ("layers", "embed", "kv_heads"),
+    "attn.k.bias": ("layers", "kv_heads"),
+    "attn.v.kernel": ("layers", "embed", "kv_heads"),
+    "attn.v.bias": ("layers", "kv_heads"),
+    "attn.o.kernel": ("layers", "heads", "embed"),
+    "attn.q_norm.weight": ("layers", None),
+    "attn.k_norm.weight": ("layers", None),
+    "mlp_norm.weight": ("layers", None),
+    "mlp.gate.kernel": ("layers", "embed", "mlp"),
+    "mlp.up.kernel": ("layers", "embed", "mlp"),
+    "mlp.down.kernel": ("layers", "mlp", "embed"),
+}
+_MOE_FEED_FORWARD_AXES: dict[str, tuple[str | None, ...]] = {
+    "mlp.router.kernel": ("layers", "embed", None),
+    "mlp.router.score_bias": ("layers", None),
+    "mlp.experts.gate.kernel": ("layers", "expert", "embed", None),
+    "mlp.experts.up.kernel": ("layers", "expert", "embed", None),
+    "mlp.experts.down.kernel": ("layers", "expert", None, "embed"),
+    "mlp.shared.gate.kernel": ("layers", "embed", "shared_mlp"),
+    "mlp.shared.up.kernel": ("layers", "embed", "shared_mlp"),
+    "mlp.shared.down.kernel": ("layers", "shared_mlp", "embed"),
+}
+
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "embed.embedding": ("vocab", "embed"),
-    "blocks.attn_norm.weight": ("layers", None),
-    "blocks.attn.q.kernel": ("layers", "embed", "heads"),
-    "blocks.attn.q.bias": ("layers", "heads"),
-    "blocks.attn.k.kernel": ("layers", "embed", "kv_heads"),
-    "blocks.attn.k.bias": ("layers", "kv_heads"),
-    "blocks.attn.v.kernel": ("layers", "embed", "kv_heads"),
-    "blocks.attn.v.bias": ("layers", "kv_heads"),
-    "blocks.attn.o.kernel": ("layers", "heads", "embed"),
-    "blocks.mlp_norm.weight": ("layers", None),
-    "blocks.mlp.gate.kernel": ("layers", "embed", "mlp"),
-    "blocks.mlp.up.kernel": ("layers", "embed", "mlp"),
-    "blocks.mlp.down.kernel": ("layers", "mlp", "embed"),
+    **{f"blocks.{name}": axes for name, axes in {**_DENSE_BLOCK_AXES, **_MOE_FEED_FORWARD_AXES}.items()},
+    **{f"dense_blocks.{name}": axes for name, axes in _DENSE_BLOCK_AXES.items()},
     "final_norm.weight": (None,),
     "lm_head.kernel": ("embed", "vocab"),
 }
@@ -86,7 +114,8 @@ def _linear(d_in: int, d_out: int, bias: bool, rngs: nnx.Rngs, dtype: Any) -> nn
 
 
 class Attention(nnx.Module):
-  """Multi-head attention with GQA, optional q/k/v bias, RoPE, the configured attention pattern and statistics."""
+  """Multi-head attention with GQA, optional q/k/v bias, optional per-head QK RMSNorm (before RoPE), full or
+  partial RoPE, the configured attention pattern and statistics."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any):
     c = config
@@ -95,6 +124,9 @@ class Attention(nnx.Module):
     self.k = _linear(c.d_model, c.n_kv_heads * c.head_dim, c.qkv_bias, rngs, dtype)
     self.v = _linear(c.d_model, c.n_kv_heads * c.head_dim, c.qkv_bias, rngs, dtype)
     self.o = _linear(c.n_heads * c.head_dim, c.d_model, False, rngs, dtype)
+    if c.qk_norm:
+      self.q_norm = RMSNorm(c.head_dim, c.norm_eps, dtype=dtype)
+      self.k_norm = RMSNorm(c.head_dim, c.norm_eps, dtype=dtype)
 
   def __call__(self, x, cos, sin, *, pairwise_bias, key_bias, query_weights, with_incoming, impl, query_chunk,
                cache=None, cache_offset=0, zero_values=None):
@@ -110,6 +142,8 @@ class Attention(nnx.Module):
     q = self.q(x).reshape(b, t, c.n_heads, c.head_dim)
     k = self.k(x).reshape(b, t, c.n_kv_heads, c.head_dim)
     v = self.v(x).reshape(b, t, c.n_kv_heads, c.head_dim)
+    if c.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
     q = apply_rope(q, cos, sin, fp32=c.rope_fp32)
     k = apply_rope(k, cos, sin, fp32=c.rope_fp32)
     if cache is not None:
@@ -127,25 +161,143 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-  """down(SiLU(gate(x)) ⊙ up(x))."""
+  """down(SiLU(gate(x)) ⊙ up(x)) with hidden width `hidden`: [..., D] -> [..., D]."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any):
-    self.gate = _linear(config.d_model, config.mlp_hidden, False, rngs, dtype)
-    self.up = _linear(config.d_model, config.mlp_hidden, False, rngs, dtype)
-    self.down = _linear(config.mlp_hidden, config.d_model, False, rngs, dtype)
+  def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs, dtype: Any):
+    self.gate = _linear(d_model, hidden, False, rngs, dtype)
+    self.up = _linear(d_model, hidden, False, rngs, dtype)
+    self.down = _linear(hidden, d_model, False, rngs, dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
-class Block(nnx.Module):
-  """One pre-norm Transformer block."""
+def route(config: ModelConfig, logits: jax.Array, score_bias: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array]:
+  """The router's choice: float32 logits [M, E] -> (weights [M, k] float32, experts [M, k] int32).
+
+  `config.router` says how (see `ModelConfig`); `score_bias` [E] is the "sigmoid_group" selection bias.
+  The k slots of a token are in no meaningful order; compare choices as sets.
+  """
+  c = config
+  k = c.experts_per_token
+  if c.router == "softmax_topk":
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+  else:
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + score_bias.astype(jnp.float32)
+    m, e = choice.shape
+    per_group = e // c.router_groups
+    group_scores = jnp.sum(jax.lax.top_k(choice.reshape(m, c.router_groups, per_group), 2)[0], axis=-1)
+    _, kept_groups = jax.lax.top_k(group_scores, c.router_topk_groups)
+    kept = jnp.any(jax.nn.one_hot(kept_groups, c.router_groups, dtype=jnp.bool_), axis=1)
+    eligible = jnp.repeat(kept, per_group, axis=1)
+    _, experts = jax.lax.top_k(jnp.where(eligible, choice, -jnp.inf), k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+  if c.router_renormalize:
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  return weights * c.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+class Router(nnx.Module):
+  """Router weight `kernel` [D, E] and, for "sigmoid_group", the selection bias `score_bias` [E] (float32
+  whatever the parameter dtype, as the originals keep it)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any):
+    self.config = config
+    self.kernel = nnx.Param(_KERNEL_INIT(rngs.params(), (config.d_model, config.n_experts), dtype))
+    if config.router == "sigmoid_group":
+      self.score_bias = nnx.Param(jnp.zeros((config.n_experts,), jnp.float32))
+
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [M, D] -> (weights [M, k] float32, experts [M, k] int32); see `route`."""
+    kernel = self.kernel[...]
+    if self.config.router_fp32:
+      logits = jnp.einsum("md,de->me", x.astype(jnp.float32), kernel.astype(jnp.float32))
+    else:
+      logits = jnp.einsum("md,de->me", x, kernel).astype(jnp.float32)
+    bias = self.score_bias[...] if self.config.router == "sigmoid_group" else None
+    return route(self.config, logits, bias)
+
+
+class ExpertKernel(nnx.Module):
+  """One projection of all E experts: `kernel` [E, d_in, d_out] (fan-in scaled per expert)."""
+
+  def __init__(self, n_experts: int, d_in: int, d_out: int, *, rngs: nnx.Rngs, dtype: Any):
+    init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
+                                             batch_axis=(0,))
+    self.kernel = nnx.Param(init(rngs.params(), (n_experts, d_in, d_out), dtype))
+
+
+class Experts(nnx.Module):
+  """E SwiGLU experts stored stacked: `gate`, `up` [E, D, F_e] and `down` [E, F_e, D] kernels."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any):
+    e, d, f = config.n_experts, config.d_model, config.expert_hidden
+    self.config = config
+    self.gate = ExpertKernel(e, d, f, rngs=rngs, dtype=dtype)
+    self.up = ExpertKernel(e, d, f, rngs=rngs, dtype=dtype)
+    self.down = ExpertKernel(e, f, d, rngs=rngs, dtype=dtype)
+
+  def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+    """Σ_k weights[m, k] · Expert_{experts[m, k]}(x[m]): x [M, D], weights [M, k], experts [M, k] -> [M, D].
+
+    Sort-based dispatch: the M·k (token, expert) pairs are sorted by expert (stably, so each expert
+    sees its tokens in order), every expert multiplies its contiguous group with `lax.ragged_dot`, and
+    the weighted outputs are summed back per token in float32. With `capacity_factor` an expert keeps
+    only its first ceil(c·M·k/E) pairs; the others get weight 0.
+    """
+    c = self.config
+    m, k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=c.n_experts).astype(jnp.int32)
+    rows = x[token]
+    hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, self.gate.kernel[...], sizes))
+              * jax.lax.ragged_dot(rows, self.up.kernel[...], sizes))
+    out = jax.lax.ragged_dot(hidden, self.down.kernel[...], sizes)
+    pair_weights = weights.reshape(-1)[order]
+    if c.capacity_factor is not None:
+      capacity = math.ceil(c.capacity_factor * m * k / c.n_experts)
+      sorted_experts = flat[order]
+      rank = jnp.arange(m * k) - (jnp.cumsum(sizes) - sizes)[sorted_experts]
+      pair_weights = jnp.where(rank < capacity, pair_weights, 0.0)
+    mixed = jnp.zeros((m, x.shape[-1]), jnp.float32).at[token].add(out.astype(jnp.float32) * pair_weights[:, None])
+    return mixed.astype(x.dtype)
+
+
+class MoE(nnx.Module):
+  """Mixture-of-experts feed-forward: routed experts (`Router`, `Experts`) plus optional shared experts."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any):
+    self.router = Router(config, rngs=rngs, dtype=dtype)
+    self.experts = Experts(config, rngs=rngs, dtype=dtype)
+    if config.n_shared_experts:
+      self.shared = SwiGLU(config.d_model, config.n_shared_experts * config.shared_expert_hidden, rngs=rngs,
+                           dtype=dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x [B, T, D] -> [B, T, D]."""
+    flat = x.reshape(-1, x.shape[-1])
+    weights, experts = self.router(flat)
+    y = self.experts(flat, weights, experts).reshape(x.shape)
+    if hasattr(self, "shared"):
+      y = y + self.shared(x)
+    return y
+
+
+class Block(nnx.Module):
+  """One pre-norm Transformer block; its feed-forward is a dense SwiGLU or, with `moe`, an `MoE`."""
+
+  def __init__(self, config: ModelConfig, *, moe: bool = False, rngs: nnx.Rngs, dtype: Any):
     self.attn_norm = RMSNorm(config.d_model, config.norm_eps, dtype=dtype)
     self.attn = Attention(config, rngs=rngs, dtype=dtype)
     self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, dtype=dtype)
-    self.mlp = SwiGLU(config, rngs=rngs, dtype=dtype)
+    if moe:
+      self.mlp = MoE(config, rngs=rngs, dtype=dtype)
+    else:
+      self.mlp = SwiGLU(config.d_model, config.mlp_hidden, rngs=rngs, dtype=dtype)
 
   def __call__(self, x, cos, sin, **attention_kwargs):
     """x [B, T, D] -> (x [B, T, D], incoming [B, Q, N, S] or None, (keys, values) [B, S, K, H])."""
@@ -155,17 +307,25 @@ class Block(nnx.Module):
     return x, incoming, kv
 
 
+def _block_stack(config: ModelConfig, n: int, moe: bool, rngs: nnx.Rngs, dtype: Any) -> Block:
+  """n blocks stored as one `Block` whose parameters have a leading [n] axis."""
+  block_graph = nnx.graphdef(nnx.eval_shape(lambda: Block(config, moe=moe, rngs=nnx.Rngs(0), dtype=dtype)))
+  keys = jax.random.split(rngs.params(), n)
+  stacked = jax.vmap(lambda key: nnx.state(Block(config, moe=moe, rngs=nnx.Rngs(params=key), dtype=dtype)))(keys)
+  return nnx.merge(block_graph, stacked)
+
+
 class Transformer(nnx.Module):
-  """Embedding, L stacked blocks (leading [L] axis on every block parameter), final norm, LM head."""
+  """Embedding, stacked blocks (`blocks`, and `dense_blocks` for an MoE model's leading dense layers), final
+  norm, LM head."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32):
     self.config = config
     self.embed = nnx.Embed(config.vocab_size, config.d_model, param_dtype=dtype, embedding_init=_EMBED_INIT,
                            rngs=rngs)
-    block_graph = nnx.graphdef(nnx.eval_shape(lambda: Block(config, rngs=nnx.Rngs(0), dtype=dtype)))
-    keys = jax.random.split(rngs.params(), config.n_layers)
-    stacked = jax.vmap(lambda key: nnx.state(Block(config, rngs=nnx.Rngs(params=key), dtype=dtype)))(keys)
-    self.blocks = nnx.merge(block_graph, stacked)
+    if config.first_k_dense:
+      self.dense_blocks = _block_stack(config, config.first_k_dense, False, rngs, dtype)
+    self.blocks = _block_stack(config, config.n_layers - config.first_k_dense, config.is_moe, rngs, dtype)
     self.final_norm = RMSNorm(config.d_model, config.norm_eps, dtype=dtype)
     if not config.tied_embeddings:
       self.lm_head = _linear(config.d_model, config.vocab_size, False, rngs, dtype)
@@ -176,7 +336,7 @@ class Transformer(nnx.Module):
     """See `forward`. Statistics are computed only in the layers `stats_spec` asks for."""
     c = self.config
     x = self.embed(tokens)
-    cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+    cos, sin = rope_tables(positions, c.rope_dim, c.rope_theta)
     per_layer = {}
     if bias.pairwise_per_layer:
       per_layer["pairwise_bias"] = bias.pairwise
@@ -187,7 +347,6 @@ class Transformer(nnx.Module):
       shared["pairwise_bias"] = bias.pairwise
     if not bias.keys_per_layer:
       shared["key_bias"] = bias.keys
-    block_graph, block_state = nnx.split(self.blocks)
     layer_cache = None if cache is None else (cache.keys, cache.values)
     wanted = stats_spec.enabled
     slots = None
@@ -208,7 +367,7 @@ class Transformer(nnx.Module):
         stats["value_norms"] = jnp.linalg.norm(values.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
       return h, (keys, values), stats
 
-    def layer(carry, xs):
+    def layer(block_graph, carry, xs):
       h, buffers = carry
       state, layer_biases, kv_cache, slot = xs
       block = nnx.merge(block_graph, state)
@@ -233,7 +392,20 @@ class Transformer(nnx.Module):
       buffers = _stat_buffers(c, stats_spec, tokens.shape[0], x.shape[1] if cache is None else cache.keys.shape[2],
                               query_weights)
     layer_slots = jnp.zeros((c.n_layers,), jnp.int32) if slots is None else slots
-    (x, buffers), ys = jax.lax.scan(layer, (x, buffers), (block_state, per_layer, layer_cache, layer_slots))
+    per_layer_xs = (per_layer, layer_cache, layer_slots)
+    stacks = [(self.blocks, 0, c.n_layers)]
+    if c.first_k_dense:
+      stacks = [(self.dense_blocks, 0, c.first_k_dense), (self.blocks, c.first_k_dense, c.n_layers)]
+    carry, stack_ys = (x, buffers), []
+    for blocks, start, stop in stacks:
+      block_graph, block_state = nnx.split(blocks)
+      xs = per_layer_xs
+      if len(stacks) > 1:
+        xs = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], per_layer_xs)
+      carry, ys = jax.lax.scan(functools.partial(layer, block_graph), carry, (block_state, *xs))
+      stack_ys.append(ys)
+    x, buffers = carry
+    ys = stack_ys[0] if len(stack_ys) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *stack_ys)
     new_cache = None if cache is None else KVCache(*ys.pop("cache"))
     stats = buffers if slots is not None else ys
     if logits_window is not None:
@@ -292,6 +464,21 @@ def abstract_params(config: ModelConfig, dtype: Any = jnp.bfloat16) -> Params:
 def param_count(config: ModelConfig) -> int:
   """Number of parameters of `config`, from abstract shapes."""
   return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_params(config)))
+
+
+def active_param_count(config: ModelConfig) -> int:
+  """Non-embedding parameters one token passes through: everything except the embedding table and the
+  LM head, with the routed experts counted k/E (the k experts a token is sent to). Equals
+  `param_count` minus the vocabulary matrices for a dense model."""
+  total = 0
+  for name, leaf in flatten_params(abstract_params(config)).items():
+    if name in ("embed.embedding", "lm_head.kernel"):
+      continue
+    size = math.prod(leaf.shape)
+    if ".mlp.experts." in name:
+      size = size // config.n_experts * config.experts_per_token
+    total += size
+  return total
 
 
 def flatten_params(params: Params) -> dict[str, Any]:

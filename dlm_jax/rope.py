@@ -10,6 +10,7 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.
   """cos and sin tables, [B, T, H] float32, for integer positions [B, T].
 
   inv_freq[j] = θ^(−2j/H) for j < H/2; the angle table is positions ⊗ inv_freq repeated twice along H.
+  For partial RoPE pass the rotary width d_r as `head_dim` (tables [B, T, d_r], exponent over d_r).
   """
   exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
   inv_freq = 1.0 / (jnp.float32(theta) ** exponents)
@@ -24,11 +25,17 @@ def _rotate_half(x: jax.Array) -> jax.Array:
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, fp32: bool) -> jax.Array:
-  """Rotates x [B, T, N, H] by the tables [B, T, H].
+  """Rotates x [B, T, N, H] by the tables [B, T, d_r] (d_r <= H).
 
   fp32=True rotates in float32 and casts back (LLaDA's `rope_full_precision`); otherwise the tables are
-  cast to x's dtype and the rotation happens in that dtype (HF Llama / Qwen2 / Dream).
+  cast to x's dtype and the rotation happens in that dtype (HF Llama / Qwen2 / Dream). With d_r < H
+  (partial RoPE, LLaDA2.x) only the leading d_r dims of each head are rotated, rotate-half inside them,
+  and the remaining H − d_r dims pass through unchanged.
   """
+  rotary = cos.shape[-1]
+  if rotary < x.shape[-1]:
+    rotated = apply_rope(x[..., :rotary], cos, sin, fp32=fp32)
+    return jnp.concatenate([rotated, x[..., rotary:]], axis=-1)
   cos, sin = cos[:, :, None, :], sin[:, :, None, :]
   if fp32:
     xf = x.astype(jnp.float32)

@@ -3,7 +3,7 @@
 The mesh has three axes: `data` (batch replicas), `fsdp` (batch and parameter shards, gathered per layer
 by XLA) and `tensor` (heads, MLP and vocabulary shards). Every parameter dimension carries a logical name,
 declared once next to the parameters (`dlm_jax.model.PARAM_AXES`: `vocab`, `embed`, `heads`, `kv_heads`,
-`mlp`, `layers`, or None = replicated), and a rule set maps logical names to mesh axes. Meshes use
+`mlp`, `expert`, `shared_mlp`, `layers`, or None = replicated), and a rule set maps logical names to mesh axes. Meshes use
 `AxisType.Auto`: shardings are placed on parameters and inputs and XLA's SPMD partitioner propagates them
 through the model (see BUILD.md for why not Explicit).
 """
@@ -29,7 +29,9 @@ class ShardingRules:
   """Logical axis name -> mesh axes (a tuple; empty = replicated).
 
   The default shards the batch over (data, fsdp), parameter rows over fsdp and heads / kv heads / MLP /
-  vocabulary over tensor: FSDP plus Megatron-style tensor parallelism.
+  vocabulary over tensor: FSDP plus Megatron-style tensor parallelism. Routed experts are split whole over
+  tensor (`expert`: expert parallelism; an expert's hidden axis stays unsplit) and the shared experts'
+  hidden axis like the dense MLP's (`shared_mlp`).
   """
 
   batch: tuple[str, ...] = ("data", "fsdp")
@@ -38,6 +40,8 @@ class ShardingRules:
   heads: tuple[str, ...] = ("tensor",)
   kv_heads: tuple[str, ...] = ("tensor",)
   mlp: tuple[str, ...] = ("tensor",)
+  expert: tuple[str, ...] = ("tensor",)
+  shared_mlp: tuple[str, ...] = ("tensor",)
   layers: tuple[str, ...] = ()
 
   def spec(self, logical_axes: Sequence[str | None]) -> PartitionSpec:
@@ -100,6 +104,8 @@ def check_rules(config: ModelConfig, mesh: Mesh, rules: ShardingRules = Sharding
       "heads": (config.n_heads, "query heads"),
       "kv_heads": (config.n_kv_heads, "kv heads"),
       "mlp": (config.mlp_hidden, "MLP width"),
+      "expert": (config.n_experts, "routed experts"),
+      "shared_mlp": (config.n_shared_experts * config.shared_expert_hidden, "shared-expert width"),
       "vocab": (config.vocab_size, "vocabulary rows"),
       "embed": (config.d_model, "model width"),
       "layers": (config.n_layers, "layers"),

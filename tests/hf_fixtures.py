@@ -72,7 +72,15 @@ def reference_model(spec: Spec) -> torch.nn.Module:
     model = Qwen2ForCausalLM(Qwen2Config(**common))
   else:
     model = LlamaForCausalLM(LlamaConfig(**common))
-  generator = torch.Generator().manual_seed(spec.seed)
+  randomize_parameters(model, spec.seed, spec.storage)
+  return model.eval()
+
+
+def randomize_parameters(model: torch.nn.Module, seed: int, storage: str = "float32") -> None:
+  """Random values for every parameter so that each one matters: norm weights 1 + 0.3·N(0, 1), biases
+  0.3·N(0, 1), embeddings N(0, 1), other weights (2-D Linear or 3-D stacked experts) N(0, 1)/√(last dim);
+  rounded through bfloat16 when `storage` is "bfloat16"."""
+  generator = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, p in model.named_parameters():
       noise = torch.randn(p.shape, generator=generator)
@@ -83,10 +91,9 @@ def reference_model(spec: Spec) -> torch.nn.Module:
       elif "embed_tokens" in name:
         p.copy_(noise)
       else:
-        p.copy_(noise / np.sqrt(p.shape[1]))
-      if spec.storage == "bfloat16":
+        p.copy_(noise / np.sqrt(p.shape[-1]))
+      if storage == "bfloat16":
         p.copy_(p.to(torch.bfloat16).to(torch.float32))
-  return model.eval()
 
 
 def _olmo_name(name: str) -> str:

@@ -41,3 +41,40 @@ def test_flat_names_round_trip():
   assert "blocks.attn.q.bias" in flat and "embed.embedding" in flat
   restored = model.unflatten_params(flat)
   assert jax.tree.structure(restored) == jax.tree.structure(params)
+
+
+@pytest.mark.parametrize("name, total, active, published", [
+    # published = (total in billions, its rounding digits, active in billions, its digits, vocabulary
+    # matrices the published active count includes).
+    # LLaDA-MoE-7B-A1B: "1.4B active" (non-embedding + the LM head); the 14.7 GB bf16 checkpoint holds
+    # 7.36B parameters = 16 x (4·2048² + QK norms + 2 norms + 2048·64 router + 64·3·2048·1024)
+    # + 2·157184·2048 + 2048.
+    ("llada-moe-7b", 7_356_880_896, 1_075_910_656, (7.36, 2, 1.4, 1, 1)),
+    # LLaDA2.0-mini: "16B"; Ling-mini-2.0 quotes 0.79B non-embedding active parameters.
+    ("llada2-mini", 16_255_643_392, 789_147_392, (16, 0, 0.79, 2, 0)),
+    # LLaDA2.0-flash: "100BA6B" (active with both vocabulary matrices); its dimensions are UNVERIFIED
+    # (Ling-flash-2.0 values from secondary sources).
+    ("llada2-flash", 102_889_705_216, 4_864_626_432, (100, -1, 6, 0, 2)),
+    # iLLaDA-8B: LLaDA-8B's shapes (UNVERIFIED beyond "runs with LLaDA's code"); dense, so active =
+    # every non-embedding parameter.
+    ("illada-8b", 8_015_581_184, 6_979_588_096, (8.0, 1, 7.0, 1, 0)),
+])
+def test_moe_presets_have_the_published_total_and_active_counts(name, total, active, published):
+  config = preset(name)
+  assert model.param_count(config) == total
+  assert model.active_param_count(config) == active
+  total_b, total_digits, active_b, active_digits, vocab_matrices = published
+  assert round(total / 1e9, total_digits) == total_b
+  with_vocab = active + vocab_matrices * config.vocab_size * config.d_model
+  assert round(with_vocab / 1e9, active_digits) == active_b
+
+
+def test_llada2_mini_shapes_put_the_dense_layer_in_its_own_stack():
+  shapes = jax.tree.map(lambda leaf: leaf.shape, model.abstract_params(preset("llada2-mini")))
+  assert shapes["dense_blocks"]["mlp"]["gate"]["kernel"] == (1, 2048, 5120)
+  assert shapes["blocks"]["mlp"]["experts"]["gate"]["kernel"] == (19, 256, 2048, 512)
+  assert shapes["blocks"]["mlp"]["experts"]["down"]["kernel"] == (19, 256, 512, 2048)
+  assert shapes["blocks"]["mlp"]["router"]["score_bias"] == (19, 256)
+  assert shapes["blocks"]["mlp"]["shared"]["up"]["kernel"] == (19, 2048, 512)
+  assert shapes["blocks"]["attn"]["q_norm"]["weight"] == (19, 128)
+  assert shapes["blocks"]["attn"]["k"]["kernel"] == (19, 2048, 512)
