@@ -43,7 +43,8 @@ EOS (`eos_stop`, LLaDA2.0's behaviour): after each block, a row whose generated 
 `answers` gives LLaDA2's return value: the first G generated tokens up to and including the first EOS.
 
 Batches. Rows move from block to block together: a row whose block is done, or that has stopped, waits —
-unchanged, `Trace.active_rows` False, its key not advanced — while the others finish, so its tokens and
+unchanged, `Trace.active_rows` False, its key and its intervention state not advanced
+(`Intervention.keep_rows`; a commit call updates every row's) — while the others finish, so its tokens and
 `row_nfe` are those it gets alone (at temperature > 0 with [B] keys too). The prefill and the commits
 decode no row, so their `active_rows` are all False (a step with no active row is a cache call): they
 count in `nfe`, not in `row_nfe`. Left padding (`prompt_mask`): pads keep their place on the block grid
@@ -332,7 +333,8 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
                           block_step=block_step + 1, committed=committed,
                           cache=result.cache if o.cache else None)
     outputs = result.outputs.replace(active=decoding, queries=jnp.array([start, e], jnp.int32))
-    return carry, result.intervention_state, outputs
+    updated = decoding | ~jnp.any(decoding)  # a commit call updates every row's state
+    return carry, run.caller.intervention.keep_rows(result.intervention_state, istate, updated), outputs
 
 
 def _family(config: ModelConfig, options: BlockDiffusionOptions, prompt) -> BlockDiffusionFamily:

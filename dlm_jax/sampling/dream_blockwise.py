@@ -43,9 +43,8 @@ The block's completion is tested before each call (a block the block-start step 
 gets no further call; Fast-dLLM tests after its cached calls and makes one more). A block still holding
 masks after its bound (only when proposals are the mask id itself) keeps them. In a batch the rows move to
 the next block together: a row whose block is done waits (unchanged, `Trace.active_rows` False, its key
-not advanced) while the others finish, so its tokens and `row_nfe` are those it gets alone (an
-intervention's state, e.g. the previous step's sinks, still updates on its unchanged canvas while it
-waits).
+and its intervention state not advanced — `Intervention.keep_rows`) while the others finish, so its
+tokens and `row_nfe` are those it gets alone.
 
 Caches hold keys and values after RoPE at the rows' (shifted) positions (Fast-dLLM stores them before
 RoPE and rotates on every call; the results are equal). Masks inside the prompt are never candidates.
@@ -163,4 +162,4 @@ def step(family, run, params, consts: padding.PaddingLayout, carry, istate, i, p
   cache = carry.cache if result.cache is None else result.cache
   carry = carry.replace(tokens=new_x, key=key, decode_step=decode_step, block_step=carry.block_step + 1, cache=cache)
   outputs = result.outputs.replace(active=active, queries=jnp.array([start, stop], jnp.int32))
-  return carry, result.intervention_state, outputs
+  return carry, run.caller.intervention.keep_rows(result.intervention_state, istate, active), outputs
