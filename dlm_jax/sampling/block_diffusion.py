@@ -168,9 +168,10 @@ class BlockDiffusionOptions:
 @struct.dataclass
 class BlockDiffusionCarry:
   """tokens [B, T]; key; decode_step [B, T − Lp]; block: scalar int32, the block being decoded (the first
-  decoded block before any call; with the cache the carry advances it, without it the phase sets it);
-  block_step: calls made in that block; committed: blocks whose keys and values the cache holds (the cache
-  is exact on [0, committed·L)); cache: the `KVCache` of T positions (cache=True) or None."""
+  decoded block before any call; with the cache a step moves it on once the block is done, without it each
+  step sets it to its phase's block); block_step: calls made in that block; committed: blocks whose keys and
+  values the cache holds (the cache is exact on [0, committed·L)); cache: the `KVCache` of T positions
+  (cache=True) or None."""
 
   tokens: jax.Array
   key: jax.Array
