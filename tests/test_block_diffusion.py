@@ -17,7 +17,7 @@ from dlm_jax import interventions as iv
 from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.sampling import block_diffusion as bd
-from dlm_jax.sampling import driver
+from dlm_jax.sampling import driver, model_call
 from dlm_jax.stats import StatsSpec
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -345,6 +345,23 @@ def test_sink_masking_and_query_groups_under_the_cache():
   assert not active[0] and np.all(groups[0, :, :2] == 0) and groups[0, :, 2].sum() > 0
   assert np.all(groups[~active][:, :, 0] == 0)
   assert np.all(groups[active][:, :, 0].sum(axis=(-2, -1)) > 0)
+
+
+def _forwards_traced(monkeypatch, options):
+  """How many model forwards tracing the sampler program of `options` (an 11-token prompt) calls."""
+  calls, forward = [], model_call.forward
+  monkeypatch.setattr(model_call, "forward", lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs))
+  jax.make_jaxpr(lambda p: bd.generate(p, prompts(1), config=CONFIG, options=options).tokens)(peaked_params())
+  return len(calls)
+
+
+def test_the_cached_run_traces_one_step_whatever_the_number_of_blocks(monkeypatch):
+  """With the cache the run is one phase (the block in the carry): 2 and 8 decoded blocks trace the same
+  forwards (the prefill, and the step body with the shape probe); without it each block is a phase."""
+  counts = {(cache, gen): _forwards_traced(monkeypatch, _options(CASES["llada2"], gen_length=gen, cache=cache))
+            for cache in (True, False) for gen in (13, 61)}  # T = 24 and 72: 2 and 8 decoded blocks
+  assert counts[True, 13] == counts[True, 61] == 3
+  assert (counts[False, 13], counts[False, 61]) == (3, 9)
 
 
 def test_the_step_cap_and_quota_schedule_follow_llada2():

@@ -14,7 +14,7 @@ import torch
 from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.interventions import MaskPreviousSinks
-from dlm_jax.sampling import dream
+from dlm_jax.sampling import dream, model_call
 from dlm_jax.stats import StatsSpec
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -263,6 +263,36 @@ def test_quota_matches_reference(cache):
   ref = Reference(prompts(seed=1), None, 12, 4, cache, steps=12, alg="entropy")
   check_against_reference(trace, ref)
   assert ref.nfe == 12  # steps / num_blocks = 4 calls per block
+
+
+@pytest.mark.parametrize("rule", [dict(threshold=THRESHOLD), dict(steps=8, alg="entropy")])
+def test_blocks_of_one_position_are_their_block_start_steps(rule):
+  """B = 1: each block is its block-start step alone (one whole-canvas call, the same in every cache mode),
+  with the quota (2 steps per block by the options) as with the threshold."""
+  traces = [dream.diffusion_generate(params(), prompts(), config=CONFIG, options=dream.DreamOptions(
+      gen_length=4, block_length=1, cache=cache, **rule)) for cache in ("none", "prefix", "dual")]
+  for trace in traces:
+    assert int(trace.nfe) == 4
+    np.testing.assert_array_equal(np.asarray(trace.decode_step), [np.arange(4)] * 2)
+    np.testing.assert_array_equal(np.asarray(trace.tokens), np.asarray(traces[0].tokens))
+
+
+def _forwards_traced(monkeypatch, options):
+  """How many model forwards tracing the sampler program of `options` (a [2, 5] prompt) calls."""
+  calls, forward = [], model_call.forward
+  monkeypatch.setattr(model_call, "forward", lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs))
+  jax.make_jaxpr(lambda p: dream.diffusion_generate(p, prompts(), config=CONFIG, options=options).tokens)(params())
+  return len(calls)
+
+
+def test_no_cache_and_dual_cache_trace_one_step_whatever_the_number_of_blocks(monkeypatch):
+  """No cache and the dual cache: one phase (the block in the carry) traces the block-start call and the block
+  call twice (the step body and the shape probe) for 2 blocks as for 8; the prefix cache, a phase per block."""
+  counts = {(cache, gen): _forwards_traced(monkeypatch, dream.DreamOptions(
+      gen_length=gen, block_length=4, threshold=0.55, cache=cache)) for cache in ("none", "dual", "prefix")
+            for gen in (8, 32)}
+  assert counts["none", 8] == counts["none", 32] == counts["dual", 8] == counts["dual", 32] == 4
+  assert (counts["prefix", 8], counts["prefix", 32]) == (5, 17)
 
 
 def padded_batch():

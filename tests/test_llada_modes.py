@@ -5,7 +5,6 @@ written here with its own float64 forward and its own per-layer key/value cache.
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

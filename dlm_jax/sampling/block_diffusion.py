@@ -10,8 +10,8 @@ absolute grid from position 0, prompt included. The ⌊Lp/L⌋ blocks wholly ins
 decoded; the first decoded block may hold the prompt's tail (not masks, never changed).
 
 Model calls, `cache=True`:
-  * prefill — the opening of the first decoded block's phase, when Lp ≥ L: the complete prompt blocks
-    [0, ⌊Lp/L⌋·L) in one call, storing every layer's keys and values;
+  * prefill — the run's opening, when Lp ≥ L: the complete prompt blocks [0, ⌊Lp/L⌋·L) in one call,
+    storing every layer's keys and values;
   * decoding steps of block [s, e): the block's queries only, RoPE positions s..e−1, cache offset s; they
     attend to the committed cache [0, s) and to the block's own fresh keys and values (written at [s, e));
     later blocks are unwritten and invisible under the block-causal mask;
@@ -19,10 +19,19 @@ Model calls, `cache=True`:
     (one extra model call per block; none after the last block, nor when every row has stopped). No block
     sees a later one, so committed keys and values are those of an uncached pass and never change: the cache
     is exact.
+  These calls have fixed shapes (L queries at a traced cache offset s), so the run is one driver phase —
+  the prefill as its opening, then at most `step_bound` decoding calls and a commit per block — with the
+  current block in the carry, advanced at the end of the step that finishes it; it compiles one step body
+  whatever the number of blocks (first call, tiny LLaDA, 8 prompt tokens, blocks of 8, best of 3 on a
+  loaded 2-core Xeon: 4.4 s for 2 and for 8 decoded blocks, 5.2 s and 12.3 s with one phase per block).
 `cache=False` (LLaDA2's Hugging Face `generate`): every step runs the window [0, e) from scratch with the
 block-causal mask and reads the block's logits. It goes through the forward's cache path on a fresh buffer
 of T slots, so that keys (statistics, interventions) address all T positions in both modes; nothing is
-carried between steps. The two modes give the same tokens (`tests/test_block_diffusion.py`).
+carried between steps. The window's length changes with the block, so each block is a driver phase of its
+own (static shapes; compile time grows with the number of blocks). Running the whole canvas [0, T) under
+the block-causal mask instead would decode the same tokens (later keys are invisible) at up to T/e times
+the compute, but would change the statistics (the later queries' incoming attention, the value norms of
+later positions), so it is not done. The two modes give the same tokens (`tests/test_block_diffusion.py`).
 
 Rule per step; candidates = the block's masked positions, each with a proposal x0 and its probability p:
   * "llada2" (LLaDA2.0's sampler, SDAR's `low_confidence_dynamic`): step j of a block has the quota q_j of
@@ -159,9 +168,11 @@ class BlockDiffusionOptions:
 
 @struct.dataclass
 class BlockDiffusionCarry:
-  """tokens [B, T]; key; decode_step [B, T − Lp]; block: the block of the last call (−1 before any);
-  block_step: decoding calls made in that block; committed: blocks whose keys and values the cache holds
-  (the cache is exact on [0, committed·L)); cache: the `KVCache` of T positions (cache=True) or None."""
+  """tokens [B, T]; key; decode_step [B, T − Lp]; block: scalar int32, the block being decoded (the first
+  decoded block before any call; with the cache a step moves it on once the block is done, without it each
+  step sets it to its phase's block); block_step: calls made in that block; committed: blocks whose keys and
+  values the cache holds (the cache is exact on [0, committed·L)); cache: the `KVCache` of T positions
+  (cache=True) or None."""
 
   tokens: jax.Array
   key: jax.Array
@@ -218,12 +229,15 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
     return run.prompt_length // length, run.total_length // length - 1
 
   def phases(self, run) -> tuple[driver.Phase, ...]:
-    """One phase per decoded block: its decoding steps (and the commit, with the cache, but for the last block);
-    the first opens with the prefill when the prompt holds a complete block."""
+    """With the cache: one phase over the decoded blocks (the block index in the carry), opened by the prefill
+    when the prompt holds a complete block, bounded by step_bound decoding calls per block and a commit per
+    block but the last. Without it: one phase of step_bound steps per decoded block (the window [0, e)
+    changes with the block; `phase.arg` is the block)."""
     o = self.options
     first, last = self._blocks(run)
-    return tuple(driver.Phase(arg=k, steps=o.step_bound + int(o.cache and k < last),
-                              opening=o.cache and k == first and first > 0) for k in range(first, last + 1))
+    if o.cache:
+      return (driver.Phase(steps=(last - first + 1) * (o.step_bound + 1) - 1, opening=first > 0),)
+    return tuple(driver.Phase(arg=k, steps=o.step_bound) for k in range(first, last + 1))
 
   def constants(self, run, canvas, layout: padding.PaddingLayout) -> padding.PaddingLayout:
     _refuse_end_sink(run.caller.intervention)
@@ -236,7 +250,7 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
       cache = KVCache.zeros(run.config, b, run.total_length, params["embed"]["embedding"].dtype)
     zero = jnp.zeros((), jnp.int32)
     return BlockDiffusionCarry(tokens=canvas, key=key, decode_step=jnp.full((b, self.canvas_gen), -1, jnp.int32),
-                               block=zero - 1, block_step=zero, committed=zero, cache=cache)
+                               block=zero + self._blocks(run)[0], block_step=zero, committed=zero, cache=cache)
 
   def _stopped(self, run, tokens: jax.Array, end: int) -> jax.Array:
     """[B] bool: the row's generated positions before `end` hold the EOS id (with eos_stop)."""
@@ -246,22 +260,30 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
     generated = (position >= run.prompt_length) & (position < end)
     return jnp.any((tokens == self.eos_id) & generated[None, :], axis=1)
 
-  def _progress(self, run, carry: BlockDiffusionCarry, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  @staticmethod
+  def _block(carry: BlockDiffusionCarry, phase: driver.Phase):
+    """The block of the next call: the phase's (static, without the cache) or the carry's (traced)."""
+    return carry.block if phase.arg is None else phase.arg
+
+  def _progress(self, run, carry: BlockDiffusionCarry, k) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(block_step, decoding [B]: the rows that decode at the next call of block k, commit: scalar bool, the
-    next call is block k's commit)."""
+    next call is block k's commit). k: static int or traced scalar."""
     o = self.options
     s, e = k * o.block_length, (k + 1) * o.block_length
     block_step = jnp.where(carry.block == k, carry.block_step, 0)
-    masked = jnp.any(carry.tokens[:, s:e] == self.mask_id, axis=1)
+    masked = jnp.any(_rows(carry.tokens, s, o.block_length) == self.mask_id, axis=1)
     decoding = masked & ~self._stopped(run, carry.tokens, s) & (block_step < o.step_bound)
     commit = jnp.zeros((), bool)
-    if o.cache and k < self._blocks(run)[1]:
-      commit = ~jnp.any(decoding) & (carry.committed <= k) & ~jnp.all(self._stopped(run, carry.tokens, e))
+    if o.cache:
+      commit = ((k < self._blocks(run)[1]) & ~jnp.any(decoding) & (carry.committed <= k)
+                & ~jnp.all(self._stopped(run, carry.tokens, e)))
     return block_step, decoding, commit
 
   def finished(self, run, consts, carry: BlockDiffusionCarry, i, phase) -> jax.Array:
-    """No row decodes block `phase.arg` any more and its commit (if any) is done."""
-    _, decoding, commit = self._progress(run, carry, phase.arg)
+    """No row decodes the block any more and its commit (if any) is done. With the cache the carry's block
+    moves on after each block but the last, so this is the end of the run (the last block done, or every row
+    stopped)."""
+    _, decoding, commit = self._progress(run, carry, self._block(carry, phase))
     return ~jnp.any(decoding) & ~commit
 
   def open_phase(self, run, params, layout: padding.PaddingLayout, carry: BlockDiffusionCarry, istate, i, phase):
@@ -301,29 +323,31 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
                                     quotas[jnp.minimum(block_step, len(o.quotas) - 1)])
 
   def step(self, run, params, layout: padding.PaddingLayout, carry: BlockDiffusionCarry, istate, i, phase):
-    """A decoding step of block k = phase.arg for the rows that still decode it, or (cache, no such row) its
-    commit. Returns (carry, istate, StepOutput)."""
-    o, lp, total = self.options, run.prompt_length, run.total_length
-    k = phase.arg
-    s, e = k * o.block_length, (k + 1) * o.block_length
+    """A decoding call of block k (the carry's with the cache, `phase.arg` without) for the rows that still
+    decode it, or (cache, no such row) its commit; with the cache, the carry then moves to block k + 1 when
+    block k is done and is not the last. Returns (carry, istate, StepOutput)."""
+    o, lp, total, length = self.options, run.prompt_length, run.total_length, self.options.block_length
+    k = self._block(carry, phase)
+    s, e = k * length, (k + 1) * length
     x = carry.tokens
     block_step, decoding, _ = self._progress(run, carry, k)
     if o.cache:
-      start, cache = s, carry.cache
+      start, queries, window, cache = s, length, (0, length), carry.cache
     else:
-      start = 0
+      start, queries, window = 0, e, (s, e)
       cache = KVCache.zeros(run.config, x.shape[0], total, params["embed"]["embedding"].dtype)
-    result = run.caller(params, x[:, start:e], i, istate, window=(s - start, e - start),
-                        positions=layout.positions[:, start:e],
+    result = run.caller(params, _rows(x, start, queries), i, istate, window=window,
+                        positions=_rows(layout.positions, start, queries),
                         valid_keys=layout.valid & (jnp.arange(total) < e)[None, :],
-                        query_valid=layout.valid[:, start:e],
-                        base_bias=padding.query_rows(layout.bias, start, e - start), cache=cache,
+                        query_valid=_rows(layout.valid, start, queries),
+                        base_bias=padding.query_rows(layout.bias, start, queries), cache=cache,
                         cache_offset=start, canvas=x)
     key, step_key = keys.split(carry.key, 2, run.row_keys)
     x0, confidence = self._proposals(result.logits, step_key, run.row_keys)
-    candidates = (x[:, s:e] == self.mask_id) & decoding[:, None]
+    block_tokens = _rows(x, s, length)
+    candidates = (block_tokens == self.mask_id) & decoding[:, None]
     chosen = self._transfer(confidence, candidates, block_step)
-    new_x = x.at[:, s:e].set(jnp.where(chosen, x0, x[:, s:e]))
+    new_x = jax.lax.dynamic_update_slice_in_dim(x, jnp.where(chosen, x0, block_tokens), s, axis=1)
     decode_step = update_decode_step(carry.decode_step, x[:, lp:], new_x[:, lp:], self.mask_id, i)
     key = keys.keep_rows(decoding if run.row_keys else jnp.any(decoding), key, carry.key)
     committed = carry.committed
@@ -332,9 +356,24 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
     carry = carry.replace(tokens=new_x, key=key, decode_step=decode_step, block=jnp.asarray(k, jnp.int32),
                           block_step=block_step + 1, committed=committed,
                           cache=result.cache if o.cache else None)
-    outputs = result.outputs.replace(active=decoding, queries=jnp.array([start, e], jnp.int32))
+    if phase.arg is None:
+      carry = self._advance(run, carry, k)
+    outputs = result.outputs.replace(active=decoding, queries=jnp.stack([jnp.asarray(start, jnp.int32),
+                                                                         jnp.asarray(e, jnp.int32)]))
     updated = decoding | ~jnp.any(decoding)  # a commit call updates every row's state
     return carry, run.caller.intervention.keep_rows(result.intervention_state, istate, updated), outputs
+
+  def _advance(self, run, carry: BlockDiffusionCarry, k) -> BlockDiffusionCarry:
+    """The carry after a call of block k (traced) in the one-phase layout: at block k + 1, step 0, when no row
+    decodes block k any more, its commit is done and it is not the last block; else unchanged."""
+    _, decoding, commit = self._progress(run, carry, k)
+    over = ~jnp.any(decoding) & ~commit & (k < self._blocks(run)[1])
+    return carry.replace(block=k + over.astype(jnp.int32), block_step=jnp.where(over, 0, carry.block_step))
+
+
+def _rows(array: jax.Array, start, length: int) -> jax.Array:
+  """array[:, start:start + length] of a [B, T] array; start: int or traced scalar."""
+  return jax.lax.dynamic_slice_in_dim(array, start, length, axis=1)
 
 
 def _family(config: ModelConfig, options: BlockDiffusionOptions, prompt) -> BlockDiffusionFamily:

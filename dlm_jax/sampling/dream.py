@@ -262,12 +262,14 @@ class DreamFamily(driver.MaskedDiffusionFamily):
                          margin=alg == "topk_margin", neg_entropy=alg == "entropy", per_row=run.row_keys)
 
   def finished(self, run, consts, carry: DreamCarry, i, phase):
-    """Block modes: every row has finished the block (`dream_blockwise.finished`)."""
+    """Block modes: skip the call (`dream_blockwise.finished`: the block done, or the last block in the one-phase
+    layout)."""
     return dream_blockwise.finished(self, run, carry, phase)
 
   def open_phase(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
-    """Block modes: the block-start step (the cache refresh with a cache)."""
-    return dream_blockwise.open_block(self, run, params, consts, carry, istate, i, phase)
+    """Block modes with per-block phases (the prefix cache): the block-start step of block `phase.arg` (the
+    cache refresh)."""
+    return dream_blockwise.open_block(self, run, params, consts, carry, istate, i, phase.arg)
 
   def step(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
     if self.options.blockwise:
