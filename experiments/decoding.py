@@ -16,8 +16,9 @@ and none under CFG — so an item's results depend on the run's longest prompt. 
 tokens by design (a diffusion model in its training layout) are the same in both.
 
 Decoding modes (--decoding, --threshold, --factor; `experiments.decoding_modes`): exact decoding (the
-default), or Fast-dLLM's threshold / factor parallel decoding and prefix / dual KV caches, for the LLaDA
-and MMaDA samplers; the values of a model record the mode.
+default), or Fast-dLLM's threshold / factor parallel decoding and prefix / dual KV caches, for the LLaDA,
+MMaDA and Dream samplers (Dream then decodes in blocks of --block_length, default as above); the values
+of a model record the mode.
 
 PRNG keys. Each item's key is derived from --seed and the item's id (`item_key`), never from its batch:
 every sampler call gets one key per row (`batch_key`; `dlm_jax.sampling.keys`).
@@ -116,6 +117,12 @@ def model_settings(decode: DecodeSettings, model: Model, mode: DecodingMode = De
   elif model.sampler == "dream":
     values.update(steps=decode.steps or length, alg=decode.alg, alg_temp=decode.alg_temp, top_p=decode.top_p,
                   top_k=decode.top_k, **mode.record())
+    if not mode.exact:
+      values["block_length"] = decode.block_length or _default_block(length)
+      try:
+        sampler_options(values, padded=False)
+      except ValueError as error:
+        raise UserError(f"{model.label}: --decoding={mode.decoding}: {error}") from None
   else:
     values.update(top_p=decode.top_p, top_k=decode.top_k, stop_at_eos=True)
   return values
@@ -161,6 +168,7 @@ def sampler_options(values: dict[str, Any], padded: bool, end_ids: tuple[int, ..
   if v["sampler"] == "dream":
     return dream.DreamOptions(gen_length=v["gen_length"], steps=v["steps"], alg=v["alg"], alg_temp=v["alg_temp"],
                               temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"],
+                              block_length=v.get("block_length"),
                               **DecodingMode.from_record(v).option_fields("dream"))
   return autoregressive.AROptions(gen_length=v["gen_length"], temperature=v["temperature"], top_k=v["top_k"],
                                   top_p=v["top_p"], stop_at_eos=True, eos_token_ids=tuple(sorted(end_ids)) or None)

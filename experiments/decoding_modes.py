@@ -19,9 +19,9 @@ to be a multiple of the number of blocks) and a row of a batch whose block is do
 Defaults: --threshold 0.9 and --factor 1.0, Fast-dLLM's values.
 
 Samplers. `SAMPLER_FIELDS` lists the option fields of each sampler's options that the modes set: LLaDA
-and MMaDA take every mode (`LLaDAOptions.threshold / factor / cache`). Dream takes only exact decoding for
-now; once `DreamOptions` has the fields, listing them under "dream" (and passing `option_fields("dream")`
-to its options, as `experiments.decoding.sampler_options` does for LLaDA) wires it in. The autoregressive
+and MMaDA take every mode (`LLaDAOptions.threshold / factor / cache`), Dream too (`DreamOptions`, with
+the binaries' block length; its quota caches need --alg other than origin, which reveals at random). The
+autoregressive
 sampler already decodes with an exact KV cache, one token per call: the modes do not apply to it (the
 binaries warn and decode it as usual).
 """
@@ -53,7 +53,7 @@ DEFAULT_FACTOR = 1.0
 SAMPLER_FIELDS: dict[str, frozenset[str]] = {
     "llada": frozenset({"threshold", "factor", "cache"}),
     "mmada": frozenset({"threshold", "factor", "cache"}),
-    "dream": frozenset(),
+    "dream": frozenset({"threshold", "factor", "cache"}),
 }
 """The option fields a diffusion sampler's options take from a mode (module docstring)."""
 

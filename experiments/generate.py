@@ -15,8 +15,9 @@ sampler knob given for a sampler that does not have it is ignored with a warning
 
 --decoding (LLaDA / MMaDA; `experiments.decoding_modes`): exact (default), Fast-dLLM's confidence-threshold
 (--threshold, default 0.9) or factor (--factor, default 1.0) parallel decoding, the prefix or dual KV cache
-(refreshed at every block start), or threshold decoding with a cache. Dream takes only exact decoding for
-now (a one-line error otherwise); for ar the flag is ignored with a warning.
+(refreshed at every block start), or threshold decoding with a cache. Dream's modes decode in blocks of
+--block_length (required there; Dream's exact decoding has no blocks); for ar the flag is ignored with a
+warning.
 
 --chat wraps --prompt as one user turn in the chat template recorded in the checkpoint (ChatML for
 SmolLM2 and Qwen-family checkpoints; `experiments.chat`), else the sampler's (--template overrides);
@@ -68,7 +69,7 @@ _GEN_LENGTH = flags.DEFINE_integer("gen_length", None, "Generated positions (def
                                    "max_new_tokens).")
 _STEPS = flags.DEFINE_integer("steps", None, "Denoising steps (default: LLaDA/MMaDA 128, Dream 512).")
 _BLOCK_LENGTH = flags.DEFINE_integer("block_length", None, "LLaDA/MMaDA block length (default 128, as LLaDA's "
-                                     "generate; must divide gen_length).")
+                                     "generate; must divide gen_length); Dream's --decoding modes' blocks.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = argmax).")
 _REMASKING = flags.DEFINE_enum("remasking", "low_confidence", ["low_confidence", "random"], "LLaDA/MMaDA "
                                "remasking.")
@@ -94,7 +95,7 @@ DEFAULTS = {"llada": dict(gen_length=128, steps=128, block_length=128),
 """Official defaults per sampler (module docstring)."""
 KNOBS = {"llada": {"steps", "block_length", "remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf"},
          "mmada": {"steps", "block_length", "remasking", "cfg_scale", "stop_at_eot"},
-         "dream": {"steps", "alg", "alg_temp", "top_p", "top_k", "eps"}, "ar": {"top_p", "top_k"}}
+         "dream": {"steps", "block_length", "alg", "alg_temp", "top_p", "top_k", "eps"}, "ar": {"top_p", "top_k"}}
 """The sampler-specific flags each sampler takes."""
 
 
@@ -165,7 +166,8 @@ class Settings:
     if self.sampler == "dream":
       return dream.DreamOptions(gen_length=self.gen_length, steps=self.steps, eps=self.eps, alg=self.alg,
                                 alg_temp=self.alg_temp, temperature=self.temperature, top_p=self.top_p,
-                                top_k=self.top_k, **self.decoding.option_fields("dream"))
+                                top_k=self.top_k, block_length=None if self.decoding.exact else self.block_length,
+                                **self.decoding.option_fields("dream"))
     ends = {config.eos_token_id, config.eot_token_id, self.end_of_turn_id} - {None}
     return autoregressive.AROptions(gen_length=self.gen_length, temperature=self.temperature, top_k=self.top_k,
                                     top_p=self.top_p, stop_at_eos=self.end_of_turn_id is not None,

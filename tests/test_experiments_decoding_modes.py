@@ -36,7 +36,8 @@ def test_modes_map_to_sampler_options():
                                                                           "cache": "none"}
   assert decoding_modes.from_values("prefix_cache").option_fields("llada")["cache"] == "prefix"
   assert decoding_modes.from_values("exact", threshold=0.5) == DecodingMode()
-  assert DecodingMode().option_fields("dream") == {} and mode.option_fields("ar") == {}
+  assert mode.option_fields("dream") == {"threshold": 0.8, "factor": None, "cache": "dual"}
+  assert mode.option_fields("ar") == {}
   assert decoding_modes.from_spec("threshold:0.7") == DecodingMode("threshold", threshold=0.7)
   assert decoding_modes.from_spec("dual_cache") == DecodingMode("dual_cache")
   for name in decoding_modes.MODES:
@@ -50,7 +51,6 @@ def test_modes_map_to_sampler_options():
     (lambda: decoding_modes.from_values("threshold", threshold=1.5), ["--threshold=1.5", "[0, 1]"]),
     (lambda: decoding_modes.from_values("exact", threshold=-0.1), ["--threshold=-0.1"]),
     (lambda: decoding_modes.from_values("factor", factor=0.0), ["--factor=0.0"]),
-    (lambda: decoding_modes.from_values("threshold").option_fields("dream"), ["dream", "--decoding=exact"]),
     (lambda: decoding_modes.from_values("dual_cache").check_guidance(1.0), ["--cfg_scale=1"]),
     (lambda: decoding_modes.from_spec("exact:0.5"), ["exact:0.5"]),
 ])
@@ -76,16 +76,20 @@ def test_generate_in_a_cached_threshold_mode(checkpoints, tmp_path):
   out, stats = tmp_path / "g.json", tmp_path / "g.npz"
   base = [f"--checkpoint={checkpoints['dlm']}", f"--json_out={out}", "--prompt_ids=5,9,7,12", *SMALL]
   dream = [f"--checkpoint={checkpoints['dream']}", f"--json_out={out}", "--prompt_ids=5,9,7,12", "--gen_length=8",
-           "--steps=8", "--sampler=dream", "--decoding=threshold"]
+           "--steps=8", "--sampler=dream"]
   cases = [base + ["--decoding=fast"], base + ["--decoding=threshold", "--threshold=1.5"],
-           base + ["--decoding=dual_cache", "--cfg_scale=1"], dream,
-           base + ["--decoding=threshold_dual_cache", f"--stats_out={stats}"]]
+           base + ["--decoding=dual_cache", "--cfg_scale=1"], dream + ["--decoding=dual_cache", "--block_length=4"],
+           base + ["--decoding=threshold_dual_cache", f"--stats_out={stats}"],
+           dream + ["--decoding=threshold_dual_cache", "--block_length=4", f"--json_out={tmp_path / 'd.json'}"]]
   results = fx.run_cases("generate", cases)
   for (code, stderr), words in zip(results[:4], (["--decoding=fast"], ["--threshold=1.5"], ["--cfg_scale"],
-                                                  ["dream sampler"])):
+                                                  ["origin", "block_length"])):
     lines = stderr.strip().splitlines()
     assert code == 1 and len(lines) == 1 and all(w in lines[0] for w in words), stderr
   assert results[4][0] == 0, results[4][1]
+  assert results[5][0] == 0, results[5][1]
+  dream_result = json.loads((tmp_path / "d.json").read_text())
+  assert dream_result["decoding"] == "threshold_dual_cache:0.9" and dream_result["nfe"] <= 8
   result = json.loads(out.read_text())
   config, params = checkpoint.load(checkpoints["dlm"])
   trace = llada.generate(params, np.asarray([[5, 9, 7, 12]]), config=config,
