@@ -36,7 +36,9 @@ def _generate(directory, out_dir, mesh, sampler, extra=()):
 
 
 @pytest.mark.parametrize("sampler, extra", [("llada", ("--mask_sinks=1",)), ("dream", ("--alg=entropy",)),
-                                            ("ar", ())])
+                                            ("ar", ()),
+                                            ("llada", ("--mask_sinks=1", "--decoding=threshold_dual_cache",
+                                                       "--threshold=0.5"))])
 def test_same_outputs_under_every_mesh(tmp_path, sampler, extra):
   converted = _converted(tmp_path, sampler)
   reference, reference_stats = _generate(converted, tmp_path, "", sampler, extra)
