@@ -49,7 +49,7 @@ from flax import struct
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache
-from dlm_jax.sampling import dream_blockwise, driver, keys, padding
+from dlm_jax.sampling import blocks, dream_blockwise, driver, keys, padding
 from dlm_jax.sampling.schedules import dream_transfer_count, dream_transfer_fractions
 from dlm_jax.sampling.selection import filter_top_k, filter_top_p, select_top_k, update_decode_step
 
@@ -57,7 +57,7 @@ Alg = Literal["origin", "maskgit_plus", "topk_margin", "entropy"]
 
 
 @dataclasses.dataclass(frozen=True)
-class DreamOptions:
+class DreamOptions(blocks.BlockLayout):
   """Static knobs of Dream's `diffusion_generate` (defaults of its generation_config, models.md §3.2).
 
   Attributes:
@@ -155,17 +155,6 @@ class DreamOptions:
     """Fast-dLLM's block-by-block modes (`dream_blockwise`) rather than the exact sampler."""
     return self.block_length is not None
 
-  @property
-  def block(self) -> int:
-    return self.gen_length if self.block_length is None else self.block_length
-
-  @property
-  def num_blocks(self) -> int:
-    return self.gen_length // self.block
-
-  @property
-  def steps_per_block(self) -> int:
-    return self.steps // self.num_blocks
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float | None,

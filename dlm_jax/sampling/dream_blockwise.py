@@ -72,8 +72,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dlm_jax.model import KVCache
-from dlm_jax.sampling import driver, keys, padding
+from dlm_jax.sampling import blocks, driver, keys, padding
 from dlm_jax.sampling.parallel import factor_transfer, threshold_transfer
 from dlm_jax.sampling.schedules import dream_transfer_count, dream_transfer_fractions
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
@@ -87,19 +86,11 @@ def _bound(options) -> int:
 
 
 def phases(options) -> tuple[driver.Phase, ...]:
-  """The prefix cache: one phase per block (its query count S − s changes with the block), the block-start
-  step as its opening, then up to the bound's other steps. No cache and the dual cache: one phase over all
-  blocks with the block index in the carry (fixed shapes; compiled once whatever the number of blocks)."""
-  if options.cache == "prefix":
-    return tuple(driver.Phase(arg=k, steps=_bound(options) - 1, opening=True) for k in range(options.num_blocks))
-  return (driver.Phase(steps=options.num_blocks * _bound(options)),)
+  """`blocks.phases` with this family's per-block bound."""
+  return blocks.phases(options.cache, options.num_blocks, _bound(options))
 
 
-def init_cache(run, params, batch: int) -> KVCache | None:
-  """The run's `KVCache` ([L, B, S, K, H], the parameters' dtype), or None without a cache."""
-  if run.family.options.cache == "none":
-    return None
-  return KVCache.zeros(run.config, batch, run.total_length, params["embed"]["embedding"].dtype)
+init_cache = blocks.init_cache
 
 
 def _block_start(run, options, block):

@@ -66,13 +66,13 @@ from dlm_jax import model
 from dlm_jax.attention import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache
-from dlm_jax.sampling import driver, keys, llada_blockwise, padding
+from dlm_jax.sampling import blocks, driver, keys, llada_blockwise, padding
 from dlm_jax.sampling.schedules import llada_transfer_counts
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
 
 
 @dataclasses.dataclass(frozen=True)
-class LLaDAOptions:
+class LLaDAOptions(blocks.BlockLayout):
   """Static knobs of LLaDA's `generate` (defaults as in the official signature) and its MMaDA variants.
 
   Attributes:
@@ -162,17 +162,6 @@ class LLaDAOptions:
     """The block-by-block modes (threshold, factor or a cache) rather than the exact sampler."""
     return self.threshold is not None or self.factor is not None or self.cache != "none"
 
-  @property
-  def block(self) -> int:
-    return self.gen_length if self.block_length is None else self.block_length
-
-  @property
-  def num_blocks(self) -> int:
-    return self.gen_length // self.block
-
-  @property
-  def steps_per_block(self) -> int:
-    return self.steps // self.num_blocks
 
 
 def mmada_options(**overrides: Any) -> LLaDAOptions:

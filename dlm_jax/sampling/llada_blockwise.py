@@ -41,8 +41,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from dlm_jax.model import KVCache
-from dlm_jax.sampling import driver, keys, padding
+from dlm_jax.sampling import blocks, driver, keys, padding
 from dlm_jax.sampling.parallel import factor_transfer, threshold_transfer
 from dlm_jax.sampling.schedules import llada_transfer_counts
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
@@ -56,18 +55,11 @@ def _bound(options) -> int:
 
 
 def phases(options) -> tuple[driver.Phase, ...]:
-  """The prefix cache: one phase per block (its query count S − s changes with the block), an opening
-  refresh, then steps up to the block's bound. No cache and the dual cache: one phase over all blocks with
-  the block index in the carry (fixed shapes; compiled once whatever the number of blocks)."""
-  if options.cache == "prefix":
-    return tuple(driver.Phase(arg=k, steps=_bound(options) - 1, opening=True) for k in range(options.num_blocks))
-  return (driver.Phase(steps=options.num_blocks * _bound(options)),)
+  """`blocks.phases` with this family's per-block bound."""
+  return blocks.phases(options.cache, options.num_blocks, _bound(options))
 
 
-def init_cache(run, params, batch: int) -> KVCache | None:
-  if run.family.options.cache == "none":
-    return None
-  return KVCache.zeros(run.config, batch, run.total_length, params["embed"]["embedding"].dtype)
+init_cache = blocks.init_cache
 
 
 def _block_index(carry, phase: driver.Phase):
