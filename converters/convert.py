@@ -1,9 +1,11 @@
-r"""Converts a Hugging Face LLaDA / MMaDA / Dream / Llama / Qwen2 checkpoint into a dlm_jax directory.
+r"""Converts a Hugging Face LLaDA / MMaDA / Dream / Llama / Qwen2 / LLaDA-MoE / LLaDA2.x checkpoint into a
+dlm_jax directory.
 
   python -m converters.convert --arch=auto --hf_dir=/ckpt/LLaDA-8B-Instruct --out_dir=/ckpt/llada-8b \
       [--dtype=auto|bfloat16|float32|float16] [--overwrite]
 
---arch=auto reads model_type / architectures from config.json. --dtype=auto keeps the dtype of the
+--arch=auto reads model_type / architectures from config.json (a "llada" config with expert fields is
+LLaDA-MoE). --dtype=auto keeps the dtype of the
 source embedding. The work is done by `converters.hf_convert.convert`; errors (missing, unexpected,
 misshapen or non-float tensors, unreadable files, missing or unsupported config fields, a non-empty
 --out_dir without --overwrite) are printed with the tensor or field named, exit status 1, and

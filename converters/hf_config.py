@@ -1,4 +1,5 @@
-"""Each family's own config.json -> our `ModelConfig` (reference/models.md §2.2, §3.2, §4.2, §5).
+"""Each family's own config.json -> our `ModelConfig` (reference/models.md §2.2, §3.2, §4.2, §5;
+models_2026.md §2, §3, §8 for LLaDA-MoE and LLaDA2.x).
 
 LLaDA and MMaDA use OLMo-style fields (`d_model`, `n_layers`, `mlp_hidden_size`, `weight_tying`, ...);
 Dream, Llama and Qwen2 use Hugging Face fields (`hidden_size`, `num_hidden_layers`, ...). Switches our
@@ -14,11 +15,15 @@ from absl import logging
 
 from dlm_jax.config import ConfigError, ModelConfig
 
-ARCHS = ("llada", "mmada", "dream", "llama", "qwen2")
+ARCHS = ("llada", "mmada", "dream", "llama", "qwen2", "llada-moe", "llada2")
 
-_MODEL_TYPES = {"llada": "llada", "mmada": "mmada", "dream": "dream", "llama": "llama", "qwen2": "qwen2"}
+_MODEL_TYPES = {"llada": "llada", "mmada": "mmada", "dream": "dream", "llama": "llama", "qwen2": "qwen2",
+                "lladamoe": "llada-moe", "llada_moe": "llada-moe", "llada2_moe": "llada2", "llada21_moe": "llada2"}
 _ARCHITECTURES = {"LLaDAModelLM": "llada", "MMadaModelLM": "mmada", "DreamModel": "dream",
-                  "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+                  "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "LLaDAMoEModelLM": "llada-moe",
+                  "LLaDA2MoeModelLM": "llada2"}
+_LLADA_MOE_KEYS = ("num_experts", "expert_intermediate_size")
+"""LLaDA-MoE's hub config says model_type "llada" like the dense LLaDA; these keys tell it apart."""
 
 # Special-token defaults from models.md, used only when config.json omits the field and the id fits the
 # vocabulary (LLaDA keeps BOS in generation_config.json; EoT ids are chat-template facts).
@@ -28,8 +33,12 @@ _DREAM_MASK, _QWEN_EOT = 151666, 151645
 
 
 def detect_arch(hf: dict[str, Any]) -> str:
-  """The family of an HF config.json, from `model_type`, else `architectures`."""
+  """The family of an HF config.json, from `model_type`, else `architectures`. A "llada" config with
+  LLaDA-MoE's expert fields or architecture is LLaDA-MoE."""
   model_type = str(hf.get("model_type", "")).lower()
+  if model_type == "llada" and (any(key in hf for key in _LLADA_MOE_KEYS)
+                                or "LLaDAMoEModelLM" in (hf.get("architectures") or ())):
+    return "llada-moe"
   if model_type in _MODEL_TYPES:
     return _MODEL_TYPES[model_type]
   for name in hf.get("architectures") or ():
@@ -194,6 +203,130 @@ def hf_llama_like_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
       eot_token_id=eot, bos_token_id=f.token("bos_token_id", vocab), pad_token_id=f.token("pad_token_id", vocab))
 
 
+_LING_TOKENS = dict(mask_token_id=156895, eos_token_id=156892, pad_token_id=156892)
+"""The Ling tokenizer's ids (models_2026.md §1): the defaults when config.json has none that fits."""
+
+
+def _moe_common(f: _Fields) -> dict[str, Any]:
+  """Fields LLaDA-MoE and LLaDA2 spell alike: attention shapes, RoPE (full or partial), eps, tokens."""
+  _check_no_rope_scaling(f)
+  f.refuse("hidden_act", ("silu",), "The experts and dense layers must be SwiGLU with SiLU.")
+  hidden = f.integer("hidden_size", "hidden size")
+  n_heads = f.integer("num_attention_heads", "query heads")
+  kv = f.hf.get("num_key_value_heads")
+  if kv == 0:  # the LLaDA2.0 class default; the 2.1 class (and transformers) read it as MHA
+    kv = None
+  if not f.has("head_dim") and hidden % n_heads:
+    raise ConfigError(f"config.json ({f.family}): hidden_size={hidden} is not a multiple of "
+                      f"num_attention_heads={n_heads}; add head_dim.")
+  head_dim = f.integer("head_dim", "per-head width", default=hidden // n_heads)
+  factor = f.hf.get("partial_rotary_factor", 1.0)
+  factor = 1.0 if factor is None else factor
+  if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+    raise ConfigError(f"config.json ({f.family}): field 'partial_rotary_factor' is {factor!r}; expected a "
+                      "number in (0, 1] (the fraction of each head RoPE rotates; the class placeholder -1 must "
+                      "be replaced by the checkpoint's value).")
+  rotary = int(head_dim * factor)
+  vocab = f.integer("vocab_size", "embedding rows")
+  tokens = {key: f.token(key, vocab, default) for key, default in _LING_TOKENS.items()}
+  return dict(
+      d_model=hidden, n_layers=f.integer("num_hidden_layers", "number of layers"), n_heads=n_heads,
+      n_kv_heads=f.integer("num_key_value_heads", "key/value heads", default=n_heads) if kv else n_heads,
+      head_dim=head_dim, vocab_size=vocab, norm_eps=f.number("rms_norm_eps", "RMSNorm epsilon"),
+      rope_theta=_rope_theta(f), rope_fp32=False, rotary_dim=None if rotary == head_dim else rotary,
+      tied_embeddings=f.flag("tie_word_embeddings", False), causal=False, logit_shift=0,
+      eos_token_id=f.token("eos_token_id", vocab, _LING_TOKENS["eos_token_id"]),
+      **{k: v for k, v in tokens.items() if k != "eos_token_id"})
+
+
+def _unused_width(value: Any, fallback: Any) -> int:
+  """`mlp_hidden` of an MoE model without dense layers (unused): the config's dense width when it is a
+  real one (not the class placeholder -1), else the expert width."""
+  if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+    return value
+  return fallback if isinstance(fallback, int) and not isinstance(fallback, bool) and fallback > 0 else 1
+
+
+def llada_moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+  """LLaDA-MoE config.json (`LLaDAConfig` with expert fields, models_2026.md §2.1, §8.1) -> ModelConfig
+  fields: bidirectional, per-head QK norm, softmax top-k router without renormalisation (the HF code
+  hard-codes it and never reads norm_topk_prob, the score function, scaling or groups; neither do we)."""
+  f = _Fields(hf, "llada-moe")
+  f.refuse("attention_bias", (False,), "Biases on the attention projections are not supported.")
+  f.refuse("clip_qkv", (), "Clipping q/k/v is not supported.")
+  layers = f.integer("num_hidden_layers", "number of layers")
+  freq = hf.get("moe_layer_freq")
+  if freq is None or freq == 1:
+    first_dense = 0
+  elif isinstance(freq, list) and len(freq) == layers and all(v in (0, 1) for v in freq):
+    first_dense = freq.index(1) if 1 in freq else layers
+    if any(v == 0 for v in freq[first_dense:]):
+      raise ConfigError(f"config.json (llada-moe): field 'moe_layer_freq' is {freq}; only leading dense layers "
+                        "(zeros before all ones) are supported.")
+  else:
+    raise ConfigError(f"config.json (llada-moe): field 'moe_layer_freq' is {freq!r}; expected a list of "
+                      f"{layers} entries, 0 (dense layer) or 1 (MoE layer).")
+  if first_dense == layers:
+    raise ConfigError("config.json (llada-moe): 'moe_layer_freq' has no MoE layer; convert it as a dense model.")
+  shared = hf.get("shared_expert_intermediate_size")
+  if shared is not None and (isinstance(shared, bool) or not isinstance(shared, int) or shared <= 0):
+    raise ConfigError(f"config.json (llada-moe): field 'shared_expert_intermediate_size' is {shared!r}; expected "
+                      "null (no shared expert) or a positive width (the class placeholder -1 is not a model).")
+  if hf.get("norm_topk_prob"):
+    logging.warning("config.json (llada-moe): norm_topk_prob is true, but LLaDA-MoE's modeling code never "
+                    "renormalises the routed weights; neither does the converted model.")
+  fields = _moe_common(f)
+  fields.update(
+      mlp_hidden=f.integer("dense_intermediate_size", "dense-layer SwiGLU width") if first_dense
+      else _unused_width(hf.get("dense_intermediate_size"), hf.get("expert_intermediate_size")),
+      qk_norm=f.flag("qk_layernorm", False), n_experts=f.integer("num_experts", "routed experts"),
+      experts_per_token=f.integer("num_experts_per_tok", "experts per token"),
+      expert_hidden=f.integer("expert_intermediate_size", "expert SwiGLU width"),
+      n_shared_experts=1 if shared else 0, shared_expert_hidden=shared or 0, first_k_dense=first_dense,
+      router="softmax_topk", router_expert_bias=f.flag("moe_router_enable_expert_bias", False),
+      router_renormalize=False, router_fp32=False)
+  return fields
+
+
+LLADA2_BLOCK = 32
+"""The block length LLaDA2's `generate` decodes with (decoding_modes.md §6); config.json has no such field,
+so converted LLaDA2 models are block-causal with blocks of 32 (change `attention_block_size` to taste)."""
+
+
+def llada2_fields(hf: dict[str, Any]) -> dict[str, Any]:
+  """LLaDA2.x config.json (`LLaDA2MoeConfig`, models_2026.md §3.1, §8.2) -> ModelConfig fields: block-causal
+  (blocks of `LLADA2_BLOCK`), per-head QK norm, sigmoid group-limited router with its selection bias,
+  renormalised (when k > 1, as the HF code does whatever norm_topk_prob says) and scaled, fp32 router."""
+  f = _Fields(hf, "llada2")
+  f.refuse("use_bias", (False,), "Biases on the output and MLP projections are not supported.")
+  f.refuse("use_qk_norm", (True,), "LLaDA2 models normalise q and k per head.")
+  f.refuse("num_nextn_predict_layers", (0,), "Multi-token-prediction layers are not supported.")
+  if hf.get("score_function", "sigmoid") not in ("sigmoid", None):
+    logging.warning("config.json (llada2): score_function=%r is ignored: the LLaDA2 code always uses the "
+                    "sigmoid router, and so does the converted model.", hf.get("score_function"))
+  k = f.integer("num_experts_per_tok", "experts per token")
+  shared = hf.get("num_shared_experts")
+  shared = 0 if shared is None else shared
+  if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+    raise ConfigError(f"config.json (llada2): field 'num_shared_experts' is {shared!r}; expected an integer >= 0.")
+  first_dense = hf.get("first_k_dense_replace", 0) or 0
+  if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
+    raise ConfigError(f"config.json (llada2): field 'first_k_dense_replace' is {first_dense!r}; expected an "
+                      "integer >= 0.")
+  expert_hidden = f.integer("moe_intermediate_size", "expert SwiGLU width")
+  scale = f.number("routed_scaling_factor", "routed weight scale") if f.has("routed_scaling_factor") else 1.0
+  fields = _moe_common(f)
+  fields.update(
+      mlp_hidden=f.integer("intermediate_size", "dense-layer SwiGLU width"), qkv_bias=f.flag("use_qkv_bias", False),
+      qk_norm=True, attention_block_size=LLADA2_BLOCK, n_experts=f.integer("num_experts", "routed experts"),
+      experts_per_token=k, expert_hidden=expert_hidden, n_shared_experts=shared,
+      shared_expert_hidden=expert_hidden if shared else 0, first_k_dense=first_dense, router="sigmoid_group",
+      router_renormalize=k > 1, router_groups=f.integer("n_group", "expert groups", default=1),
+      router_topk_groups=f.integer("topk_group", "groups kept per token", default=1),
+      routed_scaling_factor=scale, router_fp32=True)
+  return fields
+
+
 def model_config(arch: str, hf: dict[str, Any], name: str) -> ModelConfig:
   """Our ModelConfig for family `arch` ("auto" detects it) from its config.json dict."""
   if not isinstance(hf, dict):
@@ -202,7 +335,14 @@ def model_config(arch: str, hf: dict[str, Any], name: str) -> ModelConfig:
     arch = detect_arch(hf)
   if arch not in ARCHS:
     raise ConfigError(f"Unknown arch {arch!r}; expected one of auto, {', '.join(ARCHS)}.")
-  fields = llada_fields(hf, arch) if arch in ("llada", "mmada") else hf_llama_like_fields(hf, arch)
+  if arch in ("llada", "mmada"):
+    fields = llada_fields(hf, arch)
+  elif arch == "llada-moe":
+    fields = llada_moe_fields(hf)
+  elif arch == "llada2":
+    fields = llada2_fields(hf)
+  else:
+    fields = hf_llama_like_fields(hf, arch)
   try:
     return ModelConfig(name=name, **fields)
   except ConfigError as e:

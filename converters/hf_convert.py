@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 
 import numpy as np
+from absl import logging
 
 from converters.hf_config import ARCHS, detect_arch, model_config
 from converters.hf_names import hf_plan, ignored_sources
@@ -61,9 +62,13 @@ def convert(hf_dir: str, out_dir: str, *, arch: str = "auto", dtype: str = "auto
   pieces = hf_plan(arch, expected)
   check_coverage(pieces, expected)
   with SafetensorsCheckpoint(hf_dir) as source:
-    check_plan(pieces, {n: t.shape for n, t in source.tensors.items()},
-               {n: t.dtype for n, t in source.tensors.items()}, hf_dir,
+    found = {n: t.shape for n, t in source.tensors.items()}
+    check_plan(pieces, found, {n: t.dtype for n, t in source.tensors.items()}, hf_dir,
                ignore=ignored_sources(arch, config.tied_embeddings))
+    absent = frozenset(p.source for p in pieces if p.optional and p.source not in found)
+    if absent:
+      logging.warning("%s: %d optional tensors are absent (e.g. %s); they are written as zeros, as the original "
+                      "model initialises them.", hf_dir, len(absent), min(absent))
     if dtype == "auto":
       embed_source = next(p.source for p in pieces if p.target == "embed.embedding")
       out_dtype = SAFETENSORS_DTYPES[source.tensors[embed_source].dtype]
@@ -76,5 +81,5 @@ def convert(hf_dir: str, out_dir: str, *, arch: str = "auto", dtype: str = "auto
       with SafetensorsWriter(tmp, specs, max_shard_bytes=max_shard_bytes) as writer:
         stream_pieces(pieces, source.read_rows, writer, out_dtype,
                       row_bytes=lambda name: source.tensors[name].row_bytes, chunk_bytes=chunk_bytes,
-                      progress=progress)
+                      progress=progress, absent=absent)
   return config

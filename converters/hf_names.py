@@ -6,6 +6,18 @@ LLaDA / MMaDA (OLMo naming, `model.transformer.`):
   transformer.ff_out (the LM head; same name as the blocks' down projection, one level up) -> lm_head.
 Dream / Llama / Qwen2 (HF Llama naming): model.embed_tokens, model.layers.N.{input_layernorm,
   self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}, model.norm, lm_head.
+LLaDA-MoE (models_2026.md §2.2, §8.1): the HF Llama names plus self_attn.{q,k}_norm (per head [H]),
+  mlp.gate (the router [E, D]), mlp.expert_bias [E] (with `router_expert_bias`),
+  mlp.experts.E.{gate,up,down}_proj (one tensor per expert, stacked here into [E, ...]) and the layer's
+  own shared_expert.{gate,up,down}_proj; dense layers keep mlp.{gate,up,down}_proj.
+LLaDA2.x (models_2026.md §3.2, §8.2): model.word_embeddings; attention.query_key_value, one fused
+  [(N + 2K)·H, D] projection whose rows are all query heads, then the key heads, then the value heads
+  (split here into q, k, v); attention.{query,key}_layernorm; attention.dense (the output projection);
+  mlp.gate.weight and mlp.gate.expert_bias (the selection bias; the HF model registers it in every MoE
+  layer and treats a missing one as zeros, so do we); mlp.experts.E.*; mlp.shared_experts.*.
+
+An MoE model's leading dense layers (`first_k_dense`) fill `dense_blocks.*` [k]; its layer i >= k fills
+index i − k of `blocks.*`.
 
 Torch Linear weights are [out, in]; our kernels are [in, out], so those pieces are transposed. The
 embedding stays [V, D]; the head [V, D] becomes lm_head.kernel [D, V]. No q/k permutation is needed:
@@ -53,6 +65,40 @@ _HF_GLOBAL = {
     "lm_head.kernel": ("lm_head.weight", True),
 }
 
+_MOE_COMMON = {
+    "attn_norm.weight": ("input_layernorm.weight", False),
+    "mlp_norm.weight": ("post_attention_layernorm.weight", False),
+    "mlp.gate.kernel": ("mlp.gate_proj.weight", True),
+    "mlp.up.kernel": ("mlp.up_proj.weight", True),
+    "mlp.down.kernel": ("mlp.down_proj.weight", True),
+    "mlp.router.kernel": ("mlp.gate.weight", True),
+    "mlp.experts.gate.kernel": ("mlp.experts.{e}.gate_proj.weight", True),
+    "mlp.experts.up.kernel": ("mlp.experts.{e}.up_proj.weight", True),
+    "mlp.experts.down.kernel": ("mlp.experts.{e}.down_proj.weight", True),
+}
+_LLADA_MOE_LAYER = {
+    **_MOE_COMMON,
+    **{f"attn.{x}.kernel": (f"self_attn.{x}_proj.weight", True) for x in "qkvo"},
+    **{f"attn.{x}.bias": (f"self_attn.{x}_proj.bias", False) for x in "qkv"},
+    "attn.q_norm.weight": ("self_attn.q_norm.weight", False),
+    "attn.k_norm.weight": ("self_attn.k_norm.weight", False),
+    "mlp.router.score_bias": ("mlp.expert_bias", False),
+    **{f"mlp.shared.{x}.kernel": (f"shared_expert.{x}_proj.weight", True) for x in ("gate", "up", "down")},
+}
+_LLADA2_LAYER = {
+    **_MOE_COMMON,
+    **{f"attn.{x}.kernel": ("attention.query_key_value.weight", True) for x in "qkv"},
+    **{f"attn.{x}.bias": ("attention.query_key_value.bias", False) for x in "qkv"},
+    "attn.o.kernel": ("attention.dense.weight", True),
+    "attn.q_norm.weight": ("attention.query_layernorm.weight", False),
+    "attn.k_norm.weight": ("attention.key_layernorm.weight", False),
+    "mlp.router.score_bias": ("mlp.gate.expert_bias", False),
+    **{f"mlp.shared.{x}.kernel": (f"mlp.shared_experts.{x}_proj.weight", True) for x in ("gate", "up", "down")},
+}
+_LLADA2_GLOBAL = {**_HF_GLOBAL, "embed.embedding": ("model.word_embeddings.weight", False)}
+_OPTIONAL = {"llada2": ("mlp.router.score_bias",)}
+"""Our per-layer names whose source may be absent (then zeros)."""
+
 IGNORED_SOURCES = r".*\.rotary_emb\.inv_freq"
 """Non-persistent RoPE buffers some older checkpoints still contain; they carry no weights."""
 
@@ -62,8 +108,7 @@ def ignored_sources(arch: str, tied: bool) -> str:
   a stored copy of the head (transformers ignores it too and reuses the embedding)."""
   if not tied:
     return IGNORED_SOURCES
-  head = _LLADA_GLOBAL["lm_head.kernel"][0] if arch in ("llada", "mmada") else _HF_GLOBAL["lm_head.kernel"][0]
-  return f"{IGNORED_SOURCES}|{re.escape(head)}"
+  return f"{IGNORED_SOURCES}|{re.escape(_tables(arch)[1]['lm_head.kernel'][0])}"
 
 
 def _tables(arch: str) -> tuple[dict, dict, str]:
@@ -71,21 +116,49 @@ def _tables(arch: str) -> tuple[dict, dict, str]:
     return _LLADA_LAYER, _LLADA_GLOBAL, "model.transformer.blocks.{}."
   if arch in ("dream", "llama", "qwen2"):
     return _HF_LAYER, _HF_GLOBAL, "model.layers.{}."
+  if arch == "llada-moe":
+    return _LLADA_MOE_LAYER, _HF_GLOBAL, "model.layers.{}."
+  if arch == "llada2":
+    return _LLADA2_LAYER, _LLADA2_GLOBAL, "model.layers.{}."
   raise ValueError(f"no tensor-name table for arch {arch!r}")
+
+
+def _fused_rows(arch: str, name: str, expected: Mapping[str, tuple[int, ...]]) -> tuple[int, int] | None:
+  """LLaDA2's fused query_key_value: the source rows of our q, k or v tensor `name` (None elsewhere)."""
+  if arch != "llada2" or not name.startswith(("attn.q.", "attn.k.", "attn.v.")):
+    return None
+  q_width, kv_width = expected["blocks.attn.q.kernel"][-1], expected["blocks.attn.k.kernel"][-1]
+  start = {"q": 0, "k": q_width, "v": q_width + kv_width}[name[len("attn.")]]
+  return start, start + (q_width if name.startswith("attn.q.") else kv_width)
 
 
 def hf_plan(arch: str, expected: Mapping[str, tuple[int, ...]]) -> list[Piece]:
   """The pieces that fill every tensor of `expected` ({our name: shape}) from family `arch`'s names."""
   layer_table, global_table, layer_prefix = _tables(arch)
+  first_moe_layer = expected["dense_blocks.attn_norm.weight"][0] if "dense_blocks.attn_norm.weight" in expected else 0
+  fused_width = expected["blocks.attn.q.kernel"][-1] + 2 * expected["blocks.attn.k.kernel"][-1]
   pieces = []
   for target, shape in expected.items():
-    if target.startswith("blocks."):
-      source_suffix, transpose = layer_table[target[len("blocks."):]]
-      per_layer = tuple(shape[1:])
-      source_shape = tuple(reversed(per_layer)) if transpose else per_layer
-      pieces += [Piece(target, layer_prefix.format(layer) + source_suffix, source_shape, layer, transpose)
-                 for layer in range(shape[0])]
-    else:
+    stack, _, name = target.partition(".")
+    if stack not in ("blocks", "dense_blocks"):
       source, transpose = global_table[target]
       pieces.append(Piece(target, source, tuple(reversed(shape)) if transpose else tuple(shape), None, transpose))
+      continue
+    offset = first_moe_layer if stack == "blocks" else 0
+    source_suffix, transpose = layer_table[name]
+    rows = _fused_rows(arch, name, expected)
+    experts = "{e}" in source_suffix
+    part = tuple(shape[2:] if experts else shape[1:])
+    if rows is not None:  # the whole fused tensor: [(N + 2K)·H, D] (a bias: [(N + 2K)·H])
+      source_shape = (fused_width,) + ((part[0],) if transpose else ())
+    else:
+      source_shape = tuple(reversed(part)) if transpose else part
+    for layer in range(shape[0]):
+      prefix = layer_prefix.format(layer + offset)
+      if experts:
+        pieces += [Piece(target, prefix + source_suffix.format(e=e), source_shape, layer, transpose, expert=e)
+                   for e in range(shape[1])]
+      else:
+        pieces.append(Piece(target, prefix + source_suffix, source_shape, layer, transpose, rows=rows,
+                            optional=name in _OPTIONAL.get(arch, ())))
   return pieces

@@ -11,6 +11,7 @@ plus its cast/transposed copy, independent of the tensor sizes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 import time
@@ -29,6 +30,11 @@ class Piece:
 
   layer: index on the stacked leading [L] axis of `target`, or None when `target` is not stacked.
   transpose: the source is a torch Linear weight [out, in] and the target a kernel [in, out].
+  expert: with `layer`, the index on the target's second, [E] axis (one expert of a stacked MoE tensor).
+  rows: (start, stop), the piece is only these rows of the source (one of q/k/v of a fused projection);
+    None takes all of them.
+  optional: the source may be absent; the piece then fills its part of `target` with zeros (a buffer
+    that the original model initialises to zeros, e.g. an expert bias).
   """
 
   target: str
@@ -36,6 +42,20 @@ class Piece:
   shape: tuple[int, ...]
   layer: int | None = None
   transpose: bool = False
+  expert: int | None = None
+  rows: tuple[int, int] | None = None
+  optional: bool = False
+
+  @property
+  def index(self) -> tuple[int, ...]:
+    """The leading index prefix of the part of `target` this piece fills."""
+    return tuple(i for i in (self.layer, self.expert) if i is not None)
+
+  @property
+  def fill_shape(self) -> tuple[int, ...]:
+    """The shape of the part of `target` this piece fills (rows taken, transposed if it is)."""
+    shape = self.shape if self.rows is None else (self.rows[1] - self.rows[0],) + tuple(self.shape[1:])
+    return tuple(reversed(shape)) if self.transpose else tuple(shape)
 
 
 def check_plan(pieces: Sequence[Piece], found: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str] | None,
@@ -49,7 +69,7 @@ def check_plan(pieces: Sequence[Piece], found: Mapping[str, tuple[int, ...]], dt
     where: the checkpoint, for messages.
     ignore: regex of source names that may be present and are not converted (e.g. rotary buffers).
   """
-  planned = {p.source: p for p in pieces}
+  planned = {p.source: p for p in pieces if not (p.optional and p.source not in found)}
   present = {n for n in found if not (ignore and re.fullmatch(ignore, n))}
   missing, unexpected = set(planned) - present, present - set(planned)
   if missing:
@@ -67,22 +87,25 @@ def check_plan(pieces: Sequence[Piece], found: Mapping[str, tuple[int, ...]], dt
 
 
 def check_coverage(pieces: Iterable[Piece], expected: Mapping[str, tuple[int, ...]]) -> None:
-  """Internal consistency: every output tensor is planned, each layer exactly once, shapes agree."""
-  layers: dict[str, list[int | None]] = {}
+  """Internal consistency: every output tensor is planned, each index (layer, or layer and expert) exactly
+  once, shapes agree."""
+  indices: dict[str, list[tuple[int, ...]]] = {}
   for p in pieces:
-    shape = expected[p.target][1:] if p.layer is not None else expected[p.target]
-    if tuple(reversed(p.shape) if p.transpose else p.shape) != tuple(shape):
+    shape = expected[p.target][len(p.index):]
+    if p.fill_shape != tuple(shape):
       raise AssertionError(f"plan: {p.source} {p.shape} cannot fill {p.target} {expected[p.target]}")
-    layers.setdefault(p.target, []).append(p.layer)
+    indices.setdefault(p.target, []).append(p.index)
   for name, shape in expected.items():
-    want = [None] if not name.startswith("blocks.") else list(range(shape[0]))
-    if sorted(layers.get(name, []), key=lambda x: -1 if x is None else x) != want:
+    found = sorted(indices.get(name, []))
+    depth = len(found[0]) if found else 0
+    if found != sorted(itertools.product(*(range(d) for d in shape[:depth]))):
       raise AssertionError(f"plan: output tensor {name} is not covered exactly once")
 
 
 def stream_pieces(pieces: Sequence[Piece], read_rows: Callable[[str, int, int], np.ndarray],
                   writer: SafetensorsWriter, out_dtype: np.dtype, *, row_bytes: Callable[[str], int],
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Callable[[str], None] | None = None) -> None:
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, progress: Callable[[str], None] | None = None,
+                  absent: frozenset[str] = frozenset()) -> None:
   """Copies every piece into `writer`, one block of source rows at a time, casting to `out_dtype`.
 
   Args:
@@ -93,6 +116,7 @@ def stream_pieces(pieces: Sequence[Piece], read_rows: Callable[[str, int, int], 
     row_bytes: bytes of one leading-axis row of a source (sets the block size).
     chunk_bytes: target size of one block.
     progress: called with one line per finished output tensor.
+    absent: sources of optional pieces that the checkpoint does not have; their parts are written as zeros.
   """
   targets: dict[str, list[Piece]] = {}
   for p in pieces:
@@ -100,12 +124,16 @@ def stream_pieces(pieces: Sequence[Piece], read_rows: Callable[[str, int, int], 
   for k, (target, group) in enumerate(targets.items()):
     start = time.perf_counter()
     for p in group:
-      rows = p.shape[0]
+      if p.optional and p.source in absent:
+        zeros = np.zeros(((1,) if p.index else ()) + p.fill_shape, out_dtype)
+        writer.write(target, zeros, p.index)
+        continue
+      first, rows = (0, p.shape[0]) if p.rows is None else (p.rows[0], p.rows[1] - p.rows[0])
       step = max(1, chunk_bytes // max(1, row_bytes(p.source)))
-      prefix = () if p.layer is None else (p.layer,)
+      prefix = p.index
       for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        block = read_rows(p.source, r0, r1).astype(out_dtype, copy=False)
+        block = read_rows(p.source, first + r0, first + r1).astype(out_dtype, copy=False)
         if p.transpose:
           writer.write_columns(target, block.T, prefix, r0)
         else:

@@ -70,6 +70,10 @@ class ModelConfig:
       contiguous groups, a group's score is the sum of its two best selection scores, only the best
       `router_topk_groups` groups stay eligible, the k best eligible experts are chosen; weights are their
       unbiased s, renormalised when `router_renormalize`, times `routed_scaling_factor`.
+    router_expert_bias: "softmax_topk" only: a per-expert bias [E] (`mlp.router.score_bias`) is added to
+      the softmax probabilities before the top-k and stays in the chosen weights (LLaDA-MoE with
+      `moe_router_enable_expert_bias`; whether the released checkpoints set it is UNVERIFIED). The
+      "sigmoid_group" router always has its selection-only bias.
     router_renormalize: renormalise the k chosen weights to sum to one, dividing by (their sum + 1e-20)
       for either router (OLMoE/LLaDA-MoE: False; LLaDA2.x: True).
     router_groups: expert groups for "sigmoid_group" (HF `n_group`); must divide E into groups of >= 2.
@@ -117,6 +121,7 @@ class ModelConfig:
   shared_expert_hidden: int = 0
   first_k_dense: int = 0
   router: str = "softmax_topk"
+  router_expert_bias: bool = False
   router_renormalize: bool = False
   router_groups: int = 1
   router_topk_groups: int = 1
@@ -142,7 +147,7 @@ class ModelConfig:
     if self.logit_shift not in (0, 1):
       raise ConfigError(f"ModelConfig.logit_shift must be 0 or 1, got {self.logit_shift!r}.")
     for field in ("rope_fp32", "qkv_bias", "tied_embeddings", "causal", "qk_norm", "router_renormalize",
-                  "router_fp32"):
+                  "router_fp32", "router_expert_bias"):
       if not isinstance(getattr(self, field), bool):
         raise ConfigError(f"ModelConfig.{field} must be a bool, got {getattr(self, field)!r}.")
     block = self.attention_block_size
@@ -187,7 +192,7 @@ class ModelConfig:
     e = self.n_experts
     if e == 0:
       moe_only = {"experts_per_token": 0, "expert_hidden": 0, "n_shared_experts": 0, "shared_expert_hidden": 0,
-                  "first_k_dense": 0, "router": "softmax_topk", "router_renormalize": False, "router_groups": 1,
+                  "first_k_dense": 0, "router": "softmax_topk", "router_expert_bias": False, "router_renormalize": False, "router_groups": 1,
                   "router_topk_groups": 1, "routed_scaling_factor": 1.0, "router_fp32": True,
                   "capacity_factor": None}
       for field, default in moe_only.items():
@@ -207,6 +212,9 @@ class ModelConfig:
     if self.first_k_dense >= self.n_layers:
       raise ConfigError(f"ModelConfig.first_k_dense ({self.first_k_dense}) must be below n_layers "
                         f"({self.n_layers}); use n_experts=0 for an all-dense model.")
+    if self.router_expert_bias and self.router != "softmax_topk":
+      raise ConfigError("ModelConfig.router_expert_bias applies to router='softmax_topk' only; the "
+                        "'sigmoid_group' router always has its selection bias.")
     if self.router == "softmax_topk":
       if (self.router_groups, self.router_topk_groups, self.routed_scaling_factor) != (1, 1, 1.0):
         raise ConfigError("ModelConfig.router_groups, router_topk_groups and routed_scaling_factor apply to "

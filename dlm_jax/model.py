@@ -176,13 +176,17 @@ def route(config: ModelConfig, logits: jax.Array, score_bias: jax.Array | None =
           ) -> tuple[jax.Array, jax.Array]:
   """The router's choice: float32 logits [M, E] -> (weights [M, k] float32, experts [M, k] int32).
 
-  `config.router` says how (see `ModelConfig`); `score_bias` [E] is the "sigmoid_group" selection bias.
+  `config.router` says how (see `ModelConfig`); `score_bias` [E] is the "sigmoid_group" selection bias, or
+  the "softmax_topk" bias added to the probabilities (`router_expert_bias`).
   The k slots of a token are in no meaningful order; compare choices as sets.
   """
   c = config
   k = c.experts_per_token
   if c.router == "softmax_topk":
-    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if score_bias is not None:
+      probs = probs + score_bias.astype(jnp.float32)
+    weights, experts = jax.lax.top_k(probs, k)
   else:
     scores = jax.nn.sigmoid(logits)
     choice = scores + score_bias.astype(jnp.float32)
@@ -200,14 +204,18 @@ def route(config: ModelConfig, logits: jax.Array, score_bias: jax.Array | None =
 
 
 class Router(nnx.Module):
-  """Router weight `kernel` [D, E] and, for "sigmoid_group", the selection bias `score_bias` [E] (float32
-  whatever the parameter dtype, as the originals keep it)."""
+  """Router weight `kernel` [D, E] and, for "sigmoid_group" or with `router_expert_bias`, the expert bias
+  `score_bias` [E] (float32 whatever the parameter dtype, as the originals keep it)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any):
     self.config = config
     self.kernel = nnx.Param(_KERNEL_INIT(rngs.params(), (config.d_model, config.n_experts), dtype))
-    if config.router == "sigmoid_group":
+    if self.has_bias:
       self.score_bias = nnx.Param(jnp.zeros((config.n_experts,), jnp.float32))
+
+  @property
+  def has_bias(self) -> bool:
+    return self.config.router == "sigmoid_group" or self.config.router_expert_bias
 
   def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [M, D] -> (weights [M, k] float32, experts [M, k] int32); see `route`."""
@@ -216,7 +224,7 @@ class Router(nnx.Module):
       logits = jnp.einsum("md,de->me", x.astype(jnp.float32), kernel.astype(jnp.float32))
     else:
       logits = jnp.einsum("md,de->me", x, kernel).astype(jnp.float32)
-    bias = self.score_bias[...] if self.config.router == "sigmoid_group" else None
+    bias = self.score_bias[...] if self.has_bias else None
     return route(self.config, logits, bias)
 
 
