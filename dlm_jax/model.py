@@ -285,14 +285,16 @@ class MoE(nnx.Module):
       self.shared = SwiGLU(config.d_model, config.n_shared_experts * config.shared_expert_hidden, rngs=rngs,
                            dtype=dtype)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """x [B, T, D] -> [B, T, D]."""
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """x [B, T, D] -> (y [B, T, D], (weights [B, T, k] float32, experts [B, T, k] int32): the router's
+    choice)."""
     flat = x.reshape(-1, x.shape[-1])
     weights, experts = self.router(flat)
     y = self.experts(flat, weights, experts).reshape(x.shape)
     if hasattr(self, "shared"):
       y = y + self.shared(x)
-    return y
+    k = experts.shape[-1]
+    return y, (weights.reshape(x.shape[:-1] + (k,)), experts.reshape(x.shape[:-1] + (k,)))
 
 
 class Block(nnx.Module):
@@ -308,11 +310,17 @@ class Block(nnx.Module):
       self.mlp = SwiGLU(config.d_model, config.mlp_hidden, rngs=rngs, dtype=dtype)
 
   def __call__(self, x, cos, sin, **attention_kwargs):
-    """x [B, T, D] -> (x [B, T, D], incoming [B, Q, N, S] or None, (keys, values) [B, S, K, H])."""
+    """x [B, T, D] -> (x [B, T, D], incoming [B, Q, N, S] or None, (keys, values) [B, S, K, H], routing):
+    routing is the MoE router's (weights [B, T, k] float32, experts [B, T, k] int32), or None in a dense
+    block."""
     attn_out, incoming, kv = self.attn(self.attn_norm(x), cos, sin, **attention_kwargs)
     x = x + attn_out
-    x = x + self.mlp(self.mlp_norm(x))
-    return x, incoming, kv
+    routing = None
+    if isinstance(self.mlp, MoE):
+      mlp_out, routing = self.mlp(self.mlp_norm(x))
+    else:
+      mlp_out = self.mlp(self.mlp_norm(x))
+    return x + mlp_out, incoming, kv, routing
 
 
 def _block_stack(config: ModelConfig, n: int, moe: bool, rngs: nnx.Rngs, dtype: Any) -> Block:
@@ -364,7 +372,7 @@ class Transformer(nnx.Module):
       slots = jnp.asarray(slot_of_layer)
 
     def run_block(block, h, kv_cache, layer_biases, with_stats):
-      h, incoming, (keys, values) = block(
+      h, incoming, (keys, values), routing = block(
           h, cos, sin, query_weights=query_weights, with_incoming=with_stats and stats_spec.incoming_attention,
           impl=impl, query_chunk=query_chunk, cache=kv_cache, cache_offset=cache_offset,
           zero_values=bias.zero_values, **shared, **layer_biases)
@@ -373,6 +381,8 @@ class Transformer(nnx.Module):
         stats["incoming_attention"] = incoming if stats_spec.per_head else jnp.mean(incoming, axis=2, keepdims=True)
       if with_stats and stats_spec.value_norms:
         stats["value_norms"] = jnp.linalg.norm(values.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+      if with_stats and stats_spec.routing:
+        stats.update(_routing_stats(c, routing, h.shape[:2], keys.shape[1], cache_offset))
       return h, (keys, values), stats
 
     def layer(block_graph, carry, xs):
@@ -426,7 +436,26 @@ class Transformer(nnx.Module):
     head = self.embed.embedding[...].T if c.tied_embeddings else self.lm_head.kernel[...]
     logits, hidden = (None, x) if return_hidden else (_head_logits(x, head), None)
     return ForwardOutput(logits=logits, incoming_attention=stats.get("incoming_attention"),
-                         value_norms=stats.get("value_norms"), cache=new_cache, hidden=hidden)
+                         value_norms=stats.get("value_norms"), routed_experts=stats.get("routed_experts"),
+                         routing_weights=stats.get("routing_weights"), cache=new_cache, hidden=hidden)
+
+
+def _routing_stats(config: ModelConfig, routing, query_shape: tuple[int, int], n_keys: int, cache_offset
+                   ) -> dict[str, jax.Array]:
+  """One layer's routing statistics over the S sequence positions: {"routed_experts": [B, S, k] int32,
+  "routing_weights": [B, S, k] float32}; the call's T queries sit at cache_offset..cache_offset+T−1 (0
+  without a cache, where S = T); other positions, and every position of a dense layer, hold expert −1 and
+  weight 0."""
+  b, t = query_shape
+  k = config.experts_per_token
+  experts = jnp.full((b, n_keys, k), -1, jnp.int32)
+  weights = jnp.zeros((b, n_keys, k), jnp.float32)
+  if routing is not None:
+    zero = jnp.zeros((), jnp.int32)
+    start = (zero, jnp.asarray(cache_offset, jnp.int32), zero)
+    weights = jax.lax.dynamic_update_slice(weights, routing[0].astype(jnp.float32), start)
+    experts = jax.lax.dynamic_update_slice(experts, routing[1], start)
+  return {"routed_experts": experts, "routing_weights": weights}
 
 
 def _head_logits(hidden: jax.Array, head: jax.Array) -> jax.Array:
@@ -451,6 +480,9 @@ def _stat_buffers(config: ModelConfig, spec: StatsSpec, batch: int, n_keys: int,
     buffers["incoming_attention"] = jnp.zeros((n, batch, groups, heads, n_keys), jnp.float32)
   if spec.value_norms:
     buffers["value_norms"] = jnp.zeros((n, batch, config.n_kv_heads, n_keys), jnp.float32)
+  if spec.routing:
+    buffers["routed_experts"] = jnp.full((n, batch, n_keys, config.experts_per_token), -1, jnp.int32)
+    buffers["routing_weights"] = jnp.zeros((n, batch, n_keys, config.experts_per_token), jnp.float32)
   return buffers
 
 
@@ -524,6 +556,9 @@ def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, lo
     n_keys = cache.keys.shape[2]
   bias.check(n_layers=config.n_layers, batch=b, n_heads=config.n_heads, n_queries=t, n_keys=n_keys)
   stats_spec.check_layers(config.n_layers)
+  if stats_spec.routing and not config.is_moe:
+    raise ValueError(f"StatsSpec.routing asks for routing statistics, but {config.name} is a dense model "
+                     "(n_experts = 0); leave routing False.")
   if stats_spec.query_groups and (query_weights is None or query_weights.shape[1] != stats_spec.query_groups):
     got = None if query_weights is None else query_weights.shape
     raise ValueError(f"StatsSpec.query_groups={stats_spec.query_groups} needs query_weights of shape "

@@ -35,6 +35,10 @@ class StatsSpec:
       call time and returns one incoming-attention map per group: the weighted sum over queries (use 0/1
       weights to restrict to, e.g., the still-masked positions, the decoded ones, or the prompt).
     value_norms: return the L2 norm of every key position's value vector per kv head.
+    routing: return, for a mixture-of-experts model, the router's choice at every position of every
+      (selected) layer: the k chosen experts and their weights, [L', B, S, k] (dense layers and positions
+      the call did not compute: expert −1, weight 0). The weights are the router's, before any capacity
+      drop. Samplers also report the expert load ([L', B, E] tokens per expert; `expert_load`).
   """
 
   incoming_attention: bool = False
@@ -42,6 +46,7 @@ class StatsSpec:
   layers: tuple[int, ...] | None = None
   query_groups: int = 0
   value_norms: bool = False
+  routing: bool = False
 
   def __post_init__(self):
     if self.layers is not None:
@@ -56,7 +61,7 @@ class StatsSpec:
 
   @property
   def enabled(self) -> bool:
-    return self.incoming_attention or self.value_norms
+    return self.incoming_attention or self.value_norms or self.routing
 
   def check_layers(self, n_layers: int) -> None:
     """Raises if a requested layer index does not exist in a model with `n_layers` layers."""
@@ -76,6 +81,9 @@ class ForwardOutput:
       the hidden states were asked for instead).
     incoming_attention: None unless requested; [L', B, Q, N', S] float32 (module docstring).
     value_norms: None unless requested; [L', B, K, S] float32.
+    routed_experts: None unless routing was requested; [L', B, S, k] int32, the experts each position was
+      sent to (−1 in dense layers and at positions the call did not compute).
+    routing_weights: None unless routing was requested; [L', B, S, k] float32, their weights (0 there).
     cache: the updated `dlm_jax.model.KVCache` of a cached call, else None.
     hidden: with `return_hidden`, the final-normed hidden states [B, W, D] of the window, else None.
   """
@@ -83,6 +91,8 @@ class ForwardOutput:
   logits: jax.Array | None
   incoming_attention: jax.Array | None = None
   value_norms: jax.Array | None = None
+  routed_experts: jax.Array | None = None
+  routing_weights: jax.Array | None = None
   cache: Any = None
   hidden: jax.Array | None = None
 
@@ -95,6 +105,13 @@ def squeeze_incoming(incoming: jax.Array, spec: StatsSpec) -> jax.Array:
   if not spec.query_groups:
     incoming = incoming[..., 0, :, :] if spec.per_head else incoming[..., 0, :]
   return incoming
+
+
+def expert_load(routed_experts: jax.Array, n_experts: int) -> jax.Array:
+  """Tokens sent to each expert: routed experts [..., S, k] int32 (−1 = none) -> [..., E] float32 counts
+  (a token counts once for each of its k experts)."""
+  one_hot = jax.nn.one_hot(routed_experts, n_experts, dtype=jnp.float32)  # −1 gives an all-zero row
+  return jnp.sum(one_hot, axis=(-3, -2))
 
 
 QUERY_GROUP_NAMES = ("masked", "unmasked", "prompt")
@@ -126,7 +143,7 @@ def merge_specs(a: StatsSpec, b: StatsSpec) -> StatsSpec:
   else:
     raise ValueError(f"Incompatible incoming-attention statistics {a} and {b}: ask for the same per_head, "
                      "layers and query_groups (e.g. record the ones the intervention needs).")
-  return dataclasses.replace(incoming, value_norms=a.value_norms or b.value_norms)
+  return dataclasses.replace(incoming, value_norms=a.value_norms or b.value_norms, routing=a.routing or b.routing)
 
 
 def _union_layers(specs: list[StatsSpec]) -> tuple[int, ...] | None:
@@ -207,14 +224,15 @@ class StatsPlan:
     """The one spec the forward pass is run with."""
     incoming = [s for s in (self.user, self.intervention, self.sinks_spec) if s.incoming_attention]
     values = [s for s in (self.user, self.intervention) if s.value_norms]
-    if not incoming and not values:
+    routing = [s for s in (self.user, self.intervention) if s.routing]
+    if not incoming and not values and not routing:
       return NO_STATS
     return StatsSpec(
         incoming_attention=bool(incoming),
         per_head=any(s.per_head for s in incoming) if incoming else True,
-        layers=_union_layers(incoming + values),
+        layers=_union_layers(incoming + values + routing),
         query_groups=sum(size for _, size in self.group_blocks),
-        value_norms=bool(values))
+        value_norms=bool(values), routing=bool(routing))
 
   def check(self, n_layers: int) -> None:
     self.forward_spec.check_layers(n_layers)
@@ -264,10 +282,16 @@ class StatsPlan:
         incoming = jnp.mean(incoming, axis=3, keepdims=True)
     if target.value_norms:
       values = select_layers(output.value_norms)
-    return ForwardOutput(logits=output.logits, incoming_attention=incoming, value_norms=values)
+    experts, weights = None, None
+    if target.routing:
+      experts, weights = select_layers(output.routed_experts), select_layers(output.routing_weights)
+    return ForwardOutput(logits=output.logits, incoming_attention=incoming, value_norms=values,
+                         routed_experts=experts, routing_weights=weights)
 
-  def user_stats(self, output: ForwardOutput) -> dict[str, jax.Array] | None:
-    """The user's statistics of one call, canonical layout: {"incoming_attention", "value_norms"} or None."""
+  def user_stats(self, output: ForwardOutput, n_experts: int = 0) -> dict[str, jax.Array] | None:
+    """The user's statistics of one call, canonical layout: {"incoming_attention", "value_norms",
+    "routed_experts", "routing_weights", "expert_load" ([L', B, E], from `n_experts`)} (those asked for) or
+    None."""
     if not self.user.enabled:
       return None
     derived = self.derive(output, self.user)
@@ -276,6 +300,10 @@ class StatsPlan:
       stats["incoming_attention"] = derived.incoming_attention
     if self.user.value_norms:
       stats["value_norms"] = derived.value_norms
+    if self.user.routing:
+      stats["routed_experts"] = derived.routed_experts
+      stats["routing_weights"] = derived.routing_weights
+      stats["expert_load"] = expert_load(derived.routed_experts, n_experts)
     return stats
 
   def intervention_output(self, output: ForwardOutput) -> ForwardOutput:

@@ -268,7 +268,7 @@ def test_sigmoid_group_block_matches_deepseek_v3_moe():
   with torch.no_grad():
     expected = block(x).numpy()
   handles[0].remove()
-  ours = _module(model.MoE, config, params)(jnp.asarray(x.numpy()))
+  ours, _ = _module(model.MoE, config, params)(jnp.asarray(x.numpy()))
   np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
   _assert_same_routing(config, params["router"], *records[0])
 
@@ -293,7 +293,7 @@ def test_softmax_topk_renormalized_block_matches_qwen2_moe_routed_part():
     gated_shared = torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
     expected = (block(x) - gated_shared).numpy()
   handles[0].remove()
-  ours = _module(model.MoE, config, params)(jnp.asarray(x.numpy()))
+  ours, _ = _module(model.MoE, config, params)(jnp.asarray(x.numpy()))
   np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
   _assert_same_routing(config, params["router"], *records[0])
 

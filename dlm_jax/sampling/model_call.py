@@ -26,7 +26,8 @@ class StepOutput:
   """What the driver stacks over steps (each None when not asked for).
 
   stats: the user's statistics of the step, library layout ({"incoming_attention": [L', B, Q, N', S],
-    "value_norms": [L', B, K, S]}).
+    "value_norms": [L', B, K, S], "routed_experts" / "routing_weights": [L', B, S, k], "expert_load":
+    [L', B, E]}; `dlm_jax.stats.StatsPlan.user_stats`).
   top_sinks: [L', B, N', k] int32.
   record: the intervention's record of the step (`Intervention.record`, taken before the call).
   active: [B] bool, the rows the step decoded for (set by the family; the driver fills all-true when None).
@@ -140,9 +141,11 @@ class ModelCaller:
     uncond = {name: None if x is None or uncond_tokens is None else x[batch:] for name, x in halves.items()}
     if uncond_tokens is not None:
       output = ForwardOutput(logits=cond["logits"], incoming_attention=_split_rows(output.incoming_attention, batch),
-                             value_norms=_split_rows(output.value_norms, batch), cache=output.cache)
+                             value_norms=_split_rows(output.value_norms, batch),
+                             routed_experts=_split_rows(output.routed_experts, batch),
+                             routing_weights=_split_rows(output.routing_weights, batch), cache=output.cache)
     istate = self.intervention.update(istate, self.plan.intervention_output(output), context)
-    outputs = StepOutput(stats=self.plan.user_stats(output), top_sinks=self.plan.top_sinks(output, valid_keys),
+    outputs = StepOutput(stats=self.plan.user_stats(output, self.config.n_experts), top_sinks=self.plan.top_sinks(output, valid_keys),
                          record=record)
     return CallResult(logits=cond["logits"], uncond_logits=uncond["logits"], hidden=cond["hidden"],
                       uncond_hidden=uncond["hidden"], intervention_state=istate, cache=output.cache,

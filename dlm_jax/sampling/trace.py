@@ -33,7 +33,10 @@ class Trace:
       these queries (and attend over all S keys, cached ones included).
     stats: None, or the user's statistics stacked over steps, in the users' shapes
       (`dlm_jax.stats.squeeze_incoming`): {"incoming_attention": [max_steps, L', B, (Q,) (N,) S] — the Q
-      axis only with query groups, the head axis only per head — "value_norms": [max_steps, L', B, K, S]}.
+      axis only with query groups, the head axis only per head — "value_norms": [max_steps, L', B, K, S],
+      and with `StatsSpec.routing` "routed_experts" / "routing_weights": [max_steps, L', B, S, k] (the
+      router's choice at each canvas position a step computed; −1 / 0 elsewhere and in dense layers) and
+      "expert_load": [max_steps, L', B, E] (tokens per expert in the step)}.
     top_sinks: None, or [max_steps, L', B, (N,) k] int32, the k keys with the most incoming attention (all
       queries) at each step, per layer (and head when the stats are per head), among the valid keys.
     intervention_record: None, or (with `record_intervention=True`) the intervention's per-step record
