@@ -17,6 +17,10 @@ builders over messages [{"role": ..., "content": ...}]:
             `<|im_start|>ROLE\\ncontent<|im_end|>\\n` per message; generation prompt `<|im_start|>assistant\\n`.
   * llama3: `<|begin_of_text|>`, then per message `<|start_header_id|>ROLE<|end_header_id|>\\n\\n` +
             content.strip() + `<|eot_id|>`; generation prompt as LLaDA's.
+  * ling:   LLaDA-MoE / LLaDA2.x (the Ling tokenizer; models_2026.md §2.6): per message
+            `<role>ROLE</role>` + content + `<|role_end|>` with ROLE = SYSTEM, HUMAN or ASSISTANT; generation
+            prompt `<role>ASSISTANT</role>`. No system turn is added (whether the hub template adds a
+            default one is UNVERIFIED; dInfer's benchmark passes "detailed thinking off" itself).
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
 from dlm_jax.config import ConfigError, ModelConfig
 
-ChatTemplate = Literal["llada", "mmada", "dream", "llama3"]
+ChatTemplate = Literal["llada", "mmada", "dream", "llama3", "ling"]
+_LING_ROLES = {"system": "SYSTEM", "user": "HUMAN", "assistant": "ASSISTANT"}
 Message = dict[str, str]
 
 DREAM_DEFAULT_SYSTEM = "You are a helpful assistant."
@@ -63,8 +68,13 @@ def chat_text(messages: Sequence[Message], template: ChatTemplate, *, add_genera
     if add_generation_prompt:
       parts.append("<|im_start|>assistant\n")
     return "".join(parts)
+  if template == "ling":
+    parts = [f"<role>{_LING_ROLES[m['role']]}</role>{m['content']}<|role_end|>" for m in messages]
+    if add_generation_prompt:
+      parts.append("<role>ASSISTANT</role>")
+    return "".join(parts)
   if template not in ("llada", "mmada", "llama3"):
-    raise ValueError(f"Unknown chat template {template!r}; choose llada, mmada, dream or llama3.")
+    raise ValueError(f"Unknown chat template {template!r}; choose llada, mmada, dream, llama3 or ling.")
   newlines = "\n" if template == "mmada" else "\n\n"
   parts = [_DEFAULT_BOS[template] if bos is None else bos]
   for message in messages:

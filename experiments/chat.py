@@ -4,7 +4,8 @@ The template recorded in the converted checkpoint wins: a `chat_template` in tok
 uses `<|im_start|>` is ChatML (SmolLM2 from its GGUF metadata, Qwen2.5, Dream), with the system prompt
 the template itself supplies by default when it has one; one that uses `<|start_header_id|>` is the
 Llama-3 family's (LLaDA, MMaDA and Llama-3 differ only in BOS and newlines, so the sampler picks among
-them). Without a recorded template the sampler decides: llada, mmada, dream (ChatML) or llama3 (ar).
+them). Without a recorded template the sampler decides: llada, mmada, dream (ChatML), llama3 (ar) or ling
+(block_diffusion: LLaDA2.x). A recorded template with `<role>` tags is Ling's (LLaDA-MoE, LLaDA2.x).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from absl import logging
 
 from dlm_jax.tokenizer import DREAM_DEFAULT_SYSTEM, chat_text
 
-TEMPLATES = ("llada", "mmada", "dream", "llama3", "chatml")
-SAMPLER_TEMPLATE = {"llada": "llada", "mmada": "mmada", "dream": "dream", "ar": "llama3"}
+TEMPLATES = ("llada", "mmada", "dream", "llama3", "chatml", "ling")
+SAMPLER_TEMPLATE = {"llada": "llada", "mmada": "mmada", "dream": "dream", "ar": "llama3", "block_diffusion": "ling"}
 END_OF_TURN = {"llada": "<|eot_id|>", "mmada": "<|eot_id|>", "llama3": "<|eot_id|>", "dream": "<|im_end|>",
-               "chatml": "<|im_end|>"}
+               "chatml": "<|im_end|>", "ling": "<|role_end|>"}
 _CHATML_SYSTEM = re.compile(r"<\|im_start\|>system(?:\\n|\n)([^{}'\"]+?)<\|im_end\|>")
 
 
@@ -66,6 +67,8 @@ def chat_format(directory: str, sampler: str, override: str | None = None) -> Ch
   if override is None and "<|im_start|>" in recorded:
     match = _CHATML_SYSTEM.search(recorded)
     return ChatFormat("chatml", match.group(1) if match else DREAM_DEFAULT_SYSTEM)
+  if override is None and "<role>" in recorded:
+    return ChatFormat("ling")
   return ChatFormat(override or SAMPLER_TEMPLATE[sampler])
 
 

@@ -20,7 +20,7 @@ from experiments import progress, smollm2
 from experiments.cli import UserError
 
 NAMES = tuple(default_models.NAMES) + smollm2.ALIASES
-SAMPLERS = ("auto", "llada", "mmada", "dream", "ar")
+SAMPLERS = ("auto", "llada", "mmada", "dream", "ar", "block_diffusion")
 
 
 def resolve(entry: str) -> tuple[str, str]:
@@ -75,16 +75,21 @@ def training_record(directory: str) -> dict[str, Any]:
 
 
 def default_sampler(config: ModelConfig) -> str:
-  """ar for causal models, dream for shifted DLMs, llada otherwise."""
+  """ar for causal models, block_diffusion for block-causal ones (LLaDA2.x), dream for shifted DLMs, llada
+  otherwise."""
   if config.causal:
     return "ar"
+  if config.attention_block_size is not None:
+    return "block_diffusion"
   return "dream" if config.logit_shift == 1 else "llada"
 
 
 def check_sampler(label: str, sampler: str, config: ModelConfig) -> None:
-  """Refuses a sampler that does not fit the model's attention."""
-  if (sampler == "ar") != config.causal:
-    kind = "causal" if config.causal else "bidirectional"
+  """Refuses a sampler that does not fit the model's attention (causal, block-causal or bidirectional)."""
+  kind = ("causal" if config.causal else "block-causal" if config.attention_block_size is not None
+          else "bidirectional")
+  fits = {"causal": ("ar",), "block-causal": ("block_diffusion",)}.get(kind, ("llada", "mmada", "dream"))
+  if sampler not in fits:
     raise UserError(f"{label}: sampler {sampler} does not fit a {kind} model; use "
                     f"{default_sampler(config)} (or auto)")
 
@@ -94,7 +99,7 @@ class Model:
   """A loaded checkpoint and how it is prompted and decoded.
 
   label: name in tables; directory: the converted directory; record: its training.json ({} if none);
-  sampler: llada | mmada | dream | ar; prompt_format: training | chat | plain; tokenizer: a
+  sampler: llada | mmada | dream | ar | block_diffusion; prompt_format: training | chat | plain; tokenizer: a
   `dlm_jax.tokenizer.Tokenizer`.
   """
 

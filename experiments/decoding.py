@@ -4,7 +4,9 @@ the model's own intervention and the sampler call.
 Defaults of the experiment binaries (they differ from `experiments.generate`, which follows the official
 signatures): gen_length = the training answer width of a model trained here, else 64; steps = gen_length;
 block_length = 32 when gen_length is a larger multiple of 32, else gen_length / 4 (else gen_length);
-Dream alg = entropy (Dream's README), not the generation config's origin.
+Dream alg = entropy (Dream's README), not the generation config's origin. Block diffusion (block-causal
+models, LLaDA2.x): blocks of the model's attention block, steps = the block length per block, LLaDA2's
+rule (τ 0.95) or --decoding=threshold, EOS stop, exact KV cache.
 
 Padding (--padding). Prompts of a run share one width (`experiments.prompts`); shorter ones are
 left-padded. `invariant` (default): pad keys are hidden from every query and positions are shifted so
@@ -123,6 +125,13 @@ def model_settings(decode: DecodeSettings, model: Model, mode: DecodingMode = De
         sampler_options(values, padded=False)
       except ValueError as error:
         raise UserError(f"{model.label}: --decoding={mode.decoding}: {error}") from None
+  elif model.sampler == "block_diffusion":
+    block = model.config.attention_block_size
+    if decode.block_length not in (None, block):
+      raise UserError(f"{model.label}: --block_length={decode.block_length} must be the model's attention block "
+                      f"({block}) for block diffusion")
+    values.update(steps=decode.steps or block, block_length=block, top_p=decode.top_p, top_k=decode.top_k,
+                  **mode.record())
   else:
     values.update(top_p=decode.top_p, top_k=decode.top_k, stop_at_eos=True)
   return values
@@ -154,8 +163,12 @@ def _llada_padding(padding: str, mmada: bool) -> dict[str, Any]:
 def sampler_options(values: dict[str, Any], padded: bool, end_ids: tuple[int, ...] = ()):
   """The library options of the decoding `values` (`model_settings`); `padded`: a prompt mask is passed;
   `end_ids`: the ids that end an autoregressive row (empty = the config's EOS and EoT)."""
-  from dlm_jax.sampling import autoregressive, dream, llada  # pylint: disable=import-outside-toplevel
+  from dlm_jax.sampling import autoregressive, block_diffusion, dream, llada  # pylint: disable=import-outside-toplevel
   v = values
+  if v["sampler"] == "block_diffusion":
+    return block_diffusion.BlockDiffusionOptions(
+        gen_length=v["gen_length"], block_length=v["block_length"], steps=v["steps"], temperature=v["temperature"],
+        top_k=v["top_k"], top_p=v["top_p"], **DecodingMode.from_record(v).option_fields("block_diffusion"))
   if v["sampler"] in ("llada", "mmada"):
     common = dict(gen_length=v["gen_length"], steps=v["steps"], block_length=v["block_length"],
                   temperature=v["temperature"], cfg_scale=v["cfg_scale"], remasking=v["remasking"],
@@ -198,7 +211,7 @@ def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: de
 
   values: `model_settings`; intervention: the complete intervention (see `combined_intervention`); None =
   the model's own."""
-  from dlm_jax.sampling import autoregressive, dream, llada  # pylint: disable=import-outside-toplevel
+  from dlm_jax.sampling import autoregressive, block_diffusion, dream, llada  # pylint: disable=import-outside-toplevel
   from dlm_jax.stats import NO_STATS  # pylint: disable=import-outside-toplevel
   if intervention is None:
     intervention = combined_intervention(model)
@@ -214,4 +227,6 @@ def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: de
     return llada.generate(model.params, prompt, **kwargs)
   if model.sampler == "dream":
     return dream.diffusion_generate(model.params, prompt, **kwargs)
+  if model.sampler == "block_diffusion":
+    return block_diffusion.generate(model.params, prompt, **kwargs)
   return autoregressive.generate(model.params, prompt, **kwargs)

@@ -23,7 +23,9 @@ and MMaDA take every mode (`LLaDAOptions.threshold / factor / cache`), Dream too
 the binaries' block length; its quota caches need --alg other than origin, which reveals at random). The
 autoregressive
 sampler already decodes with an exact KV cache, one token per call: the modes do not apply to it (the
-binaries warn and decode it as usual).
+binaries warn and decode it as usual). Block diffusion (LLaDA2.x, block-causal models) always decodes with
+its exact KV cache: exact is LLaDA2's own rule, threshold Fast-dLLM's; the cache and factor modes are
+refused.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ SAMPLER_FIELDS: dict[str, frozenset[str]] = {
     "llada": frozenset({"threshold", "factor", "cache"}),
     "mmada": frozenset({"threshold", "factor", "cache"}),
     "dream": frozenset({"threshold", "factor", "cache"}),
+    "block_diffusion": frozenset({"threshold"}),
 }
 """The option fields a diffusion sampler's options take from a mode (module docstring)."""
 
@@ -120,6 +123,8 @@ class DecodingMode:
     """
     if sampler == "ar":
       return {}
+    if sampler == "block_diffusion":
+      return self._block_diffusion_fields()
     fields = {"threshold": self.threshold, "factor": self.factor, "cache": self.cache}
     supported = SAMPLER_FIELDS[sampler]
     missing = sorted(k for k, v in fields.items() if v not in (None, "none") and k not in supported)
@@ -127,6 +132,16 @@ class DecodingMode:
       raise UsageError(f"--decoding={self.decoding}: the {sampler} sampler has no {' / '.join(missing)} decoding "
                        "yet; use --decoding=exact")
     return {k: v for k, v in fields.items() if k in supported}
+
+  def _block_diffusion_fields(self) -> dict[str, Any]:
+    """Block diffusion (LLaDA2.x) decodes with its exact KV cache always: exact = LLaDA2's own rule (a quota,
+    or every proposal above τ = 0.95), threshold = Fast-dLLM's rule at --threshold."""
+    if self.cache != "none" or self.rule == "factor":
+      raise UsageError(f"--decoding={self.decoding}: the block_diffusion sampler always decodes with its exact "
+                       "KV cache and has no factor rule; use --decoding=exact (LLaDA2's rule) or threshold")
+    if self.rule == "threshold":
+      return {"transfer": "fast_dllm", "threshold": self.threshold}
+    return {}
 
   def check_guidance(self, cfg_scale: float) -> None:
     """Refuses a KV cache together with classifier-free guidance (the unconditional canvas has no cache)."""

@@ -1,7 +1,7 @@
 """Generates from a converted checkpoint with one of the compiled samplers and writes the trace.
 
   python -m experiments.generate --checkpoint=DIR|tiny-dlm|tiny-arm|smollm2 (--prompt=TEXT [--chat] | \
-      --prompt_ids=1,2,3) [--sampler=auto|llada|mmada|dream|ar] --json_out=FILE [--stats_out=FILE.npz] \
+      --prompt_ids=1,2,3) [--sampler=auto|llada|mmada|dream|ar|block_diffusion] --json_out=FILE [--stats_out=FILE.npz] \
       [--gen_length=N --steps=N --block_length=N --temperature=T --remasking=... --cfg_scale=W \
        --alg=origin|maskgit_plus|topk_margin|entropy --alg_temp=T --top_p=P --top_k=K --eps=E --seed=S \
        --mask_sinks=K] [--decoding=exact|threshold|factor|prefix_cache|dual_cache|threshold_prefix_cache|\
@@ -10,7 +10,9 @@
 Defaults are the official ones: LLaDA / MMaDA gen_length = steps = block_length = 128 (LLaDA's
 `generate` signature); Dream gen_length = steps = 512 with alg origin, eps 1e-3, temperature 0 and no top-p
 / top-k (Dream's generation config; its README uses max_new_tokens = steps = 512); ar gen_length 128,
-greedy. The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A
+greedy; block_diffusion (block-causal models: LLaDA2.x) gen_length 2048, steps 32 per block, blocks of the
+model's `attention_block_size`, τ 0.95, EOS stop, exact KV cache (LLaDA2's `generate`, whose answer — the
+first gen_length tokens up to the first EOS — is "text"). The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A
 sampler knob given for a sampler that does not have it is ignored with a warning.
 
 --decoding (LLaDA / MMaDA; `experiments.decoding_modes`): exact (default), Fast-dLLM's confidence-threshold
@@ -33,7 +35,9 @@ NPZ (--stats_out): incoming_attention [nfe, L, N, S] float32 for batch row 0: en
 sum over the queries step t computed of the attention key j receives in layer l, head n, during the model
 call of step t (with CFG, the conditional call); computed_queries [nfe, 2] int32, those queries' positions
 [start, stop): [0, S) for a whole-canvas step, [s, S) or the block [s, e) for the prefix / dual cache steps
-after a block's refresh. The keys are all S positions, cached ones included.
+after a block's refresh. The keys are all S positions, cached ones included. For a mixture-of-experts model
+also routed_experts / routing_weights [nfe, L, S, k] (row 0's router choice per step, layer and position;
+expert -1 / weight 0 in dense layers and at positions the step did not compute).
 --mask_sinks=K > 0 masks, at every step, the top-K sinks of the previous step
 (`dlm_jax.interventions.MaskPreviousSinks(top_k=K)`; `MaskPreviousSinksAR` for --sampler=ar).
 Runtime flags (`experiments.runtime_flags`): --mesh (parameters sharded over fsdp/tensor; the one prompt
@@ -63,8 +67,9 @@ _CHAT = flags.DEFINE_bool("chat", False, "Wrap --prompt as one user turn in the 
 _TEMPLATE = flags.DEFINE_enum("template", None, list(chat.TEMPLATES), "Chat template (default: the one recorded "
                               "in the checkpoint, else llada, mmada, dream or llama3 by --sampler).")
 _PROMPT_IDS = flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids.")
-_SAMPLER = flags.DEFINE_enum("sampler", "auto", ["auto", "llada", "mmada", "dream", "ar"], "Sampler (auto: ar for "
-                             "causal models, dream for shifted DLMs, llada otherwise).")
+_SAMPLER = flags.DEFINE_enum("sampler", "auto", ["auto", "llada", "mmada", "dream", "ar", "block_diffusion"],
+                             "Sampler (auto: ar for causal models, block_diffusion for block-causal ones, dream for "
+                             "shifted DLMs, llada otherwise).")
 _GEN_LENGTH = flags.DEFINE_integer("gen_length", None, "Generated positions (default 128; Dream 512, its "
                                    "max_new_tokens).")
 _STEPS = flags.DEFINE_integer("steps", None, "Denoising steps (default: LLaDA/MMaDA 128, Dream 512).")
@@ -91,11 +96,13 @@ _MASK_SINKS = flags.DEFINE_integer("mask_sinks", 0, "Mask the previous step's to
 
 DEFAULTS = {"llada": dict(gen_length=128, steps=128, block_length=128),
             "mmada": dict(gen_length=128, steps=128, block_length=128),
-            "dream": dict(gen_length=512, steps=512), "ar": dict(gen_length=128)}
+            "dream": dict(gen_length=512, steps=512), "ar": dict(gen_length=128),
+            "block_diffusion": dict(gen_length=2048, steps=32)}
 """Official defaults per sampler (module docstring)."""
 KNOBS = {"llada": {"steps", "block_length", "remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf"},
          "mmada": {"steps", "block_length", "remasking", "cfg_scale", "stop_at_eot"},
-         "dream": {"steps", "block_length", "alg", "alg_temp", "top_p", "top_k", "eps"}, "ar": {"top_p", "top_k"}}
+         "dream": {"steps", "block_length", "alg", "alg_temp", "top_p", "top_k", "eps"}, "ar": {"top_p", "top_k"},
+         "block_diffusion": {"steps", "block_length", "top_p", "top_k"}}
 """The sampler-specific flags each sampler takes."""
 
 
@@ -143,6 +150,8 @@ class Settings:
       raise cli.UserError(f"--eps={self.eps}: expected a value in (0, 1)")
     if self.mask_sinks < 0:
       raise cli.UserError(f"--mask_sinks={self.mask_sinks}: expected >= 0 (0 = off)")
+    if self.sampler == "block_diffusion":
+      return  # the canvas extends to the end of the last block; steps count per block
     if self.block_length is not None and self.gen_length % self.block_length:
       raise cli.UserError(f"--gen_length={self.gen_length} must be a multiple of block_length ({self.block_length});"
                           " change --gen_length or --block_length")
@@ -154,7 +163,12 @@ class Settings:
 
   def options(self, config):
     """The library options of these settings (a one-line error for a decoding mode the sampler lacks)."""
-    from dlm_jax.sampling import autoregressive, dream, llada  # pylint: disable=import-outside-toplevel
+    from dlm_jax.sampling import autoregressive, block_diffusion, dream, llada  # pylint: disable=import-outside-toplevel
+    if self.sampler == "block_diffusion":
+      return block_diffusion.BlockDiffusionOptions(
+          gen_length=self.gen_length, block_length=self.block_length or config.attention_block_size,
+          steps=self.steps, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+          **self.decoding.option_fields("block_diffusion"))
     if self.sampler in ("llada", "mmada"):
       values = dict(gen_length=self.gen_length, steps=self.steps, block_length=self.block_length,
                     temperature=self.temperature, cfg_scale=self.cfg_scale, remasking=self.remasking,
@@ -223,7 +237,7 @@ def _intervention(sampler: str, top_k: int):
 
 
 def _generate(params, config, settings: Settings, prompt, stats_spec):
-  from dlm_jax.sampling import autoregressive, dream, llada  # pylint: disable=import-outside-toplevel
+  from dlm_jax.sampling import autoregressive, block_diffusion, dream, llada  # pylint: disable=import-outside-toplevel
   kwargs = dict(config=config, options=settings.options(config), key=jax.random.key(settings.seed),
                 stats_spec=stats_spec, intervention=_intervention(settings.sampler, settings.mask_sinks),
                 attention_impl=settings.numerics.attention_impl, query_chunk=settings.numerics.query_chunk)
@@ -231,6 +245,8 @@ def _generate(params, config, settings: Settings, prompt, stats_spec):
     return llada.generate(params, prompt, **kwargs)
   if settings.sampler == "dream":
     return dream.diffusion_generate(params, prompt, **kwargs)
+  if settings.sampler == "block_diffusion":
+    return block_diffusion.generate(params, prompt, **kwargs)
   return autoregressive.generate(params, prompt, **kwargs)
 
 
@@ -275,7 +291,8 @@ def main(argv):
   except ValueError as e:
     raise cli.UserError(str(e)) from None
   config, params = checkpoints.load_params(directory, runtime, settings.numerics.weight_dtype)
-  stats_spec = StatsSpec(incoming_attention=True, per_head=True) if _STATS_OUT.value else NO_STATS
+  stats_spec = (StatsSpec(incoming_attention=True, per_head=True, routing=config.is_moe) if _STATS_OUT.value
+                else NO_STATS)
   prompt = devices.replicate(np.asarray([ids], np.int32), runtime)
   trace = distributed.to_host(_generate(params, config, settings, prompt, stats_spec))
   if not runtime.primary:
@@ -287,13 +304,20 @@ def main(argv):
             "settings": dataclasses.asdict(settings)}
   if tokenizer is not None:
     ends = {config.eos_token_id, end_of_turn} - {None} if _CHAT.value else set()
-    result["text"] = _reply_text(tokenizer, tokens[trace.prompt_length:], ends)
+    reply = tokens[trace.prompt_length:]
+    if sampler == "block_diffusion":  # LLaDA2's answer: the first gen_length tokens, up to the first EOS
+      reply = reply[:settings.gen_length]
+      ends |= {config.eos_token_id} - {None}
+    result["text"] = _reply_text(tokenizer, reply, ends)
   atomic_files.atomic_write_bytes(_JSON_OUT.value, (json.dumps(result) + "\n").encode())
   if _STATS_OUT.value:
     nfe = int(trace.nfe)  # the steps run; the buffers' later entries are zeros
     incoming = np.asarray(trace.stats["incoming_attention"][:nfe, :, 0], np.float32)  # [nfe, L, N, S]
+    routing = {}
+    if config.is_moe:  # row 0's router choice per step, layer and position (expert -1: none)
+      routing = {name: np.asarray(trace.stats[name][:nfe, :, 0]) for name in ("routed_experts", "routing_weights")}
     atomic_files.write_npz(_STATS_OUT.value, incoming_attention=incoming,
-                           computed_queries=np.asarray(trace.computed_queries[:nfe], np.int32))
+                           computed_queries=np.asarray(trace.computed_queries[:nfe], np.int32), **routing)
 
 
 if __name__ == "__main__":

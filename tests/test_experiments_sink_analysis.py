@@ -108,3 +108,16 @@ def test_sink_analysis_end_to_end(checkpoints, tmp_path):
   assert len(fx.read_jsonl(out / "results.jsonl")) == len(records)
   assert json.loads((out / "summary.json").read_text())["aggregates"] == summary["aggregates"]
   assert "resuming with 3/3" in again.stderr
+
+
+def test_sink_analysis_on_a_block_diffusion_mixture_of_experts(tmp_path):
+  """A block-causal MoE checkpoint (LLaDA2.x layout) decodes with block diffusion in the binary."""
+  directory = fx.tiny_checkpoint(str(tmp_path / "llada2"), "llada2")
+  out = tmp_path / "out"
+  fx.run_binary("sink_analysis", f"--checkpoints=moe={directory}", f"--output_dir={out}", "--n_prompts=2",
+                "--batch_size=2", "--gen_length=6", "--layers=0,2")
+  records = fx.read_jsonl(out / "results.jsonl")
+  assert sorted(r["item"] for r in records) == ["0", "1"] and all(r["n_entries"] > 0 for r in records)
+  model = json.loads((out / "summary.json").read_text())["models"][0]
+  assert model["sampler"] == "block_diffusion" and model["settings"]["block_length"] == 4
+  assert (out / "moe" / "fig5_main_sink_grid.png").stat().st_size > 0

@@ -114,7 +114,7 @@ def test_ar_and_mmada_with_sink_masking(tmp_path, checkpoints):
   assert result["decode_step"] == list(range(5)) and result["nfe"] == 5
   ignored = run_cli(tmp_path, directory, "--sampler=ar", "--prompt_ids=5,9,7", "--gen_length=5", "--mask_sinks=1",
                     "--steps=3", expect_ok=False)
-  assert ignored.returncode == 0 and "--steps applies to --sampler=llada, mmada, dream only" in ignored.stderr
+  assert ignored.returncode == 0 and "--steps applies to --sampler=llada, mmada, dream, block_diffusion only" in ignored.stderr
   directory, config, params = checkpoints["tiny-llada"]
   result = run_cli(tmp_path, directory, "--sampler=mmada", "--prompt_ids=5,9,7", "--gen_length=8", "--steps=8",
                    "--block_length=4", "--mask_sinks=2")
@@ -161,3 +161,27 @@ def test_mesh_may_use_a_subset_of_the_devices(tmp_path, checkpoints):
   subset = run_cli(tmp_path, directory, "--prompt_ids=5,9,7", "--gen_length=8", "--steps=4", "--block_length=4",
                    "--cpu_devices=4", "--mesh=tensor:2")
   assert subset["tokens"] == alone["tokens"]
+
+
+def test_block_causal_moe_model_decodes_with_block_diffusion_and_reports_routing(tmp_path):
+  """auto picks block diffusion for a block-causal model (LLaDA2.x): tokens equal the library's, the npz has
+  the router's choice; LLaDA's sampler and the cache modes are refused."""
+  from dlm_jax.sampling import block_diffusion as bd  # pylint: disable=import-outside-toplevel
+  config = preset("tiny-llada2")
+  params = model.init_params(config, jax.random.key(12))
+  directory = str(tmp_path / "llada2")
+  checkpoint.save(directory, config, params)
+  stats = tmp_path / "stats.npz"
+  result = run_cli(tmp_path, directory, "--prompt_ids=5,6,7,8,9,10", "--gen_length=6", "--steps=4",
+                   f"--stats_out={stats}")
+  assert result["sampler"] == "block_diffusion"
+  options = bd.BlockDiffusionOptions(gen_length=6, block_length=4, steps=4)
+  trace = bd.generate(params, jnp.asarray([[5, 6, 7, 8, 9, 10]]), config=config, options=options)
+  assert result["tokens"] == np.asarray(trace.tokens)[0].tolist() and result["nfe"] == int(trace.nfe)
+  with np.load(stats) as npz:
+    experts, nfe = npz["routed_experts"], result["nfe"]
+    assert experts.shape == (nfe, 3, 12, 2) and (experts[:, 0] == -1).all() and (experts[:, 1:] >= 0).any()
+  bad = run_cli(tmp_path, directory, "--prompt_ids=5,6", "--sampler=llada", expect_ok=False)
+  assert bad.returncode == 1 and "does not fit a block-causal model; use block_diffusion" in bad.stderr
+  bad = run_cli(tmp_path, directory, "--prompt_ids=5,6", "--decoding=dual_cache", expect_ok=False)
+  assert bad.returncode == 1 and "always decodes with its exact KV cache" in bad.stderr

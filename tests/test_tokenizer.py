@@ -143,3 +143,9 @@ def test_left_pad():
   ids, mask = left_pad([[5, 6, 7], [8]], pad_id=1)
   np.testing.assert_array_equal(ids, [[5, 6, 7], [1, 1, 8]])
   np.testing.assert_array_equal(mask, [[1, 1, 1], [0, 0, 1]])
+
+
+def test_ling_template():
+  messages = [{"role": "system", "content": "detailed thinking off"}, {"role": "user", "content": "2+2?"}]
+  assert chat_text(messages, "ling") == ("<role>SYSTEM</role>detailed thinking off<|role_end|>"
+                                         "<role>HUMAN</role>2+2?<|role_end|><role>ASSISTANT</role>")
