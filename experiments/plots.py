@@ -246,3 +246,22 @@ def decoding_mode_panels(ks: Sequence[int], masking: Mapping[str, tuple[np.ndarr
   fig.suptitle(title, fontsize=11)
   fig.tight_layout()
   return fig
+
+
+def expert_share_panels(layer_names: Sequence[str], sink_shares: np.ndarray, other_shares: np.ndarray,
+                        title: str) -> plt.Figure:
+  """One bar panel per layer: each expert's share of the sink tokens' routing slots next to its share of
+  the other tokens' (sink_shares, other_shares: [layers, E])."""
+  n = max(len(layer_names), 1)
+  fig, axes = plt.subplots(n, 1, figsize=(max(6.0, 0.35 * sink_shares.shape[-1] + 2), 1.8 * n + 0.8), squeeze=False)
+  experts = np.arange(sink_shares.shape[-1])
+  for ax, name, sink, other in zip(axes[:, 0], layer_names, sink_shares, other_shares):
+    ax.bar(experts - 0.2, sink, width=0.4, label="sink tokens", color="tab:red")
+    ax.bar(experts + 0.2, other, width=0.4, label="other tokens", color="tab:gray")
+    ax.set_ylabel(name)
+    ax.set_xticks(experts)
+  axes[-1, 0].set_xlabel("expert")
+  axes[0, 0].legend(fontsize=8)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  return fig

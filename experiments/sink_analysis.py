@@ -37,8 +37,16 @@ Outputs in --output_dir (default results/sink_analysis):
   <model>/fig6a_query_groups.png      DLMs: sinks of masked vs unmasked queries (last selected layer)
   <model>/prefill_incoming.png        ARMs: incoming attention over the prompt at the prefill, per layer
   fig3_score_histogram.png, fig10_nonsink_fraction.png   all models
+  <model>/fig_routing_sinks.png   mixture-of-experts models: each expert's share of the routing slots of
+                               the sink tokens and of the other tokens, per recorded MoE layer
   summary.json, summary.md     Table 2 (most frequent sink tokens), moving-sink measures, first-token
-                               sink, separate sinks, non-sink fraction at ε — against the paper's numbers
+                               sink, separate sinks, non-sink fraction at ε — against the paper's numbers;
+                               for MoE models the routing of sinks (below)
+
+Routing of sinks (mixture-of-experts models): the router's choice is recorded at every step
+(`StatsSpec.routing`); a token counts as a sink at a step and layer when it is one in at least one head.
+Per layer the report gives the Jensen–Shannon divergence (bits) between the expert distribution of the
+sinks' routing slots and that of the other tokens, and the experts sinks go to most.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ import warnings
 import numpy as np
 from absl import flags, logging
 
-from dlm_jax import distributed, sinks
+from dlm_jax import distributed, routing, sinks
 from dlm_jax.stats import StatsSpec
 from experiments import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
                          item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags,
@@ -135,7 +143,8 @@ class Settings:
 
 def _stats_spec(settings: Settings, model: checkpoints.Model) -> StatsSpec:
   grouped = model.diffusion and settings.split_queries
-  return StatsSpec(incoming_attention=True, per_head=True, layers=settings.layers, query_groups=3 if grouped else 0)
+  return StatsSpec(incoming_attention=True, per_head=True, layers=settings.layers, query_groups=3 if grouped else 0,
+                   routing=model.config.is_moe)
 
 
 def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, batch: prompts.Prompts, host, row: int,
@@ -201,6 +210,13 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
       "whole_canvas_steps": int((whole & active).sum()),
       "modal_largest_sink_whole_canvas": [_modal_position(largest[active & whole][:, l]) for l in range(len(layers))],
   }
+  if "experts" in host:  # mixture of experts: the experts chosen for the sink tokens and for the others
+    experts = np.asarray(host["experts"][decoded, :, row])  # [steps, L', S, k]
+    is_sink = sink_mask.any(axis=2)  # [steps, L', S]: a sink in at least one head
+    real = np.broadcast_to(valid[:, None, :], is_sink.shape)
+    n_experts = model.config.n_experts
+    record["routing"] = {"sink_counts": routing.expert_counts(experts, is_sink & real, n_experts),
+                         "nonsink_counts": routing.expert_counts(experts, ~is_sink & real, n_experts)}
   if item.kind != "humaneval":
     record["correct"] = scoring.score(item, record["completion"], model.prompt_format == "chat")["correct"]
   arrays = {"layer_scores": scores.mean(2), "largest": largest, "tokens": tokens, "decode_step": decode_step,
@@ -241,7 +257,8 @@ def run_model(settings: Settings, model: checkpoints.Model, runtime: devices.Run
                               stats_spec=spec)
     host = distributed.to_host({"tokens": trace.tokens, "decode_step": trace.decode_step, "nfe": trace.nfe,
                                 "active_rows": trace.active_rows, "queries": trace.computed_queries,
-                                "incoming": trace.stats["incoming_attention"]})
+                                "incoming": trace.stats["incoming_attention"],
+                                **({"experts": trace.stats["routed_experts"]} if config.is_moe else {})})
     for row, item in enumerate(batch.items):
       if done(item):
         continue

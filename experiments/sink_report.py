@@ -10,6 +10,7 @@ import warnings
 
 import numpy as np
 
+from dlm_jax import routing
 from experiments import atomic_files, plots
 from experiments.decoding_modes import MODES
 
@@ -57,12 +58,27 @@ def aggregate(records: list[dict], epsilon_grid: np.ndarray, epsilon: float) -> 
       "largest_at_first_token": float(np.mean([r["largest_at_first_token"] for r in records])),
       "largest_in_prompt": float(np.mean([r["largest_in_prompt"] for r in records])),
   }
+  if records and all("routing" in r for r in records):
+    agg["routing"] = _routing_aggregate(records)
   if all("separate_sinks" in r for r in records):
     agg["separate_sinks_per_layer"] = _nanmean([r["separate_sinks"] for r in records])
   index = np.argmin(np.abs(epsilon_grid - epsilon))
   agg["nonsink_fraction_at_epsilon"] = float(nonsink[index]) if abs(epsilon_grid[index] - epsilon) < 1e-9 else \
       1.0 - agg["sink_fraction"]
   return agg
+
+
+def _routing_aggregate(records: list[dict]) -> dict:
+  """Expert shares of sink and non-sink routing slots per layer, their JS divergence and the top sink experts."""
+  sink = np.sum([r["routing"]["sink_counts"] for r in records], axis=0)  # [L', E]
+  other = np.sum([r["routing"]["nonsink_counts"] for r in records], axis=0)
+  sink_shares, other_shares = routing.shares(sink), routing.shares(other)
+  top = np.argsort(-sink_shares, axis=-1, kind="stable")[:, :2]
+  return {"sink_slots": sink.sum(-1), "nonsink_slots": other.sum(-1), "sink_shares": sink_shares,
+          "nonsink_shares": other_shares, "js_divergence": routing.js_divergence(sink_shares, other_shares),
+          "top_sink_experts": top,
+          "top_sink_expert_shares": np.take_along_axis(sink_shares, top, -1),
+          "top_sink_expert_nonsink_shares": np.take_along_axis(other_shares, top, -1)}
 
 
 def _track_heads(grid: np.ndarray, layers: list[int], requested: list[str]) -> list[tuple[int, int]]:
@@ -90,6 +106,12 @@ def model_figures(out: str, meta: dict, agg: dict, track_heads: list[str], figur
 
   save(plots.layer_head_grid(agg["main_sink_grid"], f"{label}: main-sink score per (layer, head), mean over "
                              "steps and prompts (Fig. 5)"), "fig5_main_sink_grid.png")
+  if "routing" in agg:
+    moe = [i for i, n in enumerate(agg["routing"]["sink_slots"] + agg["routing"]["nonsink_slots"]) if n]
+    save(plots.expert_share_panels([f"layer {layers[i]}" for i in moe], agg["routing"]["sink_shares"][moe],
+                                   agg["routing"]["nonsink_shares"][moe],
+                                   f"{label}: experts chosen for sink tokens and for the others"),
+         "fig_routing_sinks.png")
   npz_path = os.path.join(model_dir, f"item_{figure_item}.npz")
   if not os.path.exists(npz_path):
     return written
@@ -186,6 +208,23 @@ def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
       lines.append(f"| {layer} | " + " | ".join(_fmt(float(moving[k][i]), 2) for k in MOVING_KEYS)
                    + f" | {_fmt(float(agg['first_token_share_per_layer'][i]), 3)} | "
                    + (_fmt(float(separate[i]), 2) if separate is not None else "–") + " |")
+  routed = [m for m in metas if "routing" in aggs.get(m["label"], {})]
+  if routed:
+    lines += ["", "## Routing of sinks (mixture-of-experts models)", "",
+              "Per MoE layer: routing slots (k per token and step) of the sink tokens and of the others, the "
+              "Jensen–Shannon divergence (bits) between their expert distributions (0 = routed alike), and the "
+              "two experts sinks go to most, with their share among the sinks' slots and among the others'."]
+  for meta in routed:
+    r = aggs[meta["label"]]["routing"]
+    lines += ["", f"**{meta['label']}**", "", "| layer | sink slots | other slots | JS divergence | top sink experts "
+              "(share of sinks / of others) |", "|---|---|---|---|---|"]
+    for i, layer in enumerate(meta["layers"]):
+      if not r["sink_slots"][i] + r["nonsink_slots"][i]:
+        continue  # a dense layer
+      tops = ", ".join(f"{int(e)} ({a:.2f} / {b:.2f})" for e, a, b in zip(
+          r["top_sink_experts"][i], r["top_sink_expert_shares"][i], r["top_sink_expert_nonsink_shares"][i]))
+      lines.append(f"| {layer} | {int(r['sink_slots'][i])} | {int(r['nonsink_slots'][i])} | "
+                   f"{_fmt(float(r['js_divergence'][i]), 3)} | {tops} |")
   lines += ["", "## Against the paper", "",
             "- ε = 3 filters out at least 96% of tokens for all three DLMs (App. B, Fig. 10): compare the "
             "'non-sinks at ε' column and fig10_nonsink_fraction.png.",

@@ -121,3 +121,8 @@ def test_sink_analysis_on_a_block_diffusion_mixture_of_experts(tmp_path):
   model = json.loads((out / "summary.json").read_text())["models"][0]
   assert model["sampler"] == "block_diffusion" and model["settings"]["block_length"] == 4
   assert (out / "moe" / "fig5_main_sink_grid.png").stat().st_size > 0
+  assert (out / "moe" / "fig_routing_sinks.png").stat().st_size > 0
+  for r in records:  # layer 0 is dense: no routing slots; every MoE slot is a sink's or another token's
+    sink, other = np.asarray(r["routing"]["sink_counts"]), np.asarray(r["routing"]["nonsink_counts"])
+    assert sink[0].sum() == other[0].sum() == 0 and (sink[1] + other[1]).sum() > 0
+  assert "## Routing of sinks" in (out / "summary.md").read_text()

@@ -119,3 +119,25 @@ def test_block_diffusion_routing_covers_the_computed_block_only():
     assert (experts[step, 1:, :, inside] >= 0).all() and (experts[step, :, :, ~inside] == -1).all()
     assert (experts[step, 0] == -1).all()  # the dense layer
     assert (load[step, 1:].sum(-1) == (stop - start) * 2).all()
+
+
+def test_expert_counts_shares_and_js_divergence_against_loops():
+  from dlm_jax import routing  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  experts = rng.integers(-1, 5, size=(3, 2, 7, 2))
+  select = rng.random((3, 2, 7)) > 0.4
+  counts = routing.expert_counts(experts, select, 5)
+  want = np.zeros((2, 5), np.int64)
+  for t, l, s, j in np.ndindex(experts.shape):
+    if select[t, l, s] and experts[t, l, s, j] >= 0:
+      want[l, experts[t, l, s, j]] += 1
+  np.testing.assert_array_equal(counts, want)
+  p = routing.shares(counts)
+  np.testing.assert_allclose(p.sum(-1), 1.0)
+  assert np.allclose(routing.js_divergence(p, p), 0.0)
+  np.testing.assert_allclose(routing.js_divergence(np.array([1.0, 0.0]), np.array([0.0, 1.0])), 1.0)
+  q = np.array([0.5, 0.5])
+  r = np.array([0.9, 0.1])
+  m = (q + r) / 2
+  expected = 0.5 * np.sum(q * np.log2(q / m)) + 0.5 * np.sum(r * np.log2(r / m))
+  np.testing.assert_allclose(routing.js_divergence(q, r), expected)
