@@ -11,6 +11,7 @@ use the ChatML template recorded in the converted tokenizer_config.json, with it
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 
@@ -44,15 +45,18 @@ def cache_dir() -> str:
 
 def converted_dir() -> str:
   """The converted SmolLM2 directory, converting the package's GGUF on first use (atomic: a killed
-  conversion leaves nothing behind)."""
+  conversion leaves nothing behind; concurrent processes wait on a lock file and convert once)."""
   out = cache_dir()
   if os.path.isfile(os.path.join(out, "config.json")):
     return out
   from converters.gguf_import import convert_gguf  # pylint: disable=import-outside-toplevel
-  source = gguf_path()
-  logging.info("Converting %s to %s (once).", source, out)
   os.makedirs(os.path.dirname(out), exist_ok=True)
-  convert_gguf(source, out, dtype="float32", overwrite=True)
+  with open(out + ".lock", "w", encoding="utf-8") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not os.path.isfile(os.path.join(out, "config.json")):
+      source = gguf_path()
+      logging.info("Converting %s to %s (once).", source, out)
+      convert_gguf(source, out, dtype="float32", overwrite=True)
   return out
 
 
