@@ -12,7 +12,8 @@ Defaults are the official ones: LLaDA / MMaDA gen_length = steps = block_length 
 / top-k (Dream's generation config; its README uses max_new_tokens = steps = 512); ar gen_length 128,
 greedy; block_diffusion (block-causal models: LLaDA2.x) gen_length 2048, steps 32 per block, blocks of the
 model's `attention_block_size`, τ 0.95, EOS stop, exact KV cache (LLaDA2's `generate`, whose answer — the
-first gen_length tokens up to the first EOS — is "text"). The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A
+first gen_length tokens up to the first EOS — is "text"); --editing_threshold=0.9 adds LLaDA2.1's token
+editing (--max_post_steps 16). The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A
 sampler knob given for a sampler that does not have it is ignored with a warning.
 
 --decoding (LLaDA / MMaDA; `experiments.decoding_modes`): exact (default), Fast-dLLM's confidence-threshold
@@ -92,6 +93,10 @@ _EPS = flags.DEFINE_float("eps", 1e-3, "Dream's last timestep, in (0, 1).")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Output JSON file.", required=True)
 _STATS_OUT = flags.DEFINE_string("stats_out", None, "Optional .npz with per-step incoming attention.")
+_EDITING_THRESHOLD = flags.DEFINE_float("editing_threshold", None, "block_diffusion: LLaDA2.1's token editing "
+                                        "threshold τ_edit in [0, 1] (LLaDA2.1's default 0.9; unset = LLaDA2.0).")
+_MAX_POST_STEPS = flags.DEFINE_integer("max_post_steps", 16, "block_diffusion with --editing_threshold: calls on a "
+                                       "mask-free block while it is still being edited.")
 _MASK_SINKS = flags.DEFINE_integer("mask_sinks", 0, "Mask the previous step's top-K sinks (0 = off).")
 
 DEFAULTS = {"llada": dict(gen_length=128, steps=128, block_length=128),
@@ -102,7 +107,7 @@ DEFAULTS = {"llada": dict(gen_length=128, steps=128, block_length=128),
 KNOBS = {"llada": {"steps", "block_length", "remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf"},
          "mmada": {"steps", "block_length", "remasking", "cfg_scale", "stop_at_eot"},
          "dream": {"steps", "block_length", "alg", "alg_temp", "top_p", "top_k", "eps"}, "ar": {"top_p", "top_k"},
-         "block_diffusion": {"steps", "block_length", "top_p", "top_k"}}
+         "block_diffusion": {"steps", "block_length", "top_p", "top_k", "editing_threshold", "max_post_steps"}}
 """The sampler-specific flags each sampler takes."""
 
 
@@ -130,6 +135,8 @@ class Settings:
   seed: int
   mask_sinks: int
   end_of_turn_id: int | None
+  editing_threshold: float | None
+  max_post_steps: int
   numerics: Numerics
   decoding: DecodingMode = DecodingMode()
 
@@ -168,6 +175,7 @@ class Settings:
       return block_diffusion.BlockDiffusionOptions(
           gen_length=self.gen_length, block_length=self.block_length or config.attention_block_size,
           steps=self.steps, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+          editing_threshold=self.editing_threshold, max_post_steps=self.max_post_steps,
           **self.decoding.option_fields("block_diffusion"))
     if self.sampler in ("llada", "mmada"):
       values = dict(gen_length=self.gen_length, steps=self.steps, block_length=self.block_length,
@@ -284,7 +292,8 @@ def main(argv):
       logits_eos_inf=_LOGITS_EOS_INF.value, confidence_eos_eot_inf=_CONF_EOS_EOT_INF.value,
       stop_at_eot=_STOP_AT_EOT.value, alg=_ALG.value, alg_temp=_ALG_TEMP.value, top_p=_TOP_P.value,
       top_k=_TOP_K.value, eps=_EPS.value, seed=_SEED.value, mask_sinks=_MASK_SINKS.value,
-      end_of_turn_id=end_of_turn, numerics=numerics_flags.from_flags(runtime_settings),
+      end_of_turn_id=end_of_turn, editing_threshold=_EDITING_THRESHOLD.value, max_post_steps=_MAX_POST_STEPS.value,
+      numerics=numerics_flags.from_flags(runtime_settings),
       decoding=mode if sampler != "ar" else DecodingMode())
   try:
     settings.options(config)

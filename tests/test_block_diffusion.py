@@ -132,9 +132,12 @@ def reference_decide(logits, candidates, transfer, threshold, quota, margins):
 
 
 def reference_generate(prompt, *, transfer="llada2", threshold=0.95, steps=BLOCK, cache=True, eos=None,
-                       margins=None, sink_front=False):
+                       margins=None, sink_front=False, editing=None, max_post=16, edit_log=None):
   """Block diffusion of one row at temperature 0 (§6): (tokens [T], decode_step [T − Lp], calls), calls being
-  one (computed range, per-layer probabilities, decoded) per model call in order."""
+  one (computed range, per-layer probabilities, decoded) per model call in order. editing: LLaDA2.1's τ_edit
+  (None = LLaDA2.0): at each call the block's decoded non-prompt tokens whose argmax differs with p > τ_edit
+  are replaced; a mask-free block is called again while its last call edited, at most max_post times.
+  edit_log collects (call index, position) of every edit."""
   margins = [] if margins is None else margins
   lp = len(prompt)
   total = -(-(lp + GEN) // BLOCK) * BLOCK
@@ -142,7 +145,7 @@ def reference_generate(prompt, *, transfer="llada2", threshold=0.95, steps=BLOCK
   decode_step = np.full(total - lp, -1)
   n = min(steps, GEN)
   quotas = [BLOCK // n + (1 if j < BLOCK % n else 0) for j in range(n)]
-  bound = n if transfer == "llada2" else BLOCK
+  bound = (n + (max_post if editing is not None else 0)) if transfer == "llada2" else BLOCK
   first, n_blocks = lp // BLOCK, total // BLOCK
   calls, kv = [], None
 
@@ -157,12 +160,25 @@ def reference_generate(prompt, *, transfer="llada2", threshold=0.95, steps=BLOCK
     call(0, first * BLOCK, True, False)  # prefill: the complete prompt blocks
   for k in range(first, n_blocks):
     s, e = k * BLOCK, (k + 1) * BLOCK
+    post, edited = 0, False
     for j in range(bound):
       candidates = x[s:e] == MASK
-      if not candidates.any():
+      if not candidates.any() and not (editing is not None and edited and post < max_post):
         break
       logits = call(s, e, False, True) if cache else call(0, e, False, True)[s:]  # SDAR's store_kv=False
       x0, chosen = reference_decide(logits, candidates, transfer, threshold, quotas[min(j, n - 1)], margins)
+      edits = []
+      if editing is not None:
+        conf = _softmax(logits)[np.arange(BLOCK), x0]
+        decoded = [i for i in range(BLOCK) if not candidates[i] and s + i >= lp]
+        margins.extend(np.abs(conf[decoded] - editing))
+        edits = [i for i in decoded if x0[i] != x[s + i] and conf[i] > editing]
+        post += int(not candidates.any())
+        edited = bool(edits)
+      for i in edits:
+        x[s + i] = x0[i]
+        if edit_log is not None:
+          edit_log.append((len(calls) - 1, s + i))
       for i in chosen:
         x[s + i] = x0[i]
         decode_step[s + i - lp] = len(calls) - 1
@@ -404,3 +420,20 @@ def test_an_end_sink_token_is_refused():
 def test_bad_options_are_refused(values, message):
   with pytest.raises(ValueError, match=message):
     bd.BlockDiffusionOptions(**values)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_llada21_token_editing_identical_to_the_reference(cache):
+  """LLaDA2.1's editing (τ_edit, post steps): tokens, decode steps and nfe equal the reference's, for two
+  prompts; edits happen, some of them in post steps on a mask-free block."""
+  margins, edits = [], []
+  case = dict(threshold=0.9, editing=0.3, max_post=3)
+  for prompt in prompts(2, seed=5):
+    tokens, decode_step, calls = reference_generate(prompt, cache=cache, margins=margins, edit_log=edits, **case)
+    options = _options(dict(threshold=0.9), cache=cache, editing_threshold=0.3, max_post_steps=3)
+    trace = _run(prompt[None], options)
+    np.testing.assert_array_equal(np.asarray(trace.tokens)[0], tokens)
+    np.testing.assert_array_equal(np.asarray(trace.decode_step)[0], decode_step)
+    assert int(trace.nfe) == len(calls)
+  assert edits, "no token was edited: the case does not test editing"
+  assert min(margins) > 1e-5, "a decision of the reference is within rounding of flipping: change the case"

@@ -181,6 +181,12 @@ def test_block_causal_moe_model_decodes_with_block_diffusion_and_reports_routing
   with np.load(stats) as npz:
     experts, nfe = npz["routed_experts"], result["nfe"]
     assert experts.shape == (nfe, 3, 12, 2) and (experts[:, 0] == -1).all() and (experts[:, 1:] >= 0).any()
+  edited = run_cli(tmp_path, directory, "--prompt_ids=5,6,7,8,9,10", "--gen_length=6", "--steps=4",
+                   "--editing_threshold=0.2", "--max_post_steps=2")
+  options = bd.BlockDiffusionOptions(gen_length=6, block_length=4, steps=4, editing_threshold=0.2, max_post_steps=2)
+  trace = bd.generate(params, jnp.asarray([[5, 6, 7, 8, 9, 10]]), config=config, options=options)
+  assert edited["tokens"] == np.asarray(trace.tokens)[0].tolist() and edited["nfe"] == int(trace.nfe)
+  assert edited["settings"]["editing_threshold"] == 0.2
   bad = run_cli(tmp_path, directory, "--prompt_ids=5,6", "--sampler=llada", expect_ok=False)
   assert bad.returncode == 1 and "does not fit a block-causal model; use block_diffusion" in bad.stderr
   bad = run_cli(tmp_path, directory, "--prompt_ids=5,6", "--decoding=dual_cache", expect_ok=False)

@@ -47,6 +47,15 @@ the softmax of the logits; otherwise the logits are divided by the temperature, 
 go to the lowest index. A block whose most confident proposal is the mask id itself can stay partly masked
 after its last step; it is committed as it is.
 
+Token editing (LLaDA2.1, `editing_threshold` τ_edit; decoding_modes.md §6): at each call of block [s, e) the
+set Δ of the block's positions that are neither masks nor prompt, whose proposal differs from their token
+and has p > τ_edit, takes its proposals together with the masks the "llada2" rule commits (Γ; with
+LLaDA2.1's num_to_transfer = 1 that is `steps` = L). Once the block holds no mask, a row keeps calling it
+while its previous call edited, at most `max_post_steps` calls made on the mask-free block; then it is done
+(and committed with the cache). Edits do not change `decode_step` (the step a position was unmasked).
+Multi-block editing (revisiting earlier blocks, LLaDA2.1's MBE) is not in the reference samplers and is not
+implemented; LLaDA2.1's S / Q mode thresholds are unverified (set them yourself).
+
 EOS (`eos_stop`, LLaDA2.0's behaviour): after each block, a row whose generated part holds the EOS id stops
 (it waits; its later blocks stay masks, decode_step −1), and the run ends when every row has stopped.
 `answers` gives LLaDA2's return value: the first G generated tokens up to and including the first EOS.
@@ -113,6 +122,12 @@ class BlockDiffusionOptions:
     temperature: 0 = argmax; > 0 samples.
     top_k, top_p: filters when sampling (None = off).
     cache: True = the exact KV cache (prefill, block steps, commits); False = every step recomputes [0, e).
+    editing_threshold: None (LLaDA2.0) or τ_edit of LLaDA2.1's token editing ("llada2" only): at every call
+      a decoded, non-prompt position of the block whose proposal differs from its token with p > τ_edit
+      (strict) takes the proposal, next to the masks the rule commits; a block whose masks are all decoded
+      takes further calls (post steps) while the previous call edited, at most `max_post_steps` of them
+      (module docstring). LLaDA2.1's default is 0.9 (decoding_modes.md §6).
+    max_post_steps: calls on a mask-free block with editing (LLaDA2.1: 16).
     eos_stop: stop a row after the block in which its generated part first holds the EOS id.
     mask_token_id, eos_token_id: override the config's ids.
   """
@@ -126,6 +141,8 @@ class BlockDiffusionOptions:
   top_k: int | None = None
   top_p: float | None = None
   cache: bool = True
+  editing_threshold: float | None = None
+  max_post_steps: int = 16
   eos_stop: bool = True
   mask_token_id: int | None = None
   eos_token_id: int | None = None
@@ -146,6 +163,13 @@ class BlockDiffusionOptions:
       raise ValueError(f"top_k must be None or a positive integer, got {self.top_k!r}.")
     if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p!r}.")
+    if self.editing_threshold is not None:
+      if not 0.0 <= self.editing_threshold <= 1.0:
+        raise ValueError(f"editing_threshold must be None or in [0, 1] (a probability), got {self.editing_threshold!r}.")
+      if self.transfer != "llada2":
+        raise ValueError("editing_threshold (LLaDA2.1's token editing) goes with transfer='llada2'.")
+    if isinstance(self.max_post_steps, bool) or not isinstance(self.max_post_steps, int) or self.max_post_steps < 0:
+      raise ValueError(f"max_post_steps must be an integer >= 0, got {self.max_post_steps!r}.")
     if not isinstance(self.cache, bool) or not isinstance(self.eos_stop, bool):
       raise ValueError(f"cache and eos_stop must be bools, got {self.cache!r} and {self.eos_stop!r}.")
 
@@ -156,8 +180,10 @@ class BlockDiffusionOptions:
 
   @property
   def step_bound(self) -> int:
-    """Decoding steps a block may take: n ("llada2") or L ("fast_dllm")."""
-    return self.steps_per_block if self.transfer == "llada2" else self.block_length
+    """Decoding steps a block may take: n ("llada2"; n + max_post_steps with editing) or L ("fast_dllm")."""
+    if self.transfer != "llada2":
+      return self.block_length
+    return self.steps_per_block + (self.max_post_steps if self.editing_threshold is not None else 0)
 
   @property
   def quotas(self) -> tuple[int, ...]:
@@ -171,8 +197,9 @@ class BlockDiffusionCarry:
   """tokens [B, T]; key; decode_step [B, T − Lp]; block: scalar int32, the block being decoded (the first
   decoded block before any call; with the cache a step moves it on once the block is done, without it each
   step sets it to its phase's block); block_step: calls made in that block; committed: blocks whose keys and
-  values the cache holds (the cache is exact on [0, committed·L)); cache: the `KVCache` of T positions
-  (cache=True) or None."""
+  values the cache holds (the cache is exact on [0, committed·L)); edited [B] bool: the row's previous call
+  of the block edited a token, post_steps [B] int32: its calls on the block once mask-free (both for
+  editing; reset with the block); cache: the `KVCache` of T positions (cache=True) or None."""
 
   tokens: jax.Array
   key: jax.Array
@@ -180,6 +207,8 @@ class BlockDiffusionCarry:
   block: jax.Array
   block_step: jax.Array
   committed: jax.Array
+  edited: jax.Array
+  post_steps: jax.Array
   cache: KVCache | None = None
 
 
@@ -250,7 +279,8 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
       cache = KVCache.zeros(run.config, b, run.total_length, params["embed"]["embedding"].dtype)
     zero = jnp.zeros((), jnp.int32)
     return BlockDiffusionCarry(tokens=canvas, key=key, decode_step=jnp.full((b, self.canvas_gen), -1, jnp.int32),
-                               block=zero + self._blocks(run)[0], block_step=zero, committed=zero, cache=cache)
+                               block=zero + self._blocks(run)[0], block_step=zero, committed=zero,
+                               edited=jnp.zeros((b,), bool), post_steps=jnp.zeros((b,), jnp.int32), cache=cache)
 
   def _stopped(self, run, tokens: jax.Array, end: int) -> jax.Array:
     """[B] bool: the row's generated positions before `end` hold the EOS id (with eos_stop)."""
@@ -267,11 +297,16 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
 
   def _progress(self, run, carry: BlockDiffusionCarry, k) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(block_step, decoding [B]: the rows that decode at the next call of block k, commit: scalar bool, the
-    next call is block k's commit). k: static int or traced scalar."""
+    next call is block k's commit). k: static int or traced scalar. With editing a mask-free block goes on
+    while its previous call edited, for at most max_post_steps calls."""
     o = self.options
     s, e = k * o.block_length, (k + 1) * o.block_length
-    block_step = jnp.where(carry.block == k, carry.block_step, 0)
+    same = carry.block == k
+    block_step = jnp.where(same, carry.block_step, 0)
     masked = jnp.any(_rows(carry.tokens, s, o.block_length) == self.mask_id, axis=1)
+    if o.editing_threshold is not None:
+      post = jnp.where(same, carry.post_steps, 0)
+      masked = masked | (same & carry.edited & (post < o.max_post_steps))
     decoding = masked & ~self._stopped(run, carry.tokens, s) & (block_step < o.step_bound)
     commit = jnp.zeros((), bool)
     if o.cache:
@@ -347,6 +382,16 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
     block_tokens = _rows(x, s, length)
     candidates = (block_tokens == self.mask_id) & decoding[:, None]
     chosen = self._transfer(confidence, candidates, block_step)
+    edited, post_steps = carry.edited, carry.post_steps
+    if o.editing_threshold is not None:
+      position = s + jnp.arange(length)
+      edits = ((block_tokens != self.mask_id) & (position >= lp)[None, :] & (x0 != block_tokens)
+               & (confidence > o.editing_threshold) & decoding[:, None])
+      same = carry.block == k
+      mask_free = ~jnp.any(block_tokens == self.mask_id, axis=1)
+      post_steps = (jnp.where(same, post_steps, 0) + (decoding & mask_free)).astype(jnp.int32)
+      edited = jnp.where(decoding, jnp.any(edits, axis=1), same & edited)
+      chosen = chosen | edits
     new_x = jax.lax.dynamic_update_slice_in_dim(x, jnp.where(chosen, x0, block_tokens), s, axis=1)
     decode_step = update_decode_step(carry.decode_step, x[:, lp:], new_x[:, lp:], self.mask_id, i)
     key = keys.keep_rows(decoding if run.row_keys else jnp.any(decoding), key, carry.key)
@@ -354,7 +399,7 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
     if o.cache:
       committed = jnp.where(jnp.any(decoding), committed, k + 1)
     carry = carry.replace(tokens=new_x, key=key, decode_step=decode_step, block=jnp.asarray(k, jnp.int32),
-                          block_step=block_step + 1, committed=committed,
+                          block_step=block_step + 1, committed=committed, edited=edited, post_steps=post_steps,
                           cache=result.cache if o.cache else None)
     if phase.arg is None:
       carry = self._advance(run, carry, k)
@@ -368,7 +413,8 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
     decodes block k any more, its commit is done and it is not the last block; else unchanged."""
     _, decoding, commit = self._progress(run, carry, k)
     over = ~jnp.any(decoding) & ~commit & (k < self._blocks(run)[1])
-    return carry.replace(block=k + over.astype(jnp.int32), block_step=jnp.where(over, 0, carry.block_step))
+    return carry.replace(block=k + over.astype(jnp.int32), block_step=jnp.where(over, 0, carry.block_step),
+                         edited=carry.edited & ~over, post_steps=jnp.where(over, 0, carry.post_steps))
 
 
 def _rows(array: jax.Array, start, length: int) -> jax.Array:
