@@ -29,6 +29,10 @@ class Piece:
 
   layer: index on the stacked leading [L] axis of `target`, or None when `target` is not stacked.
   transpose: the source is a torch Linear weight [out, in] and the target a kernel [in, out].
+  split: (start, stop) — only rows start..stop-1 of the source's second-to-last axis are taken (one half of
+    a fused expert `gate_up_proj` [E, 2F, D]); None takes all.
+  swap_last: the last two axes of the (split) source are swapped (stacked expert weights [E, out, in] ->
+    kernels [E, in, out]). Pieces with `split` or `swap_last` are read whole, not streamed by rows.
   """
 
   target: str
@@ -36,6 +40,27 @@ class Piece:
   shape: tuple[int, ...]
   layer: int | None = None
   transpose: bool = False
+  split: tuple[int, int] | None = None
+  swap_last: bool = False
+
+  @property
+  def output_shape(self) -> tuple[int, ...]:
+    """The shape this piece fills in the target (one layer of a stacked target)."""
+    shape = list(self.shape)
+    if self.split is not None:
+      shape[-2] = self.split[1] - self.split[0]
+    if self.swap_last:
+      shape[-2], shape[-1] = shape[-1], shape[-2]
+    return tuple(reversed(shape)) if self.transpose else tuple(shape)
+
+  @property
+  def whole(self) -> bool:
+    """True when the piece is read as one array (split or swapped expert tensors)."""
+    return self.split is not None or self.swap_last
+
+
+STACKED_PREFIXES = ("blocks.", "dense_blocks.", "global_blocks.")
+"""Targets under these prefixes have a leading layer axis and are filled one layer per piece."""
 
 
 def check_plan(pieces: Sequence[Piece], found: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str] | None,
@@ -71,11 +96,11 @@ def check_coverage(pieces: Iterable[Piece], expected: Mapping[str, tuple[int, ..
   layers: dict[str, list[int | None]] = {}
   for p in pieces:
     shape = expected[p.target][1:] if p.layer is not None else expected[p.target]
-    if tuple(reversed(p.shape) if p.transpose else p.shape) != tuple(shape):
+    if p.output_shape != tuple(shape):
       raise AssertionError(f"plan: {p.source} {p.shape} cannot fill {p.target} {expected[p.target]}")
     layers.setdefault(p.target, []).append(p.layer)
   for name, shape in expected.items():
-    want = [None] if not name.startswith("blocks.") else list(range(shape[0]))
+    want = list(range(shape[0])) if name.startswith(STACKED_PREFIXES) else [None]
     if sorted(layers.get(name, []), key=lambda x: -1 if x is None else x) != want:
       raise AssertionError(f"plan: output tensor {name} is not covered exactly once")
 
@@ -100,6 +125,16 @@ def stream_pieces(pieces: Sequence[Piece], read_rows: Callable[[str, int, int], 
   for k, (target, group) in enumerate(targets.items()):
     start = time.perf_counter()
     for p in group:
+      if p.whole:
+        block = read_rows(p.source, 0, p.shape[0])
+        if p.split is not None:
+          block = block[..., p.split[0]:p.split[1], :]
+        if p.swap_last:
+          block = np.swapaxes(block, -1, -2)
+        block = np.ascontiguousarray(block.astype(out_dtype, copy=False))
+        writer.write(target, block if p.layer is None else block[None], () if p.layer is None else (p.layer,))
+        del block
+        continue
       rows = p.shape[0]
       step = max(1, chunk_bytes // max(1, row_bytes(p.source)))
       prefix = () if p.layer is None else (p.layer,)

@@ -428,7 +428,7 @@ def _diffusion_gemma(name: str, **dims: Any) -> ModelConfig:
       name=name, norm_eps=1e-6, rope_theta=10000.0, qk_norm=True, tied_embeddings=True, causal=True,
       logit_shift=0, global_rope_theta=1_000_000.0, global_rope_fraction=0.25, global_k_eq_v=True,
       attention_scale=1.0, v_norm=True, mlp_activation="gelu_tanh", sandwich_norms=True, moe_with_dense_mlp=True,
-      router="gemma", router_renormalize=True, router_fp32=True, layer_scalar=True, embed_scale=True,
+      router="gemma", router_renormalize=True, router_fp32=False, layer_scalar=True, embed_scale=True,
       final_logit_softcap=30.0, self_conditioning=True, pad_token_id=0, eos_token_id=1, bos_token_id=2)
   values.update(dims)
   return ModelConfig(**values)
