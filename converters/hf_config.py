@@ -1,7 +1,8 @@
 """Each family's own config.json -> our `ModelConfig` (reference/models.md §2.2, §3.2, §4.2, §5).
 
 LLaDA and MMaDA use OLMo-style fields (`d_model`, `n_layers`, `mlp_hidden_size`, `weight_tying`, ...);
-Dream, Llama and Qwen2 use Hugging Face fields (`hidden_size`, `num_hidden_layers`, ...). Switches our
+Dream, Llama and Qwen2 use Hugging Face fields (`hidden_size`, `num_hidden_layers`, ...); DiffusionGemma
+keeps them in `text_config` (with `layer_types`, `per_layer_config`, per-type `rope_parameters`). Switches our
 model does not implement (OLMo's fused `sequential` block, biases outside q/k/v, RoPE scaling, sliding
 windows, ...) are refused with an error that names the field, rather than converted silently.
 """

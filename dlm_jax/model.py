@@ -11,7 +11,13 @@ so compile time does not grow with depth. A dense model has one stack `blocks` [
 `blocks` [L − k] for its MoE layers and, when k = `first_k_dense` > 0, a second stack `dense_blocks` [k]
 for the leading dense layers; the two are scanned one after the other (dense first), and everything that
 is per layer outside the parameters (KV cache, per-layer biases, statistics) keeps one [L] axis in
-absolute layer order. Public functions take the params as a pure nested dict
+absolute layer order. A `layer_pattern` model (Gemma 4 / DiffusionGemma) stores its sliding layers in
+`blocks` [L_s] and its global layers in `global_blocks` [L_g] and runs one scan per maximal run of one
+kind, in absolute order (BUILD.md decision 16); its blocks add the Gemma sandwich norms
+(`post_attn_norm`, `post_ffn_norm`), the dense GeGLU `mlp` with `post_mlp_norm` in parallel with the
+`moe` (`moe_norm`, `post_moe_norm`; router `moe.router.{kernel, scale, per_expert_scale}`) and
+`layer_scalar` [1]; global layers without a v projection when `global_k_eq_v`; and the model has
+`self_conditioning.{pre_norm.weight, mlp.*}`. Public functions take the params as a pure nested dict
 (`init_params`, `forward`); the NNX modules are rebuilt from it inside the traced function.
 
 Parameter tree: `PARAM_AXES` below lists every tensor by flat name (the names joined with "." are the

@@ -225,3 +225,9 @@ def test_decoder_needs_a_cache_and_self_conditioning_needs_the_decoder():
     model.forward(params, tokens, config=config, self_conditioning_logits=jnp.zeros((1, 3, config.vocab_size)))
   with pytest.raises(ValueError, match="value_norms"):
     model.forward(params, tokens, config=config, stats_spec=StatsSpec(value_norms=True))
+
+
+def test_every_parameter_has_logical_axes():
+  flat = model.flatten_params(model.abstract_params(preset("tiny-diffusiongemma")))
+  for name, leaf in flat.items():
+    assert len(model.PARAM_AXES[name]) == leaf.ndim, name

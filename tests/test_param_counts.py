@@ -95,3 +95,4 @@ def test_diffusiongemma_preset_counts_the_text_stack():
   assert shapes["blocks"]["moe"]["experts"]["gate"]["kernel"] == (25, 128, 2816, 704)
   assert shapes["self_conditioning"]["mlp"]["gate"]["kernel"] == (2816, 2112)
   assert "lm_head" not in shapes
+  assert model.active_param_count(config) == 3_102_178_078  # + the embedding matrix: 3.84B, "A4B"
