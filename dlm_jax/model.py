@@ -552,13 +552,15 @@ class Transformer(nnx.Module):
         stats["value_norms"] = jnp.linalg.norm(values.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
       return h, (keys, values), stats
 
+    emit_cache = cache is not None and not decoder  # a decoder call reads the cache and returns none
+
     def layer(kind, block_graph, carry, xs):
       h, buffers = carry
       state, layer_biases, kv_cache, slot = xs
       block = nnx.merge(block_graph, state)
       if slots is None:
         h, kv, stats = run_block(kind, block, h, kv_cache, layer_biases, wanted)
-        return (h, buffers), {**stats, **({} if kv_cache is None else {"cache": kv})}
+        return (h, buffers), {**stats, **({"cache": kv} if emit_cache else {})}
 
       def with_stats(h, buffers):
         h, kv, stats = run_block(kind, block, h, kv_cache, layer_biases, True)
@@ -570,7 +572,7 @@ class Transformer(nnx.Module):
         return h, kv, buffers
 
       h, kv, buffers = jax.lax.cond(slot >= 0, with_stats, without_stats, h, buffers)
-      return (h, buffers), ({} if kv_cache is None else {"cache": kv})
+      return (h, buffers), ({"cache": kv} if emit_cache else {})
 
     buffers = {}
     if slots is not None:
@@ -593,11 +595,10 @@ class Transformer(nnx.Module):
         stack_ys.append(ys)
       x, buffers = carry
       ys = stack_ys[0] if len(stack_ys) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *stack_ys)
-      new_cache = None if cache is None else KVCache(*ys.pop("cache"))
+      new_cache = KVCache(*ys.pop("cache")) if emit_cache else None
     else:
-      (x, buffers), ys, new_cache = self._run_pattern(layer, (x, buffers), per_layer, kind_cache, layer_slots)
-    if decoder:
-      new_cache = None
+      (x, buffers), ys, new_cache = self._run_pattern(layer, (x, buffers), per_layer, kind_cache, layer_slots,
+                                                      emit_cache)
     stats = buffers if slots is not None else ys
     if logits_window is not None:
       start, stop = logits_window
@@ -611,7 +612,7 @@ class Transformer(nnx.Module):
     return ForwardOutput(logits=logits, incoming_attention=stats.get("incoming_attention"),
                          value_norms=stats.get("value_norms"), cache=new_cache, hidden=hidden)
 
-  def _run_pattern(self, layer, carry, per_layer, kind_cache, layer_slots):
+  def _run_pattern(self, layer, carry, per_layer, kind_cache, layer_slots, emit_cache):
     """The layers of a `layer_pattern` model in absolute order: one `lax.scan` per run of consecutive layers
     of one kind (`_layer_runs`), over the matching slice of `blocks` ("s") or `global_blocks` ("g").
 
@@ -633,7 +634,7 @@ class Transformer(nnx.Module):
       stats_ys.append(ys)
     ys = jax.tree.map(lambda *a: jnp.concatenate(a), *stats_ys)
     new_cache = None
-    if kind_cache:
+    if emit_cache:
       joined = {kind: jax.tree.map(lambda *a: jnp.concatenate(a), *parts) for kind, parts in cache_ys.items()}
       new_cache = KVCache(*joined["s"], *joined["g"])
     return carry, ys, new_cache

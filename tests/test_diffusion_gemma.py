@@ -160,6 +160,9 @@ def test_decoder_incoming_attention_matches_the_reference_weights(converted):
     worst = max(worst, np.abs(incoming[layer, :, 0] - expected).max())
   print(f"decoder incoming attention max|diff|: {worst:.2e}")
   assert worst <= TOLERANCE
+  _, subset = _ours(config, params, prompt, canvas,
+                   stats=StatsSpec(incoming_attention=True, per_head=True, layers=(1, 2)))
+  np.testing.assert_allclose(np.asarray(subset.incoming_attention), incoming[1:3], atol=1e-5)
 
 
 def test_different_layer_scalar_copies_are_refused(converted, tmp_path):
