@@ -489,7 +489,8 @@ class Transformer(nnx.Module):
   def __call__(self, tokens, positions, *, bias: AttentionBias, query_weights, stats_spec: StatsSpec,
                logits_window, logits_offset, impl, query_chunk, cache: KVCache | None,
                cache_offset, return_hidden: bool, decoder: bool = False,
-               self_conditioning_logits: jax.Array | None = None) -> ForwardOutput:
+               self_conditioning_logits: jax.Array | None = None,
+               self_conditioning_mask: jax.Array | None = None) -> ForwardOutput:
     """See `forward`. Statistics are computed only in the layers `stats_spec` asks for."""
     c = self.config
     x = self.embed(tokens)
@@ -503,6 +504,8 @@ class Transformer(nnx.Module):
         soft = jnp.einsum("btv,vd->btd", probs, table)
         if c.embed_scale:
           soft = soft * jnp.asarray(math.sqrt(c.d_model), soft.dtype)
+        if self_conditioning_mask is not None:
+          soft = soft * self_conditioning_mask.astype(soft.dtype)[:, None, None]
       x = self.self_conditioning(x, soft)
     tables = {"s": rope_tables(positions, c.rope_dim, c.rope_theta)}
     if c.layer_pattern is not None:
@@ -725,7 +728,7 @@ def unflatten_params(flat: dict[str, Any]) -> Params:
 
 
 def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder=False,
-                  self_conditioning_logits=None):
+                  self_conditioning_logits=None, self_conditioning_mask=None):
   if tokens.ndim != 2:
     raise ValueError(f"tokens must be [B, T] integer ids, got shape {tokens.shape}.")
   b, t = tokens.shape
@@ -753,6 +756,10 @@ def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, lo
     if self_conditioning_logits.shape != (b, t, config.vocab_size):
       raise ValueError(f"self_conditioning_logits must be [B, T, V] = {(b, t, config.vocab_size)}, got "
                        f"{tuple(self_conditioning_logits.shape)}.")
+  if self_conditioning_mask is not None and (self_conditioning_logits is None
+                                             or self_conditioning_mask.shape != (b,)):
+    raise ValueError(f"self_conditioning_mask must be [B] = {(b,)} and needs self_conditioning_logits; got "
+                     f"{getattr(self_conditioning_mask, 'shape', None)}.")
   if stats_spec.value_norms and config.layer_pattern is not None:
     raise ValueError("StatsSpec.value_norms is not available for a layer_pattern model (its sliding and global "
                      "layers have different kv heads); ask for incoming_attention only.")
@@ -789,6 +796,7 @@ def forward(
     return_hidden: bool = False,
     decoder: bool = False,
     self_conditioning_logits: jax.Array | None = None,
+    self_conditioning_mask: jax.Array | None = None,
 ) -> ForwardOutput:
   """Pure forward pass of the Transformer described by `config`: full, windowed or KV-cached.
 
@@ -835,6 +843,8 @@ def forward(
     decoder: a DiffusionGemma decoder call (see above); needs `cache`.
     self_conditioning_logits: [B, T, V] logits of the previous denoising step fed to the self-conditioning
       module (decoder calls of a `config.self_conditioning` model); None gives the zero signal.
+    self_conditioning_mask: [B] bool or None; rows set to False get the zero signal, as if no logits were
+      given for them (HF `self_conditioning_mask`; a sampler's first step inside a compiled loop).
 
   Returns:
     `ForwardOutput`: float32 logits [B, W, V], the requested statistics in the layout of
@@ -842,7 +852,7 @@ def forward(
     without a cache).
   """
   _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder,
-                self_conditioning_logits)
+                self_conditioning_logits, self_conditioning_mask)
   if positions is None:
     start = 0 if cache is None else cache_offset
     positions = jnp.broadcast_to(start + jnp.arange(tokens.shape[1]), tokens.shape)
@@ -850,4 +860,5 @@ def forward(
   return model(tokens, positions, bias=bias, query_weights=query_weights, stats_spec=stats_spec,
                logits_window=logits_window, logits_offset=logits_offset, impl=attention_impl,
                query_chunk=query_chunk, cache=cache, cache_offset=0 if cache is None else cache_offset,
-               return_hidden=return_hidden, decoder=decoder, self_conditioning_logits=self_conditioning_logits)
+               return_hidden=return_hidden, decoder=decoder, self_conditioning_logits=self_conditioning_logits,
+               self_conditioning_mask=self_conditioning_mask)
