@@ -64,14 +64,16 @@ def _np_pad_after_eos(row: np.ndarray) -> np.ndarray:
 
 
 def reference_generate(params, prompt: np.ndarray, o: dg.DiffusionGemmaOptions, key, log=None
-                       ) -> tuple[np.ndarray, int]:
-  """HF generate's loops in NumPy (batch rows handled as HF does); returns (tokens [B, Lp + G], model calls)."""
+                       ) -> tuple[np.ndarray, int, np.ndarray]:
+  """HF generate's loops in NumPy (batch rows handled as HF does); returns (tokens [B, Lp + G], model calls,
+  accepted [calls, B, C]: the positions each call accepted, all False at encoder calls and waiting rows)."""
   b, lp = prompt.shape
   c, n, v = o.canvas_length, o.max_denoising_steps, CONFIG.vocab_size
   tokens = np.concatenate([prompt, np.full((b, o.gen_length), PAD)], axis=1)
   cache = model.KVCache.zeros(CONFIG, b, lp + o.gen_length)
   stopped = np.zeros(b, bool)
   calls = 0
+  accepted_log = []
   for k in range(o.n_canvases):
     start, stop = (0, lp) if k == 0 else (lp + (k - 1) * c, lp + k * c)
     if k > 0:
@@ -81,6 +83,7 @@ def reference_generate(params, prompt: np.ndarray, o: dg.DiffusionGemmaOptions, 
         break
     cache = _forward(params, jnp.asarray(tokens[:, start:stop]), config=CONFIG, cache=cache, cache_offset=start).cache
     calls += 1
+    accepted_log.append(np.zeros((b, c), bool))
     s = lp + k * c
     canvas = np.asarray(dg.canvas_draws(key, k, (b, c), v, False))
     argmax = canvas.copy()
@@ -103,6 +106,7 @@ def reference_generate(params, prompt: np.ndarray, o: dg.DiffusionGemmaOptions, 
         log.append((k, step, entropy.mean(-1), (np.argmax(z, -1) == argmax).all(-1), accepted.sum(-1)))
       new_canvas = np.where(accepted, sample, renoise)
       active = ~done
+      accepted_log.append(accepted & active[:, None])
       argmax = np.where(active[:, None], new_argmax, argmax)
       canvas = np.where(active[:, None], new_canvas, canvas)
       sc = np.where(active[:, None, None], z, sc)
@@ -112,7 +116,7 @@ def reference_generate(params, prompt: np.ndarray, o: dg.DiffusionGemmaOptions, 
       history = np.concatenate([history[1:], argmax[None]])
     block = np.stack([_np_pad_after_eos(row) for row in argmax])
     tokens[:, s:s + c] = np.where(stopped[:, None], PAD, block)
-  return tokens, calls
+  return tokens, calls, np.stack(accepted_log)
 
 
 _STEPS10 = dict(gen_length=12, canvas_length=6, max_denoising_steps=10)
@@ -134,9 +138,11 @@ def test_compiled_sampler_matches_the_numpy_reference(options, eos_boost):
   key = jax.random.key(7)
   trace = dg.generate(params, prompt, config=CONFIG, options=options, key=key,
                       stats_spec=StatsSpec(incoming_attention=True, per_head=True))
-  expected, calls = reference_generate(params, prompt, options, key)
+  expected, calls, accepted = reference_generate(params, prompt, options, key)
   np.testing.assert_array_equal(np.asarray(trace.tokens), expected)
   assert int(trace.nfe) == calls
+  np.testing.assert_array_equal(np.asarray(trace.accepted)[:calls], accepted)
+  assert not np.asarray(trace.accepted)[calls:].any()
   assert trace.tokens.shape == (3, 5 + options.gen_length)
   _check_statistics(trace, total=5 + options.gen_length)
   most_calls = options.n_canvases * (1 + options.max_denoising_steps)

@@ -21,7 +21,9 @@ s = 0, 1, … of a canvas (HF's `cur_step` = N − s counts down):
 
 The canvas kept is the last argmax (not the sampled canvas). With `eos_stop`, a row whose canvas holds the
 EOS id gets pad after its first EOS and stops: its later canvases are pad and it runs no more decoder
-steps; the run ends when every row has stopped. Rows that are done wait unchanged while the batch's
+steps; the run ends when every row has stopped. (HF keeps denoising a stopped row's canvas — rows are
+independent — and overwrites it with pad, so it can run more decoder passes for the same tokens; its
+`tokens_per_forward` excludes those rows' passes, as `DiffusionGemmaCarry.passes` does.) Rows that are done wait unchanged while the batch's
 calls run (`StepOutput.active`); the encoder calls decode no row.
 
 Random draws are a pure function of the run key, the canvas and the step (`canvas_draws`, `step_draws`), so
@@ -243,7 +245,8 @@ class DiffusionGemmaFamily(driver.Family):
         tokens=tokens, canvas=canvas, argmax=canvas, has_sc=jnp.zeros((b,), bool),
         history=jnp.full_like(carry.history, -1), denoise_done=stopped, stopped=stopped,
         canvas_eos=jnp.zeros((b,), bool), block=jnp.int32(k), block_step=jnp.int32(0), cache=result.cache)
-    outputs = result.outputs.replace(active=jnp.zeros((b,), bool), queries=jnp.array([start, stop], jnp.int32))
+    outputs = result.outputs.replace(active=jnp.zeros((b,), bool), queries=jnp.array([start, stop], jnp.int32),
+                                     accepted=jnp.zeros((b, c), bool))
     return carry, result.intervention_state, outputs
 
   def step(self, run, params, layout: padding.PaddingLayout, carry: DiffusionGemmaCarry, istate, i, phase):
@@ -287,7 +290,8 @@ class DiffusionGemmaFamily(driver.Family):
                           sc_logits=sc_logits, has_sc=jnp.ones((b,), bool), history=history, denoise_done=done,
                           canvas_eos=canvas_eos & ~carry.stopped, block_step=carry.block_step + 1,
                           decode_step=decode_step, passes=carry.passes + active.astype(jnp.int32))
-    outputs = result.outputs.replace(active=active, queries=jnp.array([s, s + c], jnp.int32))
+    outputs = result.outputs.replace(active=active, queries=jnp.array([s, s + c], jnp.int32),
+                                     accepted=accepted & active[:, None])
     return carry, result.intervention_state, outputs
 
   def outcome(self, run, carry: DiffusionGemmaCarry) -> tuple[jax.Array, jax.Array]:
@@ -310,7 +314,9 @@ generate = driver.public_sampler(build_family, DiffusionGemmaOptions(), """Diffu
 
   params, prompt [B, Lp], config (a DiffusionGemma model), options (`DiffusionGemmaOptions`), and the driver's
   keyword arguments (`dlm_jax.sampling.driver.run_family`: key, prompt_mask, stats_spec, intervention, …).
-  Returns the `Trace`: tokens [B, Lp + G] (pad after a row's first EOS), decode_step [B, G], nfe (encoder and
-  decoder calls), active_rows [max_steps, B] (the rows each decoder step denoised; none at the encoder
-  calls), and the statistics of every call over the Lp + G cache positions.
+  Returns the `Trace`: tokens [B, Lp + G] (pad after a row's first EOS), decode_step [B, G] (the last decoder
+  step that denoised the token's canvas for its row), nfe (encoder and decoder calls), active_rows
+  [max_steps, B] (the rows each decoder step denoised; none at the encoder calls), accepted
+  [max_steps, B, C] (the positions each step accepted), and the statistics of every call over the Lp + G
+  cache positions.
   """)

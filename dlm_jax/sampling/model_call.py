@@ -32,6 +32,8 @@ class StepOutput:
   active: [B] bool, the rows the step decoded for (set by the family; the driver fills all-true when None).
   queries: [2] int32, the canvas positions [start, stop) whose queries the step computed (set by families
     that compute part of the canvas; the driver fills [0, S) when None).
+  accepted: [B, C] bool, the canvas positions a uniform-state step accepted (DiffusionGemma; None for the
+    other families).
   """
 
   stats: dict[str, jax.Array] | None = None
@@ -39,6 +41,7 @@ class StepOutput:
   record: Any = None
   active: jax.Array | None = None
   queries: jax.Array | None = None
+  accepted: jax.Array | None = None
 
 
 @struct.dataclass
