@@ -32,6 +32,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 PROMPT, CANVAS, WINDOW = 7, 6, 4
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 TOLERANCE = 1e-4
+KEYS = PROMPT + 2 * CANVAS  # cache positions of every cached call (one size: one compiled program per call kind)
 _forward = jax.jit(model.forward, static_argnames=("config", "stats_spec", "decoder"))
 
 
@@ -100,7 +101,7 @@ def _reference(reference, prompt, canvas, sc_logits=None, attentions=False):
 
 def _ours(config, params, prompt, canvas, sc_logits=None, stats=None):
   b = prompt.shape[0]
-  cache = model.KVCache.zeros(config, b, PROMPT + CANVAS + 3)  # 3 spare slots: unwritten keys must stay hidden
+  cache = model.KVCache.zeros(config, b, KEYS)  # spare slots after the canvas: unwritten keys must stay hidden
   encoder = _forward(params, jnp.asarray(prompt), config=config, cache=cache, cache_offset=0)
   decoder = _forward(params, jnp.asarray(canvas), config=config, cache=encoder.cache, cache_offset=PROMPT,
                           decoder=True, stats_spec=stats or StatsSpec(),
@@ -147,7 +148,7 @@ def test_decoder_incoming_attention_matches_the_reference_weights(converted):
   out = _reference(reference, prompt, canvas, attentions=True)
   _, decoder = _ours(config, params, prompt, canvas, stats=StatsSpec(incoming_attention=True, per_head=True))
   incoming = np.asarray(decoder.incoming_attention)  # [L, B, 1, N, S]
-  n_keys = PROMPT + CANVAS + 3
+  n_keys = KEYS
   assert incoming.shape == (config.n_layers, 2, 1, config.n_heads, n_keys)
   np.testing.assert_allclose(incoming.sum(-1), CANVAS, rtol=1e-5)  # column sums of T rows that sum to one
   worst = 0.0
@@ -163,6 +164,31 @@ def test_decoder_incoming_attention_matches_the_reference_weights(converted):
   _, subset = _ours(config, params, prompt, canvas,
                    stats=StatsSpec(incoming_attention=True, per_head=True, layers=(1, 2)))
   np.testing.assert_allclose(np.asarray(subset.incoming_attention), incoming[1:3], atol=1e-5)
+
+
+def test_second_canvas_matches_after_committing_the_first(converted):
+  """The sampler's commit: the first canvas encoded causally after the prompt (the cache grows; sliding layers
+  keep W−1 positions in transformers' cache, a window mask here), then the decoder over a second canvas."""
+  from transformers import DynamicCache
+  reference, config, params, prompt, canvas, _ = converted
+  second = np.random.default_rng(2).integers(0, 256, (2, CANVAS))
+  with torch.no_grad():
+    cache = DynamicCache(config=reference.config.get_text_config(decoder=True))
+    reference.model.encoder(input_ids=torch.tensor(prompt), past_key_values=cache)
+    committed = reference.model.encoder(input_ids=torch.tensor(canvas), past_key_values=cache)
+    expected_commit = _softcapped_head(reference, committed.last_hidden_state)
+    positions = torch.arange(PROMPT + CANVAS, PROMPT + 2 * CANVAS)[None]  # as generate() passes them
+    expected = reference(decoder_input_ids=torch.tensor(second), past_key_values=cache,
+                         decoder_position_ids=positions).logits.numpy()
+  ours = model.KVCache.zeros(config, 2, KEYS)
+  ours = _forward(params, jnp.asarray(prompt), config=config, cache=ours, cache_offset=0).cache
+  commit = _forward(params, jnp.asarray(canvas), config=config, cache=ours, cache_offset=PROMPT)
+  decoder = _forward(params, jnp.asarray(second), config=config, cache=commit.cache, cache_offset=PROMPT + CANVAS,
+                     decoder=True)
+  diff_commit = np.abs(np.asarray(commit.logits) - expected_commit).max()
+  diff = np.abs(np.asarray(decoder.logits) - expected).max()
+  print(f"second canvas: commit logits max|diff| {diff_commit:.2e}, decoder logits {diff:.2e}")
+  assert diff_commit <= TOLERANCE and diff <= TOLERANCE
 
 
 def test_different_layer_scalar_copies_are_refused(converted, tmp_path):
