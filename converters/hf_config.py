@@ -297,7 +297,7 @@ def diffusion_gemma_fields(hf: dict[str, Any]) -> dict[str, Any]:
       router_renormalize=True, router_fp32=False, n_experts=f.integer("num_experts", "routed experts"),
       experts_per_token=f.integer("top_k_experts", "experts per token"),
       expert_hidden=f.integer("moe_intermediate_size", "expert width"), layer_scalar=True, embed_scale=True,
-      final_logit_softcap=None if softcap is None else float(softcap), self_conditioning=True,
+      final_logit_softcap=None if softcap is None else float(softcap), self_conditioning=True, norm_fp32_weight=True,
       eos_token_id=f.token("eos_token_id", vocab), bos_token_id=f.token("bos_token_id", vocab),
       pad_token_id=f.token("pad_token_id", vocab))
 

@@ -119,6 +119,9 @@ class ModelConfig:
     self_conditioning: the DiffusionGemma decoder's self-conditioning module (`self_conditioning.*`, a gated
       MLP of width mlp_hidden): a decoder call's input is RMSNorm_noweight(e + MLP(pre_norm(s))) with
       e = embed(tokens)·√D and s = softmax(previous logits)·E·√D (zeros when no logits are given).
+    norm_fp32_weight: every weighted RMSNorm multiplies by its weight in float32 and then casts to the
+      activation dtype (Gemma 4); otherwise the normalised value is cast first (Llama, Qwen2, LLaDA). The
+      two agree in float32.
     mask_token_id, eos_token_id, eot_token_id, bos_token_id, pad_token_id: special token ids, or
       None when the model has no such token.
   """
@@ -175,6 +178,7 @@ class ModelConfig:
   embed_scale: bool = False
   final_logit_softcap: float | None = None
   self_conditioning: bool = False
+  norm_fp32_weight: bool = False
 
   def __post_init__(self):
     for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "vocab_size"):
@@ -195,7 +199,7 @@ class ModelConfig:
       raise ConfigError(f"ModelConfig.logit_shift must be 0 or 1, got {self.logit_shift!r}.")
     for field in ("rope_fp32", "qkv_bias", "tied_embeddings", "causal", "qk_norm", "router_renormalize",
                   "router_fp32", "global_k_eq_v", "v_norm", "sandwich_norms", "moe_with_dense_mlp", "layer_scalar",
-                  "embed_scale", "self_conditioning"):
+                  "embed_scale", "self_conditioning", "norm_fp32_weight"):
       if not isinstance(getattr(self, field), bool):
         raise ConfigError(f"ModelConfig.{field} must be a bool, got {getattr(self, field)!r}.")
     block = self.attention_block_size
@@ -429,7 +433,8 @@ def _diffusion_gemma(name: str, **dims: Any) -> ModelConfig:
       logit_shift=0, global_rope_theta=1_000_000.0, global_rope_fraction=0.25, global_k_eq_v=True,
       attention_scale=1.0, v_norm=True, mlp_activation="gelu_tanh", sandwich_norms=True, moe_with_dense_mlp=True,
       router="gemma", router_renormalize=True, router_fp32=False, layer_scalar=True, embed_scale=True,
-      final_logit_softcap=30.0, self_conditioning=True, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+      final_logit_softcap=30.0, self_conditioning=True, norm_fp32_weight=True, pad_token_id=0, eos_token_id=1,
+      bos_token_id=2)
   values.update(dims)
   return ModelConfig(**values)
 

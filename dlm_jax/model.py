@@ -137,15 +137,19 @@ _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
 
 
 class RMSNorm(nnx.Module):
-  """x / sqrt(mean(x²) + eps) computed in float32, cast back to x's dtype, then times the weight."""
+  """x / sqrt(mean(x²) + eps) computed in float32, cast back to x's dtype, then times the weight; with
+  fp32_weight the weight multiplies the float32 value before the cast (Gemma 4). Equal in float32."""
 
-  def __init__(self, dim: int, eps: float, *, dtype: Any):
+  def __init__(self, dim: int, eps: float, *, dtype: Any, fp32_weight: bool = False):
     self.eps = eps
+    self.fp32_weight = fp32_weight
     self.weight = nnx.Param(jnp.ones((dim,), dtype))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    if self.fp32_weight:
+      return (normed * self.weight[...].astype(jnp.float32)).astype(x.dtype)
     return (normed.astype(x.dtype) * self.weight[...]).astype(x.dtype)
 
 
@@ -186,8 +190,8 @@ class Attention(nnx.Module):
       self.v = _linear(c.d_model, kv * h, c.qkv_bias, rngs, dtype)
     self.o = _linear(c.n_heads * h, c.d_model, False, rngs, dtype)
     if c.qk_norm:
-      self.q_norm = RMSNorm(h, c.norm_eps, dtype=dtype)
-      self.k_norm = RMSNorm(h, c.norm_eps, dtype=dtype)
+      self.q_norm = RMSNorm(h, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
+      self.k_norm = RMSNorm(h, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
 
   def __call__(self, x, cos, sin, *, pairwise_bias, key_bias, query_weights, with_incoming, impl, query_chunk,
                cache=None, cache_offset=0, zero_values=None, structure_key_bias=None, write_cache=True):
@@ -385,22 +389,22 @@ class Block(nnx.Module):
     c = config
     self.config = c
     d = c.d_model
-    self.attn_norm = RMSNorm(d, c.norm_eps, dtype=dtype)
+    self.attn_norm = RMSNorm(d, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
     self.attn = Attention(c, kind=kind, rngs=rngs, dtype=dtype)
-    self.mlp_norm = RMSNorm(d, c.norm_eps, dtype=dtype)
+    self.mlp_norm = RMSNorm(d, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
     if c.moe_with_dense_mlp:
       self.mlp = SwiGLU(d, c.mlp_hidden, rngs=rngs, dtype=dtype, activation=c.mlp_activation)
-      self.post_mlp_norm = RMSNorm(d, c.norm_eps, dtype=dtype)
-      self.moe_norm = RMSNorm(d, c.norm_eps, dtype=dtype)
+      self.post_mlp_norm = RMSNorm(d, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
+      self.moe_norm = RMSNorm(d, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
       self.moe = MoE(c, rngs=rngs, dtype=dtype)
-      self.post_moe_norm = RMSNorm(d, c.norm_eps, dtype=dtype)
+      self.post_moe_norm = RMSNorm(d, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
     elif moe:
       self.mlp = MoE(c, rngs=rngs, dtype=dtype)
     else:
       self.mlp = SwiGLU(d, c.mlp_hidden, rngs=rngs, dtype=dtype, activation=c.mlp_activation)
     if c.sandwich_norms:
-      self.post_attn_norm = RMSNorm(d, c.norm_eps, dtype=dtype)
-      self.post_ffn_norm = RMSNorm(d, c.norm_eps, dtype=dtype)
+      self.post_attn_norm = RMSNorm(d, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
+      self.post_ffn_norm = RMSNorm(d, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
     if c.layer_scalar:
       self.layer_scalar = nnx.Param(jnp.ones((1,), dtype))
 
@@ -442,7 +446,7 @@ class SelfConditioning(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any):
     self.eps = config.norm_eps
-    self.pre_norm = RMSNorm(config.d_model, config.norm_eps, dtype=dtype)
+    self.pre_norm = RMSNorm(config.d_model, config.norm_eps, dtype=dtype, fp32_weight=config.norm_fp32_weight)
     self.mlp = SwiGLU(config.d_model, config.mlp_hidden, rngs=rngs, dtype=dtype, activation=config.mlp_activation)
 
   def __call__(self, x: jax.Array, soft: jax.Array | None) -> jax.Array:
@@ -480,7 +484,7 @@ class Transformer(nnx.Module):
     else:
       self.blocks = _block_stack(config, config.layer_kinds.count("s"), config.is_moe, rngs, dtype, "s")
       self.global_blocks = _block_stack(config, config.n_global_layers, config.is_moe, rngs, dtype, "g")
-    self.final_norm = RMSNorm(config.d_model, config.norm_eps, dtype=dtype)
+    self.final_norm = RMSNorm(config.d_model, config.norm_eps, dtype=dtype, fp32_weight=config.norm_fp32_weight)
     if config.self_conditioning:
       self.self_conditioning = SelfConditioning(config, rngs=rngs, dtype=dtype)
     if not config.tied_embeddings:

@@ -260,3 +260,19 @@ def test_every_parameter_has_logical_axes():
   flat = model.flatten_params(model.abstract_params(preset("tiny-diffusiongemma")))
   for name, leaf in flat.items():
     assert len(model.PARAM_AXES[name]) == leaf.ndim, name
+
+
+def test_gemma_rmsnorm_in_bfloat16_matches_transformers():
+  """norm_fp32_weight: the weight multiplies in float32 before the cast, as DiffusionGemmaRMSNorm does."""
+  from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaRMSNorm
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((3, 64)).astype(np.float32)
+  w = (1 + 0.3 * rng.standard_normal(64)).astype(np.float32)
+  reference = DiffusionGemmaRMSNorm(64, eps=1e-6).to(torch.bfloat16)
+  with torch.no_grad():
+    reference.weight.copy_(torch.tensor(w))
+    expected = reference(torch.tensor(x).to(torch.bfloat16)).float().numpy()
+  norm = model.RMSNorm(64, 1e-6, dtype=jnp.bfloat16, fp32_weight=True)
+  norm.weight[...] = jnp.asarray(w, jnp.bfloat16)
+  ours = np.asarray(norm(jnp.asarray(x, jnp.bfloat16)).astype(jnp.float32))
+  np.testing.assert_array_equal(ours, expected)
