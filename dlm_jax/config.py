@@ -70,6 +70,7 @@ class ModelConfig:
       contiguous groups, a group's score is the sum of its two best selection scores, only the best
       `router_topk_groups` groups stay eligible, the k best eligible experts are chosen; weights are their
       unbiased s, renormalised when `router_renormalize`, times `routed_scaling_factor`.
+      "gemma" (Gemma 4 / DiffusionGemma, with `moe_with_dense_mlp`): see that field.
     router_renormalize: renormalise the k chosen weights to sum to one, dividing by (their sum + 1e-20)
       for either router (OLMoE/LLaDA-MoE: False; LLaDA2.x: True).
     router_groups: expert groups for "sigmoid_group" (HF `n_group`); must divide E into groups of >= 2.
