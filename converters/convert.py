@@ -1,5 +1,5 @@
-r"""Converts a Hugging Face LLaDA / MMaDA / Dream / Llama / Qwen2 / LLaDA-MoE / LLaDA2.x checkpoint into a
-dlm_jax directory.
+r"""Converts a Hugging Face LLaDA / MMaDA / Dream / Llama / Qwen2 / LLaDA-MoE / LLaDA2.x / DiffusionGemma (text
+only) checkpoint into a dlm_jax directory.
 
   python -m converters.convert --arch=auto --hf_dir=/ckpt/LLaDA-8B-Instruct --out_dir=/ckpt/llada-8b \
       [--dtype=auto|bfloat16|float32|float16] [--overwrite]

@@ -2,7 +2,8 @@
 models_2026.md §2, §3, §8 for LLaDA-MoE and LLaDA2.x).
 
 LLaDA and MMaDA use OLMo-style fields (`d_model`, `n_layers`, `mlp_hidden_size`, `weight_tying`, ...);
-Dream, Llama and Qwen2 use Hugging Face fields (`hidden_size`, `num_hidden_layers`, ...). Switches our
+Dream, Llama and Qwen2 use Hugging Face fields (`hidden_size`, `num_hidden_layers`, ...); DiffusionGemma
+keeps them in `text_config` (with `layer_types`, `per_layer_config`, per-type `rope_parameters`). Switches our
 model does not implement (OLMo's fused `sequential` block, biases outside q/k/v, RoPE scaling, sliding
 windows, ...) are refused with an error that names the field, rather than converted silently.
 """
@@ -15,13 +16,14 @@ from absl import logging
 
 from dlm_jax.config import ConfigError, ModelConfig
 
-ARCHS = ("llada", "mmada", "dream", "llama", "qwen2", "llada-moe", "llada2")
+ARCHS = ("llada", "mmada", "dream", "llama", "qwen2", "llada-moe", "llada2", "diffusion_gemma")
 
 _MODEL_TYPES = {"llada": "llada", "mmada": "mmada", "dream": "dream", "llama": "llama", "qwen2": "qwen2",
-                "lladamoe": "llada-moe", "llada_moe": "llada-moe", "llada2_moe": "llada2", "llada21_moe": "llada2"}
+                "lladamoe": "llada-moe", "llada_moe": "llada-moe", "llada2_moe": "llada2", "llada21_moe": "llada2",
+                "diffusion_gemma": "diffusion_gemma"}
 _ARCHITECTURES = {"LLaDAModelLM": "llada", "MMadaModelLM": "mmada", "DreamModel": "dream",
                   "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "LLaDAMoEModelLM": "llada-moe",
-                  "LLaDA2MoeModelLM": "llada2"}
+                  "LLaDA2MoeModelLM": "llada2", "DiffusionGemmaForBlockDiffusion": "diffusion_gemma"}
 _LLADA_MOE_KEYS = ("num_experts", "expert_intermediate_size")
 """LLaDA-MoE's hub config says model_type "llada" like the dense LLaDA; these keys tell it apart."""
 
@@ -325,6 +327,109 @@ def llada2_fields(hf: dict[str, Any]) -> dict[str, Any]:
       router_topk_groups=f.integer("topk_group", "groups kept per token", default=1),
       routed_scaling_factor=scale, router_fp32=True)
   return fields
+_DG_LAYER_TYPES = {"sliding_attention": "s", "full_attention": "g"}
+
+
+def _dg_rope(f: _Fields, layer_type: str) -> tuple[float, float]:
+  """(θ, proportional fraction) of one layer type from `text_config.rope_parameters`."""
+  params = f.required("rope_parameters", "RoPE settings per layer type")
+  entry = params.get(layer_type) if isinstance(params, dict) else None
+  if not isinstance(entry, dict):
+    raise ConfigError(f"config.json (diffusion_gemma): field 'text_config.rope_parameters.{layer_type}' is missing "
+                      f"or not an object; got {entry!r}.")
+  where = f"text_config.rope_parameters.{layer_type}"
+  kind = entry.get("rope_type", "default")
+  allowed = ("default",) if layer_type == "sliding_attention" else ("default", "proportional")
+  if kind not in allowed:
+    raise ConfigError(f"config.json (diffusion_gemma): field '{where}.rope_type' is {kind!r}; expected "
+                      f"{' or '.join(map(repr, allowed))} (RoPE scaling is not supported).")
+  if entry.get("factor", 1.0) != 1.0:
+    raise ConfigError(f"config.json (diffusion_gemma): field '{where}.factor' is {entry['factor']!r}; expected 1.0.")
+  theta = entry.get("rope_theta")
+  if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+    raise ConfigError(f"config.json (diffusion_gemma): field '{where}.rope_theta' must be a number, got {theta!r}.")
+  fraction = entry.get("partial_rotary_factor", 1.0)
+  if kind == "default" and fraction != 1.0:
+    raise ConfigError(f"config.json (diffusion_gemma): field '{where}.partial_rotary_factor' is {fraction!r} with "
+                      "rope_type 'default'; only full RoPE is supported there (proportional RoPE on full layers).")
+  return float(theta), float(fraction)
+
+
+def diffusion_gemma_fields(hf: dict[str, Any]) -> dict[str, Any]:
+  """DiffusionGemma config.json (text_config of the Gemma-4 text stack) -> ModelConfig fields.
+
+  Text only: `vision_config` is not read and the vision tensors are skipped. The encoder and decoder
+  share every text weight, which needs `tie_word_embeddings` true (false unties the encoder too).
+  """
+  top = _Fields(hf, "diffusion_gemma")
+  if not top.flag("tie_word_embeddings", True):
+    raise ConfigError("config.json (diffusion_gemma): field 'tie_word_embeddings' is false; expected true (it also "
+                      "ties the encoder's text weights to the decoder's, which our one stack assumes).")
+  text = top.required("text_config", "the text model's settings")
+  if not isinstance(text, dict):
+    raise ConfigError(f"config.json (diffusion_gemma): field 'text_config' must be an object, got {text!r}.")
+  f = _Fields(text, "diffusion_gemma")
+  f.refuse("hidden_activation", ("gelu_pytorch_tanh",), "The feed-forwards are GeGLU with tanh-approximated GELU.")
+  f.refuse("attention_bias", (False,), "Attention biases are not supported.")
+  f.refuse("use_bidirectional_attention", ("vision",), "Only the text path is converted, where 'vision' means a "
+           "causal encoder; 'all' (a bidirectional encoder with window W//2+1) is not supported.")
+  f.refuse("tie_word_embeddings", (True,), "The LM head must be tied to model.decoder.embed_tokens.")
+  n_layers = f.integer("num_hidden_layers", "number of layers")
+  types = f.required("layer_types", "attention kind of every layer")
+  if not isinstance(types, list) or len(types) != n_layers or any(t not in _DG_LAYER_TYPES for t in types):
+    raise ConfigError(f"config.json (diffusion_gemma): field 'text_config.layer_types' must list {n_layers} entries "
+                      f"from {sorted(_DG_LAYER_TYPES)}, got {types!r}.")
+  pattern = "".join(_DG_LAYER_TYPES[t] for t in types)
+  n_heads = f.integer("num_attention_heads", "query heads")
+  head_dim = f.integer("head_dim", "sliding layers' head width")
+  n_kv_heads = f.integer("num_key_value_heads", "sliding layers' key/value heads")
+  per_layer = f.required("per_layer_config", "head_dim and num_key_value_heads of the full layers")
+  if not isinstance(per_layer, dict):
+    raise ConfigError(f"config.json (diffusion_gemma): field 'text_config.per_layer_config' must be an object, got "
+                      f"{per_layer!r}.")
+  global_dims = set()
+  for index, kind in enumerate(pattern):
+    entry = per_layer.get(str(index), per_layer.get(index))
+    dims = (head_dim, n_kv_heads)
+    if entry is not None:
+      if not isinstance(entry, dict):
+        raise ConfigError(f"config.json (diffusion_gemma): field 'text_config.per_layer_config.{index}' must be an "
+                          f"object, got {entry!r}.")
+      unknown = sorted(set(entry) - {"head_dim", "num_key_value_heads"})
+      if unknown:
+        raise ConfigError(f"config.json (diffusion_gemma): field 'text_config.per_layer_config.{index}' sets "
+                          f"{unknown}; only head_dim and num_key_value_heads may differ per layer.")
+      dims = (entry.get("head_dim", head_dim), entry.get("num_key_value_heads", n_kv_heads))
+    if kind == "g":
+      global_dims.add(dims)
+    elif dims != (head_dim, n_kv_heads):
+      raise ConfigError(f"config.json (diffusion_gemma): field 'text_config.per_layer_config.{index}' changes a "
+                        f"sliding layer to head_dim/num_key_value_heads {dims}; sliding layers must use the text "
+                        f"config's ({head_dim}, {n_kv_heads}).")
+  if len(global_dims) != 1:
+    raise ConfigError(f"config.json (diffusion_gemma): the full_attention layers have head_dim/num_key_value_heads "
+                      f"{sorted(global_dims)} in 'text_config.per_layer_config'; expected one shared setting.")
+  ((global_head_dim, global_kv_heads),) = global_dims
+  theta, sliding_fraction = _dg_rope(f, "sliding_attention")
+  global_theta, global_fraction = _dg_rope(f, "full_attention")
+  del sliding_fraction
+  vocab = f.integer("vocab_size", "embedding rows")
+  softcap = text.get("final_logit_softcapping", 30.0)  # a class constant in transformers 5.23, not serialized
+  return dict(
+      d_model=f.integer("hidden_size", "hidden size"), n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+      head_dim=head_dim, mlp_hidden=f.integer("intermediate_size", "dense GeGLU width (also self-conditioning)"),
+      vocab_size=vocab, norm_eps=f.number("rms_norm_eps", "RMSNorm epsilon"), rope_theta=theta, qk_norm=True,
+      tied_embeddings=True, causal=True, logit_shift=0, layer_pattern=pattern,
+      sliding_window=f.integer("sliding_window", "sliding-window width W") if "s" in pattern else None,
+      global_head_dim=global_head_dim, global_kv_heads=global_kv_heads, global_rope_theta=global_theta,
+      global_rope_fraction=global_fraction, global_k_eq_v=True, attention_scale=1.0, v_norm=True,
+      mlp_activation="gelu_tanh", sandwich_norms=True, moe_with_dense_mlp=True, router="gemma",
+      router_renormalize=True, router_fp32=False, n_experts=f.integer("num_experts", "routed experts"),
+      experts_per_token=f.integer("top_k_experts", "experts per token"),
+      expert_hidden=f.integer("moe_intermediate_size", "expert width"), layer_scalar=True, embed_scale=True,
+      final_logit_softcap=None if softcap is None else float(softcap), self_conditioning=True, norm_fp32_weight=True,
+      eos_token_id=f.token("eos_token_id", vocab), bos_token_id=f.token("bos_token_id", vocab),
+      pad_token_id=f.token("pad_token_id", vocab))
 
 
 def model_config(arch: str, hf: dict[str, Any], name: str) -> ModelConfig:
@@ -341,6 +446,8 @@ def model_config(arch: str, hf: dict[str, Any], name: str) -> ModelConfig:
     fields = llada_moe_fields(hf)
   elif arch == "llada2":
     fields = llada2_fields(hf)
+  elif arch == "diffusion_gemma":
+    fields = diffusion_gemma_fields(hf)
   else:
     fields = hf_llama_like_fields(hf, arch)
   try:

@@ -17,7 +17,8 @@ import numpy as np
 from absl import logging
 
 from converters.hf_config import ARCHS, detect_arch, model_config
-from converters.hf_names import hf_plan, ignored_sources
+from converters.hf_names import (
+    DG_DECODER_LAYER, DG_ENCODER_LAYER_SCALAR, diffusion_gemma_plan, hf_plan, ignored_sources)
 from converters.plan import DEFAULT_CHUNK_BYTES, check_coverage, check_plan, stream_pieces
 from converters.safetensors_io import SafetensorsCheckpoint
 from dlm_jax.checkpoint import (
@@ -40,6 +41,25 @@ def read_hf_config(hf_dir: str) -> dict:
     raise ConfigError(f"{path} is not valid JSON: {e}.") from None
 
 
+def check_layer_scalars(source: SafetensorsCheckpoint, n_layers: int, where: str) -> None:
+  """DiffusionGemma keeps a `layer_scalar` buffer per side (buffers are not tied); our one stack has one per
+  layer, so the encoder's copy must equal the decoder's. Raises CheckpointError naming the tensor."""
+  for layer in range(n_layers):
+    decoder = DG_DECODER_LAYER.format(layer) + "layer_scalar"
+    encoder = DG_ENCODER_LAYER_SCALAR.format(layer)
+    if encoder not in source.tensors:
+      raise CheckpointError(f"{where}: missing tensor {encoder} (the encoder's copy of {decoder}).")
+    if tuple(source.tensors[encoder].shape) != tuple(source.tensors[decoder].shape):
+      raise CheckpointError(f"{where}: tensor {encoder} has shape {list(source.tensors[encoder].shape)}; expected "
+                            f"{list(source.tensors[decoder].shape)} like {decoder}.")
+    rows = source.tensors[decoder].shape[0]
+    a = source.read_rows(decoder, 0, rows).astype(np.float32)
+    b = source.read_rows(encoder, 0, rows).astype(np.float32)
+    if not np.array_equal(a, b):
+      raise CheckpointError(f"{where}: tensor {encoder} = {b.tolist()} differs from {decoder} = {a.tolist()}; the "
+                            "encoder and decoder must share one layer scalar per layer.")
+
+
 def convert(hf_dir: str, out_dir: str, *, arch: str = "auto", dtype: str = "auto", overwrite: bool = False,
             chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
             progress: Callable[[str], None] | None = None) -> ModelConfig:
@@ -59,7 +79,10 @@ def convert(hf_dir: str, out_dir: str, *, arch: str = "auto", dtype: str = "auto
   arch = detect_arch(hf) if arch == "auto" else arch
   config = model_config(arch, hf, name=os.path.basename(os.path.normpath(hf_dir)))
   expected = expected_tensors(config)
-  pieces = hf_plan(arch, expected)
+  if arch == "diffusion_gemma":
+    pieces = diffusion_gemma_plan(config.layer_pattern, expected)
+  else:
+    pieces = hf_plan(arch, expected)
   check_coverage(pieces, expected)
   with SafetensorsCheckpoint(hf_dir) as source:
     found = {n: t.shape for n, t in source.tensors.items()}
@@ -69,6 +92,8 @@ def convert(hf_dir: str, out_dir: str, *, arch: str = "auto", dtype: str = "auto
     if absent:
       logging.warning("%s: %d optional tensors are absent (e.g. %s); they are written as zeros, as the original "
                       "model initialises them.", hf_dir, len(absent), min(absent))
+    if arch == "diffusion_gemma":
+      check_layer_scalars(source, config.n_layers, hf_dir)
     if dtype == "auto":
       embed_source = next(p.source for p in pieces if p.target == "embed.embedding")
       out_dtype = SAFETENSORS_DTYPES[source.tensors[embed_source].dtype]

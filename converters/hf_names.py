@@ -19,6 +19,17 @@ LLaDA2.x (models_2026.md §3.2, §8.2): model.word_embeddings; attention.query_k
 An MoE model's leading dense layers (`first_k_dense`) fill `dense_blocks.*` [k]; its layer i >= k fills
 index i − k of `blocks.*`.
 
+DiffusionGemma (transformers 5.23 save_pretrained, `model.decoder.`): embed_tokens, layers.N.{
+  input_layernorm, self_attn.{q,k,v,o}_proj (no v_proj on full layers: K = V), self_attn.{q,k}_norm,
+  post_attention_layernorm, pre_feedforward_layernorm, mlp.{gate,up,down}_proj, post_feedforward_layernorm_1,
+  pre_feedforward_layernorm_2, router.{proj.weight, scale, per_expert_scale}, experts.gate_up_proj
+  [E, 2F, D] (gate rows first), experts.down_proj [E, D, F], post_feedforward_layernorm_2,
+  post_feedforward_layernorm, layer_scalar}, norm, self_conditioning.{pre_norm, gate_proj, up_proj,
+  down_proj}. Sliding layers fill `blocks`, full layers `global_blocks`, each in layer order. The encoder's
+  text weights are tied to these and not stored, except `model.encoder.language_model.layers.N.layer_scalar`
+  (checked equal to the decoder's by the converter); lm_head is tied to embed_tokens; the vision tower
+  (`model.encoder.vision_tower.*`, `model.encoder.embed_vision.*`) is out of scope and skipped.
+
 Torch Linear weights are [out, in]; our kernels are [in, out], so those pieces are transposed. The
 embedding stays [V, D]; the head [V, D] becomes lm_head.kernel [D, V]. No q/k permutation is needed:
 every family uses rotate-half RoPE in its own code, as we do.
@@ -98,6 +109,42 @@ _LLADA2_LAYER = {
 _LLADA2_GLOBAL = {**_HF_GLOBAL, "embed.embedding": ("model.word_embeddings.weight", False)}
 _OPTIONAL = {"llada2": ("mlp.router.score_bias",)}
 """Our per-layer names whose source may be absent (then zeros)."""
+_DG_LAYER = {
+    "attn_norm.weight": ("input_layernorm.weight", False),
+    "attn.q.kernel": ("self_attn.q_proj.weight", True),
+    "attn.k.kernel": ("self_attn.k_proj.weight", True),
+    "attn.v.kernel": ("self_attn.v_proj.weight", True),
+    "attn.o.kernel": ("self_attn.o_proj.weight", True),
+    "attn.q_norm.weight": ("self_attn.q_norm.weight", False),
+    "attn.k_norm.weight": ("self_attn.k_norm.weight", False),
+    "post_attn_norm.weight": ("post_attention_layernorm.weight", False),
+    "mlp_norm.weight": ("pre_feedforward_layernorm.weight", False),
+    "mlp.gate.kernel": ("mlp.gate_proj.weight", True),
+    "mlp.up.kernel": ("mlp.up_proj.weight", True),
+    "mlp.down.kernel": ("mlp.down_proj.weight", True),
+    "post_mlp_norm.weight": ("post_feedforward_layernorm_1.weight", False),
+    "moe_norm.weight": ("pre_feedforward_layernorm_2.weight", False),
+    "moe.router.kernel": ("router.proj.weight", True),
+    "moe.router.scale": ("router.scale", False),
+    "moe.router.per_expert_scale": ("router.per_expert_scale", False),
+    "post_moe_norm.weight": ("post_feedforward_layernorm_2.weight", False),
+    "post_ffn_norm.weight": ("post_feedforward_layernorm.weight", False),
+    "layer_scalar": ("layer_scalar", False),
+}
+_DG_GLOBAL = {
+    "embed.embedding": ("model.decoder.embed_tokens.weight", False),
+    "final_norm.weight": ("model.decoder.norm.weight", False),
+    "self_conditioning.pre_norm.weight": ("model.decoder.self_conditioning.pre_norm.weight", False),
+    "self_conditioning.mlp.gate.kernel": ("model.decoder.self_conditioning.gate_proj.weight", True),
+    "self_conditioning.mlp.up.kernel": ("model.decoder.self_conditioning.up_proj.weight", True),
+    "self_conditioning.mlp.down.kernel": ("model.decoder.self_conditioning.down_proj.weight", True),
+}
+DG_DECODER_LAYER = "model.decoder.layers.{}."
+DG_ENCODER_LAYER_SCALAR = "model.encoder.language_model.layers.{}.layer_scalar"
+DG_IGNORED = (r"model\.encoder\.vision_tower\..*|model\.encoder\.embed_vision\..*|"
+              r"model\.encoder\.language_model\.layers\.\d+\.layer_scalar|lm_head\.weight")
+"""DiffusionGemma sources that are not converted: the vision tower and its embedder (text only), the
+encoder's layer_scalar copies (compared with the decoder's instead) and a stored tied head."""
 
 IGNORED_SOURCES = r".*\.rotary_emb\.inv_freq"
 """Non-persistent RoPE buffers some older checkpoints still contain; they carry no weights."""
@@ -106,6 +153,8 @@ IGNORED_SOURCES = r".*\.rotary_emb\.inv_freq"
 def ignored_sources(arch: str, tied: bool) -> str:
   """Regex of source names that may be present and are skipped: rotary buffers, and with tied embeddings
   a stored copy of the head (transformers ignores it too and reuses the embedding)."""
+  if arch == "diffusion_gemma":
+    return f"{IGNORED_SOURCES}|{DG_IGNORED}"
   if not tied:
     return IGNORED_SOURCES
   return f"{IGNORED_SOURCES}|{re.escape(_tables(arch)[1]['lm_head.kernel'][0])}"
@@ -132,8 +181,39 @@ def _fused_rows(arch: str, name: str, expected: Mapping[str, tuple[int, ...]]) -
   return start, start + (q_width if name.startswith("attn.q.") else kv_width)
 
 
+def diffusion_gemma_plan(layer_pattern: str, expected: Mapping[str, tuple[int, ...]]) -> list[Piece]:
+  """The pieces of a DiffusionGemma checkpoint: `blocks` layer i <- the i-th sliding ("s") layer of
+  `layer_pattern`, `global_blocks` layer j <- the j-th full ("g") layer; experts split and swapped."""
+  layers = {"blocks": [i for i, k in enumerate(layer_pattern) if k == "s"],
+            "global_blocks": [i for i, k in enumerate(layer_pattern) if k == "g"]}
+  pieces = []
+  for target, shape in expected.items():
+    stack, _, name = target.partition(".")
+    if stack not in layers:
+      source, transpose = _DG_GLOBAL[target]
+      pieces.append(Piece(target, source, tuple(reversed(shape)) if transpose else tuple(shape), None, transpose))
+      continue
+    per_layer = tuple(shape[1:])
+    for index, layer in enumerate(layers[stack]):
+      prefix = DG_DECODER_LAYER.format(layer)
+      if name.startswith("moe.experts."):
+        e, d_in, d_out = per_layer
+        if name == "moe.experts.down.kernel":  # down_proj [E, D, F] -> [E, F, D]
+          pieces.append(Piece(target, prefix + "experts.down_proj", (e, d_out, d_in), index, swap_last=True))
+        else:  # gate_up_proj [E, 2F, D], gate rows first -> [E, D, F]
+          rows = (0, d_out) if name == "moe.experts.gate.kernel" else (d_out, 2 * d_out)
+          pieces.append(Piece(target, prefix + "experts.gate_up_proj", (e, 2 * d_out, d_in), index, split=rows,
+                              swap_last=True))
+        continue
+      suffix, transpose = _DG_LAYER[name]
+      pieces.append(Piece(target, prefix + suffix, tuple(reversed(per_layer)) if transpose else per_layer, index,
+                          transpose))
+  return pieces
+
+
 def hf_plan(arch: str, expected: Mapping[str, tuple[int, ...]]) -> list[Piece]:
-  """The pieces that fill every tensor of `expected` ({our name: shape}) from family `arch`'s names."""
+  """The pieces that fill every tensor of `expected` ({our name: shape}) from family `arch`'s names
+  (not DiffusionGemma: see `diffusion_gemma_plan`)."""
   layer_table, global_table, layer_prefix = _tables(arch)
   first_moe_layer = expected["dense_blocks.attn_norm.weight"][0] if "dense_blocks.attn_norm.weight" in expected else 0
   fused_width = expected["blocks.attn.q.kernel"][-1] + 2 * expected["blocks.attn.k.kernel"][-1]

@@ -35,6 +35,10 @@ class Piece:
     None takes all of them.
   optional: the source may be absent; the piece then fills its part of `target` with zeros (a buffer
     that the original model initialises to zeros, e.g. an expert bias).
+  split: (start, stop) — only rows start..stop-1 of the source's second-to-last axis are taken (one half of
+    a fused expert `gate_up_proj` [E, 2F, D]); None takes all.
+  swap_last: the last two axes of the (split) source are swapped (stacked expert weights [E, out, in] ->
+    kernels [E, in, out]). Pieces with `split` or `swap_last` are read whole, not streamed by rows.
   """
 
   target: str
@@ -45,6 +49,8 @@ class Piece:
   expert: int | None = None
   rows: tuple[int, int] | None = None
   optional: bool = False
+  split: tuple[int, int] | None = None
+  swap_last: bool = False
 
   @property
   def index(self) -> tuple[int, ...]:
@@ -53,9 +59,18 @@ class Piece:
 
   @property
   def fill_shape(self) -> tuple[int, ...]:
-    """The shape of the part of `target` this piece fills (rows taken, transposed if it is)."""
-    shape = self.shape if self.rows is None else (self.rows[1] - self.rows[0],) + tuple(self.shape[1:])
+    """The shape of the part of `target` this piece fills (rows taken, split, swapped, transposed)."""
+    shape = list(self.shape if self.rows is None else (self.rows[1] - self.rows[0],) + tuple(self.shape[1:]))
+    if self.split is not None:
+      shape[-2] = self.split[1] - self.split[0]
+    if self.swap_last:
+      shape[-2], shape[-1] = shape[-1], shape[-2]
     return tuple(reversed(shape)) if self.transpose else tuple(shape)
+
+  @property
+  def whole(self) -> bool:
+    """True when the piece is read as one array (split or swapped expert tensors)."""
+    return self.split is not None or self.swap_last
 
 
 def check_plan(pieces: Sequence[Piece], found: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str] | None,
@@ -127,6 +142,16 @@ def stream_pieces(pieces: Sequence[Piece], read_rows: Callable[[str, int, int], 
       if p.optional and p.source in absent:
         zeros = np.zeros(((1,) if p.index else ()) + p.fill_shape, out_dtype)
         writer.write(target, zeros, p.index)
+        continue
+      if p.whole:
+        block = read_rows(p.source, 0, p.shape[0])
+        if p.split is not None:
+          block = block[..., p.split[0]:p.split[1], :]
+        if p.swap_last:
+          block = np.swapaxes(block, -1, -2)
+        block = np.ascontiguousarray(block.astype(out_dtype, copy=False))
+        writer.write(target, block[None] if p.index else block, p.index)
+        del block
         continue
       first, rows = (0, p.shape[0]) if p.rows is None else (p.rows[0], p.rows[1] - p.rows[0])
       step = max(1, chunk_bytes // max(1, row_bytes(p.source)))

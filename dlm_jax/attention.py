@@ -126,21 +126,26 @@ def _heads_to_kv_groups(bias: jax.Array, n_kv_heads: int) -> jax.Array:
   return bias.reshape(bias.shape[0], n_kv_heads, bias.shape[1] // n_kv_heads, *bias.shape[2:])
 
 
-def _visible(query_index, key_index, causal, block_size):
-  """[T, S] bool: key j is visible to query i under the causal and block-causal patterns; None if neither.
+def _visible(query_index, key_index, causal, block_size, window=None):
+  """[T, S] bool: key j is visible to query i under the causal, block-causal and sliding-window patterns;
+  None if none applies.
 
-  query_index: [T] sequence index of each query; key_index: [S]; block_size: B or None.
+  query_index: [T] sequence index of each query; key_index: [S]; block_size: B or None; window: W or None
+  (key j visible iff i − j < W; with `causal`, the keys i−W+1..i).
   """
   visible = None
+  if window is not None:
+    visible = query_index[:, None] - key_index[None, :] < window
   if causal:
-    visible = key_index[None, :] <= query_index[:, None]
+    before = key_index[None, :] <= query_index[:, None]
+    visible = before if visible is None else visible & before
   if block_size is not None:
     same_or_earlier_block = key_index[None, :] // block_size <= query_index[:, None] // block_size
     visible = same_or_earlier_block if visible is None else visible & same_or_earlier_block
   return visible
 
 
-def _masked_scores(scores, pairwise_bias, key_bias, causal, block_size, query_index, key_index):
+def _masked_scores(scores, pairwise_bias, key_bias, causal, block_size, query_index, key_index, window=None):
   """Scores [B, K, G, T, S] (float32) plus biases and the structural masks, clamped below at MASK_VALUE.
 
   pairwise_bias: [B|1, K|1, G|1, T|1, S] or None; key_bias: [B|1, K|1, G|1, S] or None;
@@ -150,13 +155,14 @@ def _masked_scores(scores, pairwise_bias, key_bias, causal, block_size, query_in
     scores = scores + pairwise_bias.astype(jnp.float32)
   if key_bias is not None:
     scores = scores + key_bias[..., None, :].astype(jnp.float32)
-  visible = _visible(query_index, key_index, causal, block_size)
+  visible = _visible(query_index, key_index, causal, block_size, window)
   if visible is not None:
     scores = jnp.where(visible, scores, MASK_VALUE)
   return jnp.maximum(scores, MASK_VALUE)
 
 
-def _attend_block(q, k, v, *, scale, causal, block_size, pairwise_bias, key_bias, query_weights, query_index):
+def _attend_block(q, k, v, *, scale, causal, block_size, pairwise_bias, key_bias, query_weights, query_index,
+                  window=None):
   """Attention of one block of queries against all keys.
 
   q: [B, T, K, G, H]; k, v: [B, S, K, H]; query_weights: [B, Q, T] or None.
@@ -164,8 +170,8 @@ def _attend_block(q, k, v, *, scale, causal, block_size, pairwise_bias, key_bias
   """
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
   key_index = jnp.arange(k.shape[1])
-  probs = jax.nn.softmax(_masked_scores(scores, pairwise_bias, key_bias, causal, block_size, query_index, key_index),
-                         axis=-1)
+  probs = jax.nn.softmax(_masked_scores(scores, pairwise_bias, key_bias, causal, block_size, query_index, key_index,
+                                        window), axis=-1)
   out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v)
   incoming = None
   if query_weights is not None:
@@ -203,6 +209,7 @@ def attention(
     scale: float,
     causal: bool = False,
     block_size: int | None = None,
+    window: int | None = None,
     pairwise_bias: jax.Array | None = None,
     key_bias: jax.Array | None = None,
     query_weights: jax.Array | None = None,
@@ -221,6 +228,8 @@ def attention(
     block_size: None, or B for block-causal attention: query at sequence index i sees key j iff
       j // B <= i // B (bidirectional inside a block of B positions, causal across blocks; the grid starts
       at sequence index 0). Combined with `causal` by intersection.
+    window: None, or W for sliding-window attention: query at sequence index i sees key j only if
+      i − j < W (with `causal`: the W keys i−W+1..i). Combined with the other patterns by intersection.
     pairwise_bias: [B|1, N|1, T|1, S] additive bias, or None.
     key_bias: [B|1, N|1, S] additive per-key bias broadcast over queries (key masks, padding), or None.
     query_weights: [B, Q, T] weights of the queries in each statistics group; None means one group with
@@ -253,9 +262,11 @@ def attention(
   keys = None if key_bias is None else _heads_to_kv_groups(key_bias, kv)
   query_index = query_offset + jnp.arange(t)
   common = dict(scale=scale, causal=causal, block_size=block_size, key_bias=keys)
+  if window is not None:
+    common["window"] = window
 
   if impl == "fused":
-    out, lse = _fused(q, k, v, scale, causal, block_size, pairwise, keys, query_offset)
+    out, lse = _fused(q, k, v, scale, causal, block_size, pairwise, keys, query_offset, window)
     incoming = None
     if query_weights is not None:
       incoming = _incoming_from_lse(q, k, lse, pairwise, query_weights, query_index, query_chunk, common)
@@ -312,7 +323,7 @@ def _chunked(q, k, v, pairwise, query_weights, query_index, chunk, common):
   return out, incoming
 
 
-def _fused(q, k, v, scale, causal, block_size, pairwise, keys, query_offset):
+def _fused(q, k, v, scale, causal, block_size, pairwise, keys, query_offset, window=None):
   """Fused-kernel attention. q: [B, T, K, G, H]. Returns out [B, T, K, G, H] and lse [B, K, G, T]."""
   b, t, kv, g, h = q.shape
   s = k.shape[1]
@@ -323,7 +334,7 @@ def _fused(q, k, v, scale, causal, block_size, pairwise, keys, query_offset):
       term = term.reshape(term.shape[0], -1, *term.shape[3:]) if term.shape[1:3] != (1, 1) else term[:, 0]
       bias = term if bias is None else bias + term
   static_causal = causal and isinstance(query_offset, int) and query_offset == 0 and t == s
-  visible = _visible(query_offset + jnp.arange(t), jnp.arange(s), causal and not static_causal, block_size)
+  visible = _visible(query_offset + jnp.arange(t), jnp.arange(s), causal and not static_causal, block_size, window)
   if visible is not None:
     structure_bias = jnp.where(visible, 0.0, MASK_VALUE)
     bias = structure_bias[None, None] if bias is None else bias + structure_bias
@@ -352,7 +363,8 @@ def _incoming_from_lse(q, k, lse, pairwise, query_weights, query_index, chunk, c
   def body(total, block):
     scores = jnp.einsum("btkgh,bskh->bkgts", block["q"], k, preferred_element_type=jnp.float32)
     scores = _masked_scores(scores * common["scale"], block.get("pairwise", pairwise), common["key_bias"],
-                            common["causal"], common["block_size"], block["query_index"], key_index)
+                            common["causal"], common["block_size"], block["query_index"], key_index,
+                            common.get("window"))
     probs = jnp.exp(scores - block["lse"][..., None])
     return total + jnp.einsum("bqt,bkgts->bqkgs", block["weights"].astype(jnp.float32), probs), None
 

@@ -70,6 +70,7 @@ class ModelConfig:
       contiguous groups, a group's score is the sum of its two best selection scores, only the best
       `router_topk_groups` groups stay eligible, the k best eligible experts are chosen; weights are their
       unbiased s, renormalised when `router_renormalize`, times `routed_scaling_factor`.
+      "gemma" (Gemma 4 / DiffusionGemma, with `moe_with_dense_mlp`): see that field.
     router_expert_bias: "softmax_topk" only: a per-expert bias [E] (`mlp.router.score_bias`) is added to
       the softmax probabilities before the top-k and stays in the chosen weights (LLaDA-MoE with
       `moe_router_enable_expert_bias`; whether the released checkpoints set it is UNVERIFIED). The
@@ -87,6 +88,45 @@ class ModelConfig:
       caps each expert at ceil(c·M·k/E) of the M = B·T tokens of a call; an expert's slots go to tokens in
       (batch row, position) order, and a token's choice beyond the cap is dropped (weight 0; the shared
       experts and the residual still apply).
+    layer_pattern: None (the default) makes every layer alike. A string of n_layers letters gives each
+      layer's attention kind (Gemma 4 / DiffusionGemma): "s" a sliding-window layer (width `sliding_window`,
+      head_dim, n_kv_heads, rope_theta and rotary_dim as above) and "g" a global layer (its own
+      `global_head_dim`, `global_kv_heads`, `global_rope_theta`, `global_rope_fraction`, and K = V when
+      `global_k_eq_v`). Both letters must occur. The sliding layers are stored in `blocks` and the global
+      ones in `global_blocks` (see dlm_jax.model); statistics and biases keep one [L] axis in absolute
+      layer order.
+    sliding_window: W for the "s" layers: a causal query at sequence index i sees keys i−W+1..i; in a
+      `forward(..., decoder=True)` call the queries see the last W−1 cached keys before the call and all of
+      the call's own keys. Required iff layer_pattern has an "s".
+    global_head_dim, global_kv_heads, global_rope_theta: head width, kv heads and RoPE θ of the "g" layers
+      (DiffusionGemma: 512, 2, 1e6). Required iff layer_pattern has a "g".
+    global_rope_fraction: "proportional" RoPE of the "g" layers (HF rope_type "proportional"):
+      inv_freq_j = θ^(−2j/H) for j < int(f·H // 2) and 0 for the other pairs, rotate-half over the whole
+      head (pairs j, j + H/2); 1.0 is plain full RoPE. Not `rotary_dim` (leading dims, exponent over d_r).
+    global_k_eq_v: the "g" layers have no v projection: V = the k projection (then `v_norm`), K = RoPE of
+      its k_norm.
+    attention_scale: multiplier of q·k; None means 1/√H (DiffusionGemma: 1.0).
+    v_norm: weightless RMSNorm over each value head (Gemma 4).
+    mlp_activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with the tanh approximation of GELU) for every
+      gated feed-forward (dense MLP, experts, self-conditioning).
+    sandwich_norms: Gemma norms around the sub-layers: h = x + post_attn_norm(attn(attn_norm x)),
+      out = h + post_ffn_norm(FFN(h)) with FFN starting from mlp_norm.
+    moe_with_dense_mlp: every layer has the dense gated MLP (width mlp_hidden) and the MoE in parallel
+      (Gemma 4 MoE): FFN(h) = post_mlp_norm(MLP(mlp_norm h)) + post_moe_norm(MoE(moe_norm h)), the router
+      reading h itself. Needs sandwich_norms, router "gemma" and first_k_dense 0.
+      The "gemma" router: logits = (RMSNorm_noweight(h)·router.scale·D^(−1/2))·W_r, p = softmax (float32),
+      the k largest p renormalised to sum to one (router_renormalize must be True), times
+      router.per_expert_scale[e].
+    layer_scalar: each block's output (residual included) is multiplied by a learned scalar [1].
+    embed_scale: token embeddings are multiplied by √D, the factor cast to the parameter dtype first
+      (bf16: √2816 = 53.07 -> 53.0).
+    final_logit_softcap: None, or c: logits = c·tanh(logits / c) in float32 (DiffusionGemma 30).
+    self_conditioning: the DiffusionGemma decoder's self-conditioning module (`self_conditioning.*`, a gated
+      MLP of width mlp_hidden): a decoder call's input is RMSNorm_noweight(e + MLP(pre_norm(s))) with
+      e = embed(tokens)·√D and s = softmax(previous logits)·E·√D (zeros when no logits are given).
+    norm_fp32_weight: every weighted RMSNorm multiplies by its weight in float32 and then casts to the
+      activation dtype (Gemma 4); otherwise the normalised value is cast first (Llama, Qwen2, LLaDA). The
+      two agree in float32.
     mask_token_id, eos_token_id, eot_token_id, bos_token_id, pad_token_id: special token ids, or
       None when the model has no such token.
   """
@@ -128,6 +168,23 @@ class ModelConfig:
   routed_scaling_factor: float = 1.0
   router_fp32: bool = True
   capacity_factor: float | None = None
+  layer_pattern: str | None = None
+  sliding_window: int | None = None
+  global_head_dim: int | None = None
+  global_kv_heads: int | None = None
+  global_rope_theta: float | None = None
+  global_rope_fraction: float = 1.0
+  global_k_eq_v: bool = False
+  attention_scale: float | None = None
+  v_norm: bool = False
+  mlp_activation: str = "silu"
+  sandwich_norms: bool = False
+  moe_with_dense_mlp: bool = False
+  layer_scalar: bool = False
+  embed_scale: bool = False
+  final_logit_softcap: float | None = None
+  self_conditioning: bool = False
+  norm_fp32_weight: bool = False
 
   def __post_init__(self):
     for field in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "vocab_size"):
@@ -147,7 +204,8 @@ class ModelConfig:
     if self.logit_shift not in (0, 1):
       raise ConfigError(f"ModelConfig.logit_shift must be 0 or 1, got {self.logit_shift!r}.")
     for field in ("rope_fp32", "qkv_bias", "tied_embeddings", "causal", "qk_norm", "router_renormalize",
-                  "router_fp32", "router_expert_bias"):
+                  "router_fp32", "router_expert_bias", "global_k_eq_v", "v_norm", "sandwich_norms",
+                  "moe_with_dense_mlp", "layer_scalar", "embed_scale", "self_conditioning", "norm_fp32_weight"):
       if not isinstance(getattr(self, field), bool):
         raise ConfigError(f"ModelConfig.{field} must be a bool, got {getattr(self, field)!r}.")
     block = self.attention_block_size
@@ -165,6 +223,7 @@ class ModelConfig:
       raise ConfigError(f"ModelConfig.rotary_dim must be None or an even integer in [2, head_dim={self.head_dim}], "
                         f"got {rotary!r}.")
     self._check_experts()
+    self._check_gemma()
     for field in _SPECIAL_TOKEN_FIELDS:
       value = getattr(self, field)
       if value is None:
@@ -179,8 +238,9 @@ class ModelConfig:
       value = getattr(self, field)
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"ModelConfig.{field} must be a non-negative integer, got {value!r}.")
-    if self.router not in ("softmax_topk", "sigmoid_group"):
-      raise ConfigError(f"ModelConfig.router must be 'softmax_topk' or 'sigmoid_group', got {self.router!r}.")
+    if self.router not in ("softmax_topk", "sigmoid_group", "gemma"):
+      raise ConfigError(f"ModelConfig.router must be 'softmax_topk', 'sigmoid_group' or 'gemma', got "
+                        f"{self.router!r}.")
     scale = self.routed_scaling_factor
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
       raise ConfigError(f"ModelConfig.routed_scaling_factor must be a positive number, got {scale!r}.")
@@ -215,10 +275,13 @@ class ModelConfig:
     if self.router_expert_bias and self.router != "softmax_topk":
       raise ConfigError("ModelConfig.router_expert_bias applies to router='softmax_topk' only; the "
                         "'sigmoid_group' router always has its selection bias.")
-    if self.router == "softmax_topk":
+    if self.router in ("softmax_topk", "gemma"):
       if (self.router_groups, self.router_topk_groups, self.routed_scaling_factor) != (1, 1, 1.0):
         raise ConfigError("ModelConfig.router_groups, router_topk_groups and routed_scaling_factor apply to "
-                          "router='sigmoid_group' only; leave them at 1, 1 and 1.0 for 'softmax_topk'.")
+                          "router='sigmoid_group' only; leave them at 1, 1 and 1.0 for 'softmax_topk' and 'gemma'.")
+      if self.router == "gemma" and not (self.router_renormalize and self.moe_with_dense_mlp):
+        raise ConfigError("ModelConfig.router='gemma' needs router_renormalize=True and moe_with_dense_mlp=True "
+                          "(the Gemma-4 feed-forward); use 'softmax_topk' otherwise.")
       return
     groups, kept = self.router_groups, self.router_topk_groups
     if groups < 1 or e % groups or e // groups < 2:
@@ -228,6 +291,73 @@ class ModelConfig:
       raise ConfigError(
           f"ModelConfig.router_topk_groups ({kept}) must be in [1, router_groups={groups}] and the kept groups "
           f"({kept} x {e // groups} experts) must hold experts_per_token ({self.experts_per_token}) experts.")
+
+  def _check_gemma(self) -> None:
+    if self.mlp_activation not in ("silu", "gelu_tanh"):
+      raise ConfigError(f"ModelConfig.mlp_activation must be 'silu' or 'gelu_tanh', got {self.mlp_activation!r}.")
+    for field in ("attention_scale", "final_logit_softcap"):
+      value = getattr(self, field)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ConfigError(f"ModelConfig.{field} must be None or a positive number, got {value!r}.")
+    fraction = self.global_rope_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+      raise ConfigError(f"ModelConfig.global_rope_fraction must be in (0, 1], got {fraction!r}.")
+    if self.moe_with_dense_mlp:
+      if not (self.is_moe and self.router == "gemma" and self.sandwich_norms and self.first_k_dense == 0):
+        raise ConfigError("ModelConfig.moe_with_dense_mlp=True (dense MLP in parallel with the MoE) needs "
+                          "n_experts > 0, router='gemma', sandwich_norms=True and first_k_dense=0.")
+    elif self.router == "gemma":
+      raise ConfigError("ModelConfig.router='gemma' needs moe_with_dense_mlp=True.")
+    global_fields = {"global_head_dim": self.global_head_dim, "global_kv_heads": self.global_kv_heads,
+                     "global_rope_theta": self.global_rope_theta}
+    pattern = self.layer_pattern
+    if pattern is None:
+      set_fields = [name for name, value in global_fields.items() if value is not None]
+      set_fields += [name for name in ("sliding_window",) if getattr(self, name) is not None]
+      if self.global_k_eq_v:
+        set_fields.append("global_k_eq_v")
+      if self.global_rope_fraction != 1.0:
+        set_fields.append("global_rope_fraction")
+      if set_fields:
+        raise ConfigError(f"ModelConfig.{set_fields[0]} applies to models with sliding and global layers; set "
+                          "layer_pattern (one 's' or 'g' per layer) or leave it at its default.")
+      return
+    if (not isinstance(pattern, str) or len(pattern) != self.n_layers or set(pattern) != {"s", "g"}):
+      raise ConfigError(f"ModelConfig.layer_pattern must be a string of n_layers={self.n_layers} letters 's' "
+                        f"(sliding-window layer) and 'g' (global layer) with both letters present, got {pattern!r}; "
+                        "use layer_pattern=None for a model whose layers are all alike.")
+    if self.first_k_dense or self.attention_block_size is not None or self.rotary_dim is not None:
+      raise ConfigError("ModelConfig.layer_pattern cannot be combined with first_k_dense, attention_block_size or "
+                        "rotary_dim; set them to 0 / None.")
+    window = self.sliding_window
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+      raise ConfigError(f"ModelConfig.sliding_window must be an integer >= 2 when layer_pattern has 's' layers, "
+                        f"got {window!r}.")
+    for name in ("global_head_dim", "global_kv_heads"):
+      value = global_fields[name]
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"ModelConfig.{name} must be a positive integer when layer_pattern has 'g' layers, got "
+                          f"{value!r}.")
+    if self.global_head_dim % 2:
+      raise ConfigError(f"ModelConfig.global_head_dim must be even for rotate-half RoPE, got {self.global_head_dim}.")
+    if self.n_heads % self.global_kv_heads:
+      raise ConfigError(f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of global_kv_heads "
+                        f"({self.global_kv_heads}).")
+    theta = self.global_rope_theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 1:
+      raise ConfigError(f"ModelConfig.global_rope_theta must be a number > 1 when layer_pattern has 'g' layers, "
+                        f"got {theta!r}.")
+
+  @property
+  def layer_kinds(self) -> str:
+    """One letter per layer: the `layer_pattern`, or "s" for every layer of a model whose layers are alike
+    (all stored in `blocks`)."""
+    return self.layer_pattern if self.layer_pattern is not None else "s" * self.n_layers
+
+  @property
+  def n_global_layers(self) -> int:
+    """Layers stored in `global_blocks` (the "g" letters of layer_pattern; 0 without a pattern)."""
+    return self.layer_kinds.count("g")
 
   @property
   def is_moe(self) -> bool:
@@ -304,6 +434,20 @@ def _llada2(name: str, **dims: Any) -> ModelConfig:
       router_topk_groups=4, routed_scaling_factor=2.5, router_fp32=True, **_LING_TOKENS, **dims)
 
 
+def _diffusion_gemma(name: str, **dims: Any) -> ModelConfig:
+  """DiffusionGemma (the Gemma-4 26B-A4B text stack): models_2026.md §8.3 and transformers'
+  `DiffusionGemmaTextConfig`; 5 sliding : 1 global layers, the last one global."""
+  values = dict(
+      name=name, norm_eps=1e-6, rope_theta=10000.0, qk_norm=True, tied_embeddings=True, causal=True,
+      logit_shift=0, global_rope_theta=1_000_000.0, global_rope_fraction=0.25, global_k_eq_v=True,
+      attention_scale=1.0, v_norm=True, mlp_activation="gelu_tanh", sandwich_norms=True, moe_with_dense_mlp=True,
+      router="gemma", router_renormalize=True, router_fp32=False, layer_scalar=True, embed_scale=True,
+      final_logit_softcap=30.0, self_conditioning=True, norm_fp32_weight=True, pad_token_id=0, eos_token_id=1,
+      bos_token_id=2)
+  values.update(dims)
+  return ModelConfig(**values)
+
+
 def _tiny(name: str, **overrides: Any) -> ModelConfig:
   values = dict(name=name, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16, mlp_hidden=128,
                 vocab_size=256, norm_eps=1e-5, rope_theta=10000.0)
@@ -347,6 +491,11 @@ PRESETS: dict[str, ModelConfig] = {
     # iLLaDA-8B: only mask id 5 and LLaDA-8B API compatibility are published (models_2026.md §6); the
     # LLaDA-8B shapes and other special ids are assumed — UNVERIFIED.
     "illada-8b": _llada_like("illada-8b", vocab_size=126464).replace(name="illada-8b", mask_token_id=5),
+    # DiffusionGemma 26B-A4B (google/diffusiongemma-26B-A4B-it), text stack only: models_2026.md §8.3.
+    "diffusiongemma-26b-a4b": _diffusion_gemma(
+        "diffusiongemma-26b-a4b", d_model=2816, n_layers=30, n_heads=16, n_kv_heads=8, head_dim=256,
+        mlp_hidden=2112, vocab_size=262144, layer_pattern="sssssg" * 5, sliding_window=1024, global_head_dim=512,
+        global_kv_heads=2, n_experts=128, experts_per_token=8, expert_hidden=704),
     # Tiny random configs for tests: same switches as the real models, a few thousand parameters.
     "tiny-llada": _tiny("tiny-llada", rope_fp32=True, mask_token_id=255, eos_token_id=1, eot_token_id=2,
                         bos_token_id=0, pad_token_id=1),
@@ -364,6 +513,10 @@ PRESETS: dict[str, ModelConfig] = {
                          n_shared_experts=1, shared_expert_hidden=16, first_k_dense=1, router="sigmoid_group",
                          router_renormalize=True, router_groups=4, router_topk_groups=2, routed_scaling_factor=2.5,
                          mask_token_id=255, eos_token_id=1, pad_token_id=1),
+    "tiny-diffusiongemma": _diffusion_gemma(
+        "tiny-diffusiongemma", d_model=64, n_layers=5, n_heads=4, n_kv_heads=2, head_dim=16, mlp_hidden=96,
+        vocab_size=256, layer_pattern="ssgsg", sliding_window=4, global_head_dim=32, global_kv_heads=1,
+        n_experts=8, experts_per_token=2, expert_hidden=32),
     "tiny-smollm2": _tiny("tiny-smollm2", n_heads=6, n_kv_heads=2, head_dim=8, tied_embeddings=True, causal=True,
                           logit_shift=1, eos_token_id=1, bos_token_id=0, pad_token_id=1),
 }

@@ -19,6 +19,22 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.
   return jnp.cos(angles), jnp.sin(angles)
 
 
+def proportional_rope_tables(positions: jax.Array, head_dim: int, theta: float, fraction: float
+                             ) -> tuple[jax.Array, jax.Array]:
+  """cos and sin tables [B, T, H] float32 of "proportional" RoPE (Gemma 4 global layers).
+
+  inv_freq[j] = θ^(−2j/H) for j < int(fraction·H // 2) and 0 for the remaining pairs, so those dims are
+  not rotated (cos 1, sin 0); the tables span the whole head (rotate-half pairs j, j + H/2). fraction 1
+  gives `rope_tables`.
+  """
+  rotated = int(fraction * head_dim // 2)
+  exponents = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+  inv_freq = jnp.where(jnp.arange(head_dim // 2) < rotated, 1.0 / (jnp.float32(theta) ** exponents), 0.0)
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  angles = jnp.concatenate([angles, angles], axis=-1)
+  return jnp.cos(angles), jnp.sin(angles)
+
+
 def _rotate_half(x: jax.Array) -> jax.Array:
   half = x.shape[-1] // 2
   return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)

@@ -112,3 +112,24 @@ def test_bad_shapes_are_named():
     attention(q, k, v, scale=1.0, pairwise_bias=jnp.zeros((2, 1, 11, 10)))
   with pytest.raises(ValueError, match="multiple of K"):
     attention(q[:, :, :5], k, v, scale=1.0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("impl, chunk", [("dense", 128), ("chunked", 4), ("fused", 4), ("fused", 128)])
+def test_sliding_window_matches_numpy(causal, impl, chunk):
+  """window W: query i sees key j iff i − j < W (with causal: the keys i−W+1..i), also with a query offset."""
+  rng, q, k, v = _inputs(2)
+  window, offset = 3, 2
+  t = 7
+  q = q[:, :t]
+  query_index = offset + np.arange(t)
+  visible = query_index[:, None] - np.arange(11)[None, :] < window
+  if causal:
+    visible &= np.arange(11)[None, :] <= query_index[:, None]
+  bias = np.where(visible, 0.0, -np.inf)[None, None]
+  weights = np.ones((2, 1, t), np.float32)
+  out, incoming = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), scale=0.3, causal=causal, window=window,
+                            query_offset=offset, with_incoming=True, impl=impl, query_chunk=chunk)
+  ref_out, ref_incoming, _ = numpy_attention(q, k, v, 0.3, False, bias, weights)
+  np.testing.assert_allclose(out, ref_out, atol=1e-5)
+  np.testing.assert_allclose(incoming, ref_incoming, atol=1e-5)

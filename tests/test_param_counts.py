@@ -78,3 +78,21 @@ def test_llada2_mini_shapes_put_the_dense_layer_in_its_own_stack():
   assert shapes["blocks"]["mlp"]["shared"]["up"]["kernel"] == (19, 2048, 512)
   assert shapes["blocks"]["attn"]["q_norm"]["weight"] == (19, 128)
   assert shapes["blocks"]["attn"]["k"]["kernel"] == (19, 2048, 512)
+
+
+def test_diffusiongemma_preset_counts_the_text_stack():
+  # DiffusionGemma 26B-A4B, text only. transformers 5.23 (DiffusionGemmaForBlockDiffusion on the meta
+  # device, same text config) counts 25_250_986_752 decoder parameters (embedding, 30 layers, final norm,
+  # self-conditioning; the encoder's text weights and lm_head are tied to them) plus 30 `layer_scalar`
+  # buffers, which are parameters here: 25_250_986_782. The vision tower (169_527_296) is not converted.
+  config = preset("diffusiongemma-26b-a4b")
+  assert model.param_count(config) == 25_250_986_782
+  shapes = jax.tree.map(lambda leaf: leaf.shape, model.abstract_params(config))
+  assert shapes["blocks"]["attn"]["k"]["kernel"] == (25, 2816, 2048)
+  assert shapes["global_blocks"]["attn"]["k"]["kernel"] == (5, 2816, 1024)
+  assert "v" not in shapes["global_blocks"]["attn"]
+  assert shapes["global_blocks"]["attn"]["q"]["kernel"] == (5, 2816, 8192)
+  assert shapes["blocks"]["moe"]["experts"]["gate"]["kernel"] == (25, 128, 2816, 704)
+  assert shapes["self_conditioning"]["mlp"]["gate"]["kernel"] == (2816, 2112)
+  assert "lm_head" not in shapes
+  assert model.active_param_count(config) == 3_102_178_078  # + the embedding matrix: 3.84B, "A4B"

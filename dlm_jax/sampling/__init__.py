@@ -5,17 +5,20 @@
   dream.diffusion_generate   Dream `diffusion_generate`, and Fast-dLLM's Dream block modes (dream_blockwise)
   autoregressive.generate    KV-cache decoding of the autoregressive baselines
   block_diffusion.generate   block diffusion with an exact KV cache (LLaDA2.x, SDAR, dInfer)
+  diffusion_gemma.generate   DiffusionGemma's uniform-state block diffusion with self-conditioning
   padding                    left-padding validity, shifted positions and padding biases
   selection                  top-k positions, logit filters, decode steps
   schedules                  LLaDA transfer counts, Dream timesteps (torch.linspace, bit for bit)
 """
 
-from dlm_jax.sampling import autoregressive, block_diffusion, driver, dream, llada, padding, schedules, selection
+from dlm_jax.sampling import (
+    autoregressive, block_diffusion, diffusion_gemma, driver, dream, llada, padding, schedules, selection)
 from dlm_jax.sampling.autoregressive import AROptions
 from dlm_jax.sampling.block_diffusion import BlockDiffusionOptions
+from dlm_jax.sampling.diffusion_gemma import DiffusionGemmaOptions
 from dlm_jax.sampling.dream import DreamOptions
 from dlm_jax.sampling.llada import LLaDAOptions, mmada_options
 from dlm_jax.sampling.trace import Trace
 
-__all__ = ["AROptions", "BlockDiffusionOptions", "DreamOptions", "LLaDAOptions", "Trace", "autoregressive",
-           "block_diffusion", "driver", "dream", "llada", "mmada_options", "padding", "schedules", "selection"]
+__all__ = ["AROptions", "BlockDiffusionOptions", "DiffusionGemmaOptions", "DreamOptions", "LLaDAOptions", "Trace",
+           "autoregressive", "block_diffusion", "diffusion_gemma", "driver", "dream", "llada", "mmada_options", "padding", "schedules", "selection"]

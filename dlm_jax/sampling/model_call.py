@@ -33,6 +33,8 @@ class StepOutput:
   active: [B] bool, the rows the step decoded for (set by the family; the driver fills all-true when None).
   queries: [2] int32, the canvas positions [start, stop) whose queries the step computed (set by families
     that compute part of the canvas; the driver fills [0, S) when None).
+  accepted: [B, C] bool, the canvas positions a uniform-state step accepted (DiffusionGemma; None for the
+    other families).
   """
 
   stats: dict[str, jax.Array] | None = None
@@ -40,6 +42,7 @@ class StepOutput:
   record: Any = None
   active: jax.Array | None = None
   queries: jax.Array | None = None
+  accepted: jax.Array | None = None
 
 
 @struct.dataclass
@@ -95,7 +98,9 @@ class ModelCaller:
                base_bias: AttentionBias = NO_BIAS,
                uncond_tokens: jax.Array | None = None, uncond_base_bias: AttentionBias = NO_BIAS,
                cache: KVCache | None = None, cache_offset: jax.Array | int = 0, canvas: jax.Array | None = None,
-               logits_offset: jax.Array | int = 0, return_hidden: bool = False) -> CallResult:
+               logits_offset: jax.Array | int = 0, return_hidden: bool = False, decoder: bool = False,
+               self_conditioning_logits: jax.Array | None = None,
+               self_conditioning_mask: jax.Array | None = None) -> CallResult:
     """Runs the model on tokens [B, T] (with the unconditional canvas [B, T] as a 2B batch when given).
 
     window: (start, stop) positions whose logits are computed, "last" (the last position) or None (all);
@@ -106,6 +111,8 @@ class ModelCaller:
     base_bias / uncond_base_bias: the padding biases of the two halves.
     cache: a `KVCache`: the call writes it at `cache_offset`, the keys are its S positions and `canvas`
     [B, S] is the whole sequence the intervention sees (`CallContext.tokens`).
+    decoder, self_conditioning_logits, self_conditioning_mask: a DiffusionGemma decoder call (reads the
+    cache, writes nothing; see `dlm_jax.model.forward`).
     """
     batch, length = tokens.shape
     if cache is None:
@@ -135,7 +142,9 @@ class ModelCaller:
     output = forward(params, model_tokens, config=self.config, bias=bias, positions=positions,
                      query_weights=weights, stats_spec=spec, logits_window=window, logits_offset=logits_offset,
                      attention_impl=self.attention_impl, query_chunk=self.query_chunk, cache=cache,
-                     cache_offset=cache_offset, return_hidden=return_hidden)
+                     cache_offset=cache_offset, return_hidden=return_hidden, decoder=decoder,
+                     self_conditioning_logits=self_conditioning_logits,
+                     self_conditioning_mask=self_conditioning_mask)
     halves = {"logits": output.logits, "hidden": output.hidden}
     cond = {name: None if x is None else x[:batch] for name, x in halves.items()}
     uncond = {name: None if x is None or uncond_tokens is None else x[batch:] for name, x in halves.items()}

@@ -42,6 +42,9 @@ class Trace:
     intervention_record: None, or (with `record_intervention=True`) the intervention's per-step record
       stacked over steps (`Intervention.record`; e.g. the keys `MaskPreviousSinks` masked at each step,
       [steps, L, B, N, S] bool).
+    accepted: None, or [max_steps, B, C] bool (DiffusionGemma): the canvas positions each decoder step
+      accepted (took the sample; the others were renoised); all False at the encoder calls and for rows
+      that waited.
     prompt_length: Lp, the number of prompt positions (static).
   """
 
@@ -53,6 +56,7 @@ class Trace:
   stats: dict[str, jax.Array] | None = None
   top_sinks: jax.Array | None = None
   intervention_record: Any = None
+  accepted: jax.Array | None = None
   prompt_length: int = struct.field(pytree_node=False, default=0)
 
   @property
