@@ -38,6 +38,7 @@ import time
 
 from absl import app, flags
 
+from benchmarks import option_comparison
 from benchmarks.flops import step_flops
 from dlm_jax import xla_cpu
 
@@ -64,7 +65,11 @@ _XLA_CPU_OPTIONS = flags.DEFINE_string("xla_cpu_options", "auto", "XLA CPU optio
                                         f"{'|'.join(xla_cpu.CHOICES)}; auto picks by CPU vendor.")
 _COMPARE = flags.DEFINE_list("compare_xla_cpu_options", [], "Instead of the sweep: compare these XLA CPU option "
                              "sets (e.g. default,eigen,onednn) in one process per width, batch and condition.")
-_ROUNDS = flags.DEFINE_integer("option_rounds", 5, "Rounds of the option comparison (the best round counts).")
+_COMPARE_CHUNKS = flags.DEFINE_list("compare_query_chunks", [], "With --compare_xla_cpu_options: also compare "
+                                    "these query_chunk values (empty: --query_chunk only).")
+_COMPARE_FUSED = flags.DEFINE_bool("compare_fused_projections", False, "With --compare_xla_cpu_options: also "
+                                   "time every variant with q/k/v and gate/up fused (benchmarks/fused_projections).")
+_ROUNDS = flags.DEFINE_integer("option_rounds", 5, "Rounds of the option comparison (the median counts).")
 _JSON_OUT = flags.DEFINE_string("json_out", "denoise_bench.json", "Where to write all results.")
 _WORKER = flags.DEFINE_string("worker", None, "Internal: run one measurement described by this JSON.")
 
@@ -198,33 +203,6 @@ def _torch_generation(spec: dict) -> dict:
   return result
 
 
-def _option_comparison(spec: dict) -> dict:
-  """The sampler compiled once per XLA CPU option set of spec["sets"] (`compiler_options`), and the PyTorch
-  way when spec["torch"]; spec["rounds"] rounds that run each once in turn, so load from other processes
-  falls on all alike. {name: {generation_s (best round), non_eos_tokens, same_tokens (as the first set)}}."""
-  import jax
-  import numpy as np
-  config, params, prompt, sample = _jax_sampler(spec)
-  lowered = jax.jit(sample).lower(params, prompt)
-  runs = {}
-  for name in spec["sets"]:
-    compiled = lowered.compile(compiler_options=xla_cpu.OPTION_SETS[name] or None)
-    runs[name] = lambda compiled=compiled: np.asarray(jax.block_until_ready(compiled(params, prompt)).generated)
-  if spec["torch"]:
-    torch_sample = _torch_sampler(spec, config, params, prompt)[0]
-    runs["torch"] = lambda: torch_sample()[:, spec["prompt"]:].cpu().numpy()
-  tokens = {name: run() for name, run in runs.items()}
-  best = dict.fromkeys(runs, float("inf"))
-  for _ in range(spec["rounds"]):
-    for name, run in runs.items():
-      start = time.perf_counter()
-      run()
-      best[name] = min(best[name], time.perf_counter() - start)
-  first = tokens[spec["sets"][0]]
-  return {name: {"generation_s": best[name], "non_eos_tokens": int((tokens[name] != config.eos_token_id).sum()),
-                 "same_tokens": bool(np.array_equal(tokens[name], first))} for name in runs}
-
-
 def _jax_step_memory(spec: dict) -> dict:
   import functools
   import jax
@@ -263,7 +241,7 @@ def _worker(spec: dict) -> dict:
   """One measurement, with the XLA_FLAGS it ran under."""
   run = {("jax", "generation"): _jax_generation, ("torch", "generation"): _torch_generation,
          ("jax", "step_memory"): _jax_step_memory, ("torch", "step_memory"): _torch_step_memory,
-         ("jax", "option_comparison"): _option_comparison}
+         ("jax", "option_comparison"): lambda spec: option_comparison.run_worker(spec, _jax_sampler, _torch_sampler)}
   return {**run[(spec["framework"], spec["kind"])](spec), "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
@@ -317,37 +295,6 @@ def _write_json(path: str, results: dict) -> None:
   os.replace(tmp, path)
 
 
-def _compare_options(base: dict, cpu: xla_cpu.CpuInfo, versions: dict) -> None:
-  """--compare_xla_cpu_options: per width, batch and condition, one process times every set against the
-  PyTorch way (`_option_comparison`); prints ms/step, tokens/s and the ratio, writes JSON."""
-  results = {"cpu": dataclasses.asdict(cpu), **versions, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-             "sets": {name: dict(xla_cpu.OPTION_SETS[name]) for name in _COMPARE.value}, "flags": base,
-             "option_comparison": []}
-  print(f"{'width':>5} {'batch':>5} {'condition':>9} {'set':>9} {'ms/step':>8} {'tok/s':>8} {'vs torch':>8} "
-        f"{'tokens':>9}")
-  for width in map(int, _WIDTHS.value):
-    for batch in map(int, _BATCH.value):
-      for condition in _CONDITIONS.value:
-        spec = dict(base, width=width, batch=batch, condition=condition, framework="jax", kind="option_comparison",
-                    sets=_COMPARE.value, torch="torch" in _FRAMEWORKS.value, rounds=_ROUNDS.value)
-        measured = _measure(spec, os.environ.get("XLA_FLAGS", ""))
-        torch_s = measured["torch"]["generation_s"] if "torch" in measured else None
-        for name in [*_COMPARE.value, *(["torch"] if torch_s else [])]:
-          row = measured[name]
-          row.update(width=width, batch=batch, condition=condition, set=name,
-                     ms_per_step=1e3 * row["generation_s"] / base["steps"],
-                     tokens_per_s=row["non_eos_tokens"] / row["generation_s"])
-          if torch_s:
-            row["jax_speedup"] = torch_s / row["generation_s"]
-          results["option_comparison"].append(row)
-          ratio = f"{row['jax_speedup']:.2f}x" if torch_s and name != "torch" else ""
-          same = "same" if row["same_tokens"] else "DIFFERENT"
-          print(f"{width:>5} {batch:>5} {condition:>9} {name:>9} {row['ms_per_step']:>8.2f} "
-                f"{row['tokens_per_s']:>8.1f} {ratio:>8} {same:>9}", flush=True)
-        _write_json(_JSON_OUT.value, results)
-  print(f"results written to {_JSON_OUT.value}")
-
-
 def main(argv):
   del argv
   if _WORKER.value:
@@ -365,13 +312,24 @@ def main(argv):
   import jax  # pylint: disable=import-outside-toplevel  (after XLA_FLAGS is set)
   import jaxlib  # pylint: disable=import-outside-toplevel
   versions = {"jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__}
-  print(f"CPU: {cpu.model} ({cpu.vendor}); jax {jax.__version__}, jaxlib {jaxlib.__version__}")
+  print(f"CPU: {cpu.model} ({cpu.vendor}); jax {jax.__version__}, jaxlib {jaxlib.__version__}; load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
   steps = _STEPS.value or _GEN.value
   base = dict(layers=_LAYERS.value, heads=_HEADS.value, mlp_ratio=_MLP_RATIO.value, vocab=_VOCAB.value,
               prompt=_PROMPT.value, gen=_GEN.value, block=_BLOCK.value, steps=steps, dtype=_DTYPE.value,
               impl=_IMPL.value, query_chunk=_QUERY_CHUNK.value, repeats=2)
   if _COMPARE.value:
-    _compare_options(base, cpu, versions)
+    chunks = [int(c) for c in _COMPARE_CHUNKS.value] or [_QUERY_CHUNK.value]
+    grid = dict(widths=list(map(int, _WIDTHS.value)), batches=list(map(int, _BATCH.value)),
+                conditions=_CONDITIONS.value, torch="torch" in _FRAMEWORKS.value, rounds=_ROUNDS.value,
+                variants=option_comparison.variants(_COMPARE.value, chunks, [False, True] if _COMPARE_FUSED.value
+                                                    else [False]))
+    header = {"cpu": dataclasses.asdict(cpu), **versions, "load_average": os.getloadavg(),
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "sets": {name: dict(xla_cpu.OPTION_SETS[name]) for name in _COMPARE.value}}
+    option_comparison.compare(base, grid, lambda spec: _measure(spec, os.environ.get("XLA_FLAGS", "")), header,
+                              _write_json, _JSON_OUT.value)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return
   print(f"XLA CPU options: {options.name} (--xla_cpu_options={options.choice}); "
         f"XLA_FLAGS={options.xla_flags or '(empty)'}")
@@ -379,7 +337,8 @@ def main(argv):
   print(f"matmul peak ({peak['dtype']} GEMM n={peak['gemm_n']}): JAX {peak['jax_flops'] / 1e9:.1f} GFLOP/s, "
         f"PyTorch {peak['torch_flops'] / 1e9:.1f} GFLOP/s")
   print("step FLOPs = L·(2·S·D·3·N·H + 2·S·N·H·D + 6·S·D·F + 4·S²·N·H) + 2·W·D·V, W = block length")
-  results = {"cpu": dataclasses.asdict(cpu), **versions, "xla_cpu_options": dataclasses.asdict(options),
+  results = {"cpu": dataclasses.asdict(cpu), **versions, "load_average": os.getloadavg(),
+             "xla_cpu_options": dataclasses.asdict(options),
              "matmul_peak": peak, "generation": [], "step_memory": [], "flags": {
       "layers": _LAYERS.value, "heads": _HEADS.value, "mlp_ratio": _MLP_RATIO.value, "vocab": _VOCAB.value,
       "prompt": _PROMPT.value, "gen": _GEN.value, "block": _BLOCK.value, "steps": steps, "dtype": _DTYPE.value,

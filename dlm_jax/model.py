@@ -139,9 +139,10 @@ class Attention(nnx.Module):
     """
     c = self.config
     b, t, _ = x.shape
-    q = self.q(x).reshape(b, t, c.n_heads, c.head_dim)
-    k = self.k(x).reshape(b, t, c.n_kv_heads, c.head_dim)
-    v = self.v(x).reshape(b, t, c.n_kv_heads, c.head_dim)
+    q, k, v = self.project_qkv(x)
+    q = q.reshape(b, t, c.n_heads, c.head_dim)
+    k = k.reshape(b, t, c.n_kv_heads, c.head_dim)
+    v = v.reshape(b, t, c.n_kv_heads, c.head_dim)
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q = apply_rope(q, cos, sin, fp32=c.rope_fp32)
@@ -159,6 +160,11 @@ class Attention(nnx.Module):
         with_incoming=with_incoming, impl=impl, query_chunk=query_chunk)
     return self.o(out.reshape(b, t, c.n_heads * c.head_dim)), incoming, (k, v)
 
+  def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, D] -> q [B, T, N·H], k, v [B, T, K·H]: three matmuls (benchmarks/fused_projections.py
+    measures one matmul over the concatenated kernels instead)."""
+    return self.q(x), self.k(x), self.v(x)
+
 
 class SwiGLU(nnx.Module):
   """down(SiLU(gate(x)) ⊙ up(x)) with hidden width `hidden`: [..., D] -> [..., D]."""
@@ -169,7 +175,12 @@ class SwiGLU(nnx.Module):
     self.down = _linear(hidden, d_model, False, rngs, dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    gate, up = self.project_gate_up(x)
+    return self.down(jax.nn.silu(gate) * up)
+
+  def project_gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> (gate(x), up(x)) [..., hidden] each: two matmuls (see `Attention.project_qkv`)."""
+    return self.gate(x), self.up(x)
 
 
 def route(config: ModelConfig, logits: jax.Array, score_bias: jax.Array | None = None

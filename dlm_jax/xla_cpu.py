@@ -4,14 +4,20 @@ XLA reads XLA_FLAGS once, when the first backend is created (the first JAX call 
 so `apply` must run before that; importing jax is fine. A set is also usable for one compilation,
 `jax.jit(f).lower(...).compile(compiler_options=OPTION_SETS[name])` (the same DebugOptions fields), which
 is how the denoising benchmark compares them in one process. The sets change which library runs the CPU
-matmuls, which changes float rounding only (see BUILD.md for the measurements behind `auto`). The option
-names are those of jaxlib 0.10 (an unknown name in XLA_FLAGS aborts the process).
+matmuls, which changes float rounding only (BUILD.md has the measurements behind `auto`).
 
-  default  XLA's own choice: in jaxlib 0.10 every dot is a YNNPACK fusion
-  eigen    YNNPACK dot fusion off, so dots go through XLA's Eigen matmul
-  onednn   YNNPACK dot fusion off, oneDNN dot fusions on (matmuls through oneDNN)
-  auto     the set measured fastest on this CPU vendor (`AUTO_BY_VENDOR`), else default
+The option names and values are those of jaxlib 0.10.2 (an unknown name in XLA_FLAGS aborts the process;
+`tests/test_xla_cpu.py` runs every set). Fusion types are written as enum names (LIBRARY_FUSION_TYPE_DOT):
+XLA_FLAGS also takes the short names (dot), `compiler_options` only the enum names.
 
+  default    XLA's own choice: in jaxlib 0.10 every dot is a YNNPACK fusion of its own
+  eigen      YNNPACK fusions off, so dots go through XLA's Eigen matmul
+  ynn_fused  YNNPACK fusions of dots together with the elementwise ops around them
+  onednn     YNNPACK fusions off, oneDNN dot fusions on (matmuls through oneDNN)
+  auto       the set measured fastest on this CPU vendor (`AUTO_BY_VENDOR`), else default
+
+XNNPACK's options (xla_cpu_experimental_xnn_fusion_type, xla_cpu_experimental_xnn_graph_fusion_mode) are
+accepted by this jaxlib but produced no XNNPACK fusion in any compiled program we tried, so no set uses them.
 Flags the user already put into XLA_FLAGS win: a set's flag whose name is there is not added.
 """
 
@@ -21,12 +27,13 @@ import dataclasses
 import os
 import platform
 
-_YNN_DOTS_OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}
+_YNN = "xla_cpu_experimental_ynn_fusion_type"
 
 OPTION_SETS: dict[str, dict[str, bool | str]] = {
     "default": {},
-    "eigen": _YNN_DOTS_OFF,
-    "onednn": {**_YNN_DOTS_OFF, "xla_cpu_use_onednn": True,
+    "eigen": {_YNN: ""},
+    "ynn_fused": {_YNN: "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"},
+    "onednn": {_YNN: "", "xla_cpu_use_onednn": True,
                "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
 }
 """Named sets: XLA DebugOptions field -> value (typed, as `compiler_options` wants them)."""
