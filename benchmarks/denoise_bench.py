@@ -304,6 +304,9 @@ def main(argv):
   if unknown:
     sys.exit(f"benchmarks.denoise_bench: error: --compare_xla_cpu_options: unknown set {unknown[0]!r}; expected "
              f"some of {', '.join(xla_cpu.OPTION_SETS)}")
+  if not all(c.isdigit() and int(c) > 0 for c in _COMPARE_CHUNKS.value):
+    sys.exit(f"benchmarks.denoise_bench: error: --compare_query_chunks={','.join(_COMPARE_CHUNKS.value)}: "
+             "expected positive integers")
   try:
     options = None if _COMPARE.value else xla_cpu.apply(_XLA_CPU_OPTIONS.value)
   except ValueError as e:

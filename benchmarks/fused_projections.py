@@ -4,7 +4,8 @@
 [Wq Wk Wv] (and the q/k/v biases concatenated likewise) and gate, up with one matmul over [Wg Wu], then
 split the result. The parameters keep their layout (the concatenation is part of the traced program), so
 any checkpoint runs either way; the results differ by float rounding only. Only programs traced inside
-the context are affected (e.g. `jax.jit(f).lower(...)` inside it), and the context is not thread-safe.
+the context are affected (e.g. `jax.jit(f).lower(...)` inside it); entering and leaving it clears JAX's
+trace caches (jit would otherwise reuse a trace made outside), and it is not thread-safe.
 The denoising benchmark's option comparison measures it end to end (`--compare_fused_projections`).
 """
 
@@ -41,8 +42,10 @@ def fused():
   """Within the context, `Attention.project_qkv` and `SwiGLU.project_gate_up` trace one matmul each."""
   from dlm_jax import model  # pylint: disable=import-outside-toplevel
   saved = model.Attention.project_qkv, model.SwiGLU.project_gate_up
+  jax.clear_caches()  # jit reuses traces of the same function: without this the swap could go unseen
   model.Attention.project_qkv, model.SwiGLU.project_gate_up = _qkv, _gate_up
   try:
     yield
   finally:
     model.Attention.project_qkv, model.SwiGLU.project_gate_up = saved
+    jax.clear_caches()

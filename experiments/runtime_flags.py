@@ -31,12 +31,16 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Virtual CPU devices (0 = 
 _MATMUL_PRECISION = flags.DEFINE_enum("matmul_precision", "highest", ["default", "high", "highest"],
                                       "jax_default_matmul_precision.")
 _XLA_CPU_OPTIONS = flags.DEFINE_string("xla_cpu_options", "auto", "XLA CPU option set (dlm_jax.xla_cpu): "
-                                       f"{'|'.join(xla_cpu.CHOICES)}; auto picks by CPU vendor.")
+                                       f"{'|'.join(xla_cpu.CHOICES)}; auto picks by CPU vendor (README: Speed).")
 
 
 def from_flags() -> RuntimeSettings:
-  """The runtime flags as validated `RuntimeSettings`."""
-  return RuntimeSettings(mesh=_MESH.value, distributed=_DISTRIBUTED.value, coordinator_address=_COORDINATOR.value,
-                         num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
-                         cpu_devices=_CPU_DEVICES.value, matmul_precision=_MATMUL_PRECISION.value,
-                         xla_cpu_options=_XLA_CPU_OPTIONS.value)
+  """The runtime flags as validated `RuntimeSettings`; also puts the --xla_cpu_options set into XLA_FLAGS
+  now, the earliest point of every binary (before anything can create a JAX backend; `init_runtime`
+  applies it again, which then adds nothing)."""
+  settings = RuntimeSettings(mesh=_MESH.value, distributed=_DISTRIBUTED.value, coordinator_address=_COORDINATOR.value,
+                             num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
+                             cpu_devices=_CPU_DEVICES.value, matmul_precision=_MATMUL_PRECISION.value,
+                             xla_cpu_options=_XLA_CPU_OPTIONS.value)
+  xla_cpu.apply(settings.xla_cpu_options)
+  return settings

@@ -74,20 +74,23 @@ def test_an_unknown_xla_cpu_option_set_is_a_one_line_error(tmp_path):
        f"expected one of {', '.join(xla_cpu.CHOICES)}")]
 
 
-def test_option_comparison_times_every_set_and_the_torch_way_in_one_process(tmp_path):
+def test_option_comparison_times_every_variant_and_the_torch_way_in_one_process(tmp_path):
   out = tmp_path / "compare.json"
-  command = [sys.executable, "-m", "benchmarks.denoise_bench", "--compare_xla_cpu_options=default,eigen,onednn",
-             "--option_rounds=1", "--widths=32", "--layers=1", "--heads=2", "--prompt_length=4", "--gen_length=8",
-             "--block_length=4", "--vocab_size=64", "--conditions=off,mask1", f"--json_out={out}"]
+  command = [sys.executable, "-m", "benchmarks.denoise_bench", "--compare_xla_cpu_options=default,eigen",
+             "--compare_query_chunks=4,16", "--compare_fused_projections", "--option_rounds=1", "--widths=32",
+             "--layers=1", "--heads=2", "--prompt_length=4", "--gen_length=8", "--block_length=4",
+             "--vocab_size=64", "--conditions=off", f"--json_out={out}"]
   done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
   assert done.returncode == 0, done.stderr[-3000:]
   results = json.loads(out.read_text())
   rows = results["option_comparison"]
-  assert [(r["condition"], r["set"]) for r in rows] == [
-      (c, s) for c in ("off", "mask1") for s in ("default", "eigen", "onednn", "torch")]
+  names = [f"{s}/qc{c}{f}" for f in ("", "/fused") for c in (4, 16) for s in ("default", "eigen")]
+  assert [r["variant"] for r in rows] == [*names, "torch"]
+  assert [v["name"] for v in results["variants"]] == names
   assert all(r["same_tokens"] and r["ms_per_step"] > 0 for r in rows)
-  assert all("jax_speedup" in r for r in rows) and results["sets"]["eigen"] == xla_cpu.OPTION_SETS["eigen"]
-  assert results["cpu"]["model"] in done.stdout
+  assert all("jax_speedup" in r for r in rows[:-1]) and results["sets"]["eigen"] == xla_cpu.OPTION_SETS["eigen"]
+  assert results["cpu"] == dataclasses.asdict(xla_cpu.cpu_info()) and len(results["load_average"]) == 3
+  assert f"CPU: {results['cpu']['model']}" in done.stdout
 
 
 def test_an_unknown_set_to_compare_is_a_one_line_error(tmp_path):
@@ -98,3 +101,12 @@ def test_an_unknown_set_to_compare_is_a_one_line_error(tmp_path):
   assert done.stderr.strip().splitlines() == [
       ("benchmarks.denoise_bench: error: --compare_xla_cpu_options: unknown set 'mkl'; expected some of "
        f"{', '.join(xla_cpu.OPTION_SETS)}")]
+
+
+def test_a_bad_query_chunk_to_compare_is_a_one_line_error(tmp_path):
+  command = [sys.executable, "-m", "benchmarks.denoise_bench", "--compare_xla_cpu_options=default",
+             "--compare_query_chunks=128,big", f"--json_out={tmp_path / 'never.json'}"]
+  done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
+  assert done.returncode == 1 and not (tmp_path / "never.json").exists()
+  assert done.stderr.strip().splitlines() == [
+      "benchmarks.denoise_bench: error: --compare_query_chunks=128,big: expected positive integers"]

@@ -53,6 +53,8 @@ def test_the_users_own_xla_flags_win():
   assert xla_cpu.merged_xla_flags("eigen", "") == "--xla_cpu_experimental_ynn_fusion_type="
   assert xla_cpu.merged_xla_flags("eigen", " --xla_dump_to=/tmp/d ") == (
       "--xla_dump_to=/tmp/d --xla_cpu_experimental_ynn_fusion_type=")
+  assert xla_cpu.flag_entries("ynn_fused") == (
+      "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE",)
   assert xla_cpu.flag_entries("onednn") == (
       "--xla_cpu_experimental_ynn_fusion_type=", "--xla_cpu_use_onednn=true",
       "--xla_cpu_experimental_onednn_fusion_type=LIBRARY_FUSION_TYPE_DOT")
@@ -76,22 +78,44 @@ def test_apply_sets_xla_flags_and_refuses_once_a_backend_exists(monkeypatch):
 
 
 _CHECK_SET = """
-import sys
+import re, sys
 import numpy as np
 from dlm_jax import xla_cpu
 options = xla_cpu.apply(sys.argv[1])
 import jax
 a = np.random.default_rng(0).standard_normal((64, 96), dtype=np.float32)
-product = np.asarray(jax.jit(lambda x: x @ x.T)(a))
-np.testing.assert_allclose(product, a.astype(np.float64) @ a.T.astype(np.float64), rtol=1e-5, atol=1e-4)
+f = jax.jit(lambda x: jax.nn.silu(x @ x.T))
+product = np.asarray(f(a))
+expected = a.astype(np.float64) @ a.T.astype(np.float64)
+np.testing.assert_allclose(product, expected / (1 + np.exp(-expected)), rtol=1e-5, atol=1e-4)
 print(options.xla_flags)
+print(" ".join(sorted(set(re.findall(r"%(ynn|onednn)_fusion", f.lower(a).compile().as_text())))))
 """
+
+_LIBRARIES = {"default": "ynn", "eigen": "", "ynn_fused": "ynn", "onednn": "onednn"}
+"""The library fusions each set's compiled matmul contains in jaxlib 0.10.2 (empty: XLA's own dot)."""
 
 
 @pytest.mark.parametrize("name", sorted(xla_cpu.OPTION_SETS))
-def test_every_set_is_accepted_by_this_jaxlib_and_multiplies_to_float_rounding(name):
+def test_every_set_runs_a_matmul_through_xla_flags_with_its_library(name):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   done = subprocess.run([sys.executable, "-c", _CHECK_SET, name], capture_output=True, text=True, check=False,
                         env=env, timeout=300)
-  assert done.returncode == 0, done.stderr[-2000:]
-  assert done.stdout.strip() == " ".join(xla_cpu.flag_entries(name))
+  assert done.returncode == 0, done.stderr[-2000:]  # an unknown flag name aborts the process
+  xla_flags, libraries = (done.stdout.splitlines() + ["", ""])[:2]
+  assert xla_flags == " ".join(xla_cpu.flag_entries(name))
+  assert libraries == _LIBRARIES[name]
+
+
+@pytest.mark.parametrize("name", sorted(xla_cpu.OPTION_SETS))
+def test_every_set_is_accepted_as_compiler_options(name):
+  """The form the denoising benchmark's option comparison uses (one process, one compilation per set)."""
+  import re  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  a = np.random.default_rng(0).standard_normal((64, 96), dtype=np.float32)
+  compiled = jax.jit(lambda x: jax.nn.silu(x @ x.T)).lower(a).compile(
+      compiler_options=xla_cpu.OPTION_SETS[name] or None)
+  assert " ".join(sorted(set(re.findall(r"%(ynn|onednn)_fusion", compiled.as_text())))) == _LIBRARIES[name]
+  expected = a.astype(np.float64) @ a.T.astype(np.float64)
+  np.testing.assert_allclose(np.asarray(compiled(a)), expected / (1 + np.exp(-expected)), rtol=1e-5, atol=1e-4)
