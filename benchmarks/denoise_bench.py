@@ -11,7 +11,7 @@ statistics step (per-head incoming attention) at each sequence length: dlm_jax c
 the last block only, as its sampler does; the PyTorch way runs the model with output_attentions=True
 and all logits, as the official loop does.
 
-The CPU's model name (/proc/cpuinfo) and the XLA CPU options (`dlm_jax.xla_cpu`: `--xla_cpu_options`,
+The CPU's model name (/proc/cpuinfo), the load average and the XLA CPU options (`dlm_jax.xla_cpu`: `--xla_cpu_options`,
 default auto — the set measured fastest on this CPU vendor) are printed and written to the JSON; the
 parent sets XLA_FLAGS before JAX starts and every measurement subprocess runs with the same XLA_FLAGS.
 
@@ -23,6 +23,8 @@ both are charged the same model FLOPs, so FLOP/s compares useful work.
 
     python -m benchmarks.denoise_bench                          # CPU sweep, widths 128, 256, 512
     python -m benchmarks.denoise_bench --xla_cpu_options=eigen  # the same with XLA's Eigen matmuls
+    python -m benchmarks.denoise_bench --compare_xla_cpu_options=default,eigen,ynn_fused,onednn \
+        --compare_query_chunks=128,256 --compare_fused_projections   # variants, interleaved (option_comparison)
     python -m benchmarks.denoise_bench --widths=4096 --layers=32 --heads=32 --prompt_length=512 \
         --gen_length=512 --block_length=32 --dtype=bfloat16 --attention_impl=fused   # LLaDA-8B shape, GPU
 """
