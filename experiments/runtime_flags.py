@@ -8,7 +8,7 @@
   --process_id           this process's rank (same)
   --cpu_devices          N > 0 asks the CPU backend for N virtual devices (to try meshes on a CPU)
   --matmul_precision     jax_default_matmul_precision (changes results: recorded with them)
-  --xla_cpu_options      auto|default|eigen|onednn: XLA CPU option set (`dlm_jax.xla_cpu`; float rounding only)
+  --xla_cpu_options      auto|default|eigen|ynn_fused|onednn: XLA CPU options (`dlm_jax.xla_cpu`; rounding only)
 """
 
 from __future__ import annotations
