@@ -40,7 +40,7 @@ OPTION_SETS: dict[str, dict[str, bool | str]] = {
 
 AUTO_BY_VENDOR: dict[str, str] = {"GenuineIntel": "default", "AuthenticAMD": "default"}
 """/proc/cpuinfo vendor_id -> the set `auto` picks on it (vendors not listed get default). BUILD.md decision
-16: on an Intel Xeon (2026-12-01) no set beat XLA's default beyond the run-to-run noise, and the AMD EPYC
+18: on an Intel Xeon (2026-12-01) no set beat XLA's default beyond the run-to-run noise, and the AMD EPYC
 already ran 1.5-2.1x the PyTorch way with it, unmeasured with the other sets, so both keep default."""
 
 CHOICES = ("auto", *OPTION_SETS)
