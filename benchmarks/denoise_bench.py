@@ -11,6 +11,10 @@ statistics step (per-head incoming attention) at each sequence length: dlm_jax c
 the last block only, as its sampler does; the PyTorch way runs the model with output_attentions=True
 and all logits, as the official loop does.
 
+The CPU's model name (/proc/cpuinfo), the load average and the XLA CPU options (`dlm_jax.xla_cpu`: `--xla_cpu_options`,
+default auto — the set measured fastest on this CPU vendor) are printed and written to the JSON; the
+parent sets XLA_FLAGS before JAX starts and every measurement subprocess runs with the same XLA_FLAGS.
+
 The step's model FLOPs (printed with the results), for S = prompt + generated positions, window W =
 the block length (only the current block can be decoded, so only its logits are needed), per layer:
   projections 2·S·D·(N·H + 2·K·H) + 2·S·N·H·D,  MLP 6·S·D·F,  attention 4·S²·N·H;
@@ -18,12 +22,16 @@ plus the LM head 2·W·D·V. The PyTorch way computes the LM head on all S posit
 both are charged the same model FLOPs, so FLOP/s compares useful work.
 
     python -m benchmarks.denoise_bench                          # CPU sweep, widths 128, 256, 512
+    python -m benchmarks.denoise_bench --xla_cpu_options=eigen  # the same with XLA's Eigen matmuls
+    python -m benchmarks.denoise_bench --compare_xla_cpu_options=default,eigen,ynn_fused,onednn \
+        --compare_query_chunks=128,256 --compare_fused_projections   # variants, interleaved (option_comparison)
     python -m benchmarks.denoise_bench --widths=4096 --layers=32 --heads=32 --prompt_length=512 \
         --gen_length=512 --block_length=32 --dtype=bfloat16 --attention_impl=fused   # LLaDA-8B shape, GPU
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,7 +40,9 @@ import time
 
 from absl import app, flags
 
+from benchmarks import option_comparison
 from benchmarks.flops import step_flops
+from dlm_jax import xla_cpu
 
 _WIDTHS = flags.DEFINE_list("widths", ["128", "256", "512"], "Model widths D to sweep.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers L.")
@@ -53,6 +63,15 @@ _QUERY_CHUNK = flags.DEFINE_integer("query_chunk", 256, "Query block of the chun
 _MEMORY_LENGTHS = flags.DEFINE_list("memory_lengths", ["256", "1024", "2048"],
                                     "Sequence lengths of the one-step statistics memory sweep (empty: skip).")
 _MEMORY_WIDTH = flags.DEFINE_integer("memory_width", 512, "Model width of the memory sweep.")
+_XLA_CPU_OPTIONS = flags.DEFINE_string("xla_cpu_options", "auto", "XLA CPU option set (dlm_jax.xla_cpu): "
+                                        f"{'|'.join(xla_cpu.CHOICES)}; auto picks by CPU vendor.")
+_COMPARE = flags.DEFINE_list("compare_xla_cpu_options", [], "Instead of the sweep: compare these XLA CPU option "
+                             "sets (e.g. default,eigen,onednn) in one process per width, batch and condition.")
+_COMPARE_CHUNKS = flags.DEFINE_list("compare_query_chunks", [], "With --compare_xla_cpu_options: also compare "
+                                    "these query_chunk values (empty: --query_chunk only).")
+_COMPARE_FUSED = flags.DEFINE_bool("compare_fused_projections", False, "With --compare_xla_cpu_options: also "
+                                   "time every variant with q/k/v and gate/up fused (benchmarks/fused_projections).")
+_ROUNDS = flags.DEFINE_integer("option_rounds", 5, "Rounds of the option comparison (the median counts).")
 _JSON_OUT = flags.DEFINE_string("json_out", "denoise_bench.json", "Where to write all results.")
 _WORKER = flags.DEFINE_string("worker", None, "Internal: run one measurement described by this JSON.")
 
@@ -102,9 +121,9 @@ def _inputs(spec: dict):
   return config, params, prompt
 
 
-def _jax_generation(spec: dict) -> dict:
-  import jax
-  import numpy as np
+def _jax_sampler(spec: dict):
+  """The run's config, params, prompt [batch, prompt] and `sample(params, prompt) -> Trace` (LLaDA
+  low-confidence decoding under the run's condition)."""
   from dlm_jax.interventions import NO_INTERVENTION, MaskPreviousSinks
   from dlm_jax.sampling.llada import LLaDAOptions, generate
   from dlm_jax.stats import NO_STATS, StatsSpec
@@ -113,10 +132,20 @@ def _jax_generation(spec: dict) -> dict:
   stats = NO_STATS if spec["condition"] == "off" else StatsSpec(incoming_attention=True)
   intervention = MaskPreviousSinks(top_k=1) if spec["condition"] == "mask1" else NO_INTERVENTION
 
+  def sample(params, prompt):
+    return generate(params, prompt, config=config, options=options, stats_spec=stats, intervention=intervention,
+                    attention_impl=spec["impl"], query_chunk=spec["query_chunk"])
+
+  return config, params, prompt, sample
+
+
+def _jax_generation(spec: dict) -> dict:
+  import jax
+  import numpy as np
+  config, params, prompt, sample = _jax_sampler(spec)
+
   def run():
-    trace = generate(params, prompt, config=config, options=options, stats_spec=stats, intervention=intervention,
-                     attention_impl=spec["impl"], query_chunk=spec["query_chunk"])
-    return jax.block_until_ready(trace)
+    return jax.block_until_ready(sample(params, prompt))
 
   start = time.perf_counter()
   run()
@@ -134,28 +163,36 @@ def _jax_generation(spec: dict) -> dict:
           "peak_rss_delta_bytes": _peak_rss_bytes() - baseline, "device": str(jax.devices()[0].platform)}
 
 
-def _torch_generation(spec: dict) -> dict:
+def _torch_sampler(spec: dict, config, params, prompt):
+  """The PyTorch way for `spec` with our params and prompt [batch, prompt], warmed up on one block:
+  (`sample() -> tokens` [batch, prompt + gen] on the device, the device)."""
   import torch
   from benchmarks import torch_way
-  config, params, prompt = _inputs(spec)
   attention = {"off": "sdpa", "stats": "eager", "mask1": "eager_layer_bias"}[spec["condition"]]
   dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
   device = "cuda" if torch.cuda.is_available() else "cpu"
   model = torch_way.build_model(params, config, attention, dtype=dtype, device=device)
-  del params
   prompt = torch.as_tensor(prompt, device=device)
   kwargs = dict(gen_length=spec["gen"], steps=spec["steps"], block_length=spec["block"],
                 mask_id=config.mask_token_id, statistics=spec["condition"] != "off",
                 mask_top_sinks=1 if spec["condition"] == "mask1" else 0)
   steps_per_block = spec["steps"] // (spec["gen"] // spec["block"])
   torch_way.generate(model, prompt, **{**kwargs, "gen_length": spec["block"], "steps": steps_per_block})
+  return lambda: torch_way.generate(model, prompt, **kwargs)[0], device
+
+
+def _torch_generation(spec: dict) -> dict:
+  import torch
+  config, params, prompt = _inputs(spec)
+  sample, device = _torch_sampler(spec, config, params, prompt)
+  del params
   baseline = _reset_peak_rss()
   times = []
   for _ in range(spec["repeats"]):
     if device == "cuda":
       torch.cuda.synchronize()
     start = time.perf_counter()
-    tokens, _ = torch_way.generate(model, prompt, **kwargs)
+    tokens = sample()
     if device == "cuda":
       torch.cuda.synchronize()
     times.append(time.perf_counter() - start)
@@ -203,15 +240,18 @@ def _torch_step_memory(spec: dict) -> dict:
 
 
 def _worker(spec: dict) -> dict:
+  """One measurement, with the XLA_FLAGS it ran under."""
   run = {("jax", "generation"): _jax_generation, ("torch", "generation"): _torch_generation,
-         ("jax", "step_memory"): _jax_step_memory, ("torch", "step_memory"): _torch_step_memory}
-  return run[(spec["framework"], spec["kind"])](spec)
+         ("jax", "step_memory"): _jax_step_memory, ("torch", "step_memory"): _torch_step_memory,
+         ("jax", "option_comparison"): lambda spec: option_comparison.run_worker(spec, _jax_sampler, _torch_sampler)}
+  return {**run[(spec["framework"], spec["kind"])](spec), "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
-def _measure(spec: dict) -> dict:
-  """Runs one measurement in a fresh interpreter and returns its JSON result."""
+def _measure(spec: dict, xla_flags: str) -> dict:
+  """Runs one measurement in a fresh interpreter with XLA_FLAGS=`xla_flags` and returns its JSON result."""
   command = [sys.executable, "-m", "benchmarks.denoise_bench", f"--worker={json.dumps(spec)}"]
-  done = subprocess.run(command, capture_output=True, text=True, check=False)
+  env = {**os.environ, "XLA_FLAGS": xla_flags}
+  done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
   if done.returncode:
     raise RuntimeError(f"measurement {spec} failed:\n{done.stderr[-4000:]}")
   return json.loads(done.stdout.strip().splitlines()[-1])
@@ -262,18 +302,52 @@ def main(argv):
   if _WORKER.value:
     print(json.dumps(_worker(json.loads(_WORKER.value))))
     return
+  unknown = [name for name in _COMPARE.value if name not in xla_cpu.OPTION_SETS]
+  if unknown:
+    sys.exit(f"benchmarks.denoise_bench: error: --compare_xla_cpu_options: unknown set {unknown[0]!r}; expected "
+             f"some of {', '.join(xla_cpu.OPTION_SETS)}")
+  if not all(c.isdigit() and int(c) > 0 for c in _COMPARE_CHUNKS.value):
+    sys.exit(f"benchmarks.denoise_bench: error: --compare_query_chunks={','.join(_COMPARE_CHUNKS.value)}: "
+             "expected positive integers")
+  try:
+    options = None if _COMPARE.value else xla_cpu.apply(_XLA_CPU_OPTIONS.value)
+  except ValueError as e:
+    sys.exit(f"benchmarks.denoise_bench: error: --xla_cpu_options={_XLA_CPU_OPTIONS.value}: {e}")
+  cpu = xla_cpu.cpu_info()
+  import jax  # pylint: disable=import-outside-toplevel  (after XLA_FLAGS is set)
+  import jaxlib  # pylint: disable=import-outside-toplevel
+  versions = {"jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__}
+  print(f"CPU: {cpu.model} ({cpu.vendor}); jax {jax.__version__}, jaxlib {jaxlib.__version__}; load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
   steps = _STEPS.value or _GEN.value
+  base = dict(layers=_LAYERS.value, heads=_HEADS.value, mlp_ratio=_MLP_RATIO.value, vocab=_VOCAB.value,
+              prompt=_PROMPT.value, gen=_GEN.value, block=_BLOCK.value, steps=steps, dtype=_DTYPE.value,
+              impl=_IMPL.value, query_chunk=_QUERY_CHUNK.value, repeats=2)
+  if _COMPARE.value:
+    chunks = [int(c) for c in _COMPARE_CHUNKS.value] or [_QUERY_CHUNK.value]
+    grid = dict(widths=list(map(int, _WIDTHS.value)), batches=list(map(int, _BATCH.value)),
+                conditions=_CONDITIONS.value, torch="torch" in _FRAMEWORKS.value, rounds=_ROUNDS.value,
+                variants=option_comparison.variants(_COMPARE.value, chunks, [False, True] if _COMPARE_FUSED.value
+                                                    else [False]))
+    header = {"cpu": dataclasses.asdict(cpu), **versions, "load_average": os.getloadavg(),
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "sets": {name: dict(xla_cpu.OPTION_SETS[name]) for name in _COMPARE.value}}
+    option_comparison.compare(base, grid, lambda spec: _measure(spec, os.environ.get("XLA_FLAGS", "")), header,
+                              _write_json, _JSON_OUT.value)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return
+  print(f"XLA CPU options: {options.name} (--xla_cpu_options={options.choice}); "
+        f"XLA_FLAGS={options.xla_flags or '(empty)'}")
   peak = matmul_peak()
   print(f"matmul peak ({peak['dtype']} GEMM n={peak['gemm_n']}): JAX {peak['jax_flops'] / 1e9:.1f} GFLOP/s, "
         f"PyTorch {peak['torch_flops'] / 1e9:.1f} GFLOP/s")
   print("step FLOPs = L·(2·S·D·3·N·H + 2·S·N·H·D + 6·S·D·F + 4·S²·N·H) + 2·W·D·V, W = block length")
-  results = {"matmul_peak": peak, "generation": [], "step_memory": [], "flags": {
+  results = {"cpu": dataclasses.asdict(cpu), **versions, "load_average": os.getloadavg(),
+             "xla_cpu_options": dataclasses.asdict(options),
+             "matmul_peak": peak, "generation": [], "step_memory": [], "flags": {
       "layers": _LAYERS.value, "heads": _HEADS.value, "mlp_ratio": _MLP_RATIO.value, "vocab": _VOCAB.value,
       "prompt": _PROMPT.value, "gen": _GEN.value, "block": _BLOCK.value, "steps": steps, "dtype": _DTYPE.value,
-      "attention_impl": _IMPL.value}}
-  base = dict(layers=_LAYERS.value, heads=_HEADS.value, mlp_ratio=_MLP_RATIO.value, vocab=_VOCAB.value,
-              prompt=_PROMPT.value, gen=_GEN.value, block=_BLOCK.value, steps=steps, dtype=_DTYPE.value,
-              impl=_IMPL.value, query_chunk=_QUERY_CHUNK.value, repeats=2)
+      "attention_impl": _IMPL.value, "query_chunk": _QUERY_CHUNK.value}}
   header = (f"{'width':>5} {'batch':>5} {'condition':>9} {'framework':>9} {'compile s':>9} {'ms/step':>8} "
             f"{'tok/s':>8} {'GFLOP/s':>8} {'% peak':>6} {'peak MB':>8}")
   print(header)
@@ -286,7 +360,7 @@ def main(argv):
         row = {}
         for framework in _FRAMEWORKS.value:
           spec = dict(base, width=width, batch=batch, condition=condition, framework=framework, kind="generation")
-          measured = _measure(spec)
+          measured = _measure(spec, options.xla_flags)
           step_s = measured["generation_s"] / steps
           measured.update(width=width, batch=batch, condition=condition, framework=framework, step_flops=flops,
                           ms_per_step=1e3 * step_s, tokens_per_s=measured["non_eos_tokens"] / measured["generation_s"],
@@ -311,7 +385,7 @@ def main(argv):
   for seq in map(int, [v for v in _MEMORY_LENGTHS.value if v]):
     for framework in _FRAMEWORKS.value:
       spec = dict(base, width=_MEMORY_WIDTH.value, batch=1, seq=seq, framework=framework, kind="step_memory")
-      measured = _measure(spec)
+      measured = _measure(spec, options.xla_flags)
       measured.update(seq=seq, framework=framework, width=_MEMORY_WIDTH.value)
       results["step_memory"].append(measured)
       extra = f", XLA temp {measured['xla_temp_bytes'] / 2**20:.1f} MB" if "xla_temp_bytes" in measured else ""

@@ -208,9 +208,10 @@ class Attention(nnx.Module):
     c = self.config
     b, t, _ = x.shape
     h, kv = self.head_dim, self.n_kv_heads
-    q = self.q(x).reshape(b, t, c.n_heads, h)
-    k = self.k(x).reshape(b, t, kv, h)
-    v = k if self.k_eq_v else self.v(x).reshape(b, t, kv, h)
+    q, k, v = self.project_qkv(x)
+    q = q.reshape(b, t, c.n_heads, h)
+    k = k.reshape(b, t, kv, h)
+    v = v.reshape(b, t, kv, h)
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     if c.v_norm:
@@ -238,6 +239,13 @@ class Attention(nnx.Module):
       k, v = given_cache
     return self.o(out.reshape(b, t, c.n_heads * h)), incoming, (k, v)
 
+  def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, D] -> q [B, T, N·H], k, v [B, T, K·H]: three matmuls (benchmarks/fused_projections.py
+    measures one matmul over the concatenated kernels instead). With K = V (global DiffusionGemma layers) v is
+    k's projection."""
+    k = self.k(x)
+    return self.q(x), k, k if self.k_eq_v else self.v(x)
+
 
 class SwiGLU(nnx.Module):
   """down(SiLU(gate(x)) ⊙ up(x)) with hidden width `hidden`: [..., D] -> [..., D]."""
@@ -249,9 +257,14 @@ class SwiGLU(nnx.Module):
     self.activation = activation
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    gate, up = self.project_gate_up(x)
     if self.activation == "gelu_tanh":  # GeGLU (Gemma)
-      return self.down(jax.nn.gelu(self.gate(x), approximate=True) * self.up(x))
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+      return self.down(jax.nn.gelu(gate, approximate=True) * up)
+    return self.down(jax.nn.silu(gate) * up)
+
+  def project_gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> (gate(x), up(x)) [..., hidden] each: two matmuls (see `Attention.project_qkv`)."""
+    return self.gate(x), self.up(x)
 
 
 def route(config: ModelConfig, logits: jax.Array, score_bias: jax.Array | None = None

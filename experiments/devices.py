@@ -1,5 +1,5 @@
-"""What a binary runs on: distributed start-up, virtual CPU devices, matmul precision, the device mesh,
-and placing host arrays on it. The flags are in `experiments.runtime_flags`."""
+"""What a binary runs on: XLA CPU options, distributed start-up, virtual CPU devices, matmul precision, the
+device mesh, and placing host arrays on it. The flags are in `experiments.runtime_flags`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from dlm_jax import distributed, sharding
+from dlm_jax import distributed, sharding, xla_cpu
 from experiments.cli import UserError
 
 
@@ -28,6 +28,7 @@ class RuntimeSettings:
   process_id: int | None = None
   cpu_devices: int = 0
   matmul_precision: str = "highest"
+  xla_cpu_options: str = "auto"
 
   def __post_init__(self):
     if self.cpu_devices < 0:
@@ -36,6 +37,8 @@ class RuntimeSettings:
       raise UserError(f"--num_processes={self.num_processes}: expected a positive count")
     if self.process_id is not None and self.process_id < 0:
       raise UserError(f"--process_id={self.process_id}: expected a rank >= 0")
+    if self.xla_cpu_options not in xla_cpu.CHOICES:
+      raise UserError(f"--xla_cpu_options={self.xla_cpu_options}: expected one of {', '.join(xla_cpu.CHOICES)}")
     self.mesh_sizes  # pylint: disable=pointless-statement  (validates --mesh now)
 
   @property
@@ -81,7 +84,11 @@ def _mesh(sizes: dict[str, int], text: str):
 
 
 def init_runtime(settings: RuntimeSettings) -> Runtime:
-  """Starts jax.distributed (per the settings), sets devices and precision, builds the mesh."""
+  """Sets the XLA CPU options, starts jax.distributed (per the settings), sets devices and precision, builds
+  the mesh. Must run before anything creates a JAX backend."""
+  options = xla_cpu.apply(settings.xla_cpu_options)
+  logging.info("XLA CPU options %s (--xla_cpu_options=%s), XLA_FLAGS=%r", options.name, options.choice,
+               options.xla_flags)
   if settings.cpu_devices:
     jax.config.update("jax_num_cpu_devices", settings.cpu_devices)
   try:
