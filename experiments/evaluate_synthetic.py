@@ -26,7 +26,7 @@ from experiments import (atomic_files, checkpoints, cli, decoding, devices, item
                          progress, prompts, run_dir, runtime_flags)
 from experiments.numerics import Numerics
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, tiny-arm.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, tiny-arm, tiny-moe-dlm.")
 _N = flags.DEFINE_integer("n", 200, "Test problems (>= 1).")
 _DATA_SEED = flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic generator.")
 _GEN_LENGTH = flags.DEFINE_integer("gen_length", 32, "Generated positions.")

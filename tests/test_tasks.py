@@ -114,7 +114,7 @@ def test_humaneval_real_problem():
   assert humaneval.check_completion(problem, "    return False\n").status == "failed"
 
 
-@pytest.mark.parametrize("name, minimum", [("tiny-arm", 0.9), ("tiny-dlm", 0.6)])
+@pytest.mark.parametrize("name, minimum", [("tiny-arm", 0.9), ("tiny-dlm", 0.6), ("tiny-moe-dlm", 0.1)])
 def test_default_models_solve_synthetic_test_problems(name, minimum):
   """The embedded checkpoints load and solve most of the first 20 test problems (full figures: README)."""
   from dlm_jax import default_models  # pylint: disable=import-outside-toplevel

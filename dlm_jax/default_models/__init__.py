@@ -2,6 +2,8 @@
 
   tiny-dlm: LLaDA-style masked diffusion model (bidirectional, mask token, SFT objective).
   tiny-arm: autoregressive model of the same size and tokenizer (causal, next-token objective).
+  tiny-moe-dlm: LLaDA-MoE-style masked diffusion mixture of experts (8 experts, top-2, each half the dense
+    width, so the same active feed-forward size; softmax router without renormalisation, per-head QK norm).
 
 Each directory holds config.json, model.safetensors, tokenizer.json and training.json (how it was
 trained). BUILD.md gives the commands that reproduce them. Experiment binaries use these when no
@@ -12,11 +14,11 @@ from __future__ import annotations
 
 import os
 
-NAMES = ("tiny-dlm", "tiny-arm")
+NAMES = ("tiny-dlm", "tiny-arm", "tiny-moe-dlm")
 
 
 def path(name: str) -> str:
-  """Directory of the embedded model `name` ("tiny-dlm" or "tiny-arm")."""
+  """Directory of the embedded model `name` ("tiny-dlm", "tiny-arm" or "tiny-moe-dlm")."""
   if name not in NAMES:
     raise ValueError(f"Unknown default model {name!r}; choose one of {NAMES}.")
   return os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
