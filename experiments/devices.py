@@ -87,8 +87,8 @@ def init_runtime(settings: RuntimeSettings) -> Runtime:
   """Sets the XLA CPU options, starts jax.distributed (per the settings), sets devices and precision, builds
   the mesh. Must run before anything creates a JAX backend."""
   options = xla_cpu.apply(settings.xla_cpu_options)
-  logging.info("XLA CPU options %s (--xla_cpu_options=%s), XLA_FLAGS=%r", options.name, options.choice,
-               options.xla_flags)
+  log = logging.info if options.flags else logging.debug  # quiet when XLA's defaults are kept
+  log("XLA CPU options %s (--xla_cpu_options=%s), XLA_FLAGS=%r", options.name, options.choice, options.xla_flags)
   if settings.cpu_devices:
     jax.config.update("jax_num_cpu_devices", settings.cpu_devices)
   try:
