@@ -85,7 +85,11 @@ def default_sampler(config: ModelConfig) -> str:
 
 
 def check_sampler(label: str, sampler: str, config: ModelConfig) -> None:
-  """Refuses a sampler that does not fit the model's attention (causal, block-causal or bidirectional)."""
+  """Refuses a sampler that does not fit the model's attention (causal, block-causal or bidirectional), and
+  DiffusionGemma models, whose sampler the binaries do not run yet (issue 17)."""
+  if config.self_conditioning:
+    raise UserError(f"{label} is a DiffusionGemma model: the experiment binaries do not run its sampler yet; "
+                    "call dlm_jax.sampling.diffusion_gemma.generate from Python")
   kind = ("causal" if config.causal else "block-causal" if config.attention_block_size is not None
           else "bidirectional")
   fits = {"causal": ("ar",), "block-causal": ("block_diffusion",)}.get(kind, ("llada", "mmada", "dream"))
