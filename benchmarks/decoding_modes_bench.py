@@ -23,8 +23,9 @@ attention of every layer on (`StatsSpec(incoming_attention=True, per_head=True)`
   ms per call   wall time / model calls;
   stats cost    time with statistics / time without − 1, per mode.
 
-Timings are the minimum over --repeats passes (statistics off and on alternate, so that the load of a
-shared machine affects both alike). The CPU model (/proc/cpuinfo) and the JAX device are
+Timings: --repeats rounds over the batches, each batch decoded with statistics off and then on (so that
+the load of a shared machine affects both alike); a setting's time is the sum over the batches of each
+batch's minimum over the rounds. The CPU model (/proc/cpuinfo) and the JAX device are
 printed and written with the results to --json_out. The targets are checked at the end: threshold +
 dual cache at least 4× the tokens/s of exact decoding with accuracy within 2 points, statistics at most
 15% per mode.
@@ -107,17 +108,14 @@ def _lengths(model) -> tuple[int, int, int]:
   return gen, block, _STEPS.value or gen
 
 
-def _decode(params, config, options, ids, mask, batch_size: int, stats_spec, impl: dict):
-  """Decodes every prompt in batches; returns (wall seconds, traces)."""
+def _decode_batch(params, config, options, ids, mask, stats_spec, impl: dict):
+  """Decodes one batch of prompts; returns (wall seconds, trace)."""
   import jax
   from dlm_jax.sampling import llada
-  traces = []
   start = time.perf_counter()
-  for s in range(0, ids.shape[0], batch_size):
-    trace = llada.generate(params, ids[s:s + batch_size], config=config, options=options,
-                           prompt_mask=None if mask is None else mask[s:s + batch_size], stats_spec=stats_spec, **impl)
-    traces.append(jax.block_until_ready(trace))
-  return time.perf_counter() - start, traces
+  trace = jax.block_until_ready(llada.generate(params, ids, config=config, options=options, prompt_mask=mask,
+                                               stats_spec=stats_spec, **impl))
+  return time.perf_counter() - start, trace
 
 
 def _accuracy(model, problems, generated) -> float | None:
@@ -130,9 +128,11 @@ def _accuracy(model, problems, generated) -> float | None:
 
 
 def measure(mode_spec: str, setup: dict) -> list[dict]:
-  """One mode with statistics off and on: a warm-up (compiling) call of each, then --repeats rounds of one
-  timed pass over every prompt per setting, the two settings alternating so that a change in the machine's
-  load affects both alike. Returns the (off, on) results."""
+  """One mode with statistics off and on: a warm-up (compiling) call of each, then --repeats rounds over the
+  batches, each batch decoded with statistics off and then on, so that a change in the machine's load
+  affects both settings alike. A setting's wall time is the sum over the batches of each batch's minimum
+  over the rounds (a shared machine's load bursts inflate single calls, not the minimum). Returns the
+  (off, on) results."""
   import numpy as np
   from dlm_jax.sampling import llada
   from dlm_jax.stats import NO_STATS, StatsSpec
@@ -143,14 +143,19 @@ def measure(mode_spec: str, setup: dict) -> list[dict]:
   specs = (NO_STATS, StatsSpec(incoming_attention=True, per_head=True))
   ids, mask, bs = setup["ids"], setup["mask"], setup["batch_size"]
   args = (setup["params"], setup["config"], options)
+  starts = range(0, ids.shape[0], bs)
+  batches = [(ids[s:s + bs], None if mask is None else mask[s:s + bs]) for s in starts]
   for spec in specs:
-    for rows in {min(bs, ids.shape[0]), ids.shape[0] % bs or bs}:  # every batch shape of the timed passes
-      _decode(*args, ids[:rows], None if mask is None else mask[:rows], rows, spec, setup["impl"])
-  best, traces = [float("inf")] * len(specs), [None] * len(specs)
+    for rows in {len(b[0]) for b in batches}:  # every batch shape of the timed rounds
+      _decode_batch(*args, *next(b for b in batches if len(b[0]) == rows), spec, setup["impl"])
+  walls = np.full((len(specs), len(batches)), np.inf)
+  traces = [[None] * len(batches) for _ in specs]
   for _ in range(setup["repeats"]):
-    for i, spec in enumerate(specs):
-      wall, traces[i] = _decode(*args, ids, mask, bs, spec, setup["impl"])
-      best[i] = min(best[i], wall)
+    for j, (batch_ids, batch_mask) in enumerate(batches):
+      for i, spec in enumerate(specs):
+        wall, traces[i][j] = _decode_batch(*args, batch_ids, batch_mask, spec, setup["impl"])
+        walls[i, j] = min(walls[i, j], wall)
+  best = walls.sum(axis=1)
   results = []
   for stats, wall, run in zip((False, True), best, traces):
     generated = np.concatenate([np.asarray(t.generated) for t in run])

@@ -35,13 +35,15 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.training import (Objective, SinkTokenSpec, as_prng_key, init_train_state, loss_fn, make_optimizer,
                               make_train_step, step_key, train_state_shardings)
 from dlm_jax.training_data import Examples, batch_indices
+from dlm_jax.training_uniform import UniformNoise
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Everything that defines a training run besides the model config and the data.
 
-  objective: "pretrain", "sft" or "ar". sink: "none", "front" or "end" (extra sink token);
+  objective: "pretrain", "sft", "ar" or "uniform" (DiffusionGemma-style; `prompt_len` is then the prompt
+  region of the batches and `self_conditioning_rate` its rate, `dlm_jax.training_uniform`). sink: "none", "front" or "end" (extra sink token);
   sink_token_id: its vocabulary id; zero_sink_value: keep its embedding (hence key and value) at zero.
   lr: peak learning rate after `warmup` linear steps, cosine-decayed to lr·end_lr_ratio at `steps`.
   checkpoint_every: orbax save interval in steps (0 = only at the end / on a signal).
@@ -64,6 +66,8 @@ class TrainConfig:
   checkpoint_every: int = 500
   log_every: int = 50
   attention_impl: str = "chunked"
+  prompt_len: int | None = None
+  self_conditioning_rate: float = 0.5
 
   def objective_spec(self) -> Objective:
     sink = None
@@ -73,7 +77,12 @@ class TrainConfig:
       sink = SinkTokenSpec(self.sink_token_id, self.sink, self.zero_sink_value)
     elif self.zero_sink_value:
       raise ValueError("zero_sink_value needs sink='front' or 'end'.")
-    return Objective(self.objective, sink=sink, attention_impl=self.attention_impl)
+    uniform = None
+    if self.objective == "uniform":
+      if self.prompt_len is None:
+        raise ValueError("Objective 'uniform' needs prompt_len (the prompt region of the sft data layout).")
+      uniform = UniformNoise(self.prompt_len, self_conditioning_rate=self.self_conditioning_rate)
+    return Objective(self.objective, sink=sink, attention_impl=self.attention_impl, uniform=uniform)
 
 
 @dataclasses.dataclass

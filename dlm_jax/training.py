@@ -8,6 +8,8 @@ Objectives (../shared/reference/models.md §2.10, papers.md §B.3–B.4), for to
 * sft: the same draw, then prompt positions are restored (never masked).
   loss = Σ_b Σ_masked CE / (p_b · answer_len_b)  /  B, with answer_len_b the number of non-prompt
   positions of row b (EOS padding included: padded EOS tokens are trained targets).
+* uniform: DiffusionGemma-style uniform-state noise with self-conditioning over the answer canvas of the
+  "sft" layout (`dlm_jax.training_uniform`; UNVERIFIED recipe).
 * ar: next-token cross-entropy averaged over the scored targets of the batch: logits at position i
   predict token i+1, scored where `target_mask[:, i+1]` is True (PAD never scored). Normalised by the
   number of scored targets in the batch (token-level mean, not per sequence).
@@ -39,13 +41,13 @@ import optax
 from flax import struct
 from jax.sharding import Mesh
 
-from dlm_jax import sharding
+from dlm_jax import sharding, training_uniform
 from dlm_jax.attention import MASK_VALUE, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import Params, forward, init_params
 from dlm_jax.sharding import ShardingRules
 
-ObjectiveKind = Literal["pretrain", "sft", "ar"]
+ObjectiveKind = Literal["pretrain", "sft", "ar", "uniform"]
 Placement = Literal["front", "end"]
 Batch = dict[str, jax.Array]
 LLADA_EPS = 1e-3
@@ -141,21 +143,28 @@ class SinkTokenSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-  """What to train: the loss kind, an optional extra sink token, ε, and the attention path."""
+  """What to train: the loss kind, an optional extra sink token, ε, the attention path, and for the
+  uniform-state objective its settings (`dlm_jax.training_uniform.UniformNoise`)."""
 
   kind: ObjectiveKind
   sink: SinkTokenSpec | None = None
   eps: float = LLADA_EPS
   attention_impl: str = "chunked"
+  uniform: training_uniform.UniformNoise | None = None
 
   def __post_init__(self):
-    if self.kind not in ("pretrain", "sft", "ar"):
-      raise ValueError(f"Objective.kind must be 'pretrain', 'sft' or 'ar', got {self.kind!r}.")
-    if self.kind == "ar" and self.sink is not None:
+    if self.kind not in ("pretrain", "sft", "ar", "uniform"):
+      raise ValueError(f"Objective.kind must be 'pretrain', 'sft', 'ar' or 'uniform', got {self.kind!r}.")
+    if self.kind in ("ar", "uniform") and self.sink is not None:
       raise ValueError("The extra sink token is a masked-diffusion variant; use objective 'pretrain' or 'sft'.")
+    if (self.kind == "uniform") != (self.uniform is not None):
+      raise ValueError("Objective 'uniform' needs its UniformNoise settings (and only it takes them).")
 
   def check(self, config: ModelConfig) -> None:
     """Raises ValueError when `config` cannot be trained with this objective."""
+    if self.kind == "uniform":
+      training_uniform.check(config)
+      return
     if self.kind == "ar":
       if not config.causal or config.logit_shift != 1:
         raise ValueError(f"Objective 'ar' needs a causal config with logit_shift=1; {config.name} has "
@@ -209,6 +218,9 @@ def loss_fn(params: Params, batch: Batch, key: jax.Array, *, config: ModelConfig
   (unused by "ar").
   """
   tokens = batch["tokens"]
+  if objective.kind == "uniform":
+    return training_uniform.loss(params, tokens, key, config=config, noise=objective.uniform,
+                                 attention_impl=objective.attention_impl)
   if objective.kind == "ar":
     logits = model_logits(params, tokens, config=config, attention_impl=objective.attention_impl)
     loss = ar_loss_from_logits(logits, tokens, batch["target_mask"])

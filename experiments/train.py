@@ -38,7 +38,11 @@ _CONFIG_JSON = flags.DEFINE_string("config_json", None, "A ModelConfig as a JSON
                                    "(instead of --preset).")
 _IDS_FROM_TOKENIZER = flags.DEFINE_bool("ids_from_tokenizer", True, "Set vocab_size and the [PAD]/[BOS]/[EOS]/"
                                         "[MASK] ids from the tokenizer when it has those tokens.")
-_OBJECTIVE = flags.DEFINE_enum("objective", "sft", ["pretrain", "sft", "ar"], "Training objective.")
+_OBJECTIVE = flags.DEFINE_enum("objective", "sft", ["pretrain", "sft", "ar", "uniform"], "Training objective "
+                               "(uniform: DiffusionGemma-style uniform-state noise with self-conditioning, on the "
+                               "sft layout; dlm_jax.training_uniform).")
+_SELF_CONDITIONING_RATE = flags.DEFINE_float("self_conditioning_rate", 0.5, "--objective=uniform: fraction of rows "
+                                             "trained with the first pass's logits as self-conditioning input.")
 _SINK_TOKEN = flags.DEFINE_enum("sink_token", "none", ["none", "front", "end"], "Extra sink token placement.")
 _ZERO_SINK_VALUE = flags.DEFINE_bool("zero_sink_value", False, "Keep the sink's embedding (hence its key and value) "
                                      "at zero.")
@@ -51,7 +55,8 @@ _DATA_SEED = flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic generat
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "tokenizer.json (or its directory) for JSONL data; synthetic "
                                  "builds its own.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 68, "Sequence length.")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 36, "Prompt region width for --objective=sft (left-padded).")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 36, "Prompt region width for --objective=sft or uniform "
+                                   "(left-padded).")
 _SEED = flags.DEFINE_integer("seed", 0, "Initialisation, data order and noise seed.")
 _RUN_DIR = flags.DEFINE_string("run_dir", None, "Orbax checkpoints and metrics.jsonl; an existing run is resumed.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Final converted checkpoint directory (replaced when it exists).")
@@ -151,7 +156,7 @@ def main(argv):
   del argv
   _quiet_orbax()
   runtime_settings = runtime_flags.from_flags()
-  layout = {"sft": "sft", "pretrain": "document", "ar": "ar"}[_OBJECTIVE.value]
+  layout = {"sft": "sft", "uniform": "sft", "pretrain": "document", "ar": "ar"}[_OBJECTIVE.value]
   data = DataSettings(data=_DATA.value, train_size=_TRAIN_SIZE.value, eval_size=_EVAL_SIZE.value,
                       data_seed=_DATA_SEED.value, tokenizer=_TOKENIZER.value, seq_len=_SEQ_LEN.value,
                       prompt_len=_PROMPT_LEN.value, layout=layout)
@@ -169,7 +174,11 @@ def main(argv):
       raise cli.UsageError("the tokenizer has no [SINK] token; pass --sink_token_id")
   train_config = train_flags.train_config(objective=_OBJECTIVE.value, sink=_SINK_TOKEN.value, sink_token_id=sink_id,
                                           zero_sink_value=_ZERO_SINK_VALUE.value, seed=_SEED.value,
-                                          attention_impl=_ATTENTION_IMPL.value)
+                                          attention_impl=_ATTENTION_IMPL.value,
+                                          prompt_len=data.prompt_len if layout == "sft" else None,
+                                          self_conditioning_rate=_SELF_CONDITIONING_RATE.value)
+  if not 0.0 <= train_config.self_conditioning_rate <= 1.0:
+    raise cli.UserError(f"--self_conditioning_rate={train_config.self_conditioning_rate}: expected a value in [0, 1]")
   runtime = devices.init_runtime(runtime_settings)
   train_flags.check_fits(config, train_config, runtime.mesh)
   ids = training_data.SpecialIds(pad=config.pad_token_id if config.pad_token_id is not None else config.eos_token_id,

@@ -69,7 +69,8 @@ def replace(config: config_lib.ModelConfig, changes: dict[str, Any]) -> config_l
 
 
 def train_config(*, objective: str, sink: str, sink_token_id: int | None, zero_sink_value: bool, seed: int,
-                 attention_impl: str) -> train_loop.TrainConfig:
+                 attention_impl: str, prompt_len: int | None = None,
+                 self_conditioning_rate: float = 0.5) -> train_loop.TrainConfig:
   """The training flags as a validated `TrainConfig` (every value range checked)."""
   checks = [("train_steps", FLAGS.train_steps >= 1, "a positive integer"),
             ("train_batch_size", FLAGS.train_batch_size >= 1, "a positive integer"),
@@ -85,7 +86,8 @@ def train_config(*, objective: str, sink: str, sink_token_id: int | None, zero_s
       objective=objective, sink=sink, sink_token_id=sink_token_id, zero_sink_value=zero_sink_value,
       steps=FLAGS.train_steps, batch_size=FLAGS.train_batch_size, lr=FLAGS.lr, warmup=FLAGS.warmup,
       end_lr_ratio=FLAGS.end_lr_ratio, weight_decay=FLAGS.weight_decay, clip_norm=FLAGS.clip_norm, seed=seed,
-      checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every, attention_impl=attention_impl)
+      checkpoint_every=FLAGS.checkpoint_every, log_every=FLAGS.log_every, attention_impl=attention_impl,
+      prompt_len=prompt_len, self_conditioning_rate=self_conditioning_rate)
 
 
 def check_fits(model_config: config_lib.ModelConfig, tc: train_loop.TrainConfig, mesh) -> None:

@@ -234,18 +234,33 @@ def _compiled(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
   buffers = jax.tree.map(lambda a: jnp.zeros((n_max, *a.shape), a.dtype), shapes)
 
   def guarded(call, phase):
-    """One driver step: the family's call, its output written at index count; skipped when finished."""
-    def run_call(state):
-      carry, istate, count, buffers = state
-      carry, istate, output = call(carry, istate, count)
-      output = _with_defaults(output, batch, run.total_length)
-      buffers = jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, count, 0), buffers, output)
-      return carry, istate, count + 1, buffers
+    """One driver step: the family's call, its output written at index count; skipped when finished.
 
-    if not family.can_finish_early:
-      return run_call
-    return lambda state: jax.lax.cond(family.finished(run, consts, state[0], state[2], phase), lambda s: s,
-                                      run_call, state)
+    The `[max_steps, ...]` buffers stay outside the `lax.cond` of a family that can finish early: a
+    skipped step writes a zero output at index count, which is still unwritten (zero) then — indices at
+    and after count are only written by later calls — so it changes nothing, and XLA updates the buffers
+    in place instead of copying them through the conditional at every step."""
+    def make_call(carry, istate, count):
+      carry, istate, output = call(carry, istate, count)
+      return carry, istate, _with_defaults(output, batch, run.total_length)
+
+    def skip(carry, istate, count):
+      del count
+      return carry, istate, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+    def run_step(state):
+      carry, istate, count, buffers = state
+      if family.can_finish_early:
+        done = family.finished(run, consts, carry, count, phase)
+        carry, istate, output = jax.lax.cond(done, skip, make_call, carry, istate, count)
+        advance = jnp.where(done, 0, 1).astype(count.dtype)
+      else:
+        carry, istate, output = make_call(carry, istate, count)
+        advance = jnp.ones((), count.dtype)
+      buffers = jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, count, 0), buffers, output)
+      return carry, istate, count + advance, buffers
+
+    return run_step
 
   state = (carry, istate, jnp.zeros((), jnp.int32), buffers)
   for phase in phases:
