@@ -355,3 +355,20 @@ def step_canvases(tokens: ArrayLike, decode_step: ArrayLike, prompt_length: int,
     written = np.arange(gen.shape[-1])[None, None, :] < steps
     gen[~np.broadcast_to(written, gen.shape)] = fill_id
   return out
+
+
+def uniform_step_canvases(tokens: ArrayLike, canvases: ArrayLike, queries: ArrayLike, *, fill_id: int = -1
+                          ) -> np.ndarray:
+  """int [steps, S]: the sequence each decoder step of a uniform-state sampler (DiffusionGemma) saw, for one
+  row: the final tokens [S] before the step's canvas (the prompt and the canvases committed to the cache),
+  the step's own canvas [C] (`Trace.canvases`, noisy: accepted samples and renoised ids) at its computed
+  queries [start, start + C) (`Trace.computed_queries` [steps, 2]), and `fill_id` after it (not generated
+  yet)."""
+  tokens, canvases, queries = np.asarray(tokens), np.asarray(canvases), np.asarray(queries)
+  steps, width = canvases.shape
+  out = np.broadcast_to(tokens, (steps, tokens.shape[0])).copy()
+  for t in range(steps):
+    start = int(queries[t, 0])
+    out[t, start:start + width] = canvases[t]
+    out[t, start + width:] = fill_id
+  return out

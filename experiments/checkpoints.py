@@ -20,7 +20,7 @@ from experiments import progress, smollm2
 from experiments.cli import UserError
 
 NAMES = tuple(default_models.NAMES) + smollm2.ALIASES
-SAMPLERS = ("auto", "llada", "mmada", "dream", "ar", "block_diffusion")
+SAMPLERS = ("auto", "llada", "mmada", "dream", "ar", "block_diffusion", "diffusion_gemma")
 
 
 def resolve(entry: str) -> tuple[str, str]:
@@ -75,8 +75,11 @@ def training_record(directory: str) -> dict[str, Any]:
 
 
 def default_sampler(config: ModelConfig) -> str:
-  """ar for causal models, block_diffusion for block-causal ones (LLaDA2.x), dream for shifted DLMs, llada
+  """diffusion_gemma for DiffusionGemma-style models (causal encoder, self-conditioning decoder), ar for
+  other causal models, block_diffusion for block-causal ones (LLaDA2.x), dream for shifted DLMs, llada
   otherwise."""
+  if config.self_conditioning:
+    return "diffusion_gemma"
   if config.causal:
     return "ar"
   if config.attention_block_size is not None:
@@ -85,14 +88,12 @@ def default_sampler(config: ModelConfig) -> str:
 
 
 def check_sampler(label: str, sampler: str, config: ModelConfig) -> None:
-  """Refuses a sampler that does not fit the model's attention (causal, block-causal or bidirectional), and
-  DiffusionGemma models, whose sampler the binaries do not run yet (issue 17)."""
-  if config.self_conditioning:
-    raise UserError(f"{label} is a DiffusionGemma model: the experiment binaries do not run its sampler yet; "
-                    "call dlm_jax.sampling.diffusion_gemma.generate from Python")
-  kind = ("causal" if config.causal else "block-causal" if config.attention_block_size is not None
-          else "bidirectional")
-  fits = {"causal": ("ar",), "block-causal": ("block_diffusion",)}.get(kind, ("llada", "mmada", "dream"))
+  """Refuses a sampler that does not fit the model: its attention (causal, block-causal or bidirectional), or
+  a DiffusionGemma-style model (uniform-state, self-conditioning), which only its own sampler decodes."""
+  kind = ("DiffusionGemma-style" if config.self_conditioning else "causal" if config.causal
+          else "block-causal" if config.attention_block_size is not None else "bidirectional")
+  fits = {"DiffusionGemma-style": ("diffusion_gemma",), "causal": ("ar",),
+          "block-causal": ("block_diffusion",)}.get(kind, ("llada", "mmada", "dream"))
   if sampler not in fits:
     raise UserError(f"{label}: sampler {sampler} does not fit a {kind} model; use "
                     f"{default_sampler(config)} (or auto)")
@@ -103,7 +104,7 @@ class Model:
   """A loaded checkpoint and how it is prompted and decoded.
 
   label: name in tables; directory: the converted directory; record: its training.json ({} if none);
-  sampler: llada | mmada | dream | ar | block_diffusion; prompt_format: training | chat | plain; tokenizer: a
+  sampler: llada | mmada | dream | ar | block_diffusion | diffusion_gemma; prompt_format: training | chat | plain; tokenizer: a
   `dlm_jax.tokenizer.Tokenizer`.
   """
 

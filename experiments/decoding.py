@@ -6,7 +6,10 @@ signatures): gen_length = the training answer width of a model trained here, els
 block_length = 32 when gen_length is a larger multiple of 32, else gen_length / 4 (else gen_length);
 Dream alg = entropy (Dream's README), not the generation config's origin. Block diffusion (block-causal
 models, LLaDA2.x): blocks of the model's attention block, steps = the block length per block, LLaDA2's
-rule (τ 0.95) or --decoding=threshold, EOS stop, exact KV cache.
+rule (τ 0.95) or --decoding=threshold, EOS stop, exact KV cache. DiffusionGemma (uniform-state models):
+one canvas of gen_length (--block_length sets canvases of that length), at most --steps (default 48)
+decoder steps per canvas, and every other knob at `DiffusionGemmaGenerationConfig`'s default (entropy
+bound 0.1, temperatures 0.8 → 0.4, adaptive stopping, EOS stop); --temperature does not apply to it.
 
 Padding (--padding). Prompts of a run share one width (`experiments.prompts`); shorter ones are
 left-padded. `invariant` (default): pad keys are hidden from every query and positions are shifted so
@@ -34,6 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 
 from experiments import devices
 from experiments.checkpoints import Model
@@ -132,6 +136,21 @@ def model_settings(decode: DecodeSettings, model: Model, mode: DecodingMode = De
                       f"({block}) for block diffusion")
     values.update(steps=decode.steps or block, block_length=block, top_p=decode.top_p, top_k=decode.top_k,
                   **mode.record())
+  elif model.sampler == "diffusion_gemma":
+    from dlm_jax.sampling import diffusion_gemma  # pylint: disable=import-outside-toplevel
+    if decode.temperature:
+      logging.warning("%s: --temperature does not apply to the diffusion_gemma sampler (its schedule runs from "
+                      "t_max to t_min); ignored", model.label)
+    defaults = diffusion_gemma.DiffusionGemmaOptions()
+    del values["temperature"]
+    values.update(canvas_length=decode.block_length or length, max_denoising_steps=decode.steps or
+                  defaults.max_denoising_steps, entropy_bound=defaults.entropy_bound, t_min=defaults.t_min,
+                  t_max=defaults.t_max, confidence_threshold=defaults.confidence_threshold,
+                  stability_threshold=defaults.stability_threshold)
+    try:
+      sampler_options(values, padded=False)
+    except ValueError as error:
+      raise UserError(f"{model.label}: {error}") from None
   else:
     values.update(top_p=decode.top_p, top_k=decode.top_k, stop_at_eos=True)
   return values
@@ -163,8 +182,13 @@ def _llada_padding(padding: str, mmada: bool) -> dict[str, Any]:
 def sampler_options(values: dict[str, Any], padded: bool, end_ids: tuple[int, ...] = ()):
   """The library options of the decoding `values` (`model_settings`); `padded`: a prompt mask is passed;
   `end_ids`: the ids that end an autoregressive row (empty = the config's EOS and EoT)."""
-  from dlm_jax.sampling import autoregressive, block_diffusion, dream, llada  # pylint: disable=import-outside-toplevel
+  from dlm_jax.sampling import autoregressive, block_diffusion, diffusion_gemma, dream, llada  # pylint: disable=import-outside-toplevel
   v = values
+  if v["sampler"] == "diffusion_gemma":
+    return diffusion_gemma.DiffusionGemmaOptions(
+        gen_length=v["gen_length"], canvas_length=v["canvas_length"], max_denoising_steps=v["max_denoising_steps"],
+        entropy_bound=v["entropy_bound"], t_min=v["t_min"], t_max=v["t_max"],
+        confidence_threshold=v["confidence_threshold"], stability_threshold=v["stability_threshold"])
   if v["sampler"] == "block_diffusion":
     return block_diffusion.BlockDiffusionOptions(
         gen_length=v["gen_length"], block_length=v["block_length"], steps=v["steps"], temperature=v["temperature"],
@@ -211,7 +235,7 @@ def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: de
 
   values: `model_settings`; intervention: the complete intervention (see `combined_intervention`); None =
   the model's own."""
-  from dlm_jax.sampling import autoregressive, block_diffusion, dream, llada  # pylint: disable=import-outside-toplevel
+  from dlm_jax.sampling import autoregressive, block_diffusion, diffusion_gemma, dream, llada  # pylint: disable=import-outside-toplevel
   from dlm_jax.stats import NO_STATS  # pylint: disable=import-outside-toplevel
   if intervention is None:
     intervention = combined_intervention(model)
@@ -229,4 +253,6 @@ def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: de
     return dream.diffusion_generate(model.params, prompt, **kwargs)
   if model.sampler == "block_diffusion":
     return block_diffusion.generate(model.params, prompt, **kwargs)
+  if model.sampler == "diffusion_gemma":
+    return diffusion_gemma.generate(model.params, prompt, **kwargs)
   return autoregressive.generate(model.params, prompt, **kwargs)

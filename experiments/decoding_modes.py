@@ -25,7 +25,8 @@ autoregressive
 sampler already decodes with an exact KV cache, one token per call: the modes do not apply to it (the
 binaries warn and decode it as usual). Block diffusion (LLaDA2.x, block-causal models) always decodes with
 its exact KV cache: exact is LLaDA2's own rule, threshold Fast-dLLM's; the cache and factor modes are
-refused.
+refused. The DiffusionGemma sampler (uniform-state models) has its own acceptance rule (entropy bound) and
+an exact prompt cache: like the autoregressive one it is decoded as usual, with a warning.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ SAMPLER_FIELDS: dict[str, frozenset[str]] = {
     "block_diffusion": frozenset({"threshold"}),
 }
 """The option fields a diffusion sampler's options take from a mode (module docstring)."""
+
+UNMODED = ("ar", "diffusion_gemma")
+"""Samplers the modes do not apply to: they decode as usual (module docstring)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +125,7 @@ class DecodingMode:
 
     Raises a one-line error when the mode needs a field the sampler does not have (Dream, for now).
     """
-    if sampler == "ar":
+    if sampler in UNMODED:
       return {}
     if sampler == "block_diffusion":
       return self._block_diffusion_fields()
@@ -186,7 +190,13 @@ def from_spec(spec: str) -> DecodingMode:
 
 
 def warn_if_unused(mode: DecodingMode, sampler: str, label: str) -> None:
-  """Logs that a non-exact mode does not apply to an autoregressive model (decoded as usual)."""
-  if sampler == "ar" and not mode.exact:
-    logging.warning("%s: --decoding=%s applies to the diffusion samplers; the autoregressive sampler decodes "
-                    "as usual (one token per call, exact KV cache)", label, mode.decoding)
+  """Logs that a non-exact mode does not apply to an autoregressive or DiffusionGemma model (decoded as
+  usual)."""
+  if mode.exact:
+    return
+  if sampler == "ar":
+    logging.warning("%s: --decoding=%s applies to the masked diffusion samplers; the autoregressive sampler "
+                    "decodes as usual (one token per call, exact KV cache)", label, mode.decoding)
+  elif sampler == "diffusion_gemma":
+    logging.warning("%s: --decoding=%s applies to the masked diffusion samplers; the diffusion_gemma sampler "
+                    "decodes as usual (entropy-bound acceptance, exact prompt cache)", label, mode.decoding)

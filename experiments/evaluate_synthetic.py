@@ -6,8 +6,9 @@
 Prompts use the checkpoint's training layout (`experiments.prompts`: `[PAD … BOS question]` of the
 training prompt width). Diffusion models are decoded with LLaDA's `generate` (low-confidence remasking,
 temperature 0) with steps = gen_length and one block by default — pure diffusion, unlike the official
-block_length 128 of `experiments.generate`, because the answers are 32 tokens; causal models greedily
-with the KV-cache decoder. Completions are scored with the GSM8K strict (`#### n`) and flexible (last
+block_length 128 of `experiments.generate`, because the answers are 32 tokens; DiffusionGemma-style
+models with their sampler over one canvas of gen_length (at most --steps decoder steps, default 48; it
+samples, with one PRNG key per problem); causal models greedily with the KV-cache decoder. Completions are scored with the GSM8K strict (`#### n`) and flexible (last
 number) extractors. Progress lines go to the log; the summary is one JSON line on stdout; --output writes
 one JSON line per item (atomically, at the end).
 """
@@ -26,11 +27,13 @@ from experiments import (atomic_files, checkpoints, cli, decoding, devices, item
                          progress, prompts, run_dir, runtime_flags)
 from experiments.numerics import Numerics
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, tiny-arm, tiny-moe-dlm.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, tiny-arm, tiny-moe-dlm, "
+                                  "tiny-uniform-dlm.")
 _N = flags.DEFINE_integer("n", 200, "Test problems (>= 1).")
 _DATA_SEED = flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic generator.")
 _GEN_LENGTH = flags.DEFINE_integer("gen_length", 32, "Generated positions.")
-_STEPS = flags.DEFINE_integer("steps", None, "Diffusion steps (default: gen_length).")
+_STEPS = flags.DEFINE_integer("steps", None, "Diffusion steps (default: gen_length; DiffusionGemma: at most 48 "
+                              "decoder steps).")
 _BLOCK_LENGTH = flags.DEFINE_integer("block_length", None, "Diffusion block length (default: gen_length, pure "
                                      "diffusion; experiments.generate defaults to 128).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 100, "Prompts per sampler call (results do not depend on it).")
@@ -61,9 +64,9 @@ def main(argv):
   if _OUTPUT.value:
     run_dir.check_output_file(_OUTPUT.value, "output")
   model = checkpoints.prepare(_CHECKPOINT.value, "auto", "training")
-  if model.sampler not in ("llada", "ar"):
-    raise cli.UserError(f"{model.label}: expected a LLaDA-style diffusion model or a causal model, got a "
-                        f"{model.sampler} model")
+  if model.sampler not in ("llada", "ar", "diffusion_gemma"):
+    raise cli.UserError(f"{model.label}: expected a LLaDA-style diffusion model, a DiffusionGemma-style model or a "
+                        f"causal model, got a {model.sampler} model")
   gen_length = _GEN_LENGTH.value
   decode = decoding.DecodeSettings(gen_length=gen_length, steps=_STEPS.value,
                                    block_length=_BLOCK_LENGTH.value if _BLOCK_LENGTH.value is not None else gen_length)

@@ -1,7 +1,8 @@
 """Generates from a converted checkpoint with one of the compiled samplers and writes the trace.
 
   python -m experiments.generate --checkpoint=DIR|tiny-dlm|tiny-arm|smollm2 (--prompt=TEXT [--chat] | \
-      --prompt_ids=1,2,3) [--sampler=auto|llada|mmada|dream|ar|block_diffusion] --json_out=FILE [--stats_out=FILE.npz] \
+      --prompt_ids=1,2,3) [--sampler=auto|llada|mmada|dream|ar|block_diffusion|diffusion_gemma] --json_out=FILE \
+      [--stats_out=FILE.npz] \
       [--gen_length=N --steps=N --block_length=N --temperature=T --remasking=... --cfg_scale=W \
        --alg=origin|maskgit_plus|topk_margin|entropy --alg_temp=T --top_p=P --top_k=K --eps=E --seed=S \
        --mask_sinks=K] [--decoding=exact|threshold|factor|prefix_cache|dual_cache|threshold_prefix_cache|\
@@ -13,7 +14,11 @@ Defaults are the official ones: LLaDA / MMaDA gen_length = steps = block_length 
 greedy; block_diffusion (block-causal models: LLaDA2.x) gen_length 2048, steps 32 per block, blocks of the
 model's `attention_block_size`, τ 0.95, EOS stop, exact KV cache (LLaDA2's `generate`, whose answer — the
 first gen_length tokens up to the first EOS — is "text"); --editing_threshold=0.9 adds LLaDA2.1's token
-editing (--max_post_steps 16). The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A
+editing (--max_post_steps 16); diffusion_gemma (DiffusionGemma-style uniform-state models) HF's
+`DiffusionGemmaGenerationConfig`: gen_length 256 in canvases of --block_length 256, at most --steps 48
+decoder steps per canvas, --entropy_bound 0.1, temperatures --t_max 0.8 → --t_min 0.4 (--temperature does
+not apply), adaptive stopping at mean entropy < --confidence_threshold 0.005 (0 = off) with
+--stability_threshold 1, EOS stop. The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A
 sampler knob given for a sampler that does not have it is ignored with a warning.
 
 --decoding (LLaDA / MMaDA; `experiments.decoding_modes`): exact (default), Fast-dLLM's confidence-threshold
@@ -68,9 +73,10 @@ _CHAT = flags.DEFINE_bool("chat", False, "Wrap --prompt as one user turn in the 
 _TEMPLATE = flags.DEFINE_enum("template", None, list(chat.TEMPLATES), "Chat template (default: the one recorded "
                               "in the checkpoint, else llada, mmada, dream or llama3 by --sampler).")
 _PROMPT_IDS = flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids.")
-_SAMPLER = flags.DEFINE_enum("sampler", "auto", ["auto", "llada", "mmada", "dream", "ar", "block_diffusion"],
-                             "Sampler (auto: ar for causal models, block_diffusion for block-causal ones, dream for "
-                             "shifted DLMs, llada otherwise).")
+_SAMPLER = flags.DEFINE_enum("sampler", "auto", ["auto", "llada", "mmada", "dream", "ar", "block_diffusion",
+                                                  "diffusion_gemma"],
+                             "Sampler (auto: diffusion_gemma for DiffusionGemma-style models, ar for other causal "
+                             "models, block_diffusion for block-causal ones, dream for shifted DLMs, llada otherwise).")
 _GEN_LENGTH = flags.DEFINE_integer("gen_length", None, "Generated positions (default 128; Dream 512, its "
                                    "max_new_tokens).")
 _STEPS = flags.DEFINE_integer("steps", None, "Denoising steps (default: LLaDA/MMaDA 128, Dream 512).")
@@ -98,16 +104,26 @@ _EDITING_THRESHOLD = flags.DEFINE_float("editing_threshold", None, "block_diffus
 _MAX_POST_STEPS = flags.DEFINE_integer("max_post_steps", 16, "block_diffusion with --editing_threshold: calls on a "
                                        "mask-free block while it is still being edited.")
 _MASK_SINKS = flags.DEFINE_integer("mask_sinks", 0, "Mask the previous step's top-K sinks (0 = off).")
+_ENTROPY_BOUND = flags.DEFINE_float("entropy_bound", 0.1, "diffusion_gemma: the acceptance entropy bound (> 0).")
+_T_MIN = flags.DEFINE_float("t_min", 0.4, "diffusion_gemma: temperature of a canvas's last decoder step (> 0).")
+_T_MAX = flags.DEFINE_float("t_max", 0.8, "diffusion_gemma: temperature of a canvas's first decoder step (> 0).")
+_CONFIDENCE_THRESHOLD = flags.DEFINE_float("confidence_threshold", 0.005, "diffusion_gemma: adaptive stopping's "
+                                           "mean-entropy bound (0 = no adaptive stopping).")
+_STABILITY_THRESHOLD = flags.DEFINE_integer("stability_threshold", 1, "diffusion_gemma: earlier steps whose argmax "
+                                            "canvas must equal the current one to stop (>= 0).")
 
 DEFAULTS = {"llada": dict(gen_length=128, steps=128, block_length=128),
             "mmada": dict(gen_length=128, steps=128, block_length=128),
             "dream": dict(gen_length=512, steps=512), "ar": dict(gen_length=128),
-            "block_diffusion": dict(gen_length=2048, steps=32)}
+            "block_diffusion": dict(gen_length=2048, steps=32),
+            "diffusion_gemma": dict(gen_length=256, steps=48, block_length=256)}
 """Official defaults per sampler (module docstring)."""
 KNOBS = {"llada": {"steps", "block_length", "remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf"},
          "mmada": {"steps", "block_length", "remasking", "cfg_scale", "stop_at_eot"},
          "dream": {"steps", "block_length", "alg", "alg_temp", "top_p", "top_k", "eps"}, "ar": {"top_p", "top_k"},
-         "block_diffusion": {"steps", "block_length", "top_p", "top_k", "editing_threshold", "max_post_steps"}}
+         "block_diffusion": {"steps", "block_length", "top_p", "top_k", "editing_threshold", "max_post_steps"},
+         "diffusion_gemma": {"steps", "block_length", "entropy_bound", "t_min", "t_max", "confidence_threshold",
+                             "stability_threshold"}}
 """The sampler-specific flags each sampler takes."""
 
 
@@ -138,6 +154,11 @@ class Settings:
   editing_threshold: float | None
   max_post_steps: int
   numerics: Numerics
+  entropy_bound: float = 0.1
+  t_min: float = 0.4
+  t_max: float = 0.8
+  confidence_threshold: float = 0.005
+  stability_threshold: int = 1
   decoding: DecodingMode = DecodingMode()
 
   def __post_init__(self):
@@ -159,6 +180,8 @@ class Settings:
       raise cli.UserError(f"--mask_sinks={self.mask_sinks}: expected >= 0 (0 = off)")
     if self.sampler == "block_diffusion":
       return  # the canvas extends to the end of the last block; steps count per block
+    if self.sampler == "diffusion_gemma":
+      return  # canvases and their steps: checked by DiffusionGemmaOptions (`options`)
     if self.block_length is not None and self.gen_length % self.block_length:
       raise cli.UserError(f"--gen_length={self.gen_length} must be a multiple of block_length ({self.block_length});"
                           " change --gen_length or --block_length")
@@ -171,6 +194,16 @@ class Settings:
   def options(self, config):
     """The library options of these settings (a one-line error for a decoding mode the sampler lacks)."""
     from dlm_jax.sampling import autoregressive, block_diffusion, dream, llada  # pylint: disable=import-outside-toplevel
+    from dlm_jax.sampling import diffusion_gemma  # pylint: disable=import-outside-toplevel
+    if self.sampler == "diffusion_gemma":
+      if self.confidence_threshold < 0:
+        raise ValueError(f"--confidence_threshold={self.confidence_threshold}: expected >= 0 (0 = no adaptive "
+                         "stopping)")
+      return diffusion_gemma.DiffusionGemmaOptions(
+          gen_length=self.gen_length, canvas_length=self.block_length, max_denoising_steps=self.steps,
+          entropy_bound=self.entropy_bound, t_min=self.t_min, t_max=self.t_max,
+          stability_threshold=self.stability_threshold,
+          confidence_threshold=self.confidence_threshold or None)
     if self.sampler == "block_diffusion":
       return block_diffusion.BlockDiffusionOptions(
           gen_length=self.gen_length, block_length=self.block_length or config.attention_block_size,
@@ -202,6 +235,9 @@ def _warn_unused_knobs(sampler: str) -> None:
     if flags.FLAGS[name].present:
       owners = ", ".join(s for s in KNOBS if name in KNOBS[s])
       logging.warning("--%s applies to --sampler=%s only; ignored for %s", name, owners, sampler)
+  if sampler == "diffusion_gemma" and flags.FLAGS["temperature"].present:
+    logging.warning("--temperature does not apply to diffusion_gemma (its schedule runs from --t_max to --t_min); "
+                    "ignored")
 
 
 def _prompt_ids(config, tokenizer, directory: str, sampler: str) -> tuple[list[int], int | None]:
@@ -245,7 +281,7 @@ def _intervention(sampler: str, top_k: int):
 
 
 def _generate(params, config, settings: Settings, prompt, stats_spec):
-  from dlm_jax.sampling import autoregressive, block_diffusion, dream, llada  # pylint: disable=import-outside-toplevel
+  from dlm_jax.sampling import autoregressive, block_diffusion, diffusion_gemma, dream, llada  # pylint: disable=import-outside-toplevel
   kwargs = dict(config=config, options=settings.options(config), key=jax.random.key(settings.seed),
                 stats_spec=stats_spec, intervention=_intervention(settings.sampler, settings.mask_sinks),
                 attention_impl=settings.numerics.attention_impl, query_chunk=settings.numerics.query_chunk)
@@ -255,6 +291,8 @@ def _generate(params, config, settings: Settings, prompt, stats_spec):
     return dream.diffusion_generate(params, prompt, **kwargs)
   if settings.sampler == "block_diffusion":
     return block_diffusion.generate(params, prompt, **kwargs)
+  if settings.sampler == "diffusion_gemma":
+    return diffusion_gemma.generate(params, prompt, **kwargs)
   return autoregressive.generate(params, prompt, **kwargs)
 
 
@@ -294,7 +332,9 @@ def main(argv):
       top_k=_TOP_K.value, eps=_EPS.value, seed=_SEED.value, mask_sinks=_MASK_SINKS.value,
       end_of_turn_id=end_of_turn, editing_threshold=_EDITING_THRESHOLD.value, max_post_steps=_MAX_POST_STEPS.value,
       numerics=numerics_flags.from_flags(runtime_settings),
-      decoding=mode if sampler != "ar" else DecodingMode())
+      decoding=mode if sampler not in decoding_modes.UNMODED else DecodingMode(),
+      entropy_bound=_ENTROPY_BOUND.value, t_min=_T_MIN.value, t_max=_T_MAX.value,
+      confidence_threshold=_CONFIDENCE_THRESHOLD.value, stability_threshold=_STABILITY_THRESHOLD.value)
   try:
     settings.options(config)
   except ValueError as e:
@@ -317,6 +357,8 @@ def main(argv):
     if sampler == "block_diffusion":  # LLaDA2's answer: the first gen_length tokens, up to the first EOS
       reply = reply[:settings.gen_length]
       ends |= {config.eos_token_id} - {None}
+    if sampler == "diffusion_gemma":  # pad follows the first EOS
+      ends |= {config.eos_token_id} - {None}
     result["text"] = _reply_text(tokenizer, reply, ends)
   atomic_files.atomic_write_bytes(_JSON_OUT.value, (json.dumps(result) + "\n").encode())
   if _STATS_OUT.value:
@@ -325,8 +367,11 @@ def main(argv):
     routing = {}
     if config.is_moe:  # row 0's router choice per step, layer and position (expert -1: none)
       routing = {name: np.asarray(trace.stats[name][:nfe, :, 0]) for name in ("routed_experts", "routing_weights")}
+    extra = {}
+    if trace.accepted is not None:  # DiffusionGemma: the canvas positions each decoder step accepted
+      extra["accepted"] = np.asarray(trace.accepted[:nfe, 0])
     atomic_files.write_npz(_STATS_OUT.value, incoming_attention=incoming,
-                           computed_queries=np.asarray(trace.computed_queries[:nfe], np.int32), **routing)
+                           computed_queries=np.asarray(trace.computed_queries[:nfe], np.int32), **routing, **extra)
 
 
 if __name__ == "__main__":

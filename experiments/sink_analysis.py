@@ -69,8 +69,9 @@ from experiments.decoding_modes import DecodingMode
 from experiments.items import TaskSettings
 from experiments.numerics import Numerics
 
-_CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "tiny-arm"],
-                                 "Checkpoints ([label=]DIR or tiny-dlm, tiny-moe-dlm, tiny-arm, smollm2).")
+_CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "tiny-uniform-dlm", "tiny-arm"],
+                                 "Checkpoints ([label=]DIR or tiny-dlm, tiny-moe-dlm, tiny-uniform-dlm, tiny-arm, "
+                                 "smollm2).")
 _N_PROMPTS = flags.DEFINE_integer("n_prompts", 16, "Prompts (generations) per model (0 = the whole task).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Prompts per sampler call (results do not depend on it).")
 _EPSILON = flags.DEFINE_float("epsilon", 3.0, "ε of the sink rule (Eq. 3), > 0.")
@@ -158,14 +159,17 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
   grouped = model.diffusion and settings.split_queries
   all_queries = incoming.sum(axis=2) if grouped else incoming  # over the real queries (pads are in no group)
   steps, total = all_queries.shape[0], all_queries.shape[-1]
-  valid, active = validity.step_validity(model, batch, row, tokens, steps)
+  valid, active = validity.step_validity(model, batch, row, tokens, steps, queries)
   valid4 = valid[:, None, None, :]
   scores = np.asarray(sinks.relative_scores(all_queries, valid4))  # [steps, L', N, S]
   sink_mask = np.asarray(sinks.epsilon_rule(scores, settings.epsilon, "sum", valid4))
   n_entries = int(np.broadcast_to(valid4, scores.shape).sum())
-  mask_id = model.config.mask_token_id if model.diffusion else None
-  canvas = sinks.step_canvases(tokens[None], decode_step[None], lp, int(host["nfe"]),
-                               mask_id=mask_id)[decoded, 0]  # [steps, S]
+  if model.sampler == "diffusion_gemma":  # the noisy canvas of each decoder step, from the trace
+    canvas = sinks.uniform_step_canvases(tokens, host["canvases"][decoded, row], queries)  # [steps, S]
+  else:
+    mask_id = model.config.mask_token_id if model.diffusion else None
+    canvas = sinks.step_canvases(tokens[None], decode_step[None], lp, int(host["nfe"]),
+                                 mask_id=mask_id)[decoded, 0]  # [steps, S]
 
   hist, _ = np.histogram(np.minimum(scores[np.broadcast_to(valid4, scores.shape)], edges[-1] - 1e-6), bins=edges)
   nonsink = n_entries - sinks.sink_counts_over_epsilon(scores, EPSILON_GRID, valid4)
@@ -227,7 +231,7 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
     unmasked_q = incoming[:, :, 1] + incoming[:, :, 2]
     positions = np.arange(total)[None, :]
     computed = (positions >= queries[:, :1]) & (positions < queries[:, 1:])  # [steps, S]
-    n_masked, n_computed = ((canvas == model.config.mask_token_id) & computed).sum(-1), computed.sum(-1)
+    n_masked, n_computed = (_masked_queries(model, canvas, host, decoded, row) & computed).sum(-1), computed.sum(-1)
     both = (n_masked > 0) & (n_masked < n_computed)  # the step's queries hold both groups
     both_groups = np.broadcast_to(both[:, None], (steps, masked_q.shape[2]))
     masked_keys, unmasked_keys = np.where(valid4, masked_q, -1.0), np.where(valid4, unmasked_q, -1.0)
@@ -258,7 +262,9 @@ def run_model(settings: Settings, model: checkpoints.Model, runtime: devices.Run
     host = distributed.to_host({"tokens": trace.tokens, "decode_step": trace.decode_step, "nfe": trace.nfe,
                                 "active_rows": trace.active_rows, "queries": trace.computed_queries,
                                 "incoming": trace.stats["incoming_attention"],
-                                **({"experts": trace.stats["routed_experts"]} if config.is_moe else {})})
+                                **({"experts": trace.stats["routed_experts"]} if config.is_moe else {}),
+                                **({"accepted": trace.accepted, "canvases": trace.canvases}
+                                   if model.sampler == "diffusion_gemma" else {})})
     for row, item in enumerate(batch.items):
       if done(item):
         continue
@@ -307,6 +313,20 @@ def main(argv):
                                     list(settings.track_heads), settings.figure_item, settings.top_tokens,
                                     time.time() - start)
     progress.summary_banner(out.path, text)
+
+
+def _masked_queries(model: checkpoints.Model, canvas: np.ndarray, host, decoded: np.ndarray, row: int) -> np.ndarray:
+  """[steps, S] bool: the positions of the "masked" query group at each decoded step — the mask token, or for
+  DiffusionGemma the canvas positions the previous call did not accept (`dlm_jax.stats.QUERY_GROUP_NAMES`;
+  a canvas's first decoder step follows its encoder call, which accepts nothing)."""
+  if model.sampler != "diffusion_gemma":
+    return canvas == model.config.mask_token_id
+  accepted = np.asarray(host["accepted"])[decoded - 1, row]  # [steps, C]: the previous call's
+  queries = np.asarray(host["queries"])[decoded]
+  out = np.zeros(canvas.shape, bool)
+  for t, (start, stop) in enumerate(queries):
+    out[t, start:stop] = ~accepted[t]
+  return out
 
 
 def _modal_position(largest: np.ndarray) -> int:

@@ -61,8 +61,9 @@ from experiments.decoding_modes import DecodingMode
 from experiments.items import TaskSettings
 from experiments.numerics import Numerics
 
-_CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "tiny-arm"],
-                                 "Checkpoints ([label=]DIR or tiny-dlm, tiny-moe-dlm, tiny-arm, smollm2).")
+_CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "tiny-uniform-dlm", "tiny-arm"],
+                                 "Checkpoints ([label=]DIR or tiny-dlm, tiny-moe-dlm, tiny-uniform-dlm, tiny-arm, "
+                                 "smollm2).")
 _MASK_TOP_K = flags.DEFINE_list("mask_top_k", ["0", "1", "5", "10"], "Numbers K >= 0 of sinks to mask (0 = "
                                 "unmasked baseline), distinct.")
 _N_ITEMS = flags.DEFINE_integer("n_items", 64, "Items per model (0 = the whole task).")

@@ -91,7 +91,7 @@ def analyse_row(settings: Settings, model, item, batch: prompts.Prompts, host, r
   lp = batch.ids.shape[1]
   incoming = np.asarray(host["incoming"][:, :, row], np.float32)  # [steps, L', N, S], over the real queries
   norms = np.asarray(host["values"][:, :, row], np.float32)  # [steps, L', K, S]
-  valid, _ = validity.step_validity(model, batch, row, host["tokens"][row], incoming.shape[0])
+  valid, _ = validity.step_validity(model, batch, row, host["tokens"][row], incoming.shape[0], host["queries"])
   valid4 = valid[:, None, None, :]
   scores = sinks.relative_scores(incoming, valid4)
   sink_mask = np.asarray(sinks.epsilon_rule(scores, settings.epsilon, "sum", valid4))  # [steps, L', N, S]
@@ -130,7 +130,8 @@ def run_model(settings: Settings, model, runtime: devices.Runtime, log: run_dir.
                                     done):
     trace = decoding.generate(model, values, batch.prompts, runtime, settings.numerics, key=batch.key,
                               stats_spec=spec)
-    host = distributed.to_host({"tokens": trace.tokens, "incoming": trace.stats["incoming_attention"],
+    host = distributed.to_host({"tokens": trace.tokens, "queries": trace.computed_queries,
+                                "incoming": trace.stats["incoming_attention"],
                                 "values": trace.stats["value_norms"]})
     for row, item in enumerate(batch.items):
       if not done(item):

@@ -246,7 +246,7 @@ class DiffusionGemmaFamily(driver.Family):
         history=jnp.full_like(carry.history, -1), denoise_done=stopped, stopped=stopped,
         canvas_eos=jnp.zeros((b,), bool), block=jnp.int32(k), block_step=jnp.int32(0), cache=result.cache)
     outputs = result.outputs.replace(active=jnp.zeros((b,), bool), queries=jnp.array([start, stop], jnp.int32),
-                                     accepted=jnp.zeros((b, c), bool))
+                                     accepted=jnp.zeros((b, c), bool), canvas=jnp.zeros((b, c), jnp.int32))
     return carry, result.intervention_state, outputs
 
   def step(self, run, params, layout: padding.PaddingLayout, carry: DiffusionGemmaCarry, istate, i, phase):
@@ -291,7 +291,7 @@ class DiffusionGemmaFamily(driver.Family):
                           canvas_eos=canvas_eos & ~carry.stopped, block_step=carry.block_step + 1,
                           decode_step=decode_step, passes=carry.passes + active.astype(jnp.int32))
     outputs = result.outputs.replace(active=active, queries=jnp.array([s, s + c], jnp.int32),
-                                     accepted=accepted & active[:, None])
+                                     accepted=accepted & active[:, None], canvas=carry.canvas)
     return carry, result.intervention_state, outputs
 
   def outcome(self, run, carry: DiffusionGemmaCarry) -> tuple[jax.Array, jax.Array]:
@@ -317,6 +317,7 @@ generate = driver.public_sampler(build_family, DiffusionGemmaOptions(), """Diffu
   Returns the `Trace`: tokens [B, Lp + G] (pad after a row's first EOS), decode_step [B, G] (the last decoder
   step that denoised the token's canvas for its row), nfe (encoder and decoder calls), active_rows
   [max_steps, B] (the rows each decoder step denoised; none at the encoder calls), accepted
-  [max_steps, B, C] (the positions each step accepted), and the statistics of every call over the Lp + G
+  [max_steps, B, C] (the positions each step accepted), canvases [max_steps, B, C] (the canvas each decoder
+  step read), and the statistics of every call over the Lp + G
   cache positions.
   """)

@@ -202,8 +202,7 @@ def _trace(run: Run, carry, outputs: StepOutput, n_steps) -> Trace:
   return Trace(tokens=tokens, decode_step=decode_step, nfe=jnp.asarray(n_steps, jnp.int32),
                active_rows=outputs.active, computed_queries=outputs.queries, stats=plan.squeeze_user(outputs.stats),
                top_sinks=plan.squeeze_sinks(outputs.top_sinks), intervention_record=outputs.record,
-               accepted=outputs.accepted,
-               prompt_length=run.prompt_length)
+               accepted=outputs.accepted, canvases=outputs.canvas, prompt_length=run.prompt_length)
 
 
 def _calls(run: Run, params, consts, phase: Phase):

@@ -35,6 +35,8 @@ class StepOutput:
     that compute part of the canvas; the driver fills [0, S) when None).
   accepted: [B, C] bool, the canvas positions a uniform-state step accepted (DiffusionGemma; None for the
     other families).
+  canvas: [B, C] int32, the canvas a uniform-state decoder step read (DiffusionGemma: the noisy canvas its
+    queries hold, which the final tokens do not show; zeros at its encoder calls; None for the others).
   """
 
   stats: dict[str, jax.Array] | None = None
@@ -43,6 +45,7 @@ class StepOutput:
   active: jax.Array | None = None
   queries: jax.Array | None = None
   accepted: jax.Array | None = None
+  canvas: jax.Array | None = None
 
 
 @struct.dataclass

@@ -45,6 +45,9 @@ class Trace:
     accepted: None, or [max_steps, B, C] bool (DiffusionGemma): the canvas positions each decoder step
       accepted (took the sample; the others were renoised); all False at the encoder calls and for rows
       that waited.
+    canvases: None, or [max_steps, B, C] int32 (DiffusionGemma): the canvas each decoder step read — the
+      tokens of its queries (accepted samples and renoised ids), which `tokens` does not show; zeros at the
+      encoder calls.
     prompt_length: Lp, the number of prompt positions (static).
   """
 
@@ -57,6 +60,7 @@ class Trace:
   top_sinks: jax.Array | None = None
   intervention_record: Any = None
   accepted: jax.Array | None = None
+  canvases: jax.Array | None = None
   prompt_length: int = struct.field(pytree_node=False, default=0)
 
   @property
