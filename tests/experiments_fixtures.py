@@ -21,15 +21,18 @@ SEQ_LEN, PROMPT_LEN = 68, 36
 
 def tiny_checkpoint(directory: str, kind: str, seed: int = 0, sink: str = "none") -> str:
   """A random tiny checkpoint with the synthetic tokenizer: kind "dlm" (LLaDA-style), "dream" (shifted
-  DLM), "arm" (causal) or "llada2" (block-causal mixture of experts, blocks of 4). Returns the directory."""
+  DLM), "arm" (causal), "llada2" (block-causal mixture of experts, blocks of 4) or "uniform"
+  (DiffusionGemma-style: sliding and global layers, MoE, self-conditioning). Returns the directory."""
   tokenizer = synthetic.build_tokenizer()
   ids = dict(vocab_size=tokenizer.get_vocab_size(), pad_token_id=tokenizer.token_to_id("[PAD]"),
              bos_token_id=tokenizer.token_to_id("[BOS]"), eos_token_id=tokenizer.token_to_id("[EOS]"))
-  base = {"dlm": "tiny-llada", "dream": "tiny-dream", "arm": "tiny-llama", "llada2": "tiny-llada2"}[kind]
-  mask_id = None if kind == "arm" else tokenizer.token_to_id("[MASK]")
+  base = {"dlm": "tiny-llada", "dream": "tiny-dream", "arm": "tiny-llama", "llada2": "tiny-llada2",
+          "uniform": "tiny-diffusiongemma"}[kind]
+  mask_id = None if kind in ("arm", "uniform") else tokenizer.token_to_id("[MASK]")
   config = preset(base).replace(name=f"test-{kind}", eot_token_id=None, mask_token_id=mask_id, **ids)
   params = jax.device_get(model.init_params(config, jax.random.key(seed)))
-  record = {"train_config": {"objective": "ar" if kind == "arm" else "sft", "sink": sink,
+  objective = {"arm": "ar", "uniform": "uniform"}.get(kind, "sft")
+  record = {"train_config": {"objective": objective, "sink": sink,
                              "sink_token_id": tokenizer.token_to_id("[SINK]") if sink != "none" else None},
             "data": {"data": "synthetic", "seq_len": SEQ_LEN - 4 if kind == "arm" else SEQ_LEN,
                      "prompt_len": PROMPT_LEN, "layout": "ar" if kind == "arm" else "sft"}}

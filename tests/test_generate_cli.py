@@ -191,12 +191,3 @@ def test_block_causal_moe_model_decodes_with_block_diffusion_and_reports_routing
   assert bad.returncode == 1 and "does not fit a block-causal model; use block_diffusion" in bad.stderr
   bad = run_cli(tmp_path, directory, "--prompt_ids=5,6", "--decoding=dual_cache", expect_ok=False)
   assert bad.returncode == 1 and "always decodes with its exact KV cache" in bad.stderr
-
-
-def test_diffusion_gemma_checkpoint_is_refused_with_one_line(tmp_path):
-  """Its encoder is causal, but the autoregressive sampler must not be picked for it."""
-  config = preset("tiny-diffusiongemma")
-  directory = str(tmp_path / "dg")
-  checkpoint.save(directory, config, model.init_params(config, jax.random.key(0)))
-  bad = run_cli(tmp_path, directory, "--prompt_ids=5,6", expect_ok=False)
-  assert bad.returncode == 1 and "is a DiffusionGemma model" in bad.stderr and "Traceback" not in bad.stderr
