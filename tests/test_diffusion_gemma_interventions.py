@@ -66,8 +66,7 @@ def _per_query_rows(params, tokens, cache, offset, bias, decoder=False, sc=None,
   weights = jnp.broadcast_to(jnp.eye(t, dtype=jnp.float32), (tokens.shape[0], t, t))
   out = _forward(params, jnp.asarray(tokens), config=CONFIG, bias=bias, cache=cache, cache_offset=offset,
                  decoder=decoder, self_conditioning_logits=sc, self_conditioning_mask=sc_mask,
-                 query_weights=weights, stats_spec=spec,
-                 attention_impl="dense")
+                 query_weights=weights, stats_spec=spec, attention_impl="dense")
   return np.asarray(out.incoming_attention, np.float64), np.asarray(out.logits), out.cache
 
 
