@@ -503,3 +503,11 @@ class Compose(Intervention):
     """The parts' records, in `parts` order (None for a part that records nothing); None if none does."""
     records = tuple(p.record(s) for p, s in zip(self.parts, state))
     return None if all(r is None for r in records) else records
+
+
+def flat_parts(intervention: Intervention) -> tuple[Intervention, ...]:
+  """The interventions `intervention` applies, in order: itself, or its `Compose` parts (nested ones
+  flattened); for samplers that refuse some of them."""
+  if not isinstance(intervention, Compose):
+    return (intervention,)
+  return tuple(leaf for part in intervention.parts for leaf in flat_parts(part))

@@ -115,21 +115,26 @@ def expert_load(routed_experts: jax.Array, n_experts: int) -> jax.Array:
 
 
 QUERY_GROUP_NAMES = ("masked", "unmasked", "prompt")
-"""The sampler's query groups (a user spec with query_groups=3), built from the canvas of each step:
-  0 masked:   query positions holding the mask token;
-  1 unmasked: generation-region positions no longer holding the mask token;
-  2 prompt:   prompt positions not holding the mask token.
+"""The sampler's query groups (a user spec with query_groups=3), built at each model call from the positions
+that play the mask role (`unresolved`; by default the positions holding the mask token):
+  0 masked:   unresolved query positions;
+  1 unmasked: generation-region query positions that are resolved;
+  2 prompt:   prompt query positions that are resolved.
+Without a mask token (DiffusionGemma's uniform-state canvases) a decoder step's unresolved positions are
+those of its canvas not holding the token the previous step accepted (the whole random canvas at a
+canvas's first step), so group 1 is the accepted positions and group 2 is empty; its encoder calls have
+no unresolved position (the prompt's queries are group 2, a re-encoded finished canvas's group 1).
 In a left-padded batch pad queries belong to no group (see `StatsPlan.padded`)."""
 
 
-def query_group_weights(tokens: jax.Array, mask_id: int, gen_start: int, query_offset: jax.Array | int = 0
-                        ) -> jax.Array:
-  """[B, 3, T] float32 0/1 weights of the masked / unmasked-generated / prompt query groups.
+def query_group_weights(unresolved: jax.Array, gen_start: int, query_offset: jax.Array | int = 0) -> jax.Array:
+  """[B, 3, T] float32 0/1 weights of the masked / unmasked-generated / prompt query groups
+  (`QUERY_GROUP_NAMES`).
 
-  tokens: [B, T] the call's tokens, whose sequence positions are query_offset + 0..T-1."""
-  masked = tokens == mask_id
-  generated = (query_offset + jnp.arange(tokens.shape[1]))[None, :] >= gen_start
-  groups = [masked, generated & ~masked, ~generated & ~masked]
+  unresolved: [B, T] bool, the call's queries playing the mask role; their sequence positions are
+  query_offset + 0..T-1, those >= gen_start being generated."""
+  generated = (query_offset + jnp.arange(unresolved.shape[1]))[None, :] >= gen_start
+  groups = [unresolved, generated & ~unresolved, ~generated & ~unresolved]
   return jnp.stack(groups, axis=1).astype(jnp.float32)
 
 

@@ -213,14 +213,11 @@ class BlockDiffusionCarry:
 
 
 def _refuse_end_sink(intervention: interventions.Intervention) -> None:
-  parts = intervention.parts if isinstance(intervention, interventions.Compose) else (intervention,)
-  for part in parts:
-    if isinstance(part, interventions.Compose):
-      _refuse_end_sink(part)
-    elif isinstance(part, interventions.SinkToken) and part.position == "end":
-      raise ValueError("SinkToken(position='end') cannot run with block diffusion: the last canvas position lies "
-                       "in the last block, which no earlier block sees under block-causal attention; use "
-                       "position='front' (the sink as the prompt's first token).")
+  if any(isinstance(part, interventions.SinkToken) and part.position == "end"
+         for part in interventions.flat_parts(intervention)):
+    raise ValueError("SinkToken(position='end') cannot run with block diffusion: the last canvas position lies "
+                     "in the last block, which no earlier block sees under block-causal attention; use "
+                     "position='front' (the sink as the prompt's first token).")
 
 
 @dataclasses.dataclass(frozen=True)

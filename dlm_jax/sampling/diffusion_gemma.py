@@ -23,14 +23,29 @@ The canvas kept is the last argmax (not the sampled canvas). With `eos_stop`, a 
 EOS id gets pad after its first EOS and stops: its later canvases are pad and it runs no more decoder
 steps; the run ends when every row has stopped. (HF keeps denoising a stopped row's canvas — rows are
 independent — and overwrites it with pad, so it can run more decoder passes for the same tokens; its
-`tokens_per_forward` excludes those rows' passes, as `DiffusionGemmaCarry.passes` does.) Rows that are done wait unchanged while the batch's
-calls run (`StepOutput.active`); the encoder calls decode no row.
+`tokens_per_forward` excludes those rows' passes, as `DiffusionGemmaCarry.passes` does.) Rows that are
+done wait unchanged — their intervention state too (`Intervention.keep_rows`; an encoder call updates
+every row's) — while the batch's calls run (`StepOutput.active`); the encoder calls decode no row.
 
 Random draws are a pure function of the run key, the canvas and the step (`canvas_draws`, `step_draws`), so
 a test can rebuild them and feed the same canvases, Gumbel noise and renoising ids to a reference.
 Statistics are over the S = Lp + G cache positions (prompt keys, then the canvases; a decoder step's
-canvas at its own positions), per layer in absolute order. Left-padded prompts use the padding key bias;
-query groups of masked / unmasked positions do not apply (there is no mask token).
+canvas at its own positions), per layer in absolute order. Left-padded prompts use the padding key bias.
+Query groups (`dlm_jax.stats.QUERY_GROUP_NAMES`) have no mask token to go by: at a decoder step, "masked"
+are the canvas positions not holding a token the previous step accepted (the whole initial canvas at
+step 0, then the renoised positions) and "unmasked" the accepted ones; at an encoder call the prompt's
+queries are "prompt" and a finished canvas's queries "unmasked".
+
+Interventions act at every model call, encoder and decoder, as attention biases over the S cache positions
+(`CallContext.query_offset` is the call's first position). `MaskPreviousSinks` masks at each call the top
+sinks of the row's previous model call, whatever its kind: a canvas's first decoder step masks the sinks of
+its encoder commit, and a commit those of the previous canvas's last decoder step. Keys and values the
+encoder writes keep the bias of their commit. `SinkToken("front")` (the sink as the prompt's first token,
+`dlm_jax.interventions.add_sink_token`): under the causal encoder the sink's row sees only itself anyway;
+every later query sees it in global layers, but in sliding-window layers only while it is inside the window
+(an encoder query at i sees i−W+1..i there, a decoder step at positions P.. the cache positions P−W+1..P−1:
+the sink drops out once P >= W).
+`SinkToken("end")` is refused: the last position lies on the last canvas, which is renoised.
 """
 
 from __future__ import annotations
@@ -41,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dlm_jax import interventions
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import driver, keys, padding
@@ -147,7 +163,9 @@ class DiffusionGemmaCarry:
   ones pad); canvas [B, C] the current noisy canvas; argmax [B, C]; sc_logits [B, C, V] the previous
   step's scaled logits (embedding dtype) and has_sc [B]; history [max(1, k), B, C] the last k argmax
   canvases (−1 = none); denoise_done, stopped [B] bool (done with the canvas; stopped at EOS before it);
-  canvas_eos [B] bool (the current argmax canvas holds EOS); block, block_step: the canvas in progress
+  canvas_eos [B] bool (the current argmax canvas holds EOS); accepted [B, C] bool: the canvas positions
+  holding the token the previous decoder step accepted (all False at the canvas's opening; kept while the
+  row waits), the complement of the masked query group; block, block_step: the canvas in progress
   (−1 before the first) and its decoder steps so far; cache: the `KVCache`; decode_step [B, G]: the
   driver step that last set each generated token (the canvas's last active step); passes [B] decoder
   steps each row was active in (HF tokens_per_forward's denominator)."""
@@ -161,6 +179,7 @@ class DiffusionGemmaCarry:
   denoise_done: jax.Array
   stopped: jax.Array
   canvas_eos: jax.Array
+  accepted: jax.Array
   block: jax.Array
   block_step: jax.Array
   cache: KVCache
@@ -195,6 +214,15 @@ class DiffusionGemmaFamily(driver.Family):
                        f"decoder); config {config.name!r} has causal={config.causal}, "
                        f"self_conditioning={config.self_conditioning}.")
 
+  def constants(self, run, canvas, layout: padding.PaddingLayout) -> padding.PaddingLayout:
+    """The padding layout; refuses `SinkToken(position="end")` (module docstring, "Interventions")."""
+    if any(isinstance(part, interventions.SinkToken) and part.position == "end"
+           for part in interventions.flat_parts(run.caller.intervention)):
+      raise ValueError("SinkToken(position='end') cannot run with DiffusionGemma sampling: the last position lies "
+                       "on the last canvas, whose tokens are renoised at every decoder step, so no sink token "
+                       "stays there; use position='front' (the sink as the prompt's first token).")
+    return layout
+
   def phases(self, run) -> tuple[driver.Phase, ...]:
     """One phase per canvas: its encoder call (the prompt, or the previous canvas) opens it, then at most N
     decoder steps."""
@@ -209,7 +237,8 @@ class DiffusionGemmaFamily(driver.Family):
         tokens=canvas, canvas=jnp.zeros((b, c), jnp.int32), argmax=jnp.zeros((b, c), jnp.int32),
         sc_logits=jnp.zeros((b, c, run.config.vocab_size), dtype), has_sc=false,
         history=jnp.full((max(1, self.options.stability_threshold), b, c), -1, jnp.int32), denoise_done=false,
-        stopped=false, canvas_eos=false, block=jnp.int32(-1), block_step=jnp.int32(0),
+        stopped=false, canvas_eos=false, accepted=jnp.zeros((b, c), bool), block=jnp.int32(-1),
+        block_step=jnp.int32(0),
         cache=KVCache.zeros(run.config, b, run.total_length, dtype), key=key,
         decode_step=jnp.full((b, self.gen_length), -1, jnp.int32), passes=jnp.zeros((b,), jnp.int32))
 
@@ -244,7 +273,8 @@ class DiffusionGemmaFamily(driver.Family):
     carry = carry.replace(
         tokens=tokens, canvas=canvas, argmax=canvas, has_sc=jnp.zeros((b,), bool),
         history=jnp.full_like(carry.history, -1), denoise_done=stopped, stopped=stopped,
-        canvas_eos=jnp.zeros((b,), bool), block=jnp.int32(k), block_step=jnp.int32(0), cache=result.cache)
+        canvas_eos=jnp.zeros((b,), bool), accepted=jnp.zeros((b, c), bool), block=jnp.int32(k),
+        block_step=jnp.int32(0), cache=result.cache)
     outputs = result.outputs.replace(active=jnp.zeros((b,), bool), queries=jnp.array([start, stop], jnp.int32),
                                      accepted=jnp.zeros((b, c), bool), canvas=jnp.zeros((b, c), jnp.int32))
     return carry, result.intervention_state, outputs
@@ -261,7 +291,8 @@ class DiffusionGemmaFamily(driver.Family):
                         valid_keys=layout.valid & (jnp.arange(run.total_length) < s + c)[None, :],
                         query_valid=layout.valid[:, s:s + c], base_bias=padding.query_rows(layout.bias, s, c),
                         cache=carry.cache, cache_offset=s, canvas=sequence, decoder=True,
-                        self_conditioning_logits=carry.sc_logits, self_conditioning_mask=carry.has_sc)
+                        self_conditioning_logits=carry.sc_logits, self_conditioning_mask=carry.has_sc,
+                        unresolved=~carry.accepted)
     scaled = result.logits / temperature(o, carry.block_step)
     gumbel, renoise = step_draws(carry.key, k, carry.block_step, (b, c), run.config.vocab_size, run.row_keys)
     sample = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
@@ -288,11 +319,12 @@ class DiffusionGemmaFamily(driver.Family):
         jnp.where(active[:, None], i, carry.decode_step[:, g:g + c]))
     carry = carry.replace(tokens=carry.tokens.at[:, s:s + c].set(finalised), canvas=canvas, argmax=argmax,
                           sc_logits=sc_logits, has_sc=jnp.ones((b,), bool), history=history, denoise_done=done,
-                          canvas_eos=canvas_eos & ~carry.stopped, block_step=carry.block_step + 1,
-                          decode_step=decode_step, passes=carry.passes + active.astype(jnp.int32))
+                          canvas_eos=canvas_eos & ~carry.stopped, accepted=jnp.where(keep, carry.accepted, accepted),
+                          block_step=carry.block_step + 1, decode_step=decode_step,
+                          passes=carry.passes + active.astype(jnp.int32))
     outputs = result.outputs.replace(active=active, queries=jnp.array([s, s + c], jnp.int32),
                                      accepted=accepted & active[:, None], canvas=carry.canvas)
-    return carry, result.intervention_state, outputs
+    return carry, run.caller.intervention.keep_rows(result.intervention_state, istate, active), outputs
 
   def outcome(self, run, carry: DiffusionGemmaCarry) -> tuple[jax.Array, jax.Array]:
     return carry.tokens, carry.decode_step
@@ -318,6 +350,5 @@ generate = driver.public_sampler(build_family, DiffusionGemmaOptions(), """Diffu
   step that denoised the token's canvas for its row), nfe (encoder and decoder calls), active_rows
   [max_steps, B] (the rows each decoder step denoised; none at the encoder calls), accepted
   [max_steps, B, C] (the positions each step accepted), canvases [max_steps, B, C] (the canvas each decoder
-  step read), and the statistics of every call over the Lp + G
-  cache positions.
+  step read), and the statistics of every call over the Lp + G cache positions.
   """)

@@ -81,7 +81,7 @@ class ModelCaller:
     config: model config.
     plan: the statistics plan (`dlm_jax.stats.StatsPlan`).
     intervention: the attention-bias intervention.
-    mask_id: mask token id for the sampler's query groups (None for autoregressive models).
+    mask_id: mask token id for the sampler's query groups (None for models without one).
     gen_start: first generated position (for the query groups).
     attention_impl, query_chunk: passed to `forward`.
     record_intervention: also return the intervention's per-call record.
@@ -103,7 +103,8 @@ class ModelCaller:
                cache: KVCache | None = None, cache_offset: jax.Array | int = 0, canvas: jax.Array | None = None,
                logits_offset: jax.Array | int = 0, return_hidden: bool = False, decoder: bool = False,
                self_conditioning_logits: jax.Array | None = None,
-               self_conditioning_mask: jax.Array | None = None) -> CallResult:
+               self_conditioning_mask: jax.Array | None = None,
+               unresolved: jax.Array | None = None) -> CallResult:
     """Runs the model on tokens [B, T] (with the unconditional canvas [B, T] as a 2B batch when given).
 
     window: (start, stop) positions whose logits are computed, "last" (the last position) or None (all);
@@ -116,6 +117,8 @@ class ModelCaller:
     [B, S] is the whole sequence the intervention sees (`CallContext.tokens`).
     decoder, self_conditioning_logits, self_conditioning_mask: a DiffusionGemma decoder call (reads the
     cache, writes nothing; see `dlm_jax.model.forward`).
+    unresolved: [B, T] bool, the queries of the masked query group (`dlm_jax.stats.QUERY_GROUP_NAMES`);
+    default: those holding the mask token (none without a mask id).
     """
     batch, length = tokens.shape
     if cache is None:
@@ -127,11 +130,12 @@ class ModelCaller:
     intervention_bias = self.intervention.bias(istate, context)
     bias = base_bias + intervention_bias
     spec = self.plan.forward_spec
-    mask_id = -1 if self.mask_id is None else self.mask_id
     weights = None
     if spec.query_groups:
+      if unresolved is None:
+        unresolved = tokens == (-1 if self.mask_id is None else self.mask_id)
       weights = self.plan.query_weights(
-          lambda: query_group_weights(tokens, mask_id, self.gen_start, cache_offset),
+          lambda: query_group_weights(unresolved, self.gen_start, cache_offset),
           lambda: self.intervention.query_weights(istate, context), query_valid)
     model_tokens = tokens
     if uncond_tokens is not None:
