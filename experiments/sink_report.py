@@ -134,8 +134,9 @@ def model_figures(out: str, meta: dict, agg: dict, track_heads: list[str], figur
   if "group_incoming" in data:
     groups = data["group_incoming"][:, -1]  # [steps, 2, S]
     shares = groups / np.maximum(groups.sum(-1, keepdims=True), 1e-30)
-    panels = [(f"masked queries, layer {layers[-1]}", shares[:, 0]), (f"unmasked queries, layer {layers[-1]}",
-                                                                       shares[:, 1])]
+    names = (("not-yet-accepted", "accepted") if meta["sampler"] == "diffusion_gemma" else ("masked", "unmasked"))
+    panels = [(f"{names[0]} queries, layer {layers[-1]}", shares[:, 0]),
+              (f"{names[1]} queries, layer {layers[-1]}", shares[:, 1])]
     save(plots.step_heatmaps(panels, f"{label}: share of each query group's attention per key (Fig. 6a)",
                              prompt_length=lp, block_starts=blocks, xlabel=xlabel, ylabel=step_label,
                              colorbar_label="share of the group's attention"),
@@ -194,7 +195,7 @@ def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
             "> 0 moves right); lifetime: mean run length (steps) of a position staying a sink; centroid var: "
             "variance over steps of the sink centroid (Sink-Aware Pruning); first share: attention share of the "
             "first real token; separate: fraction of (step, head) where masked and unmasked queries have "
-            "different top keys (Fig. 6a)."]
+            "different top keys (Fig. 6a; for a uniform-state model, not-yet-accepted and accepted queries)."]
   for meta in metas:
     agg = aggs.get(meta["label"])
     if agg is None:
@@ -234,6 +235,9 @@ def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
             "- Dream: positional sinks starting at the rightmost masked token and moving left; MMaDA: static, rarer "
             "sinks, often at the first position.",
             "- ARMs: a static sink on the first token (StreamingLLM, Gu et al.); compare 'largest sink = first token'.",
+            "- Uniform-state models (DiffusionGemma-style, no mask token; not in the paper): a decoder step's "
+            "queries are its canvas, over the prompt cache and the canvas; there is no mask token to become a "
+            "sink, so the table shows which tokens and positions do.",
             "", "## Figures", ""]
   for path in figures:
     lines.append(f"- [{path}]({path})")

@@ -80,7 +80,11 @@ class Settings:
       raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: expected layer indices >= 0")
 
   def check_model(self, model: checkpoints.Model) -> None:
-    """Refuses layers the model does not have."""
+    """Refuses layers the model does not have, and models with sliding and global layers (DiffusionGemma),
+    whose value norms the library does not return (their kv heads differ by layer kind)."""
+    if model.config.layer_pattern is not None:
+      raise cli.UserError(f"{model.label} has sliding and global layers (layer_pattern "
+                          f"{model.config.layer_pattern!r}); value norms are not available for such models")
     n = model.config.n_layers
     if self.layers is not None and any(l >= n for l in self.layers):
       raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: {model.label} has {n} layers (0 to {n - 1})")

@@ -89,3 +89,10 @@ def test_generate_cli_runs_the_uniform_sampler(uniform, tmp_path):
   bad = fx.run_binary("generate", f"--checkpoint={uniform}", "--prompt_ids=1,10", "--gen_length=6",
                       "--block_length=4", f"--json_out={tmp_path / 'bad.json'}", expect_ok=False)
   assert bad.returncode == 1 and "multiple of canvas_length" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_value_norms_refuses_sliding_and_global_layers_in_one_line(uniform, tmp_path):
+  bad = fx.run_binary("value_norms", f"--checkpoints={uniform}", f"--output_dir={tmp_path / 'out'}",
+                      "--n_prompts=1", expect_ok=False)
+  assert bad.returncode == 1 and "value norms are not available" in bad.stderr and "Traceback" not in bad.stderr
+  assert not (tmp_path / "out").exists()
