@@ -27,6 +27,13 @@ Under a KV cache a step's statistics are the incoming attention of the queries t
 whole canvas at a block's refresh step, then the block and every later position with the prefix cache, the
 block alone with the dual cache) over all keys, cached ones included; the query groups split those queries.
 
+Uniform-state models (DiffusionGemma-style, `--samplers=diffusion_gemma`, auto for them): the steps read are
+the decoder steps (the encoder calls that commit the prompt and each finished canvas decode no row); a
+step's queries are its canvas, its keys the prompt cache, the earlier canvases and the canvas itself (later
+positions do not count); the tokens at the canvas's positions are the noisy canvas that step read
+(`Trace.canvases`), and the query groups are not-yet-accepted / accepted positions instead of masked /
+unmasked (`dlm_jax.stats.QUERY_GROUP_NAMES`).
+
 Outputs in --output_dir (default results/sink_analysis):
   results.jsonl                one line per (model, prompt): completion, NFE, per-item summaries
   <model>/item_<id>.npz        per-step arrays of the --figure_item generation (its decoded steps: step_index,

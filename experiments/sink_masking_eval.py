@@ -7,7 +7,8 @@ r"""Accuracy with the previous step's top-K attention sinks masked (Rulli et al.
       --dtype=bfloat16 --mesh=data:8
 
 Conditions: K in --mask_top_k (default 0, 1, 5, 10); K = 0 is the unmasked baseline. DLMs decode with their
-sampler under `MaskPreviousSinks`: at every step but the first, the K keys with the most incoming
+sampler (uniform-state models with the DiffusionGemma sampler, whose previous step is the previous model
+call, encoder commits included) under `MaskPreviousSinks`: at every step but the first, the K keys with the most incoming
 attention at the previous step are removed (MASK_VALUE bias) — per (layer, head) by default
 (--mask_scope=global: ranked by the layer/head mean and removed everywhere), optionally only among keys
 passing the ε-rule (--sink_epsilon). ARMs decode greedily under `MaskPreviousSinksAR`: the K keys of the

@@ -1,4 +1,7 @@
-"""Trains a model with masked diffusion (pretrain / SFT), next-token prediction, or the extra sink token.
+"""Trains a model with masked diffusion (pretrain / SFT), next-token prediction, the extra sink token, or
+DiffusionGemma-style uniform-state diffusion (--objective=uniform, a DiffusionGemma-style --preset such as
+tiny-diffusiongemma; the sft layout, the prompt encoded causally and the answer as the canvas;
+`dlm_jax.training_uniform`).
 
 Examples (the embedded default models; see BUILD.md for the exact commands and timings):
 
