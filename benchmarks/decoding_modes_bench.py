@@ -155,7 +155,7 @@ def measure(mode_spec: str, setup: dict) -> list[dict]:
       for i, spec in enumerate(specs):
         wall, traces[i][j] = _decode_batch(*args, batch_ids, batch_mask, spec, setup["impl"])
         walls[i, j] = min(walls[i, j], wall)
-  best = walls.sum(axis=1)
+  best = [float(x) for x in walls.sum(axis=1)]
   results = []
   for stats, wall, run in zip((False, True), best, traces):
     generated = np.concatenate([np.asarray(t.generated) for t in run])
