@@ -134,7 +134,8 @@ def _check_run_record(run_dir: str, record: dict[str, Any], primary: bool) -> No
     with open(path, encoding="utf-8") as f:
       previous = json.load(f)
     ignore = {"log_every", "checkpoint_every"}
-    a = {**previous, "train_config": {k: v for k, v in previous["train_config"].items() if k not in ignore}}
+    stored = {**dataclasses.asdict(TrainConfig()), **previous["train_config"]}  # fields added later: defaults
+    a = {**previous, "train_config": {k: v for k, v in stored.items() if k not in ignore}}
     b = {**record, "train_config": {k: v for k, v in record["train_config"].items() if k not in ignore}}
     if a != b:
       raise ValueError(f"{run_dir} holds a run with another configuration; use a new --run_dir.\n"

@@ -178,7 +178,7 @@ def main(argv):
   train_config = train_flags.train_config(objective=_OBJECTIVE.value, sink=_SINK_TOKEN.value, sink_token_id=sink_id,
                                           zero_sink_value=_ZERO_SINK_VALUE.value, seed=_SEED.value,
                                           attention_impl=_ATTENTION_IMPL.value,
-                                          prompt_len=data.prompt_len if layout == "sft" else None,
+                                          prompt_len=data.prompt_len if _OBJECTIVE.value == "uniform" else None,
                                           self_conditioning_rate=_SELF_CONDITIONING_RATE.value)
   if not 0.0 <= train_config.self_conditioning_rate <= 1.0:
     raise cli.UserError(f"--self_conditioning_rate={train_config.self_conditioning_rate}: expected a value in [0, 1]")
