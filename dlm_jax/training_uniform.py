@@ -25,6 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache, Params, forward
@@ -121,7 +122,6 @@ def loss(params: Params, tokens: jax.Array, key: jax.Array, *, config: ModelConf
   noisy = jnp.where(draws.noised, draws.ids, clean)
   logits = canvas_logits(params, prompt, noisy, draws, config=config, attention_impl=attention_impl)
   logits = logits.astype(jnp.float32)
-  ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, clean[..., None], axis=-1)[..., 0]
-  value = jnp.mean(ce)
+  value = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, clean))
   accuracy = jnp.mean((jnp.argmax(logits, -1) == clean).astype(jnp.float32))
   return value, {"loss": value, "scored": jnp.asarray(clean.size, jnp.int32), "accuracy": accuracy}
