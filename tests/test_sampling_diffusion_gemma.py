@@ -178,3 +178,30 @@ def test_options_are_validated():
   with pytest.raises(ValueError, match="DiffusionGemma model"):
     dg.generate({}, np.zeros((1, 3), np.int32), config=preset("tiny-llada"), options=dataclasses.replace(
         dg.DiffusionGemmaOptions(), gen_length=6, canvas_length=6))
+
+
+def _statistics_run(loop: str, prompt_seed: int = 0):
+  """The first parametrised case (confidence stopping, rows waiting) with statistics and an intervention."""
+  options = dg.DiffusionGemmaOptions(**_STEPS10, stability_threshold=0, confidence_threshold=0.3)
+  prompt = np.random.default_rng(prompt_seed).integers(3, CONFIG.vocab_size, (3, 5))
+  return dg.generate(_params(2.0), prompt, config=CONFIG, options=options, key=jax.random.key(7),
+                     stats_spec=StatsSpec(incoming_attention=True, per_head=True), loop=loop)
+
+
+def test_compiled_loop_equals_python_loop():
+  scan, python = _statistics_run("scan"), _statistics_run("python")
+  assert int(scan.nfe) == int(python.nfe)
+  for name in ("tokens", "accepted", "active_rows", "computed_queries"):
+    np.testing.assert_array_equal(np.asarray(getattr(scan, name)), np.asarray(getattr(python, name)), err_msg=name)
+  np.testing.assert_allclose(np.asarray(scan.stats["incoming_attention"]),
+                             np.asarray(python.stats["incoming_attention"]), atol=1e-5)
+
+
+def test_no_retrace_for_new_prompt_of_same_length():
+  from dlm_jax.sampling.driver import TRACE_COUNTS  # pylint: disable=import-outside-toplevel
+  _statistics_run("scan", prompt_seed=10)
+  before = TRACE_COUNTS["diffusion_gemma"]
+  assert before > 0
+  second, third = _statistics_run("scan", prompt_seed=11), _statistics_run("scan", prompt_seed=12)
+  assert TRACE_COUNTS["diffusion_gemma"] == before
+  assert not np.array_equal(np.asarray(second.tokens), np.asarray(third.tokens))  # the new prompts were decoded
