@@ -70,7 +70,7 @@ _COMPARE = flags.DEFINE_list("compare_xla_cpu_options", [], "Instead of the swee
 _COMPARE_CHUNKS = flags.DEFINE_list("compare_query_chunks", [], "With --compare_xla_cpu_options: also compare "
                                     "these query_chunk values (empty: --query_chunk only).")
 _COMPARE_FUSED = flags.DEFINE_bool("compare_fused_projections", False, "With --compare_xla_cpu_options: also "
-                                   "time every variant with q/k/v and gate/up fused (benchmarks/fused_projections).")
+                                   "time every variant with q/k/v and gate/up fused (ModelConfig.fused_projections).")
 _ROUNDS = flags.DEFINE_integer("option_rounds", 5, "Rounds of the option comparison (the median counts).")
 _JSON_OUT = flags.DEFINE_string("json_out", "denoise_bench.json", "Where to write all results.")
 _WORKER = flags.DEFINE_string("worker", None, "Internal: run one measurement described by this JSON.")
@@ -128,6 +128,7 @@ def _jax_sampler(spec: dict):
   from dlm_jax.sampling.llada import LLaDAOptions, generate
   from dlm_jax.stats import NO_STATS, StatsSpec
   config, params, prompt = _inputs(spec)
+  config = config.replace(fused_projections=spec.get("fused", False))
   options = LLaDAOptions(gen_length=spec["gen"], steps=spec["steps"], block_length=spec["block"])
   stats = NO_STATS if spec["condition"] == "off" else StatsSpec(incoming_attention=True)
   intervention = MaskPreviousSinks(top_k=1) if spec["condition"] == "mask1" else NO_INTERVENTION

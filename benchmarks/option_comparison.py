@@ -11,7 +11,6 @@ whether it decoded the same tokens as the first variant.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import statistics
 import time
@@ -38,14 +37,13 @@ def run_worker(spec: dict, jax_sampler, torch_sampler) -> dict:
   """
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from benchmarks import fused_projections  # pylint: disable=import-outside-toplevel
   runs, lowered = {}, {}
   for variant in spec["variants"]:
     key = (variant["query_chunk"], variant["fused"])
     if key not in lowered:
-      config, params, prompt, sample = jax_sampler({**spec, "query_chunk": variant["query_chunk"]})
-      with fused_projections.fused() if variant["fused"] else contextlib.nullcontext():
-        lowered[key] = jax.jit(sample).lower(params, prompt)
+      config, params, prompt, sample = jax_sampler({**spec, "query_chunk": variant["query_chunk"],
+                                                    "fused": variant["fused"]})
+      lowered[key] = jax.jit(sample).lower(params, prompt)
     compiled = lowered[key].compile(compiler_options=xla_cpu.OPTION_SETS[variant["set"]] or None)
     runs[variant["name"]] = lambda c=compiled: np.asarray(jax.block_until_ready(c(params, prompt)).generated)
   if spec["torch"]:

@@ -109,6 +109,10 @@ class ModelConfig:
     v_norm: weightless RMSNorm over each value head (Gemma 4).
     mlp_activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with the tanh approximation of GELU) for every
       gated feed-forward (dense MLP, experts, self-conditioning).
+    fused_projections: a compute option, not architecture: q/k/v (and each SwiGLU's gate/up) computed by
+      one matmul over the kernels concatenated at trace time, then split. The parameters keep their layout,
+      so every checkpoint runs either way; results differ by float rounding only. Layers whose value is
+      their key projection (`global_k_eq_v`) keep separate q and k matmuls.
     sandwich_norms: Gemma norms around the sub-layers: h = x + post_attn_norm(attn(attn_norm x)),
       out = h + post_ffn_norm(FFN(h)) with FFN starting from mlp_norm.
     moe_with_dense_mlp: every layer has the dense gated MLP (width mlp_hidden) and the MoE in parallel
@@ -178,6 +182,7 @@ class ModelConfig:
   attention_scale: float | None = None
   v_norm: bool = False
   mlp_activation: str = "silu"
+  fused_projections: bool = False
   sandwich_norms: bool = False
   moe_with_dense_mlp: bool = False
   layer_scalar: bool = False

@@ -240,21 +240,26 @@ class Attention(nnx.Module):
     return self.o(out.reshape(b, t, c.n_heads * h)), incoming, (k, v)
 
   def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [B, T, D] -> q [B, T, N·H], k, v [B, T, K·H]: three matmuls (benchmarks/fused_projections.py
-    measures one matmul over the concatenated kernels instead). With K = V (global DiffusionGemma layers) v is
-    k's projection."""
-    k = self.k(x)
-    return self.q(x), k, k if self.k_eq_v else self.v(x)
+    """x [B, T, D] -> q [B, T, N·H], k, v [B, T, K·H]: three matmuls, or one with
+    `ModelConfig.fused_projections`. With K = V (global DiffusionGemma layers) v is k's projection."""
+    if self.k_eq_v:
+      k = self.k(x)
+      return self.q(x), k, k
+    if self.config.fused_projections:
+      return fused_linear(x, (self.q, self.k, self.v))
+    return self.q(x), self.k(x), self.v(x)
 
 
 class SwiGLU(nnx.Module):
   """down(SiLU(gate(x)) ⊙ up(x)) with hidden width `hidden`: [..., D] -> [..., D]."""
 
-  def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs, dtype: Any, activation: str = "silu"):
+  def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs, dtype: Any, activation: str = "silu",
+               fused: bool = False):
     self.gate = _linear(d_model, hidden, False, rngs, dtype)
     self.up = _linear(d_model, hidden, False, rngs, dtype)
     self.down = _linear(hidden, d_model, False, rngs, dtype)
     self.activation = activation
+    self.fused = fused
 
   def __call__(self, x: jax.Array) -> jax.Array:
     gate, up = self.project_gate_up(x)
@@ -263,8 +268,23 @@ class SwiGLU(nnx.Module):
     return self.down(jax.nn.silu(gate) * up)
 
   def project_gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [..., D] -> (gate(x), up(x)) [..., hidden] each: two matmuls (see `Attention.project_qkv`)."""
+    """x [..., D] -> (gate(x), up(x)) [..., hidden] each: two matmuls, or one when `fused`."""
+    if self.fused:
+      return fused_linear(x, (self.gate, self.up))
     return self.gate(x), self.up(x)
+
+
+def fused_linear(x: jax.Array, linears: tuple[nnx.Linear, ...]) -> tuple[jax.Array, ...]:
+  """The outputs of `linears` (sharing the input x [..., D]) from one matmul over their kernels concatenated
+  along the output axis (biases likewise), split back per linear: one [..., F_i] array each."""
+  kernels = [linear.kernel[...] for linear in linears]
+  y = jnp.matmul(x, jnp.concatenate(kernels, axis=-1).astype(x.dtype))
+  if linears[0].bias is not None:
+    y = y + jnp.concatenate([linear.bias[...] for linear in linears]).astype(y.dtype)
+  ends = [0]
+  for kernel in kernels:
+    ends.append(ends[-1] + kernel.shape[-1])
+  return tuple(y[..., start:end] for start, end in zip(ends, ends[1:]))
 
 
 def route(config: ModelConfig, logits: jax.Array, score_bias: jax.Array | None = None
@@ -391,7 +411,7 @@ class MoE(nnx.Module):
     self.experts = Experts(config, rngs=rngs, dtype=dtype)
     if config.n_shared_experts:
       self.shared = SwiGLU(config.d_model, config.n_shared_experts * config.shared_expert_hidden, rngs=rngs,
-                           dtype=dtype)
+                           dtype=dtype, fused=config.fused_projections)
 
   def __call__(self, x: jax.Array, router_input: jax.Array | None = None
                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -417,7 +437,8 @@ class Block(nnx.Module):
     self.attn = Attention(c, kind=kind, rngs=rngs, dtype=dtype)
     self.mlp_norm = RMSNorm(d, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
     if c.moe_with_dense_mlp:
-      self.mlp = SwiGLU(d, c.mlp_hidden, rngs=rngs, dtype=dtype, activation=c.mlp_activation)
+      self.mlp = SwiGLU(d, c.mlp_hidden, rngs=rngs, dtype=dtype, activation=c.mlp_activation,
+                          fused=c.fused_projections)
       self.post_mlp_norm = RMSNorm(d, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
       self.moe_norm = RMSNorm(d, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
       self.moe = MoE(c, rngs=rngs, dtype=dtype)
@@ -425,7 +446,8 @@ class Block(nnx.Module):
     elif moe:
       self.mlp = MoE(c, rngs=rngs, dtype=dtype)
     else:
-      self.mlp = SwiGLU(d, c.mlp_hidden, rngs=rngs, dtype=dtype, activation=c.mlp_activation)
+      self.mlp = SwiGLU(d, c.mlp_hidden, rngs=rngs, dtype=dtype, activation=c.mlp_activation,
+                          fused=c.fused_projections)
     if c.sandwich_norms:
       self.post_attn_norm = RMSNorm(d, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
       self.post_ffn_norm = RMSNorm(d, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
@@ -477,7 +499,8 @@ class SelfConditioning(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any):
     self.eps = config.norm_eps
     self.pre_norm = RMSNorm(config.d_model, config.norm_eps, dtype=dtype, fp32_weight=config.norm_fp32_weight)
-    self.mlp = SwiGLU(config.d_model, config.mlp_hidden, rngs=rngs, dtype=dtype, activation=config.mlp_activation)
+    self.mlp = SwiGLU(config.d_model, config.mlp_hidden, rngs=rngs, dtype=dtype, activation=config.mlp_activation,
+                      fused=config.fused_projections)
 
   def __call__(self, x: jax.Array, soft: jax.Array | None) -> jax.Array:
     if soft is not None:
