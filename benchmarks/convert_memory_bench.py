@@ -28,7 +28,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from dlm_jax.checkpoint import SAFETENSORS_DTYPES, SafetensorsWriter, expected_tensors
+from dlm_jax.io.checkpoint import SAFETENSORS_DTYPES, SafetensorsWriter, expected_tensors
 from dlm_jax.config import ModelConfig
 
 _D_MODEL = flags.DEFINE_integer("d_model", 2048, "Hidden size.")

@@ -11,7 +11,7 @@ layout, as `experiments.evaluate_synthetic`; scored by exact match, GSM8K strict
 no accuracy — random weights are rarely confident, so the threshold rule commits about one token per
 call and the run measures the cost of each mode's model calls).
 
-For each mode of --modes (`name` or `name:τ`; `experiments.decoding_modes`) it decodes the --n prompts in
+For each mode of --modes (`name` or `name:τ`; `experiments.common.decoding_modes`) it decodes the --n prompts in
 batches of --batch_size (default 1, as Fast-dLLM measures) with statistics off, then with per-head incoming
 attention of every layer on (`StatsSpec(incoming_attention=True, per_head=True)`), and reports:
 
@@ -78,10 +78,10 @@ def _workload(checkpoint: str, n: int, seed: int, dtype):
   """(config, params, problems or None, model or None, prompt ids [n, Lp], prompt mask [n, Lp] or None)."""
   import jax
   import numpy as np
-  from dlm_jax import checkpoint as ckpt
+  from dlm_jax.io import checkpoint as ckpt
   from dlm_jax import model as model_lib
   from dlm_jax.config import preset
-  from experiments import checkpoints, items, prompts
+  from experiments.common import checkpoints, items, prompts
   if checkpoint.startswith("random:"):
     config = preset(checkpoint.split(":", 1)[1])
     params = model_lib.init_params(config, jax.random.key(seed), dtype)
@@ -120,7 +120,7 @@ def _decode_batch(params, config, options, ids, mask, stats_spec, impl: dict):
 
 def _accuracy(model, problems, generated) -> float | None:
   from dlm_jax.tasks import gsm8k
-  from experiments import prompts
+  from experiments.common import prompts
   if problems is None:
     return None
   texts = [prompts.completion(model, row)[1] for row in generated]
@@ -135,8 +135,8 @@ def measure(mode_spec: str, setup: dict) -> list[dict]:
   (off, on) results."""
   import numpy as np
   from dlm_jax.sampling import llada
-  from dlm_jax.stats import NO_STATS, StatsSpec
-  from experiments import decoding_modes
+  from dlm_jax.instrument.stats import NO_STATS, StatsSpec
+  from experiments.common import decoding_modes
   mode = decoding_modes.from_spec(mode_spec)
   gen, block, steps = setup["lengths"]
   options = llada.LLaDAOptions(gen_length=gen, steps=steps, block_length=block, **mode.option_fields("llada"))
@@ -211,8 +211,8 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   import jax
   import jax.numpy as jnp
-  from experiments import decoding_modes
-  from experiments.cli import UserError
+  from experiments.common import decoding_modes
+  from experiments.common.cli import UserError
   if _N.value < 1 or _BATCH_SIZE.value < 1 or _REPEATS.value < 1:
     raise app.UsageError("--n, --batch_size and --repeats must be positive")
   try:

@@ -11,7 +11,7 @@ statistics step (per-head incoming attention) at each sequence length: dlm_jax c
 the last block only, as its sampler does; the PyTorch way runs the model with output_attentions=True
 and all logits, as the official loop does.
 
-The CPU's model name (/proc/cpuinfo), the load average and the XLA CPU options (`dlm_jax.xla_cpu`: `--xla_cpu_options`,
+The CPU's model name (/proc/cpuinfo), the load average and the XLA CPU options (`dlm_jax.runtime.xla_cpu`: `--xla_cpu_options`,
 default auto — the set measured fastest on this CPU vendor) are printed and written to the JSON; the
 parent sets XLA_FLAGS before JAX starts and every measurement subprocess runs with the same XLA_FLAGS.
 
@@ -42,7 +42,7 @@ from absl import app, flags
 
 from benchmarks import option_comparison
 from benchmarks.flops import step_flops
-from dlm_jax import xla_cpu
+from dlm_jax.runtime import xla_cpu
 
 _WIDTHS = flags.DEFINE_list("widths", ["128", "256", "512"], "Model widths D to sweep.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers L.")
@@ -63,7 +63,7 @@ _QUERY_CHUNK = flags.DEFINE_integer("query_chunk", 256, "Query block of the chun
 _MEMORY_LENGTHS = flags.DEFINE_list("memory_lengths", ["256", "1024", "2048"],
                                     "Sequence lengths of the one-step statistics memory sweep (empty: skip).")
 _MEMORY_WIDTH = flags.DEFINE_integer("memory_width", 512, "Model width of the memory sweep.")
-_XLA_CPU_OPTIONS = flags.DEFINE_string("xla_cpu_options", "auto", "XLA CPU option set (dlm_jax.xla_cpu): "
+_XLA_CPU_OPTIONS = flags.DEFINE_string("xla_cpu_options", "auto", "XLA CPU option set (dlm_jax.runtime.xla_cpu): "
                                         f"{'|'.join(xla_cpu.CHOICES)}; auto picks by CPU vendor.")
 _COMPARE = flags.DEFINE_list("compare_xla_cpu_options", [], "Instead of the sweep: compare these XLA CPU option "
                              "sets (e.g. default,eigen,onednn) in one process per width, batch and condition.")
@@ -124,9 +124,9 @@ def _inputs(spec: dict):
 def _jax_sampler(spec: dict):
   """The run's config, params, prompt [batch, prompt] and `sample(params, prompt) -> Trace` (LLaDA
   low-confidence decoding under the run's condition)."""
-  from dlm_jax.interventions import NO_INTERVENTION, MaskPreviousSinks
+  from dlm_jax.instrument.interventions import NO_INTERVENTION, MaskPreviousSinks
   from dlm_jax.sampling.llada import LLaDAOptions, generate
-  from dlm_jax.stats import NO_STATS, StatsSpec
+  from dlm_jax.instrument.stats import NO_STATS, StatsSpec
   config, params, prompt = _inputs(spec)
   config = config.replace(fused_projections=spec.get("fused", False))
   options = LLaDAOptions(gen_length=spec["gen"], steps=spec["steps"], block_length=spec["block"])
@@ -211,7 +211,7 @@ def _jax_step_memory(spec: dict) -> dict:
   import jax
   import numpy as np
   from dlm_jax import model
-  from dlm_jax.stats import StatsSpec
+  from dlm_jax.instrument.stats import StatsSpec
   config, params, _ = _inputs({**spec, "prompt": 1})
   tokens = np.random.default_rng(2).integers(3, spec["vocab"] - 1, size=(1, spec["seq"]))
   window = (spec["seq"] - spec["block"], spec["seq"])  # a step needs the logits of one block, as the sampler

@@ -15,7 +15,7 @@ import itertools
 import statistics
 import time
 
-from dlm_jax import xla_cpu
+from dlm_jax.runtime import xla_cpu
 
 
 def variants(sets: list[str], query_chunks: list[int], fused: list[bool]) -> list[dict]:

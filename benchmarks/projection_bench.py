@@ -21,14 +21,14 @@ import time
 
 from absl import app, flags
 
-from dlm_jax import xla_cpu
+from dlm_jax.runtime import xla_cpu
 
 _WIDTHS = flags.DEFINE_list("widths", ["128", "256", "512"], "Model widths D.")
 _SEQ = flags.DEFINE_integer("seq", 192, "Positions S (the benchmark's 64 prompt + 128 generated).")
 _MLP_RATIO = flags.DEFINE_float("mlp_ratio", 3.0, "MLP width F / D.")
 _REPS = flags.DEFINE_integer("reps", 50, "Calls per timed round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "Timed rounds per variant (the best counts).")
-_XLA_CPU_OPTIONS = flags.DEFINE_string("xla_cpu_options", "auto", "XLA CPU option set (dlm_jax.xla_cpu): "
+_XLA_CPU_OPTIONS = flags.DEFINE_string("xla_cpu_options", "auto", "XLA CPU option set (dlm_jax.runtime.xla_cpu): "
                                        f"{'|'.join(xla_cpu.CHOICES)}.")
 
 

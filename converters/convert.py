@@ -22,7 +22,7 @@ from absl import app, flags, logging
 from converters.hf_config import ARCHS
 from converters.hf_convert import OUTPUT_DTYPES, convert
 from converters.plan import DEFAULT_CHUNK_BYTES
-from dlm_jax.checkpoint import DEFAULT_MAX_SHARD_BYTES, CheckpointError
+from dlm_jax.io.checkpoint import DEFAULT_MAX_SHARD_BYTES, CheckpointError
 from dlm_jax.config import ConfigError
 
 _ARCH = flags.DEFINE_enum("arch", "auto", ("auto",) + ARCHS, "Source family; auto reads config.json.")

@@ -16,7 +16,7 @@ import time
 from absl import app, flags, logging
 
 from converters.gguf_import import OUTPUT_DTYPES, convert_gguf
-from dlm_jax.checkpoint import CheckpointError
+from dlm_jax.io.checkpoint import CheckpointError
 from dlm_jax.config import ConfigError
 
 _GGUF = flags.DEFINE_string("gguf", None, "GGUF file (llama architecture).")

@@ -23,7 +23,7 @@ import numpy as np
 
 from converters.gguf_tokenizer import build_tokenizer
 from converters.plan import Piece, check_coverage, check_plan
-from dlm_jax.checkpoint import (
+from dlm_jax.io.checkpoint import (
     SAFETENSORS_DTYPES, CheckpointError, SafetensorsWriter, atomic_output_dir, check_output_dir, expected_tensors,
     write_config)
 from dlm_jax.config import ConfigError, ModelConfig

@@ -21,7 +21,7 @@ from converters.hf_names import (
     DG_DECODER_LAYER, DG_ENCODER_LAYER_SCALAR, diffusion_gemma_plan, hf_plan, ignored_sources)
 from converters.plan import DEFAULT_CHUNK_BYTES, check_coverage, check_plan, stream_pieces
 from converters.safetensors_io import SafetensorsCheckpoint
-from dlm_jax.checkpoint import (
+from dlm_jax.io.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES, SAFETENSORS_DTYPES, CheckpointError, SafetensorsWriter, atomic_output_dir,
     check_output_dir, copy_tokenizer_files, expected_tensors, write_config)
 from dlm_jax.config import ConfigError, ModelConfig

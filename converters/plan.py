@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from dlm_jax.checkpoint import FLOAT_DTYPES, CheckpointError, SafetensorsWriter, describe_names
+from dlm_jax.io.checkpoint import FLOAT_DTYPES, CheckpointError, SafetensorsWriter, describe_names
 
 DEFAULT_CHUNK_BYTES = 64 * 1024**2
 

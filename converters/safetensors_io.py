@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from dlm_jax.checkpoint import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, CheckpointError
+from dlm_jax.io.checkpoint import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, CheckpointError
 
 _MAX_HEADER_BYTES = 100 * 1024**2
 

@@ -34,8 +34,9 @@ import warnings
 import numpy as np
 from absl import flags
 
-from experiments import atomic_files, cli, plots, progress, run_dir
-from experiments.decoding_modes import MODES, DecodingMode
+from experiments.common import atomic_files, cli, progress, run_dir
+from experiments.reports import plots
+from experiments.common.decoding_modes import MODES, DecodingMode
 
 _RUNS = flags.DEFINE_list("runs", None, "Run directories (each with sink_analysis/ and/or sink_masking_eval/); the "
                           "first is the reference.", required=True)

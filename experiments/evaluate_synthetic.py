@@ -3,7 +3,7 @@
   python -m experiments.evaluate_synthetic --checkpoint=tiny-dlm
   python -m experiments.evaluate_synthetic --checkpoint=tiny-arm --output=tiny-arm.jsonl
 
-Prompts use the checkpoint's training layout (`experiments.prompts`: `[PAD … BOS question]` of the
+Prompts use the checkpoint's training layout (`experiments.common.prompts`: `[PAD … BOS question]` of the
 training prompt width). Diffusion models are decoded with LLaDA's `generate` (low-confidence remasking,
 temperature 0) with steps = gen_length and one block by default — pure diffusion, unlike the official
 block_length 128 of `experiments.generate`, because the answers are 32 tokens; DiffusionGemma-style
@@ -21,11 +21,11 @@ import time
 
 from absl import flags, logging
 
-from dlm_jax import distributed
+from dlm_jax.runtime import distributed
 from dlm_jax.tasks import gsm8k
-from experiments import (atomic_files, checkpoints, cli, decoding, devices, item_batches, items, numerics_flags,
-                         progress, prompts, run_dir, runtime_flags)
-from experiments.numerics import Numerics
+from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, item_batches, items, numerics_flags,
+                                progress, prompts, run_dir, runtime_flags)
+from experiments.common.numerics import Numerics
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, tiny-arm, tiny-moe-dlm, "
                                   "tiny-uniform-dlm.")

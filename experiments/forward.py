@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from dlm_jax import checkpoint
+from dlm_jax.io import checkpoint
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import Params, forward
-from dlm_jax.stats import StatsSpec
-from experiments import atomic_files, checkpoints, cli, run_dir
+from dlm_jax.instrument.stats import StatsSpec
+from experiments.common import atomic_files, checkpoints, cli, run_dir
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory, or tiny-dlm, tiny-arm, "
                                   "smollm2.")

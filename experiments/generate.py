@@ -21,14 +21,14 @@ not apply), adaptive stopping at mean entropy < --confidence_threshold 0.005 (0 
 --stability_threshold 1, EOS stop. The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A
 sampler knob given for a sampler that does not have it is ignored with a warning.
 
---decoding (LLaDA / MMaDA; `experiments.decoding_modes`): exact (default), Fast-dLLM's confidence-threshold
+--decoding (LLaDA / MMaDA; `experiments.common.decoding_modes`): exact (default), Fast-dLLM's confidence-threshold
 (--threshold, default 0.9) or factor (--factor, default 1.0) parallel decoding, the prefix or dual KV cache
 (refreshed at every block start), or threshold decoding with a cache. Dream's modes decode in blocks of
 --block_length (required there; Dream's exact decoding has no blocks); for ar the flag is ignored with a
 warning.
 
 --chat wraps --prompt as one user turn in the chat template recorded in the checkpoint (ChatML for
-SmolLM2 and Qwen-family checkpoints; `experiments.chat`), else the sampler's (--template overrides);
+SmolLM2 and Qwen-family checkpoints; `experiments.common.chat`), else the sampler's (--template overrides);
 the reply ends at the template's end-of-turn token (ar stops there; "text" is cut there for every
 sampler). Text the tokenizer maps to unknown tokens is warned about.
 
@@ -45,8 +45,8 @@ after a block's refresh. The keys are all S positions, cached ones included. For
 also routed_experts / routing_weights [nfe, L, S, k] (row 0's router choice per step, layer and position;
 expert -1 / weight 0 in dense layers and at positions the step did not compute).
 --mask_sinks=K > 0 masks, at every step, the top-K sinks of the previous step
-(`dlm_jax.interventions.MaskPreviousSinks(top_k=K)`; `MaskPreviousSinksAR` for --sampler=ar).
-Runtime flags (`experiments.runtime_flags`): --mesh (parameters sharded over fsdp/tensor; the one prompt
+(`dlm_jax.instrument.interventions.MaskPreviousSinks(top_k=K)`; `MaskPreviousSinksAR` for --sampler=ar).
+Runtime flags (`experiments.common.runtime_flags`): --mesh (parameters sharded over fsdp/tensor; the one prompt
 is replicated), --distributed, --cpu_devices, --matmul_precision; numerics: --dtype (default float32 on
 CPU, stored dtype on accelerators), --attention_impl, --query_chunk.
 """
@@ -60,11 +60,11 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from dlm_jax import distributed
-from experiments import (atomic_files, chat, checkpoints, cli, decoding_flags, decoding_modes, devices, numerics_flags,
-                         run_dir, runtime_flags)
-from experiments.decoding_modes import DecodingMode
-from experiments.numerics import Numerics
+from dlm_jax.runtime import distributed
+from experiments.common import (atomic_files, chat, checkpoints, cli, decoding_flags, decoding_modes, devices,
+                                numerics_flags, run_dir, runtime_flags)
+from experiments.common.decoding_modes import DecodingMode
+from experiments.common.numerics import Numerics
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory, or tiny-dlm, tiny-arm, "
                                   "smollm2.", required=True)
@@ -304,8 +304,8 @@ def _reply_text(tokenizer, generated: list[int], end_ids: set[int]) -> str:
 def main(argv):
   del argv
   from dlm_jax import checkpoint  # pylint: disable=import-outside-toplevel
-  from dlm_jax.stats import NO_STATS, StatsSpec  # pylint: disable=import-outside-toplevel
-  from dlm_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  from dlm_jax.instrument.stats import NO_STATS, StatsSpec  # pylint: disable=import-outside-toplevel
+  from dlm_jax.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
   runtime_settings = runtime_flags.from_flags()
   run_dir.check_output_file(_JSON_OUT.value, "json_out")
   if _STATS_OUT.value:

@@ -10,17 +10,17 @@ attention statistics, then the paper's figures and tables.
 For every checkpoint (DLMs through their sampler, ARMs through KV-cache decoding) it generates from
 --n_prompts prompts, recording at every step the incoming attention of every key per layer and head
 (column sums over queries; for DLMs also split into masked and unmasked queries). Scores are relative
-to the uniform share (`dlm_jax.sinks.relative_scores`: identical to the column sums for a full
+to the uniform share (`dlm_jax.analysis.sinks.relative_scores`: identical to the column sums for a full
 bidirectional map; an ARM step's single query row over n written keys is scaled by n), and a key is a
 sink when its score exceeds the mean of the others by ε (Eq. 3, ε = 3 by default).
 
-Tasks and prompts: `experiments.items`, `experiments.prompts`; decoding defaults (they differ from
-`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.decoding`. An
+Tasks and prompts: `experiments.common.items`, `experiments.common.prompts`; decoding defaults (they differ from
+`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.common.decoding`. An
 item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
 settings (a resume with other settings is refused); nothing is written before the first result.
 
 Decoding modes: --decoding=exact|threshold|factor|prefix_cache|dual_cache|threshold_prefix_cache|
-threshold_dual_cache with --threshold / --factor (`experiments.decoding_modes`; DLMs only). Every measure
+threshold_dual_cache with --threshold / --factor (`experiments.common.decoding_modes`; DLMs only). Every measure
 reads only the steps a generation decoded at — the first `nfe` steps of the trace, less those its row waited
 through while other rows of the batch finished a block (`validity.decoded_steps`) — so its NFE is its own.
 Under a KV cache a step's statistics are the incoming attention of the queries the step computed (the
@@ -32,7 +32,7 @@ the decoder steps (the encoder calls that commit the prompt and each finished ca
 step's queries are its canvas, its keys the prompt cache, the earlier canvases and the canvas itself (later
 positions do not count); the tokens at the canvas's positions are the noisy canvas that step read
 (`Trace.canvases`), and the query groups are not-yet-accepted / accepted positions instead of masked /
-unmasked (`dlm_jax.stats.QUERY_GROUP_NAMES`).
+unmasked (`dlm_jax.instrument.stats.QUERY_GROUP_NAMES`).
 
 Outputs in --output_dir (default results/sink_analysis):
   results.jsonl                one line per (model, prompt): completion, NFE, per-item summaries
@@ -66,15 +66,17 @@ import warnings
 import numpy as np
 from absl import flags, logging
 
-from dlm_jax import distributed, routing, sinks
-from dlm_jax.stats import StatsSpec
-from experiments import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
-                         item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags,
-                         scoring, sink_report, validity)
-from experiments.decoding import DecodeSettings
-from experiments.decoding_modes import DecodingMode
-from experiments.items import TaskSettings
-from experiments.numerics import Numerics
+from dlm_jax.analysis import routing, sinks
+from dlm_jax.runtime import distributed
+from dlm_jax.instrument.stats import StatsSpec
+from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
+                                item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir,
+                                runtime_flags, scoring, validity)
+from experiments.reports import sink_report
+from experiments.common.decoding import DecodeSettings
+from experiments.common.decoding_modes import DecodingMode
+from experiments.common.items import TaskSettings
+from experiments.common.numerics import Numerics
 
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "tiny-uniform-dlm", "tiny-arm"],
                                  "Checkpoints ([label=]DIR or tiny-dlm, tiny-moe-dlm, tiny-uniform-dlm, tiny-arm, "
@@ -324,7 +326,7 @@ def main(argv):
 
 def _masked_queries(model: checkpoints.Model, canvas: np.ndarray, host, decoded: np.ndarray, row: int) -> np.ndarray:
   """[steps, S] bool: the positions of the "masked" query group at each decoded step — the mask token, or for
-  DiffusionGemma the canvas positions the previous call did not accept (`dlm_jax.stats.QUERY_GROUP_NAMES`;
+  DiffusionGemma the canvas positions the previous call did not accept (`dlm_jax.instrument.stats.QUERY_GROUP_NAMES`;
   a canvas's first decoder step follows its encoder call, which accepts nothing)."""
   if model.sampler != "diffusion_gemma":
     return canvas == model.config.mask_token_id

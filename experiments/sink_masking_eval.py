@@ -16,13 +16,13 @@ previous iteration's last query row (--ar_last_row; otherwise that call's column
 (`MaskPreviousSinks.with_top_k`), so one compiled program serves every condition; every condition of a
 batch uses the same PRNG key.
 
-For causal models it also reports teacher-forced perplexity (`experiments.perplexity`) of a text set
+For causal models it also reports teacher-forced perplexity (`experiments.common.perplexity`) of a text set
 (--perplexity_text; default: the synthetic test problems for a model trained on them, else
 experiments/data/paragraphs.txt) with no masking, the first token masked, and the top-K static sinks
 masked.
 
 Decoding modes: --decoding=exact|threshold|factor|prefix_cache|dual_cache|threshold_prefix_cache|
-threshold_dual_cache with --threshold / --factor (`experiments.decoding_modes`; DLMs only). Under a KV cache
+threshold_dual_cache with --threshold / --factor (`experiments.common.decoding_modes`; DLMs only). Under a KV cache
 the sinks of a step come from the incoming attention of the queries it computed (the whole canvas at a
 block's refresh step, then the block and every later position with the prefix cache, the block alone with
 the dual cache) over all keys, cached ones included. With a threshold or factor rule the rows of a batch
@@ -34,8 +34,8 @@ Items are spread over the mesh's batch axes (data × fsdp) in fixed batches (the
 finished (model, condition, item) is one line of results.jsonl, so an interrupted run resumes exactly
 (--max_items_this_run stops early on purpose). Standard errors are binomial: sqrt(p(1 − p)/n).
 
-Tasks and prompts: `experiments.items`, `experiments.prompts`; decoding defaults (they differ from
-`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.decoding`. An
+Tasks and prompts: `experiments.common.items`, `experiments.common.prompts`; decoding defaults (they differ from
+`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.common.decoding`. An
 item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
 settings (a resume with other settings is refused); nothing is written before the first result.
 
@@ -53,14 +53,16 @@ import jax
 import numpy as np
 from absl import flags, logging
 
-from dlm_jax import distributed, interventions
-from experiments import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
-                         item_batches, items, masking_report, numerics_flags, output_flags, progress, prompts, run_dir,
-                         runtime_flags, scoring)
-from experiments.decoding import DecodeSettings
-from experiments.decoding_modes import DecodingMode
-from experiments.items import TaskSettings
-from experiments.numerics import Numerics
+from dlm_jax.instrument import interventions
+from dlm_jax.runtime import distributed
+from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
+                                item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir,
+                                runtime_flags, scoring)
+from experiments.reports import masking_report
+from experiments.common.decoding import DecodeSettings
+from experiments.common.decoding_modes import DecodingMode
+from experiments.common.items import TaskSettings
+from experiments.common.numerics import Numerics
 
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "tiny-uniform-dlm", "tiny-arm"],
                                  "Checkpoints ([label=]DIR or tiny-dlm, tiny-moe-dlm, tiny-uniform-dlm, tiny-arm, "

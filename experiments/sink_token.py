@@ -8,7 +8,7 @@ with and without the extra sink token, on the same data, steps and seed.
 Variants: `none` (plain SFT on the synthetic arithmetic task, `dlm_jax.training`), `front` (a learned sink
 token at position 0 that sees only itself and is seen by every token, Eq. 6), `front_zero` (its embedding,
 hence key and value, kept at zero; Table 5's zero-value sink). Each variant is trained with
-`dlm_jax.train_loop.train` (resumable orbax checkpoints in <output_dir>/runs/<variant>), written as a
+`dlm_jax.training.loop.train` (resumable orbax checkpoints in <output_dir>/runs/<variant>), written as a
 converted checkpoint (<output_dir>/models/<variant>), then evaluated on the synthetic test split with the
 LLaDA sampler (the sink token prepended and `SinkToken` applied), recording per step the head-averaged
 incoming attention and the value norms of every layer:
@@ -36,13 +36,16 @@ import numpy as np
 from absl import flags, logging
 
 from dlm_jax import config as config_lib
-from dlm_jax import distributed, sinks, train_loop, training_data
-from dlm_jax.stats import StatsSpec
+from dlm_jax.analysis import sinks
+from dlm_jax.runtime import distributed
+from dlm_jax.training import data as training_data, loop as train_loop
+from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.tasks import synthetic
-from experiments import (atomic_files, checkpoints, cli, decoding, devices, item_batches, items, numerics_flags,
-                         output_flags, plots, progress, prompts, run_dir, runtime_flags, scoring, train_flags)
-from experiments.decoding import DecodeSettings
-from experiments.numerics import Numerics
+from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, item_batches, items, numerics_flags,
+                                output_flags, progress, prompts, run_dir, runtime_flags, scoring, train_flags)
+from experiments.reports import plots
+from experiments.common.decoding import DecodeSettings
+from experiments.common.numerics import Numerics
 
 train_flags.define(train_steps=500, train_batch_size=32, lr=3e-3, warmup=50, log_every=25, checkpoint_every=125,
                    preset="tiny-llada")
@@ -205,7 +208,7 @@ def evaluate_variant(settings: Settings, variant: str, model_dir: str, runtime, 
 def write_report(settings: Settings, out: str, records: list[dict], wall_s: float) -> str:
   """Writes the figures, summary.json and summary.md; returns the markdown."""
   variants = settings.variants
-  from experiments.masking_report import binomial_se  # pylint: disable=import-outside-toplevel
+  from experiments.reports.masking_report import binomial_se  # pylint: disable=import-outside-toplevel
   train = {r["variant"]: r for r in records if r["kind"] == "train"}
   evals = {r["variant"]: r for r in records if r["kind"] == "eval"}
   curves = {v: (np.asarray([int(s) for s in train[v]["loss_curve"]]), np.asarray(list(train[v]["loss_curve"].values())))

@@ -4,9 +4,9 @@
 
 The package ships `SmolLM2-135M-Instruct.Q4_1.gguf`; `converters.gguf_import.convert_gguf` dequantizes it
 to float32 into `$DLM_JAX_CACHE/smollm2-135m-instruct-q4_1` (default `~/.cache/dlm_jax/...`). The experiment
-binaries accept `smollm2` wherever they take a checkpoint (`experiments.checkpoints.resolve`). Chat prompts
+binaries accept `smollm2` wherever they take a checkpoint (`experiments.common.checkpoints.resolve`). Chat prompts
 use the ChatML template recorded in the converted tokenizer_config.json, with its default system prompt
-(`experiments.chat`).
+(`experiments.common.chat`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 
 from absl import logging
 
-from experiments import cli
+from experiments.common import cli
 
 ALIASES = ("smollm2", "smollm2-135m", "smollm2-135m-instruct")
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

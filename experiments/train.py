@@ -1,7 +1,7 @@
 """Trains a model with masked diffusion (pretrain / SFT), next-token prediction, the extra sink token, or
 DiffusionGemma-style uniform-state diffusion (--objective=uniform, a DiffusionGemma-style --preset such as
 tiny-diffusiongemma; the sft layout, the prompt encoded causally and the answer as the canvas;
-`dlm_jax.training_uniform`).
+`dlm_jax.training.uniform`).
 
 Examples (the embedded default models; see BUILD.md for the exact commands and timings):
 
@@ -13,9 +13,9 @@ data order and noise: both depend only on --seed and the step), also on another 
 weights are written as a converted checkpoint directory (config.json, model.safetensors, tokenizer.json).
 
 With --mesh (e.g. --mesh=data:2,fsdp:2,tensor:2; --cpu_devices=8 tries it on a CPU) the train state is
-sharded over the devices (experiments.devices has the runtime flags, including the multi-process ones);
+sharded over the devices (experiments.common.devices has the runtime flags, including the multi-process ones);
 --train_batch_size must divide over data × fsdp. The training flags (--train_steps, --train_batch_size,
---lr, ...) are shared with experiments.sink_token (`experiments.train_flags`); --steps and --batch_size
+--lr, ...) are shared with experiments.sink_token (`experiments.common.train_flags`); --steps and --batch_size
 are aliases of --train_steps and --train_batch_size. Only process 0 writes --out_dir and the metrics.
 """
 
@@ -29,9 +29,9 @@ import os
 from absl import flags, logging
 
 from dlm_jax import config as config_lib
-from dlm_jax import train_loop, training_data
+from dlm_jax.training import data as training_data, loop as train_loop
 from dlm_jax.tasks import gsm8k, synthetic
-from experiments import cli, devices, run_dir, runtime_flags, train_flags
+from experiments.common import cli, devices, run_dir, runtime_flags, train_flags
 
 train_flags.define(train_steps=1000, train_batch_size=32, lr=1e-3, warmup=100, log_every=50, checkpoint_every=250,
                    preset=None)
@@ -43,7 +43,7 @@ _IDS_FROM_TOKENIZER = flags.DEFINE_bool("ids_from_tokenizer", True, "Set vocab_s
                                         "[MASK] ids from the tokenizer when it has those tokens.")
 _OBJECTIVE = flags.DEFINE_enum("objective", "sft", ["pretrain", "sft", "ar", "uniform"], "Training objective "
                                "(uniform: DiffusionGemma-style uniform-state noise with self-conditioning, on the "
-                               "sft layout; dlm_jax.training_uniform).")
+                               "sft layout; dlm_jax.training.uniform).")
 _SELF_CONDITIONING_RATE = flags.DEFINE_float("self_conditioning_rate", 0.5, "--objective=uniform: fraction of rows "
                                              "trained with the first pass's logits as self-conditioning input.")
 _SINK_TOKEN = flags.DEFINE_enum("sink_token", "none", ["none", "front", "end"], "Extra sink token placement.")

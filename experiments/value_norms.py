@@ -8,12 +8,12 @@ checkpoint.
 
 At every step of every generation it records, per layer, the incoming attention of every key per query
 head and the L2 norm of every key's value vector per kv head. A (step, layer, head, key) is a sink when its
-relative score passes the ε-rule (`dlm_jax.sinks`, as in experiments.sink_analysis); its value norm is the
+relative score passes the ε-rule (`dlm_jax.analysis.sinks`, as in experiments.sink_analysis); its value norm is the
 norm of the kv head that query head reads (`sinks.value_norm_samples`). Up to --samples_per_item norms of
 each class are kept per prompt (a seeded subsample) together with exact per-layer means.
 
-Tasks and prompts: `experiments.items`, `experiments.prompts`; decoding defaults (they differ from
-`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.decoding`. An
+Tasks and prompts: `experiments.common.items`, `experiments.common.prompts`; decoding defaults (they differ from
+`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.common.decoding`. An
 item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
 settings (a resume with other settings is refused); nothing is written before the first result.
 
@@ -31,13 +31,15 @@ import time
 import numpy as np
 from absl import flags, logging
 
-from dlm_jax import distributed, sinks
-from dlm_jax.stats import StatsSpec
-from experiments import (atomic_files, checkpoints, cli, decode_flags, decoding, devices, item_batches, items,
-                         numerics_flags, output_flags, plots, progress, prompts, run_dir, runtime_flags, validity)
-from experiments.decoding import DecodeSettings
-from experiments.items import TaskSettings
-from experiments.numerics import Numerics
+from dlm_jax.analysis import sinks
+from dlm_jax.runtime import distributed
+from dlm_jax.instrument.stats import StatsSpec
+from experiments.common import (atomic_files, checkpoints, cli, decode_flags, decoding, devices, item_batches, items,
+                                numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags, validity)
+from experiments.reports import plots
+from experiments.common.decoding import DecodeSettings
+from experiments.common.items import TaskSettings
+from experiments.common.numerics import Numerics
 
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-arm"],
                                  "Checkpoints ([label=]DIR or tiny-dlm, tiny-arm, smollm2).")

@@ -11,7 +11,8 @@ import sys
 
 import jax
 
-from dlm_jax import model, train_loop
+from dlm_jax import model
+from dlm_jax.training import loop as train_loop
 from dlm_jax.config import preset
 from dlm_jax.tasks import synthetic
 
@@ -65,7 +66,7 @@ import contextlib, importlib, io, json, sys
 from absl import flags
 name, cases = sys.argv[1], json.loads(sys.argv[2])
 module = importlib.import_module("experiments." + name)
-from experiments import cli
+from experiments.common import cli
 results = []
 for args in cases:
   flags.FLAGS.unparse_flags()
@@ -86,7 +87,7 @@ print(json.dumps(results))
 def run_cases(name: str, cases: list[list[str]], timeout: int = 600) -> list[tuple[int, str]]:
   """Runs `experiments.<name>`'s main once per flag list, in one CPU subprocess (one import, one JAX
   start-up); returns (exit code, stderr) per case. Flag parsing and error reporting are those of
-  `experiments.cli.run`."""
+  `experiments.common.cli.run`."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-c", _CASES_DRIVER, name, json.dumps(cases)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
-from dlm_jax.attention import MASK_VALUE, attention
+from dlm_jax.model.attention import MASK_VALUE, attention
 
 
 def numpy_attention(q, k, v, scale, causal, bias, query_weights):

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from dlm_jax import model
-from dlm_jax.attention import attention
+from dlm_jax.model.attention import attention
 from dlm_jax.config import ConfigError, ModelConfig, preset
-from dlm_jax.stats import StatsSpec, squeeze_incoming
+from dlm_jax.instrument.stats import StatsSpec, squeeze_incoming
 
 try:
   from tests.test_model_parity import _our_params, _reference

@@ -13,12 +13,12 @@ import jax
 import numpy as np
 import pytest
 
-from dlm_jax import interventions as iv
+from dlm_jax.instrument import interventions as iv
 from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.sampling import block_diffusion as bd
 from dlm_jax.sampling import driver, model_call
-from dlm_jax.stats import StatsSpec
+from dlm_jax.instrument.stats import StatsSpec
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

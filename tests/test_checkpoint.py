@@ -1,4 +1,4 @@
-"""dlm_jax.checkpoint: streaming writer, atomic save, validated loading with dtypes and shardings, orbax state."""
+"""dlm_jax.io.checkpoint: streaming writer, atomic save, validated loading with dtypes and shardings, orbax state."""
 
 import json
 import os
@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
-from dlm_jax import checkpoint
+from dlm_jax.io import checkpoint
 from dlm_jax.config import ConfigError, preset
 from dlm_jax.model import flatten_params, init_params
 

@@ -1,4 +1,4 @@
-"""HF-format fixtures of every family -> converters -> dlm_jax.checkpoint.load -> forward == the original model."""
+"""HF-format fixtures of every family -> converters -> dlm_jax.io.checkpoint.load -> forward == the original model."""
 
 import json
 import os
@@ -11,9 +11,9 @@ import pytest
 from safetensors import safe_open
 
 from converters.hf_convert import convert
-from dlm_jax import checkpoint
+from dlm_jax.io import checkpoint
 from dlm_jax.model import forward
-from dlm_jax.stats import StatsSpec
+from dlm_jax.instrument.stats import StatsSpec
 
 try:
   from tests import hf_fixtures

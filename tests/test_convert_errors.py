@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from converters import hf_convert, plan
 from converters.hf_convert import convert
-from dlm_jax.checkpoint import CheckpointError
+from dlm_jax.io.checkpoint import CheckpointError
 from dlm_jax.config import ConfigError
 
 try:

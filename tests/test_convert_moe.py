@@ -23,8 +23,8 @@ from safetensors.numpy import save_file
 
 from converters.hf_config import detect_arch
 from converters.hf_convert import convert
-from dlm_jax import checkpoint
-from dlm_jax.checkpoint import CheckpointError
+from dlm_jax.io import checkpoint
+from dlm_jax.io.checkpoint import CheckpointError
 from dlm_jax.config import ConfigError
 from dlm_jax.model import forward
 

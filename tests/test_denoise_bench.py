@@ -12,9 +12,10 @@ import torch
 
 from benchmarks import option_comparison, torch_way
 from benchmarks.flops import step_flops
-from dlm_jax import model, xla_cpu
+from dlm_jax import model
+from dlm_jax.runtime import xla_cpu
 from dlm_jax.config import ModelConfig
-from dlm_jax.interventions import MaskPreviousSinks
+from dlm_jax.instrument.interventions import MaskPreviousSinks
 from dlm_jax.sampling.llada import LLaDAOptions, generate
 
 

@@ -22,10 +22,11 @@ from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
 from converters.hf_config import model_config
 from converters.hf_convert import convert
-from dlm_jax import checkpoint, model
-from dlm_jax.checkpoint import CheckpointError
+from dlm_jax import model
+from dlm_jax.io import checkpoint
+from dlm_jax.io.checkpoint import CheckpointError
 from dlm_jax.config import ConfigError, preset
-from dlm_jax.stats import StatsSpec
+from dlm_jax.instrument.stats import StatsSpec
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dlm_jax import interventions as iv
+from dlm_jax.instrument import interventions as iv
 from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.sampling import diffusion_gemma as dg
-from dlm_jax.stats import StatsSpec
+from dlm_jax.instrument.stats import StatsSpec
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -13,9 +13,9 @@ import torch
 
 from dlm_jax import model
 from dlm_jax.config import preset
-from dlm_jax.interventions import MaskPreviousSinks
+from dlm_jax.instrument.interventions import MaskPreviousSinks
 from dlm_jax.sampling import dream, model_call
-from dlm_jax.stats import StatsSpec
+from dlm_jax.instrument.stats import StatsSpec
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

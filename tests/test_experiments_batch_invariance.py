@@ -8,7 +8,7 @@ its own PRNG key (seed and item id)."""
 import jax
 import numpy as np
 
-from experiments import decoding
+from experiments.common import decoding
 
 try:
   from tests import experiments_fixtures as fx

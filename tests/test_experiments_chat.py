@@ -6,8 +6,8 @@ import json
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
-from dlm_jax.tokenizer import Tokenizer
-from experiments import chat
+from dlm_jax.io.tokenizer import Tokenizer
+from experiments.common import chat
 
 SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
                     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"

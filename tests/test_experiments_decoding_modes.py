@@ -11,11 +11,11 @@ import sys
 import numpy as np
 import pytest
 
-from dlm_jax import checkpoint
+from dlm_jax.io import checkpoint
 from dlm_jax.sampling import llada
-from experiments import decoding_modes, validity
-from experiments.cli import UserError
-from experiments.decoding_modes import DecodingMode
+from experiments.common import decoding_modes, validity
+from experiments.common.cli import UserError
+from experiments.common.decoding_modes import DecodingMode
 
 try:
   from tests import experiments_fixtures as fx

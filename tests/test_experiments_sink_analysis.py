@@ -1,12 +1,12 @@
 """experiments.sink_analysis end to end on tiny random checkpoints (LLaDA, MMaDA, Dream samplers and an ARM),
-and the helpers it added to dlm_jax.sinks against brute-force loops."""
+and the helpers it added to dlm_jax.analysis.sinks against brute-force loops."""
 
 import json
 
 import numpy as np
 import pytest
 
-from dlm_jax import sinks
+from dlm_jax.analysis import sinks
 
 try:
   from tests import experiments_fixtures as fx

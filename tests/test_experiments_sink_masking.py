@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from dlm_jax import checkpoint, interventions
+from dlm_jax.instrument import interventions
+from dlm_jax.io import checkpoint
 from dlm_jax.sampling import llada
 
 try:
@@ -128,7 +129,7 @@ def test_mesh_run(checkpoints, tmp_path):
 
 
 def test_results_log_skips_torn_lines_and_duplicates(tmp_path):
-  from experiments import run_dir
+  from experiments.common import run_dir
   out = run_dir.RunDir(str(tmp_path / "run"), {"a": 1})
   assert not (tmp_path / "run").exists()  # nothing before the first result
   log = run_dir.ResultsLog(out, "r.jsonl", ("model", "item"))
@@ -146,7 +147,7 @@ def test_results_log_skips_torn_lines_and_duplicates(tmp_path):
 
 
 def test_run_dir_names_the_differing_settings(tmp_path):
-  from experiments import cli, run_dir
+  from experiments.common import cli, run_dir
   out = run_dir.RunDir(str(tmp_path / "run"), {"settings": {"numerics": {"dtype": "float32"}, "n": 2}})
   out.ensure()
   with pytest.raises(cli.UserError, match=r"\(settings\.numerics\.dtype\)"):
@@ -156,7 +157,7 @@ def test_run_dir_names_the_differing_settings(tmp_path):
 
 
 def test_batches_and_padding():
-  from experiments import item_batches
+  from experiments.common import item_batches
   assert item_batches.fixed_batches(5, 2) == [[0, 1], [2, 3], [4]]
   padded = item_batches.pad_rows(np.arange(6).reshape(3, 2), 4)
   np.testing.assert_array_equal(padded, [[0, 1], [2, 3], [4, 5], [4, 5]])
@@ -169,7 +170,7 @@ def test_perplexity_conditions_against_plain_forward():
   import jax.numpy as jnp
   from dlm_jax import model
   from dlm_jax.config import preset
-  from experiments import perplexity
+  from experiments.common import perplexity
   config = preset("tiny-llama")
   params = model.init_params(config, jax.random.key(7))
   rng = np.random.default_rng(0)

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dlm_jax import checkpoint, sinks
+from dlm_jax.analysis import sinks
+from dlm_jax.io import checkpoint
 from dlm_jax.sampling import diffusion_gemma as dg
-from experiments import decoding
+from experiments.common import decoding
 from tests import experiments_fixtures as fx
 
 GEN, CANVAS, STEPS = 8, 4, 3

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from dlm_jax import checkpoint, model
-from dlm_jax import interventions as iv
+from dlm_jax import model
+from dlm_jax.io import checkpoint
+from dlm_jax.instrument import interventions as iv
 from dlm_jax.config import preset
 from dlm_jax.sampling import autoregressive, dream, llada
-from dlm_jax.stats import StatsSpec
+from dlm_jax.instrument.stats import StatsSpec
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

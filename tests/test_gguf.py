@@ -19,7 +19,7 @@ import torch
 from tokenizers import Tokenizer, pre_tokenizers
 
 from converters.gguf_import import convert_gguf, unpermute_rope_rows
-from dlm_jax import checkpoint
+from dlm_jax.io import checkpoint
 from dlm_jax.config import ConfigError, preset
 from dlm_jax.model import forward
 

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dlm_jax import interventions as iv
+from dlm_jax.instrument import interventions as iv
 from dlm_jax import model
-from dlm_jax.attention import MASK_VALUE, attention
+from dlm_jax.model.attention import MASK_VALUE, attention
 from dlm_jax.config import preset
-from dlm_jax.stats import NO_STATS, ForwardOutput, StatsSpec, merge_specs, squeeze_incoming
+from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec, merge_specs, squeeze_incoming
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

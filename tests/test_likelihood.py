@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from dlm_jax import likelihood, model
+from dlm_jax import model
+from dlm_jax.analysis import likelihood
 from dlm_jax.config import preset
 
 jax.config.update("jax_default_matmul_precision", "highest")

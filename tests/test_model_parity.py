@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from dlm_jax import model
-from dlm_jax.attention import AttentionBias
+from dlm_jax.model.attention import AttentionBias
 from dlm_jax.config import ModelConfig
-from dlm_jax.stats import StatsSpec, squeeze_incoming
+from dlm_jax.instrument.stats import StatsSpec, squeeze_incoming
 
 
 def _reference(family, *, d, layers, heads, kv_heads, mlp, vocab, theta, eps, tied, seed):

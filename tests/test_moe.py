@@ -29,7 +29,8 @@ import torch
 import transformers
 from flax import nnx
 
-from dlm_jax import model, sharding
+from dlm_jax import model
+from dlm_jax.runtime import sharding
 from dlm_jax.config import ConfigError, ModelConfig, preset
 
 try:
@@ -133,7 +134,7 @@ def _compare_full_model(reference, config, tokens):
   ref_logits, ref_incoming = hf_fixtures.reference_outputs(reference, tokens, bidirectional=True)
   for h in handles:
     h.remove()
-  from dlm_jax.stats import StatsSpec, squeeze_incoming
+  from dlm_jax.instrument.stats import StatsSpec, squeeze_incoming
   spec = StatsSpec(incoming_attention=True)
   out = jax.jit(functools.partial(model.forward, config=config, stats_spec=spec))(params, jnp.asarray([tokens]))
   logits_diff = float(np.abs(np.asarray(out.logits[0]) - ref_logits).max())
@@ -345,8 +346,8 @@ def test_tiny_moe_presets_run_jitted_with_windows_and_block_causal_attention(nam
 
 
 def test_kv_cache_and_layer_subsets_cross_the_dense_to_moe_boundary():
-  from dlm_jax.attention import AttentionBias
-  from dlm_jax.stats import StatsSpec
+  from dlm_jax.model.attention import AttentionBias
+  from dlm_jax.instrument.stats import StatsSpec
   config = _tiny_moe(causal=True, attention_block_size=None, logit_shift=1, mask_token_id=None)
   params = model.init_params(config, jax.random.key(3))
   tokens = jax.random.randint(jax.random.key(4), (2, 10), 0, config.vocab_size)
@@ -434,8 +435,8 @@ def test_invalid_moe_configs_say_what_to_change(overrides, message):
 
 
 def test_expert_matrices_are_weight_decayed_and_the_selection_bias_is_not():
-  from dlm_jax import training
-  flat = model.flatten_params(training._decay_mask(model.abstract_params(preset("tiny-llada2"))))
+  from dlm_jax.training import objectives
+  flat = model.flatten_params(objectives._decay_mask(model.abstract_params(preset("tiny-llada2"))))
   assert all(flat[f"blocks.mlp.experts.{n}.kernel"] for n in ("gate", "up", "down"))
   assert flat["blocks.mlp.router.kernel"] and flat["blocks.mlp.shared.up.kernel"]
   assert not flat["blocks.mlp.router.score_bias"] and not flat["blocks.attn.q_norm.weight"]

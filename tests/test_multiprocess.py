@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from dlm_jax import checkpoint, model
+from dlm_jax import model
+from dlm_jax.io import checkpoint
 from dlm_jax.config import ModelConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

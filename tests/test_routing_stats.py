@@ -13,7 +13,7 @@ from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.sampling import block_diffusion as bd
 from dlm_jax.sampling import llada
-from dlm_jax.stats import StatsSpec, expert_load
+from dlm_jax.instrument.stats import StatsSpec, expert_load
 
 try:
   from tests import test_moe

@@ -15,7 +15,7 @@ import pytest
 from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.sampling import diffusion_gemma as dg
-from dlm_jax.stats import StatsSpec
+from dlm_jax.instrument.stats import StatsSpec
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

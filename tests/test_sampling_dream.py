@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from dlm_jax import model
-from dlm_jax.attention import MASK_VALUE, AttentionBias
+from dlm_jax.model.attention import MASK_VALUE, AttentionBias
 from dlm_jax.config import preset
 from dlm_jax.sampling import dream, schedules
 from dlm_jax.sampling.driver import TRACE_COUNTS
-from dlm_jax.stats import StatsSpec
+from dlm_jax.instrument.stats import StatsSpec
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dlm_jax import interventions as iv
+from dlm_jax.instrument import interventions as iv
 from dlm_jax import model
-from dlm_jax.attention import MASK_VALUE, AttentionBias
+from dlm_jax.model.attention import MASK_VALUE, AttentionBias
 from dlm_jax.config import preset
 from dlm_jax.sampling import llada
 from dlm_jax.sampling.driver import TRACE_COUNTS
-from dlm_jax.stats import StatsSpec
+from dlm_jax.instrument.stats import StatsSpec
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dlm_jax import model, sharding
+from dlm_jax import model
+from dlm_jax.runtime import sharding
 from dlm_jax.config import ModelConfig, preset
-from dlm_jax.stats import StatsSpec
+from dlm_jax.instrument.stats import StatsSpec
 
 MESHES = [(1, 1, 1), (8, 1, 1), (2, 2, 2), (1, 2, 4)]
 CONFIG = ModelConfig(name="shard-test", d_model=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,

@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dlm_jax import interventions as iv
+from dlm_jax.instrument import interventions as iv
 from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.sampling import autoregressive as ar_sampler
 from dlm_jax.sampling import dream, llada
 from dlm_jax.sampling.driver import TRACE_COUNTS
-from dlm_jax.stats import StatsSpec, squeeze_incoming
+from dlm_jax.instrument.stats import StatsSpec, squeeze_incoming
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

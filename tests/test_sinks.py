@@ -1,4 +1,4 @@
-"""Every sink metric of dlm_jax.sinks against a brute-force NumPy loop on random attention maps."""
+"""Every sink metric of dlm_jax.analysis.sinks against a brute-force NumPy loop on random attention maps."""
 
 import collections
 
@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from dlm_jax import sinks
+from dlm_jax.analysis import sinks
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

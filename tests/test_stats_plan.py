@@ -1,4 +1,4 @@
-"""The statistics planner (`dlm_jax.stats.StatsPlan`) on its own: every consumer's view derived from the one
+"""The statistics planner (`dlm_jax.sampling.stats_plan.StatsPlan`) on its own: every consumer's view derived from the one
 merged forward equals that consumer's statistic computed directly from attention probabilities in NumPy.
 
 A random probability tensor p [L, B, N, T, S] stands for the attention of one model call. The merged
@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dlm_jax.stats import NO_STATS, ForwardOutput, StatsPlan, StatsSpec, merge_specs
+from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec, merge_specs
+from dlm_jax.sampling.stats_plan import StatsPlan
 
 L, B, N, K, T = 3, 2, 4, 2, 6
 PAD = 2  # row 1's first PAD positions are padding when the batch is padded

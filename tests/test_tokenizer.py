@@ -8,8 +8,8 @@ import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from dlm_jax.config import preset
-from dlm_jax.tokenizer import QWEN2_SPLIT_PATTERN, Tokenizer as DlmTokenizer
-from dlm_jax.tokenizer import chat_text, left_pad
+from dlm_jax.io.tokenizer import QWEN2_SPLIT_PATTERN, Tokenizer as DlmTokenizer
+from dlm_jax.io.tokenizer import chat_text, left_pad
 
 SENTENCES = ["Hello world, how are you today?", "The quick brown fox jumps over the lazy dog.",
              "Masked diffusion models decode in parallel.", "What is 12 + 30? It is 42!", "héllo wörld ünïcode"]

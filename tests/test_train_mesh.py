@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from dlm_jax import likelihood, model, sharding, train_loop, training, training_data
+from dlm_jax import model, training
+from dlm_jax.analysis import likelihood
+from dlm_jax.runtime import sharding
+from dlm_jax.training import data as training_data, loop as train_loop
 from dlm_jax.config import ModelConfig
 from dlm_jax.tasks import synthetic
 

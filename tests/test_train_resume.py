@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from dlm_jax import train_loop, training_data
+from dlm_jax.training import data as training_data, loop as train_loop
 from dlm_jax.config import preset
 from dlm_jax.model import flatten_params
 from dlm_jax.tasks import synthetic

@@ -6,11 +6,13 @@ import numpy as np
 import optax
 import pytest
 
-from dlm_jax import training, training_data
-from dlm_jax.attention import AttentionBias
+from dlm_jax import training
+from dlm_jax.training import objectives
+from dlm_jax.training import data as training_data
+from dlm_jax.model.attention import AttentionBias
 from dlm_jax.config import preset
 from dlm_jax.model import forward, init_params
-from dlm_jax.stats import StatsSpec
+from dlm_jax.instrument.stats import StatsSpec
 
 DLM = preset("tiny-llada")   # mask 255, bidirectional, logit_shift 0
 ARM = preset("tiny-llama")   # causal, logit_shift 1
@@ -116,13 +118,13 @@ def test_sink_token_is_never_masked_nor_scored(placement, monkeypatch):
   params = init_params(DLM, jax.random.key(0))
   batch, key = _batch(), jax.random.key(3)
   calls = []
-  real_forward = training.forward
+  real_forward = objectives.forward
 
   def recording_forward(params, tokens, **kwargs):
     calls.append((np.asarray(tokens), kwargs))
     return real_forward(params, tokens, **kwargs)
 
-  monkeypatch.setattr(training, "forward", recording_forward)
+  monkeypatch.setattr(objectives, "forward", recording_forward)
   loss, metrics = training.loss_fn(params, batch, key, config=DLM, objective=objective)
   (tokens, kwargs), = calls
   k = 0 if placement == "front" else L

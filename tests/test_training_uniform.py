@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dlm_jax import model, training, training_uniform
+from dlm_jax import model, training
+from dlm_jax.training import uniform as training_uniform
 from dlm_jax.config import preset
-from dlm_jax.train_loop import TrainConfig
+from dlm_jax.training.loop import TrainConfig
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from dlm_jax import xla_cpu
-from experiments.cli import UserError
-from experiments.devices import RuntimeSettings
+from dlm_jax.runtime import xla_cpu
+from experiments.common.cli import UserError
+from experiments.common.devices import RuntimeSettings
 
 _CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel
@@ -80,7 +80,7 @@ def test_apply_sets_xla_flags_and_refuses_once_a_backend_exists(monkeypatch):
 _CHECK_SET = """
 import re, sys
 import numpy as np
-from dlm_jax import xla_cpu
+from dlm_jax.runtime import xla_cpu
 options = xla_cpu.apply(sys.argv[1])
 import jax
 a = np.random.default_rng(0).standard_normal((64, 96), dtype=np.float32)

@@ -6,7 +6,7 @@
     width, so the same active feed-forward size; softmax router without renormalisation, per-head QK norm).
   tiny-uniform-dlm: DiffusionGemma-style uniform-state block diffusion model (causal encoder over the prompt,
     bidirectional self-conditioning decoder over a random-token canvas, sliding and global layers; no mask
-    token), trained with the "uniform" objective (`dlm_jax.training_uniform`).
+    token), trained with the "uniform" objective (`dlm_jax.training.uniform`).
 
 Each directory holds config.json, model.safetensors, tokenizer.json and training.json (how it was
 trained). BUILD.md gives the commands that reproduce them. Experiment binaries use these when no

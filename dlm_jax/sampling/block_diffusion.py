@@ -93,7 +93,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dlm_jax import interventions
+from dlm_jax.instrument import interventions
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import driver, keys, padding

@@ -31,7 +31,7 @@ Random draws are a pure function of the run key, the canvas and the step (`canva
 a test can rebuild them and feed the same canvases, Gumbel noise and renoising ids to a reference.
 Statistics are over the S = Lp + G cache positions (prompt keys, then the canvases; a decoder step's
 canvas at its own positions), per layer in absolute order. Left-padded prompts use the padding key bias.
-Query groups (`dlm_jax.stats.QUERY_GROUP_NAMES`) have no mask token to go by: at a decoder step, "masked"
+Query groups (`dlm_jax.instrument.stats.QUERY_GROUP_NAMES`) have no mask token to go by: at a decoder step, "masked"
 are the canvas positions not holding a token the previous step accepted (the whole initial canvas at
 step 0, then the renoised positions) and "unmasked" the accepted ones; at an encoder call the prompt's
 queries are "prompt" and a finished canvas's queries "unmasked".
@@ -41,7 +41,7 @@ Interventions act at every model call, encoder and decoder, as attention biases 
 sinks of the row's previous model call, whatever its kind: a canvas's first decoder step masks the sinks of
 its encoder commit, and a commit those of the previous canvas's last decoder step. Keys and values the
 encoder writes keep the bias of their commit. `SinkToken("front")` (the sink as the prompt's first token,
-`dlm_jax.interventions.add_sink_token`): under the causal encoder the sink's row sees only itself anyway;
+`dlm_jax.instrument.interventions.add_sink_token`): under the causal encoder the sink's row sees only itself anyway;
 every later query sees it in global layers, but in sliding-window layers only while it is inside the window
 (an encoder query at i sees i−W+1..i there, a decoder step at positions P.. the cache positions P−W+1..P−1:
 the sink drops out once P >= W).
@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dlm_jax import interventions
+from dlm_jax.instrument import interventions
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import driver, keys, padding

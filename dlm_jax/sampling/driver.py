@@ -2,7 +2,7 @@
 
 The driver owns everything that is not a family's own: `run_family` validates the prompt and its mask,
 builds the canvas (prompt, then G filler tokens), the padding layout (`dlm_jax.sampling.padding`), the
-statistics plan (`dlm_jax.stats.StatsPlan`) and the model caller (`model_call.ModelCaller`), initialises
+statistics plan (`dlm_jax.sampling.stats_plan.StatsPlan`) and the model caller (`model_call.ModelCaller`), initialises
 the intervention, runs the loop — one compiled program (`lax.scan` over the steps, donated canvas), or the
 same step function driven by a Python loop for tests — and builds the `Trace`, squeezing statistics to
 the users' shapes at this one edge.
@@ -25,11 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dlm_jax.config import ModelConfig
-from dlm_jax.interventions import NO_INTERVENTION, Intervention
+from dlm_jax.instrument.interventions import NO_INTERVENTION, Intervention
 from dlm_jax.sampling import keys, padding
 from dlm_jax.sampling.model_call import ModelCaller, StepOutput
 from dlm_jax.sampling.trace import Trace
-from dlm_jax.stats import NO_STATS, StatsSpec, make_plan
+from dlm_jax.instrument.stats import NO_STATS, StatsSpec
+from dlm_jax.sampling.stats_plan import make_plan
 
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
 """How many times each family's program was traced (incremented at trace time); tests check retracing."""

@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dlm_jax import model
-from dlm_jax.attention import NO_BIAS, AttentionBias
+from dlm_jax.model.attention import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import blocks, driver, keys, llada_blockwise, padding

@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dlm_jax.attention import NO_BIAS, AttentionBias
+from dlm_jax.model.attention import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
-from dlm_jax.interventions import CallContext, Intervention
+from dlm_jax.instrument.interventions import CallContext, Intervention
 from dlm_jax.model import KVCache, forward
-from dlm_jax.stats import ForwardOutput, StatsPlan, query_group_weights
+from dlm_jax.instrument.stats import ForwardOutput, query_group_weights
+from dlm_jax.sampling.stats_plan import StatsPlan
 
 
 @struct.dataclass
@@ -27,7 +28,7 @@ class StepOutput:
 
   stats: the user's statistics of the step, library layout ({"incoming_attention": [L', B, Q, N', S],
     "value_norms": [L', B, K, S], "routed_experts" / "routing_weights": [L', B, S, k], "expert_load":
-    [L', B, E]}; `dlm_jax.stats.StatsPlan.user_stats`).
+    [L', B, E]}; `dlm_jax.sampling.stats_plan.StatsPlan.user_stats`).
   top_sinks: [L', B, N', k] int32.
   record: the intervention's record of the step (`Intervention.record`, taken before the call).
   active: [B] bool, the rows the step decoded for (set by the family; the driver fills all-true when None).
@@ -79,7 +80,7 @@ class ModelCaller:
 
   Attributes:
     config: model config.
-    plan: the statistics plan (`dlm_jax.stats.StatsPlan`).
+    plan: the statistics plan (`dlm_jax.sampling.stats_plan.StatsPlan`).
     intervention: the attention-bias intervention.
     mask_id: mask token id for the sampler's query groups (None for models without one).
     gen_start: first generated position (for the query groups).
@@ -117,7 +118,7 @@ class ModelCaller:
     [B, S] is the whole sequence the intervention sees (`CallContext.tokens`).
     decoder, self_conditioning_logits, self_conditioning_mask: a DiffusionGemma decoder call (reads the
     cache, writes nothing; see `dlm_jax.model.forward`).
-    unresolved: [B, T] bool, the queries of the masked query group (`dlm_jax.stats.QUERY_GROUP_NAMES`);
+    unresolved: [B, T] bool, the queries of the masked query group (`dlm_jax.instrument.stats.QUERY_GROUP_NAMES`);
     default: those holding the mask token (none without a mask id).
     """
     batch, length = tokens.shape

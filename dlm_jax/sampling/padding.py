@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dlm_jax.attention import NO_BIAS, AttentionBias
-from dlm_jax.interventions import padding_bias
+from dlm_jax.model.attention import NO_BIAS, AttentionBias
+from dlm_jax.instrument.interventions import padding_bias
 
 PaddingAttention = Literal["visible", "key", "outer"]
 PADDING_ATTENTION = ("visible", "key", "outer")

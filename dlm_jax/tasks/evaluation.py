@@ -1,7 +1,7 @@
 """Completions of a converted checkpoint for GSM8K-format questions, in the layout it was trained with.
 
 Prompts are `[PAD … BOS question]`, left-padded to `prompt_len` (the "sft" layout of
-`dlm_jax.training_data`). Diffusion models are decoded with LLaDA's `generate` (low-confidence remasking,
+`dlm_jax.training.data`). Diffusion models are decoded with LLaDA's `generate` (low-confidence remasking,
 temperature 0; pads visible, as in training); causal models greedily with the KV-cache decoder (pads
 masked, positions shifted, so the prompt is seen exactly as in training). A checkpoint trained with a
 front extra sink token (its training.json says so) gets the sink prepended and the `SinkToken`
@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dlm_jax import training_data
+from dlm_jax.training import data as training_data
 
 
 def training_record(directory: str) -> dict:
@@ -38,7 +38,7 @@ def complete(directory: str, questions: Sequence[str], *, prompt_len: int | None
   # Heavy imports stay local: the task readers must not pull in the samplers.
   from dlm_jax import checkpoint  # pylint: disable=import-outside-toplevel
   from dlm_jax.sampling import autoregressive, llada  # pylint: disable=import-outside-toplevel
-  from dlm_jax.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  from dlm_jax.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
 
   config, params = checkpoint.load(directory, dtype=np.float32)
   tokenizer = Tokenizer.from_dir(directory, config)

@@ -1,0 +1,93 @@
+"""The attention layer: q/k/v projections, QK norm, RoPE, the KV cache write and the attention core."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dlm_jax.config import ModelConfig
+from dlm_jax.model.attention import MASK_VALUE, attention
+from dlm_jax.model.layers import RMSNorm, fused_linear, linear, rms_normalize
+from dlm_jax.model.rope import apply_rope
+
+
+class Attention(nnx.Module):
+  """Multi-head attention with GQA, optional q/k/v bias, optional per-head QK RMSNorm (before RoPE), full or
+  partial RoPE, the configured attention pattern and statistics."""
+
+  def __init__(self, config: ModelConfig, *, kind: str = "s", rngs: nnx.Rngs, dtype: Any):
+    c = config
+    self.config = c
+    self.kind = kind
+    self.head_dim, self.n_kv_heads = (c.global_head_dim, c.global_kv_heads) if kind == "g" else (c.head_dim,
+                                                                                                c.n_kv_heads)
+    self.k_eq_v = kind == "g" and c.global_k_eq_v
+    h, kv = self.head_dim, self.n_kv_heads
+    self.q = linear(c.d_model, c.n_heads * h, c.qkv_bias, rngs, dtype)
+    self.k = linear(c.d_model, kv * h, c.qkv_bias, rngs, dtype)
+    if not self.k_eq_v:
+      self.v = linear(c.d_model, kv * h, c.qkv_bias, rngs, dtype)
+    self.o = linear(c.n_heads * h, c.d_model, False, rngs, dtype)
+    if c.qk_norm:
+      self.q_norm = RMSNorm(h, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
+      self.k_norm = RMSNorm(h, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
+
+  def __call__(self, x, cos, sin, *, pairwise_bias, key_bias, query_weights, with_incoming, impl, query_chunk,
+               cache=None, cache_offset=0, zero_values=None, structure_key_bias=None, write_cache=True):
+    """x [B, T, D] -> (out [B, T, D], incoming [B, Q, N, S] or None, (keys, values) [B, S, K, H] each).
+
+    With `cache` = (keys, values) [B, S, K, H], this call's keys and values are written at sequence
+    positions cache_offset..cache_offset+T-1 and the queries attend to the whole cache (S keys).
+    zero_values: [B|1, S] bool or None; those key positions contribute a zero value vector (their
+    keys, hence their attention weights, are unchanged) — the returned values carry the zeros too.
+    structure_key_bias: [1, 1, S] or None, added to key_bias (the decoder's visible key range).
+    write_cache: False for a decoder call: the layer attends as if written, but the returned (keys,
+    values) are the cache as given.
+    """
+    c = self.config
+    b, t, _ = x.shape
+    h, kv = self.head_dim, self.n_kv_heads
+    q, k, v = self.project_qkv(x)
+    q = q.reshape(b, t, c.n_heads, h)
+    k = k.reshape(b, t, kv, h)
+    v = v.reshape(b, t, kv, h)
+    if c.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    if c.v_norm:
+      v = rms_normalize(v, c.norm_eps)
+    q = apply_rope(q, cos, sin, fp32=c.rope_fp32)
+    k = apply_rope(k, cos, sin, fp32=c.rope_fp32)
+    given_cache = cache
+    if cache is not None:
+      zero = jnp.zeros((), jnp.int32)
+      start = (zero, jnp.asarray(cache_offset, jnp.int32), zero, zero)
+      k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)
+      v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)
+    if zero_values is not None:
+      v = jnp.where(zero_values[:, :, None, None], jnp.zeros((), v.dtype), v)
+    if structure_key_bias is not None:
+      key_bias = structure_key_bias if key_bias is None else jnp.maximum(key_bias + structure_key_bias, MASK_VALUE)
+    decoder = not write_cache
+    window = c.sliding_window if self.kind == "s" and c.layer_pattern is not None and not decoder else None
+    scale = 1.0 / math.sqrt(h) if c.attention_scale is None else c.attention_scale
+    out, incoming = attention(
+        q, k, v, scale=scale, causal=c.causal and not decoder, block_size=c.attention_block_size,
+        window=window, pairwise_bias=pairwise_bias, key_bias=key_bias, query_weights=query_weights,
+        query_offset=cache_offset, with_incoming=with_incoming, impl=impl, query_chunk=query_chunk)
+    if decoder:
+      k, v = given_cache
+    return self.o(out.reshape(b, t, c.n_heads * h)), incoming, (k, v)
+
+  def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, D] -> q [B, T, N·H], k, v [B, T, K·H]: three matmuls, or one with
+    `ModelConfig.fused_projections`. With K = V (global DiffusionGemma layers) v is k's projection."""
+    if self.k_eq_v:
+      k = self.k(x)
+      return self.q(x), k, k
+    if self.config.fused_projections:
+      return fused_linear(x, (self.q, self.k, self.v))
+    return self.q(x), self.k(x), self.v(x)

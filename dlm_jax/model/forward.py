@@ -1,0 +1,162 @@
+"""The pure entry point of the one Transformer: `forward` over a params tree, its input checks, and the LM
+head on hidden states."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
+from dlm_jax.model.attention import NO_BIAS, AttentionBias, AttentionImpl
+from dlm_jax.model.cache import KVCache, cache_shapes
+from dlm_jax.model.params import Params, graphdef
+from dlm_jax.model.transformer import head_logits
+
+
+def lm_head(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:
+  """The LM head on final-normed hidden states [B, W, D] (`forward(..., return_hidden=True)`): float32
+  logits [B, W, V], the same values `forward` returns for those positions."""
+  head = params["embed"]["embedding"].T if config.tied_embeddings else params["lm_head"]["kernel"]
+  return head_logits(hidden, head, config.final_logit_softcap)
+
+
+def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder=False,
+                  self_conditioning_logits=None, self_conditioning_mask=None):
+  if tokens.ndim != 2:
+    raise ValueError(f"tokens must be [B, T] integer ids, got shape {tokens.shape}.")
+  b, t = tokens.shape
+  if positions is not None and positions.shape != (b, t):
+    raise ValueError(f"positions must have the tokens' shape [B, T] = {(b, t)}, got {positions.shape}.")
+  n_keys = t
+  if cache is not None:
+    shapes = cache_shapes(config, b, cache.keys.shape[2])
+    got = {"s": (cache.keys, cache.values), "g": (cache.global_keys, cache.global_values)}
+    for kind, expected in shapes.items():
+      arrays = got[kind]
+      if any(a is None or a.shape != expected for a in arrays):
+        names = "keys and values" if kind == "s" else "global_keys and global_values"
+        found = [None if a is None else tuple(a.shape) for a in arrays]
+        raise ValueError(f"cache {names} must be [L, B, S, K, H] = {expected}, got {found[0]} and {found[1]}; "
+                         "build the cache with KVCache.zeros(config, ...).")
+    n_keys = cache.keys.shape[2]
+  if decoder and cache is None:
+    raise ValueError("forward(decoder=True) reads the prompt from a KVCache; pass cache= (filled by a causal "
+                     "call) and cache_offset= (the prompt length).")
+  if self_conditioning_logits is not None:
+    if not (decoder and config.self_conditioning):
+      raise ValueError("self_conditioning_logits need forward(decoder=True) on a model with "
+                       "config.self_conditioning=True.")
+    if self_conditioning_logits.shape != (b, t, config.vocab_size):
+      raise ValueError(f"self_conditioning_logits must be [B, T, V] = {(b, t, config.vocab_size)}, got "
+                       f"{tuple(self_conditioning_logits.shape)}.")
+  if self_conditioning_mask is not None and (self_conditioning_logits is None
+                                             or self_conditioning_mask.shape != (b,)):
+    raise ValueError(f"self_conditioning_mask must be [B] = {(b,)} and needs self_conditioning_logits; got "
+                     f"{getattr(self_conditioning_mask, 'shape', None)}.")
+  if stats_spec.value_norms and config.layer_pattern is not None:
+    raise ValueError("StatsSpec.value_norms is not available for a layer_pattern model (its sliding and global "
+                     "layers have different kv heads); ask for incoming_attention only.")
+  bias.check(n_layers=config.n_layers, batch=b, n_heads=config.n_heads, n_queries=t, n_keys=n_keys)
+  stats_spec.check_layers(config.n_layers)
+  if stats_spec.routing and not config.is_moe:
+    raise ValueError(f"StatsSpec.routing asks for routing statistics, but {config.name} is a dense model "
+                     "(n_experts = 0); leave routing False.")
+  if stats_spec.query_groups and (query_weights is None or query_weights.shape[1] != stats_spec.query_groups):
+    got = None if query_weights is None else query_weights.shape
+    raise ValueError(f"StatsSpec.query_groups={stats_spec.query_groups} needs query_weights of shape "
+                     f"[B, {stats_spec.query_groups}, T]; got {got}.")
+  if not stats_spec.query_groups and query_weights is not None:
+    raise ValueError("query_weights were given but StatsSpec.query_groups is 0; set query_groups to "
+                     "query_weights.shape[1].")
+  if logits_window is not None:
+    start, stop = logits_window
+    if not 0 <= start < stop <= t:
+      raise ValueError(f"logits_window must be (start, stop) with 0 <= start < stop <= T={t}, got {logits_window}.")
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,
+    *,
+    config: ModelConfig,
+    bias: AttentionBias = NO_BIAS,
+    positions: jax.Array | None = None,
+    query_weights: jax.Array | None = None,
+    stats_spec: StatsSpec = NO_STATS,
+    logits_window: tuple[int, int] | None = None,
+    logits_offset: jax.Array | int = 0,
+    attention_impl: AttentionImpl = "chunked",
+    query_chunk: int = 128,
+    cache: KVCache | None = None,
+    cache_offset: jax.Array | int = 0,
+    return_hidden: bool = False,
+    decoder: bool = False,
+    self_conditioning_logits: jax.Array | None = None,
+    self_conditioning_mask: jax.Array | None = None,
+) -> ForwardOutput:
+  """Pure forward pass of the Transformer described by `config`: full, windowed or KV-cached.
+
+  Jit it with `config`, `stats_spec`, `logits_window`, `attention_impl`, `query_chunk`, `return_hidden` and
+  `decoder` static.
+
+  DiffusionGemma's encoder and decoder are the same weights called two ways. Encoder: a plain call of
+  the (causal) model, with a cache to keep the prompt's keys and values — `forward(prompt [B, P],
+  cache=KVCache.zeros(config, B, S), cache_offset=0)` fills cache positions [0, P) (sliding layers see
+  themselves and the W−1 previous positions). Decoder: `forward(canvas [B, T], cache=that cache,
+  cache_offset=P, decoder=True, self_conditioning_logits=None | [B, T, V])` attends bidirectionally over
+  the canvas and to cache positions [0, P) (sliding layers: [P−W+1, P)); the canvas is placed at
+  positions P..P+T−1 (RoPE and key index), so the cache needs S >= P + T; keys at >= P + T are hidden;
+  the cache is read, never written (`ForwardOutput.cache` is None), and statistics address the S cache
+  positions as keys (the prompt keys, then the canvas at [P, P+T)).
+
+  Args:
+    params: parameter tree from `init_params` or `dlm_jax.io.checkpoint`.
+    tokens: [B, T] int token ids.
+    config: the model configuration (static).
+    bias: `AttentionBias` added to the attention scores (key masks, pairwise masks, zero-value keys),
+      shared by all layers or per layer as its flags say. Its key axis S is T, or the cache length.
+    positions: [B, T] int RoPE positions; default 0..T-1 (cache_offset + 0..T-1 with a cache) in every row.
+    query_weights: [B, Q, T] query-group weights for the statistics (see `StatsSpec.query_groups`).
+    stats_spec: which statistics to return (static).
+    logits_window: (start, stop) positions whose logits are computed; None computes all T.
+    logits_offset: a traced int shifting the window to (start + offset, stop + offset), which must stay
+      inside [0, T] (out-of-range offsets are clamped, as `lax.dynamic_slice` does); e.g. the current block
+      of a semi-autoregressive sampler inside a compiled loop.
+    attention_impl: "chunked" (exact, O(N·chunk·S) memory), "dense" (reference) or "fused".
+    query_chunk: queries per block in the chunked path.
+    cache: a `KVCache` ([L, B, S, K, H]); this call's keys and values are written at sequence positions
+      cache_offset..cache_offset+T-1 and the queries attend to all S cache positions (for a causal model
+      the causal mask hides the slots after each query, so unwritten slots are never seen; with
+      `config.attention_block_size` each query sees the slots up to the end of its own block, so a call
+      should cover whole blocks, e.g. the current block [s, e) at cache_offset=s, or hide the block's
+      unwritten slots with a key bias). Biases and
+      statistics then address the S cache positions as keys; values zeroed by the bias are also zero in
+      the returned cache.
+    cache_offset: sequence index of the first token (scalar, may be traced); used with `cache`.
+    return_hidden: return the final-normed hidden states of the window (`ForwardOutput.hidden`) instead of
+      logits; `lm_head` turns any slice of them into logits (a sampler that chooses the positions it needs
+      inside the compiled loop).
+    decoder: a DiffusionGemma decoder call (see above); needs `cache`.
+    self_conditioning_logits: [B, T, V] logits of the previous denoising step fed to the self-conditioning
+      module (decoder calls of a `config.self_conditioning` model); None gives the zero signal.
+    self_conditioning_mask: [B] bool or None; rows set to False get the zero signal, as if no logits were
+      given for them (HF `self_conditioning_mask`; a sampler's first step inside a compiled loop).
+
+  Returns:
+    `ForwardOutput`: float32 logits [B, W, V], the requested statistics in the layout of
+    `dlm_jax.instrument.stats.ForwardOutput` ([L', B, Q, N', S] incoming attention), and the updated cache (None
+    without a cache).
+  """
+  _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder,
+                self_conditioning_logits, self_conditioning_mask)
+  if positions is None:
+    start = 0 if cache is None else cache_offset
+    positions = jnp.broadcast_to(start + jnp.arange(tokens.shape[1]), tokens.shape)
+  model = nnx.merge(graphdef(config), params)
+  return model(tokens, positions, bias=bias, query_weights=query_weights, stats_spec=stats_spec,
+               logits_window=logits_window, logits_offset=logits_offset, impl=attention_impl,
+               query_chunk=query_chunk, cache=cache, cache_offset=0 if cache is None else cache_offset,
+               return_hidden=return_hidden, decoder=decoder, self_conditioning_logits=self_conditioning_logits,
+               self_conditioning_mask=self_conditioning_mask)

@@ -1,0 +1,288 @@
+"""The one Transformer behind every supported model, as Flax NNX modules, and its pure entry point.
+
+token embedding → L pre-norm blocks (RMSNorm → attention with optional q/k/v bias, optional per-head QK
+RMSNorm, full or partial rotate-half RoPE, GQA → residual; RMSNorm → feed-forward → residual) → final
+RMSNorm → LM head (untied, or tied to the embedding). The feed-forward is a dense SwiGLU, or in a
+mixture-of-experts model (`config.n_experts > 0`) a router choosing k of E SwiGLU experts per token plus
+optional always-on shared experts (`MoE`), after `config.first_k_dense` leading dense layers.
+
+The blocks are stored stacked (every block parameter has a leading layer axis) and run with `lax.scan`,
+so compile time does not grow with depth. A dense model has one stack `blocks` [L]. An MoE model has
+`blocks` [L − k] for its MoE layers and, when k = `first_k_dense` > 0, a second stack `dense_blocks` [k]
+for the leading dense layers; the two are scanned one after the other (dense first), and everything that
+is per layer outside the parameters (KV cache, per-layer biases, statistics) keeps one [L] axis in
+absolute layer order. A `layer_pattern` model (Gemma 4 / DiffusionGemma) stores its sliding layers in
+`blocks` [L_s] and its global layers in `global_blocks` [L_g] and runs one scan per maximal run of one
+kind, in absolute order (BUILD.md decision 16); its blocks add the Gemma sandwich norms
+(`post_attn_norm`, `post_ffn_norm`), the dense GeGLU `mlp` with `post_mlp_norm` in parallel with the
+`moe` (`moe_norm`, `post_moe_norm`; router `moe.router.{kernel, scale, per_expert_scale}`) and
+`layer_scalar` [1]; global layers without a v projection when `global_k_eq_v`; and the model has
+`self_conditioning.{pre_norm.weight, mlp.*}`. Public functions take the params as a pure nested dict
+(`init_params`, `forward`); the NNX modules are rebuilt from it inside the traced function.
+
+One loop runs every layout: `layer_runs` cuts the layers into maximal runs that share a block stack and
+an attention kind, and `Transformer.__call__` scans each run in absolute layer order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
+from dlm_jax.model.attention import MASK_VALUE, AttentionBias
+from dlm_jax.model.block import SelfConditioning, block_stack
+from dlm_jax.model.cache import KVCache
+from dlm_jax.model.layers import EMBED_INIT, RMSNorm, linear
+from dlm_jax.model.rope import proportional_rope_tables, rope_tables
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRun:
+  """Consecutive layers [start, stop) scanned over one stack of blocks.
+
+  stack: the Transformer attribute holding the stacked blocks ("dense_blocks", "blocks", "global_blocks").
+  kind: the layers' attention kind, "s" (every layer of a model whose layers are alike; the sliding layers
+    of a `layer_pattern` model) or "g" (global layers): it picks the RoPE tables and the KV cache.
+  stack_start: index of layer `start` in its stack; cache_start: its index in its kind's cache ([L] for a
+    model whose layers are alike, [L_s] / [L_g] with a `layer_pattern`).
+  """
+
+  stack: str
+  kind: str
+  start: int
+  stop: int
+  stack_start: int
+  cache_start: int
+
+
+def layer_runs(config: ModelConfig) -> list[LayerRun]:
+  """The model's layers as maximal runs, in absolute order: one run for a model whose layers are alike, the
+  leading dense layers then the MoE layers with `first_k_dense`, one run per stretch of one kind with a
+  `layer_pattern`."""
+  if config.layer_pattern is None:
+    k = config.first_k_dense
+    runs = [LayerRun("dense_blocks", "s", 0, k, 0, 0)] if k else []
+    return runs + [LayerRun("blocks", "s", k, config.n_layers, 0, k)]
+  kinds, runs, seen = config.layer_kinds, [], {"s": 0, "g": 0}
+  start = 0
+  for i in range(1, len(kinds) + 1):
+    if i == len(kinds) or kinds[i] != kinds[start]:
+      kind = kinds[start]
+      stack = "blocks" if kind == "s" else "global_blocks"
+      runs.append(LayerRun(stack, kind, start, i, seen[kind], seen[kind]))
+      seen[kind] += i - start
+      start = i
+  return runs
+
+
+def _take(tree, start: int, n: int):
+  """Leading-axis slice [start, start + n) of every array of `tree` (the arrays themselves when whole)."""
+  return jax.tree.map(lambda a: a if start == 0 and a.shape[0] == n else a[start:start + n], tree)
+
+
+def _concatenate(parts: list):
+  """Concatenates a list of pytrees with equal structure along their leading axis."""
+  return parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
+
+
+class Transformer(nnx.Module):
+  """Embedding, stacked blocks (`blocks`, and `dense_blocks` for an MoE model's leading dense layers, or
+  `blocks` for the sliding and `global_blocks` for the global layers of a `layer_pattern` model), final
+  norm, LM head, and DiffusionGemma's `self_conditioning`."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32):
+    self.config = config
+    self.embed = nnx.Embed(config.vocab_size, config.d_model, param_dtype=dtype, embedding_init=EMBED_INIT,
+                           rngs=rngs)
+    if config.first_k_dense:
+      self.dense_blocks = block_stack(config, config.first_k_dense, False, rngs, dtype)
+    if config.layer_pattern is None:
+      self.blocks = block_stack(config, config.n_layers - config.first_k_dense, config.is_moe, rngs, dtype)
+    else:
+      self.blocks = block_stack(config, config.layer_kinds.count("s"), config.is_moe, rngs, dtype, "s")
+      self.global_blocks = block_stack(config, config.n_global_layers, config.is_moe, rngs, dtype, "g")
+    self.final_norm = RMSNorm(config.d_model, config.norm_eps, dtype=dtype, fp32_weight=config.norm_fp32_weight)
+    if config.self_conditioning:
+      self.self_conditioning = SelfConditioning(config, rngs=rngs, dtype=dtype)
+    if not config.tied_embeddings:
+      self.lm_head = linear(config.d_model, config.vocab_size, False, rngs, dtype)
+
+  def __call__(self, tokens, positions, *, bias: AttentionBias, query_weights, stats_spec: StatsSpec,
+               logits_window, logits_offset, impl, query_chunk, cache: KVCache | None,
+               cache_offset, return_hidden: bool, decoder: bool = False,
+               self_conditioning_logits: jax.Array | None = None,
+               self_conditioning_mask: jax.Array | None = None) -> ForwardOutput:
+    """See `forward`. Statistics are computed only in the layers `stats_spec` asks for."""
+    c = self.config
+    x = self.embed(tokens)
+    if c.embed_scale:
+      x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
+    if decoder and c.self_conditioning:
+      soft = None
+      if self_conditioning_logits is not None:
+        table = self.embed.embedding[...]
+        probs = jax.nn.softmax(self_conditioning_logits.astype(jnp.float32), axis=-1).astype(table.dtype)
+        soft = jnp.einsum("btv,vd->btd", probs, table)
+        if c.embed_scale:
+          soft = soft * jnp.asarray(math.sqrt(c.d_model), soft.dtype)
+        if self_conditioning_mask is not None:
+          soft = soft * self_conditioning_mask.astype(soft.dtype)[:, None, None]
+      x = self.self_conditioning(x, soft)
+    tables = {"s": rope_tables(positions, c.rope_dim, c.rope_theta)}
+    if c.layer_pattern is not None:
+      tables["g"] = proportional_rope_tables(positions, c.global_head_dim, c.global_rope_theta,
+                                             c.global_rope_fraction)
+    structure = {"s": None, "g": None}
+    if decoder:
+      key_index = jnp.arange(cache.keys.shape[2])
+      end = cache_offset + tokens.shape[1]
+      visible = {"g": key_index < end, "s": key_index < end}
+      if c.layer_pattern is not None:
+        visible["s"] = visible["s"] & (key_index > cache_offset - c.sliding_window)
+      structure = {kind: jnp.where(v, 0.0, MASK_VALUE).astype(jnp.float32)[None, None] for kind, v in visible.items()}
+    per_layer = {}
+    if bias.pairwise_per_layer:
+      per_layer["pairwise_bias"] = bias.pairwise
+    if bias.keys_per_layer:
+      per_layer["key_bias"] = bias.keys
+    shared = {}
+    if not bias.pairwise_per_layer:
+      shared["pairwise_bias"] = bias.pairwise
+    if not bias.keys_per_layer:
+      shared["key_bias"] = bias.keys
+    kind_cache = {}
+    if cache is not None:
+      kind_cache["s"] = (cache.keys, cache.values)
+      if c.layer_pattern is not None:
+        kind_cache["g"] = (cache.global_keys, cache.global_values)
+    wanted = stats_spec.enabled
+    slots = None
+    if wanted and stats_spec.layers is not None:
+      slot_of_layer = np.full((c.n_layers,), -1, np.int32)
+      slot_of_layer[list(stats_spec.layers)] = np.arange(len(stats_spec.layers), dtype=np.int32)
+      slots = jnp.asarray(slot_of_layer)
+
+    def run_block(kind, block, h, kv_cache, layer_biases, with_stats):
+      cos, sin = tables[kind]
+      extra = {} if structure[kind] is None else {"structure_key_bias": structure[kind], "write_cache": False}
+      h, incoming, (keys, values), routing = block(
+          h, cos, sin, query_weights=query_weights, with_incoming=with_stats and stats_spec.incoming_attention,
+          impl=impl, query_chunk=query_chunk, cache=kv_cache, cache_offset=cache_offset,
+          zero_values=bias.zero_values, **extra, **shared, **layer_biases)
+      stats = {}
+      if with_stats and stats_spec.incoming_attention:
+        stats["incoming_attention"] = incoming if stats_spec.per_head else jnp.mean(incoming, axis=2, keepdims=True)
+      if with_stats and stats_spec.value_norms:
+        stats["value_norms"] = jnp.linalg.norm(values.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+      if with_stats and stats_spec.routing:
+        stats.update(_routing_stats(c, routing, h.shape[:2], keys.shape[1], cache_offset))
+      return h, (keys, values), stats
+
+    emit_cache = cache is not None and not decoder  # a decoder call reads the cache and returns none
+
+    def layer(kind, block_graph, carry, xs):
+      h, buffers = carry
+      state, layer_biases, kv_cache, slot = xs
+      block = nnx.merge(block_graph, state)
+      if slots is None:
+        h, kv, stats = run_block(kind, block, h, kv_cache, layer_biases, wanted)
+        return (h, buffers), {**stats, **({"cache": kv} if emit_cache else {})}
+
+      def with_stats(h, buffers):
+        h, kv, stats = run_block(kind, block, h, kv_cache, layer_biases, True)
+        return h, kv, {name: jax.lax.dynamic_update_index_in_dim(buffers[name], stats[name], slot, 0)
+                       for name in buffers}
+
+      def without_stats(h, buffers):
+        h, kv, _ = run_block(kind, block, h, kv_cache, layer_biases, False)
+        return h, kv, buffers
+
+      h, kv, buffers = jax.lax.cond(slot >= 0, with_stats, without_stats, h, buffers)
+      return (h, buffers), ({"cache": kv} if emit_cache else {})
+
+    buffers = {}
+    if slots is not None:
+      buffers = _stat_buffers(c, stats_spec, tokens.shape[0], x.shape[1] if cache is None else cache.keys.shape[2],
+                              query_weights)
+    layer_slots = jnp.zeros((c.n_layers,), jnp.int32) if slots is None else slots
+    carry, stats_parts, cache_parts = (x, buffers), [], {"s": [], "g": []}
+    for run in layer_runs(c):
+      block_graph, block_state = nnx.split(getattr(self, run.stack))
+      n = run.stop - run.start
+      xs = (_take(block_state, run.stack_start, n), _take(per_layer, run.start, n),
+            _take(kind_cache.get(run.kind), run.cache_start, n), _take(layer_slots, run.start, n))
+      carry, ys = jax.lax.scan(functools.partial(layer, run.kind, block_graph), carry, xs)
+      if "cache" in ys:
+        cache_parts[run.kind].append(ys.pop("cache"))
+      stats_parts.append(ys)
+    x, buffers = carry
+    ys = _concatenate(stats_parts)
+    new_cache = None
+    if emit_cache:
+      new_cache = KVCache(*[array for kind in ("s", "g") if cache_parts[kind]
+                            for array in _concatenate(cache_parts[kind])])
+    stats = buffers if slots is not None else ys
+    if logits_window is not None:
+      start, stop = logits_window
+      if isinstance(logits_offset, int) and logits_offset == 0:
+        x = x[:, start:stop]
+      else:
+        x = jax.lax.dynamic_slice_in_dim(x, start + logits_offset, stop - start, axis=1)
+    x = self.final_norm(x)
+    head = self.embed.embedding[...].T if c.tied_embeddings else self.lm_head.kernel[...]
+    logits, hidden = (None, x) if return_hidden else (head_logits(x, head, c.final_logit_softcap), None)
+    return ForwardOutput(logits=logits, incoming_attention=stats.get("incoming_attention"),
+                         value_norms=stats.get("value_norms"), routed_experts=stats.get("routed_experts"),
+                         routing_weights=stats.get("routing_weights"), cache=new_cache, hidden=hidden)
+
+
+def _routing_stats(config: ModelConfig, routing, query_shape: tuple[int, int], n_keys: int, cache_offset
+                   ) -> dict[str, jax.Array]:
+  """One layer's routing statistics over the S sequence positions: {"routed_experts": [B, S, k] int32,
+  "routing_weights": [B, S, k] float32}; the call's T queries sit at cache_offset..cache_offset+T−1 (0
+  without a cache, where S = T); other positions, and every position of a dense layer, hold expert −1 and
+  weight 0."""
+  b, t = query_shape
+  k = config.experts_per_token
+  experts = jnp.full((b, n_keys, k), -1, jnp.int32)
+  weights = jnp.zeros((b, n_keys, k), jnp.float32)
+  if routing is not None:
+    zero = jnp.zeros((), jnp.int32)
+    start = (zero, jnp.asarray(cache_offset, jnp.int32), zero)
+    weights = jax.lax.dynamic_update_slice(weights, routing[0].astype(jnp.float32), start)
+    experts = jax.lax.dynamic_update_slice(experts, routing[1], start)
+  return {"routed_experts": experts, "routing_weights": weights}
+
+
+def head_logits(hidden: jax.Array, head: jax.Array, softcap: float | None = None) -> jax.Array:
+  """[B, W, D] final-normed hidden states, head [D, V] -> float32 logits [B, W, V] (soft-capped to
+  softcap·tanh(logits / softcap) when softcap is given)."""
+  logits = jnp.einsum("btd,dv->btv", hidden, head, preferred_element_type=jnp.float32)
+  if softcap is not None:
+    logits = jnp.tanh(logits / softcap) * softcap
+  return logits
+
+
+def _stat_buffers(config: ModelConfig, spec: StatsSpec, batch: int, n_keys: int, query_weights) -> dict:
+  """Zero buffers [L', B, Q, N', S] / [L', B, K, S] filled layer by layer when a layer subset is asked for."""
+  n = len(spec.layers)
+  buffers = {}
+  if spec.incoming_attention:
+    groups = 1 if query_weights is None else query_weights.shape[1]
+    heads = config.n_heads if spec.per_head else 1
+    buffers["incoming_attention"] = jnp.zeros((n, batch, groups, heads, n_keys), jnp.float32)
+  if spec.value_norms:
+    buffers["value_norms"] = jnp.zeros((n, batch, config.n_kv_heads, n_keys), jnp.float32)
+  if spec.routing:
+    buffers["routed_experts"] = jnp.full((n, batch, n_keys, config.experts_per_token), -1, jnp.int32)
+    buffers["routing_weights"] = jnp.zeros((n, batch, n_keys, config.experts_per_token), jnp.float32)
+  return buffers

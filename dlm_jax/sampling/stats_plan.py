@@ -1,0 +1,214 @@
+"""The statistics planner: one forward per sampler model call computes what every consumer of the step
+needs (the user's spec, the intervention's required statistics, the per-step top-k sinks), and each
+consumer's view is derived from it. Layouts are those of `dlm_jax.instrument.stats`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dlm_jax.instrument.stats import NO_STATS, QUERY_GROUP_NAMES, ForwardOutput, StatsSpec, expert_load, squeeze_incoming
+
+
+def _union_layers(specs: list[StatsSpec]) -> tuple[int, ...] | None:
+  if any(s.layers is None for s in specs):
+    return None
+  return tuple(sorted(set().union(*(s.layers for s in specs))))
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsPlan:
+  """Static plan of the statistics one sampler model call computes, and who reads which part.
+
+  A sampler step has up to three consumers: the user's spec, the intervention's `required_stats(config)`
+  (with its own `query_weights` when it asks for query groups) and the per-step top-k sinks. The plan
+  runs one forward with their union (heads if anyone needs heads, the union of the layers, the
+  query-group blocks of every consumer side by side) and derives each consumer's view from it.
+
+  Attributes:
+    user: the caller's spec (query_groups 0 or 3, `QUERY_GROUP_NAMES`).
+    intervention: the intervention's `required_stats`.
+    sink_top_k: k of the per-step top-k sinks (0 = off).
+    padded: the batch is left-padded: the statistics of the user, the top sinks and an ungrouped
+      intervention sum over the real queries only (pad queries are not part of any sequence; with them a
+      row's statistics would depend on how much it is padded). An intervention's own query groups are
+      used as it gives them.
+
+  The forward's query groups come in blocks: "sampler" (the 3 groups, when the user asks for them),
+  "all" (one group of every real query, when someone needs the sum over all queries and no sampler
+  block gives it) and "intervention" (the intervention's groups). Without any grouped consumer and
+  without padding the forward is ungrouped.
+  """
+
+  user: StatsSpec = NO_STATS
+  intervention: StatsSpec = NO_STATS
+  sink_top_k: int = 0
+  padded: bool = False
+
+  def __post_init__(self):
+    if self.user.query_groups not in (0, len(QUERY_GROUP_NAMES)):
+      raise ValueError(f"Samplers support StatsSpec.query_groups 0 or {len(QUERY_GROUP_NAMES)} "
+                       f"({', '.join(QUERY_GROUP_NAMES)}), got {self.user.query_groups}.")
+    if isinstance(self.sink_top_k, bool) or not isinstance(self.sink_top_k, int) or self.sink_top_k < 0:
+      raise ValueError(f"sink_top_k must be an integer >= 0, got {self.sink_top_k!r}.")
+
+  @property
+  def sinks_spec(self) -> StatsSpec:
+    """Incoming attention the top-k sinks are taken from: the user's layers and head choice, all queries."""
+    if not self.sink_top_k:
+      return NO_STATS
+    if self.user.incoming_attention:
+      return StatsSpec(incoming_attention=True, per_head=self.user.per_head, layers=self.user.layers)
+    return StatsSpec(incoming_attention=True, per_head=True)
+
+  @property
+  def group_blocks(self) -> tuple[tuple[str, int], ...]:
+    """((name, size), ...) of the forward's query-group blocks; () = ungrouped."""
+    consumers = [s for s in (self.user, self.intervention, self.sinks_spec) if s.incoming_attention]
+    blocks = []
+    if self.user.incoming_attention and self.user.query_groups:
+      blocks.append(("sampler", len(QUERY_GROUP_NAMES)))
+    if self.intervention.incoming_attention and self.intervention.query_groups:
+      blocks.append(("intervention", self.intervention.query_groups))
+    if ((blocks or self.padded) and (not blocks or blocks[0][0] != "sampler")
+        and any(not s.query_groups for s in consumers)):
+      blocks.insert(0, ("all", 1))
+    return tuple(blocks)
+
+  def _block(self, name: str) -> slice:
+    start = 0
+    for block, size in self.group_blocks:
+      if block == name:
+        return slice(start, start + size)
+      start += size
+    raise KeyError(name)
+
+  @property
+  def forward_spec(self) -> StatsSpec:
+    """The one spec the forward pass is run with."""
+    incoming = [s for s in (self.user, self.intervention, self.sinks_spec) if s.incoming_attention]
+    values = [s for s in (self.user, self.intervention) if s.value_norms]
+    routing = [s for s in (self.user, self.intervention) if s.routing]
+    if not incoming and not values and not routing:
+      return NO_STATS
+    return StatsSpec(
+        incoming_attention=bool(incoming),
+        per_head=any(s.per_head for s in incoming) if incoming else True,
+        layers=_union_layers(incoming + values + routing),
+        query_groups=sum(size for _, size in self.group_blocks),
+        value_norms=bool(values), routing=bool(routing))
+
+  def check(self, n_layers: int) -> None:
+    self.forward_spec.check_layers(n_layers)
+
+  def query_weights(self, sampler_weights, intervention_weights, query_valid: jax.Array) -> jax.Array | None:
+    """[B, Q, T] weights of the forward's groups, from zero-argument callables giving the sampler's and the
+    intervention's blocks; query_valid: [B, T] bool, the real queries (all True without padding)."""
+    parts = []
+    real = query_valid.astype(jnp.float32)[:, None, :]
+    for name, _ in self.group_blocks:
+      if name == "sampler":
+        parts.append(sampler_weights() * real)
+      elif name == "intervention":
+        weights = intervention_weights()
+        if weights is None:
+          raise ValueError("The intervention's required_stats has query groups but its query_weights "
+                           "returned None.")
+        parts.append(weights.astype(jnp.float32))
+      else:
+        parts.append(real)
+    return jnp.concatenate(parts, axis=1) if parts else None
+
+  def derive(self, output: ForwardOutput, target: StatsSpec, role: str = "user") -> ForwardOutput:
+    """The `ForwardOutput` a forward run with `target` would have returned (same logits, no cache).
+
+    role: "user" or "intervention": whose query groups a grouped target reads.
+    """
+    source = self.forward_spec
+    incoming, values = None, None
+
+    def select_layers(x):
+      if target.layers == source.layers:
+        return x
+      index = target.layers if source.layers is None else tuple(source.layers.index(l) for l in target.layers)
+      return x[jnp.asarray(index)]
+
+    if target.incoming_attention:
+      incoming = select_layers(output.incoming_attention)  # [L', B, Q, N', S]
+      if source.query_groups:
+        if target.query_groups:
+          incoming = incoming[:, :, self._block("sampler" if role == "user" else "intervention")]
+        elif self.group_blocks[0][0] == "sampler":
+          incoming = jnp.sum(incoming[:, :, self._block("sampler")], axis=2, keepdims=True)
+        else:
+          incoming = incoming[:, :, self._block("all")]
+      if source.per_head and not target.per_head:
+        incoming = jnp.mean(incoming, axis=3, keepdims=True)
+    if target.value_norms:
+      values = select_layers(output.value_norms)
+    experts, weights = None, None
+    if target.routing:
+      experts, weights = select_layers(output.routed_experts), select_layers(output.routing_weights)
+    return ForwardOutput(logits=output.logits, incoming_attention=incoming, value_norms=values,
+                         routed_experts=experts, routing_weights=weights)
+
+  def user_stats(self, output: ForwardOutput, n_experts: int = 0) -> dict[str, jax.Array] | None:
+    """The user's statistics of one call, canonical layout: {"incoming_attention", "value_norms",
+    "routed_experts", "routing_weights", "expert_load" ([L', B, E], from `n_experts`)} (those asked for) or
+    None."""
+    if not self.user.enabled:
+      return None
+    derived = self.derive(output, self.user)
+    stats = {}
+    if self.user.incoming_attention:
+      stats["incoming_attention"] = derived.incoming_attention
+    if self.user.value_norms:
+      stats["value_norms"] = derived.value_norms
+    if self.user.routing:
+      stats["routed_experts"] = derived.routed_experts
+      stats["routing_weights"] = derived.routing_weights
+      stats["expert_load"] = expert_load(derived.routed_experts, n_experts)
+    return stats
+
+  def intervention_output(self, output: ForwardOutput) -> ForwardOutput:
+    return self.derive(output, self.intervention, role="intervention")
+
+  def top_sinks(self, output: ForwardOutput, valid_keys: jax.Array) -> jax.Array | None:
+    """Indices of the k keys with the most incoming attention over all queries: [L', B, N', k] int32.
+
+    valid_keys: [B, S] bool; invalid keys (padding, unwritten cache slots) are never chosen.
+    Ties: the lower position first.
+    """
+    if not self.sink_top_k:
+      return None
+    incoming = self.derive(output, self.sinks_spec).incoming_attention[:, :, 0]  # [L', B, N', S]
+    scores = jnp.where(valid_keys[None, :, None, :], incoming, -jnp.inf)
+    k = min(self.sink_top_k, incoming.shape[-1])
+    return jax.lax.top_k(scores, k)[1].astype(jnp.int32)
+
+  def squeeze_user(self, stats: dict[str, jax.Array] | None) -> dict[str, jax.Array] | None:
+    """The users' shapes of (stacked) user statistics: see `squeeze_incoming`."""
+    if stats is None:
+      return None
+    squeezed = dict(stats)
+    if "incoming_attention" in squeezed:
+      squeezed["incoming_attention"] = squeeze_incoming(squeezed["incoming_attention"], self.user)
+    return squeezed
+
+  def squeeze_sinks(self, top_sinks: jax.Array | None) -> jax.Array | None:
+    """[..., L', B, N', k] -> [..., L', B, (N,) k]: the head axis only when the sinks are per head."""
+    if top_sinks is None or self.sinks_spec.per_head:
+      return top_sinks
+    return top_sinks[..., 0, :]
+
+
+def make_plan(config: Any, stats_spec: StatsSpec, intervention: Any, sink_top_k: int, padded: bool = False
+              ) -> StatsPlan:
+  """Validates the specs against `config` (a `ModelConfig`) and returns the static plan."""
+  plan = StatsPlan(user=stats_spec, intervention=intervention.required_stats(config), sink_top_k=sink_top_k,
+                   padded=padded)
+  plan.check(config.n_layers)
+  return plan

