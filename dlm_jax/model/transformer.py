@@ -123,114 +123,21 @@ class Transformer(nnx.Module):
                self_conditioning_mask: jax.Array | None = None) -> ForwardOutput:
     """See `forward`. Statistics are computed only in the layers `stats_spec` asks for."""
     c = self.config
-    x = self.embed(tokens)
-    if c.embed_scale:
-      x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
-    if decoder and c.self_conditioning:
-      soft = None
-      if self_conditioning_logits is not None:
-        table = self.embed.embedding[...]
-        probs = jax.nn.softmax(self_conditioning_logits.astype(jnp.float32), axis=-1).astype(table.dtype)
-        soft = jnp.einsum("btv,vd->btd", probs, table)
-        if c.embed_scale:
-          soft = soft * jnp.asarray(math.sqrt(c.d_model), soft.dtype)
-        if self_conditioning_mask is not None:
-          soft = soft * self_conditioning_mask.astype(soft.dtype)[:, None, None]
-      x = self.self_conditioning(x, soft)
-    tables = {"s": rope_tables(positions, c.rope_dim, c.rope_theta)}
-    if c.layer_pattern is not None:
-      tables["g"] = proportional_rope_tables(positions, c.global_head_dim, c.global_rope_theta,
-                                             c.global_rope_fraction)
-    structure = {"s": None, "g": None}
-    if decoder:
-      key_index = jnp.arange(cache.keys.shape[2])
-      end = cache_offset + tokens.shape[1]
-      visible = {"g": key_index < end, "s": key_index < end}
-      if c.layer_pattern is not None:
-        visible["s"] = visible["s"] & (key_index > cache_offset - c.sliding_window)
-      structure = {kind: jnp.where(v, 0.0, MASK_VALUE).astype(jnp.float32)[None, None] for kind, v in visible.items()}
-    per_layer = {}
-    if bias.pairwise_per_layer:
-      per_layer["pairwise_bias"] = bias.pairwise
-    if bias.keys_per_layer:
-      per_layer["key_bias"] = bias.keys
-    shared = {}
-    if not bias.pairwise_per_layer:
-      shared["pairwise_bias"] = bias.pairwise
-    if not bias.keys_per_layer:
-      shared["key_bias"] = bias.keys
-    kind_cache = {}
-    if cache is not None:
-      kind_cache["s"] = (cache.keys, cache.values)
-      if c.layer_pattern is not None:
-        kind_cache["g"] = (cache.global_keys, cache.global_values)
-    wanted = stats_spec.enabled
-    slots = None
-    if wanted and stats_spec.layers is not None:
-      slot_of_layer = np.full((c.n_layers,), -1, np.int32)
-      slot_of_layer[list(stats_spec.layers)] = np.arange(len(stats_spec.layers), dtype=np.int32)
-      slots = jnp.asarray(slot_of_layer)
-
-    def run_block(kind, block, h, kv_cache, layer_biases, with_stats):
-      cos, sin = tables[kind]
-      extra = {} if structure[kind] is None else {"structure_key_bias": structure[kind], "write_cache": False}
-      h, incoming, (keys, values), routing = block(
-          h, cos, sin, query_weights=query_weights, with_incoming=with_stats and stats_spec.incoming_attention,
-          impl=impl, query_chunk=query_chunk, cache=kv_cache, cache_offset=cache_offset,
-          zero_values=bias.zero_values, **extra, **shared, **layer_biases)
-      stats = {}
-      if with_stats and stats_spec.incoming_attention:
-        stats["incoming_attention"] = incoming if stats_spec.per_head else jnp.mean(incoming, axis=2, keepdims=True)
-      if with_stats and stats_spec.value_norms:
-        stats["value_norms"] = jnp.linalg.norm(values.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
-      if with_stats and stats_spec.routing:
-        stats.update(_routing_stats(c, routing, h.shape[:2], keys.shape[1], cache_offset))
-      return h, (keys, values), stats
-
-    emit_cache = cache is not None and not decoder  # a decoder call reads the cache and returns none
-
-    def layer(kind, block_graph, carry, xs):
-      h, buffers = carry
-      state, layer_biases, kv_cache, slot = xs
-      block = nnx.merge(block_graph, state)
-      if slots is None:
-        h, kv, stats = run_block(kind, block, h, kv_cache, layer_biases, wanted)
-        return (h, buffers), {**stats, **({"cache": kv} if emit_cache else {})}
-
-      def with_stats(h, buffers):
-        h, kv, stats = run_block(kind, block, h, kv_cache, layer_biases, True)
-        return h, kv, {name: jax.lax.dynamic_update_index_in_dim(buffers[name], stats[name], slot, 0)
-                       for name in buffers}
-
-      def without_stats(h, buffers):
-        h, kv, _ = run_block(kind, block, h, kv_cache, layer_biases, False)
-        return h, kv, buffers
-
-      h, kv, buffers = jax.lax.cond(slot >= 0, with_stats, without_stats, h, buffers)
-      return (h, buffers), ({"cache": kv} if emit_cache else {})
-
+    x = self._embed(tokens, decoder, self_conditioning_logits, self_conditioning_mask)
+    per_layer = {name: value for name, value, each in _bias_parts(bias) if each}
+    n_keys = x.shape[1] if cache is None else cache.keys.shape[2]
+    call = _LayerCall(
+        config=c, stats_spec=stats_spec, tables=self._rope_tables(positions),
+        structure=_decoder_key_bias(c, n_keys, cache_offset, tokens.shape[1]) if decoder else {"s": None, "g": None},
+        attention_kwargs=dict(query_weights=query_weights, impl=impl, query_chunk=query_chunk,
+                              cache_offset=cache_offset, zero_values=bias.zero_values,
+                              **{name: value for name, value, each in _bias_parts(bias) if not each}),
+        slots=_stat_slots(c, stats_spec), emit_cache=cache is not None and not decoder)
     buffers = {}
-    if slots is not None:
-      buffers = _stat_buffers(c, stats_spec, tokens.shape[0], x.shape[1] if cache is None else cache.keys.shape[2],
-                              query_weights)
-    layer_slots = jnp.zeros((c.n_layers,), jnp.int32) if slots is None else slots
-    carry, stats_parts, cache_parts = (x, buffers), [], {"s": [], "g": []}
-    for run in layer_runs(c):
-      block_graph, block_state = nnx.split(getattr(self, run.stack))
-      n = run.stop - run.start
-      xs = (_take(block_state, run.stack_start, n), _take(per_layer, run.start, n),
-            _take(kind_cache.get(run.kind), run.cache_start, n), _take(layer_slots, run.start, n))
-      carry, ys = jax.lax.scan(functools.partial(layer, run.kind, block_graph), carry, xs)
-      if "cache" in ys:
-        cache_parts[run.kind].append(ys.pop("cache"))
-      stats_parts.append(ys)
-    x, buffers = carry
-    ys = _concatenate(stats_parts)
-    new_cache = None
-    if emit_cache:
-      new_cache = KVCache(*[array for kind in ("s", "g") if cache_parts[kind]
-                            for array in _concatenate(cache_parts[kind])])
-    stats = buffers if slots is not None else ys
+    if call.slots is not None:
+      buffers = _stat_buffers(c, stats_spec, tokens.shape[0], n_keys, query_weights)
+    x, buffers, ys, new_cache = self._run_layers(call, x, buffers, per_layer, _kind_caches(c, cache))
+    stats = buffers if call.slots is not None else ys
     if logits_window is not None:
       start, stop = logits_window
       if isinstance(logits_offset, int) and logits_offset == 0:
@@ -243,6 +150,153 @@ class Transformer(nnx.Module):
     return ForwardOutput(logits=logits, incoming_attention=stats.get("incoming_attention"),
                          value_norms=stats.get("value_norms"), routed_experts=stats.get("routed_experts"),
                          routing_weights=stats.get("routing_weights"), cache=new_cache, hidden=hidden)
+
+  def _embed(self, tokens, decoder, self_conditioning_logits, self_conditioning_mask) -> jax.Array:
+    """Token embeddings [B, T, D] (scaled by √D with `embed_scale`), through DiffusionGemma's
+    self-conditioning at a decoder call."""
+    c = self.config
+    x = self.embed(tokens)
+    if c.embed_scale:
+      x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
+    if not (decoder and c.self_conditioning):
+      return x
+    soft = None
+    if self_conditioning_logits is not None:
+      table = self.embed.embedding[...]
+      probs = jax.nn.softmax(self_conditioning_logits.astype(jnp.float32), axis=-1).astype(table.dtype)
+      soft = jnp.einsum("btv,vd->btd", probs, table)
+      if c.embed_scale:
+        soft = soft * jnp.asarray(math.sqrt(c.d_model), soft.dtype)
+      if self_conditioning_mask is not None:
+        soft = soft * self_conditioning_mask.astype(soft.dtype)[:, None, None]
+    return self.self_conditioning(x, soft)
+
+  def _rope_tables(self, positions) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """(cos, sin) per attention kind: "s" for every layer of a model whose layers are alike, "g" for the
+    proportional RoPE of a `layer_pattern` model's global layers."""
+    c = self.config
+    tables = {"s": rope_tables(positions, c.rope_dim, c.rope_theta)}
+    if c.layer_pattern is not None:
+      tables["g"] = proportional_rope_tables(positions, c.global_head_dim, c.global_rope_theta,
+                                             c.global_rope_fraction)
+    return tables
+
+  def _run_layers(self, call: _LayerCall, x, buffers, per_layer, kind_caches):
+    """Every layer, one `lax.scan` per `LayerRun`: (x, statistics buffers, stacked per-layer statistics in
+    absolute layer order, new `KVCache` or None)."""
+    carry, stats_parts, cache_parts = (x, buffers), [], {"s": [], "g": []}
+    layer_slots = jnp.zeros((self.config.n_layers,), jnp.int32) if call.slots is None else call.slots
+    for run in layer_runs(self.config):
+      block_graph, block_state = nnx.split(getattr(self, run.stack))
+      n = run.stop - run.start
+      xs = (_take(block_state, run.stack_start, n), _take(per_layer, run.start, n),
+            _take(kind_caches.get(run.kind), run.cache_start, n), _take(layer_slots, run.start, n))
+      carry, ys = jax.lax.scan(functools.partial(_scan_layer, call, run.kind, block_graph), carry, xs)
+      if "cache" in ys:
+        cache_parts[run.kind].append(ys.pop("cache"))
+      stats_parts.append(ys)
+    new_cache = None
+    if call.emit_cache:
+      new_cache = KVCache(*[array for kind in ("s", "g") if cache_parts[kind]
+                            for array in _concatenate(cache_parts[kind])])
+    return (*carry, _concatenate(stats_parts), new_cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerCall:
+  """What every layer of one forward call shares (traced arrays inside one trace; never a jit argument).
+
+  tables: RoPE (cos, sin) per attention kind; structure: per kind, the decoder call's [1, 1, S] visible-key
+  bias or None; attention_kwargs: the attention layer's arguments common to every layer (the biases
+  shared by all layers among them); slots: [L] int32 statistics slot of each layer (−1: none) when a layer
+  subset is asked for, else None; emit_cache: the call returns the updated cache.
+  """
+
+  config: ModelConfig
+  stats_spec: StatsSpec
+  tables: dict
+  structure: dict
+  attention_kwargs: dict
+  slots: jax.Array | None
+  emit_cache: bool
+
+
+def _bias_parts(bias: AttentionBias):
+  """(argument name, value, per layer) of the pairwise and key biases."""
+  return [("pairwise_bias", bias.pairwise, bias.pairwise_per_layer), ("key_bias", bias.keys, bias.keys_per_layer)]
+
+
+def _kind_caches(config: ModelConfig, cache: KVCache | None) -> dict:
+  """{kind: (keys, values)} of the cache ("g" only for a `layer_pattern` model); {} without a cache."""
+  if cache is None:
+    return {}
+  caches = {"s": (cache.keys, cache.values)}
+  if config.layer_pattern is not None:
+    caches["g"] = (cache.global_keys, cache.global_values)
+  return caches
+
+
+def _decoder_key_bias(config: ModelConfig, n_keys: int, cache_offset, n_queries: int) -> dict:
+  """Per kind, the [1, 1, S] bias of a decoder call's visible keys: cache positions before the canvas end;
+  for the sliding layers of a `layer_pattern` model also after cache_offset − W."""
+  key_index = jnp.arange(n_keys)
+  end = cache_offset + n_queries
+  visible = {"g": key_index < end, "s": key_index < end}
+  if config.layer_pattern is not None:
+    visible["s"] = visible["s"] & (key_index > cache_offset - config.sliding_window)
+  return {kind: jnp.where(v, 0.0, MASK_VALUE).astype(jnp.float32)[None, None] for kind, v in visible.items()}
+
+
+def _stat_slots(config: ModelConfig, spec: StatsSpec) -> jax.Array | None:
+  """[L] int32: each layer's index among `spec.layers` (−1 when not asked for), or None without a subset."""
+  if not spec.enabled or spec.layers is None:
+    return None
+  slot_of_layer = np.full((config.n_layers,), -1, np.int32)
+  slot_of_layer[list(spec.layers)] = np.arange(len(spec.layers), dtype=np.int32)
+  return jnp.asarray(slot_of_layer)
+
+
+def _run_block(call: _LayerCall, kind: str, block, h, kv_cache, layer_biases, with_stats: bool):
+  """One block: (h [B, T, D], (keys, values) [B, S, K, H], {statistic name: this layer's value})."""
+  spec = call.stats_spec
+  cos, sin = call.tables[kind]
+  extra = {} if call.structure[kind] is None else {"structure_key_bias": call.structure[kind], "write_cache": False}
+  h, incoming, (keys, values), routing = block(
+      h, cos, sin, with_incoming=with_stats and spec.incoming_attention, cache=kv_cache,
+      **call.attention_kwargs, **extra, **layer_biases)
+  stats = {}
+  if with_stats and spec.incoming_attention:
+    stats["incoming_attention"] = incoming if spec.per_head else jnp.mean(incoming, axis=2, keepdims=True)
+  if with_stats and spec.value_norms:
+    stats["value_norms"] = jnp.linalg.norm(values.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+  if with_stats and spec.routing:
+    stats.update(_routing_stats(call.config, routing, h.shape[:2], keys.shape[1],
+                                call.attention_kwargs["cache_offset"]))
+  return h, (keys, values), stats
+
+
+def _scan_layer(call: _LayerCall, kind: str, block_graph, carry, xs):
+  """The `lax.scan` body over a run's layers: carry (h, statistics buffers), xs (block state, per-layer
+  biases, the layer's (keys, values) cache or None, statistics slot). Without a layer subset the layer's
+  statistics are scan outputs; with one they are written into the buffers at the layer's slot."""
+  h, buffers = carry
+  state, layer_biases, kv_cache, slot = xs
+  block = nnx.merge(block_graph, state)
+  if call.slots is None:
+    h, kv, stats = _run_block(call, kind, block, h, kv_cache, layer_biases, call.stats_spec.enabled)
+    return (h, buffers), {**stats, **({"cache": kv} if call.emit_cache else {})}
+
+  def with_stats(h, buffers):
+    h, kv, stats = _run_block(call, kind, block, h, kv_cache, layer_biases, True)
+    return h, kv, {name: jax.lax.dynamic_update_index_in_dim(buffers[name], stats[name], slot, 0)
+                   for name in buffers}
+
+  def without_stats(h, buffers):
+    h, kv, _ = _run_block(call, kind, block, h, kv_cache, layer_biases, False)
+    return h, kv, buffers
+
+  h, kv, buffers = jax.lax.cond(slot >= 0, with_stats, without_stats, h, buffers)
+  return (h, buffers), ({"cache": kv} if call.emit_cache else {})
 
 
 def _routing_stats(config: ModelConfig, routing, query_shape: tuple[int, int], n_keys: int, cache_offset
