@@ -71,12 +71,19 @@ class Outcome:
   isolation: tuple[str, ...]
 
 
-def run(solution: str, test: str, entry_point: str, limits: Limits = Limits()) -> Outcome:
-  """Runs `solution`, then `test`, then `check(<entry_point>)` in the sandbox."""
+def run(solution: str, test: str, entry_point: str, limits: Limits = Limits(),
+        namespaces: bool | None = None) -> Outcome:
+  """Runs `solution`, then `test`, then `check(<entry_point>)` in the sandbox.
+
+  namespaces: None to use `unshare` namespaces where they work (probed once per process), False to run
+  without them (the other layers only).
+  """
   if not entry_point.isidentifier():
     raise ValueError(f"entry_point {entry_point!r}: expected a Python identifier")
-  namespaces, note = _namespaces()
-  return _run(solution, test, entry_point, limits, namespaces, note)
+  available, note = _namespaces()
+  if namespaces is False:
+    available, note = False, "namespaces: none (not requested)"
+  return _run(solution, test, entry_point, limits, available, note)
 
 
 def isolation() -> tuple[str, ...]:
