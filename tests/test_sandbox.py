@@ -222,3 +222,25 @@ def test_no_network(namespaces):
     assert outcome.status == "passed", outcome
     with pytest.raises(socket.timeout):
       listener.accept()
+
+
+def test_fork_bomb_is_bounded(namespaces):
+  """The completion forks 200 sleeping children; at most the process limit may exist, none after."""
+  marker = f"{900 + secrets.randbelow(99)}.{secrets.randbelow(10**6)}"
+  code = (
+      "import os\n"
+      "n = 0\n"
+      "for _ in range(200):\n"
+      "    try:\n"
+      "        if os.fork() == 0:\n"
+      f"            os.execv('/bin/sleep', ['sleep', {marker!r}])\n"
+      "    except OSError:\n"
+      "        break\n"
+      "    n += 1\n"
+      "raise RuntimeError(f'forked {n}')\n")
+  outcome, seconds = _run(code, namespaces, sandbox.Limits(time_s=3.0, processes=16))
+  if os.geteuid() == 0 and not _has(outcome, "pids cgroup"):
+    pytest.skip("running as root (exempt from RLIMIT_NPROC) without a pids cgroup it can create")
+  forked = int(outcome.detail.split("RuntimeError: forked ")[1].split()[0])
+  assert outcome.status == "failed" and forked < 16 and seconds < 5
+  assert not _alive_with(marker)

@@ -41,6 +41,8 @@ import tempfile
 import time
 from typing import Literal
 
+from dlm_jax.tasks import sandbox_cgroup
+
 Status = Literal["passed", "failed", "timed out"]
 
 _UNSHARE_FLAGS = ("--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount-proc")
@@ -105,10 +107,11 @@ def _namespaces() -> tuple[bool, str]:
 
 def _run(solution: str, test: str, entry_point: str, limits: Limits, namespaces: bool, note: str) -> Outcome:
   workdir = tempfile.mkdtemp(prefix="dlm-sandbox-")
+  cgroup = sandbox_cgroup.create(limits.processes + 1)
   nonce = secrets.token_hex(16)
   job = {"solution": solution, "test": test, "entry_point": entry_point, "nonce": nonce, "workdir": workdir,
          "time_s": limits.time_s, "memory_bytes": limits.memory_bytes, "output_bytes": limits.output_bytes,
-         "file_bytes": limits.file_bytes, "processes": _processes(limits.processes, namespaces)}
+         "file_bytes": limits.file_bytes, "processes": _processes(limits.processes, namespaces), "cgroup": cgroup}
   try:
     with tempfile.TemporaryFile() as job_file:
       job_file.write(json.dumps(job).encode())
@@ -122,6 +125,8 @@ def _run(solution: str, test: str, entry_point: str, limits: Limits, namespaces:
       text, finished = _spawn(command, workdir, job_file.fileno(), limits.time_s + _GRACE_S)
   finally:
     _remove(workdir)
+    if cgroup:
+      sandbox_cgroup.remove(cgroup)
   isolation = ["own session and process group", "environment: PATH, HOME and TMPDIR only",
                "private work directory, removed afterwards", f"output cap {limits.output_bytes} bytes"]
   isolation += [note] if note else []
@@ -140,6 +145,8 @@ def _verdict(text: str, finished: bool, nonce: str, limits: Limits, isolation: l
     isolation += json.loads(confinement)
   except ValueError:
     isolation.append("worker confinement: none reported (the worker failed before running the program)")
+  if report.get("cgroup"):
+    isolation.append(f"pids cgroup: at most {limits.processes} processes besides the supervisor")
   detail = report["output"][-_DETAIL_CHARS:]
   if report["status"] == "timed out":
     return Outcome("timed out", f"no result within {limits.time_s} s", tuple(isolation))

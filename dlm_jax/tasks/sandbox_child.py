@@ -3,7 +3,7 @@ runs the untrusted code.
 
 The evaluator starts `python -I -c "...; sandbox_child.main(fd)"` (under `unshare` when it can) with a
 JSON job on file descriptor `fd`: solution, test, entry_point, nonce, workdir and limits. The supervisor
-reads and closes it, makes itself the reaper of every orphan below it (PR_SET_CHILD_SUBREAPER, so a
+reads and closes it, moves into the run's pids cgroup if the evaluator made one, makes itself the reaper of every orphan below it (PR_SET_CHILD_SUBREAPER, so a
 `setsid()` grandchild cannot leave the tree), forks the worker, and watches it: the time limit, output
 read incrementally with a cap, and at the end (passed, failed, timed out or over the cap) SIGKILL to every
 descendant until none is left. It then prints one JSON line for the evaluator: status, exit code, the
@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 
-from dlm_jax.tasks import sandbox_limits
+from dlm_jax.tasks import sandbox_cgroup, sandbox_limits
 
 _PR_SET_CHILD_SUBREAPER = 36
 _RESULT_FD = 3
@@ -42,6 +42,7 @@ def main(job_fd: int) -> None:
     job = json.loads(f.read())
   import ctypes  # pylint: disable=import-outside-toplevel
   ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+  in_cgroup = bool(job["cgroup"]) and sandbox_cgroup.join(job["cgroup"])
   out_r, out_w = os.pipe()
   result_r, result_w = os.pipe()
   sys.stdout.flush()
@@ -58,7 +59,7 @@ def main(job_fd: int) -> None:
       os._exit(125)
   os.close(out_w)
   os.close(result_w)
-  report = _supervise(pid, out_r, result_r, job)
+  report = {**_supervise(pid, out_r, result_r, job), "cgroup": in_cgroup}
   sys.stdout.write(json.dumps(report) + "\n")
   sys.stdout.flush()
   os._exit(0)
