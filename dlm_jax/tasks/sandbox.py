@@ -41,7 +41,7 @@ import tempfile
 import time
 from typing import Literal
 
-from dlm_jax.tasks import sandbox_cgroup
+from dlm_jax.tasks import sandbox_cgroup, sandbox_workdir
 
 Status = Literal["passed", "failed", "timed out"]
 
@@ -55,13 +55,20 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 @dataclasses.dataclass(frozen=True)
 class Limits:
   """Per-run limits: wall-clock seconds (CPU gets the same, rounded up, plus 1), address space, total
-  output (stdout and stderr), size of any one file written, and processes."""
+  output (stdout and stderr), size of any one file written, processes, and the size of the work
+  directory (a tmpfs, where the run has its own mount namespace)."""
 
   time_s: float = 10.0
   memory_bytes: int = 1 << 30
   output_bytes: int = 1 << 20
   file_bytes: int = 16 << 20
   processes: int = 32
+  disk_bytes: int = 64 << 20
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      if not getattr(self, field.name) > 0:
+        raise ValueError(f"sandbox limit {field.name}={getattr(self, field.name)!r}: expected a positive number")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +102,10 @@ def isolation() -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=None)
 def _namespaces() -> tuple[bool, str]:
-  """Whether `unshare` namespaces work here (probed once), and the line describing it."""
+  """Whether `unshare` namespaces work here (probed once), and the line describing it; first removes
+  what runs of evaluators that died left behind."""
+  sandbox_workdir.remove_stale()
+  sandbox_cgroup.remove_stale()
   if shutil.which("unshare") is None:
     return False, "namespaces: none (no unshare command)"
   probe = _run("def f():\n  return 1\n", "def check(f):\n  assert f() == 1\n", "f", Limits(time_s=20.0), True, "")
@@ -106,12 +116,13 @@ def _namespaces() -> tuple[bool, str]:
 
 
 def _run(solution: str, test: str, entry_point: str, limits: Limits, namespaces: bool, note: str) -> Outcome:
-  workdir = tempfile.mkdtemp(prefix="dlm-sandbox-")
+  workdir, lock = sandbox_workdir.create()
   cgroup = sandbox_cgroup.create(limits.processes + 1)
   nonce = secrets.token_hex(16)
   job = {"solution": solution, "test": test, "entry_point": entry_point, "nonce": nonce, "workdir": workdir,
          "time_s": limits.time_s, "memory_bytes": limits.memory_bytes, "output_bytes": limits.output_bytes,
-         "file_bytes": limits.file_bytes, "processes": _processes(limits.processes, namespaces), "cgroup": cgroup}
+         "file_bytes": limits.file_bytes, "processes": _processes(limits.processes, namespaces), "cgroup": cgroup,
+         "namespaces": namespaces, "disk_bytes": limits.disk_bytes}
   try:
     with tempfile.TemporaryFile() as job_file:
       job_file.write(json.dumps(job).encode())
@@ -124,7 +135,7 @@ def _run(solution: str, test: str, entry_point: str, limits: Limits, namespaces:
         command = [shutil.which("unshare"), *_UNSHARE_FLAGS, "--", *command]
       text, finished = _spawn(command, workdir, job_file.fileno(), limits.time_s + _GRACE_S)
   finally:
-    _remove(workdir)
+    sandbox_workdir.remove(workdir, lock)
     if cgroup:
       sandbox_cgroup.remove(cgroup)
   isolation = ["own session and process group", "environment: PATH, HOME and TMPDIR only",
@@ -147,6 +158,8 @@ def _verdict(text: str, finished: bool, nonce: str, limits: Limits, isolation: l
     isolation.append("worker confinement: none reported (the worker failed before running the program)")
   if report.get("cgroup"):
     isolation.append(f"pids cgroup: at most {limits.processes} processes besides the supervisor")
+  if report.get("tmpfs"):
+    isolation.append(f"work directory: a tmpfs of {limits.disk_bytes >> 20} MiB in the run's mount namespace")
   detail = report["output"][-_DETAIL_CHARS:]
   if report["status"] == "timed out":
     return Outcome("timed out", f"no result within {limits.time_s} s", tuple(isolation))
@@ -202,13 +215,3 @@ def _owner(pid: str) -> int:
     return os.stat(f"/proc/{pid}").st_uid
   except FileNotFoundError:
     return -1
-
-
-def _remove(path: str) -> None:
-  """Deletes the work directory, whatever permissions the program left on what it made there."""
-  for root, dirs, _ in os.walk(path):
-    for name in dirs:
-      child = os.path.join(root, name)
-      if not os.path.islink(child):
-        os.chmod(child, 0o700)
-  shutil.rmtree(path)

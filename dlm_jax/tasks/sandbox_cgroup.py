@@ -4,7 +4,8 @@ RLIMIT_NPROC counts processes per user and does not apply to root, so when the e
 the process limit comes from a cgroup instead: `create(limit)` makes a child of the evaluator's own
 pids cgroup (cgroup v1 `pids` hierarchy, or v2 where the `pids` controller is enabled for children)
 with `pids.max = limit`, the sandbox's supervisor moves itself into it before it forks (`join`), and
-`remove` deletes it afterwards. Where no such cgroup can be made (not root, no delegation) `create`
+`remove` deletes it afterwards
+(`remove_stale` deletes those an evaluator that died left behind). Where no such cgroup can be made (not root, no delegation) `create`
 returns None and the rlimit is what there is.
 """
 
@@ -14,11 +15,14 @@ import os
 import secrets
 import time
 
+_PREFIX = "dlm-sandbox-"
+_STALE_S = 60.0
+
 
 def create(limit: int) -> str | None:
   """A new pids cgroup directory allowing `limit` processes, or None where none can be made."""
   for parent in _pids_cgroups():
-    path = os.path.join(parent, "dlm-sandbox-" + secrets.token_hex(6))
+    path = os.path.join(parent, _PREFIX + secrets.token_hex(6))
     try:
       os.mkdir(path, 0o755)
     except OSError:
@@ -55,6 +59,18 @@ def remove(path: str, timeout_s: float = 2.0) -> None:
       if time.monotonic() > deadline:
         raise
       time.sleep(0.01)
+
+
+def remove_stale() -> None:
+  """Deletes the empty run cgroups older than a minute (an evaluator that died left them behind)."""
+  for parent in _pids_cgroups():
+    for name in os.listdir(parent):
+      path = os.path.join(parent, name)
+      try:
+        if name.startswith(_PREFIX) and time.time() - os.stat(path).st_mtime > _STALE_S:
+          os.rmdir(path)
+      except OSError:
+        pass
 
 
 def _pids_cgroups() -> list[str]:

@@ -3,7 +3,9 @@ runs the untrusted code.
 
 The evaluator starts `python -I -c "...; sandbox_child.main(fd)"` (under `unshare` when it can) with a
 JSON job on file descriptor `fd`: solution, test, entry_point, nonce, workdir and limits. The supervisor
-reads and closes it, moves into the run's pids cgroup if the evaluator made one, makes itself the reaper of every orphan below it (PR_SET_CHILD_SUBREAPER, so a
+reads and closes it, moves into the run's pids cgroup if the evaluator made one, mounts a size-limited
+tmpfs on the work directory when it runs in its own mount namespace (never on the host's), makes
+itself the reaper of every orphan below it (PR_SET_CHILD_SUBREAPER, so a
 `setsid()` grandchild cannot leave the tree), forks the worker, and watches it: the time limit, output
 read incrementally with a cap, and at the end (passed, failed, timed out or over the cap) SIGKILL to every
 descendant until none is left. It then prints one JSON line for the evaluator: status, exit code, the
@@ -19,6 +21,7 @@ solution can swallow or rewrite it); `check(entry_point)`. The nonce goes on the
 from __future__ import annotations
 
 import builtins
+import ctypes
 import json
 import os
 import selectors
@@ -30,6 +33,7 @@ import traceback
 from dlm_jax.tasks import sandbox_cgroup, sandbox_limits
 
 _PR_SET_CHILD_SUBREAPER = 36
+_MS_NOSUID, _MS_NODEV = 2, 4
 _RESULT_FD = 3
 _TAIL_BYTES = 4000
 _RESULT_BYTES = 4096
@@ -40,9 +44,11 @@ def main(job_fd: int) -> None:
   """Supervisor entry point; prints the JSON report on stdout and exits 0."""
   with os.fdopen(job_fd, "rb") as f:
     job = json.loads(f.read())
-  import ctypes  # pylint: disable=import-outside-toplevel
-  ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+  libc = ctypes.CDLL(None, use_errno=True)
+  libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
   in_cgroup = bool(job["cgroup"]) and sandbox_cgroup.join(job["cgroup"])
+  on_tmpfs = job["namespaces"] and libc.mount(b"tmpfs", job["workdir"].encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+                                              f"size={job['disk_bytes']},mode=0700".encode()) == 0
   out_r, out_w = os.pipe()
   result_r, result_w = os.pipe()
   sys.stdout.flush()
@@ -59,7 +65,7 @@ def main(job_fd: int) -> None:
       os._exit(125)
   os.close(out_w)
   os.close(result_w)
-  report = {**_supervise(pid, out_r, result_r, job), "cgroup": in_cgroup}
+  report = {**_supervise(pid, out_r, result_r, job), "cgroup": in_cgroup, "tmpfs": on_tmpfs}
   sys.stdout.write(json.dumps(report) + "\n")
   sys.stdout.flush()
   os._exit(0)
