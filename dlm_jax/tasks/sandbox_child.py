@@ -171,7 +171,7 @@ def _worker(job: dict, out_w: int, result_w: int) -> None:
   os.chdir(job["workdir"])
   os.umask(0o077)
   confinement = sandbox_limits.apply(job["workdir"], job["time_s"], job["memory_bytes"], job["file_bytes"],
-                                     job["processes"])
+                                     job["processes"], job["namespaces"])
   write(_RESULT_FD, (json.dumps(confinement) + "\n").encode())
   nonce, test, entry_point, solution = job["nonce"].encode(), job["test"], job["entry_point"], job["solution"]
   del job

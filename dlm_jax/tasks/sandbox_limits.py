@@ -6,6 +6,7 @@ beneath the work directory (and to /dev/null), reads only beneath the interprete
 the system's shared libraries, no TCP bind or connect (ABI >= 4), and no signals to or abstract unix
 sockets of processes outside the domain (ABI >= 6). It returns a line per confinement applied, for the
 evaluator's report. Landlock cannot be lifted once applied, by root either, and is inherited by children.
+Without a PID namespace and without Landlock's signal scope, `sandbox_seccomp` confines signals.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import math
 import os
 import resource
 import sys
+
+from dlm_jax.tasks import sandbox_seccomp
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # same numbers on every architecture
 _PR_SET_NO_NEW_PRIVS = 38
@@ -41,10 +44,17 @@ class _PathBeneathAttr(ctypes.Structure):
   _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
 
 
-def apply(workdir: str, time_s: float, memory_bytes: int, file_bytes: int, processes: int) -> list[str]:
-  """Limits this process (and what it starts) and returns a description line per confinement applied."""
-  applied = [_rlimits(time_s, memory_bytes, file_bytes, processes)]
-  applied.append(_landlock(workdir))
+def apply(workdir: str, time_s: float, memory_bytes: int, file_bytes: int, processes: int,
+          pid_namespace: bool) -> list[str]:
+  """Limits this process (and what it starts) and returns a description line per confinement applied.
+
+  pid_namespace: whether the process runs in a PID namespace of its own (the evaluator is then out of
+  its reach); if not, and Landlock cannot scope signals, a seccomp filter does (`sandbox_seccomp`).
+  """
+  abi, landlock = _landlock(workdir)
+  applied = [_rlimits(time_s, memory_bytes, file_bytes, processes), landlock]
+  if not pid_namespace and abi < 6:
+    applied.append(sandbox_seccomp.deny_signals_outside())
   return applied
 
 
@@ -61,12 +71,13 @@ def _rlimits(time_s: float, memory_bytes: int, file_bytes: int, processes: int) 
           f"processes {processes}{counted}")
 
 
-def _landlock(workdir: str) -> str:
-  """Applies the strongest Landlock domain the kernel supports; a line saying what (or why nothing)."""
+def _landlock(workdir: str) -> tuple[int, str]:
+  """Applies the strongest Landlock domain the kernel supports: (its ABI version or 0, a line saying
+  what, or why nothing)."""
   libc = ctypes.CDLL(None, use_errno=True)
   abi = libc.syscall(_SYS_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION))
   if abi < 1:
-    return f"landlock: unavailable ({os.strerror(ctypes.get_errno())})"
+    return 0, f"landlock: unavailable ({os.strerror(ctypes.get_errno())})"
   write = (_WRITE_FILE | _MAKE_AND_REMOVE | (_REFER if abi >= 2 else 0) | (_TRUNCATE if abi >= 3 else 0)
            | (_IOCTL_DEV if abi >= 5 else 0))
   read = _EXECUTE | _READ_FILE | _READ_DIR
@@ -92,7 +103,7 @@ def _landlock(workdir: str) -> str:
   parts = ["writes only in the work directory", "reads only of the interpreter and system libraries"]
   parts += ["no TCP"] if abi >= 4 else []
   parts += ["no signals or abstract sockets outside"] if abi >= 6 else []
-  return f"landlock ABI {abi}: " + ", ".join(parts)
+  return abi, f"landlock ABI {abi}: " + ", ".join(parts)
 
 
 def _read_dirs() -> list[str]:
