@@ -44,8 +44,8 @@ def test_correct_incorrect_and_early_exit(namespaces):
   # The test is compiled on its own: an unterminated string in the solution cannot swallow it.
   assert _run(_WRONG + "def check(candidate):\n    pass\n_ = '''", namespaces)[0].status == "failed"
   # Nor can replacing the builtins that compile and run it.
-  for patch in ("real_compile = builtins.compile\n"
-                "builtins.compile = lambda *args, **kwargs: real_compile('def check(c):\\n    pass\\n', '<x>', 'exec')\n",
+  for patch in (("real_compile = builtins.compile\n"
+                 "builtins.compile = lambda *args, **kwargs: real_compile('def check(c):\\n    pass\\n', '<x>', 'exec')\n"),
                 "builtins.exec = lambda code, namespace: namespace.update(check=lambda candidate: None)\n"):
     assert _run("import builtins\n" + patch + _WRONG, namespaces)[0].status == "failed"
   assert any(line.startswith("rlimits:") for line in right.isolation)

@@ -12,7 +12,7 @@ docs/guides/trust.md for what remains the user's to isolate (a container for unt
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from dlm_jax.tasks import sandbox
 

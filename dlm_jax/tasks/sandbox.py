@@ -5,7 +5,7 @@
 applied where the OS allows and listed in `Outcome.isolation`:
 
 - the evaluator: the child starts in a new session (it and its process group can be killed at once,
-  and it cannot signal the caller's group), with an environment holding only PATH, HOME and TMPDIR
+  and it cannot signal the caller's group), with an environment holding only PATH, HOME, TMPDIR and LANG
   (nothing inherited), in a private temporary directory removed afterwards, and with a hard deadline
   (the caller never waits on a descendant that escaped);
 - `unshare --user --net --pid --mount-proc` when it works (probed once per process): no network
@@ -100,7 +100,7 @@ def isolation() -> tuple[str, ...]:
   return run("def f():\n  return 1\n", "def check(f):\n  assert f() == 1\n", "f").isolation
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _namespaces() -> tuple[bool, str]:
   """Whether `unshare` namespaces work here (probed once), and the line describing it; first removes
   what runs of evaluators that died left behind."""
@@ -138,7 +138,7 @@ def _run(solution: str, test: str, entry_point: str, limits: Limits, namespaces:
     sandbox_workdir.remove(workdir, lock)
     if cgroup:
       sandbox_cgroup.remove(cgroup)
-  isolation = ["own session and process group", "environment: PATH, HOME and TMPDIR only",
+  isolation = ["own session and process group", "environment: PATH, HOME, TMPDIR and LANG only",
                "private work directory, removed afterwards", f"output cap {limits.output_bytes} bytes"]
   isolation += [note] if note else []
   return _verdict(text, finished, nonce, limits, isolation)

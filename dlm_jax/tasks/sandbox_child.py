@@ -21,6 +21,7 @@ solution can swallow or rewrite it); `check(entry_point)`. The nonce goes on the
 from __future__ import annotations
 
 import builtins
+import contextlib
 import ctypes
 import json
 import os
@@ -58,7 +59,7 @@ def main(job_fd: int) -> None:
       os.close(out_r)
       os.close(result_r)
       _worker(job, out_w, result_w)
-    except BaseException:  # pylint: disable=broad-exception-caught
+    except BaseException:  # noqa: BLE001  # pylint: disable=broad-exception-caught
       traceback.print_exc()
       _flush()
     finally:
@@ -182,7 +183,7 @@ def _worker(job: dict, out_w: int, result_w: int) -> None:
     run(compile(solution, "<solution>", "exec"), namespace)
     run(test_code, namespace)
     namespace["check"](namespace[entry_point])
-  except BaseException as e:  # pylint: disable=broad-exception-caught
+  except BaseException as e:  # noqa: BLE001  # pylint: disable=broad-exception-caught
     traceback.print_exception(type(e), e, e.__traceback__.tb_next)
     _flush()
     exit_now(1)
@@ -192,8 +193,7 @@ def _worker(job: dict, out_w: int, result_w: int) -> None:
 
 
 def _flush() -> None:
+  """Flushes stdout and stderr, unless the program closed or replaced them."""
   for stream in (sys.stdout, sys.stderr):
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
       stream.flush()
-    except Exception:  # pylint: disable=broad-exception-caught
-      pass
