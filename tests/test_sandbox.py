@@ -20,6 +20,7 @@ _TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert cand
 _RIGHT = "def add(a, b):\n    return a + b\n"
 _WRONG = "def add(a, b):\n    return a - b\n"
 _FAST = sandbox.Limits(time_s=3.0)
+_SLACK_S = 6.0  # start-up and teardown on a loaded machine; the failures guarded against hang or take minutes
 
 pytestmark = pytest.mark.parametrize("namespaces", [None, False], ids=["auto", "no-namespaces"])
 
@@ -36,7 +37,7 @@ def _has(outcome: sandbox.Outcome, prefix: str) -> bool:
 
 def test_correct_incorrect_and_early_exit(namespaces):
   right, seconds = _run(_RIGHT, namespaces)
-  assert right.status == "passed" and seconds < 3, right
+  assert right.status == "passed" and seconds < _FAST.time_s + _SLACK_S, right
   wrong, _ = _run(_WRONG, namespaces)
   assert wrong.status == "failed" and "AssertionError" in wrong.detail
   assert _run("import sys\nsys.exit(0)\n" + _RIGHT, namespaces)[0].status == "failed"
@@ -134,7 +135,7 @@ def test_fake_pass_by_exiting_zero_with_anything_it_can_read(namespaces):
       "os._exit(0)\n" + _WRONG)
   outcome, seconds = _run(code, namespaces)
   assert outcome.status == "failed" and "exited before the tests finished" in outcome.detail
-  assert seconds < 5
+  assert seconds < _FAST.time_s + _SLACK_S
 
 
 def test_writes_outside_the_work_directory_are_refused(namespaces, tmp_path):
@@ -192,7 +193,7 @@ def test_setsid_grandchild_is_killed_and_not_waited_for(namespaces, then):
       + ("" if then == "return" else "while True:\n    pass\n") + _RIGHT)
   outcome, seconds = _run(code, namespaces, sandbox.Limits(time_s=1.5))
   assert outcome.status == ("passed" if then == "return" else "timed out"), outcome
-  assert seconds < 1.5 + 4
+  assert seconds < 1.5 + _SLACK_S
   assert not _alive_with(marker)
 
 
@@ -200,7 +201,7 @@ def test_memory_bomb_is_stopped(namespaces):
   outcome, seconds = _run("big = bytes(3 << 30)\n" + _RIGHT, namespaces,
                           sandbox.Limits(time_s=3.0, memory_bytes=512 << 20))
   assert outcome.status == "failed" and "MemoryError" in outcome.detail
-  assert seconds < 5
+  assert seconds < 3.0 + _SLACK_S
 
 
 def test_output_flood_is_cut_without_buffering_it(namespaces):
@@ -212,7 +213,7 @@ def test_output_flood_is_cut_without_buffering_it(namespaces):
   finally:
     tracemalloc.stop()
   assert outcome.status == "failed" and "printed more than 1048576 bytes" in outcome.detail
-  assert peak < 8 << 20 and seconds < 5
+  assert peak < 8 << 20 and seconds < 5.0 + _SLACK_S
 
 
 def test_no_network(namespaces):
@@ -253,5 +254,5 @@ def test_fork_bomb_is_bounded(namespaces):
   if os.geteuid() == 0 and not _has(outcome, "pids cgroup"):
     pytest.skip("running as root (exempt from RLIMIT_NPROC) without a pids cgroup it can create")
   forked = int(outcome.detail.split("RuntimeError: forked ")[1].split()[0])
-  assert outcome.status == "failed" and forked < 16 and seconds < 5
+  assert outcome.status == "failed" and forked < 16 and seconds < 3.0 + _SLACK_S
   assert not _alive_with(marker)
