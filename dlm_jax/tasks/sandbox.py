@@ -49,6 +49,7 @@ _UNSHARE_FLAGS = ("--user", "--map-root-user", "--net", "--pid", "--fork", "--ki
 _GRACE_S = 10.0
 _REPORT_BYTES = 1 << 20
 _DETAIL_CHARS = 2000
+_TRIVIAL = ("def f():\n  return 1\n", "def check(f):\n  assert f() == 1\n", "f")
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -97,22 +98,29 @@ def run(solution: str, test: str, entry_point: str, limits: Limits = Limits(),
 
 def isolation() -> tuple[str, ...]:
   """The isolation `run` applies on this machine (runs a trivial program once)."""
-  return run("def f():\n  return 1\n", "def check(f):\n  assert f() == 1\n", "f").isolation
+  return run(*_TRIVIAL).isolation
 
 
 @functools.cache
 def _namespaces() -> tuple[bool, str]:
-  """Whether `unshare` namespaces work here (probed once), and the line describing it; first removes
-  what runs of evaluators that died left behind."""
+  """Whether `unshare` namespaces work here (probed once), and the line describing it. First removes
+  what runs of evaluators that died left behind, and checks that a trivial program passes without
+  namespaces (RuntimeError if not: a broken sandbox must not score every completion as failed)."""
   sandbox_workdir.remove_stale()
   sandbox_cgroup.remove_stale()
+  plain = _run(*_TRIVIAL, Limits(time_s=20.0), False, "")
+  if plain.status != "passed":
+    raise RuntimeError(f"sandbox: a trivial program does not pass here ({_last_line(plain)})")
   if shutil.which("unshare") is None:
     return False, "namespaces: none (no unshare command)"
-  probe = _run("def f():\n  return 1\n", "def check(f):\n  assert f() == 1\n", "f", Limits(time_s=20.0), True, "")
+  probe = _run(*_TRIVIAL, Limits(time_s=20.0), True, "")
   if probe.status == "passed":
     return True, "namespaces: user, network (no interfaces up), PID (caller invisible), mount (own /proc)"
-  reason = probe.detail.strip().splitlines()[-1] if probe.detail.strip() else probe.status
-  return False, f"namespaces: none (unshare failed: {reason[:200]})"
+  return False, f"namespaces: none (unshare failed: {_last_line(probe)})"
+
+
+def _last_line(outcome: Outcome) -> str:
+  return (outcome.detail.strip().splitlines() or [outcome.status])[-1][:200]
 
 
 def _run(solution: str, test: str, entry_point: str, limits: Limits, namespaces: bool, note: str) -> Outcome:
