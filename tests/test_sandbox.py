@@ -256,3 +256,15 @@ def test_fork_bomb_is_bounded(namespaces):
   forked = int(outcome.detail.split("RuntimeError: forked ")[1].split()[0])
   assert outcome.status == "failed" and forked < 16 and seconds < 3.0 + _SLACK_S
   assert not _alive_with(marker)
+
+
+def test_no_capabilities(namespaces):
+  """Root (of the machine, or of the run's user namespace) keeps no privilege: no raw socket."""
+  code = ("import socket\n"
+          "try:\n"
+          "    socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP).close()\n"
+          "    raise RuntimeError('made a raw socket')\n"
+          "except PermissionError:\n"
+          "    pass\n" + _RIGHT)
+  outcome, _ = _run(code, namespaces)
+  assert outcome.status == "passed", outcome

@@ -1,7 +1,8 @@
 """Confinement a sandboxed process applies to itself before it runs untrusted code (see `sandbox`).
 
-`apply(...)` sets resource limits with `resource.setrlimit` and, where the kernel has it, a Landlock
-domain (an unprivileged Linux security module, ABI v1 in Linux 5.13 up to v6+ in 6.12): writes only
+`apply(...)` sets resource limits with `resource.setrlimit`, drops every capability, and, where the
+kernel has it, applies a Landlock domain (an unprivileged Linux security module, ABI v1 in Linux 5.13
+up to v6+ in 6.12): writes only
 beneath the work directory (and to /dev/null), reads only beneath the interpreter's own directories and
 the system's shared libraries, no TCP bind or connect (ABI >= 4), and no signals to or abstract unix
 sockets of processes outside the domain (ABI >= 6). It returns a line per confinement applied, for the
@@ -12,6 +13,7 @@ Without a PID namespace and without Landlock's signal scope, `sandbox_seccomp` c
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import os
 import resource
@@ -21,6 +23,8 @@ from dlm_jax.tasks import sandbox_seccomp
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # same numbers on every architecture
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+_CAPABILITY_VERSION_3 = 0x20080522
 _CREATE_RULESET_VERSION = 1
 _RULE_PATH_BENEATH = 1
 
@@ -51,11 +55,30 @@ def apply(workdir: str, time_s: float, memory_bytes: int, file_bytes: int, proce
   pid_namespace: whether the process runs in a PID namespace of its own (the evaluator is then out of
   its reach); if not, and Landlock cannot scope signals, a seccomp filter does (`sandbox_seccomp`).
   """
+  capabilities = _drop_capabilities()
   abi, landlock = _landlock(workdir)
-  applied = [_rlimits(time_s, memory_bytes, file_bytes, processes), landlock]
+  applied = [_rlimits(time_s, memory_bytes, file_bytes, processes), capabilities, landlock]
   if not pid_namespace and abi < 6:
     applied.append(sandbox_seccomp.deny_signals_outside())
   return applied
+
+
+def _drop_capabilities() -> str:
+  """Empties the capability sets (bounding, ambient, effective, permitted, inheritable): root, or root
+  of a user namespace, keeps its uid but no privilege (no mounts, raw sockets, modules, reboot, ...)."""
+  libc = ctypes.CDLL(None, use_errno=True)
+  bounding = "emptied"
+  for capability in range(64):
+    if libc.prctl(_PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
+      if ctypes.get_errno() != errno.EINVAL:  # EINVAL: past the last capability; EPERM: not allowed to drop
+        bounding = "kept (no CAP_SETPCAP)"
+      break
+  libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+  header = (ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0)
+  data = (ctypes.c_uint32 * 6)()
+  if libc.capset(ctypes.byref(header), ctypes.byref(data)) != 0:
+    return f"capabilities: not dropped ({os.strerror(ctypes.get_errno())})"
+  return f"capabilities: none (bounding set {bounding})"
 
 
 def _rlimits(time_s: float, memory_bytes: int, file_bytes: int, processes: int) -> str:
