@@ -59,10 +59,26 @@ def remove_stale() -> list[str]:
 
 
 def _delete(path: str) -> None:
-  """rmtree after making every directory below `path` writable (the program may have locked them)."""
+  """rmtree; if permissions the program left stop it, makes every directory writable and retries.
+  Directories are opened without following links, so nothing outside `path` is ever changed."""
+  try:
+    shutil.rmtree(path)
+    return
+  except PermissionError:
+    pass
+  _make_writable(path)
   for parent, dirs, _ in os.walk(path):
     for name in dirs:
-      child = os.path.join(parent, name)
-      if not os.path.islink(child):
-        os.chmod(child, 0o700)
+      _make_writable(os.path.join(parent, name))
   shutil.rmtree(path)
+
+
+def _make_writable(directory: str) -> None:
+  try:
+    fd = os.open(directory, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+  except OSError:  # a link, or gone
+    return
+  try:
+    os.chmod(f"/proc/self/fd/{fd}", 0o700)
+  finally:
+    os.close(fd)
