@@ -1,5 +1,5 @@
 """Scoring one completion of an `experiments.items.Item`: GSM8K strict (`#### n`) and flexible (last
-number) matches, "the answer appears in the reply", or HumanEval pass@1 in a subprocess."""
+number) matches, "the answer appears in the reply", or HumanEval pass@1 in the sandbox (`dlm_jax.tasks.sandbox`)."""
 
 from __future__ import annotations
 
