@@ -1,4 +1,4 @@
-"""Running untrusted (model-written) Python against a test, with the verdict the caller can trust.
+"""Running untrusted (model-written) Python against a test, isolated, with a verdict the caller can trust.
 
 `run(solution, test, entry_point, limits)` executes `solution`, then `test` (compiled separately), then
 `check(<entry_point>)` in a separate process tree and says passed / failed / timed out. Layers, each
@@ -6,15 +6,19 @@ applied where the OS allows and listed in `Outcome.isolation`:
 
 - the evaluator: the child starts in a new session (it and its process group can be killed at once,
   and it cannot signal the caller's group), with an environment holding only PATH, HOME, TMPDIR and LANG
-  (nothing inherited), in a private temporary directory removed afterwards, and with a hard deadline
-  (the caller never waits on a descendant that escaped);
+  (nothing inherited), in a private work directory removed afterwards (`sandbox_workdir`), in a pids
+  cgroup of its own where one can be made (`sandbox_cgroup`), and with a hard deadline (the caller
+  never waits on a descendant that escaped);
 - `unshare --user --net --pid --mount-proc` when it works (probed once per process): no network
   interface but loopback (down), a PID namespace in which the caller's processes do not exist and
-  whose every process the kernel kills when its first process (the supervisor) exits;
+  whose every process the kernel kills when its first process (the supervisor) exits, and a tmpfs of
+  bounded size as the work directory;
 - the supervisor (`sandbox_child`): subreaper of every orphan below it, time limit, output read
   incrementally and capped, every descendant killed at the end;
-- the worker (`sandbox_limits`): own session, rlimits (address space, CPU, file size, processes),
-  Landlock (writes only in the work directory, reads only of the interpreter, no TCP, no signals out).
+- the worker (`sandbox_limits`): own session, rlimits (address space, CPU, file size, processes), no
+  capabilities, Landlock (writes only in the work directory, reads only of the interpreter and system
+  libraries, no TCP, no signals out), and where neither a PID namespace nor Landlock confines signals,
+  a seccomp filter (`sandbox_seccomp`).
 
 The verdict is "passed" only if the worker wrote this run's nonce (128 random bits from `secrets`,
 sent on a file descriptor the supervisor reads and closes before any untrusted code exists) on its
