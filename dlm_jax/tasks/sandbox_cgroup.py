@@ -64,7 +64,11 @@ def remove(path: str, timeout_s: float = 2.0) -> None:
 def remove_stale() -> None:
   """Deletes the empty run cgroups older than a minute (an evaluator that died left them behind)."""
   for parent in _pids_cgroups():
-    for name in os.listdir(parent):
+    try:
+      names = os.listdir(parent)
+    except OSError:
+      continue
+    for name in names:
       path = os.path.join(parent, name)
       try:
         if name.startswith(_PREFIX) and time.time() - os.stat(path).st_mtime > _STALE_S:
@@ -75,24 +79,22 @@ def remove_stale() -> None:
 
 def _pids_cgroups() -> list[str]:
   """The directories of this process's pids cgroup in which a child with the controller can be made."""
-  own = {}
-  with open("/proc/self/cgroup", encoding="utf-8") as f:
-    for line in f:
-      _, controllers, path = line.rstrip("\n").split(":", 2)
-      for controller in controllers.split(",") if controllers else [""]:
-        own[controller] = path
+  own, cgroups, mounts = {}, _read("/proc/self/cgroup"), _read("/proc/self/mountinfo")
+  for line in cgroups.splitlines():
+    _, controllers, path = line.split(":", 2)
+    for controller in controllers.split(",") if controllers else [""]:
+      own[controller] = path
   found = []
-  with open("/proc/self/mountinfo", encoding="utf-8") as f:
-    for line in f:
-      fields = line.split()
-      root, mount_point, fs_type = fields[3], fields[4], fields[fields.index("-") + 1]
-      options = fields[-1].split(",")
-      if fs_type == "cgroup" and "pids" in options and "pids" in own:
-        found.append(mount_point + _below(own["pids"], root))
-      elif fs_type == "cgroup2" and "" in own:
-        directory = mount_point + _below(own[""], root)
-        if "pids" in _read(os.path.join(directory, "cgroup.subtree_control")).split():
-          found.append(directory)
+  for line in mounts.splitlines():
+    fields = line.split()
+    root, mount_point, fs_type = fields[3], fields[4], fields[fields.index("-") + 1]
+    options = fields[-1].split(",")
+    if fs_type == "cgroup" and "pids" in options and "pids" in own:
+      found.append(mount_point + _below(own["pids"], root))
+    elif fs_type == "cgroup2" and "" in own:
+      directory = mount_point + _below(own[""], root)
+      if "pids" in _read(os.path.join(directory, "cgroup.subtree_control")).split():
+        found.append(directory)
   return found
 
 
@@ -102,8 +104,9 @@ def _below(path: str, root: str) -> str:
 
 
 def _read(path: str) -> str:
+  """The file's text, or "" where it cannot be read (no /proc, no such controller file)."""
   try:
-    with open(path, encoding="ascii") as f:
+    with open(path, encoding="utf-8") as f:
       return f.read()
   except OSError:
     return ""
