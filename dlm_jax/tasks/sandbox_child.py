@@ -4,12 +4,13 @@ runs the untrusted code.
 The evaluator starts `python -I -c "...; sandbox_child.main(fd)"` (under `unshare` when it can) with a
 JSON job on file descriptor `fd`: solution, test, entry_point, nonce, workdir and limits. The supervisor
 reads and closes it, moves into the run's pids cgroup if the evaluator made one, mounts a size-limited
-tmpfs on the work directory when it runs in its own mount namespace (never on the host's), makes
-itself the reaper of every orphan below it (PR_SET_CHILD_SUBREAPER, so a
-`setsid()` grandchild cannot leave the tree), forks the worker, and watches it: the time limit, output
-read incrementally with a cap, and at the end (passed, failed, timed out or over the cap) SIGKILL to every
-descendant until none is left. It then prints one JSON line for the evaluator: status, exit code, the
-tail of the output, what the worker wrote on its result pipe, and the confinement the worker applied.
+tmpfs on the work directory when it runs in its own mount namespace (never on the host's), makes itself
+the reaper of every orphan below it (PR_SET_CHILD_SUBREAPER, so a `setsid()` grandchild cannot leave
+the tree), forks the worker, and watches it: the time limit, output read incrementally with a cap, and
+at the end (passed, failed, timed out or over the cap) SIGKILL to every descendant until none is left.
+It then prints one JSON line for the evaluator: status, exit code, the tail of the output, what the
+worker wrote on its result pipe (the confinement it applied, then the nonce or nothing), and whether
+the cgroup and the tmpfs were set up.
 
 The worker starts its own session, points stdout and stderr at the capped pipe, confines itself
 (`sandbox_limits.apply`), writes the confinement report on the result pipe, and only then runs
