@@ -67,7 +67,7 @@ class Limits:
   memory_bytes: int = 1 << 30
   output_bytes: int = 1 << 20
   file_bytes: int = 16 << 20
-  processes: int = 32
+  processes: int = 8
   disk_bytes: int = 64 << 20
 
   def __post_init__(self):
