@@ -68,6 +68,7 @@ from absl import flags, logging
 
 from dlm_jax.analysis import routing, sinks
 from dlm_jax.runtime import distributed
+from dlm_jax.instrument import sink_selection
 from dlm_jax.instrument.stats import StatsSpec
 from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
                                 item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir,
@@ -171,7 +172,7 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
   valid, active = validity.step_validity(model, batch, row, tokens, steps, queries)
   valid4 = valid[:, None, None, :]
   scores = np.asarray(sinks.relative_scores(all_queries, valid4))  # [steps, L', N, S]
-  sink_mask = np.asarray(sinks.epsilon_rule(scores, settings.epsilon, "sum", valid4))
+  sink_mask = np.asarray(sink_selection.epsilon_rule(scores, settings.epsilon, "sum", valid4))
   n_entries = int(np.broadcast_to(valid4, scores.shape).sum())
   if model.sampler == "diffusion_gemma":  # the noisy canvas of each decoder step, from the trace
     canvas = sinks.uniform_step_canvases(tokens, host["canvases"][decoded, row], queries)  # [steps, S]

@@ -37,6 +37,7 @@ from absl import flags, logging
 
 from dlm_jax import config as config_lib
 from dlm_jax.analysis import sinks
+from dlm_jax.instrument import sink_selection
 from dlm_jax.runtime import distributed
 from dlm_jax.training import data as training_data, loop as train_loop
 from dlm_jax.instrument.stats import StatsSpec
@@ -182,7 +183,7 @@ def evaluate_variant(settings: Settings, variant: str, model_dir: str, runtime, 
       mass_sink.append(((incoming[..., 0] - 1.0) / (total - 1)).mean(axis=(0, 2)))
       v_sink.append(values[..., 0].mean(axis=(0, 2)))
     scores = np.asarray(sinks.relative_scores(incoming, content))
-    implicit = np.asarray(sinks.epsilon_rule(scores, settings.epsilon, "sum", content))
+    implicit = np.asarray(sink_selection.epsilon_rule(scores, settings.epsilon, "sum", content))
     mass_top.append((np.where(content, incoming, -np.inf).max(-1) / total).mean(axis=(0, 2)))
     first = 1 if has_sink else 0
     mass_first.append((incoming[..., first] / total).mean(axis=(0, 2)))

@@ -32,6 +32,7 @@ import numpy as np
 from absl import flags, logging
 
 from dlm_jax.analysis import sinks
+from dlm_jax.instrument import sink_selection
 from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
 from experiments.common import (atomic_files, checkpoints, cli, decode_flags, decoding, devices, item_batches, items,
@@ -100,7 +101,7 @@ def analyse_row(settings: Settings, model, item, batch: prompts.Prompts, host, r
   valid, _ = validity.step_validity(model, batch, row, host["tokens"][row], incoming.shape[0], host["queries"])
   valid4 = valid[:, None, None, :]
   scores = sinks.relative_scores(incoming, valid4)
-  sink_mask = np.asarray(sinks.epsilon_rule(scores, settings.epsilon, "sum", valid4))  # [steps, L', N, S]
+  sink_mask = np.asarray(sink_selection.epsilon_rule(scores, settings.epsilon, "sum", valid4))  # [steps, L', N, S]
   group = incoming.shape[2] // norms.shape[2]
   paired = np.repeat(norms, group, axis=2)  # [steps, L', N, S]: the kv head each query head reads
   keep = np.broadcast_to(valid4, sink_mask.shape)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from dlm_jax.analysis import sinks
+from dlm_jax.instrument import sink_selection
 
 try:
   from tests import experiments_fixtures as fx
@@ -41,7 +42,7 @@ def test_sink_counts_over_epsilon_matches_epsilon_rule():
   valid = rng.random((4, 3, 9)) > 0.2
   epsilons = np.array([0.0, 0.5, 1.0, 3.0])
   got = sinks.sink_counts_over_epsilon(c, epsilons, valid)
-  want = [int(np.asarray(sinks.epsilon_rule(c, e, "sum", valid)).sum()) for e in epsilons]
+  want = [int(np.asarray(sink_selection.epsilon_rule(c, e, "sum", valid)).sum()) for e in epsilons]
   np.testing.assert_array_equal(got, want)
   assert np.all(np.diff(got) <= 0)
 

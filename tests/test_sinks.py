@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from dlm_jax.analysis import sinks
+from dlm_jax.instrument import sink_selection
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -57,7 +58,7 @@ def test_epsilon_rule_matches_brute_force(normalise, eps):
   c = random_column_sums(rng, (3, 4), 16)
   valid = rng.random((3, 4, 16)) > 0.2
   for v in (None, valid):
-    got = np.asarray(sinks.epsilon_rule(c, eps, normalise, valid=v))
+    got = np.asarray(sink_selection.epsilon_rule(c, eps, normalise, valid=v))
     np.testing.assert_array_equal(got, brute_epsilon(c, eps, normalise, v))
   assert brute_epsilon(c, eps, normalise).any()  # the test exercises both outcomes
 
@@ -66,14 +67,14 @@ def test_epsilon_rule_column_sums_filter_most_tokens():
   rng = np.random.default_rng(1)
   c = random_column_sums(rng, (8,), 64, n_sinks=1, boost=8.0)
   assert np.isclose(c.mean(), 1.0, atol=1e-5)  # column sums of a full map average 1
-  assert 1 - np.asarray(sinks.epsilon_rule(c)).mean() >= 0.96
+  assert 1 - np.asarray(sink_selection.epsilon_rule(c)).mean() >= 0.96
 
 
 def test_top_k_with_ties_prefers_lower_position():
   c = np.array([[1.0, 5.0, 5.0, 0.0, 5.0, 2.0]], np.float32)
-  np.testing.assert_array_equal(np.asarray(sinks.top_k_mask(c, 2)), [[0, 1, 1, 0, 0, 0]])
-  np.testing.assert_array_equal(np.asarray(sinks.top_k_positions(c, 4)), [[1, 2, 4, 5]])
-  np.testing.assert_array_equal(np.asarray(sinks.sink_ranks(c)), [[4, 0, 1, 5, 2, 3]])
+  np.testing.assert_array_equal(np.asarray(sink_selection.top_k_mask(c, 2)), [[0, 1, 1, 0, 0, 0]])
+  np.testing.assert_array_equal(np.asarray(sink_selection.top_k_positions(c, 4)), [[1, 2, 4, 5]])
+  np.testing.assert_array_equal(np.asarray(sink_selection.sink_ranks(c)), [[4, 0, 1, 5, 2, 3]])
 
 
 def test_top_k_and_top_k_sinks_match_brute_force():
@@ -82,11 +83,11 @@ def test_top_k_and_top_k_sinks_match_brute_force():
   c[0, 0, 3] = c[0, 0, 7]  # a tie
   k = rng.integers(0, 6, size=(2, 3))
   cand = rng.random((2, 3, 12)) > 0.3
-  np.testing.assert_array_equal(np.asarray(sinks.top_k_mask(c, k, cand)), brute_topk(c, k, cand))
-  np.testing.assert_array_equal(np.asarray(sinks.top_k_mask(c, 3)), brute_topk(c, 3))
-  got = np.asarray(sinks.top_k_sinks(c, 3, eps=1.0))
+  np.testing.assert_array_equal(np.asarray(sink_selection.top_k_mask(c, k, cand)), brute_topk(c, k, cand))
+  np.testing.assert_array_equal(np.asarray(sink_selection.top_k_mask(c, 3)), brute_topk(c, 3))
+  got = np.asarray(sink_selection.top_k_sinks(c, 3, eps=1.0))
   np.testing.assert_array_equal(got, brute_topk(c, 3) & brute_epsilon(c, 1.0))
-  positions = np.asarray(sinks.top_k_positions(c, 4, cand))
+  positions = np.asarray(sink_selection.top_k_positions(c, 4, cand))
   for index in np.ndindex(2, 3):
     expected = sorted([j for j in range(12) if cand[index][j]], key=lambda j: (-c[index][j], j))[:4]
     np.testing.assert_array_equal(positions[index], expected + [-1] * (4 - len(expected)))
@@ -168,7 +169,7 @@ def test_moving_sink_measures_match_brute_force():
   np.testing.assert_allclose(sinks.largest_sink_change_rate(positions), expected["change"])
   np.testing.assert_allclose(sinks.largest_sink_drift(positions), expected["drift"])
   np.testing.assert_allclose(sinks.largest_sink_drift(positions, signed=True), expected["signed"])
-  lifetimes = sinks.sink_lifetimes(np.asarray(sinks.epsilon_rule(c, 3.0)))
+  lifetimes = sinks.sink_lifetimes(np.asarray(sink_selection.epsilon_rule(c, 3.0)))
   assert sorted(lifetimes.tolist()) == sorted(expected["lifetimes"])
   summary = sinks.moving_sink_summary(c, 3.0)
   np.testing.assert_allclose(summary["change_rate"], expected["change"])

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dlm_jax.analysis import sinks
+from dlm_jax.instrument import sink_selection
 from dlm_jax.model.attention import MASK_VALUE, NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec, merge_specs
@@ -348,7 +348,7 @@ class MaskPreviousSinks(Intervention):
   top_k: int = 1
   per_head: bool = True
   epsilon: float | None = None
-  normalise: sinks.Normalise = "sum"
+  normalise: sink_selection.Normalise = "sum"
   spare_self: bool = False
   initial_keys: tuple[int, ...] = ()
 
@@ -421,7 +421,7 @@ class MaskPreviousSinks(Intervention):
       k, eps, eligible = state.top_k[None, :, None], state.epsilon[None, :, None, None], state.eligible[None, :, None]
     else:
       k, eps, eligible = state.top_k, state.epsilon[:, None], state.eligible
-    masked = sinks.top_k_sinks(scores, k, eps=eps, normalise=self.normalise, candidates=eligible)
+    masked = sink_selection.top_k_sinks(scores, k, eps=eps, normalise=self.normalise, candidates=eligible)
     return state.replace(masked=masked)
 
 

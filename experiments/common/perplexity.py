@@ -10,7 +10,7 @@ not change the real tokens' predictions) and only real next-token targets are sc
                  paper's top-K masking; one compiled program serves every K).
 
 Candidate could move to `dlm_jax.analysis.likelihood`; it only composes `interventions.intervened_forward`,
-`sinks.top_k_sinks` and `training.token_cross_entropy`.
+`sink_selection.top_k_sinks` and `training.token_cross_entropy`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dlm_jax.analysis import sinks
+from dlm_jax.instrument import sink_selection
 from dlm_jax.instrument import interventions
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import StatsSpec
@@ -73,7 +73,7 @@ def perplexity_conditions(params, tokens: np.ndarray, real: np.ndarray, top_ks, 
   for k in top_ks:
     if k <= 0:
       continue
-    masked = sinks.top_k_sinks(incoming, k, candidates=real[None, :, None, :])
+    masked = sink_selection.top_k_sinks(incoming, k, candidates=real[None, :, None, :])
     out[f"top{k}_static"] = np.asarray(masked_pass(params, tokens, real, masked, config=config, per_head=True,
                                                    attention_impl=attention_impl))
   return out
