@@ -1,0 +1,68 @@
+"""dlm_jax: run and dissect diffusion language models in JAX.
+
+The public API, by name (resolved on first use, so `import dlm_jax` stays light):
+
+  configuration   ModelConfig, ConfigError, preset
+  model           forward, init_params, KVCache              (dlm_jax.model)
+  checkpoints     load_checkpoint, save_checkpoint           (dlm_jax.io.checkpoint.load / save)
+  tokenizers      Tokenizer                                  (dlm_jax.io.tokenizer)
+  statistics      StatsSpec                                  (dlm_jax.instrument.stats)
+  interventions   MaskKeys, MaskPreviousSinks, SinkToken, Compose, NO_INTERVENTION
+                                                             (dlm_jax.instrument.interventions)
+  samplers        LLaDAOptions, DreamOptions, AROptions, BlockDiffusionOptions, DiffusionGemmaOptions,
+                  Trace, and the modules llada, dream, autoregressive, block_diffusion, diffusion_gemma
+                  whose `generate` (Dream: `diffusion_generate`) runs one compiled decoding  (dlm_jax.sampling)
+  scaling out     make_mesh, parse_mesh                      (dlm_jax.runtime.sharding)
+
+Everything else is reached through its package: config, model, instrument, sampling, analysis, training, io,
+runtime, tasks (BUILD.md, "Layout").
+"""
+
+import importlib
+
+_EXPORTS = {
+    "ModelConfig": ("dlm_jax.config", "ModelConfig"),
+    "ConfigError": ("dlm_jax.config", "ConfigError"),
+    "preset": ("dlm_jax.config", "preset"),
+    "forward": ("dlm_jax.model", "forward"),
+    "init_params": ("dlm_jax.model", "init_params"),
+    "KVCache": ("dlm_jax.model", "KVCache"),
+    "load_checkpoint": ("dlm_jax.io.checkpoint", "load"),
+    "save_checkpoint": ("dlm_jax.io.checkpoint", "save"),
+    "Tokenizer": ("dlm_jax.io.tokenizer", "Tokenizer"),
+    "StatsSpec": ("dlm_jax.instrument.stats", "StatsSpec"),
+    "MaskKeys": ("dlm_jax.instrument.interventions", "MaskKeys"),
+    "MaskPreviousSinks": ("dlm_jax.instrument.interventions", "MaskPreviousSinks"),
+    "SinkToken": ("dlm_jax.instrument.interventions", "SinkToken"),
+    "Compose": ("dlm_jax.instrument.interventions", "Compose"),
+    "NO_INTERVENTION": ("dlm_jax.instrument.interventions", "NO_INTERVENTION"),
+    "LLaDAOptions": ("dlm_jax.sampling", "LLaDAOptions"),
+    "DreamOptions": ("dlm_jax.sampling", "DreamOptions"),
+    "AROptions": ("dlm_jax.sampling", "AROptions"),
+    "BlockDiffusionOptions": ("dlm_jax.sampling", "BlockDiffusionOptions"),
+    "DiffusionGemmaOptions": ("dlm_jax.sampling", "DiffusionGemmaOptions"),
+    "Trace": ("dlm_jax.sampling", "Trace"),
+    "llada": ("dlm_jax.sampling.llada", None),
+    "dream": ("dlm_jax.sampling.dream", None),
+    "autoregressive": ("dlm_jax.sampling.autoregressive", None),
+    "block_diffusion": ("dlm_jax.sampling.block_diffusion", None),
+    "diffusion_gemma": ("dlm_jax.sampling.diffusion_gemma", None),
+    "make_mesh": ("dlm_jax.runtime.sharding", "make_mesh"),
+    "parse_mesh": ("dlm_jax.runtime.sharding", "parse_mesh"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name not in _EXPORTS:
+    raise AttributeError(f"module 'dlm_jax' has no attribute {name!r}")
+  module_name, attribute = _EXPORTS[name]
+  module = importlib.import_module(module_name)
+  value = module if attribute is None else getattr(module, attribute)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_EXPORTS))
