@@ -34,7 +34,7 @@ PROMPT, CANVAS, WINDOW = 7, 6, 4
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 TOLERANCE = 1e-4
 KEYS = PROMPT + 2 * CANVAS  # cache positions of every cached call (one size: one compiled program per call kind)
-_forward = jax.jit(model.forward, static_argnames=("config", "stats_spec", "decoder"))
+_forward = jax.jit(model.forward, static_argnames=("config", "stats_spec"))
 
 
 def _hf_config() -> DiffusionGemmaConfig:
@@ -105,8 +105,8 @@ def _ours(config, params, prompt, canvas, sc_logits=None, stats=None):
   cache = model.KVCache.zeros(config, b, KEYS)  # spare slots after the canvas: unwritten keys must stay hidden
   encoder = _forward(params, jnp.asarray(prompt), config=config, cache=cache, cache_offset=0)
   decoder = _forward(params, jnp.asarray(canvas), config=config, cache=encoder.cache, cache_offset=PROMPT,
-                          decoder=True, stats_spec=stats or StatsSpec(),
-                          self_conditioning_logits=None if sc_logits is None else jnp.asarray(sc_logits))
+                          stats_spec=stats or StatsSpec(),
+                          decoder=model.DecoderCall(None if sc_logits is None else jnp.asarray(sc_logits)))
   return encoder, decoder
 
 
@@ -185,7 +185,7 @@ def test_second_canvas_matches_after_committing_the_first(converted):
   ours = _forward(params, jnp.asarray(prompt), config=config, cache=ours, cache_offset=0).cache
   commit = _forward(params, jnp.asarray(canvas), config=config, cache=ours, cache_offset=PROMPT)
   decoder = _forward(params, jnp.asarray(second), config=config, cache=commit.cache, cache_offset=PROMPT + CANVAS,
-                     decoder=True)
+                     decoder=model.DecoderCall())
   diff_commit = np.abs(np.asarray(commit.logits) - expected_commit).max()
   diff = np.abs(np.asarray(decoder.logits) - expected).max()
   print(f"second canvas: commit logits max|diff| {diff_commit:.2e}, decoder logits {diff:.2e}")
@@ -245,14 +245,19 @@ def test_config_validation_names_the_field():
     preset("tiny-llada").replace(sliding_window=8)
 
 
-def test_decoder_needs_a_cache_and_self_conditioning_needs_the_decoder():
+def test_decoder_needs_a_cache_and_self_conditioning_needs_a_self_conditioning_model():
   config = preset("tiny-diffusiongemma")
   params = model.abstract_params(config, jnp.float32)  # the checks come before any computation
   tokens = jnp.zeros((1, 3), jnp.int32)
   with pytest.raises(ValueError, match="cache"):
+    model.forward(params, tokens, config=config, decoder=model.DecoderCall())
+  with pytest.raises(ValueError, match="DecoderCall"):
     model.forward(params, tokens, config=config, decoder=True)
+  llada = preset("tiny-llada")
   with pytest.raises(ValueError, match="self_conditioning_logits"):
-    model.forward(params, tokens, config=config, self_conditioning_logits=jnp.zeros((1, 3, config.vocab_size)))
+    model.forward(model.abstract_params(llada, jnp.float32), tokens, config=llada,
+                  cache=model.KVCache.zeros(llada, 1, 8), cache_offset=4,
+                  decoder=model.DecoderCall(jnp.zeros((1, 3, llada.vocab_size))))
   with pytest.raises(ValueError, match="value_norms"):
     model.forward(params, tokens, config=config, stats_spec=StatsSpec(value_norms=True))
 

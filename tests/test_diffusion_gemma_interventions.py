@@ -29,7 +29,7 @@ B, LP = 3, 4  # LP = C: one compiled reference for every encoder call
 OPTIONS = dg.DiffusionGemmaOptions(gen_length=8, canvas_length=4, max_denoising_steps=4, stability_threshold=0,
                                    confidence_threshold=0.3, eos_stop=False)
 KEY = jax.random.key(7)
-_forward = jax.jit(model.forward, static_argnames=("config", "decoder", "stats_spec", "attention_impl"))
+_forward = jax.jit(model.forward, static_argnames=("config", "stats_spec", "attention_impl"))
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def _per_query_rows(params, tokens, cache, offset, bias, decoder=False, sc=None,
   spec = StatsSpec(incoming_attention=True, per_head=True, query_groups=t)
   weights = jnp.broadcast_to(jnp.eye(t, dtype=jnp.float32), (tokens.shape[0], t, t))
   out = _forward(params, jnp.asarray(tokens), config=CONFIG, bias=bias, cache=cache, cache_offset=offset,
-                 decoder=decoder, self_conditioning_logits=sc, self_conditioning_mask=sc_mask,
+                 decoder=model.DecoderCall(sc, sc_mask) if decoder else None,
                  query_weights=weights, stats_spec=spec, attention_impl="dense")
   return np.asarray(out.incoming_attention, np.float64), np.asarray(out.logits), out.cache
 

@@ -21,7 +21,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 CONFIG = preset("tiny-diffusiongemma")
 EOS, PAD = CONFIG.eos_token_id, CONFIG.pad_token_id
-_forward = jax.jit(model.forward, static_argnames=("config", "decoder"))
+_forward = jax.jit(model.forward, static_argnames=("config",))
 
 
 _INIT = jax.jit(model.init_params, static_argnums=0)
@@ -95,7 +95,7 @@ def reference_generate(params, prompt: np.ndarray, o: dg.DiffusionGemmaOptions, 
         break
       sc_in = None if step == 0 else jnp.asarray(sc)
       logits = np.asarray(_forward(params, jnp.asarray(canvas), config=CONFIG, cache=cache, cache_offset=s,
-                                   decoder=True, self_conditioning_logits=sc_in).logits)
+                                   decoder=model.DecoderCall(sc_in)).logits)
       calls += 1
       z = logits / (o.t_min + (o.t_max - o.t_min) * (n - step) / n)
       gumbel, renoise = (np.asarray(a) for a in dg.step_draws(key, k, jnp.int32(step), (b, c), v, False))

@@ -32,15 +32,15 @@ def _reference_loss(params, tokens: np.ndarray, draws) -> float:
   encoded = model.forward(params, jnp.asarray(prompt), config=CONFIG, cache=model.KVCache.zeros(CONFIG, B, P + C),
                           cache_offset=0).cache
   first = np.asarray(model.forward(params, jnp.asarray(noisy), config=CONFIG, cache=encoded, cache_offset=P,
-                                   decoder=True).logits, np.float64)
+                                   decoder=model.DecoderCall()).logits, np.float64)
   sc = first / np.asarray(draws.temperature, np.float64)[:, None, None]
   use = np.asarray(draws.self_conditioned)
   second = []
   for b in range(B):  # rows without the signal: a decoder call with no self-conditioning logits at all
     logits = sc[b:b + 1] if use[b] else None
     out = model.forward(params, jnp.asarray(noisy[b:b + 1]), config=CONFIG,
-                        cache=jax.tree.map(lambda x: x[:, b:b + 1], encoded), cache_offset=P, decoder=True,
-                        self_conditioning_logits=None if logits is None else jnp.asarray(logits, jnp.float32))
+                        cache=jax.tree.map(lambda x: x[:, b:b + 1], encoded), cache_offset=P,
+                        decoder=model.DecoderCall(None if logits is None else jnp.asarray(logits, jnp.float32)))
     second.append(np.asarray(out.logits, np.float64)[0])
   logits = np.stack(second)
   top = logits.max(-1, keepdims=True)
@@ -75,13 +75,14 @@ def test_first_pass_is_a_constant_in_the_gradient(params):
   noisy = jnp.where(draws.noised, draws.ids, clean)
   cache = model.KVCache.zeros(CONFIG, B, P + C)
   encoded = model.forward(params, prompt, config=CONFIG, cache=cache, cache_offset=0).cache
-  first = model.forward(params, noisy, config=CONFIG, cache=encoded, cache_offset=P, decoder=True).logits
+  first = model.forward(params, noisy, config=CONFIG, cache=encoded, cache_offset=P,
+                        decoder=model.DecoderCall()).logits
   signal = first / draws.temperature[:, None, None]
 
   def second_only(p):
     enc = model.forward(p, prompt, config=CONFIG, cache=cache, cache_offset=0).cache
-    logits = model.forward(p, noisy, config=CONFIG, cache=enc, cache_offset=P, decoder=True,
-                           self_conditioning_logits=signal, self_conditioning_mask=draws.self_conditioned).logits
+    logits = model.forward(p, noisy, config=CONFIG, cache=enc, cache_offset=P,
+                           decoder=model.DecoderCall(signal, draws.self_conditioned)).logits
     return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, clean[..., None], -1)[..., 0])
 
   ours = jax.jit(jax.grad(lambda p: training_uniform.loss(p, tokens, key, config=CONFIG, noise=NOISE)[0]))(params)

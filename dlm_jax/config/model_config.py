@@ -96,7 +96,7 @@ class ModelConfig:
       ones in `global_blocks` (see dlm_jax.model); statistics and biases keep one [L] axis in absolute
       layer order.
     sliding_window: W for the "s" layers: a causal query at sequence index i sees keys i−W+1..i; in a
-      `forward(..., decoder=True)` call the queries see the last W−1 cached keys before the call and all of
+      `forward(..., decoder=DecoderCall())` call the queries see the last W−1 cached keys before the call and all of
       the call's own keys. Required iff layer_pattern has an "s".
     global_head_dim, global_kv_heads, global_rope_theta: head width, kv heads and RoPE θ of the "g" layers
       (DiffusionGemma: 512, 2, 1e6). Required iff layer_pattern has a "g".

@@ -12,13 +12,14 @@ What other packages use is re-exported here: `from dlm_jax import model; model.f
 from dlm_jax.model.attention_layer import Attention
 from dlm_jax.model.block import Block, SelfConditioning
 from dlm_jax.model.cache import KVCache
-from dlm_jax.model.forward import forward, lm_head
+from dlm_jax.model.forward import DecoderCall, forward, lm_head
 from dlm_jax.model.layers import RMSNorm, SwiGLU, rms_normalize
 from dlm_jax.model.moe import MoE, Experts, Router, route
 from dlm_jax.model.params import (PARAM_AXES, Params, abstract_params, active_param_count, flatten_params,
                                   init_params, param_count, unflatten_params)
 from dlm_jax.model.transformer import Transformer
 
-__all__ = ["Attention", "Block", "Experts", "KVCache", "MoE", "PARAM_AXES", "Params", "RMSNorm", "Router",
-           "SelfConditioning", "SwiGLU", "Transformer", "abstract_params", "active_param_count", "flatten_params",
-           "forward", "init_params", "lm_head", "param_count", "rms_normalize", "route", "unflatten_params"]
+__all__ = ["Attention", "Block", "DecoderCall", "Experts", "KVCache", "MoE", "PARAM_AXES", "Params", "RMSNorm",
+           "Router", "SelfConditioning", "SwiGLU", "Transformer", "abstract_params", "active_param_count",
+           "flatten_params", "forward", "init_params", "lm_head", "param_count", "rms_normalize", "route",
+           "unflatten_params"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
@@ -15,6 +15,20 @@ from dlm_jax.model.params import Params, graphdef
 from dlm_jax.model.transformer import head_logits
 
 
+@struct.dataclass
+class DecoderCall:
+  """Marks a DiffusionGemma decoder call of `forward` (see its docstring) and carries its inputs.
+
+  self_conditioning_logits: [B, T, V] logits of the previous denoising step fed to the self-conditioning
+    module (a `config.self_conditioning` model); None gives the zero signal.
+  self_conditioning_mask: [B] bool or None; rows set to False get the zero signal, as if no logits were
+    given for them (HF `self_conditioning_mask`; a sampler's first step inside a compiled loop).
+  """
+
+  self_conditioning_logits: jax.Array | None = None
+  self_conditioning_mask: jax.Array | None = None
+
+
 def lm_head(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:
   """The LM head on final-normed hidden states [B, W, D] (`forward(..., return_hidden=True)`): float32
   logits [B, W, V], the same values `forward` returns for those positions."""
@@ -22,8 +36,8 @@ def lm_head(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Ar
   return head_logits(hidden, head, config.final_logit_softcap)
 
 
-def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder=False,
-                  self_conditioning_logits=None, self_conditioning_mask=None):
+def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache,
+                  decoder: DecoderCall | None):
   if tokens.ndim != 2:
     raise ValueError(f"tokens must be [B, T] integer ids, got shape {tokens.shape}.")
   b, t = tokens.shape
@@ -41,19 +55,22 @@ def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, lo
         raise ValueError(f"cache {names} must be [L, B, S, K, H] = {expected}, got {found[0]} and {found[1]}; "
                          "build the cache with KVCache.zeros(config, ...).")
     n_keys = cache.keys.shape[2]
-  if decoder and cache is None:
-    raise ValueError("forward(decoder=True) reads the prompt from a KVCache; pass cache= (filled by a causal "
-                     "call) and cache_offset= (the prompt length).")
+  if decoder is not None and not isinstance(decoder, DecoderCall):
+    raise ValueError(f"decoder must be None or a DecoderCall, got {type(decoder).__name__}.")
+  self_conditioning_logits = None if decoder is None else decoder.self_conditioning_logits
+  self_conditioning_mask = None if decoder is None else decoder.self_conditioning_mask
+  if decoder is not None and cache is None:
+    raise ValueError("forward(decoder=DecoderCall(...)) reads the prompt from a KVCache; pass cache= (filled by a "
+                     "causal call) and cache_offset= (the prompt length).")
   if self_conditioning_logits is not None:
-    if not (decoder and config.self_conditioning):
-      raise ValueError("self_conditioning_logits need forward(decoder=True) on a model with "
-                       "config.self_conditioning=True.")
+    if not config.self_conditioning:
+      raise ValueError("DecoderCall.self_conditioning_logits need a model with config.self_conditioning=True.")
     if self_conditioning_logits.shape != (b, t, config.vocab_size):
-      raise ValueError(f"self_conditioning_logits must be [B, T, V] = {(b, t, config.vocab_size)}, got "
+      raise ValueError(f"DecoderCall.self_conditioning_logits must be [B, T, V] = {(b, t, config.vocab_size)}, got "
                        f"{tuple(self_conditioning_logits.shape)}.")
   if self_conditioning_mask is not None and (self_conditioning_logits is None
                                              or self_conditioning_mask.shape != (b,)):
-    raise ValueError(f"self_conditioning_mask must be [B] = {(b,)} and needs self_conditioning_logits; got "
+    raise ValueError(f"DecoderCall.self_conditioning_mask must be [B] = {(b,)} and needs self_conditioning_logits; got "
                      f"{getattr(self_conditioning_mask, 'shape', None)}.")
   if stats_spec.value_norms and config.layer_pattern is not None:
     raise ValueError("StatsSpec.value_norms is not available for a layer_pattern model (its sliding and global "
@@ -92,20 +109,18 @@ def forward(
     cache: KVCache | None = None,
     cache_offset: jax.Array | int = 0,
     return_hidden: bool = False,
-    decoder: bool = False,
-    self_conditioning_logits: jax.Array | None = None,
-    self_conditioning_mask: jax.Array | None = None,
+    decoder: DecoderCall | None = None,
 ) -> ForwardOutput:
   """Pure forward pass of the Transformer described by `config`: full, windowed or KV-cached.
 
-  Jit it with `config`, `stats_spec`, `logits_window`, `attention_impl`, `query_chunk`, `return_hidden` and
-  `decoder` static.
+  Jit it with `config`, `stats_spec`, `logits_window`, `attention_impl`, `query_chunk` and `return_hidden`
+  static (`decoder` is a pytree: its arrays are traced, None and a `DecoderCall` compile apart).
 
   DiffusionGemma's encoder and decoder are the same weights called two ways. Encoder: a plain call of
   the (causal) model, with a cache to keep the prompt's keys and values — `forward(prompt [B, P],
   cache=KVCache.zeros(config, B, S), cache_offset=0)` fills cache positions [0, P) (sliding layers see
   themselves and the W−1 previous positions). Decoder: `forward(canvas [B, T], cache=that cache,
-  cache_offset=P, decoder=True, self_conditioning_logits=None | [B, T, V])` attends bidirectionally over
+  cache_offset=P, decoder=DecoderCall(self_conditioning_logits=None | [B, T, V]))` attends bidirectionally over
   the canvas and to cache positions [0, P) (sliding layers: [P−W+1, P)); the canvas is placed at
   positions P..P+T−1 (RoPE and key index), so the cache needs S >= P + T; keys at >= P + T are hidden;
   the cache is read, never written (`ForwardOutput.cache` is None), and statistics address the S cache
@@ -138,19 +153,15 @@ def forward(
     return_hidden: return the final-normed hidden states of the window (`ForwardOutput.hidden`) instead of
       logits; `lm_head` turns any slice of them into logits (a sampler that chooses the positions it needs
       inside the compiled loop).
-    decoder: a DiffusionGemma decoder call (see above); needs `cache`.
-    self_conditioning_logits: [B, T, V] logits of the previous denoising step fed to the self-conditioning
-      module (decoder calls of a `config.self_conditioning` model); None gives the zero signal.
-    self_conditioning_mask: [B] bool or None; rows set to False get the zero signal, as if no logits were
-      given for them (HF `self_conditioning_mask`; a sampler's first step inside a compiled loop).
+    decoder: a `DecoderCall` makes this a DiffusionGemma decoder call (see above; needs `cache`) and
+      carries its self-conditioning inputs; None (the default) is an ordinary call.
 
   Returns:
     `ForwardOutput`: float32 logits [B, W, V], the requested statistics in the layout of
     `dlm_jax.instrument.stats.ForwardOutput` ([L', B, Q, N', S] incoming attention), and the updated cache (None
     without a cache).
   """
-  _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder,
-                self_conditioning_logits, self_conditioning_mask)
+  _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder)
   if positions is None:
     start = 0 if cache is None else cache_offset
     positions = jnp.broadcast_to(start + jnp.arange(tokens.shape[1]), tokens.shape)
@@ -158,5 +169,4 @@ def forward(
   return model(tokens, positions, bias=bias, query_weights=query_weights, stats_spec=stats_spec,
                logits_window=logits_window, logits_offset=logits_offset, impl=attention_impl,
                query_chunk=query_chunk, cache=cache, cache_offset=0 if cache is None else cache_offset,
-               return_hidden=return_hidden, decoder=decoder, self_conditioning_logits=self_conditioning_logits,
-               self_conditioning_mask=self_conditioning_mask)
+               return_hidden=return_hidden, decoder=decoder)

@@ -118,21 +118,20 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens, positions, *, bias: AttentionBias, query_weights, stats_spec: StatsSpec,
                logits_window, logits_offset, impl, query_chunk, cache: KVCache | None,
-               cache_offset, return_hidden: bool, decoder: bool = False,
-               self_conditioning_logits: jax.Array | None = None,
-               self_conditioning_mask: jax.Array | None = None) -> ForwardOutput:
+               cache_offset, return_hidden: bool, decoder=None) -> ForwardOutput:
     """See `forward`. Statistics are computed only in the layers `stats_spec` asks for."""
     c = self.config
-    x = self._embed(tokens, decoder, self_conditioning_logits, self_conditioning_mask)
+    x = self._embed(tokens, decoder)
     per_layer = {name: value for name, value, each in _bias_parts(bias) if each}
     n_keys = x.shape[1] if cache is None else cache.keys.shape[2]
     call = _LayerCall(
         config=c, stats_spec=stats_spec, tables=self._rope_tables(positions),
-        structure=_decoder_key_bias(c, n_keys, cache_offset, tokens.shape[1]) if decoder else {"s": None, "g": None},
+        structure=({"s": None, "g": None} if decoder is None
+                   else _decoder_key_bias(c, n_keys, cache_offset, tokens.shape[1])),
         attention_kwargs=dict(query_weights=query_weights, impl=impl, query_chunk=query_chunk,
                               cache_offset=cache_offset, zero_values=bias.zero_values,
                               **{name: value for name, value, each in _bias_parts(bias) if not each}),
-        slots=_stat_slots(c, stats_spec), emit_cache=cache is not None and not decoder)
+        slots=_stat_slots(c, stats_spec), emit_cache=cache is not None and decoder is None)
     buffers = {}
     if call.slots is not None:
       buffers = _stat_buffers(c, stats_spec, tokens.shape[0], n_keys, query_weights)
@@ -151,24 +150,24 @@ class Transformer(nnx.Module):
                          value_norms=stats.get("value_norms"), routed_experts=stats.get("routed_experts"),
                          routing_weights=stats.get("routing_weights"), cache=new_cache, hidden=hidden)
 
-  def _embed(self, tokens, decoder, self_conditioning_logits, self_conditioning_mask) -> jax.Array:
+  def _embed(self, tokens, decoder) -> jax.Array:
     """Token embeddings [B, T, D] (scaled by √D with `embed_scale`), through DiffusionGemma's
-    self-conditioning at a decoder call."""
+    self-conditioning at a decoder call (`decoder`: a `DecoderCall` or None)."""
     c = self.config
     x = self.embed(tokens)
     if c.embed_scale:
       x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
-    if not (decoder and c.self_conditioning):
+    if decoder is None or not c.self_conditioning:
       return x
     soft = None
-    if self_conditioning_logits is not None:
+    if decoder.self_conditioning_logits is not None:
       table = self.embed.embedding[...]
-      probs = jax.nn.softmax(self_conditioning_logits.astype(jnp.float32), axis=-1).astype(table.dtype)
+      probs = jax.nn.softmax(decoder.self_conditioning_logits.astype(jnp.float32), axis=-1).astype(table.dtype)
       soft = jnp.einsum("btv,vd->btd", probs, table)
       if c.embed_scale:
         soft = soft * jnp.asarray(math.sqrt(c.d_model), soft.dtype)
-      if self_conditioning_mask is not None:
-        soft = soft * self_conditioning_mask.astype(soft.dtype)[:, None, None]
+      if decoder.self_conditioning_mask is not None:
+        soft = soft * decoder.self_conditioning_mask.astype(soft.dtype)[:, None, None]
     return self.self_conditioning(x, soft)
 
   def _rope_tables(self, positions) -> dict[str, tuple[jax.Array, jax.Array]]:

@@ -58,7 +58,7 @@ from flax import struct
 
 from dlm_jax.instrument import interventions
 from dlm_jax.config import ModelConfig
-from dlm_jax.model import KVCache
+from dlm_jax.model import DecoderCall, KVCache
 from dlm_jax.sampling import driver, keys, padding
 
 
@@ -290,8 +290,9 @@ class DiffusionGemmaFamily(driver.Family):
     result = run.caller(params, carry.canvas, i, istate, window=None, positions=layout.positions[:, s:s + c],
                         valid_keys=layout.valid & (jnp.arange(run.total_length) < s + c)[None, :],
                         query_valid=layout.valid[:, s:s + c], base_bias=padding.query_rows(layout.bias, s, c),
-                        cache=carry.cache, cache_offset=s, canvas=sequence, decoder=True,
-                        self_conditioning_logits=carry.sc_logits, self_conditioning_mask=carry.has_sc,
+                        cache=carry.cache, cache_offset=s, canvas=sequence,
+                        decoder=DecoderCall(self_conditioning_logits=carry.sc_logits,
+                                            self_conditioning_mask=carry.has_sc),
                         unresolved=~carry.accepted)
     scaled = result.logits / temperature(o, carry.block_step)
     gumbel, renoise = step_draws(carry.key, k, carry.block_step, (b, c), run.config.vocab_size, run.row_keys)

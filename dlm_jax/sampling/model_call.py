@@ -17,7 +17,7 @@ from flax import struct
 from dlm_jax.model.attention import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.interventions import CallContext, Intervention
-from dlm_jax.model import KVCache, forward
+from dlm_jax.model import DecoderCall, KVCache, forward
 from dlm_jax.instrument.stats import ForwardOutput, query_group_weights
 from dlm_jax.sampling.stats_plan import StatsPlan
 
@@ -102,10 +102,8 @@ class ModelCaller:
                base_bias: AttentionBias = NO_BIAS,
                uncond_tokens: jax.Array | None = None, uncond_base_bias: AttentionBias = NO_BIAS,
                cache: KVCache | None = None, cache_offset: jax.Array | int = 0, canvas: jax.Array | None = None,
-               logits_offset: jax.Array | int = 0, return_hidden: bool = False, decoder: bool = False,
-               self_conditioning_logits: jax.Array | None = None,
-               self_conditioning_mask: jax.Array | None = None,
-               unresolved: jax.Array | None = None) -> CallResult:
+               logits_offset: jax.Array | int = 0, return_hidden: bool = False,
+               decoder: DecoderCall | None = None, unresolved: jax.Array | None = None) -> CallResult:
     """Runs the model on tokens [B, T] (with the unconditional canvas [B, T] as a 2B batch when given).
 
     window: (start, stop) positions whose logits are computed, "last" (the last position) or None (all);
@@ -116,8 +114,8 @@ class ModelCaller:
     base_bias / uncond_base_bias: the padding biases of the two halves.
     cache: a `KVCache`: the call writes it at `cache_offset`, the keys are its S positions and `canvas`
     [B, S] is the whole sequence the intervention sees (`CallContext.tokens`).
-    decoder, self_conditioning_logits, self_conditioning_mask: a DiffusionGemma decoder call (reads the
-    cache, writes nothing; see `dlm_jax.model.forward`).
+    decoder: a `DecoderCall` for a DiffusionGemma decoder call (reads the cache, writes nothing; see
+    `dlm_jax.model.forward`).
     unresolved: [B, T] bool, the queries of the masked query group (`dlm_jax.instrument.stats.QUERY_GROUP_NAMES`);
     default: those holding the mask token (none without a mask id).
     """
@@ -150,9 +148,7 @@ class ModelCaller:
     output = forward(params, model_tokens, config=self.config, bias=bias, positions=positions,
                      query_weights=weights, stats_spec=spec, logits_window=window, logits_offset=logits_offset,
                      attention_impl=self.attention_impl, query_chunk=self.query_chunk, cache=cache,
-                     cache_offset=cache_offset, return_hidden=return_hidden, decoder=decoder,
-                     self_conditioning_logits=self_conditioning_logits,
-                     self_conditioning_mask=self_conditioning_mask)
+                     cache_offset=cache_offset, return_hidden=return_hidden, decoder=decoder)
     halves = {"logits": output.logits, "hidden": output.hidden}
     cond = {name: None if x is None else x[:batch] for name, x in halves.items()}
     uncond = {name: None if x is None or uncond_tokens is None else x[batch:] for name, x in halves.items()}

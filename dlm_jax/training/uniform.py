@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from dlm_jax.config import ModelConfig
-from dlm_jax.model import KVCache, Params, forward
+from dlm_jax.model import DecoderCall, KVCache, Params, forward
 
 UNIFORM_EPS = 1e-3
 
@@ -103,8 +103,8 @@ def canvas_logits(params: Params, prompt: jax.Array, noisy: jax.Array, draws: Un
                     attention_impl=attention_impl).cache
 
   def decode(sc_logits, sc_mask):
-    return forward(params, noisy, config=config, cache=encoded, cache_offset=p, decoder=True,
-                   self_conditioning_logits=sc_logits, self_conditioning_mask=sc_mask,
+    return forward(params, noisy, config=config, cache=encoded, cache_offset=p,
+                   decoder=DecoderCall(self_conditioning_logits=sc_logits, self_conditioning_mask=sc_mask),
                    attention_impl=attention_impl).logits
 
   first = jax.lax.stop_gradient(decode(None, None))
