@@ -283,12 +283,16 @@ class SinkToken(Intervention):
 
   def init_state(self, config: ModelConfig, batch_size: int, seq_len: int) -> jax.Array:
     del config
-    index = 0 if self.position == "front" else seq_len - 1
-    return jnp.zeros((batch_size, seq_len), bool).at[:, index].set(True)
+    return jnp.zeros((batch_size, seq_len), bool).at[:, sink_token_index(self.position, seq_len)].set(True)
 
   def bias(self, state: jax.Array, context: CallContext) -> AttentionBias:
     bias = sink_token_bias(state, context.query_index)
     return bias.replace(zero_values=state) if self.zero_value else bias
+
+
+def sink_token_index(position: Literal["front", "end"], seq_len: int) -> int:
+  """Sequence index of the sink token in a sequence of seq_len positions that includes it."""
+  return 0 if position == "front" else seq_len - 1
 
 
 def add_sink_token(tokens: jax.Array, sink_token_id: int, position: Literal["front", "end"] = "front") -> jax.Array:

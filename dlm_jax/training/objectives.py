@@ -43,7 +43,8 @@ from jax.sharding import Mesh
 
 from dlm_jax.runtime import sharding
 from dlm_jax.training import uniform as training_uniform
-from dlm_jax.model.attention import MASK_VALUE, AttentionBias
+from dlm_jax.instrument.interventions import add_sink_token, sink_token_bias, sink_token_index
+from dlm_jax.model.attention import AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import Params, forward, init_params
 from dlm_jax.runtime.sharding import ShardingRules
@@ -106,7 +107,10 @@ def ar_loss_from_logits(logits: jax.Array, tokens: jax.Array, target_mask: jax.A
 
 @dataclasses.dataclass(frozen=True)
 class SinkTokenSpec:
-  """The extra sink token: vocabulary id, placement, and whether its value is kept at zero."""
+  """The extra sink token in training: vocabulary id, placement, and whether its embedding row (hence its
+  key and value, without q/k/v biases) is kept at zero. Its attention rule is the inference one
+  (`dlm_jax.instrument.interventions.SinkToken` and `sink_token_bias`), so a model trained with it is
+  decoded under exactly the mask it was trained with."""
 
   token_id: int
   placement: Placement = "front"
@@ -118,13 +122,11 @@ class SinkTokenSpec:
 
   def index(self, length: int) -> int:
     """Sequence index of the sink in the [L + 1] sequence."""
-    return 0 if self.placement == "front" else length
+    return sink_token_index(self.placement, length + 1)
 
   def insert(self, tokens: jax.Array) -> jax.Array:
     """[B, L] -> [B, L + 1] with the sink id at `index(L)`."""
-    sink = jnp.full((tokens.shape[0], 1), self.token_id, tokens.dtype)
-    parts = (sink, tokens) if self.placement == "front" else (tokens, sink)
-    return jnp.concatenate(parts, axis=1)
+    return add_sink_token(tokens, self.token_id, self.placement)
 
   def positions(self, batch: int, length: int) -> jax.Array:
     """[B, L + 1] RoPE positions 0..L in sequence order (front: sink 0, content 1..L; end: sink L)."""
@@ -132,10 +134,8 @@ class SinkTokenSpec:
 
   def bias(self, length: int) -> jax.Array:
     """[1, 1, L + 1, L + 1] additive bias: the sink's query row sees only the sink (papers.md §B.3)."""
-    k = self.index(length)
-    rows = jnp.arange(length + 1)[:, None]
-    cols = jnp.arange(length + 1)[None, :]
-    return jnp.where((rows == k) & (cols != k), MASK_VALUE, 0.0).astype(jnp.float32)[None, None]
+    is_sink = jnp.arange(length + 1)[None, :] == self.index(length)
+    return sink_token_bias(is_sink, jnp.arange(length + 1)).pairwise
 
   def window(self, length: int) -> tuple[int, int]:
     """The content positions of the [L + 1] sequence: their logits are the model's output."""
