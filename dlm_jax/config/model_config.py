@@ -229,6 +229,7 @@ class ModelConfig:
                         f"got {rotary!r}.")
     self._check_experts()
     self._check_gemma()
+    self._check_layer_pattern()
     for field in _SPECIAL_TOKEN_FIELDS:
       value = getattr(self, field)
       if value is None:
@@ -298,6 +299,7 @@ class ModelConfig:
           f"({kept} x {e // groups} experts) must hold experts_per_token ({self.experts_per_token}) experts.")
 
   def _check_gemma(self) -> None:
+    """The Gemma-4 block options: gate activation, attention scale, logit soft-cap, the dense MLP beside the MoE."""
     if self.mlp_activation not in ("silu", "gelu_tanh"):
       raise ConfigError(f"ModelConfig.mlp_activation must be 'silu' or 'gelu_tanh', got {self.mlp_activation!r}.")
     for field in ("attention_scale", "final_logit_softcap"):
@@ -313,6 +315,9 @@ class ModelConfig:
                           "n_experts > 0, router='gemma', sandwich_norms=True and first_k_dense=0.")
     elif self.router == "gemma":
       raise ConfigError("ModelConfig.router='gemma' needs moe_with_dense_mlp=True.")
+
+  def _check_layer_pattern(self) -> None:
+    """Sliding and global layers (`layer_pattern` and the global_* fields, `sliding_window`)."""
     global_fields = {"global_head_dim": self.global_head_dim, "global_kv_heads": self.global_kv_heads,
                      "global_rope_theta": self.global_rope_theta}
     pattern = self.layer_pattern
