@@ -231,7 +231,7 @@ def test_mask_previous_sinks_update_per_head_global_epsilon_eligible():
   s = 12
   incoming = random_incoming(rng, config, B, s)
   incoming[0, 0, 0, 4] = incoming[0, 0, 0, 9] = incoming[0, 0, 0].max() + 1  # a tie at the top
-  output = ForwardOutput(logits=jnp.zeros((B, s, 1)), incoming_attention=jnp.asarray(incoming)[:, :, None])  # Q = 1
+  output = ForwardOutput(logits=jnp.zeros((B, s, 1)), stats={"incoming_attention": jnp.asarray(incoming)[:, :, None]})  # Q = 1
   context = iv.CallContext(jnp.int32(0), jnp.zeros((B, s), jnp.int32))
   sink_mask = iv.MaskPreviousSinks()
   update = jax.jit(sink_mask.update)
@@ -292,14 +292,14 @@ def test_ar_variant_reads_the_last_row():
   np.testing.assert_array_equal(weights, np.broadcast_to([0, 0, 0, 1.0], (B, 1, 4)))
   rng = np.random.default_rng(1)
   row = rng.random((config.n_layers, B, 1, config.n_heads, 10)).astype(np.float32)
-  new = ar.update(state, ForwardOutput(logits=jnp.zeros((1,)), incoming_attention=jnp.asarray(row)), None)
+  new = ar.update(state, ForwardOutput(logits=jnp.zeros((1,)), stats={"incoming_attention": jnp.asarray(row)}), None)
   np.testing.assert_array_equal(np.asarray(new.masked), brute_top_k_masks(row[:, :, 0], [2, 2]))
   with pytest.raises(ValueError):
     iv.MaskPreviousSinksAR(epsilon=3.0)
   plain = iv.MaskPreviousSinksAR(top_k=1, per_head=False, last_row_weights=False)
   assert plain.required_stats(config).query_groups == 0 and plain.query_weights(state, None) is None
   new = plain.update(plain.init_state(config, B, 10),
-                     ForwardOutput(logits=jnp.zeros((1,)), incoming_attention=jnp.asarray(row)), None)
+                     ForwardOutput(logits=jnp.zeros((1,)), stats={"incoming_attention": jnp.asarray(row)}), None)
   pooled = row[:, :, 0].mean(axis=(0, 2))
   np.testing.assert_array_equal(np.asarray(new.masked), pooled == pooled.max(-1, keepdims=True))
 

@@ -63,15 +63,15 @@ def _merged_forward(plan: StatsPlan, padded: bool) -> ForwardOutput:
   """What the forward returns under `plan.forward_spec` with `plan.query_weights`."""
   spec = plan.forward_spec
   layers = list(range(L)) if spec.layers is None else list(spec.layers)
-  incoming = values = None
+  stats = {}
   if spec.incoming_attention:
     weights = plan.query_weights(lambda: jnp.asarray(SAMPLER_WEIGHTS), lambda: jnp.asarray(INTERVENTION_WEIGHTS),
                                  jnp.asarray(_valid(padded)))
     weights = np.ones((B, 1, T), np.float32) if weights is None else np.asarray(weights)
-    incoming = jnp.asarray(_incoming(weights, spec.layers, spec.per_head))
+    stats["incoming_attention"] = jnp.asarray(_incoming(weights, spec.layers, spec.per_head))
   if spec.value_norms:
-    values = jnp.asarray(VALUE_NORMS[layers])
-  return ForwardOutput(logits=None, incoming_attention=incoming, value_norms=values)
+    stats["value_norms"] = jnp.asarray(VALUE_NORMS[layers])
+  return ForwardOutput(logits=None, stats=stats)
 
 
 def _expected_incoming(spec: StatsSpec, role: str, padded: bool) -> np.ndarray:

@@ -6,7 +6,7 @@ One layout inside the library. Incoming attention is always [L', B, Q, N', S]: L
 query groups (Q = 1 without groups: the sum over all queries), N' heads (N' = 1 when head-averaged), S
 keys. Value norms are [L', B, K, S]. Nothing chooses behaviour by the rank of a statistics array; the
 squeezed forms users see (no Q axis without query groups, no head axis when averaged) are produced once,
-by `squeeze_incoming`, at the edge (`dlm_jax.sampling.Trace`, the binaries' outputs).
+by `squeeze`, at the edge (`dlm_jax.sampling.Trace`, the binaries' outputs).
 
 Statistics are reduced inside attention, so a step costs O(L'·N·S) memory, never O(L·N·S²); layers not
 asked for are not reduced at all. Shapes use the axis letters of `dlm_jax.model.attention`.
@@ -62,7 +62,12 @@ class StatsSpec:
 
   @property
   def enabled(self) -> bool:
-    return self.incoming_attention or self.value_norms or self.routing
+    return bool(self.names)
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    """The statistics (`STATISTICS` names) this spec asks for."""
+    return tuple(name for name, statistic in STATISTICS.items() if getattr(self, statistic.switch))
 
   def check_layers(self, n_layers: int) -> None:
     """Raises if a requested layer index does not exist in a model with `n_layers` layers."""
@@ -73,6 +78,37 @@ class StatsSpec:
 NO_STATS = StatsSpec()
 
 
+@dataclasses.dataclass(frozen=True)
+class Statistic:
+  """One per-call statistic: the `StatsSpec` switch that asks for it and its layout.
+
+  axes: the axis letters of its [L', B, ...] array (module docstring): "Q" is the query-group axis and "N"
+    the head axis (N' = 1 when head-averaged), which the planner and `squeeze` treat generically.
+  dtype, fill: the dtype and fill value of the buffer a layer subset is written into (a layer that computes
+    nothing leaves the fill).
+  """
+
+  switch: str
+  axes: tuple[str, ...]
+  dtype: Any = jnp.float32
+  fill: float = 0.0
+
+
+STATISTICS: dict[str, Statistic] = {
+    # the sum over queries (per query group) of the softmax probability each query gives each key
+    "incoming_attention": Statistic("incoming_attention", ("L", "B", "Q", "N", "S")),
+    # the L2 norm of every key position's value vector per kv head
+    "value_norms": Statistic("value_norms", ("L", "B", "K", "S")),
+    # the k experts each position was sent to (−1 in dense layers and at positions the call did not compute)
+    "routed_experts": Statistic("routing", ("L", "B", "S", "k"), jnp.int32, -1),
+    # the router's weights of those experts (0 there)
+    "routing_weights": Statistic("routing", ("L", "B", "S", "k")),
+}
+"""Every per-call statistic by name. Adding one: an entry here (with a `StatsSpec` switch) and its computation
+in `dlm_jax.model.transformer._run_block`; the planner, the CFG split, batch-invariant calls and the `Trace`
+treat entries by name and layout."""
+
+
 @struct.dataclass
 class ForwardOutput:
   """Result of `dlm_jax.model.forward`.
@@ -80,32 +116,36 @@ class ForwardOutput:
   Attributes:
     logits: [B, W, V] float32 raw logits (no shift) for the W positions of the logits window (None when
       the hidden states were asked for instead).
-    incoming_attention: None unless requested; [L', B, Q, N', S] float32 (module docstring).
-    value_norms: None unless requested; [L', B, K, S] float32.
-    routed_experts: None unless routing was requested; [L', B, S, k] int32, the experts each position was
-      sent to (−1 in dense layers and at positions the call did not compute).
-    routing_weights: None unless routing was requested; [L', B, S, k] float32, their weights (0 there).
+    stats: the statistics asked for, by name (`STATISTICS`: e.g. "incoming_attention" [L', B, Q, N', S]
+      float32, "value_norms" [L', B, K, S], "routed_experts" / "routing_weights" [L', B, S, k]); also
+      readable as attributes (`output.incoming_attention`, None when not asked for).
     cache: the updated `dlm_jax.model.KVCache` of a cached call, else None.
     hidden: with `return_hidden`, the final-normed hidden states [B, W, D] of the window, else None.
   """
 
   logits: jax.Array | None
-  incoming_attention: jax.Array | None = None
-  value_norms: jax.Array | None = None
-  routed_experts: jax.Array | None = None
-  routing_weights: jax.Array | None = None
+  stats: dict[str, jax.Array] = struct.field(default_factory=dict)
   cache: Any = None
   hidden: jax.Array | None = None
 
+  def __getattr__(self, name: str):
+    if name in STATISTICS:
+      return self.__dict__.get("stats", {}).get(name)
+    raise AttributeError(f"ForwardOutput has no attribute {name!r}")
+
+
+def squeeze(name: str, x: jax.Array, spec: StatsSpec) -> jax.Array:
+  """Users' shape of statistic `name` [..., L', B, ...] computed under `spec`: its "Q" axis only with query
+  groups and its "N" axis only per head (incoming attention: [..., L', B, (Q,) (N,) S])."""
+  axes = STATISTICS[name].axes
+  drop = [i - len(axes) for i, a in enumerate(axes) if (a == "Q" and not spec.query_groups)
+          or (a == "N" and not spec.per_head)]
+  return jnp.squeeze(x, axis=tuple(drop)) if drop else x
+
 
 def squeeze_incoming(incoming: jax.Array, spec: StatsSpec) -> jax.Array:
-  """Users' shape of incoming attention [..., L', B, Q, N', S] computed under `spec`:
-  [..., L', B, (Q,) (N,) S] — the Q axis only with query groups, the head axis only per head."""
-  if not spec.per_head:
-    incoming = incoming[..., 0, :]
-  if not spec.query_groups:
-    incoming = incoming[..., 0, :, :] if spec.per_head else incoming[..., 0, :]
-  return incoming
+  """`squeeze` of incoming attention: [..., L', B, Q, N', S] -> [..., L', B, (Q,) (N,) S]."""
+  return squeeze("incoming_attention", incoming, spec)
 
 
 def expert_load(routed_experts: jax.Array, n_experts: int) -> jax.Array:

@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from dlm_jax.config import ModelConfig
-from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
+from dlm_jax.instrument.stats import STATISTICS, ForwardOutput, StatsSpec
 from dlm_jax.model.attention import MASK_VALUE, AttentionBias
 from dlm_jax.model.block import SelfConditioning, block_stack
 from dlm_jax.model.cache import KVCache
@@ -146,9 +146,7 @@ class Transformer(nnx.Module):
     x = self.final_norm(x)
     head = self.embed.embedding[...].T if c.tied_embeddings else self.lm_head.kernel[...]
     logits, hidden = (None, x) if return_hidden else (head_logits(x, head, c.final_logit_softcap), None)
-    return ForwardOutput(logits=logits, incoming_attention=stats.get("incoming_attention"),
-                         value_norms=stats.get("value_norms"), routed_experts=stats.get("routed_experts"),
-                         routing_weights=stats.get("routing_weights"), cache=new_cache, hidden=hidden)
+    return ForwardOutput(logits=logits, stats=stats, cache=new_cache, hidden=hidden)
 
   def _embed(self, tokens, decoder) -> jax.Array:
     """Token embeddings [B, T, D] (scaled by √D with `embed_scale`), through DiffusionGemma's
@@ -326,16 +324,10 @@ def head_logits(hidden: jax.Array, head: jax.Array, softcap: float | None = None
 
 
 def _stat_buffers(config: ModelConfig, spec: StatsSpec, batch: int, n_keys: int, query_weights) -> dict:
-  """Zero buffers [L', B, Q, N', S] / [L', B, K, S] filled layer by layer when a layer subset is asked for."""
-  n = len(spec.layers)
-  buffers = {}
-  if spec.incoming_attention:
-    groups = 1 if query_weights is None else query_weights.shape[1]
-    heads = config.n_heads if spec.per_head else 1
-    buffers["incoming_attention"] = jnp.zeros((n, batch, groups, heads, n_keys), jnp.float32)
-  if spec.value_norms:
-    buffers["value_norms"] = jnp.zeros((n, batch, config.n_kv_heads, n_keys), jnp.float32)
-  if spec.routing:
-    buffers["routed_experts"] = jnp.full((n, batch, n_keys, config.experts_per_token), -1, jnp.int32)
-    buffers["routing_weights"] = jnp.zeros((n, batch, n_keys, config.experts_per_token), jnp.float32)
-  return buffers
+  """Buffers of the statistics `spec` asks for, in their `STATISTICS` layout with L' = len(spec.layers),
+  filled layer by layer when a layer subset is asked for."""
+  sizes = {"L": len(spec.layers), "B": batch, "Q": 1 if query_weights is None else query_weights.shape[1],
+           "N": config.n_heads if spec.per_head else 1, "K": config.n_kv_heads, "S": n_keys,
+           "k": config.experts_per_token}
+  return {name: jnp.full(tuple(sizes[a] for a in STATISTICS[name].axes), STATISTICS[name].fill,
+                         STATISTICS[name].dtype) for name in spec.names}

@@ -153,10 +153,7 @@ class ModelCaller:
     cond = {name: None if x is None else x[:batch] for name, x in halves.items()}
     uncond = {name: None if x is None or uncond_tokens is None else x[batch:] for name, x in halves.items()}
     if uncond_tokens is not None:
-      output = ForwardOutput(logits=cond["logits"], incoming_attention=_split_rows(output.incoming_attention, batch),
-                             value_norms=_split_rows(output.value_norms, batch),
-                             routed_experts=_split_rows(output.routed_experts, batch),
-                             routing_weights=_split_rows(output.routing_weights, batch), cache=output.cache)
+      output = ForwardOutput(logits=cond["logits"], stats=_split_rows(output.stats, batch), cache=output.cache)
     istate = self.intervention.update(istate, self.plan.intervention_output(output), context)
     outputs = StepOutput(stats=self.plan.user_stats(output, self.config.n_experts), top_sinks=self.plan.top_sinks(output, valid_keys),
                          record=record)

@@ -10,7 +10,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dlm_jax.instrument.stats import NO_STATS, QUERY_GROUP_NAMES, ForwardOutput, StatsSpec, expert_load, squeeze_incoming
+from dlm_jax.instrument.stats import (NO_STATS, QUERY_GROUP_NAMES, STATISTICS, ForwardOutput, StatsSpec, expert_load,
+                                      squeeze)
 
 
 def _union_layers(specs: list[StatsSpec]) -> tuple[int, ...] | None:
@@ -125,52 +126,42 @@ class StatsPlan:
   def derive(self, output: ForwardOutput, target: StatsSpec, role: str = "user") -> ForwardOutput:
     """The `ForwardOutput` a forward run with `target` would have returned (same logits, no cache).
 
-    role: "user" or "intervention": whose query groups a grouped target reads.
+    role: "user" or "intervention": whose query groups a grouped target reads. Every statistic is sliced
+    to the target's layers; its "Q" axis (`STATISTICS` layout) to the target's query groups (or summed to
+    all queries), its "N" axis averaged when the target is head-averaged.
     """
     source = self.forward_spec
-    incoming, values = None, None
+    stats = {}
+    for name in target.names:
+      x = output.stats[name]
+      if target.layers != source.layers:
+        index = target.layers if source.layers is None else tuple(source.layers.index(l) for l in target.layers)
+        x = x[jnp.asarray(index)]
+      axes = STATISTICS[name].axes
+      if "Q" in axes and source.query_groups:
+        x = self._groups(x, axes.index("Q"), target, role)
+      if "N" in axes and source.per_head and not target.per_head:
+        x = jnp.mean(x, axis=axes.index("N"), keepdims=True)
+      stats[name] = x
+    return ForwardOutput(logits=output.logits, stats=stats)
 
-    def select_layers(x):
-      if target.layers == source.layers:
-        return x
-      index = target.layers if source.layers is None else tuple(source.layers.index(l) for l in target.layers)
-      return x[jnp.asarray(index)]
-
-    if target.incoming_attention:
-      incoming = select_layers(output.incoming_attention)  # [L', B, Q, N', S]
-      if source.query_groups:
-        if target.query_groups:
-          incoming = incoming[:, :, self._block("sampler" if role == "user" else "intervention")]
-        elif self.group_blocks[0][0] == "sampler":
-          incoming = jnp.sum(incoming[:, :, self._block("sampler")], axis=2, keepdims=True)
-        else:
-          incoming = incoming[:, :, self._block("all")]
-      if source.per_head and not target.per_head:
-        incoming = jnp.mean(incoming, axis=3, keepdims=True)
-    if target.value_norms:
-      values = select_layers(output.value_norms)
-    experts, weights = None, None
-    if target.routing:
-      experts, weights = select_layers(output.routed_experts), select_layers(output.routing_weights)
-    return ForwardOutput(logits=output.logits, incoming_attention=incoming, value_norms=values,
-                         routed_experts=experts, routing_weights=weights)
+  def _groups(self, x: jax.Array, axis: int, target: StatsSpec, role: str) -> jax.Array:
+    """The target's query groups of x along `axis`: its own block, or one group summing all queries."""
+    take = lambda block: jax.lax.slice_in_dim(x, block.start, block.stop, axis=axis)  # noqa: E731
+    if target.query_groups:
+      return take(self._block("sampler" if role == "user" else "intervention"))
+    if self.group_blocks[0][0] == "sampler":
+      return jnp.sum(take(self._block("sampler")), axis=axis, keepdims=True)
+    return take(self._block("all"))
 
   def user_stats(self, output: ForwardOutput, n_experts: int = 0) -> dict[str, jax.Array] | None:
-    """The user's statistics of one call, canonical layout: {"incoming_attention", "value_norms",
-    "routed_experts", "routing_weights", "expert_load" ([L', B, E], from `n_experts`)} (those asked for) or
-    None."""
+    """The user's statistics of one call by name, canonical layout (`STATISTICS`), plus "expert_load"
+    ([L', B, E], from `n_experts`) with routing; None when the user asked for none."""
     if not self.user.enabled:
       return None
-    derived = self.derive(output, self.user)
-    stats = {}
-    if self.user.incoming_attention:
-      stats["incoming_attention"] = derived.incoming_attention
-    if self.user.value_norms:
-      stats["value_norms"] = derived.value_norms
+    stats = dict(self.derive(output, self.user).stats)
     if self.user.routing:
-      stats["routed_experts"] = derived.routed_experts
-      stats["routing_weights"] = derived.routing_weights
-      stats["expert_load"] = expert_load(derived.routed_experts, n_experts)
+      stats["expert_load"] = expert_load(stats["routed_experts"], n_experts)
     return stats
 
   def intervention_output(self, output: ForwardOutput) -> ForwardOutput:
@@ -190,13 +181,10 @@ class StatsPlan:
     return jax.lax.top_k(scores, k)[1].astype(jnp.int32)
 
   def squeeze_user(self, stats: dict[str, jax.Array] | None) -> dict[str, jax.Array] | None:
-    """The users' shapes of (stacked) user statistics: see `squeeze_incoming`."""
+    """The users' shapes of (stacked) user statistics: see `dlm_jax.instrument.stats.squeeze`."""
     if stats is None:
       return None
-    squeezed = dict(stats)
-    if "incoming_attention" in squeezed:
-      squeezed["incoming_attention"] = squeeze_incoming(squeezed["incoming_attention"], self.user)
-    return squeezed
+    return {name: squeeze(name, x, self.user) if name in STATISTICS else x for name, x in stats.items()}
 
   def squeeze_sinks(self, top_sinks: jax.Array | None) -> jax.Array | None:
     """[..., L', B, N', k] -> [..., L', B, (N,) k]: the head axis only when the sinks are per head."""

@@ -32,7 +32,7 @@ class Trace:
       (dual cache, block diffusion) or the fed tokens (autoregressive) otherwise. Statistics sum over
       these queries (and attend over all S keys, cached ones included).
     stats: None, or the user's statistics stacked over steps, in the users' shapes
-      (`dlm_jax.instrument.stats.squeeze_incoming`): {"incoming_attention": [max_steps, L', B, (Q,) (N,) S] — the Q
+      (`dlm_jax.instrument.stats.squeeze`): {"incoming_attention": [max_steps, L', B, (Q,) (N,) S] — the Q
       axis only with query groups, the head axis only per head — "value_norms": [max_steps, L', B, K, S],
       and with `StatsSpec.routing` "routed_experts" / "routing_weights": [max_steps, L', B, S, k] (the
       router's choice at each canvas position a step computed; −1 / 0 elsewhere and in dense layers) and
