@@ -108,6 +108,6 @@ def hf_mask(length: int, attention: str, block: int | None = None) -> np.ndarray
 
 def reference_logits(model: torch.nn.Module, tokens: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
   """[B, T, V] float32 logits; mask None = the model's own (causal) attention."""
+  attention = None if mask is None else torch.as_tensor(np.repeat(mask, len(tokens), axis=0))
   with torch.no_grad():
-    attention = None if mask is None else torch.as_tensor(np.broadcast_to(mask, (len(tokens),) + mask.shape[1:]).copy())
     return model(input_ids=torch.as_tensor(tokens), attention_mask=attention).logits.float().numpy()
