@@ -49,11 +49,17 @@ _SDAR_AUTO_MAP = {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "m
 
 
 def reference_model(tied: bool, seed: int) -> torch.nn.Module:
-  """A random float32 Qwen3ForCausalLM (eager attention) whose every parameter matters."""
+  """A random float32 Qwen3ForCausalLM (eager attention) whose every parameter matters; the mask token's
+  embedding (and head row) is scaled down so that the model rarely predicts the mask token itself (a random
+  tied model would otherwise predict it at every masked position and samplers would never unmask)."""
   config = transformers.Qwen3Config(**DIMS, rope_theta=1_000_000.0, tie_word_embeddings=tied,
                                     attn_implementation="eager", dtype=torch.float32)
   model = transformers.Qwen3ForCausalLM(config)
   hf_fixtures.randomize_parameters(model, seed)
+  with torch.no_grad():
+    model.model.embed_tokens.weight[MASK_ID] *= 0.05
+    if not tied:
+      model.lm_head.weight[MASK_ID] *= 0.05
   return model.eval()
 
 

@@ -132,3 +132,16 @@ def test_bad_overrides_name_the_value(converted, tmp_path):
     convert(converted["mdlm"][3], str(tmp_path / "a"), mask_token_id=500)
   with pytest.raises(ConfigError, match=r"block_size must be 0 \(bidirectional\) or a positive block length, got -1"):
     convert(converted["mdlm"][3], str(tmp_path / "b"), block_size=-1)
+
+
+def test_qwen3_chat_template_from_chat_template_jinja(tmp_path):
+  """Qwen3's template (recognised by its enable_thinking switch, in chat_template.jinja as the A2D and SDAR
+  repos ship it): ChatML, no default system turn, thinking off (an empty think block)."""
+  from experiments import chat  # pylint: disable=import-outside-toplevel
+  (tmp_path / "chat_template.jinja").write_text(
+      "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+      "{%- endif %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined "
+      "and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+  form = chat.chat_format(str(tmp_path), "llada")
+  assert (form.template, form.end_of_turn) == ("qwen3", "<|im_end|>")
+  assert form.text("Hi?", None) == "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
