@@ -10,6 +10,8 @@ written with transformers' `save_pretrained` and then given the variant's config
   sdar   SDARForCausalLM, model_type sdar, block_size and mask_token_id in config.json, untied, SDAR's
          training switches (attn_implementation flex_attention, fuse_cross_entropy, ...)
 
+The mdlm, bd3lm and sdar files carry the transformers-4.5x spelling of RoPE (`rope_theta`, `rope_scaling`
+null, `torch_dtype`) that those repositories were saved with; qwen3 and tide keep 5.x's `rope_parameters`.
 The reference runs eager attention with an explicit 4-D float mask (`hf_mask`).
 """
 
@@ -63,9 +65,11 @@ def reference_model(tied: bool, seed: int) -> torch.nn.Module:
   return model.eval()
 
 
-def _edit_json(path: str, **changes) -> None:
+def _edit_json(path: str, drop: tuple[str, ...] = (), **changes) -> None:
   with open(path, encoding="utf-8") as f:
     values = json.load(f)
+  for key in drop:
+    values.pop(key, None)
   values.update(changes)
   with open(path, "w", encoding="utf-8") as f:
     json.dump(values, f, indent=2)
@@ -78,6 +82,9 @@ def build(variant: str, root: str, seed: int = 0) -> tuple[str, torch.nn.Module]
   model = reference_model(tied, seed)
   model.save_pretrained(directory)
   config = os.path.join(directory, "config.json")
+  if variant in ("mdlm", "bd3lm", "sdar"):
+    _edit_json(config, drop=("rope_parameters", "dtype"), rope_theta=1_000_000.0, rope_scaling=None,
+               torch_dtype="float32")
   if variant in ("mdlm", "bd3lm", "tide"):
     _edit_json(config, model_type="a2d-qwen3", architectures=["A2DQwen3LMHeadModel"], auto_map=_A2D_AUTO_MAP)
     weights = os.path.join(directory, "model.safetensors")

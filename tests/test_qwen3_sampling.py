@@ -178,3 +178,45 @@ def test_sink_token_on_each_variant(models, variant):
   computes_sink = np.asarray(trace.computed_queries)[:n, 0] == 0
   assert (incoming[computes_sink][..., 0] >= 1 - 1e-5).all()
   assert not (np.asarray(trace.generated)[:, :G] == qf.MASK_ID).any()
+
+
+def dllm_bd3lm_reference(reference, padded, valid, block, gen_length):
+  """dllm's BD3LMSampler at temperature 0 (small_dlms.md §3.5): the prompt left-padded to a multiple of the
+  block; pads are neither queries nor keys; position ids count the real tokens before a position; a query
+  sees the keys of its block and earlier ones; one token per step (steps = block), the most confident."""
+  x = np.concatenate([padded, np.full(gen_length, qf.MASK_ID)])
+  real = np.concatenate([valid, np.ones(gen_length, bool)])
+  positions = np.maximum(np.cumsum(real) - 1, 0)
+  for start in range(len(padded), len(x), block):
+    end = start + block
+    index = np.arange(end)
+    visible = (index[None, :] // block <= index[:, None] // block) & real[None, :end]
+    visible |= np.eye(end, dtype=bool)  # a pad query sees itself only (its row is never read)
+    mask = np.where(visible, 0.0, -np.inf).astype(np.float32)[None, None]
+    for _ in range(block):
+      with torch.no_grad():
+        logits = reference(input_ids=torch.as_tensor(x[None, :end]), attention_mask=torch.as_tensor(mask),
+                           position_ids=torch.as_tensor(positions[None, :end])).logits[0]
+      probs = torch.softmax(logits.double(), -1).numpy()
+      x0, p = probs.argmax(-1), probs.max(-1)
+      candidates = np.flatnonzero(x[start:end] == qf.MASK_ID) + start
+      best = candidates[np.argmax(p[candidates])]
+      x[best] = x0[best]
+  return x
+
+
+def test_bd3lm_in_dllms_padded_layout_matches_its_sampler(models):
+  """dllm's layout through the library: prompts left-padded to a block multiple with a prompt mask,
+  threshold None (quota only), steps = block. Row 0 has pads (hidden keys), row 1 a full-width prompt."""
+  config, params, reference = models["bd3lm"]
+  block = config.attention_block_size
+  padded = np.concatenate([np.ones((2, block - P), PROMPTS.dtype), PROMPTS], axis=1)
+  valid = np.concatenate([np.zeros((2, block - P), bool), np.ones((2, P), bool)], axis=1)
+  valid[1] = True
+  padded[1, :block - P] = [7, 8][:block - P]
+  options = block_diffusion.BlockDiffusionOptions(gen_length=2 * block, block_length=block, steps=block,
+                                                  threshold=None, eos_stop=False)
+  trace = _generate(config, params, options, prompt=padded, prompt_mask=jnp.asarray(valid))
+  for row in range(2):
+    expected = dllm_bd3lm_reference(reference, padded[row], valid[row], block, 2 * block)
+    np.testing.assert_array_equal(np.asarray(trace.tokens[row]), expected)
