@@ -145,3 +145,28 @@ def test_qwen3_chat_template_from_chat_template_jinja(tmp_path):
   form = chat.chat_format(str(tmp_path), "llada")
   assert (form.template, form.end_of_turn) == ("qwen3", "<|im_end|>")
   assert form.text("Hi?", None) == "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_a2d_qwen2_is_a_bidirectional_qwen2(tmp_path):
+  """dllm's A2D Qwen2.5-Coder layout: Qwen2 names with q/k/v biases, no q/k norm, bidirectional, unshifted;
+  the mask id from added_tokens.json."""
+  spec = qf.hf_fixtures.Spec("qwen2", kv_heads=2)
+  reference = qf.hf_fixtures.build(spec, str(tmp_path / "Qwen2.5-Coder-tiny-diffusion-mdlm-v0.1"))
+  directory = tmp_path / "Qwen2.5-Coder-tiny-diffusion-mdlm-v0.1"
+  hf = json.loads((directory / "config.json").read_text())
+  hf.update(model_type="a2d-qwen2", architectures=["A2DQwen2LMHeadModel"])
+  (directory / "config.json").write_text(json.dumps(hf))
+  (directory / "added_tokens.json").write_text(json.dumps({"<|mask|>": spec.vocab - 1}))
+  config = convert(str(directory), str(tmp_path / "out"), dtype="float32")
+  assert (config.causal, config.logit_shift, config.attention_block_size) == (False, 0, None)
+  assert config.qkv_bias and not config.qk_norm and config.mask_token_id == spec.vocab - 1
+  _, params = checkpoint.load(str(tmp_path / "out"), dtype=jnp.float32)
+  tokens = TOKENS[:, :20] % spec.vocab
+  with jax.default_matmul_precision("highest"):
+    ours = np.asarray(forward(params, jnp.asarray(tokens), config=config).logits)
+  _assert_close(ours, qf.reference_logits(reference, tokens, qf.hf_mask(20, "bidirectional")))
+
+
+def test_overrides_are_refused_for_other_families(converted, tmp_path):
+  with pytest.raises(ConfigError, match=r"apply to the Qwen3-layout diffusion variants .*not to qwen2"):
+    convert(converted["qwen3"][3], str(tmp_path / "out"), arch="qwen2", block_size=4)
