@@ -6,10 +6,11 @@ the template itself supplies by default when it has one; one that uses `<|start_
 Llama-3 family's (LLaDA, MMaDA and Llama-3 differ only in BOS and newlines, so the sampler picks among
 them). Without a recorded template the sampler decides: llada, mmada, dream (ChatML), llama3 (ar) or ling
 (block_diffusion: LLaDA2.x). A recorded template with `<role>` tags is Ling's (LLaDA-MoE, LLaDA2.x).
-One with Qwen3's `enable_thinking` switch is `qwen3` (Qwen3, dllm A2D, TIDE, SDAR; reference/small_dlms.md §3.3): ChatML without a default system
-turn and the generation prompt `<|im_start|>assistant\n<think>\n\n</think>\n\n` (thinking off, the default
-dllm's tokenizer wrapper sets and the A2D model cards recommend). Recorded templates are read from
-tokenizer_config.json's `chat_template`, else from chat_template.jinja.
+One with Qwen3's `enable_thinking` switch is `qwen3` (Qwen3, dllm A2D, TIDE, SDAR;
+reference/small_dlms.md §3.3): ChatML without a default system turn and the generation prompt
+`<|im_start|>assistant\n<think>\n\n</think>\n\n` (thinking off, the default dllm's tokenizer wrapper sets and
+the A2D model cards recommend). Recorded templates are read from tokenizer_config.json's `chat_template`,
+else from chat_template.jinja.
 """
 
 from __future__ import annotations
