@@ -4,6 +4,9 @@ bidirectional, causal and block-causal, tied and untied — and the converter re
 block size and mask id from where the variant keeps them (reference/small_dlms.md)."""
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +168,27 @@ def test_a2d_qwen2_is_a_bidirectional_qwen2(tmp_path):
   with jax.default_matmul_precision("highest"):
     ours = np.asarray(forward(params, jnp.asarray(tokens), config=config).logits)
   _assert_close(ours, qf.reference_logits(reference, tokens, qf.hf_mask(20, "bidirectional")))
+
+
+def _cli(*args):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.run([sys.executable, "-m", "converters.convert", *args], cwd=root, capture_output=True, text=True,
+                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_cli_flags(converted, tmp_path):
+  """--block_size / --mask_token_id reach the converter; a bad value is a one-line error, exit 1, no output."""
+  directory = converted["mdlm"][3]
+  result = _cli(f"--hf_dir={directory}", f"--out_dir={tmp_path / 'ok'}", "--block_size=8", "--mask_token_id=7")
+  assert result.returncode == 0, result.stderr[-2000:]
+  written = json.loads((tmp_path / "ok" / "config.json").read_text())
+  assert (written["attention_block_size"], written["mask_token_id"]) == (8, 7)
+  result = _cli(f"--hf_dir={directory}", f"--out_dir={tmp_path / 'bad'}", "--block_size=-1")
+  assert result.returncode == 1 and not (tmp_path / "bad").exists()
+  errors = [line for line in result.stderr.splitlines() if "error" in line]
+  assert errors == ["converters.convert: error: block_size must be 0 (bidirectional) or a positive block length, "
+                    "got -1."]
+  assert "Traceback" not in result.stderr
 
 
 def test_overrides_are_refused_for_other_families(converted, tmp_path):
