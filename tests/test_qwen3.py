@@ -194,3 +194,15 @@ def test_cli_flags(converted, tmp_path):
 def test_overrides_are_refused_for_other_families(converted, tmp_path):
   with pytest.raises(ConfigError, match=r"apply to the Qwen3-layout diffusion variants .*not to qwen2"):
     convert(converted["qwen3"][3], str(tmp_path / "out"), arch="qwen2", block_size=4)
+
+
+def test_stand_in_tokenizer_of_the_full_size_run():
+  """benchmarks.random_checkpoint's tokenizer: one entry per embedding row, Qwen3's special ids, real words."""
+  from benchmarks.random_checkpoint import stand_in_tokenizer  # pylint: disable=import-outside-toplevel
+  from dlm_jax.config import preset  # pylint: disable=import-outside-toplevel
+  tokenizer = stand_in_tokenizer(preset("qwen3-0.6b-a2d-mdlm"))
+  assert tokenizer.get_vocab_size() == 151936
+  assert [tokenizer.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>", "<|mask|>")] == [151643, 151645, 151669]
+  ids = tokenizer.encode("What is the capital of France?").ids
+  assert len(ids) == 7 and tokenizer.token_to_id("<unk>") not in ids
+  assert tokenizer.decode([151000], skip_special_tokens=False) == "<w151000>"
