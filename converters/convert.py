@@ -1,11 +1,12 @@
 r"""Converts a Hugging Face LLaDA / MMaDA / Dream / Llama / Qwen2 / LLaDA-MoE / LLaDA2.x / DiffusionGemma (text
-only) checkpoint into a dlm_jax directory.
+only) / Qwen3 / dllm A2D (Tiny-A2D, TIDE) / SDAR checkpoint into a dlm_jax directory.
 
   python -m converters.convert --arch=auto --hf_dir=/ckpt/LLaDA-8B-Instruct --out_dir=/ckpt/llada-8b \
       [--dtype=auto|bfloat16|float32|float16] [--overwrite]
 
 --arch=auto reads model_type / architectures from config.json (a "llada" config with expert fields is
-LLaDA-MoE). --dtype=auto keeps the dtype of the
+LLaDA-MoE). --block_size and --mask_token_id set what the Qwen3-layout diffusion checkpoints may not say
+(converters.hf_qwen3). --dtype=auto keeps the dtype of the
 source embedding. The work is done by `converters.hf_convert.convert`; errors (missing, unexpected,
 misshapen or non-float tensors, unreadable files, missing or unsupported config fields, a non-empty
 --out_dir without --overwrite) are printed with the tensor or field named, exit status 1, and
@@ -33,6 +34,13 @@ _DTYPE = flags.DEFINE_enum("dtype", "auto", ("auto",) + tuple(OUTPUT_DTYPES),
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out_dir.")
 _CHUNK_MB = flags.DEFINE_integer("chunk_mb", DEFAULT_CHUNK_BYTES // 2**20,
                                  "Source rows are read in blocks of about this many MiB.")
+_BLOCK_SIZE = flags.DEFINE_integer(
+    "block_size", None, "Qwen3-layout diffusion variants (a2d-qwen3, a2d-qwen2, sdar): block-causal attention with "
+    "blocks of this length, 0 = bidirectional; unset: SDAR's config.json, else 32 when the checkpoint's name says "
+    "bd3lm or tide, else bidirectional (MDLM).")
+_MASK_TOKEN_ID = flags.DEFINE_integer(
+    "mask_token_id", None, "Qwen3-layout diffusion variants: the mask id; unset: config.json, else the tokenizer "
+    "files' mask token, else 151669.")
 _MAX_SHARD_GB = flags.DEFINE_float("max_shard_gb", DEFAULT_MAX_SHARD_BYTES / 2**30, "Output shard size limit, GiB.")
 
 
@@ -45,7 +53,8 @@ def main(argv: list[str]) -> None:
   try:
     config = convert(_HF_DIR.value, _OUT_DIR.value, arch=_ARCH.value, dtype=_DTYPE.value,
                      overwrite=_OVERWRITE.value, chunk_bytes=_CHUNK_MB.value * 2**20,
-                     max_shard_bytes=int(_MAX_SHARD_GB.value * 2**30), progress=logging.info)
+                     max_shard_bytes=int(_MAX_SHARD_GB.value * 2**30), progress=logging.info,
+                     block_size=_BLOCK_SIZE.value, mask_token_id=_MASK_TOKEN_ID.value)
   except (CheckpointError, ConfigError) as e:
     print(f"converters.convert: error: {e}", file=sys.stderr)
     sys.exit(1)

@@ -14,16 +14,18 @@ from typing import Any
 
 from absl import logging
 
+from converters import hf_qwen3
 from dlm_jax.config import ConfigError, ModelConfig
 
-ARCHS = ("llada", "mmada", "dream", "llama", "qwen2", "llada-moe", "llada2", "diffusion_gemma")
+ARCHS = ("llada", "mmada", "dream", "llama", "qwen2", "llada-moe", "llada2", "diffusion_gemma") + hf_qwen3.ARCHS
 
 _MODEL_TYPES = {"llada": "llada", "mmada": "mmada", "dream": "dream", "llama": "llama", "qwen2": "qwen2",
                 "lladamoe": "llada-moe", "llada_moe": "llada-moe", "llada2_moe": "llada2", "llada21_moe": "llada2",
-                "diffusion_gemma": "diffusion_gemma"}
+                "diffusion_gemma": "diffusion_gemma", **hf_qwen3.MODEL_TYPES}
 _ARCHITECTURES = {"LLaDAModelLM": "llada", "MMadaModelLM": "mmada", "DreamModel": "dream",
                   "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "LLaDAMoEModelLM": "llada-moe",
-                  "LLaDA2MoeModelLM": "llada2", "DiffusionGemmaForBlockDiffusion": "diffusion_gemma"}
+                  "LLaDA2MoeModelLM": "llada2", "DiffusionGemmaForBlockDiffusion": "diffusion_gemma",
+                  **hf_qwen3.ARCHITECTURES}
 _LLADA_MOE_KEYS = ("num_experts", "expert_intermediate_size")
 """LLaDA-MoE's hub config says model_type "llada" like the dense LLaDA; these keys tell it apart."""
 
@@ -188,7 +190,7 @@ def hf_llama_like_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
   vocab = f.integer("vocab_size", "embedding rows")
   diffusion = family == "dream"
   mask = f.token("mask_token_id", vocab, _DREAM_MASK) if diffusion else None
-  if family in ("dream", "qwen2"):
+  if family in ("dream", "qwen2") + hf_qwen3.ARCHS:
     eot = f.token("eot_token_id", vocab, _QWEN_EOT)  # <|im_end|>
   else:  # Llama-3 Instruct lists several EOS ids, the last being <|eot_id|>.
     eos = hf.get("eos_token_id")
@@ -432,14 +434,19 @@ def diffusion_gemma_fields(hf: dict[str, Any]) -> dict[str, Any]:
       pad_token_id=f.token("pad_token_id", vocab))
 
 
-def model_config(arch: str, hf: dict[str, Any], name: str) -> ModelConfig:
-  """Our ModelConfig for family `arch` ("auto" detects it) from its config.json dict."""
+def model_config(arch: str, hf: dict[str, Any], name: str,
+                 overrides: hf_qwen3.Overrides = hf_qwen3.Overrides()) -> ModelConfig:
+  """Our ModelConfig for family `arch` ("auto" detects it) from its config.json dict; `overrides` (block size,
+  mask id) apply to the Qwen3-layout diffusion variants only (converters.hf_qwen3)."""
   if not isinstance(hf, dict):
     raise ConfigError("config.json must hold a JSON object.")
   if arch == "auto":
     arch = detect_arch(hf)
   if arch not in ARCHS:
     raise ConfigError(f"Unknown arch {arch!r}; expected one of auto, {', '.join(ARCHS)}.")
+  if arch not in hf_qwen3.ARCHS and (overrides.block_size is not None or overrides.mask_token_id is not None):
+    raise ConfigError(f"block_size and mask_token_id apply to the Qwen3-layout diffusion variants "
+                      f"({', '.join(hf_qwen3.ARCHS[1:])}), not to {arch}.")
   if arch in ("llada", "mmada"):
     fields = llada_fields(hf, arch)
   elif arch == "llada-moe":
@@ -448,6 +455,8 @@ def model_config(arch: str, hf: dict[str, Any], name: str) -> ModelConfig:
     fields = llada2_fields(hf)
   elif arch == "diffusion_gemma":
     fields = diffusion_gemma_fields(hf)
+  elif arch in hf_qwen3.ARCHS:
+    fields = hf_qwen3.qwen3_fields(arch, hf_llama_like_fields(hf, arch), hf, overrides)
   else:
     fields = hf_llama_like_fields(hf, arch)
   try:

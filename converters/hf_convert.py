@@ -9,6 +9,7 @@ directory that is renamed to `out_dir` only when everything succeeded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 from absl import logging
 
+from converters import hf_qwen3
 from converters.hf_config import ARCHS, detect_arch, model_config
 from converters.hf_names import (
     DG_DECODER_LAYER, DG_ENCODER_LAYER_SCALAR, diffusion_gemma_plan, hf_plan, ignored_sources)
@@ -62,8 +64,13 @@ def check_layer_scalars(source: SafetensorsCheckpoint, n_layers: int, where: str
 
 def convert(hf_dir: str, out_dir: str, *, arch: str = "auto", dtype: str = "auto", overwrite: bool = False,
             chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-            progress: Callable[[str], None] | None = None) -> ModelConfig:
+            progress: Callable[[str], None] | None = None, block_size: int | None = None,
+            mask_token_id: int | None = None) -> ModelConfig:
   """Converts `hf_dir` into `out_dir` and returns the written `ModelConfig`.
+
+  block_size, mask_token_id: for the Qwen3-layout diffusion variants (a2d-qwen3, a2d-qwen2, sdar) only; None
+  decides from config.json, the tokenizer files and the checkpoint's name (converters.hf_qwen3), block_size 0
+  means bidirectional.
 
   Raises:
     ConfigError: unknown arch, or a config.json field missing or unsupported (named).
@@ -77,7 +84,11 @@ def convert(hf_dir: str, out_dir: str, *, arch: str = "auto", dtype: str = "auto
   if arch not in ("auto",) + ARCHS:
     raise ConfigError(f"Unknown arch {arch!r}; expected one of auto, {', '.join(ARCHS)}.")
   arch = detect_arch(hf) if arch == "auto" else arch
-  config = model_config(arch, hf, name=os.path.basename(os.path.normpath(hf_dir)))
+  overrides = hf_qwen3.Overrides(block_size, mask_token_id)
+  if arch in hf_qwen3.ARCHS:
+    overrides = dataclasses.replace(overrides, tokenizer_mask=hf_qwen3.tokenizer_mask_id(hf_dir),
+                                    names=hf_qwen3.checkpoint_names(hf_dir))
+  config = model_config(arch, hf, name=os.path.basename(os.path.normpath(hf_dir)), overrides=overrides)
   expected = expected_tensors(config)
   if arch == "diffusion_gemma":
     pieces = diffusion_gemma_plan(config.layer_pattern, expected)

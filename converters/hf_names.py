@@ -6,6 +6,9 @@ LLaDA / MMaDA (OLMo naming, `model.transformer.`):
   transformer.ff_out (the LM head; same name as the blocks' down projection, one level up) -> lm_head.
 Dream / Llama / Qwen2 (HF Llama naming): model.embed_tokens, model.layers.N.{input_layernorm,
   self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}, model.norm, lm_head.
+  The dllm A2D Qwen2 models keep these names.
+Qwen3, dllm A2D Qwen3 (Tiny-A2D, TIDE) and SDAR (small_dlms.md §2.2, §5.2): the HF Llama names plus
+  self_attn.{q,k}_norm (per head [H]).
 LLaDA-MoE (models_2026.md §2.2, §8.1): the HF Llama names plus self_attn.{q,k}_norm (per head [H]),
   mlp.gate (the router [E, D]), mlp.expert_bias [E] (with `router_expert_bias`),
   mlp.experts.E.{gate,up,down}_proj (one tensor per expert, stacked here into [E, ...]) and the layer's
@@ -69,6 +72,11 @@ _HF_LAYER = {
     "mlp.gate.kernel": ("mlp.gate_proj.weight", True),
     "mlp.up.kernel": ("mlp.up_proj.weight", True),
     "mlp.down.kernel": ("mlp.down_proj.weight", True),
+}
+_QWEN3_LAYER = {
+    **_HF_LAYER,
+    "attn.q_norm.weight": ("self_attn.q_norm.weight", False),
+    "attn.k_norm.weight": ("self_attn.k_norm.weight", False),
 }
 _HF_GLOBAL = {
     "embed.embedding": ("model.embed_tokens.weight", False),
@@ -163,8 +171,10 @@ def ignored_sources(arch: str, tied: bool) -> str:
 def _tables(arch: str) -> tuple[dict, dict, str]:
   if arch in ("llada", "mmada"):
     return _LLADA_LAYER, _LLADA_GLOBAL, "model.transformer.blocks.{}."
-  if arch in ("dream", "llama", "qwen2"):
+  if arch in ("dream", "llama", "qwen2", "a2d-qwen2"):
     return _HF_LAYER, _HF_GLOBAL, "model.layers.{}."
+  if arch in ("qwen3", "a2d-qwen3", "sdar"):
+    return _QWEN3_LAYER, _HF_GLOBAL, "model.layers.{}."
   if arch == "llada-moe":
     return _LLADA_MOE_LAYER, _HF_GLOBAL, "model.layers.{}."
   if arch == "llada2":

@@ -24,6 +24,28 @@ def test_real_presets_have_the_published_parameter_counts(name, expected):
   assert model.param_count(preset(name)) == expected
 
 
+@pytest.mark.parametrize("name, expected, published", [
+    # Qwen3-0.6B (tied; the A2D, TIDE and AR ones share it): 0.596B, the 1.19 GB bf16 file of Qwen3-0.6B-Base
+    # (small_dlms.md §2.3; the instruct and A2D files store the head twice, hence their 1.5 GB / "0.8B").
+    ("qwen3-0.6b", 596_049_920, (1.19e9, 2, 3)),
+    ("qwen3-0.6b-a2d-mdlm", 596_049_920, (1.19e9, 2, 3)),
+    ("qwen3-0.6b-a2d-bd3lm", 596_049_920, (1.19e9, 2, 3)),
+    ("tide-0.6b", 596_049_920, (1.19e9, 2, 3)),
+    # SDAR-1.7B: its one 4.06 GB bf16 model.safetensors (§5.1).
+    ("sdar-1.7b", 2_031_739_904, (4.06e9, 2, 3)),
+    # SDAR-4B / 8B: model.safetensors.index.json total_size 8,822,848,512 / 16,381,470,720 bytes, bf16 (§5.2).
+    ("sdar-4b", 4_411_424_256, (8_822_848_512, 2, 10)),
+    ("sdar-8b", 8_190_735_360, (16_381_470_720, 2, 11)),
+])
+def test_qwen3_based_presets_match_their_published_file_sizes(name, expected, published):
+  """published = (bytes of the hub's bf16 weights, bytes per parameter, significant digits given)."""
+  file_bytes, per_param, digits = published
+  count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(model.abstract_params(preset(name))))
+  assert count == expected
+  scale = 10 ** (math.floor(math.log10(file_bytes)) - digits + 1)
+  assert round(count * per_param / scale) * scale == file_bytes
+
+
 def test_llada_shapes_follow_the_checkpoint_layout():
   shapes = jax.tree.map(lambda leaf: leaf.shape, model.abstract_params(preset("llada-8b")))
   assert shapes["embed"]["embedding"] == (126464, 4096)

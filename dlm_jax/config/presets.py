@@ -49,6 +49,20 @@ def _diffusion_gemma(name: str, **dims: Any) -> ModelConfig:
   return ModelConfig(**values)
 
 
+def _qwen3(name: str, **dims: Any) -> ModelConfig:
+  """Qwen3 dense (head_dim 128, θ 1e6, eps 1e-6, per-head QK norm, vocab 151936) and the diffusion LMs built on
+  it: small_dlms.md §2.3 (sizes), §2.4 (ids: <|endoftext|> 151643, <|im_end|> 151645, mask 151669), §3, §5."""
+  values = dict(name=name, head_dim=128, vocab_size=151936, norm_eps=1e-6, rope_theta=1_000_000.0, qk_norm=True,
+                causal=False, logit_shift=0, mask_token_id=151669, eos_token_id=151645, eot_token_id=151645,
+                bos_token_id=151643, pad_token_id=151643)
+  values.update(dims)
+  return ModelConfig(**values)
+
+
+_QWEN3_06B = dict(d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8, mlp_hidden=3072, tied_embeddings=True)
+_SDAR = dict(n_kv_heads=8, attention_block_size=4, eos_token_id=151643)
+
+
 def _tiny(name: str, **overrides: Any) -> ModelConfig:
   values = dict(name=name, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16, mlp_hidden=128,
                 vocab_size=256, norm_eps=1e-5, rope_theta=10000.0)
@@ -97,6 +111,20 @@ PRESETS: dict[str, ModelConfig] = {
         "diffusiongemma-26b-a4b", d_model=2816, n_layers=30, n_heads=16, n_kv_heads=8, head_dim=256,
         mlp_hidden=2112, vocab_size=262144, layer_pattern="sssssg" * 5, sliding_window=1024, global_head_dim=512,
         global_kv_heads=2, n_experts=128, experts_per_token=8, expert_hidden=704),
+    # Qwen3-0.6B (autoregressive) and the dllm Tiny-A2D conversions of it: small_dlms.md §2.3, §3. A2D: the
+    # model is bidirectional; the BD3LM one (and the TIDE students distilled from it, §4) decodes with
+    # blocks of 32. The A2D and TIDE config.json files were not readable: their values are Qwen3-0.6B's,
+    # inferred from dllm's conversion code (UNVERIFIED).
+    "qwen3-0.6b": _qwen3("qwen3-0.6b", causal=True, logit_shift=1, mask_token_id=None, **_QWEN3_06B),
+    "qwen3-0.6b-a2d-mdlm": _qwen3("qwen3-0.6b-a2d-mdlm", **_QWEN3_06B),
+    "qwen3-0.6b-a2d-bd3lm": _qwen3("qwen3-0.6b-a2d-bd3lm", attention_block_size=32, **_QWEN3_06B),
+    "tide-0.6b": _qwen3("tide-0.6b", attention_block_size=32, **_QWEN3_06B),
+    # SDAR (JetLM/SDAR-*-Chat): Qwen3-Base dims, untied head, block-causal blocks of 4, eos 151643 (§5.2;
+    # 4B and 8B read in config.json; 1.7B's config was not readable: Qwen3-1.7B's dims, untied from the
+    # 4.06 GB file size — UNVERIFIED).
+    "sdar-1.7b": _qwen3("sdar-1.7b", d_model=2048, n_layers=28, n_heads=16, mlp_hidden=6144, **_SDAR),
+    "sdar-4b": _qwen3("sdar-4b", d_model=2560, n_layers=36, n_heads=32, mlp_hidden=9728, **_SDAR),
+    "sdar-8b": _qwen3("sdar-8b", d_model=4096, n_layers=36, n_heads=32, mlp_hidden=12288, **_SDAR),
     # Tiny random configs for tests: same switches as the real models, a few thousand parameters.
     "tiny-llada": _tiny("tiny-llada", rope_fp32=True, mask_token_id=255, eos_token_id=1, eot_token_id=2,
                         bos_token_id=0, pad_token_id=1),

@@ -6,6 +6,11 @@ the template itself supplies by default when it has one; one that uses `<|start_
 Llama-3 family's (LLaDA, MMaDA and Llama-3 differ only in BOS and newlines, so the sampler picks among
 them). Without a recorded template the sampler decides: llada, mmada, dream (ChatML), llama3 (ar) or ling
 (block_diffusion: LLaDA2.x). A recorded template with `<role>` tags is Ling's (LLaDA-MoE, LLaDA2.x).
+One with Qwen3's `enable_thinking` switch is `qwen3` (Qwen3, dllm A2D, TIDE, SDAR;
+reference/small_dlms.md §3.3): ChatML without a default system turn and the generation prompt
+`<|im_start|>assistant\n<think>\n\n</think>\n\n` (thinking off, the default dllm's tokenizer wrapper sets and
+the A2D model cards recommend). Recorded templates are read from tokenizer_config.json's `chat_template`,
+else from chat_template.jinja.
 """
 
 from __future__ import annotations
@@ -20,10 +25,10 @@ from absl import logging
 
 from dlm_jax.io.tokenizer import DREAM_DEFAULT_SYSTEM, chat_text
 
-TEMPLATES = ("llada", "mmada", "dream", "llama3", "chatml", "ling")
+TEMPLATES = ("llada", "mmada", "dream", "llama3", "chatml", "ling", "qwen3")
 SAMPLER_TEMPLATE = {"llada": "llada", "mmada": "mmada", "dream": "dream", "ar": "llama3", "block_diffusion": "ling"}
 END_OF_TURN = {"llada": "<|eot_id|>", "mmada": "<|eot_id|>", "llama3": "<|eot_id|>", "dream": "<|im_end|>",
-               "chatml": "<|im_end|>", "ling": "<|role_end|>"}
+               "chatml": "<|im_end|>", "ling": "<|role_end|>", "qwen3": "<|im_end|>"}
 _CHATML_SYSTEM = re.compile(r"<\|im_start\|>system(?:\\n|\n)([^{}'\"]+?)<\|im_end\|>")
 
 
@@ -41,21 +46,30 @@ class ChatFormat:
   def text(self, question: str, bos: str | None) -> str:
     """The prompt text of one user turn (special tokens as text)."""
     messages = [{"role": "user", "content": question}]
+    if self.template == "qwen3":
+      return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     if self.template in ("dream", "chatml"):
       return chat_text(messages, "dream", system=self.system)
     return chat_text(messages, self.template, bos=bos)
 
 
 def recorded_template(directory: str) -> str | None:
-  """The jinja chat template of the checkpoint's tokenizer_config.json, or None."""
+  """The jinja chat template of the checkpoint's tokenizer_config.json, else its chat_template.jinja, or None."""
   path = os.path.join(directory, "tokenizer_config.json")
-  if not os.path.isfile(path):
-    return None
-  try:
-    with open(path, encoding="utf-8") as f:
-      template = json.load(f).get("chat_template")
-  except (OSError, json.JSONDecodeError, AttributeError):
-    return None
+  template = None
+  if os.path.isfile(path):
+    try:
+      with open(path, encoding="utf-8") as f:
+        template = json.load(f).get("chat_template")
+    except (OSError, json.JSONDecodeError, AttributeError):
+      template = None
+  jinja = os.path.join(directory, "chat_template.jinja")
+  if not isinstance(template, str) and os.path.isfile(jinja):
+    try:
+      with open(jinja, encoding="utf-8") as f:
+        template = f.read()
+    except (OSError, UnicodeDecodeError):
+      template = None
   return template if isinstance(template, str) else None
 
 
@@ -64,6 +78,8 @@ def chat_format(directory: str, sampler: str, override: str | None = None) -> Ch
   """The chat format of a checkpoint (module docstring); `override` (a TEMPLATES name) wins. Read once
   per checkpoint and sampler."""
   recorded = recorded_template(directory) or ""
+  if override is None and "<|im_start|>" in recorded and "enable_thinking" in recorded:
+    return ChatFormat("qwen3")
   if override is None and "<|im_start|>" in recorded:
     match = _CHATML_SYSTEM.search(recorded)
     return ChatFormat("chatml", match.group(1) if match else DREAM_DEFAULT_SYSTEM)
