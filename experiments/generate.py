@@ -26,18 +26,18 @@ sampler — `ar` stops producing tokens there, the diffusion samplers' "text" en
 --nostop_at_eos (then `ar` runs gen_length tokens and "text" is every generated token, special ones
 skipped).
 
-Defaults outside the training layout are the official ones: LLaDA / MMaDA gen_length = steps = block_length = 128 (LLaDA's
-`generate` signature); Dream gen_length = steps = 512 with alg origin, eps 1e-3, temperature 0 and no top-p
-/ top-k (Dream's generation config; its README uses max_new_tokens = steps = 512); ar gen_length 128,
+Defaults outside the training layout are the official ones: LLaDA / MMaDA gen_length = steps = block_length =
+128 (LLaDA's `generate` signature); Dream gen_length = steps = 512 with alg origin, eps 1e-3, temperature 0 and
+no top-p / top-k (Dream's generation config; its README uses max_new_tokens = steps = 512); ar gen_length 128,
 greedy; block_diffusion (block-causal models: LLaDA2.x) gen_length 2048, steps 32 per block, blocks of the
-model's `attention_block_size`, τ 0.95, EOS stop, exact KV cache (LLaDA2's `generate`, whose answer — the
-first gen_length tokens up to the first EOS — is "text"); --editing_threshold=0.9 adds LLaDA2.1's token
-editing (--max_post_steps 16); diffusion_gemma (DiffusionGemma-style uniform-state models) HF's
-`DiffusionGemmaGenerationConfig`: gen_length 256 in canvases of --block_length 256, at most --steps 48
-decoder steps per canvas, --entropy_bound 0.1, temperatures --t_max 0.8 → --t_min 0.4 (--temperature does
-not apply), adaptive stopping at mean entropy < --confidence_threshold 0.005 (0 = off) with
---stability_threshold 1, EOS stop. The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A
-sampler knob given for a sampler that does not have it is ignored with a warning.
+model's `attention_block_size`, τ 0.95, EOS stop, exact KV cache (LLaDA2's `generate`, whose answer — the first
+gen_length tokens up to the first EOS — is "text"); --editing_threshold=0.9 adds LLaDA2.1's token editing
+(--max_post_steps 16); diffusion_gemma (DiffusionGemma-style uniform-state models) HF's
+`DiffusionGemmaGenerationConfig`: gen_length 256 in canvases of --block_length 256, at most --steps 48 decoder
+steps per canvas, --entropy_bound 0.1, temperatures --t_max 0.8 → --t_min 0.4 (--temperature does not apply),
+adaptive stopping at mean entropy < --confidence_threshold 0.005 (0 = off) with --stability_threshold 1, EOS
+stop. The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A sampler knob
+given for a sampler that does not have it is ignored with a warning.
 
 --decoding (LLaDA / MMaDA; `experiments.decoding_modes`): exact (default), Fast-dLLM's confidence-threshold
 (--threshold, default 0.9) or factor (--factor, default 1.0) parallel decoding, the prefix or dual KV cache

@@ -77,8 +77,7 @@ from experiments.items import TaskSettings
 from experiments.numerics import Numerics
 
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "tiny-uniform-dlm", "tiny-arm"],
-                                 "Checkpoints ([label=]DIR or tiny-dlm, tiny-moe-dlm, tiny-uniform-dlm, tiny-arm, "
-                                 "smollm2).")
+                                 f"Checkpoints ([label=]DIR or {', '.join(checkpoints.NAMES)}).")
 _N_PROMPTS = flags.DEFINE_integer("n_prompts", 16, "Prompts (generations) per model (0 = the whole task).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Prompts per sampler call (results do not depend on it).")
 _EPSILON = flags.DEFINE_float("epsilon", 3.0, "ε of the sink rule (Eq. 3), > 0.")

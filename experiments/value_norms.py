@@ -40,7 +40,7 @@ from experiments.items import TaskSettings
 from experiments.numerics import Numerics
 
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-arm"],
-                                 "Checkpoints ([label=]DIR or tiny-dlm, tiny-arm, smollm2).")
+                                 f"Checkpoints ([label=]DIR or {', '.join(checkpoints.NAMES)}).")
 _N_PROMPTS = flags.DEFINE_integer("n_prompts", 8, "Prompts per model (0 = the whole task).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Prompts per sampler call (results do not depend on it).")
 _EPSILON = flags.DEFINE_float("epsilon", 3.0, "ε of the sink rule, > 0.")
