@@ -101,10 +101,10 @@ def interrupted() -> NoReturn:
   sys.exit(INTERRUPTED_EXIT_CODE)
 
 
-def check_no_arguments(argv: list[str]) -> None:
-  """Refuses positional arguments (every input is a flag)."""
-  if len(argv) > 1:
-    raise UsageError(f"unexpected arguments {argv[1:]}; every input is a --flag")
+def check_no_arguments(argv: list[str], allowed: int = 0) -> None:
+  """Refuses positional arguments (every input is a flag) beyond the `allowed` first ones."""
+  if len(argv) > 1 + allowed:
+    raise UsageError(f"unexpected arguments {argv[1 + allowed:]}; every other input is a --flag")
 
 
 def int_list(values: list[str], flag: str) -> tuple[int, ...]:
@@ -115,10 +115,11 @@ def int_list(values: list[str], flag: str) -> tuple[int, ...]:
     raise UsageError(f"--{flag}={','.join(values)}: expected comma-separated integers") from None
 
 
-def call(main: Callable[[list[str]], None], argv: list[str]) -> None:
-  """Runs `main(argv)` (flags parsed), reporting a user error as one line and exit code 1."""
+def call(main: Callable[[list[str]], None], argv: list[str], arguments: int = 0) -> None:
+  """Runs `main(argv)` (flags parsed), reporting a user error as one line and exit code 1; `arguments`
+  positional arguments are allowed (the binary checks them)."""
   try:
-    check_no_arguments(argv)
+    check_no_arguments(argv, arguments)
     main(argv)
   except USER_ERRORS as error:
     report(error)
@@ -126,6 +127,6 @@ def call(main: Callable[[list[str]], None], argv: list[str]) -> None:
     interrupted()
 
 
-def run(main: Callable[[list[str]], None]) -> None:
+def run(main: Callable[[list[str]], None], arguments: int = 0) -> None:
   """`absl.app.run(main)` with user errors, flag errors and Ctrl-C reported as one line (module docstring)."""
-  app.run(lambda argv: call(main, argv), flags_parser=parse_flags)
+  app.run(lambda argv: call(main, argv, arguments), flags_parser=parse_flags)
