@@ -52,6 +52,17 @@ def position_labels(positions: Sequence[int], tokens: Sequence[str]) -> list[str
   return [f"{int(p)} {token_text(tokens[int(p)])}" for p in positions]
 
 
+def most_visited(tracks: Sequence[np.ndarray], most: int = 10) -> list[int]:
+  """The (at most `most`) positions that the largest-sink tracks [steps] (−1 = none) visit on the most steps
+  (ties: the lower position), sorted: the positions worth naming on a crowded axis."""
+  found = np.concatenate([np.asarray(t)[np.asarray(t) >= 0] for t in tracks] or [np.zeros(0, int)]).astype(int)
+  if not found.size:
+    return []
+  counts = np.bincount(found)
+  order = np.argsort(-counts, kind="stable")[:most]
+  return sorted(int(p) for p in order if counts[p] > 0)
+
+
 def top_positions(scores: np.ndarray, k: int) -> np.ndarray:
   """The k key positions of scores [steps, S] with the largest total over steps (ties: the lower position),
   sorted by position."""

@@ -46,10 +46,14 @@ def _boundaries(ax, prompt_length: int | None, block_starts: Sequence[int] = (),
     line(start - 0.5, color=palette.BLOCK_START, lw=0.6, ls=":")
 
 
-def _boundary_legend(fig, prompt_length: int | None, block_starts: Sequence[int]) -> None:
-  """A figure legend saying what the dashed and dotted lines of `_boundaries` mark."""
+def _boundary_legend(fig, prompt_length: int | None, block_starts: Sequence[int], named: bool = False) -> None:
+  """A figure legend saying what the dashed and dotted lines of `_boundaries` (and the red marks of the
+  named keys) mark."""
   from matplotlib.lines import Line2D  # pylint: disable=import-outside-toplevel
   handles = []
+  if named:
+    handles.append(Line2D([], [], color=palette.SINK, lw=0, marker="|", ms=8, mew=1.5,
+                          label="most attended keys (named in the panel title)"))
   if prompt_length:
     handles.append(Line2D([], [], color=palette.PROMPT_END, lw=0.8, ls="--", label="end of prompt"))
   if len(block_starts):
@@ -84,20 +88,21 @@ def step_heatmaps(panels: Sequence[tuple[str, np.ndarray]], title: str, *, promp
     image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap=_CMAP,
                       norm=colors.PowerNorm(0.5, vmin=0.0, vmax=max(vmax, 1e-6)))
     _boundaries(ax, prompt_length, block_starts)
-    ax.set_title(name, fontsize=9, pad=22 if tokens is not None else 6)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     _integer_axis(ax, values.shape[1], "x", max_ticks=7)
     _integer_axis(ax, values.shape[0], "y", row_labels, max_ticks=10)
-    if tokens is not None:
+    if tokens is not None:  # the most attended keys: red marks on the top axis, named in the title
       top = figure_axes.top_positions(values, named)
       twin = ax.secondary_xaxis("top")
-      twin.set_xticks(top, [figure_axes.token_text(tokens[p]) for p in top], fontsize=7, rotation=45, ha="left")
-      twin.tick_params(length=2, pad=1, colors=palette.SINK)
+      twin.set_xticks(top, [""] * len(top))
+      twin.tick_params(length=5, width=1.5, colors=palette.SINK)
+      name += "\ntop keys: " + ", ".join(figure_axes.position_labels(top, tokens))
+    ax.set_title(name, fontsize=9)
     fig.colorbar(image, ax=ax, fraction=0.046, pad=0.02).set_label(colorbar_label, fontsize=8)
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
-  _boundary_legend(fig, prompt_length, block_starts)
+  _boundary_legend(fig, prompt_length, block_starts, named=tokens is not None)
   return fig
 
 
@@ -164,11 +169,13 @@ def largest_sink_tracks(tracks: Mapping[str, np.ndarray], title: str, *, prompt_
   if total_length:
     ax.set_ylim(-0.5, total_length - 0.5)
   if tokens is not None and visited:
-    ax.set_yticks(sorted(visited), figure_axes.position_labels(sorted(visited), tokens), fontsize=7)
+    named = figure_axes.most_visited(list(tracks.values()), most=8)
+    ax.set_yticks(named, figure_axes.position_labels(named, tokens), fontsize=7)
   n_steps = max((len(p) for p in tracks.values()), default=0)
   _integer_axis(ax, n_steps, "x", max_ticks=12)
   ax.set_xlabel(xlabel)
-  ax.set_ylabel("largest sink (position token)" if tokens is not None else "position of the largest sink")
+  ax.set_ylabel("largest sink (8 most visited named)" if tokens is not None
+                else "position of the largest sink")
   ax.set_title(title, fontsize=10)
   ax.legend(fontsize=7, **_OUTSIDE)
   fig.tight_layout()

@@ -174,7 +174,7 @@ def model_figures(out: str, meta: dict, agg: dict, track_heads: list[str], figur
   picks = figure_axes.shown_layers(layers)
   shown = ", ".join(str(layers[i]) for i in picks)
   of_all = "all layers" if len(picks) == len(layers) else f"layers {shown} of the {len(layers)} recorded"
-  xlabel = "key position (top: the most attended keys' tokens)" if tokens else "key position"
+  xlabel = "key position"
   panels = [(f"layer {layers[i]}, head mean", data["layer_scores"][:ran, i]) for i in picks]
   save(plots.step_heatmaps(panels, f"{label}: incoming attention per key across the {ran} steps that ran, prompt "
                            f"{figure_item}, {of_all} (Fig. 1)", prompt_length=lp, block_starts=blocks,
