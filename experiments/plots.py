@@ -281,9 +281,10 @@ def moving_sinks(panels: Sequence[tuple[str, np.ndarray]], title: str, *, tokens
                  prompt_length: int | None = None, block_starts: Sequence[int] = (),
                  decode_step: np.ndarray | None = None, xlabel: str = "step") -> plt.Figure:
   """Moving sinks: one panel per head (title, largest-sink positions [steps], −1 = none), the position of
-  the head's largest sink against the step as a step line, each visited position named by its token on
-  the y axis; with decode_step [S] (the step at which each position was decoded; −1 = prompt) a small
-  marker shows when each visited generated position was committed."""
+  the head's largest sink against the step as a step line, the (at most 10) most visited positions named
+  by their tokens on the y axis; with decode_step [S] (the index among the steps shown at which each
+  position was decoded; −1 = prompt) a small marker shows when each visited generated position was
+  committed."""
   n = max(len(panels), 1)
   cols = min(2, n)
   rows = -(-n // cols)
@@ -296,8 +297,8 @@ def moving_sinks(panels: Sequence[tuple[str, np.ndarray]], title: str, *, tokens
     shown = np.where(track >= 0, track, np.nan)
     ax.plot(np.arange(len(track)), shown, drawstyle="steps-post", color=palette.SINK, lw=1.6, marker="o", ms=3,
             label="largest sink")
-    if decode_step is not None:
-      committed = [(int(decode_step[p]), p) for p in visited if decode_step[p] >= 0]
+    if decode_step is not None:  # decode_step in the steps shown (−1: prompt or not among them)
+      committed = [(int(decode_step[p]), p) for p in visited if 0 <= decode_step[p] < len(track)]
       if committed:
         ax.scatter([c[0] for c in committed], [c[1] for c in committed], marker="|", s=80,
                    color=palette.JUST_COMMITTED, zorder=3, label="position committed")
@@ -306,7 +307,8 @@ def moving_sinks(panels: Sequence[tuple[str, np.ndarray]], title: str, *, tokens
     for i, start in enumerate(block_starts):
       ax.axhline(start - 0.5, color=palette.BLOCK_START, ls=":", lw=0.6, label="start of a block" if i == 0 else None)
     if visited:
-      ax.set_yticks(visited, figure_axes.position_labels(visited, tokens), fontsize=7)
+      named = figure_axes.most_visited([track], most=10)
+      ax.set_yticks(named, figure_axes.position_labels(named, tokens), fontsize=7)
       ax.set_ylim(visited[0] - 1.5, visited[-1] + 1.5)
     _integer_axis(ax, len(track), "x", max_ticks=12)
     ax.set_title(name, fontsize=9)

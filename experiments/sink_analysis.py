@@ -41,7 +41,8 @@ Outputs in --output_dir (default results/sink_analysis):
                                head_sinks (the ε-rule's sinks) [steps, L', N, S] bool, canvas
                                [steps, S] the tokens each step read, vocab_ids / vocab_text their strings:
                                what `experiments.explore` plays)
-  <model>/tracks/item_<id>.npz every item's largest sinks [steps, L', N], tokens, decode_step, valid, vocab
+  <model>/tracks/item_<id>.npz every item's largest sinks [steps, L', N], tokens, decode_step, valid,
+                               step_index, vocab
   <model>/fig_moving_sinks.png the largest sink of the heads whose sinks move most against the step, on the
                                item where they move most, positions named by their tokens
                                (`experiments.figure_axes` gives the rule)
@@ -101,7 +102,7 @@ _HISTOGRAM_MAX = flags.DEFINE_float("histogram_max", 50.0, "Upper edge of the sc
                                     "the last bin).")
 _TOP_TOKENS = flags.DEFINE_integer("top_tokens", 8, "Rows of the sink-token table.")
 
-TRACK_ARRAYS = ("largest", "tokens", "decode_step", "valid", "prompt_length", "vocab_ids", "vocab_text")
+TRACK_ARRAYS = ("largest", "tokens", "decode_step", "valid", "prompt_length", "step_index", "vocab_ids", "vocab_text")
 """The arrays kept for every item (<model>/tracks/item_<id>.npz), from which the moving-sink figure picks its
 item (`experiments.figure_axes`)."""
 EPSILON_GRID = np.round(np.arange(0.0, 10.01, 0.25), 2)

@@ -129,9 +129,15 @@ def _moving_figure(label: str, meta: dict, tracks: dict[str, dict[str, np.ndarra
   lp, total = int(data["prompt_length"]), data["tokens"].shape[-1]
   block = meta.get("block_length")
   blocks = list(range(lp + block, total, block)) if meta["diffusion"] and block else []
-  panels = [(f"layer {layers[l]} head {h}: {moves} moves", ran[item][:, l, h]) for l, h, moves in heads]
+  panels = [(f"layer {layers[l]} head {h}: {moves} move{'s' if moves != 1 else ''}", ran[item][:, l, h])
+            for l, h, moves in heads]
   decode_step = np.full(total, -1)
-  decode_step[lp:] = data["decode_step"][:total - lp]
+  if "step_index" in data:  # the sampler step of each position -> its index among the decoded steps shown
+    shown = data["step_index"][:len(ran[item])]
+    steps = data["decode_step"][:total - lp]
+    index = np.searchsorted(shown, steps)
+    found = (index < len(shown)) & (shown[np.minimum(index, len(shown) - 1)] == steps)
+    decode_step[lp:] = np.where(found, index, -1)
   return plots.moving_sinks(
       panels, f"{label}: moving sinks — largest sink per step, item {item}, the {len(heads)} heads whose largest "
       "sink moves most\n(rule: most position changes between consecutive steps; item: where the top head moves "
