@@ -105,4 +105,4 @@ def shown_layers(layers: Sequence[int], most: int = 6) -> list[int]:
   n = len(layers)
   if n <= most:
     return list(range(n))
-  return sorted({int(round(i * (n - 1) / (most - 1))) for i in range(most)})
+  return sorted({round(i * (n - 1) / (most - 1)) for i in range(most)})

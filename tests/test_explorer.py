@@ -4,7 +4,6 @@ tokens, step count and each position's state in the DOM, screenshots at two slid
 exactly where the trace says the canvas changed, no script errors, no network."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -33,6 +32,10 @@ def run(tmp_path_factory):
                 f"--output_dir={analysis}")
   fx.run_binary("sink_masking_eval", "--checkpoints=tiny-dlm", "--n_items=2", "--batch_size=2", "--mask_top_k=0,1",
                 f"--output_dir={masking}")
+  (analysis / "captures").mkdir()
+  (analysis / "captures" / "lens.json").write_text(json.dumps(
+      {"title": "A later capture", "kind": "grid", "rows": ["layer 0", "layer 1"], "cols": ["a", "b", "c"],
+       "values": [[0.1, 0.2, 0.3], [0.4, 0.5, 0.625]], "note": "a grid panel"}))
   page = root / "page.html"
   explorer_page.write_page(str(analysis), str(page), str(masking))
   with np.load(analysis / "tiny-dlm" / "item_0.npz") as npz:
@@ -116,6 +119,7 @@ def test_browser_plays_the_trace(run, tmp_path):
       if state != "masked":
         assert text.replace("&amp;", "&") == vocab[int(arrays["tokens"][position])], position
   assert "top-1" in late and "layer 1, head 2" in late  # the masking panel and the chosen layer and head
+  assert "A later capture" in late and "0.625" in late  # a captures/*.json grid panel
 
   before, after = _screenshot(page, "step=0", tmp_path / "a.png"), _screenshot(page, f"step={last}", tmp_path / "b.png")
   rects_before = json.loads(re.search(r'<pre id="layout" hidden="">(.*?)</pre>', early).group(1))

@@ -53,7 +53,7 @@ def runs(tmp_path_factory):
   }
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   done = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(list(cases.values()))], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=600)
+                        capture_output=True, text=True, timeout=600, check=False)
   assert done.returncode == 0, done.stderr[-4000:]
   report = json.loads(done.stdout.strip().splitlines()[-1])
   return dict(zip(cases, report["cases"])), report, out
