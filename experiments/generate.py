@@ -10,7 +10,8 @@ and the time, and optionally writes the trace as JSON (--json_out) and the per-s
   SAMPLER: auto, llada, mmada, dream, ar, block_diffusion, diffusion_gemma.
   MODE: exact, threshold, factor, prefix_cache, dual_cache, threshold_prefix_cache, threshold_dual_cache.
 
-  python -m experiments.generate --checkpoint=tiny-dlm --prompt="Anna has 16 books. She finds 4 more."
+  python -m experiments.generate --checkpoint=tiny-dlm \\
+      --prompt="Anna has 16 books. She finds 4 more. She buys 2 more. How many books does Anna have?"
 
 Prompt layout (--prompt_format; --chat is --prompt_format=chat): `training` puts --prompt in the layout the
 checkpoint was trained with, read from its training.json (the embedded models: `[PAD … BOS question]` of
