@@ -138,7 +138,8 @@
   function renderOrder(m) {
     var box = $("order"); box.innerHTML = "";
     var gen = [];
-    for (var p = m.prompt_length; p < m.tokens.length; p++) gen.push(p);
+    var lastStep = m.steps[m.steps.length - 1];  // positions decoded after the last step shown never ran (ARM past EOS)
+    for (var p = m.prompt_length; p < m.tokens.length; p++) if (m.decode_step[p] >= 0 && m.decode_step[p] <= lastStep) gen.push(p);
     gen.sort(function (a, b) { return (m.decode_step[a] - m.decode_step[b]) || (a - b); });
     gen.forEach(function (p) {
       var c = stateOf(m, state.step, p), span = el("span", "tok " + c);
