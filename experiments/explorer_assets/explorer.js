@@ -122,7 +122,7 @@
       cell.dataset.pos = s;
       strip.appendChild(cell);
     }
-    var cv = $("heatmap"), T = m.steps.length, S = m.tokens.length, px = 15, row = 6;
+    var cv = $("heatmap"), T = m.steps.length, S = m.tokens.length, px = 15, row = Math.max(6, Math.min(24, Math.floor(200 / T)));
     cv.width = S * px; cv.height = T * row;
     var ctx = cv.getContext("2d");
     for (var tt = 0; tt < T; tt++) for (var ss = 0; ss < S; ss++) {
