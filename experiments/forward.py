@@ -26,8 +26,8 @@ from dlm_jax.model import Params, forward
 from dlm_jax.instrument.stats import StatsSpec
 from experiments.common import atomic_files, checkpoints, cli, run_dir
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory, or tiny-dlm, tiny-arm, "
-                                  "smollm2.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory, or "
+                                  f"{', '.join(checkpoints.NAMES)}.")
 _TOKEN_IDS = flags.DEFINE_list("token_ids", None, "Comma-separated token ids of one sequence.")
 _OUT = flags.DEFINE_string("out", None, "Output .npz file.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ("float32", "bfloat16"), "Parameter and activation dtype.")

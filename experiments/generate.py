@@ -1,25 +1,44 @@
-"""Generates from a converted checkpoint with one of the compiled samplers and writes the trace.
+"""Generates from a converted checkpoint with one of the compiled samplers: prints the decoded text, the NFE
+and the time, and optionally writes the trace as JSON (--json_out) and the per-step attention (--stats_out).
 
-  python -m experiments.generate --checkpoint=DIR|tiny-dlm|tiny-arm|smollm2 (--prompt=TEXT [--chat] | \
-      --prompt_ids=1,2,3) [--sampler=auto|llada|mmada|dream|ar|block_diffusion|diffusion_gemma] --json_out=FILE \
-      [--stats_out=FILE.npz] \
-      [--gen_length=N --steps=N --block_length=N --temperature=T --remasking=... --cfg_scale=W \
-       --alg=origin|maskgit_plus|topk_margin|entropy --alg_temp=T --top_p=P --top_k=K --eps=E --seed=S \
-       --mask_sinks=K] [--decoding=exact|threshold|factor|prefix_cache|dual_cache|threshold_prefix_cache|\
-       threshold_dual_cache --threshold=0.9 --factor=1.0]
+  python -m experiments.generate --checkpoint=CHECKPOINT (--prompt=TEXT | --prompt_ids=1,2,3)
+      [--prompt_format=auto|training|chat|plain|raw] [--sampler=SAMPLER] [--json_out=FILE.json]
+      [--stats_out=FILE.npz] [--gen_length=N --steps=N --block_length=N --temperature=T --seed=S ...]
+      [--nostop_at_eos] [--mask_sinks=K] [--decoding=MODE --threshold=0.9 --factor=1.0]
 
-Defaults are the official ones: LLaDA / MMaDA gen_length = steps = block_length = 128 (LLaDA's
-`generate` signature); Dream gen_length = steps = 512 with alg origin, eps 1e-3, temperature 0 and no top-p
-/ top-k (Dream's generation config; its README uses max_new_tokens = steps = 512); ar gen_length 128,
+  CHECKPOINT: a converted directory, or tiny-dlm, tiny-arm, tiny-moe-dlm, tiny-uniform-dlm, smollm2.
+  SAMPLER: auto, llada, mmada, dream, ar, block_diffusion, diffusion_gemma.
+  MODE: exact, threshold, factor, prefix_cache, dual_cache, threshold_prefix_cache, threshold_dual_cache.
+
+  python -m experiments.generate --checkpoint=tiny-dlm \\
+      --prompt="Anna has 16 books. She finds 4 more. She buys 2 more. How many books does Anna have?"
+
+Prompt layout (--prompt_format; --chat is --prompt_format=chat): `training` puts --prompt in the layout the
+checkpoint was trained with, read from its training.json (the embedded models: `[PAD … BOS question]` of
+the training prompt width for a diffusion model, `[BOS question]` for an autoregressive one;
+`experiments.common.prompts`), and its gen_length / steps / block_length default to the training answer width
+(one block); `chat` wraps it as one user turn in the chat template; `plain` is BOS + text; `raw` the
+tokenizer's ids alone. `auto` (default): chat with --chat, else training when the checkpoint records a
+training prompt width, else raw. A prompt longer than the recorded training prompt width, or a prompt
+plus --gen_length longer than the recorded training sequence, is refused (the model never saw one).
+
+End of the reply: generation stops at EOS (and EoT, and the chat template's end-of-turn token) for every
+sampler — `ar` stops producing tokens there, the diffusion samplers' "text" ends there — unless
+--nostop_at_eos (then `ar` runs gen_length tokens and "text" is every generated token, special ones
+skipped).
+
+Defaults outside the training layout are the official ones: LLaDA / MMaDA gen_length = steps = block_length =
+128 (LLaDA's `generate` signature); Dream gen_length = steps = 512 with alg origin, eps 1e-3, temperature 0 and
+no top-p / top-k (Dream's generation config; its README uses max_new_tokens = steps = 512); ar gen_length 128,
 greedy; block_diffusion (block-causal models: LLaDA2.x) gen_length 2048, steps 32 per block, blocks of the
-model's `attention_block_size`, τ 0.95, EOS stop, exact KV cache (LLaDA2's `generate`, whose answer — the
-first gen_length tokens up to the first EOS — is "text"); --editing_threshold=0.9 adds LLaDA2.1's token
-editing (--max_post_steps 16); diffusion_gemma (DiffusionGemma-style uniform-state models) HF's
-`DiffusionGemmaGenerationConfig`: gen_length 256 in canvases of --block_length 256, at most --steps 48
-decoder steps per canvas, --entropy_bound 0.1, temperatures --t_max 0.8 → --t_min 0.4 (--temperature does
-not apply), adaptive stopping at mean entropy < --confidence_threshold 0.005 (0 = off) with
---stability_threshold 1, EOS stop. The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A
-sampler knob given for a sampler that does not have it is ignored with a warning.
+model's `attention_block_size`, τ 0.95, EOS stop, exact KV cache (LLaDA2's `generate`, whose answer — the first
+gen_length tokens up to the first EOS — is "text"); --editing_threshold=0.9 adds LLaDA2.1's token editing
+(--max_post_steps 16); diffusion_gemma (DiffusionGemma-style uniform-state models) HF's
+`DiffusionGemmaGenerationConfig`: gen_length 256 in canvases of --block_length 256, at most --steps 48 decoder
+steps per canvas, --entropy_bound 0.1, temperatures --t_max 0.8 → --t_min 0.4 (--temperature does not apply),
+adaptive stopping at mean entropy < --confidence_threshold 0.005 (0 = off) with --stability_threshold 1, EOS
+stop. The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A sampler knob
+given for a sampler that does not have it is ignored with a warning.
 
 --decoding (LLaDA / MMaDA; `experiments.common.decoding_modes`): exact (default), Fast-dLLM's confidence-threshold
 (--threshold, default 0.9) or factor (--factor, default 1.0) parallel decoding, the prefix or dual KV cache
@@ -28,15 +47,17 @@ sampler knob given for a sampler that does not have it is ignored with a warning
 warning.
 
 --chat wraps --prompt as one user turn in the chat template recorded in the checkpoint (ChatML for
-SmolLM2 and Qwen-family checkpoints; `experiments.common.chat`), else the sampler's (--template overrides);
-the reply ends at the template's end-of-turn token (ar stops there; "text" is cut there for every
-sampler). Text the tokenizer maps to unknown tokens is warned about.
+SmolLM2 and Qwen-family checkpoints; `experiments.common.chat`), else the sampler's (--template overrides).
+Text the tokenizer maps to unknown tokens is warned about.
 
+Standard output: the text (or, without a tokenizer, the generated ids), then one line with the generated
+tokens, NFE, the wall time of the generation (compilation included) and the JSON path.
 JSON (written atomically): tokens (the whole sequence, prompt included), prompt_length, decode_step (per
 generated position, the 0-based step at which it was unmasked; for `ar` the step that produced it), nfe
 (model calls), row_nfe (the calls the row decoded with; equal to nfe for one prompt), decoding (the mode,
-e.g. "threshold:0.9"), sampler, settings (every value used), and text (the generated part up to the end of
-the reply, special tokens skipped) when the checkpoint has a tokenizer.
+e.g. "threshold:0.9"), sampler, prompt_format, wall_s (the generation's wall time), settings (every value
+used), and text (the generated part up to the end of the reply, special tokens skipped) when the checkpoint
+has a tokenizer.
 NPZ (--stats_out): incoming_attention [nfe, L, N, S] float32 for batch row 0: entry [t, l, n, j] is the
 sum over the queries step t computed of the attention key j receives in layer l, head n, during the model
 call of step t (with CFG, the conditional call); computed_queries [nfe, 2] int32, those queries' positions
@@ -55,21 +76,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import jax
 import numpy as np
 from absl import flags, logging
 
 from dlm_jax.runtime import distributed
-from experiments.common import (atomic_files, chat, checkpoints, cli, decoding_flags, decoding_modes, devices,
-                                numerics_flags, run_dir, runtime_flags)
+from experiments.common import (atomic_files, chat, checkpoints, cli, decoding_flags, decoding_modes, devices, items,
+                                numerics_flags, prompts, run_dir, runtime_flags)
 from experiments.common.decoding_modes import DecodingMode
 from experiments.common.numerics import Numerics
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory, or tiny-dlm, tiny-arm, "
-                                  "smollm2.", required=True)
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory, or "
+                                  f"{', '.join(checkpoints.NAMES)}.", required=True)
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (needs the checkpoint's tokenizer).")
-_CHAT = flags.DEFINE_bool("chat", False, "Wrap --prompt as one user turn in the checkpoint's chat template.")
+_CHAT = flags.DEFINE_bool("chat", False, "Wrap --prompt as one user turn in the checkpoint's chat template "
+                          "(--prompt_format=chat).")
+_PROMPT_FORMAT = flags.DEFINE_enum("prompt_format", "auto", ["auto", "training", "chat", "plain", "raw"],
+                                   "Layout of --prompt (module docstring; auto: chat with --chat, else the "
+                                   "checkpoint's training layout when it records one, else raw).")
+_STOP_AT_EOS = flags.DEFINE_bool("stop_at_eos", True, "End the reply at the first EOS / EoT / end-of-turn token "
+                                 "(ar stops there; text ends there for every sampler).")
 _TEMPLATE = flags.DEFINE_enum("template", None, list(chat.TEMPLATES), "Chat template (default: the one recorded "
                               "in the checkpoint, else llada, mmada, dream or llama3 by --sampler).")
 _PROMPT_IDS = flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids.")
@@ -97,7 +125,8 @@ _TOP_P = flags.DEFINE_float("top_p", None, "Top-p filtering in (0, 1] (Dream, ar
 _TOP_K = flags.DEFINE_integer("top_k", None, "Top-k filtering (Dream, ar).")
 _EPS = flags.DEFINE_float("eps", 1e-3, "Dream's last timestep, in (0, 1).")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
-_JSON_OUT = flags.DEFINE_string("json_out", None, "Output JSON file.", required=True)
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Optional output JSON file (tokens, decode steps, NFE, text, "
+                                "settings).")
 _STATS_OUT = flags.DEFINE_string("stats_out", None, "Optional .npz with per-step incoming attention.")
 _EDITING_THRESHOLD = flags.DEFINE_float("editing_threshold", None, "block_diffusion: LLaDA2.1's token editing "
                                         "threshold τ_edit in [0, 1] (LLaDA2.1's default 0.9; unset = LLaDA2.0).")
@@ -160,6 +189,7 @@ class Settings:
   confidence_threshold: float = 0.005
   stability_threshold: int = 1
   decoding: DecodingMode = DecodingMode()
+  stop_at_eos: bool = True
 
   def __post_init__(self):
     for name in ("gen_length", "steps", "block_length", "top_k"):
@@ -223,10 +253,15 @@ class Settings:
                                 alg_temp=self.alg_temp, temperature=self.temperature, top_p=self.top_p,
                                 top_k=self.top_k, block_length=None if self.decoding.exact else self.block_length,
                                 **self.decoding.option_fields("dream"))
-    ends = {config.eos_token_id, config.eot_token_id, self.end_of_turn_id} - {None}
+    ends = end_ids(config, self.end_of_turn_id)
     return autoregressive.AROptions(gen_length=self.gen_length, temperature=self.temperature, top_k=self.top_k,
-                                    top_p=self.top_p, stop_at_eos=self.end_of_turn_id is not None,
-                                    eos_token_ids=tuple(sorted(ends)) if self.end_of_turn_id is not None else None)
+                                    top_p=self.top_p, stop_at_eos=self.stop_at_eos,
+                                    eos_token_ids=tuple(sorted(ends)) if self.stop_at_eos else None)
+
+
+def end_ids(config, end_of_turn_id: int | None) -> set[int]:
+  """The ids that end a reply: EOS, EoT and the chat template's end-of-turn token (when known)."""
+  return {config.eos_token_id, config.eot_token_id, end_of_turn_id} - {None}
 
 
 def _warn_unused_knobs(sampler: str) -> None:
@@ -240,13 +275,25 @@ def _warn_unused_knobs(sampler: str) -> None:
                     "ignored")
 
 
-def _prompt_ids(config, tokenizer, directory: str, sampler: str) -> tuple[list[int], int | None]:
+def prompt_format(record: dict) -> str:
+  """--prompt_format with auto resolved (module docstring); refuses --chat with another format."""
+  chosen = _PROMPT_FORMAT.value
+  if _CHAT.value:
+    if chosen not in ("auto", "chat"):
+      raise cli.UsageError(f"--chat is --prompt_format=chat; it contradicts --prompt_format={chosen}")
+    return "chat"
+  if chosen != "auto":
+    return chosen
+  return "training" if record.get("data", {}).get("prompt_len") else "raw"
+
+
+def _prompt_ids(config, tokenizer, directory: str, sampler: str, layout: str) -> tuple[list[int], int | None]:
   """(prompt ids, the end-of-turn id of a chat prompt or None)."""
   if (_PROMPT.value is None) == (_PROMPT_IDS.value is None):
     raise cli.UsageError("give exactly one of --prompt and --prompt_ids")
   if _PROMPT_IDS.value is not None:
-    if _CHAT.value:
-      raise cli.UsageError("--chat needs --prompt text, not --prompt_ids")
+    if _CHAT.value or _PROMPT_FORMAT.present:
+      raise cli.UsageError("--chat and --prompt_format lay out --prompt text, not --prompt_ids")
     try:
       ids = [int(t) for t in _PROMPT_IDS.value.split(",") if t.strip()]
     except ValueError:
@@ -257,18 +304,46 @@ def _prompt_ids(config, tokenizer, directory: str, sampler: str) -> tuple[list[i
     return ids, None
   if tokenizer is None:
     raise cli.UserError(f"--prompt needs tokenizer files in {directory}; use --prompt_ids")
-  if not _CHAT.value:
-    ids = tokenizer.encode(_PROMPT.value)
-    end = None
-  else:
+  end = None
+  if layout == "training":  # the experiment binaries' prompts (`experiments.common.prompts`): pads, BOS, width check
+    model = checkpoints.prepare(_CHECKPOINT.value, sampler, "training")
+    ids = prompts.encode(model, [items.Item("--prompt", _PROMPT.value, None, "gsm8k")]).sequences["--prompt"]
+  elif layout == "chat":
     form = chat.chat_format(directory, sampler, _TEMPLATE.value)
     bos = None if config.bos_token_id is None else tokenizer.id_to_token(config.bos_token_id)
     ids = tokenizer.encode(form.text(_PROMPT.value, bos))
     end = tokenizer.token_to_id(form.end_of_turn)
+  else:
+    bos = [config.bos_token_id] if layout == "plain" and config.bos_token_id is not None else []
+    ids = bos + tokenizer.encode(_PROMPT.value)
   chat.warn_unknown_tokens(tokenizer, ids, "--prompt")
   if not ids:
     raise cli.UserError("--prompt encodes to no tokens")
   return ids, end
+
+
+def training_defaults(record: dict, sampler: str) -> dict[str, int]:
+  """gen_length, steps and block_length of the training layout: the training answer width, one block."""
+  data = record["data"]
+  width = int(data["seq_len"]) - int(data["prompt_len"])
+  if sampler == "ar":
+    return {"gen_length": width}
+  return {"gen_length": width, "steps": width, "block_length": width}
+
+
+def check_training_width(label: str, record: dict, prompt_length: int, gen_length: int) -> None:
+  """Refuses a prompt wider than the recorded training prompt width, or a prompt plus gen_length longer than
+  the recorded training sequence (a front extra sink token adds one position to both)."""
+  data = record.get("data", {})
+  sink = 1 if record.get("train_config", {}).get("sink") == "front" else 0
+  if data.get("prompt_len") and prompt_length > int(data["prompt_len"]) + sink:
+    raise cli.UserError(f"{label}: the prompt has {prompt_length} tokens; the model was trained with prompts of at "
+                        f"most {int(data['prompt_len']) + sink} (training.json prompt_len)")
+  if data.get("seq_len") and prompt_length + gen_length > int(data["seq_len"]) + sink:
+    longest = int(data["seq_len"]) + sink
+    raise cli.UserError(f"{label}: the prompt ({prompt_length} tokens) and --gen_length={gen_length} make "
+                        f"{prompt_length + gen_length} positions; the model was trained on sequences of {longest} "
+                        f"(training.json seq_len); use --gen_length of at most {longest - prompt_length}")
 
 
 def _intervention(sampler: str, top_k: int):
@@ -296,9 +371,10 @@ def _generate(params, config, settings: Settings, prompt, stats_spec):
   return autoregressive.generate(params, prompt, **kwargs)
 
 
-def _reply_text(tokenizer, generated: list[int], end_ids: set[int]) -> str:
+def reply_text(tokenizer, generated: list[int], end_ids: set[int]) -> str:
+  """The generated ids up to the first of `end_ids` (none: all of them), decoded without special tokens."""
   cut = next((i for i, t in enumerate(generated) if t in end_ids), len(generated))
-  return tokenizer.decode(generated[:cut])
+  return tokenizer.decode(generated[:cut], skip_special_tokens=True)
 
 
 def main(argv):
@@ -307,22 +383,28 @@ def main(argv):
   from dlm_jax.instrument.stats import NO_STATS, StatsSpec  # pylint: disable=import-outside-toplevel
   from dlm_jax.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
   runtime_settings = runtime_flags.from_flags()
-  run_dir.check_output_file(_JSON_OUT.value, "json_out")
+  if _JSON_OUT.value:
+    run_dir.check_output_file(_JSON_OUT.value, "json_out")
   if _STATS_OUT.value:
     run_dir.check_output_file(_STATS_OUT.value, "stats_out")
-  _, directory = checkpoints.resolve(_CHECKPOINT.value)
+  label, directory = checkpoints.resolve(_CHECKPOINT.value)
   config = checkpoint.read_config(directory)
+  record = checkpoints.training_record(directory)
   sampler = checkpoints.default_sampler(config) if _SAMPLER.value == "auto" else _SAMPLER.value
   checkpoints.check_sampler(_CHECKPOINT.value, sampler, config)
   _warn_unused_knobs(sampler)
   mode = decoding_flags.from_flags()
   decoding_modes.warn_if_unused(mode, sampler, _CHECKPOINT.value)
   tokenizer = Tokenizer.from_dir(directory, config) if Tokenizer.exists_in(directory) else None
-  ids, end_of_turn = _prompt_ids(config, tokenizer, directory, sampler)
+  layout = "ids" if _PROMPT_IDS.value is not None else prompt_format(record)
+  ids, end_of_turn = _prompt_ids(config, tokenizer, directory, sampler, layout)
   runtime = devices.init_runtime(runtime_settings)
   given = {"gen_length": _GEN_LENGTH.value, "steps": _STEPS.value, "block_length": _BLOCK_LENGTH.value}
   applies = KNOBS[sampler] | {"gen_length"}
-  values = {k: v if v is not None and k in applies else DEFAULTS[sampler].get(k) for k, v in given.items()}
+  defaults = training_defaults(record, sampler) if layout == "training" else DEFAULTS[sampler]
+  values = {k: v if v is not None and k in applies else defaults.get(k, DEFAULTS[sampler].get(k))
+            for k, v in given.items()}
+  check_training_width(label, record, len(ids), values["gen_length"])
   settings = Settings(
       checkpoint=directory, sampler=sampler, prompt_ids=tuple(ids),
       gen_length=values["gen_length"], steps=values["steps"], block_length=values["block_length"],
@@ -334,7 +416,8 @@ def main(argv):
       numerics=numerics_flags.from_flags(runtime_settings),
       decoding=mode if sampler not in decoding_modes.UNMODED else DecodingMode(),
       entropy_bound=_ENTROPY_BOUND.value, t_min=_T_MIN.value, t_max=_T_MAX.value,
-      confidence_threshold=_CONFIDENCE_THRESHOLD.value, stability_threshold=_STABILITY_THRESHOLD.value)
+      confidence_threshold=_CONFIDENCE_THRESHOLD.value, stability_threshold=_STABILITY_THRESHOLD.value,
+      stop_at_eos=_STOP_AT_EOS.value)
   try:
     settings.options(config)
   except ValueError as e:
@@ -343,24 +426,26 @@ def main(argv):
   stats_spec = (StatsSpec(incoming_attention=True, per_head=True, routing=config.is_moe) if _STATS_OUT.value
                 else NO_STATS)
   prompt = devices.replicate(np.asarray([ids], np.int32), runtime)
+  start = time.perf_counter()
   trace = distributed.to_host(_generate(params, config, settings, prompt, stats_spec))
+  wall_s = time.perf_counter() - start
   if not runtime.primary:
     return
   tokens = [int(t) for t in np.asarray(trace.tokens)[0]]
   result = {"tokens": tokens, "prompt_length": int(trace.prompt_length),
             "decode_step": [int(s) for s in np.asarray(trace.decode_step)[0]], "nfe": int(trace.nfe),
             "row_nfe": int(np.asarray(trace.row_nfe)[0]), "decoding": settings.decoding.spec, "sampler": sampler,
-            "settings": dataclasses.asdict(settings)}
+            "prompt_format": layout, "wall_s": wall_s, "settings": dataclasses.asdict(settings)}
+  reply = tokens[trace.prompt_length:]
+  if sampler == "block_diffusion":  # LLaDA2's answer: the first gen_length tokens, up to the first EOS
+    reply = reply[:settings.gen_length]
+  ends = end_ids(config, end_of_turn) if settings.stop_at_eos else set()
+  if sampler in ("block_diffusion", "diffusion_gemma"):  # these samplers stop at EOS; pad follows it
+    ends |= {config.eos_token_id} - {None}
   if tokenizer is not None:
-    ends = {config.eos_token_id, end_of_turn} - {None} if _CHAT.value else set()
-    reply = tokens[trace.prompt_length:]
-    if sampler == "block_diffusion":  # LLaDA2's answer: the first gen_length tokens, up to the first EOS
-      reply = reply[:settings.gen_length]
-      ends |= {config.eos_token_id} - {None}
-    if sampler == "diffusion_gemma":  # pad follows the first EOS
-      ends |= {config.eos_token_id} - {None}
-    result["text"] = _reply_text(tokenizer, reply, ends)
-  atomic_files.atomic_write_bytes(_JSON_OUT.value, (json.dumps(result) + "\n").encode())
+    result["text"] = reply_text(tokenizer, reply, ends)
+  if _JSON_OUT.value:
+    atomic_files.atomic_write_bytes(_JSON_OUT.value, (json.dumps(result) + "\n").encode())
   if _STATS_OUT.value:
     nfe = int(trace.nfe)  # the steps run; the buffers' later entries are zeros
     incoming = np.asarray(trace.stats["incoming_attention"][:nfe, :, 0], np.float32)  # [nfe, L, N, S]
@@ -372,6 +457,11 @@ def main(argv):
       extra["accepted"] = np.asarray(trace.accepted[:nfe, 0])
     atomic_files.write_npz(_STATS_OUT.value, incoming_attention=incoming,
                            computed_queries=np.asarray(trace.computed_queries[:nfe], np.int32), **routing, **extra)
+  n_reply = next((i for i, t in enumerate(reply) if t in ends), len(reply))
+  print(result["text"] if tokenizer is not None else " ".join(map(str, reply[:n_reply])))
+  written = [path for path in (_JSON_OUT.value, _STATS_OUT.value) if path]
+  print(f"[{label} · {sampler} · {layout} prompt of {len(ids)} tokens · {n_reply} generated tokens · NFE "
+        f"{result['nfe']} · {wall_s:.2f} s{' · wrote ' + ', '.join(written) if written else ''}]")
 
 
 if __name__ == "__main__":

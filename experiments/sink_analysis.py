@@ -37,7 +37,15 @@ unmasked (`dlm_jax.instrument.stats.QUERY_GROUP_NAMES`).
 Outputs in --output_dir (default results/sink_analysis):
   results.jsonl                one line per (model, prompt): completion, NFE, per-item summaries
   <model>/item_<id>.npz        per-step arrays of the --figure_item generation (its decoded steps: step_index,
-                               computed_queries [steps, 2])
+                               computed_queries [steps, 2]; head_scores [steps, L', N, S] float16 and
+                               head_sinks (the ε-rule's sinks) [steps, L', N, S] bool, canvas
+                               [steps, S] the tokens each step read, vocab_ids / vocab_text their strings:
+                               what `experiments.explore` plays)
+  <model>/tracks/item_<id>.npz every item's largest sinks [steps, L', N], tokens, decode_step, valid,
+                               step_index, vocab
+  <model>/fig_moving_sinks.png the largest sink of the heads whose sinks move most against the step, on the
+                               item where they move most, positions named by their tokens
+                               (`experiments.reports.figure_axes` gives the rule)
   <model>/fig1_incoming_heatmap.png   incoming attention per key across steps (selected layers, head mean)
   <model>/fig5_main_sink_grid.png     per-(layer, head) main-sink score, averaged over steps and prompts
   <model>/fig7_largest_sink.png       position of the largest sink against the step for chosen heads
@@ -67,9 +75,10 @@ import numpy as np
 from absl import flags, logging
 
 from dlm_jax.analysis import routing, sinks
-from dlm_jax.runtime import distributed
 from dlm_jax.instrument import sink_selection
+from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
+from experiments.reports import explorer_page
 from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
                                 item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir,
                                 runtime_flags, scoring, validity)
@@ -80,8 +89,9 @@ from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "tiny-uniform-dlm", "tiny-arm"],
-                                 "Checkpoints ([label=]DIR or tiny-dlm, tiny-moe-dlm, tiny-uniform-dlm, tiny-arm, "
-                                 "smollm2).")
+                                 f"Checkpoints ([label=]DIR or {', '.join(checkpoints.NAMES)}).")
+_HTML = flags.DEFINE_bool("html", False, "Also write the decoding explorer page explorer.html into the output "
+                          "directory (`experiments.explore`).")
 _N_PROMPTS = flags.DEFINE_integer("n_prompts", 16, "Prompts (generations) per model (0 = the whole task).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Prompts per sampler call (results do not depend on it).")
 _EPSILON = flags.DEFINE_float("epsilon", 3.0, "ε of the sink rule (Eq. 3), > 0.")
@@ -96,6 +106,9 @@ _HISTOGRAM_MAX = flags.DEFINE_float("histogram_max", 50.0, "Upper edge of the sc
                                     "the last bin).")
 _TOP_TOKENS = flags.DEFINE_integer("top_tokens", 8, "Rows of the sink-token table.")
 
+TRACK_ARRAYS = ("largest", "tokens", "decode_step", "valid", "prompt_length", "step_index", "vocab_ids", "vocab_text")
+"""The arrays kept for every item (<model>/tracks/item_<id>.npz), from which the moving-sink figure picks its
+item (`experiments.reports.figure_axes`)."""
 EPSILON_GRID = np.round(np.arange(0.0, 10.01, 0.25), 2)
 HIST_BINS = 100
 
@@ -233,9 +246,13 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
                          "nonsink_counts": routing.expert_counts(experts, ~is_sink & real, n_experts)}
   if item.kind != "humaneval":
     record["correct"] = scoring.score(item, record["completion"], model.prompt_format == "chat")["correct"]
+  seen = np.unique(np.concatenate([tokens.ravel(), canvas[canvas >= 0].ravel()]))
   arrays = {"layer_scores": scores.mean(2), "largest": largest, "tokens": tokens, "decode_step": decode_step,
             "valid": valid, "layers": np.asarray(layers), "prompt_length": np.asarray(lp),
-            "step_index": decoded, "computed_queries": queries}
+            "step_index": decoded, "computed_queries": queries,
+            "head_scores": scores.astype(np.float16), "head_sinks": sink_mask, "canvas": canvas.astype(np.int32),
+            "vocab_ids": seen.astype(np.int32),
+            "vocab_text": np.asarray([model.tokenizer.id_to_token(int(i)) or "?" for i in seen], dtype=str)}
   if grouped:
     masked_q = incoming[:, :, 0]
     unmasked_q = incoming[:, :, 1] + incoming[:, :, 2]
@@ -281,6 +298,8 @@ def run_model(settings: Settings, model: checkpoints.Model, runtime: devices.Run
       record, arrays = analyse_row(settings, model, item, batch.prompts, host, row, layers, edges)
       if item.id == settings.figure_item:
         log.run_dir.write_npz(f"{model.label}/item_{item.id}.npz", **arrays)
+      log.run_dir.write_npz(f"{model.label}/tracks/item_{item.id}.npz",
+                            **{k: arrays[k] for k in TRACK_ARRAYS})
       log.append(record)
       meter.update(1, f"{time.time() - start:.1f}s for the batch")
   return {"label": model.label, "directory": progress.display_path(model.directory), "sampler": model.sampler,
@@ -322,6 +341,8 @@ def main(argv):
     text = sink_report.write_report(out.path, metas, log.records, EPSILON_GRID, settings.epsilon, edges_of(settings),
                                     list(settings.track_heads), settings.figure_item, settings.top_tokens,
                                     time.time() - start)
+    if _HTML.value:
+      explorer_page.write_page(out.path, out.file(explorer_page.PAGE_FILE))
     progress.summary_banner(out.path, text)
 
 

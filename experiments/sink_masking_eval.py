@@ -55,6 +55,7 @@ from absl import flags, logging
 
 from dlm_jax.instrument import interventions
 from dlm_jax.runtime import distributed
+from experiments.reports import explorer_page
 from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
                                 item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir,
                                 runtime_flags, scoring)
@@ -69,6 +70,8 @@ _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "ti
                                  "smollm2).")
 _MASK_TOP_K = flags.DEFINE_list("mask_top_k", ["0", "1", "5", "10"], "Numbers K >= 0 of sinks to mask (0 = "
                                 "unmasked baseline), distinct.")
+_HTML = flags.DEFINE_bool("html", False, "Also write the decoding explorer page explorer.html into the output "
+                          "directory (`experiments.explore`).")
 _N_ITEMS = flags.DEFINE_integer("n_items", 64, "Items per model (0 = the whole task).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Items per sampler call (results do not depend on it).")
 _MASK_SCOPE = flags.DEFINE_enum("mask_scope", "head", ["head", "global"], "Sinks chosen and masked per (layer, "
@@ -274,6 +277,8 @@ def main(argv):
   if runtime.primary:
     out.ensure()
     text = masking_report.write_report(out.path, metas, log.records, list(ks), PAPER_TABLE1, time.time() - start)
+    if _HTML.value:
+      explorer_page.write_page(out.path, out.file(explorer_page.PAGE_FILE))
     progress.summary_banner(out.path, text)
 
 

@@ -167,6 +167,8 @@ def main(argv):
     run_dir.check_output_file(os.path.join(_OUT_DIR.value, "config.json"), "out_dir")
   if _RUN_DIR.value and os.path.isfile(_RUN_DIR.value):
     raise cli.UserError(f"--run_dir={_RUN_DIR.value} is a file; expected a directory")
+  if _RUN_DIR.value:
+    cli.set_resume_hint(f"run the same command again to resume from the last checkpoint in {_RUN_DIR.value}")
   tokenizer = _load_tokenizer(data)
   config = _model_config(tokenizer, flags.FLAGS.preset, _CONFIG_JSON.value, flags.FLAGS.override,
                          _IDS_FROM_TOKENIZER.value)

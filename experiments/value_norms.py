@@ -18,7 +18,7 @@ item's results do not depend on --batch_size or on the items sharing its batch. 
 settings (a resume with other settings is refused); nothing is written before the first result.
 
 Outputs in --output_dir (default results/value_norms): results.jsonl (one line per model and prompt),
-<model>/fig1_value_norms.png (scatter of sink vs normal norms), <model>/value_norms_per_layer.png,
+<model>/fig1_value_norms.png (histograms of sink and normal norms), <model>/value_norms_per_layer.png,
 summary.json, summary.md (against the paper: LLaDA sinks ≈ 2–2.5 vs normal ≈ 7–8; Dream ≈ 3 vs 7–8.5).
 """
 
@@ -35,6 +35,7 @@ from dlm_jax.analysis import sinks
 from dlm_jax.instrument import sink_selection
 from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
+from experiments.reports import palette
 from experiments.common import (atomic_files, checkpoints, cli, decode_flags, decoding, devices, item_batches, items,
                                 numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags, validity)
 from experiments.reports import plots
@@ -43,14 +44,14 @@ from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-arm"],
-                                 "Checkpoints ([label=]DIR or tiny-dlm, tiny-arm, smollm2).")
+                                 f"Checkpoints ([label=]DIR or {', '.join(checkpoints.NAMES)}).")
 _N_PROMPTS = flags.DEFINE_integer("n_prompts", 8, "Prompts per model (0 = the whole task).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Prompts per sampler call (results do not depend on it).")
 _EPSILON = flags.DEFINE_float("epsilon", 3.0, "ε of the sink rule, > 0.")
 _LAYERS = flags.DEFINE_list("layers", [], "Layers to record (default: all).")
 _SAMPLES_PER_ITEM = flags.DEFINE_integer("samples_per_item", 2000, "Norms of each class kept per prompt for the "
-                                         "scatter plot.")
-_MAX_POINTS = flags.DEFINE_integer("max_points", 10000, "Points per class in the scatter plot (the paper shows "
+                                         "histogram.")
+_MAX_POINTS = flags.DEFINE_integer("max_points", 10000, "Norms per class in the histogram (the paper shows "
                                    "10K).")
 
 
@@ -172,14 +173,18 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
     lines.append(f"| {meta['label']} | {int(sink_count.sum())} | {int(normal_count.sum())} | {sink_mean:.3f} | "
                  f"{normal_mean:.3f} | {sink_mean / normal_mean:.2f} |")
     model_dir = os.path.join(out, meta["label"])
+    rng = np.random.default_rng(settings.decode.seed)
     samples = {"normal tokens": np.concatenate([r["normal_samples"] for r in rows]),
-               "sinks": np.concatenate([r["sink_samples"] for r in rows])}  # sinks drawn on top
-    scatter = plots.value_norm_scatter(samples, f"{meta['label']}: value norms of sink and normal tokens",
-                                       settings.max_points, settings.decode.seed)
-    atomic_files.save_figure(scatter, os.path.join(model_dir, "fig1_value_norms.png"))
+               "sinks": np.concatenate([r["sink_samples"] for r in rows])}
+    samples = {k: rng.choice(v, settings.max_points, replace=False) if v.size > settings.max_points else v
+               for k, v in samples.items()}  # at most --max_points per class, as the paper's 10K
+    histogram = plots.value_norm_histogram(samples, {"normal tokens": palette.NORMAL, "sinks": palette.SINK},
+                                         f"{meta['label']}: value norms of sink and normal tokens")
+    atomic_files.save_figure(histogram, os.path.join(model_dir, "fig1_value_norms.png"))
     bars = plots.grouped_bars([str(l) for l in meta["layers"]],
-                              {"sinks": np.nan_to_num(sink_layer), "normal": normal_layer},
-                              f"{meta['label']}: mean value norm per layer", "‖v‖₂")
+                              {"sinks": np.nan_to_num(sink_layer), "normal tokens": normal_layer},
+                              f"{meta['label']}: mean value norm per layer", "‖v‖₂",
+                              colours={"sinks": palette.SINK, "normal tokens": palette.NORMAL})
     atomic_files.save_figure(bars, os.path.join(model_dir, "value_norms_per_layer.png"))
   lines += ["", "Per layer (mean value norm, sinks / normal):", ""]
   for label, s in summary.items():

@@ -7,15 +7,24 @@ that cannot be used, a malformed task file — is reported as one line on stderr
 
 with exit code 1 and no traceback (`--verbose` prints the traceback too). Usage errors (`UsageError`:
 a combination of flags that does not make sense) add a pointer to `--helpfull` instead of printing the
-module docstring and every flag. Errors in flag parsing itself are absl's one line plus its pointer.
+module docstring and every flag. Errors in flag parsing itself (an unknown flag, a bad value, a missing
+required flag) take the same one-line form instead of absl's `FATAL Flags parsing error`.
+
+Ctrl-C (KeyboardInterrupt) ends any binary with one line saying how to go on, exit code 130:
+
+  experiments.<binary>: interrupted; <resume hint>
+
+The hint is "nothing was written; run the same command again" unless the binary set another with
+`set_resume_hint` (a run directory says its finished items are kept and the same command resumes).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import traceback
-from typing import Callable
+from typing import Callable, NoReturn
 
 from absl import app, flags
 
@@ -38,6 +47,17 @@ USER_ERRORS = (UserError, app.UsageError, CheckpointError, ConfigError, FileNotF
 """Exceptions `run` reports as one line: ours, and the library's errors about checkpoints, configs and files."""
 
 
+DEFAULT_RESUME_HINT = "nothing was written; run the same command again"
+_resume_hint = [DEFAULT_RESUME_HINT]
+INTERRUPTED_EXIT_CODE = 130
+_REQUIRED = re.compile(r"flag --(\w+)=None: Flag --\w+ must have a value other than None\.")
+
+
+def set_resume_hint(hint: str) -> None:
+  """What the Ctrl-C line says about going on (module docstring)."""
+  _resume_hint[0] = hint
+
+
 def program_name() -> str:
   """`experiments.<binary>` (or the script name) for error lines."""
   main = sys.modules.get("__main__")
@@ -47,7 +67,7 @@ def program_name() -> str:
   return os.path.basename(sys.argv[0]) if sys.argv else "experiments"
 
 
-def report(error: BaseException) -> None:
+def report(error: BaseException) -> NoReturn:
   """Writes the one-line error (and the traceback with --verbose) to stderr and exits with code 1."""
   if flags.FLAGS.is_parsed() and _VERBOSE.value:
     traceback.print_exception(error, file=sys.stderr)
@@ -58,10 +78,33 @@ def report(error: BaseException) -> None:
   sys.exit(1)
 
 
-def check_no_arguments(argv: list[str]) -> None:
-  """Refuses positional arguments (every input is a flag)."""
-  if len(argv) > 1:
-    raise UsageError(f"unexpected arguments {argv[1:]}; every input is a --flag")
+def flag_error_message(error: flags.Error) -> str:
+  """absl's flag-parsing error as our wording ("--checkpoint is required" for missing required flags)."""
+  text = " ".join(str(error).split())
+  missing = _REQUIRED.findall(text)
+  if not missing or _REQUIRED.sub("", text).strip():
+    return text
+  return f"--{' and --'.join(missing)} {'is' if len(missing) == 1 else 'are'} required"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parser with its errors reported as our one line (exit 1), not `FATAL Flags parsing error`."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as error:
+    report(UsageError(flag_error_message(error)))
+
+
+def interrupted() -> NoReturn:
+  """Writes the one-line Ctrl-C message (module docstring) and exits with code 130."""
+  print(f"{program_name()}: interrupted; {_resume_hint[0]}", file=sys.stderr)
+  sys.exit(INTERRUPTED_EXIT_CODE)
+
+
+def check_no_arguments(argv: list[str], allowed: int = 0) -> None:
+  """Refuses positional arguments (every input is a flag) beyond the `allowed` first ones."""
+  if len(argv) > 1 + allowed:
+    raise UsageError(f"unexpected arguments {argv[1 + allowed:]}; every other input is a --flag")
 
 
 def int_list(values: list[str], flag: str) -> tuple[int, ...]:
@@ -72,15 +115,18 @@ def int_list(values: list[str], flag: str) -> tuple[int, ...]:
     raise UsageError(f"--{flag}={','.join(values)}: expected comma-separated integers") from None
 
 
-def call(main: Callable[[list[str]], None], argv: list[str]) -> None:
-  """Runs `main(argv)` (flags parsed), reporting a user error as one line and exit code 1."""
+def call(main: Callable[[list[str]], None], argv: list[str], arguments: int = 0) -> None:
+  """Runs `main(argv)` (flags parsed), reporting a user error as one line and exit code 1; `arguments`
+  positional arguments are allowed (the binary checks them)."""
   try:
-    check_no_arguments(argv)
+    check_no_arguments(argv, arguments)
     main(argv)
   except USER_ERRORS as error:
     report(error)
+  except KeyboardInterrupt:
+    interrupted()
 
 
-def run(main: Callable[[list[str]], None]) -> None:
-  """`absl.app.run(main)` with user errors reported as one line (module docstring)."""
-  app.run(lambda argv: call(main, argv))
+def run(main: Callable[[list[str]], None], arguments: int = 0) -> None:
+  """`absl.app.run(main)` with user errors, flag errors and Ctrl-C reported as one line (module docstring)."""
+  app.run(lambda argv: call(main, argv, arguments), flags_parser=parse_flags)

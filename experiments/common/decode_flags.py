@@ -8,8 +8,9 @@ from absl import flags
 from experiments.common import decoding, items
 
 _SAMPLERS = flags.DEFINE_list("samplers", ["auto"], "Sampler per checkpoint (one value, or one per checkpoint): "
-                              "auto (ar for causal models, dream for shifted DLMs, llada otherwise), llada, mmada, "
-                              "dream, ar.")
+                              "auto (diffusion_gemma for DiffusionGemma-style models, ar for other causal models, "
+                              "block_diffusion for block-causal ones, dream for shifted DLMs, llada otherwise), llada, "
+                              "mmada, dream, ar, block_diffusion, diffusion_gemma.")
 _TASK = flags.DEFINE_string("task", "auto", "synthetic, simple, humaneval, a GSM8K-format .jsonl path, or auto "
                             "(synthetic for models trained on it, else simple).")
 _DATA_SEED = flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic task generator.")

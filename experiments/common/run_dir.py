@@ -23,7 +23,7 @@ from typing import Any
 
 from absl import logging
 
-from experiments.common import atomic_files
+from experiments.common import atomic_files, cli
 from experiments.common.cli import UserError
 
 RUN_FILE = "run.json"
@@ -77,6 +77,7 @@ class RunDir:
     self.created = False
     self.resumed = False
     self._check()
+    cli.set_resume_hint(f"the results finished so far are kept in {path}; run the same command again to resume")
 
   def _check(self) -> None:
     if os.path.exists(self.path) and not os.path.isdir(self.path):

@@ -11,6 +11,7 @@ import warnings
 import numpy as np
 
 from dlm_jax.analysis import routing
+from experiments.reports import figure_axes
 from experiments.common import atomic_files
 from experiments.reports import plots
 from experiments.common.decoding_modes import MODES
@@ -95,6 +96,57 @@ def _track_heads(grid: np.ndarray, layers: list[int], requested: list[str]) -> l
   return [tuple(int(i) for i in np.unravel_index(o, grid.shape)) for o in order]
 
 
+def token_strings(data, ids: np.ndarray) -> list[str] | None:
+  """The token text of ids [S] from an item .npz's vocab_ids / vocab_text (None for a run written before they
+  were recorded)."""
+  if "vocab_ids" not in data:
+    return None
+  vocab = dict(zip(data["vocab_ids"].tolist(), data["vocab_text"].tolist()))
+  return [vocab.get(int(i), "?") if i >= 0 else "·" for i in ids]
+
+
+def _read_tracks(model_dir: str) -> dict[str, dict[str, np.ndarray]]:
+  """{item id: arrays} of <model>/tracks/item_<id>.npz, in item order."""
+  folder = os.path.join(model_dir, "tracks")
+  if not os.path.isdir(folder):
+    return {}
+  names = [n for n in os.listdir(folder) if n.startswith("item_") and n.endswith(".npz")]
+  ids = sorted((n[len("item_"):-len(".npz")] for n in names), key=lambda i: (not i.isdigit(), int(i) if i.isdigit()
+                                                                            else 0, i))
+  out = {}
+  for item in ids:
+    with np.load(os.path.join(folder, f"item_{item}.npz")) as data:
+      out[item] = {k: data[k] for k in data.files}
+  return out
+
+
+def _moving_figure(label: str, meta: dict, tracks: dict[str, dict[str, np.ndarray]], step_label: str):
+  """The moving-sink figure (`plots.moving_sinks`) on the item and heads chosen by `figure_axes`' rule."""
+  ran = {item: a["largest"][:figure_axes.steps_that_ran(a["valid"])] for item, a in tracks.items()}
+  item = figure_axes.most_moving_item(ran)
+  if item is None:
+    return None
+  data, layers = tracks[item], meta["layers"]
+  heads = figure_axes.moving_heads(ran[item], k=4)
+  lp, total = int(data["prompt_length"]), data["tokens"].shape[-1]
+  block = meta.get("block_length")
+  blocks = list(range(lp + block, total, block)) if meta["diffusion"] and block else []
+  panels = [(f"layer {layers[l]} head {h}: {moves} move{'s' if moves != 1 else ''}", ran[item][:, l, h])
+            for l, h, moves in heads]
+  decode_step = np.full(total, -1)
+  if "step_index" in data:  # the sampler step of each position -> its index among the decoded steps shown
+    shown = data["step_index"][:len(ran[item])]
+    steps = data["decode_step"][:total - lp]
+    index = np.searchsorted(shown, steps)
+    found = (index < len(shown)) & (shown[np.minimum(index, len(shown) - 1)] == steps)
+    decode_step[lp:] = np.where(found, index, -1)
+  return plots.moving_sinks(
+      panels, f"{label}: moving sinks — largest sink per step, item {item}, the {len(heads)} heads whose largest "
+      "sink moves most\n(rule: most position changes between consecutive steps; item: where the top head moves "
+      "most)", tokens=token_strings(data, data["tokens"]), prompt_length=lp, block_starts=blocks,
+      decode_step=decode_step if meta["diffusion"] else None, xlabel=step_label)
+
+
 def model_figures(out: str, meta: dict, agg: dict, track_heads: list[str], figure_item: str) -> list[str]:
   """Writes the per-model PNGs; returns their paths relative to `out`."""
   label, layers = meta["label"], meta["layers"]
@@ -106,47 +158,57 @@ def model_figures(out: str, meta: dict, agg: dict, track_heads: list[str], figur
     written.append(os.path.join(label, name))
 
   save(plots.layer_head_grid(agg["main_sink_grid"], f"{label}: main-sink score per (layer, head), mean over "
-                             "steps and prompts (Fig. 5)"), "fig5_main_sink_grid.png")
+                             "steps and prompts (Fig. 5)", layers=layers), "fig5_main_sink_grid.png")
   if "routing" in agg:
     moe = [i for i, n in enumerate(agg["routing"]["sink_slots"] + agg["routing"]["nonsink_slots"]) if n]
     save(plots.expert_share_panels([f"layer {layers[i]}" for i in moe], agg["routing"]["sink_shares"][moe],
                                    agg["routing"]["nonsink_shares"][moe],
                                    f"{label}: experts chosen for sink tokens and for the others"),
          "fig_routing_sinks.png")
+  step_label = "denoising step" if meta["diffusion"] else "decoding step (0 = prefill)"
+  tracks = _read_tracks(model_dir)
+  if tracks:
+    save(_moving_figure(label, meta, tracks, step_label), "fig_moving_sinks.png")
   npz_path = os.path.join(model_dir, f"item_{figure_item}.npz")
   if not os.path.exists(npz_path):
     return written
   data = np.load(npz_path)
   lp = int(data["prompt_length"])
   total = data["layer_scores"].shape[-1]
+  ran = figure_axes.steps_that_ran(data["valid"])
+  tokens = token_strings(data, data["tokens"])
   block = meta.get("block_length")
   blocks = list(range(lp + block, total, block)) if meta["diffusion"] and block else []
-  picks = sorted({0, len(layers) // 2, len(layers) - 1})
+  picks = figure_axes.shown_layers(layers)
+  shown = ", ".join(str(layers[i]) for i in picks)
+  of_all = "all layers" if len(picks) == len(layers) else f"layers {shown} of the {len(layers)} recorded"
   xlabel = "key position"
-  step_label = "denoising step" if meta["diffusion"] else "decoding step (0 = prefill)"
-  panels = [(f"layer {layers[i]}, head mean", data["layer_scores"][:, i]) for i in picks]
-  save(plots.step_heatmaps(panels, f"{label}: incoming attention per key across steps, prompt {figure_item} "
-                           "(Fig. 1)", prompt_length=lp, block_starts=blocks, xlabel=xlabel, ylabel=step_label),
+  panels = [(f"layer {layers[i]}, head mean", data["layer_scores"][:ran, i]) for i in picks]
+  save(plots.step_heatmaps(panels, f"{label}: incoming attention per key across the {ran} steps that ran, prompt "
+                           f"{figure_item}, {of_all} (Fig. 1)", prompt_length=lp, block_starts=blocks,
+                           xlabel=xlabel, ylabel=step_label, tokens=tokens),
        "fig1_incoming_heatmap.png")
-  tracks = {f"layer {layers[l]} head {h}": data["largest"][:, l, h]
-            for l, h in _track_heads(agg["main_sink_grid"], layers, track_heads)}
-  save(plots.largest_sink_tracks(tracks, f"{label}: largest sink per step, prompt {figure_item} (Fig. 7)",
-                                 prompt_length=lp, total_length=total, block_starts=blocks), "fig7_largest_sink.png")
+  tracks_shown = {f"layer {layers[l]} head {h}": data["largest"][:ran, l, h]
+                  for l, h in _track_heads(agg["main_sink_grid"], layers, track_heads)}
+  save(plots.largest_sink_tracks(tracks_shown, f"{label}: largest sink per step, prompt {figure_item}, the heads "
+                                 "with the largest main-sink score (Fig. 7)", prompt_length=lp, total_length=total,
+                                 block_starts=blocks, tokens=tokens, xlabel=step_label), "fig7_largest_sink.png")
   if "group_incoming" in data:
-    groups = data["group_incoming"][:, -1]  # [steps, 2, S]
+    groups = data["group_incoming"][:ran, -1]  # [steps, 2, S]
     shares = groups / np.maximum(groups.sum(-1, keepdims=True), 1e-30)
     names = (("not-yet-accepted", "accepted") if meta["sampler"] == "diffusion_gemma" else ("masked", "unmasked"))
     panels = [(f"{names[0]} queries, layer {layers[-1]}", shares[:, 0]),
               (f"{names[1]} queries, layer {layers[-1]}", shares[:, 1])]
-    save(plots.step_heatmaps(panels, f"{label}: share of each query group's attention per key (Fig. 6a)",
-                             prompt_length=lp, block_starts=blocks, xlabel=xlabel, ylabel=step_label,
-                             colorbar_label="share of the group's attention"),
+    save(plots.step_heatmaps(panels, f"{label}: share of each query group's attention per key, last recorded layer "
+                             f"({layers[-1]}) (Fig. 6a)", prompt_length=lp, block_starts=blocks, xlabel=xlabel,
+                             ylabel=step_label, colorbar_label="share of the group's attention", tokens=tokens),
          "fig6a_query_groups.png")
   if not meta["diffusion"]:
     prefill = data["layer_scores"][0][:, :lp]  # [L', Lp]
     save(plots.step_heatmaps([("prefill (all prompt queries), head mean", prefill)],
                              f"{label}: incoming attention over the prompt per layer", xlabel="prompt position",
-                             ylabel="layer index (recorded layers)"), "prefill_incoming.png")
+                             ylabel="layer", tokens=tokens[:lp] if tokens else None,
+                             row_labels=[str(l) for l in layers]), "prefill_incoming.png")
   return written
 
 

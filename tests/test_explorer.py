@@ -1,0 +1,143 @@
+"""The decoding explorer in a real headless browser (Debian's chromium): the page of one small sink_analysis run
+(built once for the module, with --html) plus a sink_masking_eval run, checked against the run's own files —
+tokens, step count and each position's state in the DOM, screenshots at two slider positions that differ
+exactly where the trace says the canvas changed, no script errors, no network."""
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+
+from experiments.reports import explorer_page
+
+try:
+  from tests import experiments_fixtures as fx
+except ImportError:
+  import experiments_fixtures as fx
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+WINDOW = (1280, 1400)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """One tiny-dlm sink_analysis run (2 prompts, --html) and one sink_masking_eval run of the same items."""
+  root = tmp_path_factory.mktemp("explorer")
+  analysis, masking = root / "analysis", root / "masking"
+  fx.run_binary("sink_analysis", "--checkpoints=tiny-dlm", "--n_prompts=2", "--batch_size=2", "--html",
+                f"--output_dir={analysis}")
+  fx.run_binary("sink_masking_eval", "--checkpoints=tiny-dlm", "--n_items=2", "--batch_size=2", "--mask_top_k=0,1",
+                f"--output_dir={masking}")
+  (analysis / "captures").mkdir()
+  (analysis / "captures" / "lens.json").write_text(json.dumps(
+      {"title": "A later capture", "kind": "grid", "rows": ["layer 0", "layer 1"], "cols": ["a", "b", "c"],
+       "values": [[0.1, 0.2, 0.3], [0.4, 0.5, 0.625]], "note": "a grid panel"}))
+  page = root / "page.html"
+  explorer_page.write_page(str(analysis), str(page), str(masking))
+  with np.load(analysis / "tiny-dlm" / "item_0.npz") as npz:
+    arrays = {k: npz[k] for k in npz.files}
+  return {"analysis": analysis, "masking": masking, "page": page, "arrays": arrays}
+
+
+def _chromium(*args: str) -> subprocess.CompletedProcess:
+  profile = tempfile.mkdtemp(prefix="chromium-profile-")
+  try:
+    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                           "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
+                           "--force-device-scale-factor=1", f"--user-data-dir={profile}",
+                           f"--window-size={WINDOW[0]},{WINDOW[1]}", "--virtual-time-budget=3000", *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+  finally:
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def _dom(page, fragment: str) -> str:
+  done = _chromium("--dump-dom", f"file://{page}#{fragment}")
+  assert "<body" in done.stdout, done.stderr[-2000:]
+  return done.stdout
+
+
+def _screenshot(page, fragment: str, path) -> np.ndarray:
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  _chromium(f"--screenshot={path}", f"file://{page}#{fragment}")
+  return np.asarray(Image.open(path).convert("RGB"), np.int16)
+
+
+def _expected_states(arrays, t: int) -> list[str]:
+  """Each position's state after the t-th decoded step, from the trace: prompt / decoded / fresh / masked."""
+  lp, step = int(arrays["prompt_length"]), int(arrays["step_index"][t])
+  states = ["prompt"] * lp
+  for d in arrays["decode_step"][:arrays["tokens"].shape[-1] - lp]:
+    states.append("masked" if d > step else "fresh" if d == step else "decoded")
+  return states
+
+
+def _spans(dom: str) -> list[tuple[str, str]]:
+  """(state, text) of the canvas panel's token spans."""
+  canvas = dom[dom.index('id="canvas-tokens"'):dom.index("</div>", dom.index('id="canvas-tokens"'))]
+  return [(m.group(1), m.group(2)) for m in re.finditer(r'data-state="(\w+)"[^>]*>([^<]*)</span>', canvas)]
+
+
+def test_page_is_one_self_contained_file(run):
+  for page in (run["page"], run["analysis"] / explorer_page.PAGE_FILE):
+    text = page.read_text(encoding="utf-8")
+    assert page.stat().st_size < 5e6
+    assert not re.search(r"https?://|<link|<script[^>]+src=|<img|@import|fetch\(", text)
+  data = explorer_page.page_data(str(run["analysis"]), str(run["masking"]))
+  assert data["masking"]["models"]["tiny-dlm"]["item"] == "0"
+  assert [r["k"] for r in data["masking"]["models"]["tiny-dlm"]["rows"]] == [0, 1]
+
+
+def test_explore_binary_refuses_to_write_into_its_input(run, tmp_path):
+  inside = fx.run_module("experiments.explore", str(run["analysis"]),
+                         f"--html_out={run['analysis'] / 'x.html'}")
+  assert inside.returncode == 1 and "an input" in inside.stderr and not (run["analysis"] / "x.html").exists()
+  done = fx.run_module("experiments.explore", str(run["analysis"]), f"--masking_dir={run['masking']}",
+                       f"--html_out={tmp_path / 'page.html'}")
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert (tmp_path / "page.html").read_text(encoding="utf-8") == run["page"].read_text(encoding="utf-8")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium); CI has it")
+def test_browser_plays_the_trace(run, tmp_path):
+  arrays, page = run["arrays"], run["page"]
+  vocab = dict(zip(arrays["vocab_ids"].tolist(), arrays["vocab_text"].tolist()))
+  steps = len(arrays["step_index"])
+  last = steps - 1
+  early = _dom(page, "model=tiny-dlm&step=0&layer=1&head=2")
+  late = _dom(page, f"model=tiny-dlm&step={last}&layer=1&head=2")
+  for dom, t in ((early, 0), (late, last)):
+    assert 'data-ready="1"' in dom and f'data-steps="{steps}"' in dom and f'data-step="{t}"' in dom
+    assert re.search(r'<pre id="errors">\s*</pre>', dom), dom[dom.index('id="errors"'):][:500]
+    spans = _spans(dom)
+    assert [s for s, _ in spans] == _expected_states(arrays, t)
+    for position, (state, text) in enumerate(spans):  # decoded and prompt tokens are the run's tokens
+      if state != "masked":
+        assert text.replace("&amp;", "&") == vocab[int(arrays["tokens"][position])], position
+  assert "top-1" in late and "layer 1, head 2" in late  # the masking panel and the chosen layer and head
+  assert "A later capture" in late and "0.625" in late  # a captures/*.json grid panel
+
+  before, after = _screenshot(page, "step=0", tmp_path / "a.png"), _screenshot(page, f"step={last}", tmp_path / "b.png")
+  rects_before = json.loads(re.search(r'<pre id="layout" hidden="">(.*?)</pre>', early).group(1))
+  rects_after = json.loads(re.search(r'<pre id="layout" hidden="">(.*?)</pre>', late).group(1))
+  states_before, states_after = _expected_states(arrays, 0), _expected_states(arrays, last)
+  changed = unchanged = 0
+  for position, (a, b) in enumerate(zip(states_before, states_after)):
+    x, y, w, h = rects_before[position]
+    if y + h > WINDOW[1]:
+      continue
+    region_a = before[y:y + h, x:x + w]
+    if a == b == "prompt":  # the prompt never changes: same pixels at both steps
+      assert rects_after[position] == rects_before[position]
+      assert np.array_equal(region_a, after[y:y + h, x:x + w]), position
+      unchanged += 1
+    elif a != b:  # a position the trace decoded between the two steps: its pixels changed
+      x2, y2, w2, h2 = rects_after[position]
+      assert region_a.shape != after[y2:y2 + h2, x2:x2 + w2].shape or not np.array_equal(
+          region_a, after[y2:y2 + h2, x2:x2 + w2]), position
+      changed += 1
+  assert changed > 0 and unchanged > 0
