@@ -19,7 +19,8 @@ project = "dlm_jax"
 author = "dlm_jax authors"
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
-exclude_patterns = ["_build"]
+# table.md files are fragments of their summary.md (headings from H2).
+exclude_patterns = ["_build", "results/**/table.md"]
 myst_heading_anchors = 3
 myst_enable_extensions = ["dollarmath"]
 default_role = "code"
