@@ -1,6 +1,7 @@
 """Every `python -m experiments.* / converters.* / benchmarks.*` command in README.md, BUILD.md and the guides
 (docs/guides/*.md) parses as written: its module exists, every flag exists and takes its value, no stray
-arguments (shell variables of the same code block are expanded by bash). The quick ones on the embedded models run as written."""
+arguments (shell variables of the same code block are expanded by bash). The quick ones on the embedded
+models run as written."""
 
 import glob
 import json
