@@ -3,6 +3,7 @@ every ```python block of the guides (and README.md) runs as written — in order
 file, from the repository root."""
 
 import glob
+import importlib.util
 import os
 import re
 import subprocess
@@ -42,6 +43,18 @@ def test_site_builds_without_warnings(tmp_path):
   missing = [name for name in _public_modules() if f'id="module-{name}"' not in api]
   assert not missing, f"modules missing from the API reference: {missing}"
   assert len(_public_modules()) > 20
+
+
+def test_docstring_paragraph_breaks():
+  """The conf.py hook adds a blank line at each indentation change, except inside a literal block."""
+  spec = importlib.util.spec_from_file_location("docs_conf", os.path.join(ROOT, "docs", "conf.py"))
+  conf = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(conf)
+  lines = ["Intro:", "  step: the step,", "    continued.", "  tokens: ids.", "After.", "Code::", "",
+           "    a = 1", "      b = 2", "    c = 3", "", "End."]
+  assert conf.paragraph_breaks(lines) == [
+      "Intro:", "", "  step: the step,", "", "    continued.", "", "  tokens: ids.", "", "After.", "Code::", "",
+      "    a = 1", "      b = 2", "    c = 3", "", "End."]
 
 
 def test_guides_exist():
