@@ -46,7 +46,8 @@ def test_site_builds_without_warnings(tmp_path):
 
 
 def test_docstring_paragraph_breaks():
-  """The conf.py hook adds a blank line at each indentation change, except inside a literal block."""
+  """The conf.py hook adds a blank line at each indentation change, except inside a literal block (after
+  which it adds one, as reStructuredText needs)."""
   spec = importlib.util.spec_from_file_location("docs_conf", os.path.join(ROOT, "docs", "conf.py"))
   conf = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(conf)
