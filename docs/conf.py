@@ -22,7 +22,6 @@ source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 # table.md files are fragments of their summary.md (headings from H2).
 exclude_patterns = ["_build", "results/**/table.md"]
 myst_heading_anchors = 3
-myst_enable_extensions = ["dollarmath"]
 default_role = "code"
 autodoc_default_options = {"members": True, "undoc-members": False, "show-inheritance": True, "ignore-module-all": True}
 autodoc_member_order = "bysource"
@@ -32,7 +31,6 @@ napoleon_numpy_docstring = False
 napoleon_use_ivar = True
 html_theme = "alabaster"
 html_title = "dlm_jax"
-html_theme_options = {"nosidebar": False}
 
 
 def api_modules(package: str = "dlm_jax") -> list[str]:
