@@ -254,3 +254,23 @@ def test_train_state_roundtrip(tmp_path):
   assert step == 10 and int(restored["count"]) == 7
   with pytest.raises(checkpoint.CheckpointError, match="No training checkpoint"):
     checkpoint.restore_train_state(tmp_path / "empty", abstract)
+
+
+def test_load_by_embedded_name(tmp_path, monkeypatch):
+  """"tiny-dlm" loads the packaged model (tensors equal to its safetensors file read here), unless a
+  directory of that name exists in the working directory, which then wins."""
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  packaged = os.path.join(os.path.dirname(checkpoint.__file__), "default_models", "tiny-dlm")
+  monkeypatch.chdir(tmp_path)
+  config, params = checkpoint.load("tiny-dlm")
+  assert config.name == "tiny-dlm"
+  stored = load_file(os.path.join(packaged, "model.safetensors"))
+  loaded = _flat_numpy(params)
+  assert sorted(loaded) == sorted(stored)
+  for name, value in stored.items():
+    np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+  local_config, local_params = _params("tiny-llada")
+  checkpoint.save(tmp_path / "tiny-dlm", local_config, local_params)
+  assert checkpoint.load("tiny-dlm")[0] == local_config
+  with pytest.raises(checkpoint.CheckpointError, match="tiny-nonexistent"):
+    checkpoint.load("tiny-nonexistent")

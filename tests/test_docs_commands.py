@@ -1,7 +1,9 @@
-"""Every `python -m experiments.* / converters.* / benchmarks.*` command in README.md and BUILD.md parses as
-written: its module exists, every flag exists and takes its value, no stray arguments (shell variables of
-the same code block are expanded by bash). The quick ones on the embedded models run as written."""
+"""Every `python -m experiments.* / converters.* / benchmarks.*` command in README.md, BUILD.md and the guides
+(docs/guides/*.md) parses as written: its module exists, every flag exists and takes its value, no stray
+arguments (shell variables of the same code block are expanded by bash). The quick ones on the embedded
+models run as written."""
 
+import glob
 import json
 import os
 import re
@@ -11,7 +13,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ("README.md", "BUILD.md")
+DOCS = ("README.md", "BUILD.md") + tuple(sorted(os.path.relpath(path, ROOT)
+                                                 for path in glob.glob(os.path.join(ROOT, "docs", "guides", "*.md"))))
 COMMAND = re.compile(r"python -m ((?:experiments|converters|benchmarks)\.\w+)")
 ASSIGNMENT = re.compile(r"^[A-Z_]+=")
 RUN_AS_WRITTEN = ("experiments.generate", "experiments.forward")

@@ -22,7 +22,7 @@ Definitions (see ../shared/reference/papers.md §A.3, §A.5, §B.2, §C1, §C2):
 * Moving sinks, on a trajectory over denoising steps of one (layer, head) or of an aggregate:
   the *largest sink* at a step is the sink with the highest score (−1 when no key is a sink);
   change rate = fraction of consecutive step pairs, both with a largest sink, whose positions differ;
-  drift = mean |Δ position| (or signed Δ) of the largest sink over those pairs; lifetimes = lengths of
+  drift = mean `|Δ position|` (or signed Δ) of the largest sink over those pairs; lifetimes = lengths of
   the maximal runs of consecutive steps in which a position is a sink (runs cut by the end of the
   trajectory are counted as they are); centroid variance (Sink-Aware Pruning, C1): variance over steps
   of c_t = Σ_{j∈sinks_t} C_j·j / Σ_{j∈sinks_t} C_j.
@@ -93,7 +93,7 @@ def largest_sink_change_rate(positions: ArrayLike) -> np.ndarray:
 
 
 def largest_sink_drift(positions: ArrayLike, signed: bool = False) -> np.ndarray:
-  """float [...]: mean |p_t − p_{t−1}| (signed: mean p_t − p_{t−1}; > 0 moves right) of the largest
+  """float [...]: mean `|p_t − p_{t−1}|` (signed: mean p_t − p_{t−1}; > 0 moves right) of the largest
   sink over consecutive steps that both have one. positions: int [steps, ...]; NaN without pairs."""
   prev, cur, both = _consecutive_pairs(positions)
   delta = (cur - prev).astype(np.float64)

@@ -37,6 +37,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from dlm_jax import default_models
 from dlm_jax import model as model_lib
 from dlm_jax.config import ConfigError, ModelConfig
 
@@ -410,7 +411,8 @@ def load(directory: str | os.PathLike, *, dtype: Any = None,
   """Loads a converted directory into (config, params).
 
   Args:
-    directory: a directory written by `save` or the converters.
+    directory: a directory written by `save` or the converters, or the name of an embedded default model
+      (`dlm_jax.default_models.NAMES`, e.g. "tiny-dlm") when no directory of that name exists.
     dtype: cast every tensor to this dtype (e.g. jnp.float32); None keeps the stored dtypes.
     shardings: None (default device), one `jax.sharding.Sharding` for every tensor, or a dict of dotted
       tensor name -> Sharding (flat, or nested like the params tree); tensors not named go to the default
@@ -424,6 +426,8 @@ def load(directory: str | os.PathLike, *, dtype: Any = None,
     ConfigError: config.json lacks a field or has an invalid value.
   """
   directory = os.fspath(directory)
+  if directory in default_models.NAMES and not os.path.isdir(directory):
+    directory = default_models.path(directory)
   config = read_config(directory)
   expected = expected_tensors(config)
   locations = tensor_files(directory)

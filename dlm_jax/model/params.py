@@ -89,7 +89,7 @@ def init_params(config: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -
 
 
 def abstract_params(config: ModelConfig, dtype: Any = jnp.bfloat16) -> Params:
-  """The parameter tree as `jax.ShapeDtypeStruct`s, without allocating anything."""
+  """The parameter tree as `jax.ShapeDtypeStruct` leaves, without allocating anything."""
   return jax.eval_shape(lambda: init_params(config, jax.random.key(0), dtype))
 
 

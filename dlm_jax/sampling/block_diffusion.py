@@ -37,7 +37,7 @@ Rule per step; candidates = the block's masked positions, each with a proposal x
   * "llada2" (LLaDA2.0's sampler, SDAR's `low_confidence_dynamic`): step j of a block has the quota q_j of
     splitting the block length L (not the mask count) over n = min(steps, gen_length) steps (LLaDA2's cap
     with minimal_topk 1): ⌊L/n⌋, plus one for the first L mod n steps. H = candidates with p > τ (strict);
-    if |H| ≥ q_j, H is committed, else the min(q_j, #candidates) most confident candidates
+    if `|H|` ≥ q_j, H is committed, else the min(q_j, #candidates) most confident candidates
     (`parallel.quota_threshold_transfer`; threshold None = the quota alone). A block ends within n steps.
   * "fast_dllm": Fast-dLLM's threshold rule (`parallel.threshold_transfer`: p ≥ τ, and always the most
     confident candidate); a block takes the steps it needs, at most L (`steps` is unused).
@@ -452,8 +452,8 @@ Args:
   config: model config (static).
   options: `BlockDiffusionOptions` (static).
   key: PRNG key (temperature > 0); default key(0); or [B] keys, one per row.
-  prompt_mask, stats_spec, intervention, intervention_state, sink_top_k, attention_impl, query_chunk, loop,
-    record_intervention: see `dlm_jax.sampling.driver.run_family`.
+  prompt_mask, stats_spec, intervention, intervention_state: see `dlm_jax.sampling.driver.run_family`.
+  sink_top_k, attention_impl, query_chunk, loop, record_intervention: see `driver.run_family`.
 
 Returns:
   `Trace` with tokens [B, T] (T = ⌈(Lp + G)/L⌉·L), decode_step [B, T − Lp], nfe (prefill and commits

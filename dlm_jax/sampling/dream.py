@@ -309,8 +309,8 @@ Args:
   options: `DreamOptions` (static).
   key: PRNG key; default key(0); or [B] keys, one per row (see `dlm_jax.sampling.driver.run_family`).
   prompt_mask: [B, Lp] 1 = real token, 0 = pad; None = no padding.
-  stats_spec, intervention, intervention_state, sink_top_k, attention_impl, query_chunk, loop,
-    record_intervention: see `dlm_jax.sampling.driver.run_family`.
+  stats_spec, intervention, intervention_state: see `dlm_jax.sampling.driver.run_family`.
+  sink_top_k, attention_impl, query_chunk, loop, record_intervention: see `driver.run_family`.
 
 Returns:
   `Trace` with tokens [B, Lp + G], decode_step [B, G], nfe (= steps for the exact sampler; the model calls

@@ -51,7 +51,7 @@ def factor_transfer(confidence: jax.Array, candidates: jax.Array, factor: float)
 
 def quota_threshold_transfer(confidence: jax.Array, candidates: jax.Array, threshold: float | None,
                              quota: jax.Array) -> jax.Array:
-  """H = candidates with confidence > threshold (strict; none when threshold is None); H where |H| >= quota,
+  """H = candidates with confidence > threshold (strict; none when threshold is None); H where `|H|` >= quota,
   else the min(quota, #candidates) most confident candidates. confidence, candidates [B, W], quota scalar or
   [B] int -> [B, W] bool."""
   scores = _candidate_confidence(confidence, candidates)
