@@ -347,7 +347,7 @@ def check_training_width(label: str, record: dict, prompt_length: int, gen_lengt
 
 
 def _intervention(sampler: str, top_k: int):
-  from dlm_jax import interventions  # pylint: disable=import-outside-toplevel
+  from dlm_jax.instrument import interventions  # pylint: disable=import-outside-toplevel
   if top_k <= 0:
     return interventions.NO_INTERVENTION
   if sampler == "ar":
@@ -379,7 +379,7 @@ def reply_text(tokenizer, generated: list[int], end_ids: set[int]) -> str:
 
 def main(argv):
   del argv
-  from dlm_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from dlm_jax.io import checkpoint  # pylint: disable=import-outside-toplevel
   from dlm_jax.instrument.stats import NO_STATS, StatsSpec  # pylint: disable=import-outside-toplevel
   from dlm_jax.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
   runtime_settings = runtime_flags.from_flags()

@@ -212,7 +212,7 @@ def _perplexity_texts(settings: Settings, model) -> list[list[int]]:
 
 def run_perplexity(settings: Settings, model, runtime, log) -> None:
   """Teacher-forced perplexity of every text under every condition not finished yet."""
-  from experiments import perplexity  # pylint: disable=import-outside-toplevel
+  from experiments.common import perplexity  # pylint: disable=import-outside-toplevel
   ks = list(settings.mask_top_k)
   names = perplexity.condition_names(ks)
   texts = _perplexity_texts(settings, model)

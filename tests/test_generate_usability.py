@@ -81,7 +81,8 @@ def test_embedded_models_answer_in_their_training_layout(runs):
 
 
 def test_reply_ends_at_eos_unless_told_not_to(runs):
-  from dlm_jax import checkpoint, default_models  # pylint: disable=import-outside-toplevel
+  from dlm_jax import default_models
+  from dlm_jax.io import checkpoint  # pylint: disable=import-outside-toplevel
   from dlm_jax.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
   cases, _, out = runs
   directory = default_models.path("tiny-arm")

@@ -140,7 +140,7 @@ def test_bad_overrides_name_the_value(converted, tmp_path):
 def test_qwen3_chat_template_from_chat_template_jinja(tmp_path):
   """Qwen3's template (recognised by its enable_thinking switch, in chat_template.jinja as the A2D and SDAR
   repos ship it): ChatML, no default system turn, thinking off (an empty think block)."""
-  from experiments import chat  # pylint: disable=import-outside-toplevel
+  from experiments.common import chat  # pylint: disable=import-outside-toplevel
   (tmp_path / "chat_template.jinja").write_text(
       "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
       "{%- endif %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined "

@@ -122,7 +122,7 @@ def test_block_diffusion_routing_covers_the_computed_block_only():
 
 
 def test_expert_counts_shares_and_js_divergence_against_loops():
-  from dlm_jax import routing  # pylint: disable=import-outside-toplevel
+  from dlm_jax.analysis import routing  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   experts = rng.integers(-1, 5, size=(3, 2, 7, 2))
   select = rng.random((3, 2, 7)) > 0.4

@@ -36,7 +36,7 @@ def complete(directory: str, questions: Sequence[str], *, prompt_len: int | None
   sampler settings (default steps = gen_length, one block).
   """
   # Heavy imports stay local: the task readers must not pull in the samplers.
-  from dlm_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from dlm_jax.io import checkpoint  # pylint: disable=import-outside-toplevel
   from dlm_jax.sampling import autoregressive, llada  # pylint: disable=import-outside-toplevel
   from dlm_jax.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
 
@@ -56,7 +56,7 @@ def complete(directory: str, questions: Sequence[str], *, prompt_len: int | None
       options = llada.LLaDAOptions(gen_length=gen_length, steps=steps or gen_length, block_length=block_length)
       kwargs = {}
       if sink != "none":
-        from dlm_jax import interventions  # pylint: disable=import-outside-toplevel
+        from dlm_jax.instrument import interventions  # pylint: disable=import-outside-toplevel
         if sink != "front":
           raise NotImplementedError("Only a front sink token can be evaluated (it sits in the prompt).")
         prompt = np.asarray(interventions.add_sink_token(prompt, tokenizer.token_to_id("[SINK]"), "front"))

@@ -270,7 +270,7 @@ def save_converted(directory: str, config: ModelConfig, params: Any, tokenizer: 
   """Writes `directory` atomically with `dlm_jax.io.checkpoint.save` (config.json, model.safetensors), plus
   tokenizer.json given a `tokenizers.Tokenizer` and training.json given a record of the run. An existing
   directory is replaced."""
-  from dlm_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from dlm_jax.io import checkpoint  # pylint: disable=import-outside-toplevel
 
   with checkpoint.atomic_output_dir(directory, overwrite=True) as tmp:
     checkpoint.save(tmp, config, params)
@@ -283,6 +283,6 @@ def save_converted(directory: str, config: ModelConfig, params: Any, tokenizer: 
 
 def load_converted(directory: str) -> tuple[ModelConfig, Any]:
   """(config, float32 params) of a converted directory (`dlm_jax.io.checkpoint.load`)."""
-  from dlm_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from dlm_jax.io import checkpoint  # pylint: disable=import-outside-toplevel
 
   return checkpoint.load(directory, dtype=np.float32)

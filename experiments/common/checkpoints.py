@@ -130,7 +130,9 @@ class Model:
 
 def load_params(directory: str, runtime, dtype: Any = None):
   """(config, params) of a converted directory, placed with `param_shardings` on the mesh if any."""
-  from dlm_jax import checkpoint, model, sharding  # pylint: disable=import-outside-toplevel
+  from dlm_jax import model
+  from dlm_jax.io import checkpoint
+  from dlm_jax.runtime import sharding  # pylint: disable=import-outside-toplevel
   if runtime.mesh is None:
     return checkpoint.load(directory, dtype=dtype)
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -147,7 +149,7 @@ def prepare(entry: str, sampler: str, prompt_format: str) -> Model:
   """A checkpoint entry checked and described without loading its weights (params None): config,
   tokenizer, training record, sampler ("auto" resolved) and prompt format ("auto": training when the
   checkpoint has a training.json with a prompt width, chat otherwise)."""
-  from dlm_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  from dlm_jax.io import checkpoint  # pylint: disable=import-outside-toplevel
   from dlm_jax.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
   label, directory = resolve(entry)
   config = checkpoint.read_config(directory)

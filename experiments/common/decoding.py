@@ -215,14 +215,14 @@ def base_intervention(model: Model):
   """The intervention every call of this model needs (the extra sink token), or None."""
   if model.sink_token == "none":
     return None
-  from dlm_jax import interventions  # pylint: disable=import-outside-toplevel
+  from dlm_jax.instrument import interventions  # pylint: disable=import-outside-toplevel
   return interventions.SinkToken("front")
 
 
 def combined_intervention(model: Model, intervention=None):
   """The model's own intervention (the extra sink token, if any) composed with `intervention` (first the
   sink token, then the other: a `Compose` whose state is (sink state, other state))."""
-  from dlm_jax import interventions  # pylint: disable=import-outside-toplevel
+  from dlm_jax.instrument import interventions  # pylint: disable=import-outside-toplevel
   parts = [p for p in (base_intervention(model), intervention) if p is not None]
   if not parts:
     return interventions.NO_INTERVENTION

@@ -95,7 +95,7 @@ def check_fits(model_config: config_lib.ModelConfig, tc: train_loop.TrainConfig,
   try:
     tc.objective_spec().check(model_config)
     if mesh is not None:
-      from dlm_jax import sharding  # pylint: disable=import-outside-toplevel
+      from dlm_jax.runtime import sharding  # pylint: disable=import-outside-toplevel
       sharding.check_batch(tc.batch_size, mesh)
   except ValueError as e:
     raise UserError(str(e)) from None

@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib import colors  # noqa: E402
 
-from experiments import figure_axes, palette  # noqa: E402
+from experiments.reports import figure_axes, palette  # noqa: E402
 
 _CMAP = palette.HEATMAP
 _OUTSIDE = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
