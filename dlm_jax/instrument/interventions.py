@@ -515,3 +515,11 @@ def flat_parts(intervention: Intervention) -> tuple[Intervention, ...]:
   if not isinstance(intervention, Compose):
     return (intervention,)
   return tuple(leaf for part in intervention.parts for leaf in flat_parts(part))
+
+
+def refuse_end_sink_token(intervention: Intervention, sampler: str, why: str) -> None:
+  """Raises when `intervention` holds `SinkToken(position="end")`, which `sampler` cannot run (`why`)."""
+  if any(isinstance(part, SinkToken) and part.position == "end"
+         for part in flat_parts(intervention)):
+    raise ValueError(f"SinkToken(position='end') cannot run with {sampler}: {why}; use position='front' (the sink "
+                     "as the prompt's first token).")

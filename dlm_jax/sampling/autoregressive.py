@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.interventions import Intervention
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import driver, keys, padding
 from dlm_jax.sampling.selection import filter_top_k, filter_top_p
@@ -99,7 +100,8 @@ class ARFamily(driver.Family):
   def fill_id(self) -> int:
     return self.pad_id
 
-  def check(self, config: ModelConfig) -> None:
+  def check(self, config: ModelConfig, intervention: Intervention) -> None:
+    del intervention
     if not config.causal:
       raise ValueError(f"Autoregressive decoding needs a causal model; config {config.name!r} is bidirectional.")
 

@@ -212,14 +212,6 @@ class BlockDiffusionCarry:
   cache: KVCache | None = None
 
 
-def _refuse_end_sink(intervention: interventions.Intervention) -> None:
-  if any(isinstance(part, interventions.SinkToken) and part.position == "end"
-         for part in interventions.flat_parts(intervention)):
-    raise ValueError("SinkToken(position='end') cannot run with block diffusion: the last canvas position lies "
-                     "in the last block, which no earlier block sees under block-causal attention; use "
-                     "position='front' (the sink as the prompt's first token).")
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
   """Block diffusion (module docstring) with resolved ids; canvas_gen = T − Lp, the generated positions."""
@@ -236,7 +228,9 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
   def gen_length(self) -> int:
     return self.canvas_gen
 
-  def check(self, config: ModelConfig) -> None:
+  def check(self, config: ModelConfig, intervention: interventions.Intervention) -> None:
+    interventions.refuse_end_sink_token(intervention, "block diffusion", "the last canvas position lies in the last "
+                                        "block, which no earlier block sees under block-causal attention")
     length = self.options.block_length
     if config.attention_block_size is None:
       raise ValueError(f"Block diffusion needs a block-causal model: config {config.name!r} has "
@@ -264,10 +258,6 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
     if o.cache:
       return (driver.Phase(steps=(last - first + 1) * (o.step_bound + 1) - 1, opening=first > 0),)
     return tuple(driver.Phase(arg=k, steps=o.step_bound) for k in range(first, last + 1))
-
-  def constants(self, run, canvas, layout: padding.PaddingLayout) -> padding.PaddingLayout:
-    _refuse_end_sink(run.caller.intervention)
-    return layout
 
   def init_carry(self, run, params, canvas, key, consts) -> BlockDiffusionCarry:
     b = canvas.shape[0]

@@ -208,20 +208,15 @@ class DiffusionGemmaFamily(driver.Family):
   def n_steps(self) -> int:
     return self.options.max_denoising_steps
 
-  def check(self, config: ModelConfig) -> None:
+  def check(self, config: ModelConfig, intervention: interventions.Intervention) -> None:
+    """Refuses a non-DiffusionGemma model and `SinkToken(position="end")` (module docstring, "Interventions")."""
+    interventions.refuse_end_sink_token(intervention, "DiffusionGemma sampling", "the last position lies on the "
+                                        "last canvas, whose tokens are renoised at every decoder step, so no sink "
+                                        "token stays there")
     if not (config.self_conditioning and config.causal):
       raise ValueError(f"DiffusionGemma sampling needs a DiffusionGemma model (causal encoder, self-conditioning "
                        f"decoder); config {config.name!r} has causal={config.causal}, "
                        f"self_conditioning={config.self_conditioning}.")
-
-  def constants(self, run, canvas, layout: padding.PaddingLayout) -> padding.PaddingLayout:
-    """The padding layout; refuses `SinkToken(position="end")` (module docstring, "Interventions")."""
-    if any(isinstance(part, interventions.SinkToken) and part.position == "end"
-           for part in interventions.flat_parts(run.caller.intervention)):
-      raise ValueError("SinkToken(position='end') cannot run with DiffusionGemma sampling: the last position lies "
-                       "on the last canvas, whose tokens are renoised at every decoder step, so no sink token "
-                       "stays there; use position='front' (the sink as the prompt's first token).")
-    return layout
 
   def phases(self, run) -> tuple[driver.Phase, ...]:
     """One phase per canvas: its encoder call (the prompt, or the previous canvas) opens it, then at most N

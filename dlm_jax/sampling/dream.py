@@ -48,6 +48,7 @@ import numpy as np
 from flax import struct
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.interventions import Intervention
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import blocks, dream_blockwise, driver, keys, padding
 from dlm_jax.sampling.schedules import dream_transfer_count, dream_transfer_fractions
@@ -220,7 +221,8 @@ class DreamFamily(driver.MaskedDiffusionFamily):
   padding_attention = "outer"
   shift_positions = True
 
-  def check(self, config: ModelConfig) -> None:
+  def check(self, config: ModelConfig, intervention: Intervention) -> None:
+    del intervention
     if config.logit_shift != 1:
       raise ValueError(f"Dream sampling reads shifted logits; config {config.name!r} has logit_shift=0 "
                        "(use dlm_jax.sampling.llada for unshifted models).")

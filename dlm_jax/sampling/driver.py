@@ -117,8 +117,8 @@ class Family:
     del run
     return (Phase(steps=self.n_steps),)
 
-  def check(self, config: ModelConfig) -> None:
-    del config
+  def check(self, config: ModelConfig, intervention: Intervention) -> None:
+    del config, intervention
 
   def constants(self, run: Run, canvas: jax.Array, layout: padding.PaddingLayout) -> Any:
     del run, canvas
@@ -344,7 +344,7 @@ def run_family(
       raise ValueError(f"prompt_mask must have the prompt's shape {prompt.shape}, got {prompt_mask.shape}.")
   if loop not in ("scan", "python"):
     raise ValueError(f"loop must be 'scan' or 'python', got {loop!r}.")
-  family.check(config)
+  family.check(config, intervention)
   b, lp = prompt.shape
   total = lp + family.gen_length
   plan = make_plan(config, stats_spec, intervention, sink_top_k, padded=prompt_mask is not None)
