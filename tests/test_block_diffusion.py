@@ -401,9 +401,12 @@ def test_models_it_cannot_run_are_refused(config, message):
     bd.generate(peaked_params(), prompts(1), config=config, options=options)
 
 
-def test_an_end_sink_token_is_refused():
+def test_an_end_sink_token_is_refused_before_tracing():
+  from dlm_jax.sampling.driver import TRACE_COUNTS  # pylint: disable=import-outside-toplevel
+  traced = TRACE_COUNTS["block_diffusion"]
   with pytest.raises(ValueError, match=r"SinkToken\(position='end'\)"):
     _run(prompts(1), _options(CASES["llada2"]), intervention=iv.Compose((iv.SinkToken(position="end"),)))
+  assert TRACE_COUNTS["block_diffusion"] == traced
 
 
 @pytest.mark.parametrize("values, message", [
