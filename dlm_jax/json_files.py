@@ -39,15 +39,15 @@ def parse_json(data: bytes, where: str, error: type[Exception] = ValueError, exp
   try:
     text = data.decode("utf-8")
   except UnicodeDecodeError as e:
-    raise error(f"{where}: not UTF-8 text (byte {e.start} is 0x{data[e.start]:02x})") from None
+    raise error(f"{where} is not valid UTF-8 text (byte {e.start} is 0x{data[e.start]:02x})") from None
   try:
     value = json.loads(text, object_pairs_hook=_no_duplicates)
   except json.JSONDecodeError as e:
-    raise error(f"{where}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    raise error(f"{where} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
   except ValueError as e:  # a repeated key (`_no_duplicates`)
-    raise error(f"{where}: {e}") from None
+    raise error(f"{where} is not valid: {e}") from None
   if expect is not None and not isinstance(value, expect):
-    raise error(f"{where}: expected {_TYPE_NAMES.get(expect, expect.__name__)}, got {type_name(value)}")
+    raise error(f"{where} must hold {_TYPE_NAMES.get(expect, expect.__name__)}, got {type_name(value)}")
   return value
 
 
@@ -58,7 +58,7 @@ def read_json(path: str | os.PathLike, error: type[Exception] = ValueError, expe
     with open(path, "rb") as f:
       data = f.read()
   except OSError as e:
-    raise error(f"{path}: cannot be read ({e.strerror or e})") from None
+    raise error(f"{path} cannot be read ({e.strerror or e})") from None
   return parse_json(data, path, error, expect)
 
 

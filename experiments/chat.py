@@ -54,7 +54,7 @@ def recorded_template(directory: str) -> str | None:
   try:
     with open(path, encoding="utf-8") as f:
       template = json.load(f).get("chat_template")
-  except (OSError, json.JSONDecodeError, AttributeError):
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
     return None
   return template if isinstance(template, str) else None
 
