@@ -70,7 +70,7 @@ from dlm_jax import distributed, routing, sinks
 from dlm_jax.stats import StatsSpec
 from experiments import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
                          item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags,
-                         scoring, sink_report, validity)
+                         scoring, sink_report, size_limits, validity)
 from experiments.decoding import DecodeSettings
 from experiments.decoding_modes import DecodingMode
 from experiments.items import TaskSettings
@@ -129,6 +129,7 @@ class Settings:
       raise cli.UserError(f"--histogram_max={self.histogram_max}: expected > 0")
     if self.top_tokens < 1:
       raise cli.UserError(f"--top_tokens={self.top_tokens}: expected a positive integer")
+    size_limits.check(n_prompts=self.n_prompts, batch_size=self.batch_size, top_tokens=self.top_tokens)
     if self.layers is not None and any(l < 0 for l in self.layers):
       raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: expected layer indices >= 0")
     for entry in self.track_heads:

@@ -56,7 +56,7 @@ from absl import flags, logging
 from dlm_jax import distributed, interventions
 from experiments import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
                          item_batches, items, masking_report, numerics_flags, output_flags, progress, prompts, run_dir,
-                         runtime_flags, scoring)
+                         runtime_flags, scoring, size_limits)
 from experiments.decoding import DecodeSettings
 from experiments.decoding_modes import DecodingMode
 from experiments.items import TaskSettings
@@ -126,6 +126,7 @@ class Settings:
       raise cli.UserError(f"--sink_epsilon={self.sink_epsilon}: expected > 0 (or leave it unset)")
     if self.perplexity_items < 1:
       raise cli.UserError(f"--perplexity_items={self.perplexity_items}: expected a positive integer")
+    size_limits.check(n_items=self.n_items, batch_size=self.batch_size, perplexity_items=self.perplexity_items)
     if self.perplexity_text is not None and not os.path.isfile(self.perplexity_text):
       raise cli.UserError(f"--perplexity_text={self.perplexity_text}: no such file")
 

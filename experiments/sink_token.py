@@ -40,7 +40,8 @@ from dlm_jax import distributed, sinks, train_loop, training_data
 from dlm_jax.stats import StatsSpec
 from dlm_jax.tasks import synthetic
 from experiments import (atomic_files, checkpoints, cli, decoding, devices, item_batches, items, numerics_flags,
-                         output_flags, plots, progress, prompts, run_dir, runtime_flags, scoring, train_flags)
+                         output_flags, plots, progress, prompts, run_dir, runtime_flags, scoring, size_limits,
+                         train_flags)
 from experiments.decoding import DecodeSettings
 from experiments.numerics import Numerics
 
@@ -93,6 +94,8 @@ class Settings:
     for name in ("train_size", "n_eval", "batch_size"):
       if getattr(self, name) < 1:
         raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
+    size_limits.check(train_size=self.train_size, n_eval=self.n_eval, batch_size=self.batch_size,
+                      seq_len=self.seq_len, prompt_len=self.prompt_len)
     if not 1 <= self.prompt_len < self.seq_len:
       raise cli.UserError(f"--prompt_len={self.prompt_len}: expected 1 <= prompt_len < seq_len ({self.seq_len})")
     if self.epsilon <= 0:

@@ -31,7 +31,7 @@ from absl import flags, logging
 from dlm_jax import config as config_lib
 from dlm_jax import train_loop, training_data
 from dlm_jax.tasks import gsm8k, synthetic
-from experiments import cli, devices, run_dir, runtime_flags, train_flags
+from experiments import cli, devices, run_dir, runtime_flags, size_limits, train_flags
 
 train_flags.define(train_steps=1000, train_batch_size=32, lr=1e-3, warmup=100, log_every=50, checkpoint_every=250,
                    preset=None)
@@ -94,6 +94,8 @@ class DataSettings:
       raise cli.UserError(f"--eval_size={self.eval_size}: expected >= 0 (0 = no held-out loss)")
     if self.seq_len < 2:
       raise cli.UserError(f"--seq_len={self.seq_len}: expected at least 2")
+    size_limits.check(train_size=self.train_size, eval_size=self.eval_size, seq_len=self.seq_len,
+                      prompt_len=self.prompt_len)
     if self.layout == "sft" and not 1 <= self.prompt_len < self.seq_len:
       raise cli.UserError(f"--prompt_len={self.prompt_len}: expected 1 <= prompt_len < seq_len ({self.seq_len})")
 
@@ -143,7 +145,10 @@ def _pairs(data: DataSettings, split: str) -> list[tuple[str, str]]:
       return []
     problems = synthetic.make_split(split, n, data.data_seed)
   elif split == "train":
-    problems = gsm8k.read_jsonl(data.data)
+    try:
+      problems = gsm8k.read_jsonl(data.data)
+    except ValueError as e:
+      raise cli.UserError(f"--data: {e}") from None
   else:
     return []
   return [(p.question, p.answer) for p in problems]

@@ -34,7 +34,8 @@ from absl import flags, logging
 from dlm_jax import distributed, sinks
 from dlm_jax.stats import StatsSpec
 from experiments import (atomic_files, checkpoints, cli, decode_flags, decoding, devices, item_batches, items,
-                         numerics_flags, output_flags, plots, progress, prompts, run_dir, runtime_flags, validity)
+                         numerics_flags, output_flags, plots, progress, prompts, run_dir, runtime_flags, size_limits,
+                         validity)
 from experiments.decoding import DecodeSettings
 from experiments.items import TaskSettings
 from experiments.numerics import Numerics
@@ -74,6 +75,8 @@ class Settings:
         raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
     if self.n_prompts < 0:
       raise cli.UserError(f"--n_prompts={self.n_prompts}: expected >= 0 (0 = the whole task)")
+    size_limits.check(n_prompts=self.n_prompts, batch_size=self.batch_size, samples_per_item=self.samples_per_item,
+                      max_points=self.max_points)
     if self.epsilon <= 0:
       raise cli.UserError(f"--epsilon={self.epsilon}: expected > 0")
     if self.layers is not None and any(l < 0 for l in self.layers):
