@@ -36,7 +36,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from dlm_jax import json_files
+from dlm_jax import finite, json_files
 from dlm_jax import model as model_lib
 from dlm_jax.config import ConfigError, ModelConfig
 from dlm_jax.errors import CheckpointError
@@ -365,8 +365,8 @@ def _flat_shardings(shardings: Any, names: Mapping[str, Any]) -> dict[str, jax.s
   return flat
 
 
-def load(directory: str | os.PathLike, *, dtype: Any = None,
-         shardings: Any = None) -> tuple[ModelConfig, model_lib.Params]:
+def load(directory: str | os.PathLike, *, dtype: Any = None, shardings: Any = None,
+         check_finite: bool = True) -> tuple[ModelConfig, model_lib.Params]:
   """Loads a converted directory into (config, params).
 
   Args:
@@ -375,12 +375,15 @@ def load(directory: str | os.PathLike, *, dtype: Any = None,
     shardings: None (default device), one `jax.sharding.Sharding` for every tensor, or a dict of dotted
       tensor name -> Sharding (flat, or nested like the params tree); tensors not named go to the default
       device. Each device reads only its slice of the memory-mapped file.
+    check_finite: refuse weights holding NaN or ±inf (checked on device after placement, after any cast:
+      one reduction per tensor, `dlm_jax.finite`).
 
   Returns:
     The `ModelConfig` and the nested params dict matching `dlm_jax.model.abstract_params(config)`.
 
   Raises:
-    CheckpointError: missing/unexpected tensors, wrong shapes or dtypes, unreadable files (all named).
+    CheckpointError: missing/unexpected tensors, wrong shapes or dtypes, unreadable files, non-finite
+      weights (all named).
     ConfigError: config.json lacks a field or has an invalid value.
   """
   directory = os.fspath(directory)
@@ -415,7 +418,31 @@ def load(directory: str | os.PathLike, *, dtype: Any = None,
 
       out_dtype = target_dtype or SAFETENSORS_DTYPES[tensor.get_dtype()]
       flat[name] = jax.make_array_from_callback(shapes[name], placement.get(name, default), read, dtype=out_dtype)
+  if check_finite:
+    check_weights_finite(flat, config, directory)
   return config, model_lib.unflatten_params(flat)
+
+
+def _absolute_layer(config: ModelConfig, name: str, index: int) -> int:
+  """The model layer of entry `index` of the stacked tensor `name` (see the `dlm_jax.model` docstring)."""
+  if config.layer_pattern is not None:
+    letter = "g" if name.startswith("global_blocks.") else "s"
+    return [l for l, kind in enumerate(config.layer_pattern) if kind == letter][index]
+  if name.startswith("blocks.") and config.is_moe:
+    return config.first_k_dense + index
+  return index
+
+
+def check_weights_finite(flat: Mapping[str, jax.Array], config: ModelConfig, where: str | os.PathLike) -> None:
+  """Raises CheckpointError naming the first tensor (and layer, for stacked block tensors) holding NaN or inf."""
+  bad = finite.first_nonfinite(flat)
+  if bad:
+    name, index = next(iter(bad.items()))
+    axes = model_lib.PARAM_AXES.get(name, ())
+    place = f" in layer {_absolute_layer(config, name, index)}" if axes and axes[0] == "layers" else ""
+    more = f" ({len(bad) - 1} more tensors too)" if len(bad) > 1 else ""
+    raise CheckpointError(f"{where}: tensor {name} holds non-finite values (NaN or inf){place}{more}; the weights are "
+                          "corrupted (load with check_finite=False to inspect them).")
 
 
 # ---------------------------------------------------------------------------------------------------------
