@@ -1,8 +1,8 @@
 """Reading a results JSONL (one JSON object per line, each ending in a newline), validated line by line.
 
-The writer (`experiments.run_dir.ResultsLog`) appends a whole line with one write, flushed and fsynced, so
-a crash can leave only one kind of damage: a torn *last* line — bytes with no trailing newline that do not
-parse as an object. That line, and only that one, may be dropped (`Contents.torn_bytes` says how much).
+The writer (`experiments.run_dir.ResultsLog`) appends a whole line of ASCII JSON with one write, flushed and
+fsynced, so a crash can leave only one kind of damage: a torn *last* line — bytes with no trailing newline
+that begin an object and do not parse. That line, and only that one, may be dropped (`Contents.torn_bytes` says how much).
 Anything else — an unparsable or non-object line in the middle, bytes that are not UTF-8, a record without
 its key fields — is refused with a one-line `UserError` naming the file and the 1-based line number, and
 nothing is changed or deleted. Blank lines are skipped. A complete last object without its newline is
@@ -12,6 +12,7 @@ kept (`Contents.needs_newline`).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,18 @@ class Contents:
   needs_newline: bool
 
 
+def _torn(line: bytes) -> bool:
+  """True for what an interrupted append can leave: no newline, the start of an object, not yet valid JSON
+  (the writer writes ASCII JSON objects, so any prefix of one starts with '{' and is ASCII)."""
+  if line.endswith(b"\n") or not line.lstrip().startswith(b"{") or not line.isascii():
+    return False
+  try:
+    json.loads(line)
+  except json.JSONDecodeError:
+    return True
+  return False
+
+
 def parse(data: bytes, path: str, key_fields: Sequence[str] = ()) -> Contents:
   """The records of results-file bytes `data` (module docstring); `path` is only used in messages."""
   lines = data.splitlines(keepends=True)
@@ -43,7 +56,7 @@ def parse(data: bytes, path: str, key_fields: Sequence[str] = ()) -> Contents:
     try:
       record = json_files.parse_json(line, where, UserError)
     except UserError as e:
-      if last and not line.endswith(b"\n"):
+      if last and _torn(line):
         return Contents(records, good_end, len(line), False)
       raise UserError(f"{e}; a results file holds one JSON object per line and only a torn last line (no "
                       "newline) is dropped — repair or remove the file (nothing was changed)") from None
