@@ -34,7 +34,7 @@ from typing import Any
 
 from absl import logging
 
-from dlm_jax import json_files
+from dlm_jax import json_files, output_dir
 from experiments import atomic_files, results_file
 from experiments.cli import UserError
 
@@ -61,6 +61,11 @@ def lock(directory: str) -> None:
   os.ftruncate(fd, 0)
   os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
   _LOCKS[real] = fd
+
+
+def inputs_of(models: Sequence[Any], task: str) -> list[str]:
+  """The paths a run reads: its models' checkpoint directories and a task file (`RunDir`'s `inputs`)."""
+  return [m.directory for m in models] + ([task] if os.path.isfile(task) else [])
 
 
 def _old_weight_identity(stored: dict[str, Any], changed: list[str]) -> bool:
@@ -108,14 +113,18 @@ class RunDir:
     primary: this process writes (the others only read).
     overwrite: replace an existing run at the first write.
     resumed: the directory already holds a run with these settings (its results are reused).
+  `inputs` are the paths the run reads (checkpoint directories, task files): the directory may not be one of
+  them, hold one (--overwrite would delete it) or lie inside one (links resolved).
   """
 
-  def __init__(self, path: str, settings: dict[str, Any], *, overwrite: bool = False, primary: bool = True):
+  def __init__(self, path: str, settings: dict[str, Any], *, overwrite: bool = False, primary: bool = True,
+               inputs: Sequence[str] = ()):
     self.path = os.path.abspath(path)
     self.settings = json.loads(atomic_files.to_json(settings))
     self.primary, self.overwrite = primary, overwrite
     self.created = False
     self.resumed = False
+    output_dir.check_not_over_sources(self.path, inputs)
     self._check()
 
   def _check(self) -> None:

@@ -306,7 +306,7 @@ def main(argv):
     decoding_modes.warn_if_unused(mode, model.sampler, model.label)
   out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
                                            "checkpoints": checkpoints.identities(models)},
-                       overwrite=output.overwrite, primary=runtime.primary)
+                       overwrite=output.overwrite, primary=runtime.primary, inputs=run_dir.inputs_of(models, task.task))
   log = run_dir.ResultsLog(out, "results.jsonl", ("model", "item"), output.max_items_this_run)
   metas, start = [], time.time()
   try:

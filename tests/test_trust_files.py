@@ -221,3 +221,18 @@ def test_old_run_json_with_weight_sizes_gets_a_clear_message(tmp_path, monkeypat
   (tmp_path / "run" / "run.json").write_text(json.dumps({"checkpoints": {"m": old}}))
   with pytest.raises(UserError, match="identifies the checkpoint weights by file size.*--overwrite"):
     run_dir.RunDir(str(tmp_path / "run"), {"checkpoints": {"m": new}})
+
+
+def test_run_dir_never_over_or_inside_its_inputs(tmp_path):
+  ckpt = tmp_path / "models" / "ckpt"
+  ckpt.mkdir(parents=True)
+  (ckpt / "config.json").write_text("{}")
+  task = tmp_path / "task.jsonl"
+  task.write_text("")
+  for out, inputs in ((tmp_path / "models", [str(ckpt)]), (ckpt, [str(ckpt)]), (ckpt / "results", [str(ckpt)]),
+                      (tmp_path, [str(task)])):
+    with pytest.raises(CheckpointError, match="input"):
+      run_dir.RunDir(str(out), {"a": 1}, overwrite=True, inputs=inputs)
+  assert (ckpt / "config.json").read_text() == "{}" and task.exists()
+  assert not (tmp_path / run_dir.LOCK_FILE).exists() and not (ckpt / run_dir.LOCK_FILE).exists()
+  run_dir.RunDir(str(tmp_path / "results"), {"a": 1}, overwrite=True, inputs=[str(ckpt), str(task)])
