@@ -287,3 +287,16 @@ def test_valid_gsm8k_task_loads(tmp_path):
   path.write_text('{"question": "a", "answer": "x #### 1"}\n\n{"question": "b", "answer": "#### 2"}\n')
   loaded = items.load_items(str(path), 0, 0)
   assert [(i.id, i.question, i.target) for i in loaded] == [("0", "a", "x #### 1"), ("1", "b", "#### 2")]
+
+
+def test_device_and_host_paths_agree():
+  """The compiled reduction (used for arrays on accelerators) finds what NumPy finds, on CPU here."""
+  from dlm_jax import finite
+  arrays = {"scalar": np.float32(np.nan), "vector": np.array([1, 2, np.inf], np.float32),
+            "stacked": np.zeros((4, 3, 2), np.float32), "clean": np.ones((2, 2), np.float32)}
+  arrays["stacked"][2, 1, 0] = -np.inf
+  arrays["stacked"][3, 0, 1] = np.nan
+  device = {name: (bool(bad), int(index)) for name, (bad, index) in
+            jax.device_get(finite._scan({n: jnp.asarray(x) for n, x in arrays.items()})).items()}  # pylint: disable=protected-access
+  assert device == {"scalar": (True, 0), "vector": (True, 2), "stacked": (True, 2), "clean": (False, 0)}
+  assert finite.first_nonfinite(arrays) == {"scalar": 0, "stacked": 2, "vector": 2}
