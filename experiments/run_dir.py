@@ -54,12 +54,9 @@ def lock(directory: str) -> None:
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
-    holder = os.pread(fd, 64, 0).decode("utf-8", "replace").strip()
     os.close(fd)
-    raise UserError(f"--output_dir={directory} is in use by another process ({holder or 'unknown pid'}); wait for it "
-                    "to finish, or use another --output_dir") from None
-  os.ftruncate(fd, 0)
-  os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+    raise UserError(f"--output_dir={directory} is in use by another process (it holds {LOCK_FILE} locked); wait for "
+                    "it to finish, or use another --output_dir") from None
   _LOCKS[real] = fd
 
 
