@@ -40,8 +40,8 @@ from dlm_jax import distributed, sinks, train_loop, training_data
 from dlm_jax.stats import StatsSpec
 from dlm_jax.tasks import synthetic
 from experiments import (atomic_files, checkpoints, cli, decoding, devices, item_batches, items, numerics_flags,
-                         output_flags, plots, progress, prompts, run_dir, runtime_flags, scoring, size_limits,
-                         train_flags)
+                         output_flags, plots, progress, prompts, results_file, run_dir, runtime_flags, scoring,
+                         size_limits, train_flags)
 from experiments.decoding import DecodeSettings
 from experiments.numerics import Numerics
 
@@ -145,11 +145,8 @@ def _loss_curve(run_dir: str) -> dict:
   curve = {}
   path = os.path.join(run_dir, "metrics.jsonl")
   if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      for line in f:
-        if line.strip():
-          row = json.loads(line)
-          curve[int(row["step"])] = float(row["loss"])
+    for row in results_file.read(path, ("step", "loss")).records:
+      curve[int(row["step"])] = float(row["loss"])
   return {str(k): curve[k] for k in sorted(curve)}
 
 

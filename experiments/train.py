@@ -29,7 +29,7 @@ import os
 from absl import flags, logging
 
 from dlm_jax import config as config_lib
-from dlm_jax import train_loop, training_data
+from dlm_jax import json_files, train_loop, training_data
 from dlm_jax.tasks import gsm8k, synthetic
 from experiments import cli, devices, run_dir, runtime_flags, size_limits, train_flags
 
@@ -116,14 +116,11 @@ def _model_config(tokenizer, preset: str | None, config_json: str | None, overri
   if preset is not None:
     config = train_flags.preset_config(preset, {})
   else:
-    text = config_json
-    if not text.lstrip().startswith("{"):
-      with open(text, encoding="utf-8") as f:
-        text = f.read()
-    try:
-      config = config_lib.ModelConfig.from_json(text)
-    except json.JSONDecodeError as e:
-      raise cli.UserError(f"--config_json is not valid JSON ({e})") from None
+    if config_json.lstrip().startswith("{"):
+      values = json_files.parse_json(config_json.encode("utf-8"), "--config_json", cli.UserError)
+    else:
+      values = json_files.read_json(config_json, cli.UserError)
+    config = config_lib.ModelConfig.from_dict(values)
   changes = {}
   if ids_from_tokenizer:
     changes["vocab_size"] = tokenizer.get_vocab_size()
