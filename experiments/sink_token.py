@@ -28,7 +28,6 @@ summary.md (against the paper's Tables 2 and 5).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 
