@@ -75,13 +75,22 @@ def _host() -> str:
 
 
 def _alive(pid: int) -> bool:
+  """True unless no process has id `pid` (one owned by another user counts as alive)."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
     return False
   except PermissionError:
-    return True
+    pass
   return True
+
+
+def remove(path: str) -> None:
+  """Removes a file, a link or a directory tree."""
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path)
+  else:
+    os.remove(path)
 
 
 def clean_stale(out_dir: str | os.PathLike) -> list[str]:
@@ -101,7 +110,7 @@ def clean_stale(out_dir: str | os.PathLike) -> list[str]:
       if len(parts) != 3 or parts[0] != _host() or not parts[1].isdigit() or _alive(int(parts[1])):
         continue
       path = os.path.join(parent, name)
-      shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+      remove(path)
       logging.info("Removed %s, left by an interrupted run.", path)
       removed.append(path)
   return removed

@@ -28,7 +28,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -167,8 +166,7 @@ class RunDir:
     lock(self.path)
     if self.overwrite:
       for name in sorted(set(os.listdir(self.path)) - {LOCK_FILE}):
-        path = self.file(name)
-        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        output_dir.remove(self.file(name))
     elif os.path.exists(self.file(RUN_FILE)):
       raise UserError(f"another process started a run in --output_dir={self.path} while this one was computing; "
                       "run again to resume it")
