@@ -37,7 +37,10 @@ class Item:
 
 def check_task(task: str) -> None:
   """Refuses a --task that is neither a known name nor a valid GSM8K-format .jsonl file, reading and
-  validating the whole file (every line, every answer's `#### n`) before any model work."""
+  validating the whole file (every line, every answer's `#### n`; for humaneval every problem's fields)
+  before any model work."""
+  if task == "humaneval":
+    humaneval_problems()
   if task in TASKS:
     return
   if not task.endswith(".jsonl"):
@@ -45,6 +48,22 @@ def check_task(task: str) -> None:
   if not os.path.isfile(task):
     raise UserError(f"--task={task}: no such file")
   read_gsm8k(task)
+
+
+def humaneval_problems() -> list[dict[str, str]]:
+  """The HumanEval problems, each checked to have string task_id, prompt, test and entry_point."""
+  from dlm_jax.tasks import humaneval  # pylint: disable=import-outside-toplevel
+  try:
+    problems = list(humaneval.load_problems().values())
+  except ImportError as e:
+    raise UserError(f"--task=humaneval: {e}") from None
+  for number, problem in enumerate(problems):
+    where = f"--task=humaneval: problem {problem.get('task_id', number) if isinstance(problem, dict) else number}"
+    if not isinstance(problem, dict):
+      raise UserError(f"{where} is not an object")
+    json_files.check_fields(problem, dict.fromkeys(("task_id", "prompt", "test", "entry_point"), str), where,
+                            UserError)
+  return problems
 
 
 def read_gsm8k(path: str) -> list[dict[str, str]]:
@@ -91,8 +110,7 @@ def load_items(task: str, n: int, data_seed: int) -> list[Item]:
     rows = read_jsonl(os.path.join(DATA_DIR, "simple_qa.jsonl"), ("question", "answer"))
     return [Item(str(i), r["question"], list(r["answer"]), "contains") for i, r in enumerate(rows[:n or None])]
   if task == "humaneval":
-    from dlm_jax.tasks import humaneval  # pylint: disable=import-outside-toplevel
-    problems = list(humaneval.load_problems().values())[:n or None]
+    problems = humaneval_problems()[:n or None]
     return [Item(p["task_id"], p["prompt"], dict(p), "humaneval") for p in problems]
   check_task(task)
   rows = read_gsm8k(task)

@@ -300,3 +300,11 @@ def test_device_and_host_paths_agree():
             jax.device_get(finite._scan({n: jnp.asarray(x) for n, x in arrays.items()})).items()}  # pylint: disable=protected-access
   assert device == {"scalar": (True, 0), "vector": (True, 2), "stacked": (True, 2), "clean": (False, 0)}
   assert finite.first_nonfinite(arrays) == {"scalar": 0, "stacked": 2, "vector": 2}
+
+
+def test_humaneval_problems_checked_up_front(monkeypatch):
+  from dlm_jax.tasks import humaneval
+  monkeypatch.setattr(humaneval, "load_problems",
+                      lambda: {"HumanEval/0": {"task_id": "HumanEval/0", "prompt": "def f():", "entry_point": "f"}})
+  with pytest.raises(UserError, match="problem HumanEval/0: field 'test' is missing"):
+    items.TaskSettings(task="humaneval")
