@@ -29,7 +29,7 @@ import os
 from absl import flags, logging
 
 from dlm_jax import config as config_lib
-from dlm_jax import json_files, train_loop, training_data
+from dlm_jax import json_files, output_dir, train_loop, training_data
 from dlm_jax.tasks import gsm8k, synthetic
 from experiments import cli, devices, run_dir, runtime_flags, size_limits, train_flags
 
@@ -167,6 +167,8 @@ def main(argv):
                       prompt_len=_PROMPT_LEN.value, layout=layout)
   if _OUT_DIR.value:
     run_dir.check_output_file(os.path.join(_OUT_DIR.value, "config.json"), "out_dir")
+    inputs = [p for p in (_TOKENIZER.value, _RUN_DIR.value, _DATA.value if _DATA.value != "synthetic" else None) if p]
+    output_dir.check_not_over_sources(_OUT_DIR.value, inputs)
   if _RUN_DIR.value and os.path.isfile(_RUN_DIR.value):
     raise cli.UserError(f"--run_dir={_RUN_DIR.value} is a file; expected a directory")
   tokenizer = _load_tokenizer(data)
