@@ -60,10 +60,16 @@ def file_sha256(path: str) -> str:
 
 
 def sha256(paths: list[str]) -> dict[str, str]:
-  """{path: hex SHA-256} of weight files, from the cache when a file's stamp is unchanged (module docstring)."""
+  """{path: hex SHA-256} of weight files, from the cache when a file's stamp is unchanged (module docstring).
+  Without a writable cache directory every file is hashed (with a warning)."""
   cache_file = cache_path()
-  os.makedirs(os.path.dirname(cache_file), exist_ok=True)
-  with open(cache_file + ".lock", "w", encoding="utf-8") as lock:
+  try:
+    os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+    lock = open(cache_file + ".lock", "w", encoding="utf-8")  # pylint: disable=consider-using-with
+  except OSError as e:
+    logging.warning("Weight hashes are not cached (%s); every run hashes the weights again.", e)
+    return {path: file_sha256(path) for path in paths}
+  with lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     cache = _read_cache(cache_file)
     out, changed = {}, False

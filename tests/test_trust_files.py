@@ -236,3 +236,12 @@ def test_run_dir_never_over_or_inside_its_inputs(tmp_path):
   assert (ckpt / "config.json").read_text() == "{}" and task.exists()
   assert not (tmp_path / run_dir.LOCK_FILE).exists() and not (ckpt / run_dir.LOCK_FILE).exists()
   run_dir.RunDir(str(tmp_path / "results"), {"a": 1}, overwrite=True, inputs=[str(ckpt), str(task)])
+
+
+def test_weight_hashes_without_a_writable_cache(tmp_path, monkeypatch):
+  (tmp_path / "a_file").write_text("x")
+  monkeypatch.setenv("DLM_JAX_CACHE", str(tmp_path / "a_file" / "cache"))  # cannot be created
+  (tmp_path / "w.safetensors").write_bytes(b"abc")
+  import hashlib
+  assert weight_hashes.sha256([str(tmp_path / "w.safetensors")]) == {
+      str(tmp_path / "w.safetensors"): hashlib.sha256(b"abc").hexdigest()}
