@@ -2,6 +2,7 @@
 temporary work is cleaned up, results files are validated line by line, an output directory is locked by
 its run, and run.json identifies weights by content."""
 
+import hashlib
 import json
 import os
 import signal
@@ -190,7 +191,6 @@ def test_weights_identified_by_content_and_hashes_cached_outside_the_checkpoint(
   weights = ckpt / "model.safetensors"
   weights.write_bytes(b"\x01" * 1000)
   first = checkpoints.identity(str(ckpt))
-  import hashlib
   assert first["weights_sha256"] == {"model.safetensors": hashlib.sha256(b"\x01" * 1000).hexdigest()}
   assert sorted(os.listdir(ckpt)) == ["config.json", "model.safetensors"]
   assert os.path.isfile(tmp_path / "cache" / weight_hashes.CACHE_NAME)
@@ -242,6 +242,5 @@ def test_weight_hashes_without_a_writable_cache(tmp_path, monkeypatch):
   (tmp_path / "a_file").write_text("x")
   monkeypatch.setenv("DLM_JAX_CACHE", str(tmp_path / "a_file" / "cache"))  # cannot be created
   (tmp_path / "w.safetensors").write_bytes(b"abc")
-  import hashlib
   assert weight_hashes.sha256([str(tmp_path / "w.safetensors")]) == {
       str(tmp_path / "w.safetensors"): hashlib.sha256(b"abc").hexdigest()}
