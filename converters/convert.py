@@ -10,7 +10,9 @@ LLaDA-MoE). --block_size and --mask_token_id set what the Qwen3-layout diffusion
 source embedding. The work is done by `converters.hf_convert.convert`; errors (missing, unexpected,
 misshapen or non-float tensors, unreadable files, missing or unsupported config fields, a non-empty
 --out_dir without --overwrite) are printed with the tensor or field named, exit status 1, and
---out_dir is left untouched.
+--out_dir is left untouched. --out_dir may not be --hf_dir, a parent of it or inside it (links resolved);
+a symlinked --out_dir is written through (the link's target is replaced atomically, the link stays).
+A killed conversion's hidden temporary directory is removed by the next conversion to the same --out_dir.
 """
 
 from __future__ import annotations

@@ -23,10 +23,9 @@ import numpy as np
 
 from converters.gguf_tokenizer import build_tokenizer
 from converters.plan import Piece, check_coverage, check_plan
-from dlm_jax.io.checkpoint import (
-    SAFETENSORS_DTYPES, CheckpointError, SafetensorsWriter, atomic_output_dir, check_output_dir, expected_tensors,
-    write_config)
+from dlm_jax.io.checkpoint import SAFETENSORS_DTYPES, CheckpointError, SafetensorsWriter, expected_tensors, write_config
 from dlm_jax.config import ConfigError, ModelConfig
+from dlm_jax.io.output_dir import atomic_output_dir, check_output_dir
 
 OUTPUT_DTYPES = {"float32": SAFETENSORS_DTYPES["F32"], "bfloat16": SAFETENSORS_DTYPES["BF16"]}
 
@@ -122,7 +121,7 @@ def convert_gguf(gguf_path: str, out_dir: str, *, dtype: str = "float32", overwr
     CheckpointError: unreadable file, missing/unexpected/misshapen tensors, unsupported tokenizer, or a
       non-empty `out_dir` without `overwrite`. Nothing is left in `out_dir` on error.
   """
-  check_output_dir(out_dir, overwrite=overwrite)
+  check_output_dir(out_dir, overwrite=overwrite, sources=(gguf_path,))
   if dtype not in OUTPUT_DTYPES:
     raise ConfigError(f"Unknown dtype {dtype!r}; expected one of {sorted(OUTPUT_DTYPES)}.")
   if not os.path.isfile(gguf_path):
@@ -145,7 +144,7 @@ def convert_gguf(gguf_path: str, out_dir: str, *, dtype: str = "float32", overwr
     progress(f"warning: {warning}")
   permuted = {"attn.q.kernel": config.n_heads, "attn.k.kernel": config.n_kv_heads}
   out_dtype = OUTPUT_DTYPES[dtype]
-  with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
+  with atomic_output_dir(out_dir, overwrite=overwrite, sources=(gguf_path,)) as tmp:
     write_config(tmp, config)
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
     with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:

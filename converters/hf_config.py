@@ -40,12 +40,13 @@ def detect_arch(hf: dict[str, Any]) -> str:
   """The family of an HF config.json, from `model_type`, else `architectures`. A "llada" config with
   LLaDA-MoE's expert fields or architecture is LLaDA-MoE."""
   model_type = str(hf.get("model_type", "")).lower()
-  if model_type == "llada" and (any(key in hf for key in _LLADA_MOE_KEYS)
-                                or "LLaDAMoEModelLM" in (hf.get("architectures") or ())):
+  architectures = [a for a in hf.get("architectures") or () if isinstance(a, str)] if isinstance(
+      hf.get("architectures"), list) else []
+  if model_type == "llada" and (any(key in hf for key in _LLADA_MOE_KEYS) or "LLaDAMoEModelLM" in architectures):
     return "llada-moe"
   if model_type in _MODEL_TYPES:
     return _MODEL_TYPES[model_type]
-  for name in hf.get("architectures") or ():
+  for name in architectures:
     if name in _ARCHITECTURES:
       return _ARCHITECTURES[name]
   raise ConfigError(f"config.json: cannot tell the architecture from model_type={hf.get('model_type')!r} and "

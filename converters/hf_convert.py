@@ -10,7 +10,6 @@ directory that is renamed to `out_dir` only when everything succeeded.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable
 
@@ -24,9 +23,11 @@ from converters.hf_names import (
 from converters.plan import DEFAULT_CHUNK_BYTES, check_coverage, check_plan, stream_pieces
 from converters.safetensors_io import SafetensorsCheckpoint
 from dlm_jax.io.checkpoint import (
-    DEFAULT_MAX_SHARD_BYTES, SAFETENSORS_DTYPES, CheckpointError, SafetensorsWriter, atomic_output_dir,
-    check_output_dir, copy_tokenizer_files, expected_tensors, write_config)
+    DEFAULT_MAX_SHARD_BYTES, SAFETENSORS_DTYPES, CheckpointError, SafetensorsWriter, copy_tokenizer_files, expected_tensors,
+    write_config)
+from dlm_jax.io import json_files
 from dlm_jax.config import ConfigError, ModelConfig
+from dlm_jax.io.output_dir import atomic_output_dir, check_output_dir
 
 OUTPUT_DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
 
@@ -36,11 +37,7 @@ def read_hf_config(hf_dir: str) -> dict:
   path = os.path.join(hf_dir, "config.json")
   if not os.path.isfile(path):
     raise CheckpointError(f"{path} not found; --hf_dir must be a Hugging Face checkpoint directory.")
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"{path} is not valid JSON: {e}.") from None
+  return json_files.read_json(path, ConfigError)
 
 
 def check_layer_scalars(source: SafetensorsCheckpoint, n_layers: int, where: str) -> None:
@@ -77,7 +74,7 @@ def convert(hf_dir: str, out_dir: str, *, arch: str = "auto", dtype: str = "auto
     CheckpointError: missing/unexpected tensor, wrong shape or dtype, unreadable file (named), or a
       non-empty `out_dir` without `overwrite`. Nothing is left in `out_dir` on error.
   """
-  check_output_dir(out_dir, overwrite=overwrite)
+  check_output_dir(out_dir, overwrite=overwrite, sources=(hf_dir,))
   hf = read_hf_config(hf_dir)
   if dtype != "auto" and dtype not in OUTPUT_DTYPES:
     raise ConfigError(f"Unknown dtype {dtype!r}; expected auto or one of {sorted(OUTPUT_DTYPES)}.")
@@ -110,7 +107,7 @@ def convert(hf_dir: str, out_dir: str, *, arch: str = "auto", dtype: str = "auto
       out_dtype = SAFETENSORS_DTYPES[source.tensors[embed_source].dtype]
     else:
       out_dtype = np.dtype(SAFETENSORS_DTYPES[OUTPUT_DTYPES[dtype]])
-    with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
+    with atomic_output_dir(out_dir, overwrite=overwrite, sources=(hf_dir,)) as tmp:
       write_config(tmp, config)
       copy_tokenizer_files(hf_dir, tmp)
       specs = {name: (shape, out_dtype) for name, shape in expected.items()}

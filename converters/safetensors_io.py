@@ -9,13 +9,13 @@ being converted, whatever the checkpoint size.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 
 import numpy as np
 
-from dlm_jax.io.checkpoint import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, CheckpointError
+from dlm_jax.io import json_files
+from dlm_jax.io.checkpoint import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, CheckpointError, check_shard_name
 
 _MAX_HEADER_BYTES = 100 * 1024**2
 
@@ -36,8 +36,15 @@ class TensorInfo:
     return math.prod(self.shape[1:]) * SAFETENSORS_DTYPES[self.dtype].itemsize
 
 
+def _int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
 def read_header(path: str) -> dict[str, TensorInfo]:
-  """{name: TensorInfo} of a safetensors file; CheckpointError if the file is truncated or malformed."""
+  """{name: TensorInfo} of a safetensors file; CheckpointError if the file is truncated or malformed: a
+  header that is not a UTF-8 JSON object, a name given twice, an entry without a known dtype, an integer shape
+  and [begin, end] offsets, a byte range that does not match dtype × shape, lies outside the file or overlaps
+  another tensor's (the checks of the safetensors library, made here because this reader does not use it)."""
   size = os.path.getsize(path)
   with open(path, "rb") as f:
     prefix = f.read(8)
@@ -49,12 +56,7 @@ def read_header(path: str) -> dict[str, TensorInfo]:
       raise CheckpointError(f"{path} is truncated or not a safetensors file: its header claims {n} bytes but the "
                             f"file has {size}.")
     raw = f.read(n)
-  try:
-    header = json.loads(raw)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise CheckpointError(f"{path} is corrupted: its safetensors header is not valid JSON ({e}).") from None
-  if not isinstance(header, dict):
-    raise CheckpointError(f"{path} is corrupted: its safetensors header is not a JSON object.")
+  header = json_files.parse_json(raw, f"{path} is corrupted: its safetensors header", CheckpointError)
   data_start, data_size = 8 + n, size - 8 - n
   infos = {}
   for name, entry in header.items():
@@ -62,8 +64,7 @@ def read_header(path: str) -> dict[str, TensorInfo]:
       continue
     try:
       dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-      ok = (dtype in SAFETENSORS_DTYPES and all(isinstance(d, int) and d >= 0 for d in shape)
-            and isinstance(begin, int) and isinstance(end, int))
+      ok = dtype in SAFETENSORS_DTYPES and all(_int(d) and d >= 0 for d in shape) and _int(begin) and _int(end)
     except (KeyError, TypeError, ValueError):
       ok = False
     if not ok:
@@ -77,6 +78,11 @@ def read_header(path: str) -> dict[str, TensorInfo]:
       raise CheckpointError(f"{path} is truncated: tensor {name} ends at data byte {end} but the file holds "
                             f"{data_size} data bytes.")
     infos[name] = TensorInfo(path, dtype, shape, data_start + begin, data_start + end)
+  ranges = sorted((info.begin, info.end, name) for name, info in infos.items() if info.end > info.begin)
+  for (_, end_a, a), (begin_b, _, b) in zip(ranges, ranges[1:]):
+    if begin_b < end_a:
+      raise CheckpointError(f"{path} is corrupted: tensors {a} and {b} share bytes (data_offsets overlap); each "
+                            "tensor must have its own byte range.")
   return infos
 
 
@@ -111,13 +117,12 @@ class SafetensorsCheckpoint:
     self._fds: dict[str, int] = {}
 
   def _files_from_index(self, index_path: str) -> list[str]:
-    try:
-      with open(index_path) as f:
-        weight_map = json.load(f)["weight_map"]
-      assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
-    except (json.JSONDecodeError, KeyError, TypeError, AssertionError) as e:
+    weight_map = json_files.read_json(index_path, CheckpointError).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
       raise CheckpointError(f"{index_path} is not a valid index: expected a JSON object with a 'weight_map' of "
-                            f"tensor name -> file name ({e!r}).") from None
+                            "tensor name -> file name.")
+    for name, file_name in sorted(weight_map.items()):
+      check_shard_name(self.directory, index_path, name, file_name, links_may_leave=True)
     self.weight_map = weight_map
     for name, file_name in sorted(weight_map.items()):
       if not os.path.isfile(os.path.join(self.directory, file_name)):

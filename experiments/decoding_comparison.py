@@ -26,7 +26,6 @@ nothing is written before every input has been read.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import warnings
@@ -34,7 +33,8 @@ import warnings
 import numpy as np
 from absl import flags
 
-from experiments.common import atomic_files, cli, progress, run_dir
+from dlm_jax.io import json_files
+from experiments.common import atomic_files, cli, progress, results_file, run_dir
 from experiments.reports import plots
 from experiments.common.decoding_modes import MODES, DecodingMode
 
@@ -67,20 +67,15 @@ class Settings:
 
 
 def _read_json(path: str):
-  try:
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  except FileNotFoundError:
-    raise cli.UserError(f"{path} is missing; finish that run first") from None
-  except json.JSONDecodeError as e:
-    raise cli.UserError(f"{path} is not valid JSON ({e})") from None
+  if not os.path.isfile(path):
+    raise cli.UserError(f"{path} is missing; finish that run first")
+  return json_files.read_json(path, cli.UserError)
 
 
 def _read_jsonl(path: str) -> list[dict]:
   if not os.path.isfile(path):
     raise cli.UserError(f"{path} is missing; finish that run first")
-  with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return results_file.read(path, ("model",)).records
 
 
 def _mode(part_dir: str) -> DecodingMode:

@@ -24,7 +24,7 @@ from absl import flags, logging
 from dlm_jax.runtime import distributed
 from dlm_jax.tasks import gsm8k
 from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, item_batches, items, numerics_flags,
-                                progress, prompts, run_dir, runtime_flags)
+                                progress, prompts, run_dir, runtime_flags, size_limits)
 from experiments.common.numerics import Numerics
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, tiny-arm, tiny-moe-dlm, "
@@ -56,6 +56,7 @@ class Settings:
       raise cli.UserError(f"--n={self.n}: expected a positive number of problems")
     if self.batch_size < 1:
       raise cli.UserError(f"--batch_size={self.batch_size}: expected a positive integer")
+    size_limits.check(n=self.n, batch_size=self.batch_size)
 
 
 def main(argv):

@@ -8,6 +8,11 @@ FILE.npz holds
                       summed over all S queries
   token_ids           int32 [S]
 The attention follows the config (bidirectional for the DLMs, causal for the ARMs), positions 0..S-1.
+
+Weights holding NaN or inf are refused at load (naming the tensor and layer), and logits that are not
+finite are refused naming the first layer whose attention is already not finite (the first layer that
+received a non-finite input), or the final norm / LM head when every layer's attention is finite; nothing
+is written. --allow_nonfinite loads such weights and writes such outputs anyway, with a warning.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
+from absl import flags, logging
 
 from dlm_jax.io import checkpoint
 from dlm_jax.config import ModelConfig
@@ -34,6 +39,8 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ("float32", "bfloat16"), "Paramet
 _MATMUL_PRECISION = flags.DEFINE_enum("matmul_precision", "highest", ("default", "high", "highest"),
                                       "jax_default_matmul_precision.")
 _ATTENTION_IMPL = flags.DEFINE_enum("attention_impl", "chunked", ("chunked", "dense"), "Attention path.")
+_ALLOW_NONFINITE = flags.DEFINE_bool("allow_nonfinite", False, "Load non-finite weights and write non-finite "
+                                     "outputs (with a warning) instead of refusing them.")
 
 
 def forward_with_attention(config: ModelConfig, params: Params, token_ids: Sequence[int], *,
@@ -51,6 +58,18 @@ def forward_with_attention(config: ModelConfig, params: Params, token_ids: Seque
   logits = np.asarray(out.logits[0], np.float32)
   incoming = np.asarray(out.incoming_attention[:, 0, 0], np.float32)  # [L, B, Q=1, N, S] -> [L, N, S]
   return logits, incoming
+
+
+def nonfinite_message(logits: np.ndarray, incoming: np.ndarray) -> str | None:
+  """Why the outputs are not finite — how many logits, and where it starts (module docstring) — or None."""
+  bad = int(np.size(logits) - np.count_nonzero(np.isfinite(logits)))
+  if not bad:
+    return None
+  layers = [l for l in range(incoming.shape[0]) if not np.isfinite(incoming[l]).all()]
+  where = (f"layer {layers[0]}'s attention is the first that is not finite (its input is not)" if layers
+           else "every layer's attention is finite, so it starts at the last layer's feed-forward, the final norm "
+           "or the LM head")
+  return f"{bad} of {np.size(logits)} logits are NaN or inf; {where}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +95,17 @@ def main(argv: list[str]) -> None:
   _, directory = checkpoints.resolve(_CHECKPOINT.value)
   settings = Settings(directory, ids, _DTYPE.value, _MATMUL_PRECISION.value, _ATTENTION_IMPL.value)
   jax.config.update("jax_default_matmul_precision", settings.matmul_precision)
-  config, params = checkpoint.load(settings.checkpoint, dtype=jnp.dtype(settings.dtype))
+  config, params = checkpoint.load(settings.checkpoint, dtype=jnp.dtype(settings.dtype),
+                                   check_finite=not _ALLOW_NONFINITE.value)
   bad = [i for i in settings.token_ids if not 0 <= i < config.vocab_size]
   if bad:
     raise cli.UserError(f"--token_ids: token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
   logits, incoming = forward_with_attention(config, params, settings.token_ids, attention_impl=settings.attention_impl)
+  problem = nonfinite_message(logits, incoming)
+  if problem and not _ALLOW_NONFINITE.value:
+    raise cli.UserError(f"{settings.checkpoint}: {problem}; nothing was written (--allow_nonfinite writes it anyway)")
+  if problem:
+    logging.warning("%s", problem)
   atomic_files.write_npz(_OUT.value, logits=logits, incoming_attention=incoming,
                          token_ids=np.asarray(settings.token_ids, np.int32))
 

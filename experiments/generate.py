@@ -83,10 +83,12 @@ import numpy as np
 from absl import flags, logging
 
 from dlm_jax.runtime import distributed
-from experiments.common import (atomic_files, chat, checkpoints, cli, decoding_flags, decoding_modes, devices, items,
-                                numerics_flags, prompts, run_dir, runtime_flags)
+from experiments.common import (atomic_files, chat, checkpoints, cli, decoding_flags, decoding_modes, devices,
+                                numerics_flags, run_dir, runtime_flags, size_limits)
 from experiments.common.decoding_modes import DecodingMode
 from experiments.common.numerics import Numerics
+from experiments.common import (items,
+                                prompts)
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory, or "
                                   f"{', '.join(checkpoints.NAMES)}.", required=True)
@@ -196,6 +198,9 @@ class Settings:
       value = getattr(self, name)
       if value is not None and value < 1:
         raise cli.UserError(f"--{name}={value}: expected a positive integer")
+    size_limits.check(gen_length=self.gen_length, steps=self.steps, block_length=self.block_length, top_k=self.top_k,
+                      mask_sinks=self.mask_sinks, max_post_steps=self.max_post_steps,
+                      stability_threshold=self.stability_threshold)
     if self.temperature < 0:
       raise cli.UserError(f"--temperature={self.temperature}: expected >= 0 (0 = argmax)")
     if self.cfg_scale < 0:
@@ -422,6 +427,7 @@ def main(argv):
     settings.options(config)
   except ValueError as e:
     raise cli.UserError(str(e)) from None
+  size_limits.check_canvas(len(ids), settings.gen_length, config.vocab_size, 2 if settings.cfg_scale > 0 else 1)
   config, params = checkpoints.load_params(directory, runtime, settings.numerics.weight_dtype)
   stats_spec = (StatsSpec(incoming_attention=True, per_head=True, routing=config.is_moe) if _STATS_OUT.value
                 else NO_STATS)

@@ -75,18 +75,18 @@ import numpy as np
 from absl import flags, logging
 
 from dlm_jax.analysis import routing, sinks
-from dlm_jax.instrument import sink_selection
 from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
-from experiments.reports import explorer_page
 from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
                                 item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir,
-                                runtime_flags, scoring, validity)
+                                runtime_flags, scoring, size_limits, validity)
 from experiments.reports import sink_report
 from experiments.common.decoding import DecodeSettings
 from experiments.common.decoding_modes import DecodingMode
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
+from dlm_jax.instrument import sink_selection
+from experiments.reports import explorer_page
 
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "tiny-uniform-dlm", "tiny-arm"],
                                  f"Checkpoints ([label=]DIR or {', '.join(checkpoints.NAMES)}).")
@@ -145,6 +145,7 @@ class Settings:
       raise cli.UserError(f"--histogram_max={self.histogram_max}: expected > 0")
     if self.top_tokens < 1:
       raise cli.UserError(f"--top_tokens={self.top_tokens}: expected a positive integer")
+    size_limits.check(n_prompts=self.n_prompts, batch_size=self.batch_size, top_tokens=self.top_tokens)
     if self.layers is not None and any(l < 0 for l in self.layers):
       raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: expected layer indices >= 0")
     for entry in self.track_heads:
@@ -327,7 +328,7 @@ def main(argv):
     decoding_modes.warn_if_unused(mode, model.sampler, model.label)
   out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
                                            "checkpoints": checkpoints.identities(models)},
-                       overwrite=output.overwrite, primary=runtime.primary)
+                       overwrite=output.overwrite, primary=runtime.primary, inputs=run_dir.inputs_of(models, task.task))
   log = run_dir.ResultsLog(out, "results.jsonl", ("model", "item"), output.max_items_this_run)
   metas, start = [], time.time()
   try:

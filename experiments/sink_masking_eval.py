@@ -55,15 +55,15 @@ from absl import flags, logging
 
 from dlm_jax.instrument import interventions
 from dlm_jax.runtime import distributed
-from experiments.reports import explorer_page
 from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
                                 item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir,
-                                runtime_flags, scoring)
+                                runtime_flags, scoring, size_limits)
 from experiments.reports import masking_report
 from experiments.common.decoding import DecodeSettings
 from experiments.common.decoding_modes import DecodingMode
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
+from experiments.reports import explorer_page
 
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "tiny-uniform-dlm", "tiny-arm"],
                                  "Checkpoints ([label=]DIR or tiny-dlm, tiny-moe-dlm, tiny-uniform-dlm, tiny-arm, "
@@ -131,6 +131,7 @@ class Settings:
       raise cli.UserError(f"--sink_epsilon={self.sink_epsilon}: expected > 0 (or leave it unset)")
     if self.perplexity_items < 1:
       raise cli.UserError(f"--perplexity_items={self.perplexity_items}: expected a positive integer")
+    size_limits.check(n_items=self.n_items, batch_size=self.batch_size, perplexity_items=self.perplexity_items)
     if self.perplexity_text is not None and not os.path.isfile(self.perplexity_text):
       raise cli.UserError(f"--perplexity_text={self.perplexity_text}: no such file")
 
@@ -258,7 +259,7 @@ def main(argv):
     decoding_modes.warn_if_unused(mode, model.sampler, model.label)
   out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
                                            "checkpoints": checkpoints.identities(models)},
-                       overwrite=output.overwrite, primary=runtime.primary)
+                       overwrite=output.overwrite, primary=runtime.primary, inputs=run_dir.inputs_of(models, task.task))
   log = run_dir.ResultsLog(out, "results.jsonl", ("kind", "model", "condition", "item"), output.max_items_this_run)
   metas, start = [], time.time()
   try:

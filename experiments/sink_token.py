@@ -28,7 +28,6 @@ summary.md (against the paper's Tables 2 and 5).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 
@@ -43,7 +42,8 @@ from dlm_jax.training import data as training_data, loop as train_loop
 from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.tasks import synthetic
 from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, item_batches, items, numerics_flags,
-                                output_flags, progress, prompts, run_dir, runtime_flags, scoring, train_flags)
+                                output_flags, progress, prompts, results_file, run_dir, runtime_flags, scoring,
+                                size_limits, train_flags)
 from experiments.reports import plots
 from experiments.common.decoding import DecodeSettings
 from experiments.common.numerics import Numerics
@@ -97,6 +97,8 @@ class Settings:
     for name in ("train_size", "n_eval", "batch_size"):
       if getattr(self, name) < 1:
         raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
+    size_limits.check(train_size=self.train_size, n_eval=self.n_eval, batch_size=self.batch_size,
+                      seq_len=self.seq_len, prompt_len=self.prompt_len)
     if not 1 <= self.prompt_len < self.seq_len:
       raise cli.UserError(f"--prompt_len={self.prompt_len}: expected 1 <= prompt_len < seq_len ({self.seq_len})")
     if self.epsilon <= 0:
@@ -146,11 +148,8 @@ def _loss_curve(run_dir: str) -> dict:
   curve = {}
   path = os.path.join(run_dir, "metrics.jsonl")
   if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      for line in f:
-        if line.strip():
-          row = json.loads(line)
-          curve[int(row["step"])] = float(row["loss"])
+    for row in results_file.read(path, ("step", "loss")).records:
+      curve[int(row["step"])] = float(row["loss"])
   return {str(k): curve[k] for k in sorted(curve)}
 
 

@@ -29,9 +29,10 @@ import os
 from absl import flags, logging
 
 from dlm_jax import config as config_lib
+from dlm_jax.io import json_files, output_dir
 from dlm_jax.training import data as training_data, loop as train_loop
 from dlm_jax.tasks import gsm8k, synthetic
-from experiments.common import cli, devices, run_dir, runtime_flags, train_flags
+from experiments.common import cli, devices, run_dir, runtime_flags, size_limits, train_flags
 
 train_flags.define(train_steps=1000, train_batch_size=32, lr=1e-3, warmup=100, log_every=50, checkpoint_every=250,
                    preset=None)
@@ -94,6 +95,8 @@ class DataSettings:
       raise cli.UserError(f"--eval_size={self.eval_size}: expected >= 0 (0 = no held-out loss)")
     if self.seq_len < 2:
       raise cli.UserError(f"--seq_len={self.seq_len}: expected at least 2")
+    size_limits.check(train_size=self.train_size, eval_size=self.eval_size, seq_len=self.seq_len,
+                      prompt_len=self.prompt_len)
     if self.layout == "sft" and not 1 <= self.prompt_len < self.seq_len:
       raise cli.UserError(f"--prompt_len={self.prompt_len}: expected 1 <= prompt_len < seq_len ({self.seq_len})")
 
@@ -114,14 +117,11 @@ def _model_config(tokenizer, preset: str | None, config_json: str | None, overri
   if preset is not None:
     config = train_flags.preset_config(preset, {})
   else:
-    text = config_json
-    if not text.lstrip().startswith("{"):
-      with open(text, encoding="utf-8") as f:
-        text = f.read()
-    try:
-      config = config_lib.ModelConfig.from_json(text)
-    except json.JSONDecodeError as e:
-      raise cli.UserError(f"--config_json is not valid JSON ({e})") from None
+    if config_json.lstrip().startswith("{"):
+      values = json_files.parse_json(config_json.encode("utf-8"), "--config_json", cli.UserError)
+    else:
+      values = json_files.read_json(config_json, cli.UserError)
+    config = config_lib.ModelConfig.from_dict(values)
   changes = {}
   if ids_from_tokenizer:
     changes["vocab_size"] = tokenizer.get_vocab_size()
@@ -143,7 +143,10 @@ def _pairs(data: DataSettings, split: str) -> list[tuple[str, str]]:
       return []
     problems = synthetic.make_split(split, n, data.data_seed)
   elif split == "train":
-    problems = gsm8k.read_jsonl(data.data)
+    try:
+      problems = gsm8k.read_jsonl(data.data)
+    except ValueError as e:
+      raise cli.UserError(f"--data: {e}") from None
   else:
     return []
   return [(p.question, p.answer) for p in problems]
@@ -165,6 +168,8 @@ def main(argv):
                       prompt_len=_PROMPT_LEN.value, layout=layout)
   if _OUT_DIR.value:
     run_dir.check_output_file(os.path.join(_OUT_DIR.value, "config.json"), "out_dir")
+    inputs = [p for p in (_TOKENIZER.value, _RUN_DIR.value, _DATA.value if _DATA.value != "synthetic" else None) if p]
+    output_dir.check_not_over_sources(_OUT_DIR.value, inputs)
   if _RUN_DIR.value and os.path.isfile(_RUN_DIR.value):
     raise cli.UserError(f"--run_dir={_RUN_DIR.value} is a file; expected a directory")
   if _RUN_DIR.value:

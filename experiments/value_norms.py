@@ -32,16 +32,17 @@ import numpy as np
 from absl import flags, logging
 
 from dlm_jax.analysis import sinks
-from dlm_jax.instrument import sink_selection
 from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
-from experiments.reports import palette
 from experiments.common import (atomic_files, checkpoints, cli, decode_flags, decoding, devices, item_batches, items,
-                                numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags, validity)
+                                numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags, size_limits,
+                                validity)
 from experiments.reports import plots
 from experiments.common.decoding import DecodeSettings
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
+from dlm_jax.instrument import sink_selection
+from experiments.reports import palette
 
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-arm"],
                                  f"Checkpoints ([label=]DIR or {', '.join(checkpoints.NAMES)}).")
@@ -78,6 +79,8 @@ class Settings:
         raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
     if self.n_prompts < 0:
       raise cli.UserError(f"--n_prompts={self.n_prompts}: expected >= 0 (0 = the whole task)")
+    size_limits.check(n_prompts=self.n_prompts, batch_size=self.batch_size, samples_per_item=self.samples_per_item,
+                      max_points=self.max_points)
     if self.epsilon <= 0:
       raise cli.UserError(f"--epsilon={self.epsilon}: expected > 0")
     if self.layers is not None and any(l < 0 for l in self.layers):
@@ -221,7 +224,7 @@ def main(argv):
     decoding.model_settings(decode, model)
   out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
                                            "checkpoints": checkpoints.identities(models)},
-                       overwrite=output.overwrite, primary=runtime.primary)
+                       overwrite=output.overwrite, primary=runtime.primary, inputs=run_dir.inputs_of(models, task.task))
   log = run_dir.ResultsLog(out, "results.jsonl", ("model", "item"), output.max_items_this_run)
   metas, start = [], time.time()
   try:

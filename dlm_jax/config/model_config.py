@@ -11,6 +11,8 @@ import dataclasses
 import json
 from typing import Any
 
+from dlm_jax.config import limits as config_limits
+
 _SPECIAL_TOKEN_FIELDS = ("mask_token_id", "eos_token_id", "eot_token_id", "bos_token_id", "pad_token_id")
 
 
@@ -230,6 +232,9 @@ class ModelConfig:
     self._check_experts()
     self._check_gemma()
     self._check_layer_pattern()
+    too_large = config_limits.size_error(self)
+    if too_large:
+      raise ConfigError(too_large + ".")
     for field in _SPECIAL_TOKEN_FIELDS:
       value = getattr(self, field)
       if value is None:

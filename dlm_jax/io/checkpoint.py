@@ -28,7 +28,6 @@ import json
 import math
 import os
 import shutil
-import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -37,9 +36,12 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from dlm_jax.io import finite, json_files
 from dlm_jax import default_models
 from dlm_jax import model as model_lib
 from dlm_jax.config import ConfigError, ModelConfig
+from dlm_jax.io.errors import CheckpointError
+from dlm_jax.io.output_dir import atomic_output_dir
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -61,10 +63,6 @@ SAFETENSORS_DTYPES: dict[str, np.dtype] = {
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 """dtypes accepted for model weights."""
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-
-
-class CheckpointError(ValueError):
-  """A checkpoint is missing, malformed or does not match its config; the message names the tensor/file."""
 
 
 def dtype_name(dtype: Any) -> str:
@@ -108,50 +106,6 @@ def check_tensor_set(expected: Mapping[str, tuple[int, ...]], found: Mapping[str
 # Directory handling.
 
 
-def _umask() -> int:
-  mask = os.umask(0)
-  os.umask(mask)
-  return mask
-
-
-def check_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False) -> None:
-  """Raises CheckpointError if `out_dir` is a file, or a non-empty directory and not `overwrite`."""
-  out_dir = os.path.abspath(os.fspath(out_dir))
-  if os.path.lexists(out_dir):
-    if not os.path.isdir(out_dir):
-      raise CheckpointError(f"Output path {out_dir} exists and is not a directory.")
-    if os.listdir(out_dir) and not overwrite:
-      raise CheckpointError(f"Output directory {out_dir} is not empty; pass --overwrite (overwrite=True) to "
-                            "replace it, or choose another directory.")
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False) -> Iterator[str]:
-  """Yields a fresh temporary directory next to `out_dir` and renames it to `out_dir` on success.
-
-  On any exception the temporary directory is removed and `out_dir` is left as it was. An existing
-  non-empty `out_dir` is an error unless `overwrite`, checked before anything is written.
-  """
-  out_dir = os.path.abspath(os.fspath(out_dir))
-  check_output_dir(out_dir, overwrite=overwrite)
-  parent, base = os.path.split(out_dir)
-  os.makedirs(parent, exist_ok=True)
-  tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-  os.mkdir(tmp, 0o777 & ~_umask())
-  try:
-    yield tmp
-    if os.path.lexists(out_dir):
-      old = os.path.join(parent, f".{base}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-      os.rename(out_dir, old)
-      os.rename(tmp, out_dir)
-      shutil.rmtree(old, ignore_errors=True)
-    else:
-      os.rename(tmp, out_dir)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-
-
 def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[str]:
   """Copies the `TOKENIZER_FILES` present in `src_dir` to `dst_dir`; returns the names copied."""
   copied = []
@@ -174,13 +128,7 @@ def read_config(directory: str | os.PathLike) -> ModelConfig:
   if not os.path.isfile(path):
     raise CheckpointError(f"{path} not found: a converted checkpoint directory needs a config.json "
                           "written by dlm_jax (run converters.convert first).")
-  try:
-    with open(path) as f:
-      values = json.load(f)
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"{path} is not valid JSON: {e}.") from None
-  if not isinstance(values, dict):
-    raise CheckpointError(f"{path} must hold a JSON object of ModelConfig fields.")
+  values = json_files.read_json(path, CheckpointError)
   try:
     return ModelConfig.from_dict(values)
   except (ConfigError, TypeError) as e:
@@ -344,6 +292,20 @@ class SafetensorsWriter:
 # Loading.
 
 
+def check_shard_name(directory: str | os.PathLike, index_path: str, name: str, file_name: str, *,
+                     links_may_leave: bool = False) -> None:
+  """Refuses an index entry whose file is not a relative path inside `directory`: empty, absolute, with a
+  `..` component, or (unless `links_may_leave`, as in a Hugging Face cache snapshot whose files link to its
+  blobs) a link whose real path leaves the directory."""
+  parts = file_name.replace("\\", "/").split("/")
+  real_dir = os.path.realpath(directory)
+  real = os.path.realpath(os.path.join(directory, file_name))
+  if (os.path.isabs(file_name) or ".." in parts or not file_name
+      or not (links_may_leave or real.startswith(real_dir.rstrip(os.sep) + os.sep))):
+    raise CheckpointError(f"{index_path}: tensor {name} is in {file_name!r}, outside the checkpoint directory "
+                          f"{directory}; shards must be files inside it.")
+
+
 def tensor_files(directory: str | os.PathLike) -> dict[str, str]:
   """{tensor name: file name} of a directory with model.safetensors.index.json or one model.safetensors.
 
@@ -351,14 +313,11 @@ def tensor_files(directory: str | os.PathLike) -> dict[str, str]:
   """
   index_path = os.path.join(directory, INDEX_FILE)
   if os.path.isfile(index_path):
-    try:
-      with open(index_path) as f:
-        weight_map = json.load(f)["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-      raise CheckpointError(f"{index_path} is not a valid index (needs a JSON object with a 'weight_map' "
-                            f"of tensor name -> file name): {e!r}.") from None
+    weight_map = json_files.read_json(index_path, CheckpointError).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
       raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to file names.")
+    for name, file_name in sorted(weight_map.items()):
+      check_shard_name(directory, index_path, name, file_name)
     for name, file_name in sorted(weight_map.items()):
       if not os.path.isfile(os.path.join(directory, file_name)):
         raise CheckpointError(f"{index_path}: tensor {name} is in {file_name}, which does not exist.")
@@ -366,6 +325,7 @@ def tensor_files(directory: str | os.PathLike) -> dict[str, str]:
   path = os.path.join(directory, SINGLE_FILE)
   if not os.path.isfile(path):
     raise CheckpointError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}.")
+  check_shard_name(directory, directory, SINGLE_FILE, SINGLE_FILE)
   with _open_safetensors(path) as f:
     return {name: SINGLE_FILE for name in f.keys()}
 
@@ -406,8 +366,8 @@ def _flat_shardings(shardings: Any, names: Mapping[str, Any]) -> dict[str, jax.s
   return flat
 
 
-def load(directory: str | os.PathLike, *, dtype: Any = None,
-         shardings: Any = None) -> tuple[ModelConfig, model_lib.Params]:
+def load(directory: str | os.PathLike, *, dtype: Any = None, shardings: Any = None,
+         check_finite: bool = True) -> tuple[ModelConfig, model_lib.Params]:
   """Loads a converted directory into (config, params).
 
   Args:
@@ -417,12 +377,15 @@ def load(directory: str | os.PathLike, *, dtype: Any = None,
     shardings: None (default device), one `jax.sharding.Sharding` for every tensor, or a dict of dotted
       tensor name -> Sharding (flat, or nested like the params tree); tensors not named go to the default
       device. Each device reads only its slice of the memory-mapped file.
+    check_finite: refuse weights holding NaN or ±inf (checked on device after placement, after any cast:
+      one reduction per tensor, `dlm_jax.io.finite`).
 
   Returns:
     The `ModelConfig` and the nested params dict matching `dlm_jax.model.abstract_params(config)`.
 
   Raises:
-    CheckpointError: missing/unexpected tensors, wrong shapes or dtypes, unreadable files (all named).
+    CheckpointError: missing/unexpected tensors, wrong shapes or dtypes, unreadable files, non-finite
+      weights (all named).
     ConfigError: config.json lacks a field or has an invalid value.
   """
   directory = os.fspath(directory)
@@ -459,7 +422,31 @@ def load(directory: str | os.PathLike, *, dtype: Any = None,
 
       out_dtype = target_dtype or SAFETENSORS_DTYPES[tensor.get_dtype()]
       flat[name] = jax.make_array_from_callback(shapes[name], placement.get(name, default), read, dtype=out_dtype)
+  if check_finite:
+    check_weights_finite(flat, config, directory)
   return config, model_lib.unflatten_params(flat)
+
+
+def _absolute_layer(config: ModelConfig, name: str, index: int) -> int:
+  """The model layer of entry `index` of the stacked tensor `name` (see the `dlm_jax.model` docstring)."""
+  if config.layer_pattern is not None:
+    letter = "g" if name.startswith("global_blocks.") else "s"
+    return [l for l, kind in enumerate(config.layer_pattern) if kind == letter][index]
+  if name.startswith("blocks.") and config.is_moe:
+    return config.first_k_dense + index
+  return index
+
+
+def check_weights_finite(flat: Mapping[str, jax.Array], config: ModelConfig, where: str | os.PathLike) -> None:
+  """Raises CheckpointError naming the first tensor (and layer, for stacked block tensors) holding NaN or inf."""
+  bad = finite.first_nonfinite(flat)
+  if bad:
+    name, index = next(iter(bad.items()))
+    axes = model_lib.PARAM_AXES.get(name, ())
+    place = f" in layer {_absolute_layer(config, name, index)}" if axes and axes[0] == "layers" else ""
+    more = f" ({len(bad) - 1} more tensors too)" if len(bad) > 1 else ""
+    raise CheckpointError(f"{where}: tensor {name} holds non-finite values (NaN or inf){place}{more}; the weights are "
+                          "corrupted (load with check_finite=False to inspect them).")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -485,7 +472,8 @@ def save(directory: str | os.PathLike, config: ModelConfig, params: model_lib.Pa
   flat = model_lib.flatten_params(params)
   check_tensor_set(expected_tensors(config), {n: tuple(v.shape) for n, v in flat.items()}, "save(params)")
   specs = {name: (tuple(flat[name].shape), np.dtype(flat[name].dtype)) for name in sorted(flat)}
-  with atomic_output_dir(directory, overwrite=overwrite) as tmp:
+  sources = () if tokenizer_dir is None else (tokenizer_dir,)
+  with atomic_output_dir(directory, overwrite=overwrite, sources=sources) as tmp:
     write_config(tmp, config)
     if tokenizer_dir is not None:
       copy_tokenizer_files(tokenizer_dir, tmp)

@@ -25,7 +25,6 @@ builders over messages [{"role": ..., "content": ...}]:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from typing import Literal
@@ -34,7 +33,9 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
+from dlm_jax.io import json_files
 from dlm_jax.config import ConfigError, ModelConfig
+from dlm_jax.io.errors import CheckpointError
 
 ChatTemplate = Literal["llada", "mmada", "dream", "llama3", "ling"]
 _LING_ROLES = {"system": "SYSTEM", "user": "HUMAN", "assistant": "ASSISTANT"}
@@ -93,14 +94,19 @@ def _added_tokens(directory: str) -> list[tuple[int, str, bool]]:
   """[(id, content, special)] from tokenizer_config.json's added_tokens_decoder or added_tokens.json."""
   config_path = os.path.join(directory, "tokenizer_config.json")
   if os.path.exists(config_path):
-    with open(config_path, encoding="utf-8") as f:
-      decoder = json.load(f).get("added_tokens_decoder", {})
+    decoder = json_files.read_json(config_path, CheckpointError).get("added_tokens_decoder") or {}
     if decoder:
-      return sorted((int(i), t["content"], bool(t.get("special", True))) for i, t in decoder.items())
+      try:
+        return sorted((int(i), t["content"], bool(t.get("special", True))) for i, t in decoder.items())
+      except (AttributeError, KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{config_path}: 'added_tokens_decoder' must map token ids to objects with a "
+                              "'content' string") from None
   added_path = os.path.join(directory, "added_tokens.json")
   if os.path.exists(added_path):
-    with open(added_path, encoding="utf-8") as f:
-      return sorted((int(i), content, True) for content, i in json.load(f).items())
+    added = json_files.read_json(added_path, CheckpointError)
+    if not all(isinstance(c, str) and isinstance(i, int) and not isinstance(i, bool) for c, i in added.items()):
+      raise CheckpointError(f"{added_path}: expected an object of token text -> integer id")
+    return sorted((i, content, True) for content, i in added.items())
   return []
 
 
@@ -145,12 +151,18 @@ class Tokenizer:
     the directory's config.json."""
     json_path = os.path.join(directory, "tokenizer.json")
     if os.path.exists(json_path):
-      backend = tokenizers.Tokenizer.from_file(json_path)
+      try:
+        backend = tokenizers.Tokenizer.from_file(json_path)
+      except Exception as e:  # pylint: disable=broad-except  (the Rust library raises plain Exception)
+        raise CheckpointError(f"{json_path}: not a readable tokenizer file ({str(e).splitlines()[0]})") from None
     else:
       vocab, merges = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
       if not (os.path.exists(vocab) and os.path.exists(merges)):
         raise FileNotFoundError(f"No tokenizer in {directory}: expected tokenizer.json or vocab.json + merges.txt.")
-      backend = byte_level_bpe(vocab, merges)
+      try:
+        backend = byte_level_bpe(vocab, merges)
+      except Exception as e:  # pylint: disable=broad-except  (the Rust library raises plain Exception)
+        raise CheckpointError(f"{vocab} / {merges}: not a readable BPE vocabulary ({str(e).splitlines()[0]})") from None
       for token_id, content, special in _added_tokens(directory):
         if backend.token_to_id(content) is not None:
           continue

@@ -10,13 +10,14 @@ intervention. Each completion is cut at the first EOS or PAD and decoded without
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Sequence
 
 import numpy as np
 
+from dlm_jax.io import json_files
 from dlm_jax.training import data as training_data
+from dlm_jax.io.errors import CheckpointError
 
 
 def training_record(directory: str) -> dict:
@@ -24,8 +25,7 @@ def training_record(directory: str) -> dict:
   path = os.path.join(directory, "training.json")
   if not os.path.exists(path):
     return {}
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  return json_files.read_json(path, CheckpointError)
 
 
 def complete(directory: str, questions: Sequence[str], *, prompt_len: int | None = None, gen_length: int = 32,

@@ -19,6 +19,8 @@ import re
 import tempfile
 from typing import Iterable, Iterator
 
+from dlm_jax.io import json_files
+
 STRICT_PATTERN = re.compile(r"#### (\-?[0-9\.\,]+)")
 FLEXIBLE_PATTERN = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 
@@ -68,17 +70,24 @@ def exact_match(prediction: str | None, target: str) -> bool:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[Problem]:
-  """Reads GSM8K-format JSONL (one {"question": ..., "answer": ...} object per line; blank lines skipped)."""
+  """Reads GSM8K-format JSONL (one {"question": str, "answer": str} object per line; blank lines skipped),
+  validated whole before anything uses it: a line that is not UTF-8 or not a JSON object, a missing or
+  non-string field, or an answer without its `#### n` line raises ValueError naming `path:line` and the
+  item (its 0-based index among the records)."""
+  path = os.fspath(path)
   problems = []
-  with open(path, encoding="utf-8") as f:
-    for line_number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      record = json.loads(line)
-      try:
-        problems.append(Problem(question=record["question"], answer=record["answer"]))
-      except KeyError as e:
-        raise ValueError(f"{path}:{line_number}: record lacks field {e}; expected 'question' and 'answer'.") from None
+  with open(path, "rb") as f:
+    data = f.read()
+  for line_number, line in enumerate(data.splitlines(), 1):
+    if not line.strip():
+      continue
+    where = f"{path}:{line_number} (item {len(problems)})"
+    record = json_files.parse_json(line, where)
+    json_files.check_fields(record, {"question": str, "answer": str}, where)
+    if extract_strict(record["answer"]) is None:
+      raise ValueError(f"{where}: the answer has no '#### n' line (GSM8K answers end with '#### <number>'): "
+                       f"{record['answer'][-60:]!r}")
+    problems.append(Problem(question=record["question"], answer=record["answer"]))
   return problems
 
 

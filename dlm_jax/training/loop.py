@@ -30,6 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
+from dlm_jax.io import json_files
 from dlm_jax.runtime import distributed, sharding
 from dlm_jax.config import ModelConfig
 from dlm_jax.training.objectives import (Objective, SinkTokenSpec, as_prng_key, init_train_state, loss_fn, make_optimizer,
@@ -131,8 +132,9 @@ def _run_record(model_config: ModelConfig, train_config: TrainConfig, examples: 
 def _check_run_record(run_dir: str, record: dict[str, Any], primary: bool) -> None:
   path = os.path.join(run_dir, "run.json")
   if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      previous = json.load(f)
+    previous = json_files.read_json(path, ValueError)
+    if not isinstance(previous.get("train_config"), dict):
+      raise ValueError(f"{path}: field 'train_config' must be a JSON object; the file is not a training run record")
     ignore = {"log_every", "checkpoint_every"}
     stored = {**dataclasses.asdict(TrainConfig()), **previous["train_config"]}  # fields added later: defaults
     a = {**previous, "train_config": {k: v for k, v in stored.items() if k not in ignore}}

@@ -61,7 +61,7 @@ def recorded_template(directory: str) -> str | None:
     try:
       with open(path, encoding="utf-8") as f:
         template = json.load(f).get("chat_template")
-    except (OSError, json.JSONDecodeError, AttributeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
       template = None
   jinja = os.path.join(directory, "chat_template.jinja")
   if not isinstance(template, str) and os.path.isfile(jinja):

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 from typing import Any
 
 from dlm_jax import default_models
+from dlm_jax.io import json_files
 from dlm_jax.config import ModelConfig
 from experiments import smollm2
-from experiments.common import progress
+from experiments.common import progress, weight_hashes
 from experiments.common.cli import UserError
 
 NAMES = tuple(default_models.NAMES) + smollm2.ALIASES
@@ -52,12 +52,14 @@ def resolve(entry: str) -> tuple[str, str]:
 def identity(directory: str) -> dict[str, Any]:
   """What identifies a checkpoint's results: its directory (relative to the working directory when inside
   it, so results written from a checkout hold no machine-specific path), the SHA-256 of config.json and
-  the size of every weight file (recorded in run.json so a resumed run uses the same weights)."""
+  the SHA-256 of every weight file (`experiments.common.weight_hashes`, cached), recorded in run.json so a resumed
+  run uses the same weights."""
   with open(os.path.join(directory, "config.json"), "rb") as f:
     config_hash = hashlib.sha256(f.read()).hexdigest()
-  weights = {name: os.path.getsize(os.path.join(directory, name)) for name in sorted(os.listdir(directory))
-             if name.endswith(".safetensors")}
-  return {"directory": progress.display_path(directory), "config_sha256": config_hash, "weights": weights}
+  names = [name for name in sorted(os.listdir(directory)) if name.endswith(".safetensors")]
+  digests = weight_hashes.sha256([os.path.join(directory, name) for name in names])
+  weights = {name: digests[os.path.join(directory, name)] for name in names}
+  return {"directory": progress.display_path(directory), "config_sha256": config_hash, "weights_sha256": weights}
 
 
 def training_record(directory: str) -> dict[str, Any]:
@@ -65,14 +67,7 @@ def training_record(directory: str) -> dict[str, Any]:
   path = os.path.join(directory, "training.json")
   if not os.path.isfile(path):
     return {}
-  try:
-    with open(path, encoding="utf-8") as f:
-      record = json.load(f)
-  except json.JSONDecodeError as e:
-    raise UserError(f"{path} is not valid JSON ({e})") from None
-  if not isinstance(record, dict):
-    raise UserError(f"{path} must hold a JSON object")
-  return record
+  return json_files.read_json(path, UserError)
 
 
 def default_sampler(config: ModelConfig) -> str:

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from experiments.common import devices
+from experiments.common import devices, size_limits
 from experiments.common.checkpoints import Model
 from experiments.common.cli import UserError
 from experiments.common.decoding_modes import DecodingMode
@@ -73,6 +73,7 @@ class DecodeSettings:
       value = getattr(self, name)
       if value is not None and value < 1:
         raise UserError(f"--{name}={value}: expected a positive integer (or leave it unset for the default)")
+    size_limits.check(gen_length=self.gen_length, steps=self.steps, block_length=self.block_length, top_k=self.top_k)
     if self.temperature < 0:
       raise UserError(f"--temperature={self.temperature}: expected >= 0 (0 = argmax)")
     if self.cfg_scale < 0:

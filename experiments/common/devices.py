@@ -13,6 +13,7 @@ import numpy as np
 from absl import logging
 
 from dlm_jax.runtime import distributed, sharding, xla_cpu
+from experiments.common import size_limits
 from experiments.common.cli import UserError
 
 
@@ -33,6 +34,7 @@ class RuntimeSettings:
   def __post_init__(self):
     if self.cpu_devices < 0:
       raise UserError(f"--cpu_devices={self.cpu_devices}: expected 0 (backend default) or a positive count")
+    size_limits.check(cpu_devices=self.cpu_devices)
     if self.num_processes is not None and self.num_processes < 1:
       raise UserError(f"--num_processes={self.num_processes}: expected a positive count")
     if self.process_id is not None and self.process_id < 0:

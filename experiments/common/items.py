@@ -11,10 +11,10 @@ the task (HumanEval: its task_id); ids, not batch positions, name items in resul
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
+from dlm_jax.io import json_files
 from experiments.common.checkpoints import SAMPLERS
 from experiments.common.cli import UserError
 
@@ -36,13 +36,46 @@ class Item:
 
 
 def check_task(task: str) -> None:
-  """Refuses a --task that is neither a known name nor an existing .jsonl file (before any model work)."""
+  """Refuses a --task that is neither a known name nor a valid GSM8K-format .jsonl file, reading and
+  validating the whole file (every line, every answer's `#### n`; for humaneval every problem's fields)
+  before any model work."""
+  if task == "humaneval":
+    humaneval_problems()
   if task in TASKS:
     return
   if not task.endswith(".jsonl"):
     raise UserError(f"--task={task}: expected one of {', '.join(TASKS)} or a GSM8K-format .jsonl file")
   if not os.path.isfile(task):
     raise UserError(f"--task={task}: no such file")
+  read_gsm8k(task)
+
+
+def humaneval_problems() -> list[dict[str, str]]:
+  """The HumanEval problems, each checked to have string task_id, prompt, test and entry_point."""
+  from dlm_jax.tasks import humaneval  # pylint: disable=import-outside-toplevel
+  try:
+    problems = list(humaneval.load_problems().values())
+  except ImportError as e:
+    raise UserError(f"--task=humaneval: {e}") from None
+  for number, problem in enumerate(problems):
+    where = f"--task=humaneval: problem {problem.get('task_id', number) if isinstance(problem, dict) else number}"
+    if not isinstance(problem, dict):
+      raise UserError(f"{where} is not an object")
+    json_files.check_fields(problem, dict.fromkeys(("task_id", "prompt", "test", "entry_point"), str), where,
+                            UserError)
+  return problems
+
+
+def read_gsm8k(path: str) -> list[dict[str, str]]:
+  """The records of a GSM8K-format JSONL task file, validated whole (`dlm_jax.tasks.gsm8k.read_jsonl`)."""
+  from dlm_jax.tasks import gsm8k  # pylint: disable=import-outside-toplevel
+  try:
+    problems = gsm8k.read_jsonl(path)
+  except (OSError, ValueError) as e:
+    raise UserError(f"--task: {e}") from None
+  if not problems:
+    raise UserError(f"--task={path}: the file holds no items")
+  return [{"question": p.question, "answer": p.answer} for p in problems]
 
 
 def task_name(task: str, record: dict[str, Any]) -> str:
@@ -55,17 +88,15 @@ def task_name(task: str, record: dict[str, Any]) -> str:
 def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict[str, Any]]:
   """The objects of a JSONL file, each with `fields`; a malformed line is a one-line error naming it."""
   rows = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{number}: not a JSON object ({e.msg})") from None
-      if not isinstance(row, dict) or any(k not in row for k in fields):
-        raise UserError(f"{path}:{number}: expected an object with {', '.join(repr(k) for k in fields)}")
-      rows.append(row)
+  with open(path, "rb") as f:
+    data = f.read()
+  for number, line in enumerate(data.splitlines(), 1):
+    if not line.strip():
+      continue
+    row = json_files.parse_json(line, f"{path}:{number}", UserError)
+    if any(k not in row for k in fields):
+      raise UserError(f"{path}:{number}: expected an object with {', '.join(repr(k) for k in fields)}")
+    rows.append(row)
   return rows
 
 
@@ -79,12 +110,11 @@ def load_items(task: str, n: int, data_seed: int) -> list[Item]:
     rows = read_jsonl(os.path.join(DATA_DIR, "simple_qa.jsonl"), ("question", "answer"))
     return [Item(str(i), r["question"], list(r["answer"]), "contains") for i, r in enumerate(rows[:n or None])]
   if task == "humaneval":
-    from dlm_jax.tasks import humaneval  # pylint: disable=import-outside-toplevel
-    problems = list(humaneval.load_problems().values())[:n or None]
+    problems = humaneval_problems()[:n or None]
     return [Item(p["task_id"], p["prompt"], dict(p), "humaneval") for p in problems]
   check_task(task)
-  rows = read_jsonl(task, ("question", "answer"))
-  return [Item(str(i), str(r["question"]), str(r["answer"]), "gsm8k") for i, r in enumerate(rows[:n or None])]
+  rows = read_gsm8k(task)
+  return [Item(str(i), r["question"], r["answer"], "gsm8k") for i, r in enumerate(rows[:n or None])]
 
 
 PROMPT_FORMATS = ("auto", "training", "chat", "plain")

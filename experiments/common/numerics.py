@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from experiments.common import size_limits
 from experiments.common.cli import UserError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -30,6 +31,7 @@ class Numerics:
       raise UserError(f"--attention_impl={self.attention_impl}: expected one of {', '.join(ATTENTION_IMPLS)}")
     if self.query_chunk < 1:
       raise UserError(f"--query_chunk={self.query_chunk}: expected a positive number of queries")
+    size_limits.check(query_chunk=self.query_chunk)
 
   @property
   def weight_dtype(self) -> Any:

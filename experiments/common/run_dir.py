@@ -7,26 +7,68 @@ when the first result is written (`ensure`): a run that fails before its first r
 `dataclasses.asdict`, plus the identity of each checkpoint); resuming with other settings is refused
 with the differing fields named. `--overwrite` replaces an existing run, again only at the first write.
 
+The writing process holds an exclusive lock (`fcntl.flock` on `LOCK_FILE` inside the directory) from the
+moment it resumes or replaces a run (or, for a new run, from its first result) until it exits; a second
+process on the same directory is refused in one line instead of computing and appending the same items.
+The lock is per process: several `RunDir`s of one process on one directory share it.
+
 `ResultsLog` is the JSONL of finished items: one JSON object per line, appended with flush + fsync,
-keyed by a tuple of fields; on start the existing lines are read (a torn last line from a crash is cut
-off) and finished keys are skipped, never duplicated. Only the primary process writes; every process
-reads the log to skip the same work, so a multi-host run needs the directory on a shared filesystem.
+keyed by a tuple of fields; on start the existing lines are validated line by line
+(`experiments.common.results_file`: only a torn last line from a crash is cut off, any other bad line is an error
+naming the line and nothing is deleted) and finished keys are skipped, never duplicated. Only the primary
+process writes; every process reads the log to skip the same work, so a multi-host run needs the directory
+on a shared filesystem.
+
+A run.json written before weights were identified by content (their sizes under "weights") cannot vouch
+for the weights; resuming it is refused with a message saying so.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
 from absl import logging
 
-from experiments.common import atomic_files, cli
+from dlm_jax.io import json_files, output_dir
+from experiments.common import atomic_files, results_file
 from experiments.common.cli import UserError
+from experiments.common import cli
 
 RUN_FILE = "run.json"
+LOCK_FILE = ".run.lock"
+_LOCKS: dict[str, int] = {}
+"""{real directory path: open lock file descriptor} held by this process."""
+
+
+def lock(directory: str) -> None:
+  """Takes this process's exclusive lock on `directory` (which exists); a one-line UserError when another
+  process holds it. Held until the process exits."""
+  real = os.path.realpath(directory)
+  if real in _LOCKS:
+    return
+  fd = os.open(os.path.join(real, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    os.close(fd)
+    raise UserError(f"--output_dir={directory} is in use by another process (it holds {LOCK_FILE} locked); wait for "
+                    "it to finish, or use another --output_dir") from None
+  _LOCKS[real] = fd
+
+
+def inputs_of(models: Sequence[Any], task: str) -> list[str]:
+  """The paths a run reads: its models' checkpoint directories and a task file (`RunDir`'s `inputs`)."""
+  return [m.directory for m in models] + ([task] if os.path.isfile(task) else [])
+
+
+def _old_weight_identity(stored: dict[str, Any], changed: list[str]) -> bool:
+  """True when the stored run identifies checkpoint weights by size (before content hashes)."""
+  flat = _flatten(stored)
+  return any(".weights." in f".{key}." and isinstance(flat.get(key), int) for key in changed)
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -68,14 +110,18 @@ class RunDir:
     primary: this process writes (the others only read).
     overwrite: replace an existing run at the first write.
     resumed: the directory already holds a run with these settings (its results are reused).
+  `inputs` are the paths the run reads (checkpoint directories, task files): the directory may not be one of
+  them, hold one (--overwrite would delete it) or lie inside one (links resolved).
   """
 
-  def __init__(self, path: str, settings: dict[str, Any], *, overwrite: bool = False, primary: bool = True):
+  def __init__(self, path: str, settings: dict[str, Any], *, overwrite: bool = False, primary: bool = True,
+               inputs: Sequence[str] = ()):
     self.path = os.path.abspath(path)
     self.settings = json.loads(atomic_files.to_json(settings))
     self.primary, self.overwrite = primary, overwrite
     self.created = False
     self.resumed = False
+    output_dir.check_not_over_sources(self.path, inputs)
     self._check()
     cli.set_resume_hint(f"the results finished so far are kept in {path}; run the same command again to resume")
 
@@ -83,23 +129,29 @@ class RunDir:
     if os.path.exists(self.path) and not os.path.isdir(self.path):
       raise UserError(f"--output_dir={self.path} is a file; expected a directory (or a path that does not exist)")
     check_output_file(os.path.join(self.path, RUN_FILE), "output_dir")
-    if not os.path.isdir(self.path) or self.overwrite:
+    if not os.path.isdir(self.path):
+      return
+    if self.overwrite:
+      if self.primary:
+        lock(self.path)
       return
     run_file = os.path.join(self.path, RUN_FILE)
     if not os.path.exists(run_file):
-      if os.listdir(self.path):
+      if set(os.listdir(self.path)) - {LOCK_FILE}:
         raise UserError(f"--output_dir={self.path} holds files but no {RUN_FILE}; use an empty or new "
                         "directory, or --overwrite to replace its contents")
       return
-    try:
-      with open(run_file, encoding="utf-8") as f:
-        stored = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-      raise UserError(f"{run_file} is unreadable ({e}); use another --output_dir or --overwrite") from None
+    stored = json_files.read_json(run_file, UserError)
     changed = differing_fields(stored, self.settings)
+    if changed and _old_weight_identity(stored, changed):
+      raise UserError(f"{run_file} identifies the checkpoint weights by file size (written by an older dlm_jax), so "
+                      "its results cannot be shown to come from these weights; use --overwrite to start again, or "
+                      "another --output_dir")
     if changed:
       raise UserError(f"{self.path} holds results of a run with other settings ({', '.join(changed)}); resume "
                       "with the same flags, use another --output_dir, or --overwrite to start again")
+    if self.primary:
+      lock(self.path)
     self.resumed = True
     self.created = True
 
@@ -112,9 +164,14 @@ class RunDir:
     if self.created or not self.primary:
       self.created = True
       return
-    if self.overwrite and os.path.isdir(self.path):
-      shutil.rmtree(self.path)
     os.makedirs(self.path, exist_ok=True)
+    lock(self.path)
+    if self.overwrite:
+      for name in sorted(set(os.listdir(self.path)) - {LOCK_FILE}):
+        output_dir.remove(self.file(name))
+    elif os.path.exists(self.file(RUN_FILE)):
+      raise UserError(f"another process started a run in --output_dir={self.path} while this one was computing; "
+                      "run again to resume it")
     atomic_files.write_json(self.file(RUN_FILE), self.settings)
     self.created = True
 
@@ -150,26 +207,24 @@ class ResultsLog:
   def _read(self) -> None:
     if not os.path.exists(self.path):
       return
-    with open(self.path, "rb") as f:
-      data = f.read()
-    good_end = 0
-    for line in data.splitlines(keepends=True):
-      if not line.endswith(b"\n"):
-        break
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError:
-        break
-      good_end += len(line)
+    contents = results_file.read(self.path, self.key_fields)
+    for record in contents.records:
       key = self.key(record)
       if key not in self._keys:
         self._keys.add(key)
         self.records.append(record)
-    if good_end < len(data) and self.run_dir.primary:
+    if not self.run_dir.primary:
+      return
+    if contents.torn_bytes:
       logging.warning("%s: dropping a torn last line (%d bytes) left by an interrupted run.", self.path,
-                      len(data) - good_end)
+                      contents.torn_bytes)
       with open(self.path, "r+b") as f:
-        f.truncate(good_end)
+        f.truncate(contents.good_end)
+        f.flush()
+        os.fsync(f.fileno())
+    elif contents.needs_newline:
+      with open(self.path, "ab") as f:
+        f.write(b"\n")
         f.flush()
         os.fsync(f.fileno())
 
