@@ -246,7 +246,8 @@ def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: de
   options = sampler_options(values, mask is not None, tuple(prompts_lib.end_ids(model)))
   kwargs = dict(config=model.config, options=options, key=key, prompt_mask=mask, stats_spec=stats_spec or NO_STATS,
                 intervention=intervention, intervention_state=intervention_state,
-                attention_impl=numerics.attention_impl, query_chunk=numerics.query_chunk)
+                attention_impl=numerics.attention_impl, query_chunk=numerics.query_chunk,
+                batch_invariant=numerics.batch_invariant)
   if model.sampler in ("llada", "mmada"):
     return llada.generate(model.params, prompt, **kwargs)
   if model.sampler == "dream":

@@ -56,6 +56,7 @@ over the whole canvas at every step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Literal
 
 import jax
@@ -66,7 +67,7 @@ from dlm_jax import model
 from dlm_jax.attention import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache
-from dlm_jax.sampling import blocks, driver, keys, llada_blockwise, padding
+from dlm_jax.sampling import blocks, driver, keys, llada_blockwise, padding, row_by_row
 from dlm_jax.sampling.schedules import llada_transfer_counts
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
 
@@ -320,8 +321,10 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
       (confidence −inf elsewhere)."""
       def propose(_):
         start, width = (0, run.total_length) if whole_canvas else (block_start, o.block)
-        logits = [None if h is None else model.lm_head(params, jax.lax.dynamic_slice_in_dim(h, start, width, 1),
-                                                       config=run.config)
+        head = lambda h: model.lm_head(params, h, config=run.config)
+        if run.caller.batch_invariant:
+          head = functools.partial(row_by_row.lm_head_rows, head)
+        logits = [None if h is None else head(jax.lax.dynamic_slice_in_dim(h, start, width, 1))
                   for h in (result.hidden, result.uncond_hidden)]
         x0, x0_p = self._proposals(params, *logits, step_key, run.row_keys)
         full_p = jnp.full(x.shape, -jnp.inf, x0_p.dtype)

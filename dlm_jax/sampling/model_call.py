@@ -18,6 +18,7 @@ from dlm_jax.attention import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.interventions import CallContext, Intervention
 from dlm_jax.model import KVCache, forward
+from dlm_jax.sampling import row_by_row
 from dlm_jax.stats import ForwardOutput, StatsPlan, query_group_weights
 
 
@@ -85,6 +86,8 @@ class ModelCaller:
     gen_start: first generated position (for the query groups).
     attention_impl, query_chunk: passed to `forward`.
     record_intervention: also return the intervention's per-call record.
+    batch_invariant: run the model one row at a time (`dlm_jax.sampling.row_by_row`), so that every row's
+      logits and statistics are bitwise those of a batch of one.
   """
 
   config: ModelConfig
@@ -95,6 +98,7 @@ class ModelCaller:
   attention_impl: str = "chunked"
   query_chunk: int = 128
   record_intervention: bool = False
+  batch_invariant: bool = False
 
   def __call__(self, params, tokens: jax.Array, step, istate, *, window: tuple[int, int] | str | None,
                positions: jax.Array, valid_keys: jax.Array, query_valid: jax.Array,
@@ -146,12 +150,13 @@ class ModelCaller:
         weights = jnp.concatenate([weights, weights], axis=0)
     if window == "last":
       window = (length - 1, length)
-    output = forward(params, model_tokens, config=self.config, bias=bias, positions=positions,
-                     query_weights=weights, stats_spec=spec, logits_window=window, logits_offset=logits_offset,
-                     attention_impl=self.attention_impl, query_chunk=self.query_chunk, cache=cache,
-                     cache_offset=cache_offset, return_hidden=return_hidden, decoder=decoder,
-                     self_conditioning_logits=self_conditioning_logits,
-                     self_conditioning_mask=self_conditioning_mask)
+    call = row_by_row.forward_rows if self.batch_invariant else forward
+    output = call(params, model_tokens, config=self.config, bias=bias, positions=positions,
+                  query_weights=weights, stats_spec=spec, logits_window=window, logits_offset=logits_offset,
+                  attention_impl=self.attention_impl, query_chunk=self.query_chunk, cache=cache,
+                  cache_offset=cache_offset, return_hidden=return_hidden, decoder=decoder,
+                  self_conditioning_logits=self_conditioning_logits,
+                  self_conditioning_mask=self_conditioning_mask)
     halves = {"logits": output.logits, "hidden": output.hidden}
     cond = {name: None if x is None else x[:batch] for name, x in halves.items()}
     uncond = {name: None if x is None or uncond_tokens is None else x[batch:] for name, x in halves.items()}
