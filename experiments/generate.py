@@ -284,7 +284,8 @@ def _generate(params, config, settings: Settings, prompt, stats_spec):
   from dlm_jax.sampling import autoregressive, block_diffusion, diffusion_gemma, dream, llada  # pylint: disable=import-outside-toplevel
   kwargs = dict(config=config, options=settings.options(config), key=jax.random.key(settings.seed),
                 stats_spec=stats_spec, intervention=_intervention(settings.sampler, settings.mask_sinks),
-                attention_impl=settings.numerics.attention_impl, query_chunk=settings.numerics.query_chunk)
+                attention_impl=settings.numerics.attention_impl, query_chunk=settings.numerics.query_chunk,
+                batch_invariant=settings.numerics.batch_invariant)
   if settings.sampler in ("llada", "mmada"):
     return llada.generate(params, prompt, **kwargs)
   if settings.sampler == "dream":

@@ -67,7 +67,7 @@ from dlm_jax import model
 from dlm_jax.attention import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache
-from dlm_jax.sampling import blocks, driver, keys, llada_blockwise, padding, row_by_row
+from dlm_jax.sampling import blocks, driver, keys, llada_blockwise, padding, parallel, row_by_row
 from dlm_jax.sampling.schedules import llada_transfer_counts
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
 
@@ -99,8 +99,14 @@ class LLaDAOptions(blocks.BlockLayout):
       one; a block takes as many steps as it needs (`steps` is then unused). None = the quota rule.
     factor: Fast-dLLM's factor rule instead (`dlm_jax.sampling.parallel.factor_transfer`); not with
       threshold. None = off.
+    factor_rule: "fast_dllm" (NVlabs' code, the default: when only the last-ranked candidate fails, all are
+      committed) or "dllm" (dllm's vectorised rule: exactly the accepted prefix); `parallel.FACTOR_RULES`.
     cache: "none", "prefix" or "dual": Fast-dLLM's approximate KV caches, refreshed by a whole-canvas
       step at each block start (`dlm_jax.sampling.llada_blockwise`).
+    dual_cache_forwards: with cache="dual", how many model calls a block may take: "until_done" (NVlabs'
+      June-2025 code, 24cc59e: until the block holds no mask) or "steps_per_block" (NVlabs' current code:
+      at most steps / num_blocks calls, the refresh included; masks a block leaves compete with the next
+      blocks' candidates at their refresh steps, and the output can end with mask ids).
     Any of threshold, factor or a cache selects the block-by-block modes of `llada_blockwise`; with none
     of them this is the exact sampler above.
   """
@@ -123,7 +129,9 @@ class LLaDAOptions(blocks.BlockLayout):
   eot_token_id: int | None = None
   threshold: float | None = None
   factor: float | None = None
+  factor_rule: Literal["fast_dllm", "dllm"] = "fast_dllm"
   cache: Literal["none", "prefix", "dual"] = "none"
+  dual_cache_forwards: Literal["until_done", "steps_per_block"] = "until_done"
 
   def __post_init__(self):
     if isinstance(self.gen_length, bool) or not isinstance(self.gen_length, int) or self.gen_length <= 0:
@@ -154,6 +162,14 @@ class LLaDAOptions(blocks.BlockLayout):
       raise ValueError("set threshold or factor, not both (they are two transfer rules).")
     if self.cache not in ("none", "prefix", "dual"):
       raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
+    if self.factor_rule not in parallel.FACTOR_RULES:
+      raise ValueError(f"factor_rule must be one of {', '.join(parallel.FACTOR_RULES)}, got {self.factor_rule!r}.")
+    if self.dual_cache_forwards not in ("until_done", "steps_per_block"):
+      raise ValueError("dual_cache_forwards must be 'until_done' or 'steps_per_block', got "
+                       f"{self.dual_cache_forwards!r}.")
+    if self.dual_cache_forwards != "until_done" and self.cache != "dual":
+      raise ValueError(f"dual_cache_forwards={self.dual_cache_forwards!r} applies to cache='dual' only, got "
+                       f"cache={self.cache!r}.")
     if self.cache != "none" and self.cfg_scale > 0:
       raise ValueError(f"cache={self.cache!r} cannot be combined with cfg_scale > 0 (classifier-free guidance "
                        "would need a cache for the unconditional canvas); use cache='none'.")
