@@ -229,9 +229,19 @@ def combined_intervention(model: Model, intervention=None):
   return parts[0] if len(parts) == 1 else interventions.Compose(tuple(parts))
 
 
+def check_finite(trace, rows: list[str] | None = None) -> None:
+  """Refuses (a one-line `UserError` naming the row and the step) a `Trace` whose logits went NaN or
+  infinite at some step (`Trace.first_nonfinite_step`); rows: names of the batch rows."""
+  from dlm_jax.sampling.trace import nonfinite_message  # pylint: disable=import-outside-toplevel
+  message = nonfinite_message(jax.device_get(trace.first_nonfinite_step), rows)
+  if message is not None:
+    raise UserError(message)
+
+
 def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,
              key: jax.Array, stats_spec=None, intervention=None, intervention_state=None):
-  """Runs the model's sampler on a batch (placed on the mesh when there is one); returns the `Trace`.
+  """Runs the model's sampler on a batch (placed on the mesh when there is one); returns the `Trace`, refused
+  when its logits went non-finite (`check_finite`).
 
   values: `model_settings`; intervention: the complete intervention (see `combined_intervention`); None =
   the model's own."""
@@ -248,12 +258,9 @@ def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: de
                 intervention=intervention, intervention_state=intervention_state,
                 attention_impl=numerics.attention_impl, query_chunk=numerics.query_chunk,
                 batch_invariant=numerics.batch_invariant)
-  if model.sampler in ("llada", "mmada"):
-    return llada.generate(model.params, prompt, **kwargs)
-  if model.sampler == "dream":
-    return dream.diffusion_generate(model.params, prompt, **kwargs)
-  if model.sampler == "block_diffusion":
-    return block_diffusion.generate(model.params, prompt, **kwargs)
-  if model.sampler == "diffusion_gemma":
-    return diffusion_gemma.generate(model.params, prompt, **kwargs)
-  return autoregressive.generate(model.params, prompt, **kwargs)
+  sampler = {"llada": llada.generate, "mmada": llada.generate, "dream": dream.diffusion_generate,
+             "block_diffusion": block_diffusion.generate,
+             "diffusion_gemma": diffusion_gemma.generate}.get(model.sampler, autoregressive.generate)
+  trace = sampler(model.params, prompt, **kwargs)
+  check_finite(trace, [f"{model.label} batch row {row}" for row in range(prompts.ids.shape[0])])
+  return trace

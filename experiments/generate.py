@@ -63,6 +63,7 @@ from absl import flags, logging
 from dlm_jax import distributed
 from experiments import (atomic_files, chat, checkpoints, cli, decoding_flags, decoding_modes, devices, numerics_flags,
                          run_dir, runtime_flags)
+from experiments.decoding import check_finite
 from experiments.decoding_modes import DecodingMode
 from experiments.numerics import Numerics
 
@@ -345,6 +346,7 @@ def main(argv):
                 else NO_STATS)
   prompt = devices.replicate(np.asarray([ids], np.int32), runtime)
   trace = distributed.to_host(_generate(params, config, settings, prompt, stats_spec))
+  check_finite(trace, ["the prompt"])
   if not runtime.primary:
     return
   tokens = [int(t) for t in np.asarray(trace.tokens)[0]]

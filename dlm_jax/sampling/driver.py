@@ -199,7 +199,10 @@ def _trace(run: Run, carry, outputs: StepOutput, n_steps) -> Trace:
   """The users' `Trace`: statistics squeezed to their shapes (the one place that does it)."""
   tokens, decode_step = run.family.outcome(run, carry)
   plan = run.caller.plan
+  bad = outputs.nonfinite  # [max_steps, B]; steps not run are False
+  first_nonfinite = jnp.where(jnp.any(bad, axis=0), jnp.argmax(bad, axis=0), -1).astype(jnp.int32)
   return Trace(tokens=tokens, decode_step=decode_step, nfe=jnp.asarray(n_steps, jnp.int32),
+               first_nonfinite_step=first_nonfinite,
                active_rows=outputs.active, computed_queries=outputs.queries, stats=plan.squeeze_user(outputs.stats),
                top_sinks=plan.squeeze_sinks(outputs.top_sinks), intervention_record=outputs.record,
                accepted=outputs.accepted, canvases=outputs.canvas, prompt_length=run.prompt_length)

@@ -38,6 +38,8 @@ class StepOutput:
     other families).
   canvas: [B, C] int32, the canvas a uniform-state decoder step read (DiffusionGemma: the noisy canvas its
     queries hold, which the final tokens do not show; zeros at its encoder calls; None for the others).
+  nonfinite: [B] bool, the call's logits (or hidden states) of the row hold a NaN or an infinity (set by
+    `ModelCaller`; the conditional and, under CFG, the unconditional half).
   """
 
   stats: dict[str, jax.Array] | None = None
@@ -47,6 +49,18 @@ class StepOutput:
   queries: jax.Array | None = None
   accepted: jax.Array | None = None
   canvas: jax.Array | None = None
+  nonfinite: jax.Array | None = None
+
+
+def _nonfinite_rows(*arrays: jax.Array | None) -> jax.Array:
+  """[B] bool: a row of any [B, ...] array holds a non-finite value (arrays of 2B rows fold onto B)."""
+  rows = None
+  for x in arrays:
+    if x is None:
+      continue
+    bad = ~jnp.all(jnp.isfinite(x.reshape(x.shape[0], -1)), axis=1)
+    rows = bad if rows is None else rows | bad
+  return rows
 
 
 @struct.dataclass
@@ -166,8 +180,9 @@ class ModelCaller:
                              routed_experts=_split_rows(output.routed_experts, batch),
                              routing_weights=_split_rows(output.routing_weights, batch), cache=output.cache)
     istate = self.intervention.update(istate, self.plan.intervention_output(output), context)
+    nonfinite = _nonfinite_rows(cond["logits"], cond["hidden"], uncond["logits"], uncond["hidden"])
     outputs = StepOutput(stats=self.plan.user_stats(output, self.config.n_experts), top_sinks=self.plan.top_sinks(output, valid_keys),
-                         record=record)
+                         record=record, nonfinite=nonfinite)
     return CallResult(logits=cond["logits"], uncond_logits=uncond["logits"], hidden=cond["hidden"],
                       uncond_hidden=uncond["hidden"], intervention_state=istate, cache=output.cache,
                       outputs=outputs)
