@@ -106,10 +106,11 @@ def _order(conf):
   return sorted(range(len(conf)), key=lambda j: (-conf[j], j))
 
 
-def reference_transfer(conf, candidates, rule, value, quota, factor_rule="dllm", events=None):
-  """Indices (within the window) to transfer. conf [W] float64, candidates [W] bool. events (a list)
-  collects "only_last_fails" when the factor rule's first failing rank is the last one."""
-  cand = [j for j in _order(conf) if candidates[j]]
+def reference_transfer(conf, candidates, rule, value, quota, factor_rule="dllm", events=None, key=None):
+  """Indices (within the window) to transfer. conf [W] float64, candidates [W] bool; key [W]: the ranking
+  (default conf). events (a list) collects "only_last_fails" when the factor rule's first failing rank is
+  the last one."""
+  cand = [j for j in _order(conf if key is None else key) if candidates[j]]
   if rule == "threshold":
     return cand[:1] + [j for j in cand[1:] if conf[j] >= value]
   if rule == "factor" and factor_rule == "fast_dllm":
@@ -138,13 +139,15 @@ def reference_transfer(conf, candidates, rule, value, quota, factor_rule="dllm",
 
 
 def reference_generate(p, prompt, *, rule, value=None, cache="none", steps=GEN, gen=GEN, block=BLOCK,
-                       margins=None, sink_front=False, factor_rule="dllm", capped=False, events=None):
+                       margins=None, sink_front=False, factor_rule="dllm", capped=False, events=None,
+                       log_odds=False):
   """Fast-dLLM decoding of one row at temperature 0 (§2–§5): (tokens, decode_step, nfe, per-step
   (computed range, attention probabilities)). `margins` collects, at each step, how far the decision was
   from flipping: the confidence gap between the last transferred and the first kept candidate (every rule
   transfers a prefix of the descending order) and, for the threshold, |confidence − τ|.
   capped: the dual cache of NVlabs' current code — at most steps / num_blocks calls per block, and the
-  refresh's candidates are every mask before the block's end (earlier blocks' leftovers included)."""
+  refresh's candidates are every mask before the block's end (earlier blocks' leftovers included).
+  log_odds: rank by log p − log(1 − p) = l_x0 − logsumexp(other logits), in float64 (the exact order)."""
   x = np.concatenate([prompt, np.full(gen, MASK)]).astype(np.int64)
   s_len = x.shape[0]
   decode_step = np.full(gen, -1)
@@ -156,7 +159,12 @@ def reference_generate(p, prompt, *, rule, value=None, cache="none", steps=GEN, 
     candidates = x[positions] == MASK
     x0 = logits.argmax(-1)
     conf = _softmax(logits)[np.arange(len(positions)), x0]
-    chosen = reference_transfer(conf, candidates, rule, value, quota, factor_rule, events)
+    key = None
+    if log_odds:
+      others = np.where(np.arange(logits.shape[-1]) == x0[:, None], -np.inf, logits)
+      top = others.max(-1, keepdims=True)
+      key = logits[np.arange(len(positions)), x0] - (top[:, 0] + np.log(np.exp(others - top).sum(-1)))
+    chosen = reference_transfer(conf, candidates, rule, value, quota, factor_rule, events, key)
     ranked = sorted(conf[candidates], reverse=True)
     if margins is not None and 0 < len(chosen) < len(ranked):
       margins.append(ranked[len(chosen) - 1] - ranked[len(chosen)])
@@ -388,3 +396,33 @@ def test_nvlabs_rules_are_token_and_step_identical_to_the_reference(name):
     assert "only_last_fails" in events, f"{name}: NVlabs' extra commit never happened"
   if case.get("capped"):
     assert leftovers > 0, f"{name}: no block was left unfinished by the cap"
+
+
+@functools.lru_cache(maxsize=None)
+def saturated_params():
+  """A strongly scaled LM head: most proposals have p within 6e-8 of 1, exactly 1.0 in float32."""
+  params = model.init_params(CONFIG, jax.random.key(3))
+  params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 40.0
+  return params
+
+
+def test_log_odds_ranking_gives_the_exact_order_where_float32_probabilities_tie():
+  """Exact LLaDA decoding (quota rule, blocks of 8) and the threshold rule ranked by log odds are token- and
+  step-identical to the float64 reference ranked by log odds; ranked by float32 probability (the
+  originals' rule) the saturated confidences tie and the order differs."""
+  flat = {name: np.asarray(value, np.float64) for name, value in model.flatten_params(saturated_params()).items()}
+  differs = 0
+  for case in (CASES["prefix_quota"], CASES["threshold"]):
+    case = dict(case, options=dict(case["options"], cache="none"), cache="none")
+    for prompt in prompts(2, seed=5):
+      kwargs = {k: case[k] for k in ("value",) if k in case}
+      tokens, decode_step, nfe, _ = reference_generate(flat, prompt, rule=case["rule"], log_odds=True, **kwargs)
+      options = dict(case["options"], gen_length=GEN, steps=GEN, block_length=BLOCK)
+      exact = llada.generate(saturated_params(), prompt[None], config=CONFIG,
+                             options=llada.LLaDAOptions(confidence_ranking="log_odds", **options))
+      np.testing.assert_array_equal(np.asarray(exact.tokens)[0], tokens)
+      np.testing.assert_array_equal(np.asarray(exact.decode_step)[0], decode_step)
+      assert int(exact.nfe) == nfe
+      official = llada.generate(saturated_params(), prompt[None], config=CONFIG, options=llada.LLaDAOptions(**options))
+      differs += not np.array_equal(np.asarray(official.decode_step)[0], decode_step)
+  assert differs, "float32 probabilities did not saturate in any case: the comparison would not be tested"

@@ -91,6 +91,11 @@ class LLaDAOptions(blocks.BlockLayout):
       docstring); only used when a prompt mask is given.
     cfg_padding: apply the padding policy to the CFG calls as well (MMaDA: False, no mask under CFG).
     confidence_dtype: None (the model dtype, LLaDA), "float32" or "float64" (MMaDA; float32 without x64).
+    confidence_ranking: how `low_confidence` remasking ranks proposals: "probability" (the originals: p(x0)
+      in confidence_dtype, which saturates — in float32 half the proposals of a trained tiny model have p
+      exactly 1 — so most choices are ties settled by position) or "log_odds" (log p − log(1 − p) from the
+      logits, `parallel.log_odds_confidence`, at least float32: the order exact arithmetic gives). Threshold
+      and factor bounds are compared on the same scale.
     stop_token_id: MMaDA `mmu_generate_fast`: after a block, stop when every row's last position of that
       block holds this id (later blocks stay masks, their steps are skipped). None = never stop.
     mask_token_id, eos_token_id, eot_token_id: overrides of the config's ids (None = config).
@@ -123,6 +128,7 @@ class LLaDAOptions(blocks.BlockLayout):
   shift_positions: bool = False
   cfg_padding: bool = True
   confidence_dtype: Literal["float32", "float64"] | None = None
+  confidence_ranking: Literal["probability", "log_odds"] = "probability"
   stop_token_id: int | None = None
   mask_token_id: int | None = None
   eos_token_id: int | None = None
@@ -162,6 +168,9 @@ class LLaDAOptions(blocks.BlockLayout):
       raise ValueError("set threshold or factor, not both (they are two transfer rules).")
     if self.cache not in ("none", "prefix", "dual"):
       raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
+    if self.confidence_ranking not in parallel.SCALES:
+      raise ValueError(f"confidence_ranking must be one of {', '.join(parallel.SCALES)}, got "
+                       f"{self.confidence_ranking!r}.")
     if self.factor_rule not in parallel.FACTOR_RULES:
       raise ValueError(f"factor_rule must be one of {', '.join(parallel.FACTOR_RULES)}, got {self.factor_rule!r}.")
     if self.dual_cache_forwards not in ("until_done", "steps_per_block"):
@@ -279,7 +288,10 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
       if o.temperature == 0:
         confidence_logits = confidence_logits.at[..., self.eos_id].set(-jnp.inf)
       confidence_logits = confidence_logits.at[..., self.eot_id].set(-jnp.inf)
-    if o.remasking == "low_confidence":
+    if o.remasking == "low_confidence" and o.confidence_ranking == "log_odds":
+      dtype = jnp.float64 if self._confidence_dtype(params) == jnp.float64 else jnp.float32
+      x0_p = parallel.log_odds_confidence(confidence_logits.astype(dtype), x0)
+    elif o.remasking == "low_confidence":
       probs = jax.nn.softmax(confidence_logits.astype(self._confidence_dtype(params)), axis=-1)
       x0_p = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
     else:
@@ -293,6 +305,13 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
     before_end = jnp.arange(x.shape[1])[None, :] < block_end
     confidence = jnp.where(masked & before_end, x0_p, -jnp.inf)
     return jnp.where(select_top_k(confidence, transfer_count), jnp.where(masked, x0, x), x)
+
+  @property
+  def confidence_scale(self) -> str:
+    """The scale of `_proposals`' confidence (`parallel.SCALES`): log odds when ranked so, else a
+    probability (random remasking's U(0, 1) included)."""
+    o = self.options
+    return "log_odds" if o.remasking == "low_confidence" and o.confidence_ranking == "log_odds" else "probability"
 
   @property
   def can_finish_early(self) -> bool:

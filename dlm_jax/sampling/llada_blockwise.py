@@ -93,11 +93,12 @@ def finished(family, run, carry, phase: driver.Phase) -> jax.Array:
   return done
 
 
-def _transfer(options, confidence, candidates, schedule, block_step):
+def _transfer(family, confidence, candidates, schedule, block_step):
+  options, scale = family.options, family.confidence_scale
   if options.factor is not None:
-    return factor_transfer(confidence, candidates, options.factor, options.factor_rule)
+    return factor_transfer(confidence, candidates, options.factor, options.factor_rule, scale)
   if options.threshold is not None:
-    return threshold_transfer(confidence, candidates, options.threshold)
+    return threshold_transfer(confidence, candidates, options.threshold, scale)
   count = jax.lax.dynamic_index_in_dim(schedule, block_step, axis=1, keepdims=False)
   return select_top_k(jnp.where(candidates, confidence, -jnp.inf), count) & candidates
 
@@ -160,7 +161,7 @@ def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, c
   else:
     result, queries = _model_call(family, run, params, consts, carry, istate, i, s, call, step_key)
   x0, confidence = family._proposals(params, result.logits, result.uncond_logits, step_key, run.row_keys)
-  chosen = _transfer(o, confidence, candidates, schedule, block_step)
+  chosen = _transfer(family, confidence, candidates, schedule, block_step)
   new_x = jax.lax.dynamic_update_slice_in_dim(x, jnp.where(chosen, x0, block_tokens), s, axis=1)
   decode_step = update_decode_step(carry.decode_step, x[:, lp:], new_x[:, lp:], mask_id, i)
   block_step = block_step + 1
@@ -201,7 +202,7 @@ def _capped_dual_step(family, run, params, consts, carry, istate, i, s, schedule
   active = jnp.any(candidates, axis=1)
   if run.row_keys:
     key = keys.keep_rows(active, key, carry.key)
-  chosen = _transfer(o, confidence, candidates, schedule, block_step)
+  chosen = _transfer(family, confidence, candidates, schedule, block_step)
   new_x = jnp.where(chosen, x0, x)
   decode_step = update_decode_step(carry.decode_step, x[:, lp:], new_x[:, lp:], mask_id, i)
   block_step = block_step + 1
