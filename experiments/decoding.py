@@ -20,6 +20,13 @@ hides pad keys without shifting positions (the Oct-2025 HF code), MMaDA applies 
 and none under CFG — so an item's results depend on the run's longest prompt. Pads that are visible prompt
 tokens by design (a diffusion model in its training layout) are the same in both.
 
+Confidence ranking (--confidence_ranking, LLaDA and MMaDA). `log_odds` (default): proposals are ranked by
+log p − log(1 − p) computed from the logits, which does not saturate, so decode order is the one exact
+arithmetic gives; `probability`: the originals' float probability, which is exactly 1 for many proposals of
+a confident model, making the order a tie settled by position (`LLaDAOptions.confidence_ranking`). Dream,
+block diffusion and DiffusionGemma keep their own confidences. `experiments.generate` follows the official
+signatures (probability).
+
 Decoding modes (--decoding, --threshold, --factor; `experiments.decoding_modes`): exact decoding (the
 default), or Fast-dLLM's threshold / factor parallel decoding and prefix / dual KV caches, for the LLaDA,
 MMaDA and Dream samplers (Dream then decodes in blocks of --block_length, default as above); the values
@@ -47,6 +54,7 @@ from experiments import prompts as prompts_lib
 from experiments.prompts import Prompts
 
 REMASKING = ("low_confidence", "random")
+CONFIDENCE_RANKINGS = ("log_odds", "probability")
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 PADDINGS = ("invariant", "official")
 
@@ -67,6 +75,7 @@ class DecodeSettings:
   top_k: int | None = None
   padding: str = "invariant"
   seed: int = 0
+  confidence_ranking: str = "log_odds"
 
   def __post_init__(self):
     for name in ("gen_length", "steps", "block_length", "top_k"):
@@ -87,6 +96,9 @@ class DecodeSettings:
       raise UserError(f"--alg={self.alg}: expected one of {', '.join(DREAM_ALGS)}")
     if self.padding not in PADDINGS:
       raise UserError(f"--padding={self.padding}: expected one of {', '.join(PADDINGS)}")
+    if self.confidence_ranking not in CONFIDENCE_RANKINGS:
+      raise UserError(f"--confidence_ranking={self.confidence_ranking}: expected one of "
+                      f"{', '.join(CONFIDENCE_RANKINGS)}")
 
 
 def _default_block(length: int) -> int:
@@ -119,7 +131,7 @@ def model_settings(decode: DecodeSettings, model: Model, mode: DecodingMode = De
                       f"gen_length / block_length = {length // block}")
     mode.check_guidance(decode.cfg_scale)
     values.update(steps=steps, block_length=block, cfg_scale=decode.cfg_scale, remasking=decode.remasking,
-                  **mode.record())
+                  confidence_ranking=decode.confidence_ranking, **mode.record())
   elif model.sampler == "dream":
     values.update(steps=decode.steps or length, alg=decode.alg, alg_temp=decode.alg_temp, top_p=decode.top_p,
                   top_k=decode.top_k, **mode.record())
@@ -196,6 +208,7 @@ def sampler_options(values: dict[str, Any], padded: bool, end_ids: tuple[int, ..
   if v["sampler"] in ("llada", "mmada"):
     common = dict(gen_length=v["gen_length"], steps=v["steps"], block_length=v["block_length"],
                   temperature=v["temperature"], cfg_scale=v["cfg_scale"], remasking=v["remasking"],
+                  confidence_ranking=v.get("confidence_ranking", "probability"),
                   **DecodingMode.from_record(v).option_fields(v["sampler"]))
     if padded:
       common.update(_llada_padding(v["padding"], v["sampler"] == "mmada"))
