@@ -84,9 +84,11 @@ from absl import flags, logging
 
 from dlm_jax.runtime import distributed
 from experiments.common import (atomic_files, chat, checkpoints, cli, decoding_flags, decoding_modes, devices,
-                                numerics_flags, run_dir, runtime_flags, size_limits)
+                                numerics_flags, run_dir, runtime_flags)
+from experiments.common.decoding import check_finite
 from experiments.common.decoding_modes import DecodingMode
 from experiments.common.numerics import Numerics
+from experiments.common import (size_limits)
 from experiments.common import (items,
                                 prompts)
 
@@ -364,7 +366,8 @@ def _generate(params, config, settings: Settings, prompt, stats_spec):
   from dlm_jax.sampling import autoregressive, block_diffusion, diffusion_gemma, dream, llada  # pylint: disable=import-outside-toplevel
   kwargs = dict(config=config, options=settings.options(config), key=jax.random.key(settings.seed),
                 stats_spec=stats_spec, intervention=_intervention(settings.sampler, settings.mask_sinks),
-                attention_impl=settings.numerics.attention_impl, query_chunk=settings.numerics.query_chunk)
+                attention_impl=settings.numerics.attention_impl, query_chunk=settings.numerics.query_chunk,
+                batch_invariant=settings.numerics.batch_invariant)
   if settings.sampler in ("llada", "mmada"):
     return llada.generate(params, prompt, **kwargs)
   if settings.sampler == "dream":
@@ -435,6 +438,7 @@ def main(argv):
   start = time.perf_counter()
   trace = distributed.to_host(_generate(params, config, settings, prompt, stats_spec))
   wall_s = time.perf_counter() - start
+  check_finite(trace, ["the prompt"])
   if not runtime.primary:
     return
   tokens = [int(t) for t in np.asarray(trace.tokens)[0]]

@@ -249,7 +249,7 @@ def test_threshold_matches_reference(cache):
 
 
 def test_factor_matches_reference():
-  options = dream.DreamOptions(gen_length=12, block_length=4, factor=1.0, cache="dual")
+  options = dream.DreamOptions(gen_length=12, block_length=4, factor=1.0, cache="dual", factor_rule="dllm")
   trace = dream.diffusion_generate(params(), prompts(seed=2), config=CONFIG, options=options)
   ref = Reference(prompts(seed=2), None, 12, 4, "dual", factor=1.0)
   check_against_reference(trace, ref)

@@ -158,3 +158,23 @@ def test_benchmark_tiny_configuration(checkpoints, tmp_path):
   assert rows[("exact", False)]["mean_row_nfe"] == 8 and rows[("exact", False)]["ratio_to_exact"] == 1.0
   assert rows[("threshold_dual_cache:0.9", True)]["accuracy"] == rows[("threshold_dual_cache:0.9", False)]["accuracy"]
   assert "stats_cost" in rows[("exact", True)] and "speedup" in report["targets"]
+
+
+def test_nvlabs_variants_map_to_sampler_options():
+  """--decoding=factor is NVlabs' rule (the samplers' default), factor_dllm dllm's; --dual_cache_forwards
+  reaches LLaDA's options with a dual cache only, and is recorded."""
+  assert decoding_modes.from_values("factor").option_fields("llada") == {"threshold": None, "factor": 1.0,
+                                                                          "cache": "none"}
+  assert llada.LLaDAOptions(factor=1.0).factor_rule == "fast_dllm"
+  dllm = decoding_modes.from_values("factor_dllm", factor=2.0)
+  assert dllm.option_fields("llada")["factor_rule"] == "dllm" and dllm.option_fields("dream")["factor_rule"] == "dllm"
+  assert DecodingMode.from_record(dllm.record()) == dllm
+  capped = decoding_modes.from_values("threshold_dual_cache", dual_cache_forwards="steps_per_block")
+  assert capped.record()["dual_cache_forwards"] == "steps_per_block"
+  assert DecodingMode.from_record(capped.record()) == capped
+  options = llada.LLaDAOptions(gen_length=8, steps=4, block_length=4, **capped.option_fields("llada"))
+  assert options.dual_cache_forwards == "steps_per_block"
+  with pytest.raises(UserError, match="--dual_cache_forwards=steps_per_block applies to the dual-cache modes"):
+    decoding_modes.from_values("prefix_cache", dual_cache_forwards="steps_per_block")
+  with pytest.raises(UserError, match="--dual_cache_forwards=some"):
+    decoding_modes.from_values("dual_cache", dual_cache_forwards="some")

@@ -106,11 +106,28 @@ def _order(conf):
   return sorted(range(len(conf)), key=lambda j: (-conf[j], j))
 
 
-def reference_transfer(conf, candidates, rule, value, quota):
-  """Indices (within the block) to transfer. conf [B_len] float64, candidates [B_len] bool."""
-  cand = [j for j in _order(conf) if candidates[j]]
+def reference_transfer(conf, candidates, rule, value, quota, factor_rule="dllm", events=None, key=None):
+  """Indices (within the window) to transfer. conf [W] float64, candidates [W] bool; key [W]: the ranking
+  (default conf). events (a list) collects "only_last_fails" when the factor rule's first failing rank is
+  the last one."""
+  cand = [j for j in _order(conf if key is None else key) if candidates[j]]
   if rule == "threshold":
     return cand[:1] + [j for j in cand[1:] if conf[j] >= value]
+  if rule == "factor" and factor_rule == "fast_dllm":
+    # NVlabs' loop: bounds -1, 1 - f/3, 1 - f/4, ...; stop at the first failing rank; then one more when
+    # the loop ended on the first or the last rank.
+    n = len(cand)
+    bounds = [-1.0] + [1.0 - value / (r + 1) for r in range(2, n + 1)]
+    top = n - 1
+    for i in range(n):
+      if conf[cand[i]] < bounds[i]:
+        top = i
+        break
+    if events is not None and top == n - 1 and conf[cand[n - 1]] < bounds[n - 1]:
+      events.append("only_last_fails")
+    if top in (0, n - 1):
+      top += 1
+    return cand[:top]
   if rule == "factor":
     chosen = cand[:1]
     for r, j in enumerate(cand[1:], start=2):
@@ -122,38 +139,47 @@ def reference_transfer(conf, candidates, rule, value, quota):
 
 
 def reference_generate(p, prompt, *, rule, value=None, cache="none", steps=GEN, gen=GEN, block=BLOCK,
-                       margins=None, sink_front=False):
+                       margins=None, sink_front=False, factor_rule="dllm", capped=False, events=None,
+                       log_odds=False):
   """Fast-dLLM decoding of one row at temperature 0 (§2–§5): (tokens, decode_step, nfe, per-step
   (computed range, attention probabilities)). `margins` collects, at each step, how far the decision was
   from flipping: the confidence gap between the last transferred and the first kept candidate (every rule
-  transfers a prefix of the descending order) and, for the threshold, |confidence − τ|."""
+  transfers a prefix of the descending order) and, for the threshold, |confidence − τ|.
+  capped: the dual cache of NVlabs' current code — at most steps / num_blocks calls per block, and the
+  refresh's candidates are every mask before the block's end (earlier blocks' leftovers included).
+  log_odds: rank by log p − log(1 − p) = l_x0 − logsumexp(other logits), in float64 (the exact order)."""
   x = np.concatenate([prompt, np.full(gen, MASK)]).astype(np.int64)
   s_len = x.shape[0]
   decode_step = np.full(gen, -1)
   spb = steps // (gen // block)
   nfe, calls = 0, []
 
-  def decode(logits, s, quota):
+  def decode(logits, positions, quota):
     nonlocal nfe
-    e = s + block
-    candidates = x[s:e] == MASK
+    candidates = x[positions] == MASK
     x0 = logits.argmax(-1)
-    conf = _softmax(logits)[np.arange(block), x0]
-    chosen = reference_transfer(conf, candidates, rule, value, quota)
+    conf = _softmax(logits)[np.arange(len(positions)), x0]
+    key = None
+    if log_odds:
+      others = np.where(np.arange(logits.shape[-1]) == x0[:, None], -np.inf, logits)
+      top = others.max(-1, keepdims=True)
+      key = logits[np.arange(len(positions)), x0] - (top[:, 0] + np.log(np.exp(others - top).sum(-1)))
+    chosen = reference_transfer(conf, candidates, rule, value, quota, factor_rule, events, key)
     ranked = sorted(conf[candidates], reverse=True)
     if margins is not None and 0 < len(chosen) < len(ranked):
       margins.append(ranked[len(chosen) - 1] - ranked[len(chosen)])
     if margins is not None and rule == "threshold":
       margins.extend(np.abs(conf[candidates] - value))
     for j in chosen:
-      x[s + j] = x0[j]
-      decode_step[s + j - len(prompt)] = nfe
+      x[positions[j]] = x0[j]
+      decode_step[positions[j] - len(prompt)] = nfe
     nfe += 1
 
   for k in range(gen // block):
     s = len(prompt) + k * block
     e = s + block
-    bound = spb if rule == "quota" else block
+    bound = spb if rule == "quota" or capped else block
+    block_positions = np.arange(s, e)
     taken, quotas, kv = 0, None, None
     while taken < bound and np.any(x[s:e] == MASK):
       if quotas is None:
@@ -162,15 +188,18 @@ def reference_generate(p, prompt, *, rule, value=None, cache="none", steps=GEN, 
       if cache == "none" or kv is None:
         logits, kv, probs = np_forward(p, x, 0, s_len, sink_front=sink_front)
         calls.append(((0, s_len), probs))
-        decode(logits[s:e], s, quotas[taken])
+        if capped:
+          decode(logits[:e], np.arange(e), quotas[taken])
+        else:
+          decode(logits[s:e], block_positions, quotas[taken])
       elif cache == "prefix":
         logits, _, probs = np_forward(p, x, s, s_len, kv, sink_front)  # the prefix cache is not modified
         calls.append(((s, s_len), probs))
-        decode(logits[:block], s, quotas[taken])
+        decode(logits[:block], block_positions, quotas[taken])
       else:
         logits, kv, probs = np_forward(p, x, s, e, kv, sink_front)  # the block's keys and values written in place
         calls.append(((s, e), probs))
-        decode(logits, s, quotas[taken])
+        decode(logits, block_positions, quotas[taken])
       taken += 1
   return x, decode_step, nfe, calls
 
@@ -178,14 +207,28 @@ def reference_generate(p, prompt, *, rule, value=None, cache="none", steps=GEN, 
 CASES = {
     "threshold": dict(options=dict(threshold=0.9), rule="threshold", value=0.9),
     "threshold_low": dict(options=dict(threshold=0.5), rule="threshold", value=0.5),
-    "factor": dict(options=dict(factor=1.0), rule="factor", value=1.0),
+    "factor": dict(options=dict(factor=1.0, factor_rule="dllm"), rule="factor", value=1.0),
     "prefix_quota": dict(options=dict(cache="prefix"), rule="quota", cache="prefix"),
     "dual_quota": dict(options=dict(cache="dual", steps=8), rule="quota", cache="dual", steps=8),
     "threshold_prefix": dict(options=dict(threshold=0.9, cache="prefix"), rule="threshold", value=0.9,
                              cache="prefix"),
     "threshold_dual": dict(options=dict(threshold=0.7, cache="dual"), rule="threshold", value=0.7, cache="dual"),
-    "factor_dual": dict(options=dict(factor=2.0, cache="dual"), rule="factor", value=2.0, cache="dual"),
+    "factor_dual": dict(options=dict(factor=2.0, cache="dual", factor_rule="dllm"), rule="factor", value=2.0,
+                        cache="dual"),
 }
+"""The factor cases select dllm's rule explicitly (the default is NVlabs'; `NVLABS_CASES`)."""
+
+NVLABS_CASES = {
+    "factor_nvlabs": dict(options=dict(factor=1.0), rule="factor", value=1.0, factor_rule="fast_dllm"),
+    "factor_nvlabs_dual": dict(options=dict(factor=2.0, cache="dual"), rule="factor", value=2.0, cache="dual",
+                               factor_rule="fast_dllm"),
+    "threshold_dual_capped": dict(options=dict(threshold=0.9, cache="dual", steps=4,
+                                               dual_cache_forwards="steps_per_block"),
+                                  rule="threshold", value=0.9, cache="dual", steps=4, capped=True),
+    "factor_dual_capped": dict(options=dict(factor=1.0, cache="dual", steps=4, dual_cache_forwards="steps_per_block"),
+                               rule="factor", value=1.0, cache="dual", steps=4, capped=True, factor_rule="fast_dllm"),
+}
+"""NVlabs' current code: its factor rule (the default) and the dual cache's per-block cap."""
 
 
 def _options(case):
@@ -194,10 +237,10 @@ def _options(case):
   return llada.LLaDAOptions(**values)
 
 
-def _reference(case, prompt, margins=None, sink_front=False):
-  kwargs = {k: case[k] for k in ("value", "cache", "steps") if k in case}
+def _reference(case, prompt, margins=None, sink_front=False, events=None):
+  kwargs = {k: case[k] for k in ("value", "cache", "steps", "factor_rule", "capped") if k in case}
   return reference_generate(_np_params(), prompt, rule=case["rule"], margins=margins, sink_front=sink_front,
-                            **kwargs)
+                            events=events, **kwargs)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -332,3 +375,54 @@ def test_the_extra_sink_token_composes_with_the_caches(name):
 def test_bad_mode_options_are_refused(values, message):
   with pytest.raises(ValueError, match=message):
     llada.LLaDAOptions(gen_length=GEN, steps=GEN, block_length=BLOCK, **values)
+
+
+@pytest.mark.parametrize("name", sorted(NVLABS_CASES))
+def test_nvlabs_rules_are_token_and_step_identical_to_the_reference(name):
+  """NVlabs' factor rule (all candidates when only the last fails) and the dual cache's per-block cap
+  (steps / num_blocks calls; leftovers compete at later refreshes) against the step-by-step reference."""
+  case = NVLABS_CASES[name]
+  margins, events, leftovers = [], [], 0
+  for row, prompt in enumerate(prompts(3, seed=1)):
+    tokens, decode_step, nfe, _ = _reference(case, prompt, margins, events=events)
+    trace = llada.generate(peaked_params(), prompt[None], config=CONFIG, options=_options(case))
+    np.testing.assert_array_equal(np.asarray(trace.tokens)[0], tokens, err_msg=f"{name} row {row}")
+    np.testing.assert_array_equal(np.asarray(trace.decode_step)[0], decode_step, err_msg=f"{name} row {row}")
+    assert int(trace.nfe) == nfe == int(trace.row_nfe[0])
+    spb = case.get("steps", GEN) // (GEN // BLOCK)
+    leftovers += int(np.sum(decode_step[:BLOCK] >= spb)) + int(np.sum(tokens[LP:] == MASK))
+  assert min(margins) > 1e-5, "a decision of the reference is within rounding of flipping: change the case"
+  if case.get("factor_rule") == "fast_dllm":
+    assert "only_last_fails" in events, f"{name}: NVlabs' extra commit never happened"
+  if case.get("capped"):
+    assert leftovers > 0, f"{name}: no block was left unfinished by the cap"
+
+
+@functools.lru_cache(maxsize=None)
+def saturated_params():
+  """A strongly scaled LM head: most proposals have p within 6e-8 of 1, exactly 1.0 in float32."""
+  params = model.init_params(CONFIG, jax.random.key(3))
+  params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 40.0
+  return params
+
+
+def test_log_odds_ranking_gives_the_exact_order_where_float32_probabilities_tie():
+  """Exact LLaDA decoding (quota rule, blocks of 8) and the threshold rule ranked by log odds are token- and
+  step-identical to the float64 reference ranked by log odds; ranked by float32 probability (the
+  originals' rule) the saturated confidences tie and the order differs."""
+  flat = {name: np.asarray(value, np.float64) for name, value in model.flatten_params(saturated_params()).items()}
+  differs = 0
+  for case in (CASES["prefix_quota"], CASES["threshold"]):
+    case = dict(case, options=dict(case["options"], cache="none"), cache="none")
+    for prompt in prompts(2, seed=5):
+      kwargs = {k: case[k] for k in ("value",) if k in case}
+      tokens, decode_step, nfe, _ = reference_generate(flat, prompt, rule=case["rule"], log_odds=True, **kwargs)
+      options = dict(case["options"], gen_length=GEN, steps=GEN, block_length=BLOCK)
+      exact = llada.generate(saturated_params(), prompt[None], config=CONFIG,
+                             options=llada.LLaDAOptions(confidence_ranking="log_odds", **options))
+      np.testing.assert_array_equal(np.asarray(exact.tokens)[0], tokens)
+      np.testing.assert_array_equal(np.asarray(exact.decode_step)[0], decode_step)
+      assert int(exact.nfe) == nfe
+      official = llada.generate(saturated_params(), prompt[None], config=CONFIG, options=llada.LLaDAOptions(**options))
+      differs += not np.array_equal(np.asarray(official.decode_step)[0], decode_step)
+  assert differs, "float32 probabilities did not saturate in any case: the comparison would not be tested"

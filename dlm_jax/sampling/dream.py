@@ -51,6 +51,7 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.interventions import Intervention
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import blocks, dream_blockwise, driver, keys, padding
+from dlm_jax.sampling.parallel import FACTOR_RULES
 from dlm_jax.sampling.schedules import dream_transfer_count, dream_transfer_fractions
 from dlm_jax.sampling.selection import filter_top_k, filter_top_p, select_top_k, update_decode_step
 
@@ -79,6 +80,8 @@ class DreamOptions(blocks.BlockLayout):
       block takes the steps it needs (`steps` is then unused). None = off.
     factor: block modes: Fast-dLLM's factor rule on p(x0) instead (`parallel.factor_transfer`); not with
       threshold. None = off.
+    factor_rule: the factor rule's variant, "fast_dllm" (NVlabs' LLaDA code, the default) or "dllm"
+      (`parallel.FACTOR_RULES`).
     With neither, the block modes use Fast-dLLM's per-block quota: steps / num_blocks steps per block
       (at least 2 when B > 1), ranked by alg's confidence ("maskgit_plus", "topk_margin" or "entropy").
       With either, alg must stay "origin" (the default) or be "maskgit_plus" (both: p(x0)), alg_temp unset.
@@ -98,6 +101,7 @@ class DreamOptions(blocks.BlockLayout):
   block_length: int | None = None
   threshold: float | None = None
   factor: float | None = None
+  factor_rule: Literal["fast_dllm", "dllm"] = "fast_dllm"
   cache: Literal["none", "prefix", "dual"] = "none"
 
   def __post_init__(self):
@@ -123,6 +127,8 @@ class DreamOptions(blocks.BlockLayout):
       raise ValueError("set threshold or factor, not both (they are two transfer rules).")
     if self.cache not in ("none", "prefix", "dual"):
       raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
+    if self.factor_rule not in FACTOR_RULES:
+      raise ValueError(f"factor_rule must be one of {', '.join(FACTOR_RULES)}, got {self.factor_rule!r}.")
     if self.block_length is None:
       if self.threshold is not None or self.factor is not None or self.cache != "none":
         raise ValueError("threshold, factor and cache are Fast-dLLM's block-by-block modes: set block_length "

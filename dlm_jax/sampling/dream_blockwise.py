@@ -198,7 +198,7 @@ def _block_step(family, run, params, consts: padding.PaddingLayout, carry, istat
   if o.threshold is not None or o.factor is not None:
     confidence, x0 = family.proposals(run, result.logits, sample_key)
     if o.factor is not None:
-      chosen = factor_transfer(confidence, candidates, o.factor)
+      chosen = factor_transfer(confidence, candidates, o.factor, o.factor_rule)
     else:
       chosen = threshold_transfer(confidence, candidates, o.threshold)
   else:

@@ -26,7 +26,7 @@ import numpy as np
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.interventions import NO_INTERVENTION, Intervention
-from dlm_jax.sampling import keys, padding
+from dlm_jax.sampling import keys, padding, row_by_row
 from dlm_jax.sampling.model_call import ModelCaller, StepOutput
 from dlm_jax.sampling.trace import Trace
 from dlm_jax.instrument.stats import NO_STATS, StatsSpec
@@ -200,7 +200,10 @@ def _trace(run: Run, carry, outputs: StepOutput, n_steps) -> Trace:
   """The users' `Trace`: statistics squeezed to their shapes (the one place that does it)."""
   tokens, decode_step = run.family.outcome(run, carry)
   plan = run.caller.plan
+  bad = outputs.nonfinite  # [max_steps, B]; steps not run are False
+  first_nonfinite = jnp.where(jnp.any(bad, axis=0), jnp.argmax(bad, axis=0), -1).astype(jnp.int32)
   return Trace(tokens=tokens, decode_step=decode_step, nfe=jnp.asarray(n_steps, jnp.int32),
+               first_nonfinite_step=first_nonfinite,
                active_rows=outputs.active, computed_queries=outputs.queries, stats=plan.squeeze_user(outputs.stats),
                top_sinks=plan.squeeze_sinks(outputs.top_sinks), intervention_record=outputs.record,
                accepted=outputs.accepted, canvases=outputs.canvas, prompt_length=run.prompt_length)
@@ -219,8 +222,8 @@ def _calls(run: Run, params, consts, phase: Phase):
   return opening, step
 
 
-@functools.partial(jax.jit, static_argnames=("run",), donate_argnames=("canvas",))
-def _compiled(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
+def _program(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
+  """The whole run as one program (jitted as `_compiled`, or `_compiled_batch_invariant` on CPU)."""
   TRACE_COUNTS[run.family.name] += 1
   family, batch = run.family, canvas.shape[0]
   phases = family.phases(run)
@@ -274,6 +277,11 @@ def _compiled(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
   return _trace(run, carry, buffers, count)
 
 
+_compiled = jax.jit(_program, static_argnames=("run",), donate_argnames=("canvas",))
+_compiled_batch_invariant = jax.jit(_program, static_argnames=("run",), donate_argnames=("canvas",),
+                                    compiler_options=row_by_row.CPU_COMPILER_OPTIONS)
+
+
 def _python_loop(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
   """The same family functions driven by a Python loop (one jitted call per step); for tests."""
   family, batch = run.family, canvas.shape[0]
@@ -312,6 +320,7 @@ def run_family(
     query_chunk: int = 128,
     loop: Loop = "scan",
     record_intervention: bool = False,
+    batch_invariant: bool = False,
 ) -> Trace:
   """Runs `family` on a [B, Lp] prompt and returns the `Trace` (see the family's public wrapper).
 
@@ -330,6 +339,9 @@ def run_family(
     attention_impl, query_chunk: attention path (static).
     loop: "scan" (the compiled program) or "python" (same step function, Python loop; for tests).
     record_intervention: stack the intervention's per-step record into `Trace.intervention_record`.
+    batch_invariant: run every model call one row at a time (`dlm_jax.sampling.row_by_row`), so that each
+      row's tokens and statistics are bitwise those it gets in a batch of one, whatever its batch size and
+      neighbours (same sampler semantics; slower, BUILD.md "Exact batch independence").
   """
   prompt = jnp.asarray(prompt)
   if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
@@ -351,13 +363,18 @@ def run_family(
   caller = ModelCaller(config=config, plan=plan,
                        intervention=intervention, mask_id=family.query_mask_id, gen_start=lp,
                        attention_impl=attention_impl, query_chunk=query_chunk,
-                       record_intervention=record_intervention)
+                       record_intervention=record_intervention, batch_invariant=batch_invariant)
   key, row_keys = keys.as_run_key(key, b)
   run = Run(family=family, config=config, caller=caller, prompt_length=lp, total_length=total, row_keys=row_keys)
   canvas = jnp.concatenate([prompt, jnp.full((b, family.gen_length), family.fill_id, jnp.int32)], axis=1)
   if intervention_state is None:
     intervention_state = intervention.init_state(config, b, total)
-  runner = _compiled if loop == "scan" else _python_loop
+  if loop == "python":
+    runner = _python_loop
+  elif batch_invariant and jax.default_backend() == "cpu":
+    runner = _compiled_batch_invariant
+  else:
+    runner = _compiled
   return runner(params, canvas, prompt_mask, key, intervention_state, run=run)
 
 
@@ -373,11 +390,13 @@ def public_sampler(build_family: Callable[[ModelConfig, Any, Any], Family], defa
              key: jax.Array | None = None, prompt_mask: jax.Array | np.ndarray | None = None,
              stats_spec: StatsSpec = NO_STATS, intervention: Intervention = NO_INTERVENTION,
              intervention_state: Any = None, sink_top_k: int = 0, attention_impl: str = "chunked",
-             query_chunk: int = 128, loop: Loop = "scan", record_intervention: bool = False) -> Trace:
+             query_chunk: int = 128, loop: Loop = "scan", record_intervention: bool = False,
+             batch_invariant: bool = False) -> Trace:
     return run_family(build_family(config, options, prompt), params, prompt, config=config, key=key,
                prompt_mask=prompt_mask, stats_spec=stats_spec, intervention=intervention,
                intervention_state=intervention_state, sink_top_k=sink_top_k, attention_impl=attention_impl,
-               query_chunk=query_chunk, loop=loop, record_intervention=record_intervention)
+               query_chunk=query_chunk, loop=loop, record_intervention=record_intervention,
+               batch_invariant=batch_invariant)
 
   sample.__doc__ = doc
   sample.__module__ = build_family.__module__

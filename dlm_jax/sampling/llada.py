@@ -56,6 +56,7 @@ over the whole canvas at every step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Literal
 
 import jax
@@ -66,7 +67,7 @@ from dlm_jax import model
 from dlm_jax.model.attention import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache
-from dlm_jax.sampling import blocks, driver, keys, llada_blockwise, padding
+from dlm_jax.sampling import blocks, driver, keys, llada_blockwise, padding, parallel, row_by_row
 from dlm_jax.sampling.schedules import llada_transfer_counts
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
 
@@ -90,6 +91,11 @@ class LLaDAOptions(blocks.BlockLayout):
       docstring); only used when a prompt mask is given.
     cfg_padding: apply the padding policy to the CFG calls as well (MMaDA: False, no mask under CFG).
     confidence_dtype: None (the model dtype, LLaDA), "float32" or "float64" (MMaDA; float32 without x64).
+    confidence_ranking: how `low_confidence` remasking ranks proposals: "probability" (the originals: p(x0)
+      in confidence_dtype, which saturates — in float32 half the proposals of a trained tiny model have p
+      exactly 1 — so most choices are ties settled by position) or "log_odds" (log p − log(1 − p) from the
+      logits, `parallel.log_odds_confidence`, at least float32: the order exact arithmetic gives). Threshold
+      and factor bounds are compared on the same scale.
     stop_token_id: MMaDA `mmu_generate_fast`: after a block, stop when every row's last position of that
       block holds this id (later blocks stay masks, their steps are skipped). None = never stop.
     mask_token_id, eos_token_id, eot_token_id: overrides of the config's ids (None = config).
@@ -98,8 +104,14 @@ class LLaDAOptions(blocks.BlockLayout):
       one; a block takes as many steps as it needs (`steps` is then unused). None = the quota rule.
     factor: Fast-dLLM's factor rule instead (`dlm_jax.sampling.parallel.factor_transfer`); not with
       threshold. None = off.
+    factor_rule: "fast_dllm" (NVlabs' code, the default: when only the last-ranked candidate fails, all are
+      committed) or "dllm" (dllm's vectorised rule: exactly the accepted prefix); `parallel.FACTOR_RULES`.
     cache: "none", "prefix" or "dual": Fast-dLLM's approximate KV caches, refreshed by a whole-canvas
       step at each block start (`dlm_jax.sampling.llada_blockwise`).
+    dual_cache_forwards: with cache="dual", how many model calls a block may take: "until_done" (NVlabs'
+      June-2025 code, 24cc59e: until the block holds no mask) or "steps_per_block" (NVlabs' current code:
+      at most steps / num_blocks calls, the refresh included; masks a block leaves compete with the next
+      blocks' candidates at their refresh steps, and the output can end with mask ids).
     Any of threshold, factor or a cache selects the block-by-block modes of `llada_blockwise`; with none
     of them this is the exact sampler above.
   """
@@ -116,13 +128,16 @@ class LLaDAOptions(blocks.BlockLayout):
   shift_positions: bool = False
   cfg_padding: bool = True
   confidence_dtype: Literal["float32", "float64"] | None = None
+  confidence_ranking: Literal["probability", "log_odds"] = "probability"
   stop_token_id: int | None = None
   mask_token_id: int | None = None
   eos_token_id: int | None = None
   eot_token_id: int | None = None
   threshold: float | None = None
   factor: float | None = None
+  factor_rule: Literal["fast_dllm", "dllm"] = "fast_dllm"
   cache: Literal["none", "prefix", "dual"] = "none"
+  dual_cache_forwards: Literal["until_done", "steps_per_block"] = "until_done"
 
   def __post_init__(self):
     if isinstance(self.gen_length, bool) or not isinstance(self.gen_length, int) or self.gen_length <= 0:
@@ -153,6 +168,17 @@ class LLaDAOptions(blocks.BlockLayout):
       raise ValueError("set threshold or factor, not both (they are two transfer rules).")
     if self.cache not in ("none", "prefix", "dual"):
       raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
+    if self.confidence_ranking not in parallel.SCALES:
+      raise ValueError(f"confidence_ranking must be one of {', '.join(parallel.SCALES)}, got "
+                       f"{self.confidence_ranking!r}.")
+    if self.factor_rule not in parallel.FACTOR_RULES:
+      raise ValueError(f"factor_rule must be one of {', '.join(parallel.FACTOR_RULES)}, got {self.factor_rule!r}.")
+    if self.dual_cache_forwards not in ("until_done", "steps_per_block"):
+      raise ValueError("dual_cache_forwards must be 'until_done' or 'steps_per_block', got "
+                       f"{self.dual_cache_forwards!r}.")
+    if self.dual_cache_forwards != "until_done" and self.cache != "dual":
+      raise ValueError(f"dual_cache_forwards={self.dual_cache_forwards!r} applies to cache='dual' only, got "
+                       f"cache={self.cache!r}.")
     if self.cache != "none" and self.cfg_scale > 0:
       raise ValueError(f"cache={self.cache!r} cannot be combined with cfg_scale > 0 (classifier-free guidance "
                        "would need a cache for the unconditional canvas); use cache='none'.")
@@ -262,7 +288,10 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
       if o.temperature == 0:
         confidence_logits = confidence_logits.at[..., self.eos_id].set(-jnp.inf)
       confidence_logits = confidence_logits.at[..., self.eot_id].set(-jnp.inf)
-    if o.remasking == "low_confidence":
+    if o.remasking == "low_confidence" and o.confidence_ranking == "log_odds":
+      dtype = jnp.float64 if self._confidence_dtype(params) == jnp.float64 else jnp.float32
+      x0_p = parallel.log_odds_confidence(confidence_logits.astype(dtype), x0)
+    elif o.remasking == "low_confidence":
       probs = jax.nn.softmax(confidence_logits.astype(self._confidence_dtype(params)), axis=-1)
       x0_p = jnp.take_along_axis(probs, x0[..., None], axis=-1)[..., 0]
     else:
@@ -276,6 +305,13 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
     before_end = jnp.arange(x.shape[1])[None, :] < block_end
     confidence = jnp.where(masked & before_end, x0_p, -jnp.inf)
     return jnp.where(select_top_k(confidence, transfer_count), jnp.where(masked, x0, x), x)
+
+  @property
+  def confidence_scale(self) -> str:
+    """The scale of `_proposals`' confidence (`parallel.SCALES`): log odds when ranked so, else a
+    probability (random remasking's U(0, 1) included)."""
+    o = self.options
+    return "log_odds" if o.remasking == "low_confidence" and o.confidence_ranking == "log_odds" else "probability"
 
   @property
   def can_finish_early(self) -> bool:
@@ -320,8 +356,10 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
       (confidence −inf elsewhere)."""
       def propose(_):
         start, width = (0, run.total_length) if whole_canvas else (block_start, o.block)
-        logits = [None if h is None else model.lm_head(params, jax.lax.dynamic_slice_in_dim(h, start, width, 1),
-                                                       config=run.config)
+        head = lambda h: model.lm_head(params, h, config=run.config)
+        if run.caller.batch_invariant:
+          head = functools.partial(row_by_row.lm_head_rows, head)
+        logits = [None if h is None else head(jax.lax.dynamic_slice_in_dim(h, start, width, 1))
                   for h in (result.hidden, result.uncond_hidden)]
         x0, x0_p = self._proposals(params, *logits, step_key, run.row_keys)
         full_p = jnp.full(x.shape, -jnp.inf, x0_p.dtype)

@@ -49,9 +49,17 @@ from dlm_jax.sampling.selection import select_top_k, update_decode_step
 Call = Literal["full", "refresh", "prefix", "dual"]
 
 
+def _capped(options) -> bool:
+  """The dual cache with NVlabs' current per-block cap (`LLaDAOptions.dual_cache_forwards`)."""
+  return options.cache == "dual" and options.dual_cache_forwards == "steps_per_block"
+
+
 def _bound(options) -> int:
-  """The most steps a block takes: its quota steps, or B with a threshold or factor."""
-  return options.steps_per_block if options.threshold is None and options.factor is None else options.block
+  """The most steps a block takes: its quota steps (also under the capped dual cache), or B with a threshold
+  or factor."""
+  if _capped(options) or (options.threshold is None and options.factor is None):
+    return options.steps_per_block
+  return options.block
 
 
 def phases(options) -> tuple[driver.Phase, ...]:
@@ -85,11 +93,12 @@ def finished(family, run, carry, phase: driver.Phase) -> jax.Array:
   return done
 
 
-def _transfer(options, confidence, candidates, schedule, block_step):
+def _transfer(family, confidence, candidates, schedule, block_step):
+  options, scale = family.options, family.confidence_scale
   if options.factor is not None:
-    return factor_transfer(confidence, candidates, options.factor)
+    return factor_transfer(confidence, candidates, options.factor, options.factor_rule, scale)
   if options.threshold is not None:
-    return threshold_transfer(confidence, candidates, options.threshold)
+    return threshold_transfer(confidence, candidates, options.threshold, scale)
   count = jax.lax.dynamic_index_in_dim(schedule, block_step, axis=1, keepdims=False)
   return select_top_k(jnp.where(candidates, confidence, -jnp.inf), count) & candidates
 
@@ -99,7 +108,8 @@ def _rows(array, start, length):
 
 
 def _model_call(family, run, params, consts, carry, istate, i, s, call: Call, step_key):
-  """The step's model call: (logits [B, block, V], uncond logits or None, CallResult, queries [2])."""
+  """The step's model call: (CallResult with the block's logits [B, block, V] — the whole canvas's [B, S, V]
+  at a refresh of the capped dual cache — queries [2])."""
   o, total, x, layout = family.options, run.total_length, carry.tokens, consts.layout
   if call == "prefix":
     start, length = s, total - s
@@ -110,8 +120,11 @@ def _model_call(family, run, params, consts, carry, istate, i, s, call: Call, st
   uncond = jnp.where(consts.prompt_index, family.mask_id, x) if o.cfg_scale > 0 else None
   cache = None if call == "full" else carry.cache
   whole = call in ("full", "refresh")
-  result = run.caller(params, x if whole else _rows(x, start, length), i, istate, window=(0, o.block),
-                      logits_offset=s if whole else 0, positions=_rows(layout.positions, start, length),
+  canvas_logits = call == "refresh" and _capped(o)
+  result = run.caller(params, x if whole else _rows(x, start, length), i, istate,
+                      window=(0, total) if canvas_logits else (0, o.block),
+                      logits_offset=s if whole and not canvas_logits else 0,
+                      positions=_rows(layout.positions, start, length),
                       valid_keys=layout.valid, query_valid=_rows(layout.valid, start, length),
                       base_bias=padding.query_rows(layout.bias, start, length), uncond_tokens=uncond,
                       uncond_base_bias=consts.uncond_bias, cache=cache, cache_offset=start,
@@ -136,6 +149,9 @@ def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, c
   schedule = jnp.where(fresh, llada_transfer_counts(jnp.sum(candidates, axis=1), o.steps_per_block),
                        carry.schedule)
   key, step_key = keys.split(carry.key, 2, run.row_keys)
+  if _capped(o):
+    return _capped_dual_step(family, run, params, consts, carry, istate, i, s, schedule, block_step, fresh, key,
+                             step_key)
   if run.row_keys:
     key = keys.keep_rows(active, key, carry.key)
   if call == "dual" and phase.arg is None:
@@ -145,7 +161,7 @@ def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, c
   else:
     result, queries = _model_call(family, run, params, consts, carry, istate, i, s, call, step_key)
   x0, confidence = family._proposals(params, result.logits, result.uncond_logits, step_key, run.row_keys)
-  chosen = _transfer(o, confidence, candidates, schedule, block_step)
+  chosen = _transfer(family, confidence, candidates, schedule, block_step)
   new_x = jax.lax.dynamic_update_slice_in_dim(x, jnp.where(chosen, x0, block_tokens), s, axis=1)
   decode_step = update_decode_step(carry.decode_step, x[:, lp:], new_x[:, lp:], mask_id, i)
   block_step = block_step + 1
@@ -156,5 +172,43 @@ def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, c
     block_step = jnp.where(block_over, 0, block_step)
   carry = carry.replace(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step, block_step=block_step,
                         block=block, cache=result.cache if result.cache is not None else carry.cache)
+  outputs = result.outputs.replace(active=active, queries=queries)
+  return carry, run.caller.intervention.keep_rows(result.intervention_state, istate, active), outputs
+
+
+def _capped_dual_step(family, run, params, consts, carry, istate, i, s, schedule, block_step, fresh, key, step_key):
+  """A step of the dual cache under NVlabs' current per-block cap (`LLaDAOptions.dual_cache_forwards`): the
+  refresh proposes at every position and its candidates are all masks before the block's end (masks an
+  earlier block left included); a cached call's candidates are the block's masks. Proposals, confidences
+  and candidates are canvas-wide [B, S]. Returns (carry, istate, StepOutput)."""
+  o, mask_id, lp, x = family.options, family.mask_id, run.prompt_length, carry.tokens
+  position = jnp.arange(run.total_length)[None, :]
+  masked = x == mask_id
+
+  def propose(call: Call):
+    result, queries = _model_call(family, run, params, consts, carry, istate, i, s, call, step_key)
+    x0, confidence = family._proposals(params, result.logits, None, step_key, run.row_keys)
+    if call == "refresh":
+      candidates = masked & (position < s + o.block)
+    else:
+      candidates = masked & (position >= s) & (position < s + o.block)
+      x0 = jax.lax.dynamic_update_slice_in_dim(x, x0, s, axis=1)
+      confidence = jax.lax.dynamic_update_slice_in_dim(jnp.full(x.shape, -jnp.inf, confidence.dtype), confidence,
+                                                       s, axis=1)
+    return x0, confidence, candidates, result.replace(logits=None, uncond_logits=None), queries
+
+  x0, confidence, candidates, result, queries = jax.lax.cond(fresh, lambda: propose("refresh"),
+                                                             lambda: propose("dual"))
+  active = jnp.any(candidates, axis=1)
+  if run.row_keys:
+    key = keys.keep_rows(active, key, carry.key)
+  chosen = _transfer(family, confidence, candidates, schedule, block_step)
+  new_x = jnp.where(chosen, x0, x)
+  decode_step = update_decode_step(carry.decode_step, x[:, lp:], new_x[:, lp:], mask_id, i)
+  block_step = block_step + 1
+  block_over = ~jnp.any(_rows(new_x, s, o.block) == mask_id) | (block_step >= _bound(o))
+  carry = carry.replace(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step,
+                        block_step=jnp.where(block_over, 0, block_step),
+                        block=carry.block + block_over.astype(jnp.int32), cache=result.cache)
   outputs = result.outputs.replace(active=active, queries=queries)
   return carry, run.caller.intervention.keep_rows(result.intervention_state, istate, active), outputs

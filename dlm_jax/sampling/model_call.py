@@ -17,8 +17,9 @@ from flax import struct
 from dlm_jax.model.attention import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.interventions import CallContext, Intervention
-from dlm_jax.model import DecoderCall, KVCache, forward
 from dlm_jax.instrument.stats import ForwardOutput, query_group_weights
+from dlm_jax.model import DecoderCall, KVCache, forward
+from dlm_jax.sampling import row_by_row
 from dlm_jax.sampling.stats_plan import StatsPlan
 
 
@@ -38,6 +39,8 @@ class StepOutput:
     other families).
   canvas: [B, C] int32, the canvas a uniform-state decoder step read (DiffusionGemma: the noisy canvas its
     queries hold, which the final tokens do not show; zeros at its encoder calls; None for the others).
+  nonfinite: [B] bool, the call's logits (or hidden states) of the row hold a NaN or an infinity (set by
+    `ModelCaller`; the conditional and, under CFG, the unconditional half).
   """
 
   stats: dict[str, jax.Array] | None = None
@@ -47,6 +50,18 @@ class StepOutput:
   queries: jax.Array | None = None
   accepted: jax.Array | None = None
   canvas: jax.Array | None = None
+  nonfinite: jax.Array | None = None
+
+
+def _nonfinite_rows(*arrays: jax.Array | None) -> jax.Array:
+  """[B] bool: a row of any [B, ...] array holds a non-finite value (arrays of 2B rows fold onto B)."""
+  rows = None
+  for x in arrays:
+    if x is None:
+      continue
+    bad = ~jnp.all(jnp.isfinite(x.reshape(x.shape[0], -1)), axis=1)
+    rows = bad if rows is None else rows | bad
+  return rows
 
 
 @struct.dataclass
@@ -86,6 +101,8 @@ class ModelCaller:
     gen_start: first generated position (for the query groups).
     attention_impl, query_chunk: passed to `forward`.
     record_intervention: also return the intervention's per-call record.
+    batch_invariant: run the model one row at a time (`dlm_jax.sampling.row_by_row`), so that every row's
+      logits and statistics are bitwise those of a batch of one.
   """
 
   config: ModelConfig
@@ -96,6 +113,7 @@ class ModelCaller:
   attention_impl: str = "chunked"
   query_chunk: int = 128
   record_intervention: bool = False
+  batch_invariant: bool = False
 
   def __call__(self, params, tokens: jax.Array, step, istate, *, window: tuple[int, int] | str | None,
                positions: jax.Array, valid_keys: jax.Array, query_valid: jax.Array,
@@ -145,18 +163,20 @@ class ModelCaller:
         weights = jnp.concatenate([weights, weights], axis=0)
     if window == "last":
       window = (length - 1, length)
-    output = forward(params, model_tokens, config=self.config, bias=bias, positions=positions,
-                     query_weights=weights, stats_spec=spec, logits_window=window, logits_offset=logits_offset,
-                     attention_impl=self.attention_impl, query_chunk=self.query_chunk, cache=cache,
-                     cache_offset=cache_offset, return_hidden=return_hidden, decoder=decoder)
+    call = row_by_row.forward_rows if self.batch_invariant else forward
+    output = call(params, model_tokens, config=self.config, bias=bias, positions=positions,
+                  query_weights=weights, stats_spec=spec, logits_window=window, logits_offset=logits_offset,
+                  attention_impl=self.attention_impl, query_chunk=self.query_chunk, cache=cache,
+                  cache_offset=cache_offset, return_hidden=return_hidden, decoder=decoder)
     halves = {"logits": output.logits, "hidden": output.hidden}
     cond = {name: None if x is None else x[:batch] for name, x in halves.items()}
     uncond = {name: None if x is None or uncond_tokens is None else x[batch:] for name, x in halves.items()}
     if uncond_tokens is not None:
       output = ForwardOutput(logits=cond["logits"], stats=_split_rows(output.stats, batch), cache=output.cache)
     istate = self.intervention.update(istate, self.plan.intervention_output(output), context)
+    nonfinite = _nonfinite_rows(cond["logits"], cond["hidden"], uncond["logits"], uncond["hidden"])
     outputs = StepOutput(stats=self.plan.user_stats(output, self.config.n_experts), top_sinks=self.plan.top_sinks(output, valid_keys),
-                         record=record)
+                         record=record, nonfinite=nonfinite)
     return CallResult(logits=cond["logits"], uncond_logits=uncond["logits"], hidden=cond["hidden"],
                       uncond_hidden=uncond["hidden"], intervention_state=istate, cache=output.cache,
                       outputs=outputs)

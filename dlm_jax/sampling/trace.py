@@ -48,6 +48,9 @@ class Trace:
     canvases: None, or [max_steps, B, C] int32 (DiffusionGemma): the canvas each decoder step read — the
       tokens of its queries (accepted samples and renoised ids), which `tokens` does not show; zeros at the
       encoder calls.
+    first_nonfinite_step: [B] int32, the first step at which the row's logits held a NaN or an infinity
+      (computed in the program from every model call's output), −1 when none did; its tokens after that
+      step are meaningless (`nonfinite_message`).
     prompt_length: Lp, the number of prompt positions (static).
   """
 
@@ -61,6 +64,7 @@ class Trace:
   intervention_record: Any = None
   accepted: jax.Array | None = None
   canvases: jax.Array | None = None
+  first_nonfinite_step: jax.Array | None = None
   prompt_length: int = struct.field(pytree_node=False, default=0)
 
   @property
@@ -73,3 +77,18 @@ class Trace:
   def generated(self) -> jax.Array:
     """[B, G] the generated tokens."""
     return self.tokens[:, self.prompt_length:]
+
+
+def nonfinite_message(first_nonfinite_step, rows: list[str] | None = None) -> str | None:
+  """One line naming the first row whose logits went non-finite and the step, or None when no row did.
+  first_nonfinite_step: [B] (`Trace.first_nonfinite_step`, on the host); rows: names of the rows (default
+  "row b")."""
+  steps = [int(s) for s in first_nonfinite_step]
+  bad = [b for b, s in enumerate(steps) if s >= 0]
+  if not bad:
+    return None
+  b = min(bad, key=lambda r: (steps[r], r))
+  name = rows[b] if rows is not None else f"row {b}"
+  return (f"the model's logits hold NaN or infinite values from step {steps[b]} on for {name} ({len(bad)} of "
+          f"{len(steps)} rows affected); the weights or the activations are not finite, so the tokens are "
+          "meaningless")

@@ -37,6 +37,9 @@ _PADDING = flags.DEFINE_enum("padding", "invariant", list(decoding.PADDINGS), "i
                              "positions shifted, results independent of padding; official: the samplers' own "
                              "padding (see experiments.common.decoding).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed; each item's key is derived from it and the item's id.")
+_CONFIDENCE_RANKING = flags.DEFINE_enum("confidence_ranking", "log_odds", list(decoding.CONFIDENCE_RANKINGS),
+                                        "LLaDA/MMaDA: rank proposals by log odds (exact order) or by the "
+                                        "originals' float probability (saturates at 1; ties by position).")
 
 
 def task_from_flags() -> items.TaskSettings:
@@ -48,4 +51,5 @@ def decode_from_flags() -> decoding.DecodeSettings:
   return decoding.DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value, block_length=_BLOCK_LENGTH.value,
                                  temperature=_TEMPERATURE.value, cfg_scale=_CFG_SCALE.value, remasking=_REMASKING.value,
                                  alg=_ALG.value, alg_temp=_ALG_TEMP.value, top_p=_TOP_P.value, top_k=_TOP_K.value,
-                                 padding=_PADDING.value, seed=_SEED.value)
+                                 padding=_PADDING.value, seed=_SEED.value,
+                                 confidence_ranking=_CONFIDENCE_RANKING.value)

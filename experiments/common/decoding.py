@@ -20,6 +20,13 @@ hides pad keys without shifting positions (the Oct-2025 HF code), MMaDA applies 
 and none under CFG — so an item's results depend on the run's longest prompt. Pads that are visible prompt
 tokens by design (a diffusion model in its training layout) are the same in both.
 
+Confidence ranking (--confidence_ranking, LLaDA and MMaDA). `log_odds` (default): proposals are ranked by
+log p − log(1 − p) computed from the logits, which does not saturate, so decode order is the one exact
+arithmetic gives; `probability`: the originals' float probability, which is exactly 1 for many proposals of
+a confident model, making the order a tie settled by position (`LLaDAOptions.confidence_ranking`). Dream,
+block diffusion and DiffusionGemma keep their own confidences. `experiments.generate` follows the official
+signatures (probability).
+
 Decoding modes (--decoding, --threshold, --factor; `experiments.common.decoding_modes`): exact decoding (the
 default), or Fast-dLLM's threshold / factor parallel decoding and prefix / dual KV caches, for the LLaDA,
 MMaDA and Dream samplers (Dream then decodes in blocks of --block_length, default as above); the values
@@ -47,6 +54,7 @@ from experiments.common import prompts as prompts_lib
 from experiments.common.prompts import Prompts
 
 REMASKING = ("low_confidence", "random")
+CONFIDENCE_RANKINGS = ("log_odds", "probability")
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 PADDINGS = ("invariant", "official")
 
@@ -67,6 +75,7 @@ class DecodeSettings:
   top_k: int | None = None
   padding: str = "invariant"
   seed: int = 0
+  confidence_ranking: str = "log_odds"
 
   def __post_init__(self):
     for name in ("gen_length", "steps", "block_length", "top_k"):
@@ -88,6 +97,9 @@ class DecodeSettings:
       raise UserError(f"--alg={self.alg}: expected one of {', '.join(DREAM_ALGS)}")
     if self.padding not in PADDINGS:
       raise UserError(f"--padding={self.padding}: expected one of {', '.join(PADDINGS)}")
+    if self.confidence_ranking not in CONFIDENCE_RANKINGS:
+      raise UserError(f"--confidence_ranking={self.confidence_ranking}: expected one of "
+                      f"{', '.join(CONFIDENCE_RANKINGS)}")
 
 
 def _default_block(length: int) -> int:
@@ -120,7 +132,7 @@ def model_settings(decode: DecodeSettings, model: Model, mode: DecodingMode = De
                       f"gen_length / block_length = {length // block}")
     mode.check_guidance(decode.cfg_scale)
     values.update(steps=steps, block_length=block, cfg_scale=decode.cfg_scale, remasking=decode.remasking,
-                  **mode.record())
+                  confidence_ranking=decode.confidence_ranking, **mode.record())
   elif model.sampler == "dream":
     values.update(steps=decode.steps or length, alg=decode.alg, alg_temp=decode.alg_temp, top_p=decode.top_p,
                   top_k=decode.top_k, **mode.record())
@@ -197,6 +209,7 @@ def sampler_options(values: dict[str, Any], padded: bool, end_ids: tuple[int, ..
   if v["sampler"] in ("llada", "mmada"):
     common = dict(gen_length=v["gen_length"], steps=v["steps"], block_length=v["block_length"],
                   temperature=v["temperature"], cfg_scale=v["cfg_scale"], remasking=v["remasking"],
+                  confidence_ranking=v.get("confidence_ranking", "probability"),
                   **DecodingMode.from_record(v).option_fields(v["sampler"]))
     if padded:
       common.update(_llada_padding(v["padding"], v["sampler"] == "mmada"))
@@ -230,9 +243,19 @@ def combined_intervention(model: Model, intervention=None):
   return parts[0] if len(parts) == 1 else interventions.Compose(tuple(parts))
 
 
+def check_finite(trace, rows: list[str] | None = None) -> None:
+  """Refuses (a one-line `UserError` naming the row and the step) a `Trace` whose logits went NaN or
+  infinite at some step (`Trace.first_nonfinite_step`); rows: names of the batch rows."""
+  from dlm_jax.sampling.trace import nonfinite_message  # pylint: disable=import-outside-toplevel
+  message = nonfinite_message(jax.device_get(trace.first_nonfinite_step), rows)
+  if message is not None:
+    raise UserError(message)
+
+
 def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,
              key: jax.Array, stats_spec=None, intervention=None, intervention_state=None):
-  """Runs the model's sampler on a batch (placed on the mesh when there is one); returns the `Trace`.
+  """Runs the model's sampler on a batch (placed on the mesh when there is one); returns the `Trace`, refused
+  when its logits went non-finite (`check_finite`).
 
   values: `model_settings`; intervention: the complete intervention (see `combined_intervention`); None =
   the model's own."""
@@ -247,13 +270,11 @@ def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: de
   options = sampler_options(values, mask is not None, tuple(prompts_lib.end_ids(model)))
   kwargs = dict(config=model.config, options=options, key=key, prompt_mask=mask, stats_spec=stats_spec or NO_STATS,
                 intervention=intervention, intervention_state=intervention_state,
-                attention_impl=numerics.attention_impl, query_chunk=numerics.query_chunk)
-  if model.sampler in ("llada", "mmada"):
-    return llada.generate(model.params, prompt, **kwargs)
-  if model.sampler == "dream":
-    return dream.diffusion_generate(model.params, prompt, **kwargs)
-  if model.sampler == "block_diffusion":
-    return block_diffusion.generate(model.params, prompt, **kwargs)
-  if model.sampler == "diffusion_gemma":
-    return diffusion_gemma.generate(model.params, prompt, **kwargs)
-  return autoregressive.generate(model.params, prompt, **kwargs)
+                attention_impl=numerics.attention_impl, query_chunk=numerics.query_chunk,
+                batch_invariant=numerics.batch_invariant)
+  sampler = {"llada": llada.generate, "mmada": llada.generate, "dream": dream.diffusion_generate,
+             "block_diffusion": block_diffusion.generate,
+             "diffusion_gemma": diffusion_gemma.generate}.get(model.sampler, autoregressive.generate)
+  trace = sampler(model.params, prompt, **kwargs)
+  check_finite(trace, [f"{model.label} batch row {row}" for row in range(prompts.ids.shape[0])])
+  return trace

@@ -1,4 +1,4 @@
-"""--decoding, --threshold and --factor (the modes of `experiments.common.decoding_modes`) as a `DecodingMode`."""
+"""--decoding, --threshold, --factor and --dual_cache_forwards (the modes of `experiments.common.decoding_modes`) as a `DecodingMode`."""
 
 from __future__ import annotations
 
@@ -13,12 +13,16 @@ _THRESHOLD = flags.DEFINE_float("threshold", decoding_modes.DEFAULT_THRESHOLD, "
                                 "the threshold modes (Fast-dLLM's 0.9).")
 _FACTOR = flags.DEFINE_float("factor", decoding_modes.DEFAULT_FACTOR, "f > 0 of --decoding=factor: rank r is "
                              "accepted when its confidence >= 1 - f/(r + 1) (Fast-dLLM's 1.0).")
+_DUAL_CACHE_FORWARDS = flags.DEFINE_string(
+    "dual_cache_forwards", decoding_modes.DUAL_CACHE_FORWARDS[0], "Model calls a block may take under the dual "
+    "cache: until_done (NVlabs' June-2025 code) or steps_per_block (NVlabs' current code: at most --steps / blocks, "
+    "leftover masks compete at later refreshes).")
 
 
 def from_flags() -> decoding_modes.DecodingMode:
   """The decoding flags as a mode (every value checked); warns about --threshold / --factor given for a mode
   that does not use them."""
-  mode = decoding_modes.from_values(_DECODING.value, _THRESHOLD.value, _FACTOR.value)
+  mode = decoding_modes.from_values(_DECODING.value, _THRESHOLD.value, _FACTOR.value, _DUAL_CACHE_FORWARDS.value)
   for name, used in (("threshold", mode.threshold is not None), ("factor", mode.factor is not None)):
     if flags.FLAGS[name].present and not used:
       logging.warning("--%s applies to the modes with a %s rule only; ignored for --decoding=%s", name, name,

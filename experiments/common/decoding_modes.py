@@ -5,7 +5,8 @@ options: exact decoding, or Fast-dLLM's parallel decoding and approximate KV cac
   --decoding              transfer rule at a step (in the current block)      model calls of a block
   exact                   the sampler's own (LLaDA: a quota of steps/blocks)  the whole canvas at every step
   threshold               confidence >= --threshold, at least the best one    the whole canvas at every step
-  factor                  Fast-dLLM's factor rule with --factor               the whole canvas at every step
+  factor                  Fast-dLLM's factor rule with --factor (NVlabs')     the whole canvas at every step
+  factor_dllm             the factor rule as dllm vectorises it               the whole canvas at every step
   prefix_cache            the quota rule                                      refresh, then queries [s, S)
   dual_cache              the quota rule                                      refresh, then the block's queries
   threshold_prefix_cache  the threshold rule                                  as prefix_cache
@@ -17,6 +18,14 @@ only the block's queries over all S cached keys, the block's written in place. W
 factor rule a block takes as many steps as it needs (one token at least per step, so `--steps` only has
 to be a multiple of the number of blocks) and a row of a batch whose block is done waits for the others.
 Defaults: --threshold 0.9 and --factor 1.0, Fast-dLLM's values.
+
+Variants of the originals (`reference/decoding_modes.md` §3, §5). `factor` is the rule of NVlabs' code (its
+loop stops at the first failing rank and commits every candidate when only the last one fails);
+`factor_dllm` is dllm's vectorised rule (exactly the accepted prefix). --dual_cache_forwards chooses how many
+model calls a block may take under the dual cache: `until_done` (default; NVlabs' June-2025 code, 24cc59e:
+until the block holds no mask) or `steps_per_block` (NVlabs' current code: at most --steps / blocks calls,
+the refresh included; masks a block leaves compete at later blocks' refreshes and the output can end with
+mask ids); LLaDA and MMaDA only.
 
 Samplers. `SAMPLER_FIELDS` lists the option fields of each sampler's options that the modes set: LLaDA
 and MMaDA take every mode (`LLaDAOptions.threshold / factor / cache`), Dream too (`DreamOptions`, with
@@ -43,6 +52,7 @@ MODES: dict[str, tuple[str, str]] = {
     "exact": ("quota", "none"),
     "threshold": ("threshold", "none"),
     "factor": ("factor", "none"),
+    "factor_dllm": ("factor", "none"),
     "prefix_cache": ("quota", "prefix"),
     "dual_cache": ("quota", "dual"),
     "threshold_prefix_cache": ("threshold", "prefix"),
@@ -52,11 +62,13 @@ MODES: dict[str, tuple[str, str]] = {
 
 DEFAULT_THRESHOLD = 0.9
 DEFAULT_FACTOR = 1.0
+DUAL_CACHE_FORWARDS = ("until_done", "steps_per_block")
+"""--dual_cache_forwards values (module docstring); the first is the default."""
 
 SAMPLER_FIELDS: dict[str, frozenset[str]] = {
-    "llada": frozenset({"threshold", "factor", "cache"}),
-    "mmada": frozenset({"threshold", "factor", "cache"}),
-    "dream": frozenset({"threshold", "factor", "cache"}),
+    "llada": frozenset({"threshold", "factor", "factor_rule", "cache", "dual_cache_forwards"}),
+    "mmada": frozenset({"threshold", "factor", "factor_rule", "cache", "dual_cache_forwards"}),
+    "dream": frozenset({"threshold", "factor", "factor_rule", "cache"}),
     "block_diffusion": frozenset({"threshold"}),
 }
 """The option fields a diffusion sampler's options take from a mode (module docstring)."""
@@ -70,12 +82,14 @@ class DecodingMode:
   """One decoding mode (recorded with the results; build it with `from_values` or `from_spec`).
 
   decoding: a `MODES` name; threshold: τ of the threshold rule, only when the mode uses it (else None);
-  factor: f of the factor rule, likewise.
+  factor: f of the factor rule, likewise; dual_cache_forwards: a `DUAL_CACHE_FORWARDS` value (not the
+  default only with the dual cache).
   """
 
   decoding: str = "exact"
   threshold: float | None = None
   factor: float | None = None
+  dual_cache_forwards: str = DUAL_CACHE_FORWARDS[0]
 
   def __post_init__(self):
     if self.decoding not in MODES:
@@ -85,6 +99,18 @@ class DecodingMode:
     for name, used in (("threshold", self.rule == "threshold"), ("factor", self.rule == "factor")):
       if (getattr(self, name) is not None) != used:
         raise UserError(f"--decoding={self.decoding} {'needs' if used else 'takes no'} a {name} value")
+    if self.dual_cache_forwards not in DUAL_CACHE_FORWARDS:
+      raise UserError(f"--dual_cache_forwards={self.dual_cache_forwards}: expected one of "
+                      f"{', '.join(DUAL_CACHE_FORWARDS)}")
+    if self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0] and self.cache != "dual":
+      raise UserError(f"--dual_cache_forwards={self.dual_cache_forwards} applies to the dual-cache modes "
+                      f"(dual_cache, threshold_dual_cache), not --decoding={self.decoding}")
+
+  @property
+  def factor_rule(self) -> str:
+    """The factor rule's variant (`dlm_jax.sampling.parallel.FACTOR_RULES`): dllm's for factor_dllm, else
+    NVlabs'."""
+    return "dllm" if self.decoding == "factor_dllm" else "fast_dllm"
 
   @property
   def rule(self) -> str:
@@ -113,12 +139,15 @@ class DecodingMode:
       values["threshold"] = self.threshold
     if self.factor is not None:
       values["factor"] = self.factor
+    if self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
+      values["dual_cache_forwards"] = self.dual_cache_forwards
     return values
 
   @classmethod
   def from_record(cls, values: dict[str, Any]) -> DecodingMode:
     """The mode of a `record()` (missing "decoding" = exact; other keys of `values` are ignored)."""
-    return cls(values.get("decoding", "exact"), values.get("threshold"), values.get("factor"))
+    return cls(values.get("decoding", "exact"), values.get("threshold"), values.get("factor"),
+               values.get("dual_cache_forwards", DUAL_CACHE_FORWARDS[0]))
 
   def option_fields(self, sampler: str) -> dict[str, Any]:
     """The fields of `sampler`'s options that this mode sets (every field the sampler has; {} for "ar").
@@ -130,6 +159,10 @@ class DecodingMode:
     if sampler == "block_diffusion":
       return self._block_diffusion_fields()
     fields = {"threshold": self.threshold, "factor": self.factor, "cache": self.cache}
+    if self.factor_rule != "fast_dllm" and self.rule == "factor":
+      fields["factor_rule"] = self.factor_rule
+    if self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
+      fields["dual_cache_forwards"] = self.dual_cache_forwards
     supported = SAMPLER_FIELDS[sampler]
     missing = sorted(k for k, v in fields.items() if v not in (None, "none") and k not in supported)
     if missing:
@@ -164,15 +197,17 @@ def _check_factor(value: float | None) -> None:
     raise UserError(f"--factor={value}: expected a finite value > 0")
 
 
-def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: float = DEFAULT_FACTOR) -> DecodingMode:
-  """The mode of the three flag values: each is checked (a one-line error naming its flag), and the
-  threshold and factor are kept only when the mode uses them."""
+def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: float = DEFAULT_FACTOR,
+                dual_cache_forwards: str = DUAL_CACHE_FORWARDS[0]) -> DecodingMode:
+  """The mode of the flag values: each is checked (a one-line error naming its flag), and the threshold and
+  factor are kept only when the mode uses them."""
   _check_threshold(threshold)
   _check_factor(factor)
   if decoding not in MODES:
     raise UserError(f"--decoding={decoding}: expected one of {', '.join(MODES)}")
   rule = MODES[decoding][0]
-  return DecodingMode(decoding, threshold if rule == "threshold" else None, factor if rule == "factor" else None)
+  return DecodingMode(decoding, threshold if rule == "threshold" else None, factor if rule == "factor" else None,
+                      dual_cache_forwards)
 
 
 def from_spec(spec: str) -> DecodingMode:

@@ -1,5 +1,5 @@
-"""How a model is computed — weight dtype, matmul precision, attention path and query chunk — as one
-frozen record. Every field changes results, so every binary records it with its results."""
+"""How a model is computed — weight dtype, matmul precision, attention path, query chunk and batch-invariant
+execution — as one frozen record. Every field changes results, so every binary records it with its results."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ ATTENTION_IMPLS = ("chunked", "dense", "fused")
 class Numerics:
   """dtype: float32, bfloat16, float16, or "stored" (the checkpoint's own dtypes); matmul_precision:
   jax_default_matmul_precision; attention_impl: chunked, dense or fused; query_chunk: queries per block of
-  the chunked path."""
+  the chunked path; batch_invariant: the model runs one row at a time, so an item's tokens and statistics
+  are bitwise the same whatever its batch (`dlm_jax.sampling.row_by_row`)."""
 
   dtype: str = "float32"
   matmul_precision: str = "highest"
   attention_impl: str = "chunked"
   query_chunk: int = 128
+  batch_invariant: bool = True
 
   def __post_init__(self):
     if self.dtype not in DTYPES + ("stored",):

@@ -1,0 +1,91 @@
+"""Batch-invariant model calls: the model run one row at a time, so a row's numbers cannot depend on its batch.
+
+XLA's CPU backend picks its matmul kernels by shape: a batched contraction of B rows can add its products in
+another order than the same contraction of one row (measured on jaxlib 0.10.2: the attention's
+probability-times-values contraction of one row differs in the last bit between a batch of 1 and a batch of
+2 or more when it goes through a YNNPACK fusion, XLA's default; the whole forward of the embedded tiny-dlm
+differs from batch 6 on; BUILD.md, "Exact batch independence"). A one-ulp difference in a logit can flip a
+decoding choice and then everything after it.
+
+`forward_rows` runs `dlm_jax.model.forward` as a `lax.map` over the rows: every row goes through the same
+compiled batch-1 program whatever the batch size, and its outputs are reassembled in the batch layout. The
+steps between model calls (proposals, confidences, transfers) work row by row already (per-row reductions,
+sorts and elementwise arithmetic, whose per-row order XLA does not change with the number of rows), so with
+this every row's tokens and statistics are bitwise those of a batch of one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dlm_jax.model.attention import AttentionBias
+from dlm_jax.model import DecoderCall, KVCache, forward
+from dlm_jax.instrument.stats import ForwardOutput
+
+CPU_COMPILER_OPTIONS: dict[str, str] = {"xla_cpu_experimental_ynn_fusion_type": ""}
+"""XLA options of a batch-invariant program on CPU: no YNNPACK fusions, whose kernels are chosen by size (a
+softmax's sum over the vocabulary of [16, 8, 90] logits ran as a YNNPACK reduction, that of [5, 8, 90] as
+XLA's own, which adds in another order), so reductions and matmuls are XLA's and Eigen's, whose per-row
+order does not depend on the number of rows at a given row shape."""
+
+def _split(x: jax.Array, axis: int) -> jax.Array:
+  """[..., B at axis, ...] -> [B, ..., 1 at axis, ...]: the rows in front, each with a batch of one."""
+  return jnp.expand_dims(jnp.moveaxis(x, axis, 0), axis + 1)
+
+
+def _join(x: jax.Array, axis: int) -> jax.Array:
+  """The inverse of `_split`: [B, ..., 1 at axis, ...] -> [..., B at axis, ...]."""
+  return jnp.moveaxis(jnp.squeeze(x, axis + 1), 0, axis)
+
+
+def _bias_axes(bias: AttentionBias) -> dict[str, int]:
+  return {"pairwise": int(bias.pairwise_per_layer), "keys": int(bias.keys_per_layer), "zero_values": 0}
+
+
+def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: jax.Array,
+                 query_weights: jax.Array | None, cache: KVCache | None, decoder: DecoderCall | None,
+                 **static: Any) -> ForwardOutput:
+  """`dlm_jax.model.forward(params, tokens, ...)` for tokens [B, T], one row at a time (module docstring).
+
+  Arrays with a batch axis (tokens, positions [B, T], query_weights [B, Q, T], the bias's [B, ...] or
+  [L, B, ...] arrays, the cache's [L, B, S, K, H], the `DecoderCall`'s self-conditioning inputs) are split by
+  row; a bias array broadcast over the batch (size 1) is shared. `static` holds forward's other keyword
+  arguments (config, stats_spec, logits_window, logits_offset, attention_impl, query_chunk, cache_offset,
+  return_hidden), the same for every row. Returns the `ForwardOutput` of the whole batch: logits and hidden
+  states joined on axis 0, every statistic on its batch axis 1 (`STATISTICS` layouts are [L', B, ...]).
+  """
+  rows: dict[str, Any] = {"tokens": _split(tokens, 0), "positions": _split(positions, 0)}
+  if query_weights is not None:
+    rows["query_weights"] = _split(query_weights, 0)
+  if decoder is not None:
+    rows["decoder"] = jax.tree.map(lambda a: _split(a, 0), decoder)
+  shared_bias = {}
+  for name, axis in _bias_axes(bias).items():
+    x = getattr(bias, name)
+    if x is not None and x.shape[axis] != 1:
+      rows["bias_" + name] = _split(x, axis)
+    else:
+      shared_bias[name] = x
+  if cache is not None:
+    rows["cache"] = jax.tree.map(lambda a: _split(a, 1), cache)
+
+  def one_row(row):
+    row_bias = bias.replace(**shared_bias, **{name: row["bias_" + name] for name in _bias_axes(bias)
+                                              if "bias_" + name in row})
+    return forward(params, row["tokens"], bias=row_bias, positions=row["positions"],
+                   query_weights=row.get("query_weights"), cache=row.get("cache"), decoder=row.get("decoder"),
+                   **static)
+
+  out = jax.lax.map(one_row, rows)
+  join = lambda x, axis: None if x is None else _join(x, axis)  # noqa: E731
+  return ForwardOutput(logits=join(out.logits, 0), hidden=join(out.hidden, 0),
+                       stats={name: _join(x, 1) for name, x in out.stats.items()},
+                       cache=None if out.cache is None else jax.tree.map(lambda a: _join(a, 1), out.cache))
+
+
+def lm_head_rows(head, hidden: jax.Array) -> jax.Array:
+  """head(hidden) for hidden [B, W, D], one row at a time: [B, W, V]."""
+  return _join(jax.lax.map(head, _split(hidden, 0)), 0)
