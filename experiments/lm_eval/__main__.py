@@ -1,0 +1,29 @@
+"""`python -m experiments.lm_eval ARGS`: lm-eval's own CLI with the `dlm_jax` model registered and this
+package's local tasks (experiments/lm_eval/tasks) added to --include_path unless one is given. A bad
+model_args value or checkpoint is one line on stderr and exit status 1."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
+
+
+def main(argv: list[str]) -> int:
+  from lm_eval.__main__ import cli_evaluate  # pylint: disable=import-outside-toplevel
+  from experiments import cli  # pylint: disable=import-outside-toplevel
+  from experiments.lm_eval import model  # pylint: disable=import-outside-toplevel,unused-import
+  args = list(argv[1:])
+  if args and args[0] not in ("ls", "validate") and not any(a.startswith("--include_path") for a in args):
+    args += ["--include_path", TASKS_DIR]
+  sys.argv = ["lm-eval"] + args
+  try:
+    cli_evaluate()
+  except cli.USER_ERRORS as e:
+    cli.report(e)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv))
