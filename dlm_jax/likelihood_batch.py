@@ -201,6 +201,7 @@ def mc_log_likelihoods(params, requests: Sequence[tuple[Sequence[int], Sequence[
   if mesh is not None:
     sharding.check_batch(batch_size, mesh)
   totals = np.zeros(len(requests), np.float64)
+  program = dataclasses.replace(settings, mc_num=settings.group)  # mc_num does not change the program
   for (width, window), members in sorted(_buckets(requests, config).items()):
     rows, valids, lengths, keys, columns = {}, {}, {}, {}, {}
     for r in members:
@@ -221,7 +222,7 @@ def mc_log_likelihoods(params, requests: Sequence[tuple[Sequence[int], Sequence[
                        np.asarray([lengths[r] for r, _ in chunk], np.int32), np.stack([keys[r] for r, _ in chunk]),
                        np.asarray([d for _, d in chunk], np.int32),
                        np.stack([columns[r][:, d % settings.group] for r, d in chunk])], mesh)
-      losses = np.asarray(pair_losses(params, *inputs, config=config, settings=settings, window=window),
+      losses = np.asarray(pair_losses(params, *inputs, config=config, settings=program, window=window),
                           np.float64)
       for (r, _), loss in zip(pairs[start:start + batch_size], losses):
         totals[r] += loss
