@@ -135,3 +135,12 @@ def test_lm_eval_evaluator_runs_the_local_tasks_offline(dlm, arm):
     if lm is arm:  # the trained ARM solves these four problems; a broken prompt, cut or score would not
       assert gen["exact_match,strict-match"] == 1.0 and mc["acc,none"] == 1.0
   jax.clear_caches()
+
+
+def test_table1_helpers():
+  from experiments.lm_eval import table1  # pylint: disable=import-outside-toplevel
+  assert table1.extra_args("gen_length=32+steps=8") == {"gen_length": "32", "steps": "8"}
+  with pytest.raises(cli.UserError, match="--model_args=steps"):
+    table1.extra_args("steps")
+  results = {"alias": "x", "sample_len": 16, "exact_match,strict-match": 0.5, "exact_match_stderr,strict-match": 0.1}
+  assert table1.first_metric(results) == ("exact_match,strict-match", 0.5, 16)

@@ -11,6 +11,8 @@ resolved per task with a preset (`experiments.lm_eval.presets`).
   cfg             guidance weight for generation and likelihood (0 = none)
   mask_sinks      K >= 0: mask the previous step's top-K sinks while generating (0 = off)
   sink_token      auto | none: the checkpoint's extra sink token (auto: as trained) or none
+  prompt_format   plain (BOS + text) | training (a diffusion model trained here: [PAD … BOS text] padded with
+                  visible pads to its training prompt width, as `experiments.prompts`' training layout)
   estimator       auto | llada | dream: the DLM likelihood estimator (auto: dream for shifted models)
   mc_num, mc_batch, eps, is_check_greedy
                   Monte-Carlo draws per request, draws per stratum, Dream's ε, greedy check of a DLM
@@ -37,6 +39,7 @@ from experiments.lm_eval import presets
 
 ESTIMATORS = ("auto", "llada", "dream")
 SINK_TOKENS = ("auto", "none")
+PROMPT_FORMATS = ("plain", "training")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,7 @@ class EvalArgs:
   cfg: float = 0.0
   mask_sinks: int = 0
   sink_token: str = "auto"
+  prompt_format: str = "plain"
   estimator: str = "auto"
   mc_num: int = 128
   mc_batch: int = 32
@@ -80,6 +84,7 @@ class EvalArgs:
     _choice("remasking", self.remasking, decoding.REMASKING)
     _choice("alg", self.alg, decoding.DREAM_ALGS)
     _choice("sink_token", self.sink_token, SINK_TOKENS)
+    _choice("prompt_format", self.prompt_format, PROMPT_FORMATS)
     _choice("estimator", self.estimator, ESTIMATORS)
     _choice("dtype", self.dtype, numerics.DTYPES)
     if self.preset is not None:

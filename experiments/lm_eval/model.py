@@ -19,6 +19,7 @@ from lm_eval.api.registry import register_model
 
 from dlm_jax.tokenizer import chat_text
 from experiments import chat, checkpoints, devices
+from experiments import prompts as prompts_lib
 from experiments.cli import UserError
 from experiments.lm_eval import args as args_lib
 from experiments.lm_eval import generation, scoring
@@ -42,8 +43,14 @@ class DlmJaxLM(LM):
     if self.args.mask_sinks and model.sampler in ("block_diffusion",):
       raise UserError(f"model_args mask_sinks={self.args.mask_sinks}: not available for the {model.sampler} "
                       "sampler")
+    if self.args.prompt_format == "training" and not model.record.get("data", {}).get("prompt_len"):
+      raise UserError(f"model_args prompt_format=training: {model.label} has no training.json with a prompt width")
     self.model = checkpoints.load_weights(model, self.runtime, self.numerics)
     self.warned_rolling = False
+
+  def set_mask_sinks(self, k: int) -> None:
+    """Switches sink masking to K = k (>= 0) for later requests (the weights stay loaded)."""
+    self.args = args_lib.parse({**{n: getattr(self.args, n) for n in self.args.given}, "mask_sinks": k})
 
   @property
   def sink_prefix(self) -> list[int]:
@@ -59,12 +66,22 @@ class DlmJaxLM(LM):
       ids = [config.bos_token_id] + ids
     return ids
 
+  def _training_layout(self, ids: list[int]) -> list[int]:
+    """prompt_format=training for a diffusion model: visible left pads up to the training prompt width."""
+    if self.args.prompt_format != "training" or not self.model.diffusion:
+      return ids
+    width = int(self.model.record["data"]["prompt_len"])
+    if len(ids) > width:
+      raise UserError(f"model_args prompt_format=training: a context has {len(ids)} tokens; {self.model.label} "
+                      f"was trained with prompts of at most {width}")
+    return [prompts_lib.pad_id(self.model)] * (width - len(ids)) + ids
+
   def context_ids(self, context: str, reserve: int = 0) -> list[int]:
-    """The prompt ids of a generation context: sink token, BOS and the context, left-truncated so that
-    the prompt and `reserve` generated tokens fit in max_length."""
+    """The prompt ids of a generation context: sink token, (training layout pads,) BOS and the context,
+    left-truncated so that the prompt and `reserve` generated tokens fit in max_length."""
     ids = self._ids(context)
     keep = max(self.args.max_length - reserve - len(self.sink_prefix), 1)
-    return self.sink_prefix + ids[-keep:]
+    return self.sink_prefix + self._training_layout(ids[-keep:])
 
   def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) as lm-eval's HF model splits them: trailing spaces of the context
@@ -78,7 +95,7 @@ class DlmJaxLM(LM):
     continuation_ids = whole[len(head):] or whole[-1:]
     head = whole[:len(whole) - len(continuation_ids)] or head[:1]
     keep = max(self.args.max_length - len(continuation_ids), 1)
-    return head[-keep:], continuation_ids
+    return self._training_layout(head[-keep:]), continuation_ids
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
     del disable_tqdm
