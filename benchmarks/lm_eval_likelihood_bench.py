@@ -13,15 +13,19 @@ followed by the stratified forward process (torch.linspace counts, a random perm
 Σ CE / (n/T) on the host side in eager torch. Throughput = requests × mc_num / seconds (draws/s), both in
 float32 on this CPU, each best of --repeats after a warm-up; the ratio is measured within one run.
 
-Variance: the spread over --seeds seeds of the estimate of each of 4 requests at equal draws (mc_num),
+Variance: the spread over --seeds seeds of the estimate of each of 8 requests at equal draws (mc_num),
 averaged over the requests: LLaDA's stratified draws (strata of mc_num) against plain sampling (strata of
-1: k uniform for every draw) on tiny-dlm, and Dream's antithetic t (strata of mc_num) against plain t on a
-random shifted model (`tiny-dream` preset; tiny-dlm is not a shifted model).
+1: k uniform for every draw) on tiny-dlm scoring the worked answers of the local synthetic task
+(experiments/lm_eval/tasks/synthetic_test.jsonl), and Dream's antithetic t (strata of mc_num) against plain
+t on a random shifted model (`tiny-dream` preset, random ids; tiny-dlm is not a shifted model).
+
+The XLA CPU options are `dlm_jax.xla_cpu`'s `auto` set, as the experiment binaries use.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 
@@ -32,7 +36,7 @@ _REQUESTS = flags.DEFINE_integer("requests", 16, "Requests scored in the speed t
 _MC_NUM = flags.DEFINE_integer("mc_num", 32, "Draws per request.")
 _PAIRS = flags.DEFINE_integer("pairs", 128, "dlm_jax: (request, draw) pairs per compiled call.")
 _WIDTH = flags.DEFINE_integer("width", 512, "d_model of the wider random model.")
-_SEEDS = flags.DEFINE_integer("seeds", 16, "Seeds per request in the variance test.")
+_SEEDS = flags.DEFINE_integer("seeds", 64, "Seeds per request in the variance test.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed repetitions (best kept).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Optional JSON file of the figures.")
 
@@ -130,10 +134,20 @@ def speed(name, config, params) -> dict:
           "jax_draws_per_s": draws / jax_s, "torch_draws_per_s": draws / torch_s, "speedup": torch_s / jax_s}
 
 
-def variance(name, config, params, estimator: str) -> dict:
-  """Mean over 4 requests of the variance over seeds: stratified / antithetic against plain draws."""
+def task_requests(count: int):
+  """(BOS + question, worked answer) ids of the first `count` local synthetic items, tiny-dlm's tokenizer."""
+  from dlm_jax import default_models
+  from dlm_jax.tokenizer import Tokenizer
+  from experiments.lm_eval.tasks import utils
+  tokenizer = Tokenizer.from_dir(default_models.path("tiny-dlm"))
+  with open(utils.DATA, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f][:count]
+  return [([1] + tokenizer.encode(r["question"]), tokenizer.encode(r["answer"])) for r in rows]
+
+
+def variance(name, config, params, estimator: str, requests) -> dict:
+  """Mean over the requests of the variance over seeds: stratified / antithetic against plain draws."""
   from dlm_jax import likelihood_batch as lb
-  requests = _requests(config, 4, seed=2)
   mc = _MC_NUM.value
   spread = {}
   for label, group in (("structured", mc), ("plain", 1)):
@@ -148,16 +162,20 @@ def variance(name, config, params, estimator: str) -> dict:
 
 def main(argv):
   del argv
+  from dlm_jax import xla_cpu
+  xla_cpu.apply("auto")
   import jax
   from dlm_jax import model
   from dlm_jax.config import preset
   jax.config.update("jax_default_matmul_precision", "highest")
   models = _models()
-  results = {"cpu": cpu_model(), "speed": [speed(*m) for m in models]}
+  results = {"cpu": cpu_model(), "load_average": os.getloadavg(), "speed": [speed(*m) for m in models]}
   dream = preset("tiny-dream")
-  results["variance"] = [variance(*models[0], "llada"),
-                         variance("tiny-dream (random)", dream, model.init_params(dream, jax.random.key(3)), "dream")]
-  print(f"CPU: {results['cpu']}")
+  results["variance"] = [
+      variance(*models[0], "llada", task_requests(8)),
+      variance("tiny-dream (random)", dream, model.init_params(dream, jax.random.key(3)), "dream",
+               _requests(dream, 8, seed=2))]
+  print(f"CPU: {results['cpu']}, load average at the start {results['load_average'][0]:.1f}")
   print("| model | d_model | requests × mc_num | dlm_jax draws/s | torch draws/s | speedup | dlm_jax compile s |")
   print("|---|---|---|---|---|---|---|")
   for r in results["speed"]:

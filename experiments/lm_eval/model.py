@@ -34,7 +34,11 @@ class DlmJaxLM(LM):
   def __init__(self, **kwargs):
     super().__init__()
     self.args = args_lib.parse(kwargs)
-    self.runtime = devices.init_runtime(devices.RuntimeSettings(mesh=self.args.runtime_mesh))
+    try:
+      runtime_settings = devices.RuntimeSettings(mesh=self.args.runtime_mesh)
+    except UserError as e:
+      raise UserError(f"model_args mesh={self.args.mesh}: {str(e).partition(': ')[2]}") from None
+    self.runtime = devices.init_runtime(runtime_settings)
     self.numerics = Numerics(dtype=self.args.dtype)
     model = checkpoints.prepare(self.args.checkpoint, self.args.sampler, "plain")
     if self.args.sink_token == "none" and model.sink_token != "none":
@@ -60,11 +64,12 @@ class DlmJaxLM(LM):
     return [int(self.model.record["train_config"]["sink_token_id"])]
 
   def _ids(self, text: str) -> list[int]:
+    """BOS + the text's ids (no second BOS); without a BOS, an empty text is lm-eval's prefix token, EOS."""
     config, tokenizer = self.model.config, self.model.tokenizer
     ids = tokenizer.encode(text)
     if config.bos_token_id is not None and (not ids or ids[0] != config.bos_token_id):
       ids = [config.bos_token_id] + ids
-    return ids
+    return ids or [config.eos_token_id]
 
   def _training_layout(self, ids: list[int]) -> list[int]:
     """prompt_format=training for a diffusion model: visible left pads up to the training prompt width."""
@@ -85,15 +90,19 @@ class DlmJaxLM(LM):
 
   def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) as lm-eval's HF model splits them: trailing spaces of the context
-    move to the continuation, the continuation is whole[len(context):] of the joint encoding; the
-    context is left-truncated so that both fit in max_length."""
+    move to the continuation, the continuation is whole[len(context):] of the joint encoding (an empty
+    context is the prefix token alone: BOS, else EOS); the context is left-truncated so that both fit in
+    max_length."""
     spaces = len(context) - len(context.rstrip(" "))
     if spaces:
       context, continuation = context[:-spaces], context[-spaces:] + continuation
-    whole = self._ids(context + continuation)
     head = self._ids(context)
-    continuation_ids = whole[len(head):] or whole[-1:]
-    head = whole[:len(whole) - len(continuation_ids)] or head[:1]
+    if not context:
+      continuation_ids = self.model.tokenizer.encode(continuation)
+    else:
+      whole = self._ids(context + continuation)
+      continuation_ids = whole[len(head):] or whole[-1:]
+      head = whole[:len(whole) - len(continuation_ids)]
     keep = max(self.args.max_length - len(continuation_ids), 1)
     return self._training_layout(head[-keep:]), continuation_ids
 
