@@ -197,3 +197,20 @@ def test_bad_requests_are_refused():
     lb.MCSettings("llada", mc_num=10, group=4)
   with pytest.raises(ValueError, match="at least one context token"):
     lb.ar_log_likelihoods(params, [([], [5])], config=config)
+
+
+def test_estimates_are_the_same_on_a_mesh():
+  """Pairs sharded over data × fsdp, parameters over fsdp / tensor (`sharding.param_shardings`)."""
+  from dlm_jax import sharding  # pylint: disable=import-outside-toplevel
+  config, params = loaded("tiny-dlm")
+  settings = lb.MCSettings("llada", mc_num=8, group=4, cfg_scale=0.5)
+  single = lb.mc_log_likelihoods(params, REQUESTS, config=config, settings=settings, batch_size=BATCH)
+  mesh = sharding.make_mesh(2, 2, 2, devices=jax.devices()[:8])
+  placed = jax.device_put(params, sharding.param_shardings(config, mesh, params))
+  sharded = lb.mc_log_likelihoods(placed, REQUESTS, config=config, settings=settings, batch_size=BATCH, mesh=mesh)
+  np.testing.assert_allclose(sharded, single, rtol=1e-5)
+  arm_config, arm_params = loaded("tiny-arm")
+  placed = jax.device_put(arm_params, sharding.param_shardings(arm_config, mesh, arm_params))
+  np.testing.assert_allclose(lb.ar_log_likelihoods(placed, REQUESTS, config=arm_config, batch_size=96, mesh=mesh)[0],
+                             lb.ar_log_likelihoods(arm_params, REQUESTS, config=arm_config, batch_size=96)[0],
+                             rtol=1e-5)
