@@ -16,6 +16,7 @@ from dlm_jax import likelihood_batch
 from experiments import cli
 from experiments.lm_eval import __main__ as entry
 from experiments.lm_eval import args as args_lib
+from experiments.lm_eval import scoring as scoring_lib
 from experiments.lm_eval.model import DlmJaxLM
 
 DLM_ARGS = dict(checkpoint="tiny-dlm", gen_length=32, steps=32, block_length=8, batch_size=4, mc_num=8, mc_batch=4,
@@ -144,3 +145,31 @@ def test_table1_helpers():
     table1.extra_args("steps")
   results = {"alias": "x", "sample_len": 16, "exact_match,strict-match": 0.5, "exact_match_stderr,strict-match": 0.1}
   assert table1.first_metric(results) == ("exact_match,strict-match", 0.5, 16)
+
+
+def _llada_greedy(lm, context, length):
+  """LLaDA's suffix greedy prediction written out: `length` masks after the context; each step unmasks the
+  masked position whose argmax has the highest probability, with that argmax."""
+  from dlm_jax import model as model_lib  # pylint: disable=import-outside-toplevel
+  config = lm.model.config
+  seq = np.asarray(context + [config.mask_token_id] * length)
+  for _ in range(length):
+    logits = np.asarray(model_lib.forward(lm.model.params, seq[None], config=config).logits[0], np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    confidence = np.where(seq == config.mask_token_id, probs.max(-1), -np.inf)
+    position = int(np.argmax(confidence))
+    seq[position] = int(np.argmax(probs[position]))
+  return seq[len(context):].tolist()
+
+
+def test_is_check_greedy_compares_with_the_greedy_suffix():
+  lm = DlmJaxLM(**{**DLM_ARGS, "is_check_greedy": True, "prompt_format": "training"})
+  question = QUESTIONS[1]
+  context = lm.encode_pair(question, " 3 - 1 = 2 .")[0]
+  greedy = _llada_greedy(lm, context, 3)
+  text = lm.model.tokenizer.decode(greedy)
+  wrong = greedy[:2] + [next(t for t in (10, 11) if t != greedy[2])]
+  pairs = [(context, greedy), (context, wrong)]
+  flags_got = [flag for _, flag in scoring_lib.score_pairs(lm, pairs, [None, None])]
+  assert flags_got == [True, False], (text, greedy)
