@@ -44,9 +44,6 @@ class DlmJaxLM(LM):
     if self.args.sink_token == "none" and model.sink_token != "none":
       record = dict(model.record, train_config=dict(model.record.get("train_config", {}), sink="none"))
       model = dataclasses.replace(model, record=record)
-    if self.args.mask_sinks and model.sampler in ("block_diffusion",):
-      raise UserError(f"model_args mask_sinks={self.args.mask_sinks}: not available for the {model.sampler} "
-                      "sampler")
     if self.args.prompt_format == "training" and not model.record.get("data", {}).get("prompt_len"):
       raise UserError(f"model_args prompt_format=training: {model.label} has no training.json with a prompt width")
     self.model = checkpoints.load_weights(model, self.runtime, self.numerics)
