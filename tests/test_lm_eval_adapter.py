@@ -173,3 +173,11 @@ def test_is_check_greedy_compares_with_the_greedy_suffix():
   pairs = [(context, greedy), (context, wrong)]
   flags_got = [flag for _, flag in scoring_lib.score_pairs(lm, pairs, [None, None])]
   assert flags_got == [True, False], (text, greedy)
+
+
+def test_generate_until_honours_each_requests_max_gen_toks(arm):
+  """Without gen_length in model_args a request's max_gen_toks is its length; greedy AR text is prefix-stable."""
+  requests = [_request("generate_until", (QUESTIONS[0], {"until": [], "max_gen_toks": 4})),
+              _request("generate_until", (QUESTIONS[0], {"until": [], "max_gen_toks": 32}))]
+  short, full = arm.generate_until(requests)
+  assert len(full.split()) > 4 and short.split() == full.split()[:4]
