@@ -49,7 +49,6 @@ import dataclasses
 import os
 import time
 
-import jax
 import numpy as np
 from absl import flags, logging
 
@@ -143,18 +142,6 @@ def _masker(settings: Settings, model: checkpoints.Model):
   return interventions.MaskPreviousSinksAR(top_k=1, per_head=per_head, last_row_weights=settings.ar_last_row)
 
 
-def _state(model, intervention, masker, batch: int, total: int, k: int, valid: np.ndarray):
-  """Initial intervention state with K = k and the valid keys eligible."""
-  state = intervention.init_state(model.config, batch, total)
-
-  def set_k(s):
-    return masker.with_top_k(s, k).replace(eligible=jax.numpy.asarray(valid))
-
-  if isinstance(intervention, interventions.Compose):
-    return (state[0], set_k(state[1]))
-  return set_k(state)
-
-
 def run_accuracy(settings: Settings, model, runtime, log) -> int:
   """Runs every (batch, K) not finished yet; returns the number of items."""
   todo = items.load_items(items.task_name(settings.task.task, model.record), settings.n_items,
@@ -178,7 +165,7 @@ def run_accuracy(settings: Settings, model, runtime, log) -> int:
     for k in ks:
       if all(done_k(item, k) for item in batch.items):
         continue
-      state = _state(model, intervention, masker, ids.shape[0], total, k, valid)
+      state = decoding.masker_state(model, intervention, masker, ids.shape[0], total, k, valid)
       start = time.time()
       trace = decoding.generate(model, values, batch.prompts, runtime, settings.numerics, key=batch.key,
                                 intervention=intervention, intervention_state=state)

@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 
 from dlm_jax.runtime import sharding
 from dlm_jax.config import ModelConfig
+from dlm_jax.model.attention import NO_BIAS
 from dlm_jax.model import forward
 from dlm_jax.sampling.dream import shift_logits
 from dlm_jax.sampling.schedules import torch_linspace_f32
@@ -78,22 +79,31 @@ def dream_mask_draws(key: jax.Array, batch_size: int, seq_len: int, prompt_len: 
   return masks & allowed[None, :], p_mask
 
 
-def _masked_ce(logits: jax.Array, targets: jax.Array, masked: jax.Array, weight: jax.Array) -> jax.Array:
+def masked_ce(logits: jax.Array, targets: jax.Array, masked: jax.Array, weight: jax.Array) -> jax.Array:
   """Σ over masked positions of CE / weight, per row: logits [b, T, V], targets/masked [b, T] -> [b]."""
   log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   ce = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
   return jnp.sum(jnp.where(masked, ce / weight[:, None], 0.0), axis=-1)
 
 
-def _guided(params, noisy, prompt_len, *, config, window, mask_id, cfg_scale, llada_rule):
-  """Logits of the window [b, W, V], with CFG when cfg_scale > 0."""
+def guided_logits(params, noisy, prompt, *, config, window, mask_id, cfg_scale, llada_rule, bias=NO_BIAS,
+            positions=None):
+  """Logits of the window [b, W, V], with CFG when cfg_scale > 0: noisy [b, S] ids, prompt [b|1, S] bool
+  (the positions the unconditional copy masks); bias / positions: the call's padding layout (rows [b])."""
   if cfg_scale <= 0:
-    return forward(params, noisy, config=config, logits_window=window).logits
-  prompt = jnp.arange(noisy.shape[1])[None, :] < prompt_len
+    return forward(params, noisy, config=config, logits_window=window, bias=bias, positions=positions).logits
   uncond = jnp.where(prompt, mask_id, noisy)
-  logits = forward(params, jnp.concatenate([noisy, uncond]), config=config, logits_window=window).logits
+  twice = lambda array: None if array is None else jnp.concatenate([array, array])
+  bias = jax.tree.map(lambda leaf: jnp.concatenate([leaf, leaf]) if leaf.shape[0] > 1 else leaf, bias)
+  logits = forward(params, jnp.concatenate([noisy, uncond]), config=config, logits_window=window, bias=bias,
+                   positions=twice(positions)).logits
   cond, un = logits[:noisy.shape[0]], logits[noisy.shape[0]:]
   return un + ((cfg_scale + 1.0) if llada_rule else cfg_scale) * (cond - un)
+
+
+def _prompt_positions(length: int, prompt_len: int) -> jax.Array:
+  """[1, S] bool: the first prompt_len positions."""
+  return jnp.arange(length)[None, :] < prompt_len
 
 
 @functools.partial(jax.jit, static_argnames=("config", "prompt_len", "cfg_scale"))
@@ -104,11 +114,11 @@ def llada_minibatch_nll(params, seq, answer_masks, *, config: ModelConfig, promp
   mask_id = config.mask_token_id
   rows = jnp.broadcast_to(seq[None, :], (b, seq.shape[0]))
   noisy = rows.at[:, prompt_len:].set(jnp.where(answer_masks, mask_id, rows[:, prompt_len:]))
-  logits = _guided(params, noisy, prompt_len, config=config, window=(prompt_len, seq.shape[0]), mask_id=mask_id,
-                   cfg_scale=cfg_scale, llada_rule=True)
+  logits = guided_logits(params, noisy, _prompt_positions(seq.shape[0], prompt_len), config=config,
+                   window=(prompt_len, seq.shape[0]), mask_id=mask_id, cfg_scale=cfg_scale, llada_rule=True)
   masked = noisy[:, prompt_len:] == mask_id
   ratio = jnp.sum(answer_masks, axis=-1).astype(jnp.float32) / t
-  return jnp.sum(_masked_ce(logits, rows[:, prompt_len:], masked, ratio)) / b
+  return jnp.sum(masked_ce(logits, rows[:, prompt_len:], masked, ratio)) / b
 
 
 @functools.partial(jax.jit, static_argnames=("config", "prompt_len", "cfg_scale"))
@@ -120,11 +130,11 @@ def dream_minibatch_nll(params, seq, masks, p_mask, *, config: ModelConfig, prom
   rows = jnp.broadcast_to(seq[None, :], (b, length))
   noisy = jnp.where(masks, mask_id, rows)
   start = max(prompt_len, 0)
-  outputs = _guided(params, noisy, prompt_len, config=config, window=(max(start - 1, 0), length - 1),
-                    mask_id=mask_id, cfg_scale=cfg_scale, llada_rule=False)
+  outputs = guided_logits(params, noisy, _prompt_positions(length, prompt_len), config=config,
+                    window=(max(start - 1, 0), length - 1), mask_id=mask_id, cfg_scale=cfg_scale, llada_rule=False)
   logits = shift_logits(outputs, start)
   masked = noisy[:, start:] == mask_id
-  return jnp.sum(_masked_ce(logits, rows[:, start:], masked, p_mask)) / b
+  return jnp.sum(masked_ce(logits, rows[:, start:], masked, p_mask)) / b
 
 
 def _placer(mesh: Mesh | None, batch_size: int):

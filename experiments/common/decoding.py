@@ -252,6 +252,20 @@ def check_finite(trace, rows: list[str] | None = None) -> None:
     raise UserError(message)
 
 
+def masker_state(model: Model, intervention, masker, batch: int, total: int, k: int, valid):
+  """Initial state of `intervention` (the masker alone, or `combined_intervention`'s Compose) with the
+  masker's K = k and the valid keys [batch, total] bool eligible as sinks."""
+  from dlm_jax.instrument import interventions  # pylint: disable=import-outside-toplevel
+  state = intervention.init_state(model.config, batch, total)
+
+  def set_k(s):
+    return masker.with_top_k(s, k).replace(eligible=jnp.asarray(valid))
+
+  if isinstance(intervention, interventions.Compose):
+    return (state[0], set_k(state[1]))
+  return set_k(state)
+
+
 def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,
              key: jax.Array, stats_spec=None, intervention=None, intervention_state=None):
   """Runs the model's sampler on a batch (placed on the mesh when there is one); returns the `Trace`, refused

@@ -1,0 +1,175 @@
+"""The `dlm_jax` model's model_args: parsed, checked (one line naming the argument on a bad value) and
+resolved per task with a preset (`experiments.lm_eval.presets`).
+
+  checkpoint      converted directory or tiny-dlm | tiny-arm | tiny-moe-dlm | tiny-uniform-dlm | smollm2 (required)
+  sampler         auto | llada | mmada | dream | ar | block_diffusion | diffusion_gemma (auto: by the model)
+  decoding        exact | threshold | factor | prefix_cache | dual_cache | threshold_prefix_cache |
+                  threshold_dual_cache, with threshold / factor (`experiments.common.decoding_modes`)
+  gen_length, steps, block_length, temperature, remasking, alg, alg_temp, top_p, top_k
+                  generation (`experiments.common.decoding`; unset = that module's per-model defaults, gen_length
+                  then the request's max_gen_toks)
+  cfg             guidance weight for generation and likelihood (0 = none)
+  mask_sinks      K >= 0: mask the previous step's top-K sinks while generating (0 = off)
+  sink_token      auto | none: the checkpoint's extra sink token (auto: as trained) or none
+  prompt_format   plain (BOS + text) | training (a diffusion model trained here: [PAD … BOS text] padded with
+                  visible pads to its training prompt width, as `experiments.common.prompts`' training layout)
+  estimator       auto | llada | dream: the DLM likelihood estimator (auto: dream for shifted models)
+  mc_num, mc_batch, eps, is_check_greedy
+                  Monte-Carlo draws per request, draws per stratum, Dream's ε, greedy check of a DLM
+  pairs_per_call  (request, draw) pairs per compiled likelihood call
+  batch_size      prompts per sampler call and rows per teacher-forced call
+  max_length      tokens kept of a context (left-truncated)
+  dtype           float32 | bfloat16 | float16;  mesh  e.g. data:2+fsdp:2 ("+" for lm-eval's commas)
+  seed            PRNG seed (per request keys derive from it and the request)
+  preset          none | a name of `presets.PRESETS`
+
+lm-eval also passes batch_size / max_batch_size / device from its own flags; batch_size "auto" and
+max_batch_size / device are accepted and ignored (device: JAX's backend decides).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from experiments.common import decoding, decoding_modes, numerics
+from experiments.common.checkpoints import SAMPLERS
+from experiments.common.cli import UserError
+from experiments.lm_eval import presets
+
+ESTIMATORS = ("auto", "llada", "dream")
+SINK_TOKENS = ("auto", "none")
+PROMPT_FORMATS = ("plain", "training")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalArgs:
+  """Every model arg (module docstring); `given`: the names the user set (they win over a preset)."""
+
+  checkpoint: str
+  sampler: str = "auto"
+  decoding: str = "exact"
+  threshold: float = decoding_modes.DEFAULT_THRESHOLD
+  factor: float = decoding_modes.DEFAULT_FACTOR
+  gen_length: int | None = None
+  steps: int | None = None
+  block_length: int | None = None
+  temperature: float = 0.0
+  remasking: str = "low_confidence"
+  alg: str = "entropy"
+  alg_temp: float | None = None
+  top_p: float | None = None
+  top_k: int | None = None
+  cfg: float = 0.0
+  mask_sinks: int = 0
+  sink_token: str = "auto"
+  prompt_format: str = "plain"
+  estimator: str = "auto"
+  mc_num: int = 128
+  mc_batch: int = 32
+  eps: float = 1e-3
+  is_check_greedy: bool = False
+  pairs_per_call: int = 64
+  batch_size: int = 8
+  max_length: int = 4096
+  dtype: str = "float32"
+  mesh: str = ""
+  seed: int = 0
+  preset: str | None = None
+  given: frozenset = frozenset()
+
+  def __post_init__(self):
+    _choice("sampler", self.sampler, SAMPLERS)
+    _choice("decoding", self.decoding, tuple(decoding_modes.MODES))
+    _choice("remasking", self.remasking, decoding.REMASKING)
+    _choice("alg", self.alg, decoding.DREAM_ALGS)
+    _choice("sink_token", self.sink_token, SINK_TOKENS)
+    _choice("prompt_format", self.prompt_format, PROMPT_FORMATS)
+    _choice("estimator", self.estimator, ESTIMATORS)
+    _choice("dtype", self.dtype, numerics.DTYPES)
+    if self.preset is not None:
+      _choice("preset", self.preset, tuple(presets.PRESETS))
+    for name in ("gen_length", "steps", "block_length", "top_k"):
+      if getattr(self, name) is not None and getattr(self, name) < 1:
+        raise UserError(f"model_args {name}={getattr(self, name)}: expected a positive integer")
+    for name in ("mc_num", "mc_batch", "pairs_per_call", "batch_size", "max_length"):
+      if getattr(self, name) < 1:
+        raise UserError(f"model_args {name}={getattr(self, name)}: expected a positive integer")
+    for name in ("temperature", "cfg", "mask_sinks"):
+      if getattr(self, name) < 0:
+        raise UserError(f"model_args {name}={getattr(self, name)}: expected >= 0")
+    if self.top_p is not None and not 0 < self.top_p <= 1:
+      raise UserError(f"model_args top_p={self.top_p}: expected a value in (0, 1]")
+    if not 0 < self.eps < 1:
+      raise UserError(f"model_args eps={self.eps}: expected a value in (0, 1)")
+    try:
+      decoding_modes.from_values(self.decoding, self.threshold, self.factor)
+    except (UserError, ValueError) as e:
+      raise UserError(f"model_args decoding={self.decoding}: {e}") from None
+
+  @property
+  def mode(self) -> decoding_modes.DecodingMode:
+    return decoding_modes.from_values(self.decoding, self.threshold, self.factor)
+
+  @property
+  def runtime_mesh(self) -> str:
+    """--mesh text of `experiments.common.devices` ("+" separated here, "," there)."""
+    return self.mesh.replace("+", ",")
+
+  def for_task(self, task: str | None) -> EvalArgs:
+    """These args with the preset's values for `task` where the user gave none."""
+    values = {k: v for k, v in presets.task_values(self.preset, task).items() if k not in self.given}
+    if "mc_num" in values and "mc_batch" not in self.given:
+      values["mc_batch"] = min(values.get("mc_batch", self.mc_batch), values["mc_num"])
+    return dataclasses.replace(self, **values) if values else self
+
+
+def _choice(name: str, value: Any, choices) -> None:
+  if value not in choices:
+    raise UserError(f"model_args {name}={value}: expected one of {', '.join(map(str, choices))}")
+
+
+_TYPES = {f.name: f.type for f in dataclasses.fields(EvalArgs)}
+
+
+def _convert(name: str, value: Any) -> Any:
+  kind = _TYPES[name]
+  if value is None or (isinstance(value, str) and value.lower() == "none" and "None" in kind):
+    return None
+  try:
+    if kind.startswith("int"):
+      if isinstance(value, bool) or float(value) != int(float(value)):
+        raise ValueError
+      return int(float(value))
+    if kind.startswith("float"):
+      if isinstance(value, bool):
+        raise ValueError
+      return float(value)
+    if kind == "bool":
+      if isinstance(value, bool):
+        return value
+      if str(value).lower() in ("true", "1", "false", "0"):
+        return str(value).lower() in ("true", "1")
+      raise ValueError
+  except (TypeError, ValueError):
+    raise UserError(f"model_args {name}={value}: expected {kind.replace(' | None', ' or none')}") from None
+  return str(value)
+
+
+def parse(kwargs: dict[str, Any]) -> EvalArgs:
+  """EvalArgs from lm-eval's keyword arguments (model_args and its additional config)."""
+  kwargs = dict(kwargs)
+  kwargs.pop("max_batch_size", None)
+  kwargs.pop("device", None)
+  if kwargs.get("batch_size") in (None, "auto") or str(kwargs.get("batch_size")).startswith("auto"):
+    kwargs.pop("batch_size", None)
+  unknown = sorted(set(kwargs) - set(_TYPES) - {"given"}) + (["given"] if "given" in kwargs else [])
+  if unknown:
+    raise UserError(f"model_args {unknown[0]}: unknown argument; expected one of "
+                    f"{', '.join(n for n in _TYPES if n != 'given')}")
+  if not kwargs.get("checkpoint"):
+    raise UserError("model_args checkpoint: required (a converted directory or an embedded model name)")
+  if "preset" in kwargs and str(kwargs["preset"]).lower() == "none":
+    kwargs["preset"] = None
+  values = {name: _convert(name, value) for name, value in kwargs.items()}
+  return EvalArgs(**values, given=frozenset(values))
