@@ -244,9 +244,11 @@ def combined_intervention(model: Model, intervention=None):
 
 def check_finite(trace, rows: list[str] | None = None) -> None:
   """Refuses (a one-line `UserError` naming the row and the step) a `Trace` whose logits went NaN or
-  infinite at some step (`Trace.first_nonfinite_step`); rows: names of the batch rows."""
+  infinite at some step (`Trace.first_nonfinite_step`, gathered from every process); rows: names of the
+  batch rows."""
+  from dlm_jax import distributed  # pylint: disable=import-outside-toplevel
   from dlm_jax.sampling.trace import nonfinite_message  # pylint: disable=import-outside-toplevel
-  message = nonfinite_message(jax.device_get(trace.first_nonfinite_step), rows)
+  message = nonfinite_message(distributed.to_host(trace.first_nonfinite_step), rows)
   if message is not None:
     raise UserError(message)
 
