@@ -44,6 +44,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 
 from experiments import devices
@@ -248,7 +249,10 @@ def check_finite(trace, rows: list[str] | None = None) -> None:
   batch rows."""
   from dlm_jax import distributed  # pylint: disable=import-outside-toplevel
   from dlm_jax.sampling.trace import nonfinite_message  # pylint: disable=import-outside-toplevel
-  message = nonfinite_message(distributed.to_host(trace.first_nonfinite_step), rows)
+  steps = trace.first_nonfinite_step
+  if not isinstance(steps, np.ndarray):  # a device array, possibly sharded over processes
+    steps = distributed.to_host(steps)
+  message = nonfinite_message(steps, rows)
   if message is not None:
     raise UserError(message)
 
