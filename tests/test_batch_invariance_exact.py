@@ -61,16 +61,15 @@ def _run(rows: list[int], batch_invariant: bool):
 
 
 def _layouts(batch: int) -> list[list[int]]:
-  """Batches of `batch` rows covering every target: at batch 1 each target alone; otherwise the targets at
-  different rows among other neighbours (two batches, so a target's neighbours change too)."""
+  """Batches of `batch` rows covering every target: at batch 1 each target alone; otherwise (batch >= 3) the
+  targets at different rows among other neighbours (two batches, so a target's neighbours change too)."""
   if batch == 1:
     return [[t] for t in TARGETS]
   rng = np.random.default_rng(batch)
   layouts = []
   for _ in range(2):
     others = [i for i in rng.permutation(N_ITEMS) if i not in TARGETS][:batch - len(TARGETS)]
-    row = list(others) + list(TARGETS)
-    layouts.append([int(i) for i in rng.permutation(row)][:batch] if batch >= len(TARGETS) else row[:batch])
+    layouts.append([int(i) for i in rng.permutation(list(others) + list(TARGETS))])
   return layouts
 
 

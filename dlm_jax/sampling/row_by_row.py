@@ -9,9 +9,11 @@ decoding choice and then everything after it.
 
 `forward_rows` runs `dlm_jax.model.forward` as a `lax.map` over the rows: every row goes through the same
 compiled batch-1 program whatever the batch size, and its outputs are reassembled in the batch layout. The
-steps between model calls (proposals, confidences, transfers) work row by row already (per-row reductions,
-sorts and elementwise arithmetic, whose per-row order XLA does not change with the number of rows), so with
-this every row's tokens and statistics are bitwise those of a batch of one.
+steps between model calls (proposals, confidences, transfers) are per-row reductions, sorts and elementwise
+arithmetic; compiled without YNNPACK fusions (`CPU_COMPILER_OPTIONS`, applied by the driver) their per-row
+order does not change with the number of rows. Together every row's tokens and statistics are bitwise
+those of a batch of one (checked for the LLaDA, Dream, autoregressive and block-diffusion samplers;
+DiffusionGemma's statistics still differ slightly, BUILD.md).
 """
 
 from __future__ import annotations

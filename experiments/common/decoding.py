@@ -44,6 +44,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 
 from experiments.common import devices, size_limits
@@ -245,9 +246,14 @@ def combined_intervention(model: Model, intervention=None):
 
 def check_finite(trace, rows: list[str] | None = None) -> None:
   """Refuses (a one-line `UserError` naming the row and the step) a `Trace` whose logits went NaN or
-  infinite at some step (`Trace.first_nonfinite_step`); rows: names of the batch rows."""
+  infinite at some step (`Trace.first_nonfinite_step`, gathered from every process); rows: names of the
+  batch rows."""
+  from dlm_jax import distributed  # pylint: disable=import-outside-toplevel
   from dlm_jax.sampling.trace import nonfinite_message  # pylint: disable=import-outside-toplevel
-  message = nonfinite_message(jax.device_get(trace.first_nonfinite_step), rows)
+  steps = trace.first_nonfinite_step
+  if not isinstance(steps, np.ndarray):  # a device array, possibly sharded over processes
+    steps = distributed.to_host(steps)
+  message = nonfinite_message(steps, rows)
   if message is not None:
     raise UserError(message)
 
