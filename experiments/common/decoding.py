@@ -248,7 +248,7 @@ def check_finite(trace, rows: list[str] | None = None) -> None:
   """Refuses (a one-line `UserError` naming the row and the step) a `Trace` whose logits went NaN or
   infinite at some step (`Trace.first_nonfinite_step`, gathered from every process); rows: names of the
   batch rows."""
-  from dlm_jax import distributed  # pylint: disable=import-outside-toplevel
+  from dlm_jax.runtime import distributed  # pylint: disable=import-outside-toplevel
   from dlm_jax.sampling.trace import nonfinite_message  # pylint: disable=import-outside-toplevel
   steps = trace.first_nonfinite_step
   if not isinstance(steps, np.ndarray):  # a device array, possibly sharded over processes
