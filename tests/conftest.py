@@ -22,6 +22,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 # Programs that compile in under 0.1 s are cheaper to compile again than to write and read back.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+# A size limit turns on JAX's file lock around every cache read and write. Without it an entry is written in
+# place, and a process reading the entry another one is still writing deserialises a torn executable (seen
+# once here: a segfault in `compilation_cache.get_executable_and_time` with two workers compiling one program).
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 
 import jax  # noqa: E402  (the environment must be set before JAX initialises)
 

@@ -26,19 +26,24 @@ def _batch(seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).integers(3, CONFIG.vocab_size, (B, P + C)).astype(np.int32)
 
 
+# The reference calls the forward one call at a time, jitted (an eager `lax.scan` is dispatched primitive by
+# primitive, which once segfaulted in XLA CPU under the parallel suite).
+_forward = jax.jit(model.forward, static_argnames=("config",))
+
+
 def _reference_loss(params, tokens: np.ndarray, draws) -> float:
   prompt, clean = tokens[:, :P], tokens[:, P:]
   noisy = np.where(np.asarray(draws.noised), np.asarray(draws.ids), clean)
-  encoded = model.forward(params, jnp.asarray(prompt), config=CONFIG, cache=model.KVCache.zeros(CONFIG, B, P + C),
+  encoded = _forward(params, jnp.asarray(prompt), config=CONFIG, cache=model.KVCache.zeros(CONFIG, B, P + C),
                           cache_offset=0).cache
-  first = np.asarray(model.forward(params, jnp.asarray(noisy), config=CONFIG, cache=encoded, cache_offset=P,
+  first = np.asarray(_forward(params, jnp.asarray(noisy), config=CONFIG, cache=encoded, cache_offset=P,
                                    decoder=model.DecoderCall()).logits, np.float64)
   sc = first / np.asarray(draws.temperature, np.float64)[:, None, None]
   use = np.asarray(draws.self_conditioned)
   second = []
   for b in range(B):  # rows without the signal: a decoder call with no self-conditioning logits at all
     logits = sc[b:b + 1] if use[b] else None
-    out = model.forward(params, jnp.asarray(noisy[b:b + 1]), config=CONFIG,
+    out = _forward(params, jnp.asarray(noisy[b:b + 1]), config=CONFIG,
                         cache=jax.tree.map(lambda x: x[:, b:b + 1], encoded), cache_offset=P,
                         decoder=model.DecoderCall(None if logits is None else jnp.asarray(logits, jnp.float32)))
     second.append(np.asarray(out.logits, np.float64)[0])
@@ -74,9 +79,8 @@ def test_first_pass_is_a_constant_in_the_gradient(params):
   prompt, clean = tokens[:, :P], tokens[:, P:]
   noisy = jnp.where(draws.noised, draws.ids, clean)
   cache = model.KVCache.zeros(CONFIG, B, P + C)
-  encoded = model.forward(params, prompt, config=CONFIG, cache=cache, cache_offset=0).cache
-  first = model.forward(params, noisy, config=CONFIG, cache=encoded, cache_offset=P,
-                        decoder=model.DecoderCall()).logits
+  encoded = _forward(params, prompt, config=CONFIG, cache=cache, cache_offset=0).cache
+  first = _forward(params, noisy, config=CONFIG, cache=encoded, cache_offset=P, decoder=model.DecoderCall()).logits
   signal = first / draws.temperature[:, None, None]
 
   def second_only(p):
