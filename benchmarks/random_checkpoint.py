@@ -14,52 +14,22 @@ is meaningless (random weights); costs are those of the real model. Exit 1 with 
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import sys
 
 import jax
 import jax.numpy as jnp
 from absl import app, flags
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dlm_jax import model
 from dlm_jax.io import checkpoint
-from dlm_jax.config import ConfigError, ModelConfig, preset
+from benchmarks.stand_in_tokenizer import stand_in_tokenizer
+from dlm_jax.config import ConfigError, preset
 
 _PRESET = flags.DEFINE_string("preset", "qwen3-0.6b-a2d-mdlm", "A dlm_jax.config preset name.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Output directory (must not exist or be empty).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ("bfloat16", "float32"), "Stored dtype.")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed of the weights.")
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QWEN3_SPECIALS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>", 151667: "<think>",
-                  151668: "</think>", 151669: "<|mask|>"}
-"""small_dlms.md §2.4."""
-
-
-def stand_in_tokenizer(config: ModelConfig) -> Tokenizer:
-  """A word-level tokenizer over config.vocab_size ids (module docstring)."""
-  specials = dict(QWEN3_SPECIALS) if config.vocab_size == 151936 else {}
-  for field in ("mask_token_id", "eos_token_id", "eot_token_id", "bos_token_id", "pad_token_id"):
-    value = getattr(config, field)
-    if value is not None and value not in specials:
-      specials[value] = f"<|{field.removesuffix('_token_id')}|>"
-  with open(os.path.join(_REPO, "experiments", "data", "simple_qa.jsonl"), encoding="utf-8") as f:
-    text = " ".join(json.loads(line)["question"] for line in f if line.strip())
-  words = list(dict.fromkeys(["<unk>"] + re.findall(r"\w+|[^\w\s]", text)))
-  vocab, free = {}, iter(i for i in range(config.vocab_size) if i not in specials)
-  for word in words:
-    vocab[word] = next(free)
-  for index in free:
-    vocab[f"<w{index}>"] = index
-  vocab.update({token: index for index, token in specials.items()})
-  tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-  tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-  tokenizer.add_special_tokens(list(specials.values()))
-  return tokenizer
-
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:

@@ -260,7 +260,8 @@ def test_load_by_embedded_name(tmp_path, monkeypatch):
   """"tiny-dlm" loads the packaged model (tensors equal to its safetensors file read here), unless a
   directory of that name exists in the working directory, which then wins."""
   from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
-  packaged = os.path.join(os.path.dirname(checkpoint.__file__), "default_models", "tiny-dlm")
+  import dlm_jax  # pylint: disable=import-outside-toplevel
+  packaged = os.path.join(os.path.dirname(dlm_jax.__file__), "default_models", "tiny-dlm")
   monkeypatch.chdir(tmp_path)
   config, params = checkpoint.load("tiny-dlm")
   assert config.name == "tiny-dlm"

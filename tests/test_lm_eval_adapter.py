@@ -19,6 +19,11 @@ from experiments.lm_eval import args as args_lib
 from experiments.lm_eval import scoring as scoring_lib
 from experiments.lm_eval.model import DlmJaxLM
 
+try:
+  from tests.experiments_fixtures import run_cases
+except ImportError:  # pytest's rootdir-less import mode
+  from experiments_fixtures import run_cases
+
 DLM_ARGS = dict(checkpoint="tiny-dlm", gen_length=32, steps=32, block_length=8, batch_size=4, mc_num=8, mc_batch=4,
                 pairs_per_call=32)
 QUESTIONS = ["Anna has 16 books. She finds 4 more. She buys 2 more. How many books does Anna have?",
@@ -75,15 +80,14 @@ def test_presets_resolve_per_task_and_given_values_win():
   assert args_lib.parse(dict(checkpoint="tiny-dlm", preset="llada_official_256")).for_task("bbh_cot").steps == 256
 
 
-def _generate_reference(tmp_path, ids):
-  """experiments.generate's JSON for one prompt (in-process, its own flags)."""
-  from experiments import generate  # pylint: disable=import-outside-toplevel
-  out = tmp_path / "out.json"
-  flags.FLAGS.unparse_flags()
-  cli.call(generate.main, flags.FLAGS([
-      "generate", "--checkpoint=tiny-dlm", "--sampler=llada", f"--prompt_ids={','.join(map(str, ids))}",
-      "--gen_length=32", "--steps=32", "--block_length=8", f"--json_out={out}"]))
-  return json.loads(out.read_text())
+def _generate_reference(tmp_path, prompts):
+  """experiments.generate's JSON for each prompt's ids (one subprocess: its own flags and JAX start-up)."""
+  outs = [tmp_path / f"out_{i}.json" for i in range(len(prompts))]
+  cases = [["--checkpoint=tiny-dlm", "--sampler=llada", f"--prompt_ids={','.join(map(str, ids))}", "--gen_length=32",
+            "--steps=32", "--block_length=8", f"--json_out={out}"] for ids, out in zip(prompts, outs)]
+  for code, stderr in run_cases("generate", cases):
+    assert code == 0, stderr
+  return [json.loads(out.read_text()) for out in outs]
 
 
 def test_generate_until_matches_experiments_generate_in_request_order(dlm, tmp_path):
@@ -91,9 +95,8 @@ def test_generate_until_matches_experiments_generate_in_request_order(dlm, tmp_p
   requests = [_request("generate_until", (q, {"until": u, "max_gen_toks": 32})) for q, u in zip(QUESTIONS, until)]
   texts = dlm.generate_until(requests)
   tokenizer = dlm.model.tokenizer
-  for question, stops, text in zip(QUESTIONS, until, texts):
-    ids = dlm.context_ids(question)
-    result = _generate_reference(tmp_path, ids)
+  results = _generate_reference(tmp_path, [dlm.context_ids(question) for question in QUESTIONS])
+  for stops, text, result in zip(until, texts, results):
     generated = result["tokens"][result["prompt_length"]:]
     eos = dlm.model.config.eos_token_id
     expected = tokenizer.decode(generated[:generated.index(eos)] if eos in generated else generated)

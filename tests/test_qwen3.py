@@ -198,7 +198,7 @@ def test_overrides_are_refused_for_other_families(converted, tmp_path):
 
 def test_stand_in_tokenizer_of_the_full_size_run():
   """benchmarks.random_checkpoint's tokenizer: one entry per embedding row, Qwen3's special ids, real words."""
-  from benchmarks.random_checkpoint import stand_in_tokenizer  # pylint: disable=import-outside-toplevel
+  from benchmarks.stand_in_tokenizer import stand_in_tokenizer  # pylint: disable=import-outside-toplevel
   from dlm_jax.config import preset  # pylint: disable=import-outside-toplevel
   tokenizer = stand_in_tokenizer(preset("qwen3-0.6b-a2d-mdlm"))
   assert tokenizer.get_vocab_size() == 151936
