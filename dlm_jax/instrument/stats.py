@@ -121,12 +121,15 @@ class ForwardOutput:
       readable as attributes (`output.incoming_attention`, None when not asked for).
     cache: the updated `dlm_jax.model.KVCache` of a cached call, else None.
     hidden: with `return_hidden`, the final-normed hidden states [B, W, D] of the window, else None.
+    captures: the activations `hooks` captured, by name ("blocks.3.hook_resid_pre", ...; a capture's label
+      instead when it has one): [B, S | P, ...] in sequence coordinates (`dlm_jax.instrument.hook_spec`).
   """
 
   logits: jax.Array | None
   stats: dict[str, jax.Array] = struct.field(default_factory=dict)
   cache: Any = None
   hidden: jax.Array | None = None
+  captures: dict[str, Any] = struct.field(default_factory=dict)
 
   def __getattr__(self, name: str):
     if name in STATISTICS:

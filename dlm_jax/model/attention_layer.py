@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.site_hooks import SiteHooks, at
 from dlm_jax.model.attention import MASK_VALUE, attention
 from dlm_jax.model.layers import RMSNorm, fused_linear, linear, rms_normalize
 from dlm_jax.model.rope import apply_rope
@@ -37,7 +38,8 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(h, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
 
   def __call__(self, x, cos, sin, *, pairwise_bias, key_bias, query_weights, with_incoming, impl, query_chunk,
-               cache=None, cache_offset=0, zero_values=None, structure_key_bias=None, write_cache=True):
+               cache=None, cache_offset=0, zero_values=None, structure_key_bias=None, write_cache=True,
+               hooks: SiteHooks | None = None):
     """x [B, T, D] -> (out [B, T, D], incoming [B, Q, N, S] or None, (keys, values) [B, S, K, H] each).
 
     With `cache` = (keys, values) [B, S, K, H], this call's keys and values are written at sequence
@@ -47,6 +49,8 @@ class Attention(nnx.Module):
     structure_key_bias: [1, 1, S] or None, added to key_bias (the decoder's visible key range).
     write_cache: False for a decoder call: the layer attends as if written, but the returned (keys,
     values) are the cache as given.
+    hooks: the layer's `SiteHooks` (attn.hook_q / k / v after the projection and QK norm, before RoPE;
+    attn.hook_z before the output projection; attn.hook_pattern), or None.
     """
     c = self.config
     b, t, _ = x.shape
@@ -59,6 +63,7 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     if c.v_norm:
       v = rms_normalize(v, c.norm_eps)
+    q, k, v = at(hooks, "attn.hook_q", q), at(hooks, "attn.hook_k", k), at(hooks, "attn.hook_v", v)
     q = apply_rope(q, cos, sin, fp32=c.rope_fp32)
     k = apply_rope(k, cos, sin, fp32=c.rope_fp32)
     given_cache = cache
@@ -74,10 +79,14 @@ class Attention(nnx.Module):
     decoder = not write_cache
     window = c.sliding_window if self.kind == "s" and c.layer_pattern is not None and not decoder else None
     scale = 1.0 / math.sqrt(h) if c.attention_scale is None else c.attention_scale
-    out, incoming = attention(
-        q, k, v, scale=scale, causal=c.causal and not decoder, block_size=c.attention_block_size,
-        window=window, pairwise_bias=pairwise_bias, key_bias=key_bias, query_weights=query_weights,
-        query_offset=cache_offset, with_incoming=with_incoming, impl=impl, query_chunk=query_chunk)
+    common = dict(scale=scale, causal=c.causal and not decoder, block_size=c.attention_block_size, window=window,
+                  pairwise_bias=pairwise_bias, key_bias=key_bias, query_offset=cache_offset, impl=impl,
+                  query_chunk=query_chunk)
+    out, incoming = attention(q, k, v, query_weights=query_weights, with_incoming=with_incoming, **common)
+    if hooks is not None and hooks.wants("attn.hook_pattern"):
+      hooks.pattern(lambda weights: attention(q, k, v, query_weights=jnp.broadcast_to(weights, (b, *weights.shape)),
+                                              with_incoming=True, **common)[1], t)
+    out = at(hooks, "attn.hook_z", out)
     if decoder:
       k, v = given_cache
     return self.o(out.reshape(b, t, c.n_heads * h)), incoming, (k, v)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.site_hooks import SiteHooks, at
 from dlm_jax.model.attention_layer import Attention
 from dlm_jax.model.layers import RMSNorm, SwiGLU, rms_normalize
 from dlm_jax.model.moe import MoE
@@ -42,29 +43,30 @@ class Block(nnx.Module):
     if c.layer_scalar:
       self.layer_scalar = nnx.Param(jnp.ones((1,), dtype))
 
-  def __call__(self, x, cos, sin, **attention_kwargs):
+  def __call__(self, x, cos, sin, hooks: SiteHooks | None = None, **attention_kwargs):
     """x [B, T, D] -> (x [B, T, D], incoming [B, Q, N, S] or None, (keys, values) [B, S, K, H], routing):
     routing is the MoE router's (weights [B, T, k] float32, experts [B, T, k] int32), or None in a dense
-    block."""
+    block. `hooks`: the layer's `SiteHooks` (`dlm_jax.instrument.sites`) or None."""
     c = self.config
-    attn_out, incoming, kv = self.attn(self.attn_norm(x), cos, sin, **attention_kwargs)
+    x = at(hooks, "hook_resid_pre", x)
+    attn_out, incoming, kv = self.attn(self.attn_norm(x), cos, sin, hooks=hooks, **attention_kwargs)
     if c.sandwich_norms:
       attn_out = self.post_attn_norm(attn_out)
-    x = x + attn_out
+    x = at(hooks, "hook_resid_mid", x + at(hooks, "hook_attn_out", attn_out))
     routing = None
     if c.moe_with_dense_mlp:
-      moe_out, routing = self.moe(self.moe_norm(x), x)
-      ffn = self.post_mlp_norm(self.mlp(self.mlp_norm(x))) + self.post_moe_norm(moe_out)
+      moe_out, routing = self.moe(self.moe_norm(x), x, hooks=hooks)
+      ffn = self.post_mlp_norm(self.mlp(self.mlp_norm(x), hooks)) + self.post_moe_norm(moe_out)
     elif isinstance(self.mlp, MoE):
-      ffn, routing = self.mlp(self.mlp_norm(x))
+      ffn, routing = self.mlp(self.mlp_norm(x), hooks=hooks)
     else:
-      ffn = self.mlp(self.mlp_norm(x))
+      ffn = self.mlp(self.mlp_norm(x), hooks)
     if c.sandwich_norms:
       ffn = self.post_ffn_norm(ffn)
-    x = x + ffn
+    x = x + at(hooks, "hook_mlp_out", ffn)
     if c.layer_scalar:
       x = x * self.layer_scalar[...]
-    return x, incoming, kv, routing
+    return at(hooks, "hook_resid_post", x), incoming, kv, routing
 
 
 def block_stack(config: ModelConfig, n: int, moe: bool, rngs: nnx.Rngs, dtype: Any, kind: str = "s") -> Block:

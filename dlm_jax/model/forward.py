@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.hook_call import HookCall
 from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
 from dlm_jax.model.attention import NO_BIAS, AttentionBias, AttentionImpl
 from dlm_jax.model.cache import KVCache, cache_shapes
@@ -34,6 +35,19 @@ def lm_head(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Ar
   logits [B, W, V], the same values `forward` returns for those positions."""
   head = params["embed"]["embedding"].T if config.tied_embeddings else params["lm_head"]["kernel"]
   return head_logits(hidden, head, config.final_logit_softcap)
+
+
+def _check_hooks(config: ModelConfig, hooks: HookCall | None, shape: tuple[int, int]) -> None:
+  if hooks is None:
+    return
+  if not isinstance(hooks, HookCall):
+    raise ValueError(f"hooks must be None or a HookCall, got {type(hooks).__name__}.")
+  hooks.hooks.check(config)
+  if hooks.flags is not None and tuple(hooks.flags.shape) != shape:
+    raise ValueError(f"HookCall.flags must be [B, T] = {list(shape)}, got {list(hooks.flags.shape)}.")
+  if len(hooks.values.captures) != len(hooks.hooks.captures) or len(hooks.values.edits) != len(hooks.hooks.edits):
+    raise ValueError("HookCall.values must hold one CaptureValues per capture and one EditValues per edit "
+                     "(build them with dlm_jax.instrument.hook_call.hook_values).")
 
 
 def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache,
@@ -110,6 +124,7 @@ def forward(
     cache_offset: jax.Array | int = 0,
     return_hidden: bool = False,
     decoder: DecoderCall | None = None,
+    hooks: HookCall | None = None,
 ) -> ForwardOutput:
   """Pure forward pass of the Transformer described by `config`: full, windowed or KV-cached.
 
@@ -155,13 +170,17 @@ def forward(
       inside the compiled loop).
     decoder: a `DecoderCall` makes this a DiffusionGemma decoder call (see above; needs `cache`) and
       carries its self-conditioning inputs; None (the default) is an ordinary call.
+    hooks: a `dlm_jax.instrument.hook_call.HookCall`: captures and edits at the named sites
+      (`dlm_jax.instrument.sites`), in sequence coordinates of the S keys (a cached call's queries sit at
+      cache_offset); None adds nothing to the program.
 
   Returns:
     `ForwardOutput`: float32 logits [B, W, V], the requested statistics in the layout of
-    `dlm_jax.instrument.stats.ForwardOutput` ([L', B, Q, N', S] incoming attention), and the updated cache (None
-    without a cache).
+    `dlm_jax.instrument.stats.ForwardOutput` ([L', B, Q, N', S] incoming attention), the captures by name,
+    and the updated cache (None without a cache).
   """
   _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder)
+  _check_hooks(config, hooks, tuple(tokens.shape))
   if positions is None:
     start = 0 if cache is None else cache_offset
     positions = jnp.broadcast_to(start + jnp.arange(tokens.shape[1]), tokens.shape)
@@ -169,4 +188,4 @@ def forward(
   return model(tokens, positions, bias=bias, query_weights=query_weights, stats_spec=stats_spec,
                logits_window=logits_window, logits_offset=logits_offset, impl=attention_impl,
                query_chunk=query_chunk, cache=cache, cache_offset=0 if cache is None else cache_offset,
-               return_hidden=return_hidden, decoder=decoder)
+               return_hidden=return_hidden, decoder=decoder, hooks=hooks)

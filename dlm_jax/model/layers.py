@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.site_hooks import SiteHooks, at
 
 KERNEL_INIT = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 EMBED_INIT = nnx.initializers.normal(stddev=0.02)
@@ -62,11 +63,12 @@ class SwiGLU(nnx.Module):
     self.activation = activation
     self.fused = fused
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, hooks: SiteHooks | None = None) -> jax.Array:
+    """x [..., D] -> [..., D]; `hooks` see the hidden activation as mlp.hook_post."""
     gate, up = self.project_gate_up(x)
     if self.activation == "gelu_tanh":  # GeGLU (Gemma)
-      return self.down(jax.nn.gelu(gate, approximate=True) * up)
-    return self.down(jax.nn.silu(gate) * up)
+      return self.down(at(hooks, "mlp.hook_post", jax.nn.gelu(gate, approximate=True) * up))
+    return self.down(at(hooks, "mlp.hook_post", jax.nn.silu(gate) * up))
 
   def project_gate_up(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., D] -> (gate(x), up(x)) [..., hidden] each: two matmuls, or one when `fused`."""

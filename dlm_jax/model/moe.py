@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.site_hooks import SiteHooks, at
 from dlm_jax.model.layers import KERNEL_INIT, SwiGLU, gate_activation, rms_normalize
 
 
@@ -62,8 +63,9 @@ class Router(nnx.Module):
   def has_bias(self) -> bool:
     return self.config.router == "sigmoid_group" or self.config.router_expert_bias
 
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [M, D] -> (weights [M, k] float32, experts [M, k] int32); see `route`.
+  def __call__(self, x: jax.Array, logits_hook=None) -> tuple[jax.Array, jax.Array]:
+    """x [M, D] -> (weights [M, k] float32, experts [M, k] int32); see `route`. logits_hook: None, or a
+    function of the float32 logits [M, E] returning the logits to route by (the mlp.hook_router_logits site).
 
     The "gemma" router first maps x to RMSNorm_noweight(x)·scale·D^(−1/2) and multiplies the chosen
     (renormalised) weights by per_expert_scale.
@@ -76,6 +78,8 @@ class Router(nnx.Module):
       logits = jnp.einsum("md,de->me", x.astype(jnp.float32), kernel.astype(jnp.float32))
     else:
       logits = jnp.einsum("md,de->me", x, kernel).astype(jnp.float32)
+    if logits_hook is not None:
+      logits = logits_hook(logits)
     bias = self.score_bias[...] if self.has_bias else None
     weights, experts = route(self.config, logits, bias)
     if self.config.router == "gemma":
@@ -140,12 +144,17 @@ class MoE(nnx.Module):
       self.shared = SwiGLU(config.d_model, config.n_shared_experts * config.shared_expert_hidden, rngs=rngs,
                            dtype=dtype, fused=config.fused_projections)
 
-  def __call__(self, x: jax.Array, router_input: jax.Array | None = None
+  def __call__(self, x: jax.Array, router_input: jax.Array | None = None, hooks: SiteHooks | None = None
                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """x [B, T, D] -> (y [B, T, D], (weights [B, T, k] float32, experts [B, T, k] int32): the router's
-    choice); the router reads `router_input` [B, T, D] when given (Gemma 4), else x."""
+    choice); the router reads `router_input` [B, T, D] when given (Gemma 4), else x. `hooks` see the
+    router logits [B, T, E] as mlp.hook_router_logits."""
     flat = x.reshape(-1, x.shape[-1])
-    weights, experts = self.router(flat if router_input is None else router_input.reshape(flat.shape))
+    logits_hook = None
+    if hooks is not None and hooks.wants("mlp.hook_router_logits"):
+      logits_hook = lambda logits: at(hooks, "mlp.hook_router_logits",  # noqa: E731
+                                      logits.reshape(*x.shape[:-1], -1)).reshape(logits.shape)
+    weights, experts = self.router(flat if router_input is None else router_input.reshape(flat.shape), logits_hook)
     y = self.experts(flat, weights, experts).reshape(x.shape)
     if hasattr(self, "shared"):
       y = y + self.shared(x)

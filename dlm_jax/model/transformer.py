@@ -37,6 +37,9 @@ import numpy as np
 from flax import nnx
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.instrument import sites
+from dlm_jax.instrument.hook_call import HookCall
+from dlm_jax.instrument.site_hooks import SiteHooks, at, reduce_capture, slot_table
 from dlm_jax.instrument.stats import STATISTICS, ForwardOutput, StatsSpec
 from dlm_jax.model.attention import MASK_VALUE, AttentionBias
 from dlm_jax.model.block import SelfConditioning, block_stack
@@ -118,12 +121,17 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens, positions, *, bias: AttentionBias, query_weights, stats_spec: StatsSpec,
                logits_window, logits_offset, impl, query_chunk, cache: KVCache | None,
-               cache_offset, return_hidden: bool, decoder=None) -> ForwardOutput:
-    """See `forward`. Statistics are computed only in the layers `stats_spec` asks for."""
+               cache_offset, return_hidden: bool, decoder=None, hooks: HookCall | None = None) -> ForwardOutput:
+    """See `forward`. Statistics are computed only in the layers `stats_spec` asks for; sites only where
+    `hooks` name them."""
     c = self.config
-    x = self._embed(tokens, decoder)
+    n_keys = tokens.shape[1] if cache is None else cache.keys.shape[2]
+    offset = 0 if cache is None else cache_offset
+    model_hooks = None
+    if hooks is not None:
+      model_hooks = SiteHooks(hooks, c, kind=None, layer=None, offset=offset, n_seq=n_keys, readout=self._readout)
+    x = self._embed(tokens, decoder, model_hooks)
     per_layer = {name: value for name, value, each in _bias_parts(bias) if each}
-    n_keys = x.shape[1] if cache is None else cache.keys.shape[2]
     call = _LayerCall(
         config=c, stats_spec=stats_spec, tables=self._rope_tables(positions),
         structure=({"s": None, "g": None} if decoder is None
@@ -131,30 +139,47 @@ class Transformer(nnx.Module):
         attention_kwargs=dict(query_weights=query_weights, impl=impl, query_chunk=query_chunk,
                               cache_offset=cache_offset, zero_values=bias.zero_values,
                               **{name: value for name, value, each in _bias_parts(bias) if not each}),
-        slots=_stat_slots(c, stats_spec), emit_cache=cache is not None and decoder is None)
+        slots=_stat_slots(c, stats_spec), emit_cache=cache is not None and decoder is None,
+        hooks=hooks, readout=self._readout, n_seq=n_keys)
     buffers = {}
     if call.slots is not None:
       buffers = _stat_buffers(c, stats_spec, tokens.shape[0], n_keys, query_weights)
-    x, buffers, ys, new_cache = self._run_layers(call, x, buffers, per_layer, _kind_caches(c, cache))
+    capture_buffers = _capture_buffers(call, x)
+    x, buffers, capture_buffers, ys, new_cache = self._run_layers(call, x, buffers, capture_buffers, per_layer,
+                                                                  _kind_caches(c, cache))
     stats = buffers if call.slots is not None else ys
+    window_start = 0
     if logits_window is not None:
       start, stop = logits_window
       if isinstance(logits_offset, int) and logits_offset == 0:
-        x = x[:, start:stop]
+        x, window_start = x[:, start:stop], start
       else:
         x = jax.lax.dynamic_slice_in_dim(x, start + logits_offset, stop - start, axis=1)
+        window_start = jnp.clip(start + logits_offset, 0, tokens.shape[1] - (stop - start))
     x = self.final_norm(x)
+    if model_hooks is not None:
+      x = model_hooks("ln_final.hook_normalized", x, start=window_start)
     head = self.embed.embedding[...].T if c.tied_embeddings else self.lm_head.kernel[...]
     logits, hidden = (None, x) if return_hidden else (head_logits(x, head, c.final_logit_softcap), None)
-    return ForwardOutput(logits=logits, stats=stats, cache=new_cache, hidden=hidden)
+    captures = {}
+    if hooks is not None:
+      captures = _named_captures(call, capture_buffers, model_hooks.captured)
+    return ForwardOutput(logits=logits, stats=stats, cache=new_cache, hidden=hidden, captures=captures)
 
-  def _embed(self, tokens, decoder) -> jax.Array:
-    """Token embeddings [B, T, D] (scaled by √D with `embed_scale`), through DiffusionGemma's
-    self-conditioning at a decoder call (`decoder`: a `DecoderCall` or None)."""
+  def _readout(self, h: jax.Array) -> jax.Array:
+    """The final norm and LM head on residual values h [B, T, D]: float32 logits [B, T, V] (the logit lens)."""
+    c = self.config
+    head = self.embed.embedding[...].T if c.tied_embeddings else self.lm_head.kernel[...]
+    return head_logits(self.final_norm(h), head, c.final_logit_softcap)
+
+  def _embed(self, tokens, decoder, hooks: SiteHooks | None = None) -> jax.Array:
+    """Token embeddings [B, T, D] (scaled by √D with `embed_scale`; the hook_embed site), through
+    DiffusionGemma's self-conditioning at a decoder call (`decoder`: a `DecoderCall` or None)."""
     c = self.config
     x = self.embed(tokens)
     if c.embed_scale:
       x = x * jnp.asarray(math.sqrt(c.d_model), x.dtype)
+    x = at(hooks, "hook_embed", x)
     if decoder is None or not c.self_conditioning:
       return x
     soft = None
@@ -178,16 +203,17 @@ class Transformer(nnx.Module):
                                              c.global_rope_fraction)
     return tables
 
-  def _run_layers(self, call: _LayerCall, x, buffers, per_layer, kind_caches):
-    """Every layer, one `lax.scan` per `LayerRun`: (x, statistics buffers, stacked per-layer statistics in
-    absolute layer order, new `KVCache` or None)."""
-    carry, stats_parts, cache_parts = (x, buffers), [], {"s": [], "g": []}
+  def _run_layers(self, call: _LayerCall, x, buffers, capture_buffers, per_layer, kind_caches):
+    """Every layer, one `lax.scan` per `LayerRun`: (x, statistics buffers, capture buffers, stacked per-layer
+    statistics in absolute layer order, new `KVCache` or None)."""
+    carry, stats_parts, cache_parts = (x, buffers, capture_buffers), [], {"s": [], "g": []}
     layer_slots = jnp.zeros((self.config.n_layers,), jnp.int32) if call.slots is None else call.slots
     for run in layer_runs(self.config):
       block_graph, block_state = nnx.split(getattr(self, run.stack))
       n = run.stop - run.start
       xs = (_take(block_state, run.stack_start, n), _take(per_layer, run.start, n),
-            _take(kind_caches.get(run.kind), run.cache_start, n), _take(layer_slots, run.start, n))
+            _take(kind_caches.get(run.kind), run.cache_start, n), _take(layer_slots, run.start, n),
+            jnp.arange(run.start, run.stop, dtype=jnp.int32))
       carry, ys = jax.lax.scan(functools.partial(_scan_layer, call, run.kind, block_graph), carry, xs)
       if "cache" in ys:
         cache_parts[run.kind].append(ys.pop("cache"))
@@ -206,7 +232,9 @@ class _LayerCall:
   tables: RoPE (cos, sin) per attention kind; structure: per kind, the decoder call's [1, 1, S] visible-key
   bias or None; attention_kwargs: the attention layer's arguments common to every layer (the biases
   shared by all layers among them); slots: [L] int32 statistics slot of each layer (−1: none) when a layer
-  subset is asked for, else None; emit_cache: the call returns the updated cache.
+  subset is asked for, else None; emit_cache: the call returns the updated cache; hooks: the call's
+  `HookCall` or None; readout: final norm + LM head (the logit lens); n_seq: S, the sequence positions
+  of captures.
   """
 
   config: ModelConfig
@@ -216,6 +244,16 @@ class _LayerCall:
   attention_kwargs: dict
   slots: jax.Array | None
   emit_cache: bool
+  hooks: HookCall | None = None
+  readout: Any = None
+  n_seq: int = 0
+
+  def site_hooks(self, kind: str, layer) -> SiteHooks | None:
+    """The `SiteHooks` of layer `layer` (traced int32) of attention kind `kind`, or None without hooks."""
+    if self.hooks is None:
+      return None
+    return SiteHooks(self.hooks, self.config, kind=kind, layer=layer, offset=self.attention_kwargs["cache_offset"],
+                     n_seq=self.n_seq, readout=self.readout)
 
 
 def _bias_parts(bias: AttentionBias):
@@ -253,13 +291,15 @@ def _stat_slots(config: ModelConfig, spec: StatsSpec) -> jax.Array | None:
   return jnp.asarray(slot_of_layer)
 
 
-def _run_block(call: _LayerCall, kind: str, block, h, kv_cache, layer_biases, with_stats: bool):
-  """One block: (h [B, T, D], (keys, values) [B, S, K, H], {statistic name: this layer's value})."""
+def _run_block(call: _LayerCall, kind: str, block, h, kv_cache, layer_biases, with_stats: bool, layer):
+  """One block: (h [B, T, D], (keys, values) [B, S, K, H], {statistic name: this layer's value},
+  {capture index: this layer's captured value})."""
   spec = call.stats_spec
   cos, sin = call.tables[kind]
   extra = {} if call.structure[kind] is None else {"structure_key_bias": call.structure[kind], "write_cache": False}
+  hooks = call.site_hooks(kind, layer)
   h, incoming, (keys, values), routing = block(
-      h, cos, sin, with_incoming=with_stats and spec.incoming_attention, cache=kv_cache,
+      h, cos, sin, hooks=hooks, with_incoming=with_stats and spec.incoming_attention, cache=kv_cache,
       **call.attention_kwargs, **extra, **layer_biases)
   stats = {}
   if with_stats and spec.incoming_attention:
@@ -269,31 +309,108 @@ def _run_block(call: _LayerCall, kind: str, block, h, kv_cache, layer_biases, wi
   if with_stats and spec.routing:
     stats.update(_routing_stats(call.config, routing, h.shape[:2], keys.shape[1],
                                 call.attention_kwargs["cache_offset"]))
-  return h, (keys, values), stats
+  return h, (keys, values), stats, {} if hooks is None else hooks.captured
 
 
 def _scan_layer(call: _LayerCall, kind: str, block_graph, carry, xs):
-  """The `lax.scan` body over a run's layers: carry (h, statistics buffers), xs (block state, per-layer
-  biases, the layer's (keys, values) cache or None, statistics slot). Without a layer subset the layer's
-  statistics are scan outputs; with one they are written into the buffers at the layer's slot."""
-  h, buffers = carry
-  state, layer_biases, kv_cache, slot = xs
+  """The `lax.scan` body over a run's layers: carry (h, statistics buffers, capture buffers), xs (block
+  state, per-layer biases, the layer's (keys, values) cache or None, statistics slot, layer index).
+  Without a layer subset the layer's statistics are scan outputs; with one they are written into the
+  buffers at the layer's slot. Captures are written into their buffers at the layer's capture slot."""
+  h, buffers, capture_buffers = carry
+  state, layer_biases, kv_cache, slot, layer = xs
   block = nnx.merge(block_graph, state)
   if call.slots is None:
-    h, kv, stats = _run_block(call, kind, block, h, kv_cache, layer_biases, call.stats_spec.enabled)
-    return (h, buffers), {**stats, **({"cache": kv} if call.emit_cache else {})}
+    h, kv, stats, captured = _run_block(call, kind, block, h, kv_cache, layer_biases, call.stats_spec.enabled,
+                                        layer)
+    capture_buffers = _write_captures(call, kind, layer, capture_buffers, captured)
+    return (h, buffers, capture_buffers), {**stats, **({"cache": kv} if call.emit_cache else {})}
 
   def with_stats(h, buffers):
-    h, kv, stats = _run_block(call, kind, block, h, kv_cache, layer_biases, True)
+    h, kv, stats, captured = _run_block(call, kind, block, h, kv_cache, layer_biases, True, layer)
     return h, kv, {name: jax.lax.dynamic_update_index_in_dim(buffers[name], stats[name], slot, 0)
-                   for name in buffers}
+                   for name in buffers}, captured
 
   def without_stats(h, buffers):
-    h, kv, _ = _run_block(call, kind, block, h, kv_cache, layer_biases, False)
-    return h, kv, buffers
+    h, kv, _, captured = _run_block(call, kind, block, h, kv_cache, layer_biases, False, layer)
+    return h, kv, buffers, captured
 
-  h, kv, buffers = jax.lax.cond(slot >= 0, with_stats, without_stats, h, buffers)
-  return (h, buffers), ({"cache": kv} if call.emit_cache else {})
+  h, kv, buffers, captured = jax.lax.cond(slot >= 0, with_stats, without_stats, h, buffers)
+  capture_buffers = _write_captures(call, kind, layer, capture_buffers, captured)
+  return (h, buffers, capture_buffers), ({"cache": kv} if call.emit_cache else {})
+
+
+def _capture_key(index: int, kind: str) -> str:
+  return f"{index}/{kind}"
+
+
+def _capture_layers(call: _LayerCall, index: int, kind: str) -> list[int]:
+  """The layers of attention kind `kind` that capture `index` reads, in its order."""
+  layers = call.hooks.hooks.resolved_layers(call.config, call.hooks.hooks.captures[index])
+  return [l for l in layers if l is not None and sites.layer_kind(call.config, l) == kind]
+
+
+def _capture_buffers(call: _LayerCall, x: jax.Array) -> dict[str, Any]:
+  """Zero buffers [L_k, ...] per (per-layer capture, attention kind): the capture's value at each of its
+  layers of that kind (shapes from the reduction's abstract evaluation on the site's [B, T, *F])."""
+  if call.hooks is None:
+    return {}
+  buffers = {}
+  for index, capture in enumerate(call.hooks.hooks.captures):
+    for kind in ("s", "g"):
+      layers = [] if capture.site in sites.MODEL_SITES else _capture_layers(call, index, kind)
+      if not layers:
+        continue
+      shape = jax.eval_shape(lambda x, index=index, layer=layers[0]: _site_value(call, kind, index, layer, x), x)
+      buffers[_capture_key(index, kind)] = jax.tree.map(lambda s, n=len(layers): jnp.zeros((n, *s.shape), s.dtype),
+                                                        shape)
+  return buffers
+
+
+def _site_value(call: _LayerCall, kind: str, index: int, layer: int, x: jax.Array):
+  """For shapes only: capture `index` of zero site values at `layer` (x [B, T, D] gives B, T and dtype)."""
+  c = call.config
+  capture = call.hooks.hooks.captures[index]
+  b, t = x.shape[:2]
+  if capture.site == "attn.hook_pattern":
+    return jnp.zeros((b, len(capture.positions), c.n_heads, call.n_seq), jnp.float32)
+  dtype = jnp.float32 if capture.site == "mlp.hook_router_logits" else x.dtype
+  value = jnp.zeros((b, t, *sites.feature_shape(c, capture.site, layer)), dtype)
+  return reduce_capture(capture, call.hooks.values.captures[index], value, jnp.ones((b, t), bool), 0, call.n_seq,
+                        call.readout)
+
+
+def _write_captures(call: _LayerCall, kind: str, layer, buffers: dict, captured: dict) -> dict:
+  """The capture buffers with this layer's captured values written at the layer's slot (unchanged at a
+  layer the capture does not read)."""
+  out = dict(buffers)
+  for index, value in captured.items():
+    key = _capture_key(index, kind)
+    slot = jnp.asarray(slot_table(call.config, tuple(_capture_layers(call, index, kind))))[layer]
+    at_slot = jnp.maximum(slot, 0)
+
+    def write(buffer, new, slot=slot, at_slot=at_slot):
+      old = jax.lax.dynamic_index_in_dim(buffer, at_slot, 0, keepdims=False)
+      return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(slot >= 0, new.astype(buffer.dtype), old),
+                                                 at_slot, 0)
+
+    out[key] = jax.tree.map(write, buffers[key], value)
+  return out
+
+
+def _named_captures(call: _LayerCall, buffers: dict, model_captured: dict) -> dict[str, Any]:
+  """{captured array name: value} from the per-layer buffers and the model-level captures."""
+  out = {}
+  for index, capture in enumerate(call.hooks.hooks.captures):
+    if capture.site in sites.MODEL_SITES:
+      out[capture.names((None,))[0]] = model_captured[index]
+      continue
+    layers = call.hooks.hooks.resolved_layers(call.config, capture)
+    for layer, name in zip(layers, capture.names(layers)):
+      kind = sites.layer_kind(call.config, layer)
+      slot = _capture_layers(call, index, kind).index(layer)
+      out[name] = jax.tree.map(lambda a, slot=slot: a[slot], buffers[_capture_key(index, kind)])
+  return out
 
 
 def _routing_stats(config: ModelConfig, routing, query_shape: tuple[int, int], n_keys: int, cache_offset

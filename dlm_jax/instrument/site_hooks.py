@@ -1,0 +1,225 @@
+"""Hooks at work inside one forward call: edits applied and captures reduced at the named sites.
+
+The Transformer builds a `SiteHooks` for its model-level sites and one per layer inside its layer scan
+(`dlm_jax.model.transformer`); the modules call it at each site (`at(hooks, kind, x)`), which returns the
+(edited) value and records the captures. Captures are placed in sequence coordinates: the call's T queries
+sit at sequence positions offset..offset+T−1 of S (a KV-cache call's offset; 0 otherwise) and the other
+positions hold zeros. Shapes as in `dlm_jax.instrument.hook_call`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from dlm_jax.config import ModelConfig
+from dlm_jax.instrument import sites
+from dlm_jax.instrument.hook_call import VALID, CaptureValues, EditValues, HookCall, class_mask
+from dlm_jax.instrument.hook_spec import Capture, Edit
+
+
+@struct.dataclass
+class TopK:
+  """The k largest values over the feature axis and their indices: [..., k] float32 and int32."""
+
+  values: jax.Array
+  indices: jax.Array
+
+
+@struct.dataclass
+class LensReadout:
+  """The logit lens at one site: probability [B, S] and rank [B, S] int32 (0 = the most probable token) of
+  the target token, and the k most probable tokens [B, S, k] int32 with their probabilities [B, S, k]."""
+
+  probability: jax.Array
+  rank: jax.Array
+  top_tokens: jax.Array
+  top_probabilities: jax.Array
+
+
+def _place(y: jax.Array, offset, n_seq: int) -> jax.Array:
+  """y [B, T, ...] written at sequence positions offset..offset+T−1 of zeros [B, S, ...]."""
+  zeros = jnp.zeros((y.shape[0], n_seq, *y.shape[2:]), y.dtype)
+  return jax.lax.dynamic_update_slice_in_dim(zeros, y, jnp.asarray(offset, jnp.int32), axis=1)
+
+
+def _expand(mask: jax.Array, ndim: int) -> jax.Array:
+  """mask [B, T(, N)] with trailing unit axes up to rank ndim."""
+  return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
+
+
+def _lens(x: jax.Array, targets: jax.Array, k: int, readout: Callable[[jax.Array], jax.Array]) -> LensReadout:
+  """x [B, T, D] residual values, targets [B, T] -> `LensReadout` over the T positions."""
+  logits = readout(x)
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)
+  rank = jnp.sum(logits > target_logit, axis=-1, dtype=jnp.int32)
+  top_log_probs, top_tokens = jax.lax.top_k(log_probs, k)
+  return LensReadout(probability=jnp.exp(jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]),
+                     rank=rank, top_tokens=top_tokens.astype(jnp.int32), top_probabilities=jnp.exp(top_log_probs))
+
+
+def reduce_capture(capture: Capture, values: CaptureValues, x: jax.Array, selected: jax.Array, offset, n_seq: int,
+                   readout: Callable[[jax.Array], jax.Array] | None):
+  """One capture of site values x [B, T, *F] of the queries `selected` [B, T] (its position class): an
+  array or `TopK` / `LensReadout`, in sequence coordinates [B, S | P, ...] (or [B, *F] for "mean")."""
+  if capture.reduce == "mean":
+    weights = _expand(selected.astype(jnp.float32), x.ndim)
+    total = jnp.sum(x.astype(jnp.float32) * weights, axis=1)
+    return total / jnp.maximum(jnp.sum(weights, axis=1), 1.0)
+  if capture.reduce == "none":
+    y = x
+  elif capture.reduce == "norm":
+    y = jnp.linalg.norm(x.astype(jnp.float32), axis=-1)
+  elif capture.reduce == "topk":
+    top, index = jax.lax.top_k(x.astype(jnp.float32), capture.k)
+    y = TopK(values=top, indices=index.astype(jnp.int32))
+  elif capture.reduce == "project":
+    y = jnp.einsum("...f,rf->...r", x.astype(jnp.float32), values.directions.astype(jnp.float32))
+  else:
+    targets = jax.lax.dynamic_slice_in_dim(values.targets, jnp.asarray(offset, jnp.int32), x.shape[1], axis=1)
+    y = _lens(x, targets, capture.k, readout)
+  y = jax.tree.map(lambda a: _place(jnp.where(_expand(selected, a.ndim), a, jnp.zeros((), a.dtype)), offset, n_seq),
+                   y)
+  if isinstance(capture.positions, tuple):
+    index = np.asarray(capture.positions)
+    if index.max() >= n_seq:
+      raise ValueError(f"Capture of {capture.site} asks for sequence position {int(index.max())}, but the call "
+                       f"has {n_seq} positions.")
+    y = jax.tree.map(lambda a: a[:, index], y)
+  return y
+
+
+def apply_edit(edit: Edit, values: EditValues, x: jax.Array, slot, step, flags: jax.Array, offset) -> jax.Array:
+  """Site values x [B, T, *F] with `edit` applied where its values allow it: at layer slot `slot` (its index
+  in the edit's layers, −1 when the layer is not one of them), step `step`, queries of flags [B, T]."""
+  t = x.shape[1]
+  offset = jnp.asarray(offset, jnp.int32)
+  slot = jnp.asarray(slot, jnp.int32)
+  layer_on = jnp.take(values.layers, jnp.maximum(slot, 0), axis=1) & (slot >= 0)
+  row = layer_on & (values.window[:, 0] <= step) & (step < values.window[:, 1])
+  source = None
+  if values.values is not None:
+    at_step = values.value_steps == step
+    row = row & jnp.any(at_step)
+    per_step = jnp.take(values.values, jnp.argmax(at_step), axis=0)
+    source = jax.lax.dynamic_slice_in_dim(jnp.take(per_step, jnp.maximum(slot, 0), axis=0), offset, t, axis=1)
+  elif values.vector is not None:
+    source = values.vector[:, None]
+  where = row[:, None] & class_mask(edit.positions, flags) & jax.lax.dynamic_slice_in_dim(values.positions, offset,
+                                                                                          t, axis=1)
+  if values.heads is not None:
+    where = where[:, :, None] & values.heads[:, None, :]
+  where = _expand(where, x.ndim)
+  coefficient = None if values.coefficient is None else _expand(values.coefficient, x.ndim)
+  if edit.op == "zero":
+    new = jnp.zeros((), x.dtype)
+  elif edit.op == "mean":
+    weights = jnp.broadcast_to(where, x.shape).astype(jnp.float32)
+    new = jnp.sum(x.astype(jnp.float32) * weights, axis=1, keepdims=True) / jnp.maximum(
+        jnp.sum(weights, axis=1, keepdims=True), 1.0)
+  elif edit.op == "replace":
+    new = source
+  elif edit.op == "add":
+    new = x + coefficient * source
+  else:
+    new = coefficient * x
+  return jnp.where(where, jnp.asarray(new).astype(x.dtype), x)
+
+
+def slot_table(config: ModelConfig, layers: tuple[int | None, ...], kind: str | None = None) -> np.ndarray:
+  """[L] int32: each layer's index among `layers` (only those of attention kind `kind` when given), −1 for
+  a layer not among them."""
+  table = np.full((config.n_layers,), -1, np.int32)
+  kept = [l for l in layers if l is not None and (kind is None or sites.layer_kind(config, l) == kind)]
+  table[kept] = np.arange(len(kept), dtype=np.int32)
+  return table
+
+
+class SiteHooks:
+  """The hooks of one forward call at one layer (`layer` traced int32) of attention kind `kind`, or at the
+  model-level sites (layer None).
+
+  offset: sequence position of the call's first query; n_seq: S; readout: final norm + LM head, [B, T, D]
+  -> float32 logits [B, T, V] (the "lens" reduction). After the sites ran, `captured` maps each capture
+  index acting here to its reduced value.
+  """
+
+  def __init__(self, call: HookCall, config: ModelConfig, *, kind: str | None, layer, offset, n_seq: int,
+               readout: Callable[[jax.Array], jax.Array] | None):
+    self.call, self.config, self.kind, self.layer = call, config, kind, layer
+    self.offset, self.n_seq, self.readout = offset, n_seq, readout
+    hooks = call.hooks
+    self.captures = [i for i, c in enumerate(hooks.captures) if self._acts(c)]
+    self.edits = [i for i, e in enumerate(hooks.edits) if self._acts(e)]
+    self.kinds = frozenset(hooks.captures[i].site for i in self.captures) | frozenset(
+        hooks.edits[i].site for i in self.edits)
+    self.captured: dict[int, object] = {}
+
+  def _acts(self, item: Capture | Edit) -> bool:
+    """The item names a site here: a model-level site at the model level, else a layer of this kind."""
+    if self.kind is None:
+      return item.site in sites.MODEL_SITES
+    if item.site in sites.MODEL_SITES:
+      return False
+    layers = self.call.hooks.resolved_layers(self.config, item)
+    return any(sites.layer_kind(self.config, l) == self.kind for l in layers)
+
+  def wants(self, site: str) -> bool:
+    return site in self.kinds
+
+  def _slot(self, item: Edit) -> jax.Array | int:
+    if self.kind is None:
+      return 0
+    table = slot_table(self.config, self.call.hooks.resolved_layers(self.config, item))
+    return jnp.asarray(table)[self.layer]
+
+  def flags(self, t: int, start=0) -> jax.Array:
+    """[B, T] class bits of the queries start..start+T−1 of the call (all VALID without flags)."""
+    flags = self.call.flags
+    if flags is None:
+      return None
+    return jax.lax.dynamic_slice_in_dim(flags, jnp.asarray(start, jnp.int32), t, axis=1)
+
+  def __call__(self, site: str, x: jax.Array, start=0) -> jax.Array:
+    """x [B, T, *F] at `site` -> x with the edits applied; captures recorded. start: index of x's first
+    position among the call's queries (the logits window at ln_final)."""
+    if site not in self.kinds:
+      return x
+    flags = self.flags(x.shape[1], start)
+    if flags is None:
+      flags = jnp.full(x.shape[:2], VALID, jnp.int32)
+    offset = jnp.asarray(self.offset, jnp.int32) + start
+    hooks = self.call.hooks
+    for i in self.edits:
+      if hooks.edits[i].site == site:
+        x = apply_edit(hooks.edits[i], self.call.values.edits[i], x, self._slot(hooks.edits[i]), self.call.step,
+                       flags, offset)
+    for i in self.captures:
+      capture = hooks.captures[i]
+      if capture.site == site:
+        selected = class_mask("all" if isinstance(capture.positions, tuple) else capture.positions, flags)
+        self.captured[i] = reduce_capture(capture, self.call.values.captures[i], x, selected, offset, self.n_seq,
+                                          self.readout)
+    return x
+
+  def pattern(self, probabilities: Callable[[jax.Array], jax.Array], n_queries: int) -> None:
+    """Records the attn.hook_pattern captures: probabilities(weights [P, T]) -> [B, P, N, S] is the layer's
+    attention with those query weights for every row (one-hot rows: the P chosen queries' probabilities; a
+    query outside this call gets a zero row)."""
+    for i in self.captures:
+      capture = self.call.hooks.captures[i]
+      if capture.site == "attn.hook_pattern":
+        query_index = jnp.asarray(self.offset, jnp.int32) + jnp.arange(n_queries)
+        chosen = jnp.asarray(capture.positions, jnp.int32)
+        weights = (query_index[None, :] == chosen[:, None]).astype(jnp.float32)
+        self.captured[i] = probabilities(weights)
+
+
+def at(hooks: SiteHooks | None, site: str, x: jax.Array) -> jax.Array:
+  """x at `site`: through the hooks when there are any (edits applied, captures recorded), else unchanged."""
+  return x if hooks is None else hooks(site, x)
