@@ -27,6 +27,8 @@ Protocol (every method has a do-nothing default in `Intervention`):
     uniform over all keys). Its per-layer flags give every layer its own bias.
   query_weights(state, context) -> [B, Q, T] or None: query-group weights for the statistics.
   update(state, output, context) -> state: called once after every model call with its `ForwardOutput`.
+  hook_call(state, context) -> HookCall or None: activation captures and edits for this call
+    (`dlm_jax.instrument.instrumented.Instrumented`).
   record(state) -> pytree or None: what the next call applies, for a per-step record (the samplers stack
     it into `Trace.intervention_record` when asked). The sink maskers record the keys they mask: the masks
     of call t, computed from the statistics of call t−1.
@@ -67,12 +69,18 @@ class CallContext:
     length S, positions not yet written holding anything).
   query_offset: scalar int (may be traced), sequence index of the call's first query (the cache offset).
   query_length: static int, the number T of queries fed at this call, or None for all S (a full forward).
+  unresolved: [B, T] bool or None, the call's queries playing the mask role (set by the samplers).
+  query_valid: [B, T] bool or None, the call's real (not padding) queries (set by the samplers).
+  gen_start: static int, the sequence index where generation starts (set by the samplers).
   """
 
   step: jax.Array
   tokens: jax.Array
   query_offset: jax.Array | int = 0
   query_length: int | None = struct.field(pytree_node=False, default=None)
+  unresolved: jax.Array | None = None
+  query_valid: jax.Array | None = None
+  gen_start: int = struct.field(pytree_node=False, default=0)
 
   @property
   def n_queries(self) -> int:
@@ -115,6 +123,12 @@ class Intervention:
   def record(self, state: Any) -> Any:
     """Per-call record of what the next call applies (a pytree of arrays), or None for nothing."""
     del state
+    return None
+
+  def hook_call(self, state: Any, context: CallContext) -> Any:
+    """The call's activation hooks (`dlm_jax.instrument.hook_call.HookCall`: captures and edits at named
+    sites), or None (`dlm_jax.instrument.instrumented.Instrumented` supplies them)."""
+    del state, context
     return None
 
   def keep_rows(self, new: Any, old: Any, active: jax.Array) -> Any:

@@ -259,6 +259,16 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
       return (driver.Phase(steps=(last - first + 1) * (o.step_bound + 1) - 1, opening=first > 0),)
     return tuple(driver.Phase(arg=k, steps=o.step_bound) for k in range(first, last + 1))
 
+  def block_index(self, run, before, after, i, phase_index):
+    """The block the step worked on: with the cache the carry's before the step (a commit call, which ends a
+    block, moves the carry on to the next one); without it the phase's, which the step sets."""
+    del i, phase_index
+    return jnp.asarray(before.block if self.options.cache else after.block, jnp.int32)
+
+  def n_blocks(self, run) -> int:
+    first, last = self._blocks(run)
+    return last - first + 1
+
   def init_carry(self, run, params, canvas, key, consts) -> BlockDiffusionCarry:
     b = canvas.shape[0]
     cache = None

@@ -242,6 +242,9 @@ class DreamFamily(driver.MaskedDiffusionFamily):
       return dream_blockwise.phases(self.options)
     return super().phases(run)
 
+  def n_blocks(self, run) -> int:
+    return self.options.num_blocks if self.options.blockwise else 1
+
   def init_carry(self, run, params, canvas, key, consts) -> DreamCarry:
     b = canvas.shape[0]
     decode_step = jnp.full((b, self.options.gen_length), -1, jnp.int32)

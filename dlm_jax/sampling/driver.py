@@ -25,8 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.hook_call import HookValues
+from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks
+from dlm_jax.instrument.instrumented import Instrumented
 from dlm_jax.instrument.interventions import NO_INTERVENTION, Intervention
-from dlm_jax.sampling import keys, padding, row_by_row
+from dlm_jax.sampling import capture_steps, keys, padding, row_by_row
 from dlm_jax.sampling.model_call import ModelCaller, StepOutput
 from dlm_jax.sampling.trace import Trace
 from dlm_jax.instrument.stats import NO_STATS, StatsSpec
@@ -87,6 +90,8 @@ class Family:
       int32). A family whose rows can be idle in a batch (done with the phase while others are not) sets
       `StepOutput.active` [B] to the rows the step decoded for (default: all).
     outcome(run, carry) -> (tokens [B, S], decode_step [B, G]): what the `Trace` reports.
+    block_index(run, before, after, i, phase_index) -> the block step i worked on (carries before and after
+      it), for captures at `Steps.block_starts()`; n_blocks(run) -> the most blocks a run has.
   """
 
   options: Any
@@ -139,6 +144,16 @@ class Family:
   def outcome(self, run: Run, carry: Any) -> tuple[jax.Array, jax.Array]:
     raise NotImplementedError
 
+  def block_index(self, run: Run, before: Any, after: Any, i: jax.Array, phase_index: int) -> jax.Array:
+    """Default: the carry's `block` after the step when it has one (a block-by-block mode that opens its
+    blocks inside a phase), else the phase's index (a phase per block)."""
+    del run, before, i
+    block = getattr(after, "block", None)
+    return jnp.asarray(phase_index if block is None else block, jnp.int32)
+
+  def n_blocks(self, run: Run) -> int:
+    return len(self.phases(run))
+
 
 @dataclasses.dataclass(frozen=True)
 class MaskedDiffusionFamily(Family):
@@ -165,7 +180,8 @@ class Run:
 
   family: the decoding family; config: the model config; caller: the model call (it holds the
   statistics plan and the intervention); prompt_length: Lp; total_length: S = Lp + G; row_keys: the run's
-  key is [B] keys, one per row (`dlm_jax.sampling.keys`).
+  key is [B] keys, one per row (`dlm_jax.sampling.keys`); captures: where the hooks' captures are kept
+  (None without captures).
   """
 
   family: Family
@@ -174,6 +190,7 @@ class Run:
   prompt_length: int
   total_length: int
   row_keys: bool = False
+  captures: capture_steps.CaptureLayout | None = None
 
 
 def _max_steps(phases: tuple[Phase, ...]) -> int:
@@ -196,7 +213,7 @@ def _start(run: Run, params, canvas, prompt_mask, key):
   return consts, run.family.init_carry(run, params, canvas, key, consts)
 
 
-def _trace(run: Run, carry, outputs: StepOutput, n_steps) -> Trace:
+def _trace(run: Run, carry, outputs: StepOutput, n_steps, captured: capture_steps.CaptureBuffers | None) -> Trace:
   """The users' `Trace`: statistics squeezed to their shapes (the one place that does it)."""
   tokens, decode_step = run.family.outcome(run, carry)
   plan = run.caller.plan
@@ -206,7 +223,9 @@ def _trace(run: Run, carry, outputs: StepOutput, n_steps) -> Trace:
                first_nonfinite_step=first_nonfinite,
                active_rows=outputs.active, computed_queries=outputs.queries, stats=plan.squeeze_user(outputs.stats),
                top_sinks=plan.squeeze_sinks(outputs.top_sinks), intervention_record=outputs.record,
-               accepted=outputs.accepted, canvases=outputs.canvas, prompt_length=run.prompt_length)
+               accepted=outputs.accepted, canvases=outputs.canvas, prompt_length=run.prompt_length,
+               captures=None if captured is None else captured.values,
+               capture_steps=None if captured is None else captured.steps)
 
 
 def _calls(run: Run, params, consts, phase: Phase):
@@ -234,9 +253,10 @@ def _program(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
                                                           run.total_length),
                           carry, istate)
   n_max = _max_steps(phases)
-  buffers = jax.tree.map(lambda a: jnp.zeros((n_max, *a.shape), a.dtype), shapes)
+  buffers = jax.tree.map(lambda a: jnp.zeros((n_max, *a.shape), a.dtype), shapes.replace(captures=None))
+  captured = None if run.captures is None else capture_steps.init_buffers(run.captures, shapes.captures)
 
-  def guarded(call, phase):
+  def guarded(call, phase, phase_index):
     """One driver step: the family's call, its output written at index count; skipped when finished.
 
     The `[max_steps, ...]` buffers stay outside the `lax.cond` of a family that can finish early: a
@@ -252,29 +272,40 @@ def _program(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
       return carry, istate, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
     def run_step(state):
-      carry, istate, count, buffers = state
+      before, istate, count, buffers, captured = state
       if family.can_finish_early:
-        done = family.finished(run, consts, carry, count, phase)
-        carry, istate, output = jax.lax.cond(done, skip, make_call, carry, istate, count)
+        done = family.finished(run, consts, before, count, phase)
+        carry, istate, output = jax.lax.cond(done, skip, make_call, before, istate, count)
         advance = jnp.where(done, 0, 1).astype(count.dtype)
       else:
-        carry, istate, output = make_call(carry, istate, count)
+        carry, istate, output = make_call(before, istate, count)
         advance = jnp.ones((), count.dtype)
+      captures, output = output.captures, output.replace(captures=None)
       buffers = jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, count, 0), buffers, output)
-      return carry, istate, count + advance, buffers
+      if captured is not None:
+        captured = _keep_captures(run, captured, captures, before, carry, count, advance > 0, phase_index)
+      return carry, istate, count + advance, buffers, captured
 
     return run_step
 
-  state = (carry, istate, jnp.zeros((), jnp.int32), buffers)
-  for phase in phases:
+  state = (carry, istate, jnp.zeros((), jnp.int32), buffers, captured)
+  for phase_index, phase in enumerate(phases):
     opening, step = _calls(run, params, consts, phase)
     if phase.opening:
-      state = guarded(opening, phase)(state)
+      state = guarded(opening, phase, phase_index)(state)
     if phase.steps:
-      body = guarded(step, phase)
+      body = guarded(step, phase, phase_index)
       state, _ = jax.lax.scan(lambda st, _: (body(st), None), state, None, length=phase.steps)
-  carry, _, count, buffers = state
-  return _trace(run, carry, buffers, count)
+  carry, _, count, buffers, captured = state
+  return _trace(run, carry, buffers, count, captured)
+
+
+def _keep_captures(run: Run, captured: capture_steps.CaptureBuffers, captures, before, after, count, ran,
+                   phase_index: int) -> capture_steps.CaptureBuffers:
+  """The capture buffers after step `count` (`dlm_jax.sampling.capture_steps.write`)."""
+  decode_step = run.family.outcome(run, after)[1] if run.captures.needs_decode_step else None
+  block = run.family.block_index(run, before, after, count, phase_index)
+  return capture_steps.write(run.captures, captured, captures, count, ran, block, decode_step)
 
 
 _compiled = jax.jit(_program, static_argnames=("run",), donate_argnames=("canvas",))
@@ -287,8 +318,8 @@ def _python_loop(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
   family, batch = run.family, canvas.shape[0]
   phases = family.phases(run)
   consts, carry = jax.jit(functools.partial(_start, run))(params, canvas, prompt_mask, key)
-  outputs = []
-  for phase in phases:
+  outputs, captured = [], None
+  for phase_index, phase in enumerate(phases):
     finished = jax.jit(lambda c, i, phase=phase: family.finished(run, consts, c, i, phase))
     opening = jax.jit(lambda p, k, c, s, i, phase=phase: family.open_phase(run, p, k, c, s, i, phase))
     step = jax.jit(lambda p, k, c, s, i, phase=phase: family.step(run, p, k, c, s, i, phase))
@@ -296,12 +327,17 @@ def _python_loop(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
       i = jnp.int32(len(outputs))
       if family.can_finish_early and bool(finished(carry, i)):
         continue
+      before = carry
       carry, istate, output = call(params, consts, carry, istate, i)
-      outputs.append(_with_defaults(output, batch, run.total_length))
+      if run.captures is not None:
+        if captured is None:
+          captured = capture_steps.init_buffers(run.captures, jax.eval_shape(lambda c: c, output.captures))
+        captured = _keep_captures(run, captured, output.captures, before, carry, i, jnp.bool_(True), phase_index)
+      outputs.append(_with_defaults(output.replace(captures=None), batch, run.total_length))
   stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
   pad = _max_steps(phases) - len(outputs)
   stacked = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros((pad, *a.shape[1:]), a.dtype)]), stacked)
-  return _trace(run, carry, stacked, len(outputs))
+  return _trace(run, carry, stacked, len(outputs), captured)
 
 
 def run_family(
@@ -321,6 +357,8 @@ def run_family(
     loop: Loop = "scan",
     record_intervention: bool = False,
     batch_invariant: bool = False,
+    hooks: Hooks = NO_HOOKS,
+    hook_values: HookValues | None = None,
 ) -> Trace:
   """Runs `family` on a [B, Lp] prompt and returns the `Trace` (see the family's public wrapper).
 
@@ -342,6 +380,10 @@ def run_family(
     batch_invariant: run every model call one row at a time (`dlm_jax.sampling.row_by_row`), so that each
       row's tokens and statistics are bitwise those it gets in a batch of one, whatever its batch size and
       neighbours (same sampler semantics; slower, BUILD.md "Exact batch independence").
+    hooks: captures and edits of activations at named sites at every model call (static;
+      `dlm_jax.instrument.hook_spec.Hooks`); the captures come back in `Trace.captures`.
+    hook_values: their traced values (`dlm_jax.instrument.hook_call.hook_values` for [B, Lp + G]); default:
+      the defaults of `hook_values` (edits everywhere with coefficient 1; raises if one needs a source).
   """
   prompt = jnp.asarray(prompt)
   if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
@@ -360,12 +402,29 @@ def run_family(
   b, lp = prompt.shape
   total = lp + family.gen_length
   plan = make_plan(config, stats_spec, intervention, sink_top_k, padded=prompt_mask is not None)
+  if not isinstance(hooks, Hooks):
+    raise ValueError(f"hooks must be a dlm_jax.instrument.hook_spec.Hooks, got {type(hooks).__name__}.")
+  if hook_values is not None and not hooks.enabled:
+    raise ValueError("hook_values were given without hooks; pass hooks=Hooks(captures=..., edits=...).")
+  if hooks.enabled:
+    hooks.check(config)
+    instrumented = Instrumented(inner=intervention, hooks=hooks)
+    if intervention_state is None:
+      intervention_state = intervention.init_state(config, b, total)
+    intervention_state = instrumented.init_state(config, b, total, hook_values, intervention_state, gen_start=lp)
+    intervention = instrumented
   caller = ModelCaller(config=config, plan=plan,
                        intervention=intervention, mask_id=family.query_mask_id, gen_start=lp,
                        attention_impl=attention_impl, query_chunk=query_chunk,
                        record_intervention=record_intervention, batch_invariant=batch_invariant)
   key, row_keys = keys.as_run_key(key, b)
   run = Run(family=family, config=config, caller=caller, prompt_length=lp, total_length=total, row_keys=row_keys)
+  if hooks.captures:
+    layout = capture_steps.CaptureLayout(
+        steps=tuple((name, hooks.captures[i].steps) for name, i in hooks.capture_names(config).items()),
+        max_steps=_max_steps(family.phases(run)), n_blocks=family.n_blocks(run), prompt_length=lp)
+    capture_steps.check_layout(layout)
+    run = dataclasses.replace(run, captures=layout)
   canvas = jnp.concatenate([prompt, jnp.full((b, family.gen_length), family.fill_id, jnp.int32)], axis=1)
   if intervention_state is None:
     intervention_state = intervention.init_state(config, b, total)
@@ -391,12 +450,12 @@ def public_sampler(build_family: Callable[[ModelConfig, Any, Any], Family], defa
              stats_spec: StatsSpec = NO_STATS, intervention: Intervention = NO_INTERVENTION,
              intervention_state: Any = None, sink_top_k: int = 0, attention_impl: str = "chunked",
              query_chunk: int = 128, loop: Loop = "scan", record_intervention: bool = False,
-             batch_invariant: bool = False) -> Trace:
+             batch_invariant: bool = False, hooks: Hooks = NO_HOOKS, hook_values: HookValues | None = None) -> Trace:
     return run_family(build_family(config, options, prompt), params, prompt, config=config, key=key,
                prompt_mask=prompt_mask, stats_spec=stats_spec, intervention=intervention,
                intervention_state=intervention_state, sink_top_k=sink_top_k, attention_impl=attention_impl,
                query_chunk=query_chunk, loop=loop, record_intervention=record_intervention,
-               batch_invariant=batch_invariant)
+               batch_invariant=batch_invariant, hooks=hooks, hook_values=hook_values)
 
   sample.__doc__ = doc
   sample.__module__ = build_family.__module__

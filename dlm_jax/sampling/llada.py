@@ -322,6 +322,15 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
       return llada_blockwise.phases(self.options)
     return super().phases(run)
 
+  def block_index(self, run, before, after, i, phase_index):
+    """Semi-autoregressive blocks: step i works on block i // steps_per_block."""
+    if self.options.blockwise:
+      return super().block_index(run, before, after, i, phase_index)
+    return jnp.asarray(i // self.options.steps_per_block, jnp.int32)
+
+  def n_blocks(self, run) -> int:
+    return self.options.num_blocks
+
   def finished(self, run, consts, carry: LLaDACarry, i, phase):
     """MMaDA's early stop: at a block start after the first, every row's previous position holds the stop id
     (the later steps are skipped); in the block-by-block modes also a block every row has finished."""

@@ -41,6 +41,8 @@ class StepOutput:
     queries hold, which the final tokens do not show; zeros at its encoder calls; None for the others).
   nonfinite: [B] bool, the call's logits (or hidden states) of the row hold a NaN or an infinity (set by
     `ModelCaller`; the conditional and, under CFG, the unconditional half).
+  captures: the call's captured activations by name ([B, S | P, ...], the conditional half;
+    `dlm_jax.instrument.hook_spec`), {} without hooks.
   """
 
   stats: dict[str, jax.Array] | None = None
@@ -51,6 +53,7 @@ class StepOutput:
   accepted: jax.Array | None = None
   canvas: jax.Array | None = None
   nonfinite: jax.Array | None = None
+  captures: dict[str, Any] | None = None
 
 
 def _nonfinite_rows(*arrays: jax.Array | None) -> jax.Array:
@@ -138,19 +141,21 @@ class ModelCaller:
     default: those holding the mask token (none without a mask id).
     """
     batch, length = tokens.shape
+    if unresolved is None:
+      unresolved = tokens == (-1 if self.mask_id is None else self.mask_id)
+    known = dict(unresolved=unresolved, query_valid=query_valid, gen_start=self.gen_start)
     if cache is None:
-      context = CallContext(step=jnp.asarray(step, jnp.int32), tokens=tokens)
+      context = CallContext(step=jnp.asarray(step, jnp.int32), tokens=tokens, **known)
     else:
       context = CallContext(step=jnp.asarray(step, jnp.int32), tokens=canvas, query_offset=cache_offset,
-                            query_length=length)
+                            query_length=length, **known)
     record = self.intervention.record(istate) if self.record_intervention else None
     intervention_bias = self.intervention.bias(istate, context)
+    hooks = self.intervention.hook_call(istate, context)
     bias = base_bias + intervention_bias
     spec = self.plan.forward_spec
     weights = None
     if spec.query_groups:
-      if unresolved is None:
-        unresolved = tokens == (-1 if self.mask_id is None else self.mask_id)
       weights = self.plan.query_weights(
           lambda: query_group_weights(unresolved, self.gen_start, cache_offset),
           lambda: self.intervention.query_weights(istate, context), query_valid)
@@ -161,22 +166,25 @@ class ModelCaller:
       positions = jnp.concatenate([positions, positions], axis=0)
       if weights is not None:
         weights = jnp.concatenate([weights, weights], axis=0)
+      if hooks is not None:  # the unconditional rows get the same edits at the same positions
+        hooks = hooks.map_rows(lambda x, axis: jnp.concatenate([x, x], axis=axis))
     if window == "last":
       window = (length - 1, length)
     call = row_by_row.forward_rows if self.batch_invariant else forward
     output = call(params, model_tokens, config=self.config, bias=bias, positions=positions,
                   query_weights=weights, stats_spec=spec, logits_window=window, logits_offset=logits_offset,
                   attention_impl=self.attention_impl, query_chunk=self.query_chunk, cache=cache,
-                  cache_offset=cache_offset, return_hidden=return_hidden, decoder=decoder)
+                  cache_offset=cache_offset, return_hidden=return_hidden, decoder=decoder, hooks=hooks)
     halves = {"logits": output.logits, "hidden": output.hidden}
     cond = {name: None if x is None else x[:batch] for name, x in halves.items()}
     uncond = {name: None if x is None or uncond_tokens is None else x[batch:] for name, x in halves.items()}
     if uncond_tokens is not None:
-      output = ForwardOutput(logits=cond["logits"], stats=_split_rows(output.stats, batch), cache=output.cache)
+      output = ForwardOutput(logits=cond["logits"], stats=_split_rows(output.stats, batch), cache=output.cache,
+                             captures=jax.tree.map(lambda x: x[:batch], output.captures))
     istate = self.intervention.update(istate, self.plan.intervention_output(output), context)
     nonfinite = _nonfinite_rows(cond["logits"], cond["hidden"], uncond["logits"], uncond["hidden"])
     outputs = StepOutput(stats=self.plan.user_stats(output, self.config.n_experts), top_sinks=self.plan.top_sinks(output, valid_keys),
-                         record=record, nonfinite=nonfinite)
+                         record=record, nonfinite=nonfinite, captures=output.captures)
     return CallResult(logits=cond["logits"], uncond_logits=uncond["logits"], hidden=cond["hidden"],
                       uncond_hidden=uncond["hidden"], intervention_state=istate, cache=output.cache,
                       outputs=outputs)

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dlm_jax.instrument.hook_call import HookCall, row_slices
 from dlm_jax.model.attention import AttentionBias
 from dlm_jax.model import DecoderCall, KVCache, forward
 from dlm_jax.instrument.stats import ForwardOutput
@@ -49,7 +50,7 @@ def _bias_axes(bias: AttentionBias) -> dict[str, int]:
 
 def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: jax.Array,
                  query_weights: jax.Array | None, cache: KVCache | None, decoder: DecoderCall | None,
-                 **static: Any) -> ForwardOutput:
+                 hooks: HookCall | None = None, **static: Any) -> ForwardOutput:
   """`dlm_jax.model.forward(params, tokens, ...)` for tokens [B, T], one row at a time (module docstring).
 
   Arrays with a batch axis (tokens, positions [B, T], query_weights [B, Q, T], the bias's [B, ...] or
@@ -57,7 +58,8 @@ def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: j
   row; a bias array broadcast over the batch (size 1) is shared. `static` holds forward's other keyword
   arguments (config, stats_spec, logits_window, logits_offset, attention_impl, query_chunk, cache_offset,
   return_hidden), the same for every row. Returns the `ForwardOutput` of the whole batch: logits and hidden
-  states joined on axis 0, every statistic on its batch axis 1 (`STATISTICS` layouts are [L', B, ...]).
+  states joined on axis 0, every statistic on its batch axis 1 (`STATISTICS` layouts are [L', B, ...]),
+  captures on axis 0 (the hooks' batch-bearing arrays are split by row like the others).
   """
   rows: dict[str, Any] = {"tokens": _split(tokens, 0), "positions": _split(positions, 0)}
   if query_weights is not None:
@@ -73,18 +75,22 @@ def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: j
       shared_bias[name] = x
   if cache is not None:
     rows["cache"] = jax.tree.map(lambda a: _split(a, 1), cache)
+  rebuild_hooks = None
+  if hooks is not None:
+    rows["hooks"], rebuild_hooks = row_slices(hooks)
 
   def one_row(row):
     row_bias = bias.replace(**shared_bias, **{name: row["bias_" + name] for name in _bias_axes(bias)
                                               if "bias_" + name in row})
     return forward(params, row["tokens"], bias=row_bias, positions=row["positions"],
                    query_weights=row.get("query_weights"), cache=row.get("cache"), decoder=row.get("decoder"),
-                   **static)
+                   hooks=None if rebuild_hooks is None else rebuild_hooks(row["hooks"]), **static)
 
   out = jax.lax.map(one_row, rows)
   join = lambda x, axis: None if x is None else _join(x, axis)  # noqa: E731
   return ForwardOutput(logits=join(out.logits, 0), hidden=join(out.hidden, 0),
                        stats={name: _join(x, 1) for name, x in out.stats.items()},
+                       captures=jax.tree.map(lambda x: _join(x, 0), out.captures),
                        cache=None if out.cache is None else jax.tree.map(lambda a: _join(a, 1), out.cache))
 
 

@@ -51,6 +51,11 @@ class Trace:
     first_nonfinite_step: [B] int32, the first step at which the row's logits held a NaN or an infinity
       (computed in the program from every model call's output), −1 when none did; its tokens after that
       step are meaningless (`nonfinite_message`).
+    captures: None, or the activations the run's hooks captured, by name ("blocks.3.hook_resid_pre", …;
+      `dlm_jax.instrument.hook_spec.Capture`): [n, B, S | P, ...] over the capture's kept steps in sequence
+      coordinates (or [B, S, ...] for `Steps.decoded()`), the conditional half under CFG.
+    capture_steps: None, or {name: [n] int32}, the step number of each kept slot (−1: never filled, e.g. a
+      step after an early stop); absent for `Steps.decoded()` captures (`decode_step` says when).
     prompt_length: Lp, the number of prompt positions (static).
   """
 
@@ -65,6 +70,8 @@ class Trace:
   accepted: jax.Array | None = None
   canvases: jax.Array | None = None
   first_nonfinite_step: jax.Array | None = None
+  captures: dict[str, Any] | None = None
+  capture_steps: dict[str, jax.Array] | None = None
   prompt_length: int = struct.field(pytree_node=False, default=0)
 
   @property
