@@ -9,6 +9,8 @@ The public API, by name (resolved on first use, so `import dlm_jax` stays light)
   statistics      StatsSpec                                  (dlm_jax.instrument.stats)
   interventions   MaskKeys, MaskPreviousSinks, SinkToken, Compose, NO_INTERVENTION
                                                              (dlm_jax.instrument.interventions)
+  activations     Hooks, Capture, Edit, Steps, CaptureValues, hook_values: capture and edit named sites
+                  at any step of any sampler (dlm_jax.instrument.hook_spec, hook_call, sites)
   samplers        LLaDAOptions, DreamOptions, AROptions, BlockDiffusionOptions, DiffusionGemmaOptions,
                   Trace, and the modules llada, dream, autoregressive, block_diffusion, diffusion_gemma
                   whose `generate` (Dream: `diffusion_generate`) runs one compiled decoding  (dlm_jax.sampling)
@@ -36,6 +38,12 @@ _EXPORTS = {
     "SinkToken": ("dlm_jax.instrument.interventions", "SinkToken"),
     "Compose": ("dlm_jax.instrument.interventions", "Compose"),
     "NO_INTERVENTION": ("dlm_jax.instrument.interventions", "NO_INTERVENTION"),
+    "Hooks": ("dlm_jax.instrument.hook_spec", "Hooks"),
+    "Capture": ("dlm_jax.instrument.hook_spec", "Capture"),
+    "Edit": ("dlm_jax.instrument.hook_spec", "Edit"),
+    "Steps": ("dlm_jax.instrument.hook_spec", "Steps"),
+    "CaptureValues": ("dlm_jax.instrument.hook_call", "CaptureValues"),
+    "hook_values": ("dlm_jax.instrument.hook_call", "hook_values"),
     "LLaDAOptions": ("dlm_jax.sampling", "LLaDAOptions"),
     "DreamOptions": ("dlm_jax.sampling", "DreamOptions"),
     "AROptions": ("dlm_jax.sampling", "AROptions"),
