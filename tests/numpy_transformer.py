@@ -1,0 +1,86 @@
+"""An independent NumPy forward of a dense bidirectional model (tiny-llada's architecture: pre-norm RMSNorm,
+q/k/v/o without bias, rotate-half RoPE over the whole head, softmax attention, SwiGLU), returning every
+named site, with optional edits written here from scratch. The reference the activation-hook tests compare
+against; it shares no code with dlm_jax.model."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _rms(x, weight, eps):
+  x = x.astype(np.float64)
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def _rope(x, positions, theta):
+  """x [B, T, N, H] rotated at integer positions [T] (rotate-half pairs j, j + H/2)."""
+  h = x.shape[-1]
+  inv = 1.0 / theta ** (np.arange(0, h, 2) / h)
+  angles = positions[:, None] * inv[None, :]
+  cos, sin = np.cos(np.concatenate([angles, angles], -1)), np.sin(np.concatenate([angles, angles], -1))
+  rotated = np.concatenate([-x[..., h // 2:], x[..., :h // 2]], axis=-1)
+  return x * cos[None, :, None] + rotated * sin[None, :, None]
+
+
+def _silu(x):
+  return x / (1.0 + np.exp(-x))
+
+
+def forward_sites(params, tokens, config, edit=None):
+  """tokens [B, T] -> (logits [B, T, V], {site name: value}) in float64. edit(name, value) -> value, if
+  given, is called at every site (for reference edits)."""
+  c = config
+  p = {k: np.asarray(v, np.float64) for k, v in _flat(params).items()}
+  edit = edit or (lambda name, value: value)
+  sites = {}
+
+  def at(name, value):
+    value = edit(name, value)
+    sites[name] = value
+    return value
+
+  b, t = tokens.shape
+  x = at("hook_embed", p["embed.embedding"][np.asarray(tokens)])
+  positions = np.arange(t, dtype=np.float64)
+  for layer in range(c.n_layers):
+    w = lambda name: p[f"blocks.{name}"][layer]  # noqa: E731
+    pre = f"blocks.{layer}."
+    x = at(pre + "hook_resid_pre", x)
+    h = _rms(x, w("attn_norm.weight"), c.norm_eps)
+    q = at(pre + "attn.hook_q", (h @ w("attn.q.kernel")).reshape(b, t, c.n_heads, c.head_dim))
+    k = at(pre + "attn.hook_k", (h @ w("attn.k.kernel")).reshape(b, t, c.n_kv_heads, c.head_dim))
+    v = at(pre + "attn.hook_v", (h @ w("attn.v.kernel")).reshape(b, t, c.n_kv_heads, c.head_dim))
+    q, k = _rope(q, positions, c.rope_theta), _rope(k, positions, c.rope_theta)
+    group = c.n_heads // c.n_kv_heads
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    scores = np.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(c.head_dim)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs = probs / probs.sum(-1, keepdims=True)
+    sites[pre + "attn.pattern_full"] = probs  # [B, N, T, S]
+    z = at(pre + "attn.hook_z", np.einsum("bnqk,bknh->bqnh", probs, v))
+    attn_out = at(pre + "hook_attn_out", z.reshape(b, t, -1) @ w("attn.o.kernel"))
+    x = at(pre + "hook_resid_mid", x + attn_out)
+    h = _rms(x, w("mlp_norm.weight"), c.norm_eps)
+    hidden = at(pre + "mlp.hook_post", _silu(h @ w("mlp.gate.kernel")) * (h @ w("mlp.up.kernel")))
+    mlp_out = at(pre + "hook_mlp_out", hidden @ w("mlp.down.kernel"))
+    x = at(pre + "hook_resid_post", x + mlp_out)
+  normed = at("ln_final.hook_normalized", _rms(x, p["final_norm.weight"], c.norm_eps))
+  return normed @ p["lm_head.kernel"], sites
+
+
+def readout(params, x, config):
+  """The final norm and LM head on residual values x [..., D] (NumPy, float64)."""
+  p = {k: np.asarray(v, np.float64) for k, v in _flat(params).items()}
+  return _rms(np.asarray(x, np.float64), p["final_norm.weight"], config.norm_eps) @ p["lm_head.kernel"]
+
+
+def _flat(tree, prefix=""):
+  out = {}
+  for key, value in tree.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, dict):
+      out.update(_flat(value, name + "."))
+    else:
+      out[name] = value
+  return out
