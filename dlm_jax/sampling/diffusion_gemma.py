@@ -297,6 +297,7 @@ class DiffusionGemmaFamily(driver.Family):
     renoised = jnp.where(accepted, sample, renoise)
     keep = ~active[:, None]
     argmax = jnp.where(keep, carry.argmax, argmax)
+    read = carry.canvas
     canvas = jnp.where(keep, carry.canvas, renoised)
     sc_logits = jnp.where(keep[..., None], carry.sc_logits, scaled.astype(carry.sc_logits.dtype))
     done = carry.denoise_done
@@ -319,7 +320,7 @@ class DiffusionGemmaFamily(driver.Family):
                           block_step=carry.block_step + 1, decode_step=decode_step,
                           passes=carry.passes + active.astype(jnp.int32))
     outputs = result.outputs.replace(active=active, queries=jnp.array([s, s + c], jnp.int32),
-                                     accepted=accepted & active[:, None], canvas=carry.canvas)
+                                     accepted=accepted & active[:, None], canvas=read)
     return carry, run.caller.intervention.keep_rows(result.intervention_state, istate, active), outputs
 
   def outcome(self, run, carry: DiffusionGemmaCarry) -> tuple[jax.Array, jax.Array]:
