@@ -36,7 +36,7 @@ FAMILIES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(name: str):
   return checkpoint.load(default_models.path(name))
 
@@ -98,7 +98,7 @@ def _results(family: str, batch: int, batch_invariant: bool) -> dict[int, list[d
   return results
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(family: str):
   return _results(family, 1, True)
 
