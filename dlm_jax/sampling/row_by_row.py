@@ -12,8 +12,17 @@ compiled batch-1 program whatever the batch size, and its outputs are reassemble
 steps between model calls (proposals, confidences, transfers) are per-row reductions, sorts and elementwise
 arithmetic; compiled without YNNPACK fusions (`CPU_COMPILER_OPTIONS`, applied by the driver) their per-row
 order does not change with the number of rows. Together every row's tokens and statistics are bitwise
-those of a batch of one (checked for the LLaDA, Dream, autoregressive and block-diffusion samplers;
-DiffusionGemma's statistics still differ slightly, BUILD.md).
+those of a batch of one (checked for the LLaDA, Dream, autoregressive, block-diffusion and DiffusionGemma
+samplers).
+
+One trip. At batch 1 the `lax.map` is a loop of one trip, which XLA removes, inlining the row's program
+into the code around it; it is then optimised together with that code, and gets other numbers than the
+loop body at batch >= 2 (measured on DiffusionGemma: the final-logit softcap's `tanh(x/30)·30` and the
+sampler's division by the temperature T were folded into `tanh(x/30)·(30·(1/T))`, and the decoder's fusions
+were cut differently — XLA's CPU code contracts a·b + c into a fused multiply-add inside a fusion, so
+another fusion is another rounding). `_map_rows` fences the loop with `lax.optimization_barrier`s (its
+inputs before it, its results after it), which no pass crosses: the inlined row then gets the loop body's
+numbers bitwise (tests/test_batch_invariance_exact.py).
 """
 
 from __future__ import annotations
@@ -42,6 +51,14 @@ def _split(x: jax.Array, axis: int) -> jax.Array:
 def _join(x: jax.Array, axis: int) -> jax.Array:
   """The inverse of `_split`: [B, ..., 1 at axis, ...] -> [..., B at axis, ...]."""
   return jnp.moveaxis(jnp.squeeze(x, axis + 1), 0, axis)
+
+
+def _map_rows(fn, rows, shared=None):
+  """fn(row, shared) for every row of `rows` (a pytree of [B, ...] arrays): `lax.map`, fenced by optimization
+  barriers (inputs before the loop, results after it) so that no compiler pass joins a row's program with
+  the code around it (module docstring, "One trip"). Returns fn's outputs stacked on a leading [B] axis."""
+  rows, shared = jax.lax.optimization_barrier((rows, shared))
+  return jax.lax.optimization_barrier(jax.lax.map(lambda row: fn(row, shared), rows))
 
 
 def _bias_axes(bias: AttentionBias) -> dict[str, int]:
@@ -79,14 +96,14 @@ def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: j
   if hooks is not None:
     rows["hooks"], rebuild_hooks = row_slices(hooks)
 
-  def one_row(row):
+  def one_row(row, shared_bias):
     row_bias = bias.replace(**shared_bias, **{name: row["bias_" + name] for name in _bias_axes(bias)
                                               if "bias_" + name in row})
     return forward(params, row["tokens"], bias=row_bias, positions=row["positions"],
                    query_weights=row.get("query_weights"), cache=row.get("cache"), decoder=row.get("decoder"),
                    hooks=None if rebuild_hooks is None else rebuild_hooks(row["hooks"]), **static)
 
-  out = jax.lax.map(one_row, rows)
+  out = _map_rows(one_row, rows, shared_bias)
   join = lambda x, axis: None if x is None else _join(x, axis)  # noqa: E731
   return ForwardOutput(logits=join(out.logits, 0), hidden=join(out.hidden, 0),
                        stats={name: _join(x, 1) for name, x in out.stats.items()},
@@ -96,4 +113,4 @@ def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: j
 
 def lm_head_rows(head, hidden: jax.Array) -> jax.Array:
   """head(hidden) for hidden [B, W, D], one row at a time: [B, W, V]."""
-  return _join(jax.lax.map(head, _split(hidden, 0)), 0)
+  return _join(_map_rows(lambda row, _: head(row), _split(hidden, 0)), 0)
