@@ -14,6 +14,9 @@ conditional half, and patching every layer from one run into another reproducing
 """
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -186,3 +189,43 @@ def test_patching_every_layer_from_a_into_b_reproduces_a(case):
 def test_a_capture_keeping_no_step_is_refused():
   with pytest.raises(ValueError, match="keeps no step of this run"):
     _run("llada_semi_ar", Hooks(captures=(Capture("hook_embed", steps=Steps.at_steps(50)),)))
+
+
+_MESH_DRIVER = r"""
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_default_matmul_precision", "highest")
+from dlm_jax.config import preset
+from dlm_jax.instrument.hook_call import hook_values
+from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
+from dlm_jax.model import init_params
+from dlm_jax.runtime import sharding
+from dlm_jax.sampling import LLaDAOptions, llada
+config = preset("tiny-llada")
+params = init_params(config, jax.random.key(2))
+prompt = np.asarray(jax.random.randint(jax.random.key(0), (4, 5), 3, 200))
+hooks = Hooks(captures=(Capture("hook_resid_mid", layers=1, reduce="mean", positions="masked"),
+                        Capture("attn.hook_z", layers=0)),
+              edits=(Edit("hook_resid_post", "add", layers=0, positions="masked"),))
+values = hook_values(hooks, config, 4, 13, edits={0: dict(vector=jnp.ones(config.d_model), coefficient=jnp.arange(4.0))})
+options = LLaDAOptions(gen_length=8, steps=4, block_length=4)
+alone = llada.generate(params, prompt, config=config, options=options, hooks=hooks, hook_values=values)
+mesh = sharding.make_mesh(data=2, tensor=2)
+sharded = sharding.put_host(params, sharding.param_shardings(config, mesh, params))
+with mesh:
+  meshed = llada.generate(sharded, sharding.put_rows(prompt, mesh), config=config, options=options, hooks=hooks,
+                          hook_values=values)
+assert np.array_equal(np.asarray(meshed.tokens), np.asarray(alone.tokens))
+for name in alone.captures:
+  np.testing.assert_allclose(np.asarray(meshed.captures[name]), np.asarray(alone.captures[name]), atol=1e-5)
+print("ok", sorted(alone.captures))
+"""
+
+
+def test_captures_and_edits_under_a_mesh():
+  """Captures and a per-row steering edit under a data × tensor mesh of 4 CPU devices equal the unsharded run."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run([sys.executable, "-c", _MESH_DRIVER], cwd=root, env=env, capture_output=True, text=True,
+                        timeout=900, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.startswith("ok")
