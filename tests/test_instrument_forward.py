@@ -83,9 +83,11 @@ def test_reductions_and_position_classes():
       Capture("attn.hook_z", layers=0, positions="all", reduce="topk", k=3, label="top"),
       Capture("hook_resid_post", layers=0, positions="prompt", reduce="project", label="proj"),
       Capture("hook_resid_mid", layers=1, positions=(2, 5), reduce="lens", k=4, label="lens"),
-      Capture("hook_resid_pre", layers=0, positions="all", label="all")))
+      Capture("hook_resid_pre", layers=0, positions="all", label="all"),
+      Capture("ln_final.hook_normalized", reduce="lens", k=2, label="final_lens")))
   out = _run(hooks, flags=jnp.asarray(_flags()),
-             captures={3: CaptureValues(directions=jnp.asarray(directions)), 4: CaptureValues(targets=jnp.asarray(targets))})
+             captures={3: CaptureValues(directions=jnp.asarray(directions)), 4: CaptureValues(targets=jnp.asarray(targets)),
+                       6: CaptureValues(targets=jnp.asarray(targets))})
   _, s = ref.forward_sites(_params(), _tokens(), CONFIG)
   flags = _flags()
   masked, decoded, prompt = (flags & MASKED) > 0, (flags & DECODED) > 0, (flags & PROMPT) > 0
@@ -111,6 +113,10 @@ def test_reductions_and_position_classes():
   np.testing.assert_array_equal(np.asarray(lens.top_tokens), np.argsort(-probs, axis=-1, kind="stable")[..., :4])
   np.testing.assert_allclose(np.asarray(lens.top_probabilities), -np.sort(-probs, axis=-1)[..., :4], **TOL)
   np.testing.assert_allclose(np.asarray(out.captures["all.0"]), s["blocks.0.hook_resid_pre"] * valid[..., 0], **TOL)
+  # at ln_final the lens is the model's own prediction (the final norm is not applied twice)
+  own = jax.nn.softmax(np.asarray(out.logits, np.float64), axis=-1)
+  np.testing.assert_allclose(np.asarray(out.captures["final_lens"].probability),
+                             np.take_along_axis(own, targets[..., None], -1)[..., 0] * valid[..., 0, 0], **TOL)
 
 
 def _edited_reference(name, function):

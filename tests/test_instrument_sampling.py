@@ -28,6 +28,7 @@ from dlm_jax.instrument.hook_call import hook_values
 from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks, Steps
 from dlm_jax.analysis.patching import patch_values
 from dlm_jax.model import init_params
+from dlm_jax.sampling.driver import capture_bytes
 from dlm_jax.sampling import (AROptions, BlockDiffusionOptions, DiffusionGemmaOptions, DreamOptions, LLaDAOptions,
                               autoregressive, block_diffusion, diffusion_gemma, dream, llada)
 
@@ -155,6 +156,8 @@ def test_step_selections_python_loop_and_batch_invariance():
   prompt = _prompt(preset("tiny-llada"), batch=3, seed=1)
   alone = _np(_run("llada_semi_ar", hooks, prompt=prompt[:1], batch_invariant=True))
   batched = _np(_run("llada_semi_ar", hooks, prompt=prompt, batch_invariant=True))
+  planned = capture_bytes(lambda: _run("llada_semi_ar", hooks, prompt=prompt, batch_invariant=True))
+  assert planned == sum(leaf.nbytes for leaf in jax.tree.leaves(batched.captures))
   for name in alone.captures:
     first_row = batched.captures[name][:, :1] if name in batched.capture_steps else batched.captures[name][:1]
     np.testing.assert_array_equal(first_row, alone.captures[name], err_msg=name)

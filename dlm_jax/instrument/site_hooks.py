@@ -66,7 +66,8 @@ def _lens(x: jax.Array, targets: jax.Array, k: int, readout: Callable[[jax.Array
 def reduce_capture(capture: Capture, values: CaptureValues, x: jax.Array, selected: jax.Array, offset, n_seq: int,
                    readout: Callable[[jax.Array], jax.Array] | None):
   """One capture of site values x [B, T, *F] of the queries `selected` [B, T] (its position class): an
-  array or `TopK` / `LensReadout`, in sequence coordinates [B, S | P, ...] (or [B, *F] for "mean")."""
+  array or `TopK` / `LensReadout`, in sequence coordinates [B, S | P, ...] (or [B, *F] for "mean").
+  readout(h, normalized=...) -> logits: the final norm (skipped at ln_final.hook_normalized) and LM head."""
   if capture.reduce == "mean":
     weights = _expand(selected.astype(jnp.float32), x.ndim)
     total = jnp.sum(x.astype(jnp.float32) * weights, axis=1)
@@ -82,7 +83,8 @@ def reduce_capture(capture: Capture, values: CaptureValues, x: jax.Array, select
     y = jnp.einsum("...f,rf->...r", x.astype(jnp.float32), values.directions.astype(jnp.float32))
   else:
     targets = jax.lax.dynamic_slice_in_dim(values.targets, jnp.asarray(offset, jnp.int32), x.shape[1], axis=1)
-    y = _lens(x, targets, capture.k, readout)
+    normalized = capture.site == "ln_final.hook_normalized"  # the final norm is applied already
+    y = _lens(x, targets, capture.k, lambda h: readout(h, normalized=normalized))
   y = jax.tree.map(lambda a: _place(jnp.where(_expand(selected, a.ndim), a, jnp.zeros((), a.dtype)), offset, n_seq),
                    y)
   if isinstance(capture.positions, tuple):
@@ -144,8 +146,8 @@ class SiteHooks:
   """The hooks of one forward call at one layer (`layer` traced int32) of attention kind `kind`, or at the
   model-level sites (layer None).
 
-  offset: sequence position of the call's first query; n_seq: S; readout: final norm + LM head, [B, T, D]
-  -> float32 logits [B, T, V] (the "lens" reduction). After the sites ran, `captured` maps each capture
+  offset: sequence position of the call's first query; n_seq: S; readout(h, normalized): final norm (unless
+  `normalized`) + LM head, [B, T, D] -> float32 logits [B, T, V] (the "lens" reduction). After the sites ran, `captured` maps each capture
   index acting here to its reduced value.
   """
 

@@ -166,11 +166,12 @@ class Transformer(nnx.Module):
       captures = _named_captures(call, capture_buffers, model_hooks.captured)
     return ForwardOutput(logits=logits, stats=stats, cache=new_cache, hidden=hidden, captures=captures)
 
-  def _readout(self, h: jax.Array) -> jax.Array:
-    """The final norm and LM head on residual values h [B, T, D]: float32 logits [B, T, V] (the logit lens)."""
+  def _readout(self, h: jax.Array, normalized: bool = False) -> jax.Array:
+    """The final norm (unless h is `normalized` already: ln_final.hook_normalized) and the LM head on values
+    h [B, T, D]: float32 logits [B, T, V] (the logit lens)."""
     c = self.config
     head = self.embed.embedding[...].T if c.tied_embeddings else self.lm_head.kernel[...]
-    return head_logits(self.final_norm(h), head, c.final_logit_softcap)
+    return head_logits(h if normalized else self.final_norm(h), head, c.final_logit_softcap)
 
   def _embed(self, tokens, decoder, hooks: SiteHooks | None = None) -> jax.Array:
     """Token embeddings [B, T, D] (scaled by √D with `embed_scale`; the hook_embed site), through

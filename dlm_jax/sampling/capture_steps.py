@@ -111,10 +111,3 @@ def write(layout: CaptureLayout, buffers: CaptureBuffers, captures: dict[str, An
   return CaptureBuffers(values=values, steps=steps, last_block=jnp.where(ran, block, buffers.last_block),
                         block_starts=buffers.block_starts + starts_block.astype(jnp.int32))
 
-
-def capture_bytes(run) -> int:
-  """The bytes a run's captures occupy in its `Trace`, from its abstract evaluation (nothing is computed or
-  compiled): run() -> Trace, e.g. `lambda: llada.generate(params, prompt, config=..., hooks=...)`."""
-  trace = jax.eval_shape(run)
-  return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
-             for leaf in jax.tree.leaves(trace.captures))

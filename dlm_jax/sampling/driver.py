@@ -311,6 +311,21 @@ def _keep_captures(run: Run, captured: capture_steps.CaptureBuffers, captures, b
 _compiled = jax.jit(_program, static_argnames=("run",), donate_argnames=("canvas",))
 _compiled_batch_invariant = jax.jit(_program, static_argnames=("run",), donate_argnames=("canvas",),
                                     compiler_options=row_by_row.CPU_COMPILER_OPTIONS)
+_abstract_runs = 0
+"""Nonzero while `capture_bytes` evaluates a run abstractly (`jax.eval_shape` refuses compiler options)."""
+
+
+def capture_bytes(run: Callable[[], Trace]) -> int:
+  """The bytes a run's captures occupy in its `Trace`, from its abstract evaluation (nothing is computed or
+  compiled): run() -> Trace, e.g. `lambda: llada.generate(params, prompt, config=..., hooks=...)`. A
+  batch-invariant run is evaluated as the ordinary program, whose shapes are the same."""
+  global _abstract_runs
+  _abstract_runs += 1
+  try:
+    trace = jax.eval_shape(run)
+  finally:
+    _abstract_runs -= 1
+  return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(trace.captures))
 
 
 def _python_loop(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
@@ -430,7 +445,7 @@ def run_family(
     intervention_state = intervention.init_state(config, b, total)
   if loop == "python":
     runner = _python_loop
-  elif batch_invariant and jax.default_backend() == "cpu":
+  elif batch_invariant and jax.default_backend() == "cpu" and not _abstract_runs:
     runner = _compiled_batch_invariant
   else:
     runner = _compiled

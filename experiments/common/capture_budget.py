@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from absl import flags, logging
 
-from dlm_jax.sampling.capture_steps import capture_bytes
+from dlm_jax.sampling.driver import capture_bytes
 from experiments.common.cli import UserError
 
 _BUDGET = flags.DEFINE_float("capture_budget_gb", 4.0, "Most GiB the captured activations of one sampler call "
