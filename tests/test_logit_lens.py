@@ -95,7 +95,7 @@ def test_llada_lens_equals_numpy_reference():
   sample = functools.partial(llada.generate, params, prompt, config=config, options=options, key=jax.random.key(3))
   counted = np.ones((B, 8), bool)
   counted[1, 4:] = False
-  lens = logit_lens.logit_lens(sample, config, steps=Steps.at_steps(0, 3, 6), k=K, counted=counted)
+  lens = logit_lens.logit_lens(sample, config, steps=Steps.at_steps(0, 3, 6), k=K).only(counted)
   assert lens.steps.tolist() == [0, 3, 6] and lens.rows == ("embed", "0", "1")
   tokens = lens.tokens
   np.testing.assert_array_equal(tokens, np.asarray(sample().tokens))  # the lens run decodes the plain run's tokens

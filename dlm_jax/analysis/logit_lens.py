@@ -18,12 +18,12 @@ at that model call, read where the model predicts it, in a row the call decoded 
     query p − 1 the call computed. For an autoregressive model this is exactly one position per step: step
     i feeds the token at Lp + i − 1 (step 0: the prompt) and produces generated token i, so its lens is
     that fed position's prediction of the token generated there.
-`counted` ([B, G] bool) narrows the generated positions further (e.g. to the answer and its first EOS).
+`LogitLens.only(counted)` narrows the generated positions further (e.g. to the answer and its first EOS).
 
-Two passes of one compiled program: the final tokens are known only after the run, and the lens reads
-them as traced targets (`CaptureValues(targets=[B, S])`), so the sampler runs once with placeholder
-targets, then again with the same key, settings and program and the final tokens as targets. The samplers
-are deterministic for a given key; a second pass that decodes other tokens raises.
+Two passes: the final tokens are known only after the run, and the lens reads them as traced targets
+(`CaptureValues(targets=[B, S])`), so the sampler runs once without hooks, then again with the same key and
+settings, the lens captures and the final tokens as targets. The samplers are deterministic for a given key
+and captures do not change what they decode; a lens pass that decodes other tokens raises.
 
 The model's prediction is read at the last block's output rather than at `ln_final.hook_normalized`: the
 "lens" reduction applies the final norm to the value it is given, so at ln_final the norm would be applied
@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -120,6 +119,16 @@ class LogitLens:
     """[n, R, B] float64: the fraction of the positions read where the final token is the top-1 token."""
     return self._mean(self.rank == 0)
 
+  def only(self, counted: np.ndarray) -> LogitLens:
+    """This lens read only at the generated positions counted [B, G] bool (e.g. the answer and the token that
+    ends it); the arrays are zeroed where no longer selected."""
+    b, s = self.tokens.shape
+    counted = np.asarray(counted, bool)
+    if counted.shape != (b, s - self.prompt_length):
+      raise ValueError(f"counted must be [B, G] = {[b, s - self.prompt_length]} bool, got {list(counted.shape)}.")
+    selected = self.selected & np.concatenate([np.zeros((b, self.prompt_length), bool), counted], axis=1)[None]
+    return _narrowed(self, selected)
+
   def first_top1_row(self) -> np.ndarray:
     """[n, B, S] int: the first row at which the final token is top-1 (an index into `rows`), −1 where no
     row has it top-1 or the position is not read."""
@@ -136,9 +145,18 @@ def _to_targets(values: np.ndarray, shift: int) -> np.ndarray:
   return np.concatenate([pad, values[..., :-shift]], axis=-1)
 
 
-def from_trace(trace: Trace, config: ModelConfig, counted: np.ndarray | None = None) -> LogitLens:
-  """The `LogitLens` of a run made with `lens_hooks` and `lens_targets` of its own tokens; counted: [B, G]
-  bool, the generated positions that may be read (default all)."""
+def _narrowed(lens: LogitLens, selected: np.ndarray) -> LogitLens:
+  """`lens` with `selected` [n, B, S] and its arrays zeroed elsewhere."""
+  keep = selected[:, None]
+  return dataclasses.replace(
+      lens, selected=selected, probability=np.where(keep, lens.probability, 0).astype(np.float32),
+      rank=np.where(keep, lens.rank, 0).astype(np.int32),
+      top_tokens=np.where(keep[..., None], lens.top_tokens, 0).astype(np.int32),
+      top_probabilities=np.where(keep[..., None], lens.top_probabilities, 0).astype(np.float32))
+
+
+def from_trace(trace: Trace, config: ModelConfig) -> LogitLens:
+  """The `LogitLens` of a run made with `lens_hooks` and `lens_targets` of its own tokens."""
   shift, lp = config.logit_shift, trace.prompt_length
   names = ["hook_embed"] + [f"blocks.{l}.hook_resid_post" for l in range(config.n_layers)]
   steps = np.asarray(trace.capture_steps[names[0]])
@@ -161,29 +179,23 @@ def from_trace(trace: Trace, config: ModelConfig, counted: np.ndarray | None = N
     selected &= decode_step[None] >= steps[:, None, None]
   if trace.active_rows is not None:
     selected &= np.asarray(trace.active_rows)[steps][:, :, None]
-  if counted is not None:
-    counted = np.asarray(counted, bool)
-    if counted.shape != (b, s - lp):
-      raise ValueError(f"counted must be [B, G] = {[b, s - lp]} bool, got {list(counted.shape)}.")
-    selected &= np.concatenate([np.zeros((b, lp), bool), counted], axis=1)[None]
-  keep = selected[:, None]
-  return LogitLens(steps=steps.astype(np.int32), rows=row_names(config), tokens=tokens, prompt_length=lp,
-                   selected=selected, probability=np.where(keep, stack("probability"), 0).astype(np.float32),
-                   rank=np.where(keep, stack("rank"), 0).astype(np.int32),
-                   top_tokens=np.where(keep[..., None], stack("top_tokens"), 0).astype(np.int32),
-                   top_probabilities=np.where(keep[..., None], top_probabilities, 0).astype(np.float32))
+  lens = LogitLens(steps=steps.astype(np.int32), rows=row_names(config), tokens=tokens, prompt_length=lp,
+                   selected=selected, probability=stack("probability"), rank=stack("rank"),
+                   top_tokens=stack("top_tokens"), top_probabilities=top_probabilities)
+  return _narrowed(lens, selected)
 
 
-def logit_lens(sample: Callable[..., Trace], config: ModelConfig, *, steps: Steps = Steps.every_step(), k: int = 5,
-               counted: np.ndarray | None = None) -> LogitLens:
+def logit_lens(sample: Callable[..., Trace], config: ModelConfig, *, steps: Steps = Steps.every_step(),
+               k: int = 5) -> LogitLens:
   """The logit lens of one sampler run (module docstring).
 
   sample: runs the sampler on the batch with everything bound but its hooks: sample(hooks=Hooks,
     hook_values=HookValues) -> Trace, deterministic for its key (e.g. a `functools.partial` of
     `dlm_jax.sampling.llada.generate` with params, prompt, config, options and key).
   config: the model's config; steps: the kept steps (`Steps.every_step()`, `Steps.at_steps(...)`,
-    `Steps.every(k)`); k: top tokens kept; counted: [B, G] bool generated positions that may be read.
-  Raises ValueError for another kind of steps, RuntimeError when the second pass decodes other tokens.
+    `Steps.every(k)`); k: top tokens kept.
+  Raises ValueError for another kind of steps, RuntimeError when the lens pass decodes other tokens than the
+  plain pass.
   """
   hooks = lens_hooks(config, steps, k)
 
@@ -193,11 +205,10 @@ def logit_lens(sample: Callable[..., Trace], config: ModelConfig, *, steps: Step
                          captures={0: CaptureValues(targets=targets), 1: CaptureValues(targets=targets)})
     return sample(hooks=hooks, hook_values=values)
 
-  shape = jax.eval_shape(lambda: sample(hooks=NO_HOOKS, hook_values=None)).tokens.shape  # [B, S], nothing run
-  first = np.asarray(run(np.zeros(shape, np.int32)).tokens)
+  first = np.asarray(sample(hooks=NO_HOOKS, hook_values=None).tokens)
   second = run(first)
   if not np.array_equal(np.asarray(second.tokens), first):
     raise RuntimeError("the sampler decoded other tokens when run again with the same key and settings; the logit "
                        "lens needs a deterministic sampler (the same tokens for the same key).")
-  return from_trace(second, config, counted)
+  return from_trace(second, config)
 
