@@ -71,16 +71,20 @@ NOT_READ = -2
 
 def parse_steps(text: str) -> Steps:
   """--lens_steps as `Steps`: "all", "every:K" or "0,4,8" (a one-line UserError otherwise)."""
-  text = text.strip()
-  usage = "expected all, every:K (K >= 1) or comma-separated step numbers >= 0"
-  if text == "all":
+  if text.strip() == "all":
     return Steps.every_step()
+  every = text.strip().startswith("every:")
   try:
-    if text.startswith("every:"):
-      return Steps.every(int(text[len("every:"):]))
-    return Steps.at_steps(*(int(s) for s in text.split(",")))
+    numbers = [int(s) for s in (text.strip()[len("every:"):] if every else text).split(",")]
+    if every and len(numbers) != 1:
+      raise ValueError
   except ValueError:
-    raise cli.UserError(f"--lens_steps={text}: {usage}") from None
+    raise cli.UserError(f"--lens_steps={text}: expected all, every:K (K >= 1) or comma-separated step numbers "
+                        ">= 0") from None
+  try:
+    return Steps.every(numbers[0]) if every else Steps.at_steps(*numbers)
+  except ValueError as error:
+    raise cli.UserError(f"--lens_steps={text}: {error}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,14 +224,30 @@ def aggregate(rows: list[dict]) -> dict:
           "pairs": int(count.sum())}
 
 
-def first_rows(rows: list[dict], n_rows: int) -> dict:
-  """Over every (step, position) read: the share whose final token is top-1 first at each lens row, and at
-  no row ("never")."""
-  first = np.concatenate([np.asarray(r["first_top1"]).ravel() for r in rows])
+def first_rows(rows: list[dict], names: list[str], kept: np.ndarray | None = None, last_read: bool = False) -> dict:
+  """Over every (step, position) read: the share whose final token is top-1 first at each lens row (by its
+  name), and at no row ("never"), and the pairs counted; kept: [V] bool, only the positions whose final
+  token id it keeps (None: every position); last_read: only each position's last step read (the step that
+  decodes it, with --lens_steps=all)."""
+  firsts = []
+  for r in rows:
+    first = np.asarray(r["first_top1"])
+    if last_read:
+      read = first != NOT_READ
+      last = first.shape[0] - 1 - np.argmax(read[::-1], axis=0)
+      first = np.where(read.any(0), first[last, np.arange(first.shape[1])], NOT_READ)[None]
+    if kept is not None:
+      first = first[:, kept[np.asarray(r["tokens"])]]
+    firsts.append(first.ravel())
+  first = np.concatenate(firsts)
   read = first[first != NOT_READ]
-  shares = {"never": float(np.mean(read == -1)) if read.size else float("nan")}
-  shares.update({str(i): float(np.mean(read == i)) if read.size else float("nan") for i in range(n_rows)})
-  return shares
+  share = lambda i: float(np.mean(read == i)) if read.size else float("nan")
+  return {"never": share(-1), **{name: share(i) for i, name in enumerate(names)}, "pairs": int(read.size)}
+
+
+def number_tokens(token_text: list[str | None]) -> np.ndarray:
+  """[V] bool: tokens whose text (without a leading space marker) is all digits."""
+  return np.asarray([bool(t) and t.lstrip("Ġ▁ ").isdigit() for t in token_text])
 
 
 def _token_label(meta: dict, token: int) -> str:
@@ -261,28 +281,40 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
            f"the answer and the token ending it. Wall time {wall_s:.0f}s.", "",
            "Top-1 fraction of the final token over every (step, position) read, per lens row (embed = token "
            "embeddings; L{l} = block l's output; the last is the model's own prediction):", ""]
-  summary, table = {}, []
+  summary, table, firsts = {}, [], []
   for meta in metas:
     rows = [r for r in records if r["model"] == meta["label"]]
     if not rows:
       continue
     pooled = aggregate(rows)
     names = [f"L{r}" if r.isdigit() else r for r in meta["rows"]]
-    shares = first_rows(rows, len(meta["rows"]))
-    first_step = pooled["per_step"]["top1_fraction"][0]
+    shares = first_rows(rows, names)
+    numbers = number_tokens(meta["token_text"])
+    by_kind = {"numbers": first_rows(rows, names, numbers), "other tokens": first_rows(rows, names, ~numbers),
+               "numbers, last step read": first_rows(rows, names, numbers, last_read=True),
+               "other tokens, last step read": first_rows(rows, names, ~numbers, last_read=True)}
+    first_step = pooled["per_step"]["top1_fraction"][int(np.argmax(pooled["count"] > 0))]  # first step read
     summary[meta["label"]] = {"rows": meta["rows"], "steps": pooled["steps"], "count": pooled["count"],
                               "pairs": pooled["pairs"], "prompts": len(rows), "per_step": pooled["per_step"],
                               "overall": pooled["overall"], "first_top1_row_share": shares,
-                              "top1_fraction_first_step": first_step}
+                              "first_top1_row_share_by_token": by_kind,
+                              "top1_fraction_first_step_read": first_step}
     table.append(f"| {meta['label']} | {meta['sampler']} | {len(rows)} | {pooled['pairs']} | "
                  + ", ".join(f"{names[i]} {v:.2f}" for i, v in enumerate(pooled["overall"]["top1_fraction"]))
                  + f" | {pooled['overall']['mean_probability'][-1]:.3f} | {first_step[-1]:.2f} | "
                  + f"{shares['never']:.2f} |")
-    example = min(rows, key=lambda r: int(r["item"]) if str(r["item"]).isdigit() else 0)
-    _figures(out, meta, pooled, example)
+    firsts.append(f"| {meta['label']} | " + " | ".join(
+        f"({s['pairs']}) " + ", ".join(f"{n} {s[n]:.2f}" for n in ["never", *names]) for kind, s in
+        by_kind.items()) + " |")
+    _figures(out, meta, pooled, rows[0])
   lines += ["| model | sampler | prompts | (step, position) pairs | top-1 fraction per row | mean p(final) at the "
-            "last row | last-row top-1 at the first kept step | top-1 at no row |", "|---|---|---|---|---|---|---|---|",
-            *table, ""]
+            "last row | last-row top-1 at the first step read | top-1 at no row |", "|---|---|---|---|---|---|---|---|",
+            *table, "", "The row at which the final token first becomes top-1 (share of the (step, position) pairs "
+            "read; pairs in brackets), for number tokens and the others, at every step read and at each position's last "
+            "step read (the step that decodes it, with --lens_steps=all):", "",
+            "| model | numbers | other tokens | numbers, last step read | other tokens, last step read |",
+            "|---|---|---|---|---|",
+            *firsts, ""]
   for label in summary:
     lines.append(f"- [{label}/lens_probability.png]({label}/lens_probability.png), "
                  f"[{label}/example_first_top1.png]({label}/example_first_top1.png)")

@@ -8,6 +8,7 @@ the rank and the top-k are written here in NumPy, the embedding row is read from
 row is also compared with the forward's own logits."""
 
 import functools
+import json
 
 import jax
 import numpy as np
@@ -144,3 +145,42 @@ def test_lens_refuses_a_sampler_that_decodes_other_tokens():
     logit_lens.logit_lens(flaky, config, k=2)
   with pytest.raises(ValueError, match="kind"):
     logit_lens.lens_hooks(config, Steps.decoded(), 2)
+
+
+SMALL = ["--n_prompts=2", "--batch_size=2", "--gen_length=8", "--steps=8", "--block_length=4"]
+
+
+def test_binary_end_to_end_resumes_and_refuses_bad_plans(tmp_path):
+  out = tmp_path / "out"
+  args = ["--checkpoints=tiny-dlm,tiny-arm", f"--output_dir={out}", "--lens_steps=every:2", "--lens_top_k=3", *SMALL]
+  fx.run_binary("logit_lens", *args, "--max_items_this_run=1")
+  assert len(fx.read_jsonl(out / "results.jsonl")) == 1 and not (out / "summary.json").exists()
+  result = fx.run_binary("logit_lens", *args)  # resumes: the first line is kept, the other three are added
+  assert "capture plan tiny-dlm" in result.stdout and "top-1 fraction" in result.stdout
+  records = fx.read_jsonl(out / "results.jsonl")
+  assert sorted((r["model"], r["item"]) for r in records) == [(m, i) for m in ("tiny-arm", "tiny-dlm") for i in "01"]
+  for r in records:
+    assert r["rows"] == ["embed", "0", "1", "2", "3"] and r["steps"] == [0, 2, 4, 6]
+    first = np.asarray(r["first_top1"])
+    assert first.shape == (4, 8) and np.array_equal((first != -2).sum(1), r["count"])
+    if r["model"] == "tiny-arm":  # one position per step: the token generated there, top-1 at the last layer
+      assert r["count"] == [1, 1, 1, 1] and r["top1_count"][0][-1] == 1
+  summary = json.loads((out / "summary.json").read_text())["summary"]
+  assert summary["tiny-arm"]["overall"]["top1_fraction"][-1] == 1.0
+  for label in ("tiny-dlm", "tiny-arm"):
+    assert summary[label]["pairs"] == sum(sum(r["count"]) for r in records if r["model"] == label)
+    for name in ("lens_probability.png", "example_first_top1.png"):
+      assert (out / label / name).stat().st_size > 0
+
+  never = tmp_path / "never"
+  base = ["--checkpoints=tiny-dlm", f"--output_dir={never}", *SMALL]
+  cases = [(["--lens_steps=foo"], ["--lens_steps=foo"]), (["--lens_steps="], ["--lens_steps"]),
+           (["--lens_steps=every:0"], ["--lens_steps=every:0", "positive"]), (["--lens_steps=2,2"], ["--lens_steps=2,2", "repeated"]),
+           (["--lens_steps=99"], ["keeps no step"]), (["--lens_top_k=0"], ["--lens_top_k=0"]),
+           (["--capture_budget_gb=1e-9"], ["--capture_budget_gb", "--lens_steps"])]
+  results = fx.run_cases("logit_lens", [base + extra for extra, _ in cases])
+  for (code, stderr), (extra, words) in zip(results, cases):
+    lines = stderr.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "Traceback" not in stderr, (extra, stderr)
+    assert all(w in lines[0] for w in words), (extra, lines[0])
+  assert not never.exists()

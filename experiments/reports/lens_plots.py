@@ -57,12 +57,12 @@ def first_top1_grid(first: np.ndarray, steps: Sequence[int], rows: Sequence[str]
   image = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=listed, vmin=-0.5, vmax=n_rows + 0.5)
   ax.set_xticks(np.arange(len(tokens)), tokens, rotation=90, fontsize=7)
   _labelled_axis(ax, [str(s) for s in steps], "y", 12)
-  ax.set_xlabel("generated position, labelled by its final decoded token")
+  ax.set_xlabel("generated position, labelled by its final decoded token (blank: already decoded)")
   ax.set_ylabel("step (model call)")
   ax.set_title(title, fontsize=9)
   bar = fig.colorbar(image, ax=ax, ticks=np.arange(n_rows + 1))
   bar.ax.set_yticklabels(["never"] + _row_labels(rows), fontsize=7)
-  bar.set_label("first lens row with the final token top-1 (blank: decoded already, not read)", fontsize=7)
+  bar.set_label("first row with the final token top-1", fontsize=8)
   fig.tight_layout()
   return fig
 
