@@ -108,7 +108,7 @@ class Settings:
         raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
     if self.n_prompts < 0:
       raise cli.UserError(f"--n_prompts={self.n_prompts}: expected >= 0 (0 = the whole task)")
-    size_limits.check(n_prompts=self.n_prompts, batch_size=self.batch_size, top_k=self.lens_top_k)
+    size_limits.check(n_prompts=self.n_prompts, batch_size=self.batch_size, lens_top_k=self.lens_top_k)
     parse_steps(self.lens_steps)
 
   @property
@@ -310,8 +310,8 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
   lines += ["| model | sampler | prompts | (step, position) pairs | top-1 fraction per row | mean p(final) at the "
             "last row | last-row top-1 at the first step read | top-1 at no row |", "|---|---|---|---|---|---|---|---|",
             *table, "", "The row at which the final token first becomes top-1 (share of the (step, position) pairs "
-            "read; pairs in brackets), for number tokens and the others, at every step read and at each position's last "
-            "step read (the step that decodes it, with --lens_steps=all):", "",
+            "read; pairs in brackets), for number tokens and the others, at every step read and at each "
+            "position's last step read (the step that decodes it, with --lens_steps=all):", "",
             "| model | numbers | other tokens | numbers, last step read | other tokens, last step read |",
             "|---|---|---|---|---|",
             *firsts, ""]

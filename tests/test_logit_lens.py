@@ -175,7 +175,8 @@ def test_binary_end_to_end_resumes_and_refuses_bad_plans(tmp_path):
   never = tmp_path / "never"
   base = ["--checkpoints=tiny-dlm", f"--output_dir={never}", *SMALL]
   cases = [(["--lens_steps=foo"], ["--lens_steps=foo"]), (["--lens_steps="], ["--lens_steps"]),
-           (["--lens_steps=every:0"], ["--lens_steps=every:0", "positive"]), (["--lens_steps=2,2"], ["--lens_steps=2,2", "repeated"]),
+           (["--lens_steps=every:0"], ["--lens_steps=every:0", "positive"]),
+           (["--lens_steps=2,2"], ["--lens_steps=2,2", "repeated"]),
            (["--lens_steps=99"], ["keeps no step"]), (["--lens_top_k=0"], ["--lens_top_k=0"]),
            (["--capture_budget_gb=1e-9"], ["--capture_budget_gb", "--lens_steps"])]
   results = fx.run_cases("logit_lens", [base + extra for extra, _ in cases])
