@@ -27,7 +27,8 @@ settings is refused); nothing is written before the first result.
 
 Outputs in --output_dir (default results/logit_lens): results.jsonl (one line per model and prompt: per
 kept step the positions read and, per lens row, the sums of p(final token), of its rank and the count of
-top-1, plus the first row with the final token top-1 at every (step, position) and the decoded tokens),
+top-1; the first row with the final token top-1 at every (step, position); each row's --lens_top_k tokens
+at each position's first and last step read; the decoded tokens),
 summary.json, summary.md, and per model <model>/lens_probability.png (step × row mean p(final token)) and
 <model>/example_first_top1.png (one prompt: per step and position, labelled by its final token, the first
 row at which that token is top-1).
@@ -160,18 +161,35 @@ def answer_positions(model: checkpoints.Model, generated: np.ndarray) -> np.ndar
   return np.arange(generated.shape[1])[None, :] <= first[:, None]
 
 
+def top_tokens_read(lens: logit_lens.LogitLens, row: int) -> tuple[np.ndarray, np.ndarray]:
+  """The lens's top-k tokens of one batch row at each generated position's first and last step read:
+  two [G, R, k] int arrays, −1 at positions never read."""
+  lp = lens.prompt_length
+  read = lens.selected[:, row, lp:]  # [n, G]
+  tokens = lens.top_tokens[:, :, row, lp:]  # [n, R, G, k]
+  positions = np.arange(read.shape[1])
+  first = np.argmax(read, axis=0)
+  last = read.shape[0] - 1 - np.argmax(read[::-1], axis=0)
+  never = ~read.any(0)[:, None, None]
+  return tuple(np.where(never, -1, tokens[at, :, positions]) for at in (first, last))
+
+
 def analyse_row(model: checkpoints.Model, item, lens: logit_lens.LogitLens, row: int) -> dict:
-  """One prompt's lens: per kept step the count read and per row the sums of p, rank and top-1."""
+  """One prompt's lens: per kept step the count read and per row the sums of p, rank and top-1; the first
+  row with the final token top-1 at every (step, position); the top tokens at each position's first and
+  last step read."""
   lp = lens.prompt_length
   sel = lens.selected[:, row]  # [n, S]
   first = np.where(sel, lens.first_top1_row()[:, row], NOT_READ)
   generated = lens.tokens[row, lp:]
+  top_first, top_last = top_tokens_read(lens, row)
   return {
       "model": model.label, "item": item.id, "steps": lens.steps, "rows": list(lens.rows), "count": sel.sum(-1),
       "probability_sum": (lens.probability[:, :, row] * sel[:, None]).sum(-1).round(6),
       "rank_sum": (lens.rank[:, :, row] * sel[:, None]).sum(-1),
       "top1_count": ((lens.rank[:, :, row] == 0) & sel[:, None]).sum(-1),
-      "first_top1": first[:, lp:], "tokens": generated,
+      "first_top1": first[:, lp:], "top_tokens_first_read": top_first, "top_tokens_last_read": top_last,
+      "tokens": generated,
       "completion": prompts.completion(model, generated)[1],
   }
 

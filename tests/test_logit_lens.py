@@ -163,8 +163,11 @@ def test_binary_end_to_end_resumes_and_refuses_bad_plans(tmp_path):
     assert r["rows"] == ["embed", "0", "1", "2", "3"] and r["steps"] == [0, 2, 4, 6]
     first = np.asarray(r["first_top1"])
     assert first.shape == (4, 8) and np.array_equal((first != -2).sum(1), r["count"])
+    top_last = np.asarray(r["top_tokens_last_read"])
+    assert top_last.shape == (8, 5, 3) and ((top_last[:, 0, 0] == -1) == (first == -2).all(0)).all()
     if r["model"] == "tiny-arm":  # one position per step: the token generated there, top-1 at the last layer
       assert r["count"] == [1, 1, 1, 1] and r["top1_count"][0][-1] == 1
+      assert np.array_equal(top_last[[0, 2, 4, 6], -1, 0], np.asarray(r["tokens"])[[0, 2, 4, 6]])
   summary = json.loads((out / "summary.json").read_text())["summary"]
   assert summary["tiny-arm"]["overall"]["top1_fraction"][-1] == 1.0
   for label in ("tiny-dlm", "tiny-arm"):
