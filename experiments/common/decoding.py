@@ -39,6 +39,7 @@ every sampler call gets one key per row (`batch_key`; `dlm_jax.sampling.keys`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from typing import Any
 
@@ -272,10 +273,11 @@ def masker_state(model: Model, intervention, masker, batch: int, total: int, k: 
   return set_k(state)
 
 
-def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,
-             key: jax.Array, stats_spec=None, intervention=None, intervention_state=None):
-  """Runs the model's sampler on a batch (placed on the mesh when there is one); returns the `Trace`, refused
-  when its logits went non-finite (`check_finite`).
+def sampler(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,
+            key: jax.Array, stats_spec=None, intervention=None, intervention_state=None):
+  """The model's sampler on a batch (placed on the mesh when there is one) with everything bound but its
+  activation hooks: a function sample(hooks=..., hook_values=...) -> `Trace` (defaults: none), without the
+  finiteness check of `generate` (so that `jax.eval_shape` can run it, e.g. `capture_budget.check`).
 
   values: `model_settings`; intervention: the complete intervention (see `combined_intervention`); None =
   the model's own."""
@@ -292,9 +294,17 @@ def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: de
                 intervention=intervention, intervention_state=intervention_state,
                 attention_impl=numerics.attention_impl, query_chunk=numerics.query_chunk,
                 batch_invariant=numerics.batch_invariant)
-  sampler = {"llada": llada.generate, "mmada": llada.generate, "dream": dream.diffusion_generate,
-             "block_diffusion": block_diffusion.generate,
-             "diffusion_gemma": diffusion_gemma.generate}.get(model.sampler, autoregressive.generate)
-  trace = sampler(model.params, prompt, **kwargs)
+  run = {"llada": llada.generate, "mmada": llada.generate, "dream": dream.diffusion_generate,
+         "block_diffusion": block_diffusion.generate,
+         "diffusion_gemma": diffusion_gemma.generate}.get(model.sampler, autoregressive.generate)
+  return functools.partial(run, model.params, prompt, **kwargs)
+
+
+def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,
+             key: jax.Array, stats_spec=None, intervention=None, intervention_state=None):
+  """Runs the model's sampler on a batch (`sampler`); returns the `Trace`, refused when its logits went
+  non-finite (`check_finite`)."""
+  trace = sampler(model, values, prompts, runtime, numerics, key=key, stats_spec=stats_spec,
+                  intervention=intervention, intervention_state=intervention_state)()
   check_finite(trace, [f"{model.label} batch row {row}" for row in range(prompts.ids.shape[0])])
   return trace

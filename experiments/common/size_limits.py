@@ -21,7 +21,8 @@ MAX_LOGITS = 2**34
 CEILINGS = {"gen_length": MAX_SEQUENCE, "block_length": MAX_SEQUENCE, "seq_len": MAX_SEQUENCE,
             "prompt_len": MAX_SEQUENCE, "query_chunk": MAX_SEQUENCE, "mask_sinks": MAX_SEQUENCE,
             "steps": MAX_STEPS, "max_post_steps": MAX_STEPS, "stability_threshold": MAX_STEPS,
-            "top_k": 2**24, "batch_size": MAX_BATCH, "train_batch_size": MAX_BATCH, "cpu_devices": MAX_BATCH,
+            "top_k": 2**24, "lens_top_k": 2**24, "batch_size": MAX_BATCH, "train_batch_size": MAX_BATCH,
+            "cpu_devices": MAX_BATCH,
             "n": MAX_ITEMS, "n_items": MAX_ITEMS, "n_prompts": MAX_ITEMS, "n_eval": MAX_ITEMS,
             "perplexity_items": MAX_ITEMS, "eval_size": MAX_ITEMS, "train_size": 100 * MAX_ITEMS,
             "top_tokens": MAX_ITEMS, "samples_per_item": 10 * MAX_ITEMS, "max_points": 10 * MAX_ITEMS}
