@@ -128,10 +128,7 @@ def _plan_check(settings: Settings, model: checkpoints.Model, values: dict, batc
   hooks = logit_lens.lens_hooks(model.config, settings.steps, settings.lens_top_k)
   b = batch.prompts.ids.shape[0]
   s = batch.prompts.ids.shape[1] + values["gen_length"]
-
-  # Batch invariance does not change the captures' shapes, and its CPU program (a jit with compiler options)
-  # cannot be traced inside jax.eval_shape.
-  numerics = dataclasses.replace(settings.numerics, batch_invariant=False)
+  numerics = settings.numerics
 
   def run():
     params = init_params(model.config, jax.random.key(0), numerics.weight_dtype)  # abstract under eval_shape

@@ -25,9 +25,8 @@ Two passes: the final tokens are known only after the run, and the lens reads th
 settings, the lens captures and the final tokens as targets. The samplers are deterministic for a given key
 and captures do not change what they decode; a lens pass that decodes other tokens raises.
 
-The model's prediction is read at the last block's output rather than at `ln_final.hook_normalized`: the
-"lens" reduction applies the final norm to the value it is given, so at ln_final the norm would be applied
-twice.
+The last row is the last block's output through the final norm and the LM head: the model's own
+prediction (what `ln_final.hook_normalized` read with the lens gives too).
 
 All arrays are in target coordinates: index p of the S = Lp + G sequence positions is the position whose
 final token is read (for shift 1 the lens value computed at query p − 1).
