@@ -522,6 +522,13 @@ class Compose(Intervention):
     records = tuple(p.record(s) for p, s in zip(self.parts, state))
     return None if all(r is None for r in records) else records
 
+  def hook_call(self, state: tuple[Any, ...], context: CallContext) -> Any:
+    """The activation hooks of the one part that has any (None when none does)."""
+    calls = [c for p, s in zip(self.parts, state) if (c := p.hook_call(s, context)) is not None]
+    if len(calls) > 1:
+      raise ValueError("Compose: more than one part supplies activation hooks; give them to one Hooks.")
+    return calls[0] if calls else None
+
 
 def flat_parts(intervention: Intervention) -> tuple[Intervention, ...]:
   """The interventions `intervention` applies, in order: itself, or its `Compose` parts (nested ones
