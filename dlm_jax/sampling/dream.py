@@ -5,7 +5,8 @@ The canvas is [B, Lp + G]: the left-padded prompt, then G mask tokens. `timestep
 t = ts[i] and s = ts[i + 1]:
 
   1. logits, shifted by one position: the prediction for position p is the model output at p − 1
-     (position 0 reuses its own output); only the outputs needed for the masked region are computed;
+     (position 0 reuses its own output; `dlm_jax.config.logit_shift`); only the outputs needed for the
+     masked region are computed;
   2. `sample_tokens`: divide by the temperature (if > 0), top-p then top-k filtering (removed logits become
      finfo(float32).min), probs = softmax; x0 ~ probs (temperature > 0) or argmax, with confidence p(x0);
      `topk_margin`: confidence = top1 − top2 probability; `entropy`: confidence = Σ p·log(p + 1e-10);
@@ -47,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dlm_jax.config import ModelConfig
+from dlm_jax.config import ModelConfig, logit_shift
 from dlm_jax.instrument.interventions import Intervention
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import blocks, dream_blockwise, driver, keys, padding
@@ -190,17 +191,6 @@ def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature: float, top_
   return confidence, x0
 
 
-def shift_logits(outputs: jax.Array, target_start: int) -> jax.Array:
-  """Dream's one-position shift restricted to targets [target_start, S).
-
-  outputs: [B, W, V], the model outputs of positions [max(target_start − 1, 0), S − 1).
-  Returns [B, S − target_start, V]: row p holds the output of position p − 1 (position 0: its own).
-  """
-  if target_start >= 1:
-    return outputs
-  return jnp.concatenate([outputs[:, :1], outputs], axis=1)
-
-
 @struct.dataclass
 class DreamCarry:
   """tokens [B, S]; key; decode_step [B, G]. Block modes also: block, the index of the last block whose
@@ -271,14 +261,14 @@ class DreamFamily(driver.MaskedDiffusionFamily):
   def step(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
     if self.options.blockwise:
       return dream_blockwise.step(self, run, params, consts, carry, istate, i, phase)
-    o, mask_id, lp = self.options, self.mask_id, run.prompt_length
+    o, mask_id, lp, shift = self.options, self.mask_id, run.prompt_length, run.config.logit_shift
     w0 = 0 if self.infill else lp
     x = carry.tokens
     key, sample_key, select_key = keys.split(carry.key, 3, run.row_keys)
-    result = run.caller(params, x, i, istate, window=(max(w0 - 1, 0), run.total_length - 1),
+    result = run.caller(params, x, i, istate, window=logit_shift.output_window(w0, run.total_length, shift),
                         positions=consts.positions, valid_keys=consts.valid, query_valid=consts.valid,
                         base_bias=consts.bias)
-    logits = shift_logits(result.logits, w0)
+    logits = logit_shift.target_logits(result.logits, w0, shift)
     x_win = x[:, w0:]
     masked = x_win == mask_id
     fraction = jnp.asarray(dream_transfer_fractions(o.steps, o.eps))[i]
