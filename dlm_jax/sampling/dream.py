@@ -223,22 +223,9 @@ class DreamFamily(driver.MaskedDiffusionFamily):
       raise ValueError(f"Dream sampling reads shifted logits; config {config.name!r} has logit_shift=0 "
                        "(use dlm_jax.sampling.llada for unshifted models).")
 
-  @property
-  def can_finish_early(self) -> bool:
-    return self.options.blockwise
-
-  def phases(self, run) -> tuple[driver.Phase, ...]:
-    if self.options.blockwise:
-      return dream_blockwise.phases(self.options)
-    return super().phases(run)
-
   def init_carry(self, run, params, canvas, key, consts) -> DreamCarry:
-    b = canvas.shape[0]
-    decode_step = jnp.full((b, self.options.gen_length), -1, jnp.int32)
-    if not self.options.blockwise:
-      return DreamCarry(tokens=canvas, key=key, decode_step=decode_step)
-    return DreamCarry(tokens=canvas, key=key, decode_step=decode_step, block=jnp.int32(-1), block_step=jnp.int32(0),
-                      cache=dream_blockwise.init_cache(run, params, b))
+    decode_step = jnp.full((canvas.shape[0], self.options.gen_length), -1, jnp.int32)
+    return DreamCarry(tokens=canvas, key=key, decode_step=decode_step)
 
   def proposals(self, run, logits: jax.Array, key: jax.Array, alg: Alg = "maskgit_plus"):
     """`sample_tokens` with the options' temperature, top-p and top-k and alg's confidence (p(x0), the
@@ -248,19 +235,7 @@ class DreamFamily(driver.MaskedDiffusionFamily):
     return sample_tokens(logits, key, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
                          margin=alg == "topk_margin", neg_entropy=alg == "entropy", per_row=run.row_keys)
 
-  def finished(self, run, consts, carry: DreamCarry, i, phase):
-    """Block modes: skip the call (`dream_blockwise.finished`: the block done, or the last block in the one-phase
-    layout)."""
-    return dream_blockwise.finished(self, run, carry, phase)
-
-  def open_phase(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
-    """Block modes with per-block phases (the prefix cache): the block-start step of block `phase.arg` (the
-    cache refresh)."""
-    return dream_blockwise.open_block(self, run, params, consts, carry, istate, i, phase.arg)
-
   def step(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
-    if self.options.blockwise:
-      return dream_blockwise.step(self, run, params, consts, carry, istate, i, phase)
     o, mask_id, lp, shift = self.options, self.mask_id, run.prompt_length, run.config.logit_shift
     w0 = 0 if self.infill else lp
     x = carry.tokens
@@ -290,11 +265,41 @@ class DreamFamily(driver.MaskedDiffusionFamily):
     return carry, result.intervention_state, result.outputs
 
 
+@dataclasses.dataclass(frozen=True)
+class DreamBlockwiseFamily(DreamFamily):
+  """Fast-dLLM's Dream block modes (`dlm_jax.sampling.dream_blockwise`): the exact family's checks and
+  proposals, its own phases, carry (current block, its steps, the KV cache), early finish and model calls."""
+
+  name = "dream_blockwise"
+  can_finish_early = True
+
+  def phases(self, run) -> tuple[driver.Phase, ...]:
+    return dream_blockwise.phases(self.options)
+
+  def init_carry(self, run, params, canvas, key, consts) -> DreamCarry:
+    return super().init_carry(run, params, canvas, key, consts).replace(
+        block=jnp.int32(-1), block_step=jnp.int32(0), cache=dream_blockwise.init_cache(run, params, canvas.shape[0]))
+
+  def finished(self, run, consts, carry: DreamCarry, i, phase):
+    """Skip the call (`dream_blockwise.finished`: the block done, or the last block in the one-phase layout)."""
+    return dream_blockwise.finished(self, run, carry, phase)
+
+  def open_phase(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
+    """With per-block phases (the prefix cache): the block-start step of block `phase.arg` (the cache
+    refresh)."""
+    return dream_blockwise.open_block(self, run, params, consts, carry, istate, i, phase.arg)
+
+  def step(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
+    return dream_blockwise.step(self, run, params, consts, carry, istate, i, phase)
+
+
 def _family(config: ModelConfig, options: DreamOptions, prompt) -> DreamFamily:
+  """The exact family, or the block one when the options set a block length."""
   mask_id = config.mask_token_id if options.mask_token_id is None else options.mask_token_id
   if mask_id is None:
     raise ValueError("Dream sampling needs a mask token id: set ModelConfig.mask_token_id or options.mask_token_id.")
-  return DreamFamily(options=options, mask_id=mask_id, infill=bool(np.any(np.asarray(prompt) == mask_id)))
+  family = DreamBlockwiseFamily if options.blockwise else DreamFamily
+  return family(options=options, mask_id=mask_id, infill=bool(np.any(np.asarray(prompt) == mask_id)))
 
 
 diffusion_generate = driver.public_sampler(_family, DreamOptions(), """Dream masked-diffusion generation
