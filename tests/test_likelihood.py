@@ -78,8 +78,9 @@ def _llada_numpy_loss(seq, masks, cfg_scale=0.0, name="llada"):
 def test_llada_minibatch_loss_equals_numpy_replay(name, cfg_scale):
   seq = np.concatenate([PROMPT, ANSWER])
   masks = likelihood.llada_mask_draws(jax.random.key(1), 4, ANSWER.size)
-  got = likelihood.llada_minibatch_nll(params(name), jnp.asarray(seq), masks, config=LLADA if name == "llada" else DREAM,
-                                       prompt_len=PROMPT.size, cfg_scale=cfg_scale)
+  config = LLADA if name == "llada" else DREAM
+  got = likelihood.llada_minibatch_nll(params(name), jnp.asarray(seq), masks, config=config, prompt_len=PROMPT.size,
+                                       cfg_scale=cfg_scale)
   np.testing.assert_allclose(float(got), _llada_numpy_loss(seq, np.asarray(masks), cfg_scale, name), rtol=1e-5)
 
 

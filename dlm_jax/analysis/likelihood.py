@@ -14,14 +14,14 @@ prompt replaced by mask tokens in the unconditional copy.
 
 Dream (antithetic, `eval/eval.py` "ftb"): t_i = (u + i/b) mod 1 with one u ~ U(0, 1) per minibatch,
 p_i = (1 − ε)·t_i + ε, every answer position masked independently with probability p_i except the first
-and the last position of the whole sequence; minibatch loss = Σ_i Σ_masked CE / p_i / b. CFG: logits = un + w·(cond − un) (applied when cfg_scale > 0; the prompt is
-masked in the unconditional copy).
+and the last position of the whole sequence; minibatch loss = Σ_i Σ_masked CE / p_i / b.
+CFG: logits = un + w·(cond − un) (applied when cfg_scale > 0; the prompt is masked in the unconditional copy).
 
 Both read the prediction of a position by the model's own shift rule (`dlm_jax.config.logit_shift`: from the
 output at that position for LLaDA-style models, at the one before for Dream's), whichever estimator is
 used. (Before, the Dream estimator always shifted and LLaDA's never did, so an estimator used on the other
-kind of model scored the neighbour's prediction.) Both run mc_num // batch_size minibatches (at least one for Dream), each one jitted call with explicit
-PRNG keys. The mask draws are separate functions so that tests can replay them.
+kind of model scored the neighbour's prediction.) Both run mc_num // batch_size minibatches (at least one
+for Dream), each one jitted call with explicit PRNG keys. The mask draws are separate functions so that tests can replay them.
 
 Under a `mesh` (params already placed, e.g. by `sharding.param_shardings`), each minibatch's b noisy copies
 are sharded over the batch axes (b must divide over data × fsdp) and the sequence is replicated; the

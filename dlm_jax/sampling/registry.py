@@ -12,15 +12,16 @@ The binaries (`experiments/`), the evaluation task code and the lm-eval adapter 
 
 "modes": the option fields the binaries' decoding modes set (`Sampler.mode_fields`; "all" = threshold,
 factor, cache and their variants). "likelihood": lm-eval's loglikelihood scores its models (the Monte-Carlo
-estimators for masked diffusion, teacher forcing for the autoregressive). "block queries": a step's queries see no key after their own block or
-canvas (block-causal attention; the DiffusionGemma decoder reads the prompt's cache), so a step's valid
-keys end at its computed queries' stop.
+estimators for masked diffusion, teacher forcing for the autoregressive). "block queries": a step's queries
+see no key after their own block or canvas (block-causal attention; the DiffusionGemma decoder reads the
+prompt's cache), so a step's valid keys end at its computed queries' stop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Literal, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.sampling import autoregressive, block_diffusion, diffusion_gemma, dream, llada
