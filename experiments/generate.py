@@ -83,6 +83,7 @@ import numpy as np
 from absl import flags, logging
 
 from dlm_jax.runtime import distributed
+from dlm_jax.sampling import registry
 from experiments.common import (atomic_files, chat, checkpoints, cli, decoding_flags, decoding_modes, devices,
                                 numerics_flags, run_dir, runtime_flags)
 from experiments.common.decoding import check_finite
@@ -215,6 +216,9 @@ class Settings:
       raise cli.UserError(f"--eps={self.eps}: expected a value in (0, 1)")
     if self.mask_sinks < 0:
       raise cli.UserError(f"--mask_sinks={self.mask_sinks}: expected >= 0 (0 = off)")
+    if "confidence_threshold" in KNOBS[self.sampler] and self.confidence_threshold < 0:
+      raise cli.UserError(f"--confidence_threshold={self.confidence_threshold}: expected >= 0 (0 = no adaptive "
+                          "stopping)")
     if self.sampler == "block_diffusion":
       return  # the canvas extends to the end of the last block; steps count per block
     if self.sampler == "diffusion_gemma":
@@ -225,45 +229,34 @@ class Settings:
     if self.block_length is not None and self.steps % (self.gen_length // self.block_length):
       raise cli.UserError(f"--steps={self.steps} must be a multiple of the number of blocks gen_length / "
                           f"block_length = {self.gen_length // self.block_length}")
-    if self.sampler in ("llada", "mmada"):
+    if "cfg_scale" in registry.get(self.sampler).common_fields:
       self.decoding.check_guidance(self.cfg_scale)
 
   def options(self, config):
-    """The library options of these settings (a one-line error for a decoding mode the sampler lacks)."""
-    from dlm_jax.sampling import autoregressive, block_diffusion, dream, llada  # pylint: disable=import-outside-toplevel
-    from dlm_jax.sampling import diffusion_gemma  # pylint: disable=import-outside-toplevel
-    if self.sampler == "diffusion_gemma":
-      if self.confidence_threshold < 0:
-        raise ValueError(f"--confidence_threshold={self.confidence_threshold}: expected >= 0 (0 = no adaptive "
-                         "stopping)")
-      return diffusion_gemma.DiffusionGemmaOptions(
-          gen_length=self.gen_length, canvas_length=self.block_length, max_denoising_steps=self.steps,
-          entropy_bound=self.entropy_bound, t_min=self.t_min, t_max=self.t_max,
-          stability_threshold=self.stability_threshold,
-          confidence_threshold=self.confidence_threshold or None)
-    if self.sampler == "block_diffusion":
-      return block_diffusion.BlockDiffusionOptions(
-          gen_length=self.gen_length, block_length=self.block_length or config.attention_block_size,
-          steps=self.steps, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-          editing_threshold=self.editing_threshold, max_post_steps=self.max_post_steps,
-          **self.decoding.option_fields("block_diffusion"))
-    if self.sampler in ("llada", "mmada"):
-      values = dict(gen_length=self.gen_length, steps=self.steps, block_length=self.block_length,
-                    temperature=self.temperature, cfg_scale=self.cfg_scale, remasking=self.remasking,
-                    **self.decoding.option_fields(self.sampler))
-      if self.sampler == "llada":
-        return llada.LLaDAOptions(logits_eos_inf=self.logits_eos_inf,
-                                  confidence_eos_eot_inf=self.confidence_eos_eot_inf, **values)
-      return llada.mmada_options(stop_token_id=config.eot_token_id if self.stop_at_eot else None, **values)
-    if self.sampler == "dream":
-      return dream.DreamOptions(gen_length=self.gen_length, steps=self.steps, eps=self.eps, alg=self.alg,
-                                alg_temp=self.alg_temp, temperature=self.temperature, top_p=self.top_p,
-                                top_k=self.top_k, block_length=None if self.decoding.exact else self.block_length,
-                                **self.decoding.option_fields("dream"))
+    """The library options of these settings (`dlm_jax.sampling.registry`; a one-line error for a decoding
+    mode the sampler lacks)."""
+    common = registry.CommonSettings(
+        gen_length=self.gen_length, steps=self.steps, block_length=self.block_length, temperature=self.temperature,
+        top_p=self.top_p, top_k=self.top_k, cfg_scale=self.cfg_scale, remasking=self.remasking, alg=self.alg,
+        alg_temp=self.alg_temp, eps=self.eps)
+    return registry.get(self.sampler).options(common, **self._own_fields(config))
+
+  def _own_fields(self, config) -> dict:
+    """The options fields of this sampler that are not common settings: its own flags (`KNOBS`) and the
+    decoding mode's fields."""
+    mode = self.decoding.option_fields(self.sampler)
     ends = end_ids(config, self.end_of_turn_id)
-    return autoregressive.AROptions(gen_length=self.gen_length, temperature=self.temperature, top_k=self.top_k,
-                                    top_p=self.top_p, stop_at_eos=self.stop_at_eos,
-                                    eos_token_ids=tuple(sorted(ends)) if self.stop_at_eos else None)
+    return {
+        "llada": dict(logits_eos_inf=self.logits_eos_inf, confidence_eos_eot_inf=self.confidence_eos_eot_inf, **mode),
+        "mmada": dict(stop_token_id=config.eot_token_id if self.stop_at_eot else None, **mode),
+        "dream": dict(block_length=None if self.decoding.exact else self.block_length, **mode),
+        "ar": dict(stop_at_eos=self.stop_at_eos, eos_token_ids=tuple(sorted(ends)) if self.stop_at_eos else None),
+        "block_diffusion": dict(block_length=self.block_length or config.attention_block_size,
+                                editing_threshold=self.editing_threshold, max_post_steps=self.max_post_steps, **mode),
+        "diffusion_gemma": dict(entropy_bound=self.entropy_bound, t_min=self.t_min, t_max=self.t_max,
+                                stability_threshold=self.stability_threshold,
+                                confidence_threshold=self.confidence_threshold or None),
+    }[self.sampler]
 
 
 def end_ids(config, end_of_turn_id: int | None) -> set[int]:
@@ -333,7 +326,7 @@ def training_defaults(record: dict, sampler: str) -> dict[str, int]:
   """gen_length, steps and block_length of the training layout: the training answer width, one block."""
   data = record["data"]
   width = int(data["seq_len"]) - int(data["prompt_len"])
-  if sampler == "ar":
+  if registry.get(sampler).kind == "causal":
     return {"gen_length": width}
   return {"gen_length": width, "steps": width, "block_length": width}
 
@@ -357,26 +350,17 @@ def _intervention(sampler: str, top_k: int):
   from dlm_jax.instrument import interventions  # pylint: disable=import-outside-toplevel
   if top_k <= 0:
     return interventions.NO_INTERVENTION
-  if sampler == "ar":
+  if registry.get(sampler).kind == "causal":
     return interventions.MaskPreviousSinksAR(top_k=top_k)
   return interventions.MaskPreviousSinks(top_k=top_k)
 
 
 def _generate(params, config, settings: Settings, prompt, stats_spec):
-  from dlm_jax.sampling import autoregressive, block_diffusion, diffusion_gemma, dream, llada  # pylint: disable=import-outside-toplevel
-  kwargs = dict(config=config, options=settings.options(config), key=jax.random.key(settings.seed),
-                stats_spec=stats_spec, intervention=_intervention(settings.sampler, settings.mask_sinks),
-                attention_impl=settings.numerics.attention_impl, query_chunk=settings.numerics.query_chunk,
-                batch_invariant=settings.numerics.batch_invariant)
-  if settings.sampler in ("llada", "mmada"):
-    return llada.generate(params, prompt, **kwargs)
-  if settings.sampler == "dream":
-    return dream.diffusion_generate(params, prompt, **kwargs)
-  if settings.sampler == "block_diffusion":
-    return block_diffusion.generate(params, prompt, **kwargs)
-  if settings.sampler == "diffusion_gemma":
-    return diffusion_gemma.generate(params, prompt, **kwargs)
-  return autoregressive.generate(params, prompt, **kwargs)
+  return registry.get(settings.sampler).generate(
+      params, prompt, config=config, options=settings.options(config), key=jax.random.key(settings.seed),
+      stats_spec=stats_spec, intervention=_intervention(settings.sampler, settings.mask_sinks),
+      attention_impl=settings.numerics.attention_impl, query_chunk=settings.numerics.query_chunk,
+      batch_invariant=settings.numerics.batch_invariant)
 
 
 def reply_text(tokenizer, generated: list[int], end_ids: set[int]) -> str:
@@ -422,7 +406,7 @@ def main(argv):
       top_k=_TOP_K.value, eps=_EPS.value, seed=_SEED.value, mask_sinks=_MASK_SINKS.value,
       end_of_turn_id=end_of_turn, editing_threshold=_EDITING_THRESHOLD.value, max_post_steps=_MAX_POST_STEPS.value,
       numerics=numerics_flags.from_flags(runtime_settings),
-      decoding=mode if sampler not in decoding_modes.UNMODED else DecodingMode(),
+      decoding=mode if registry.get(sampler).has_modes else DecodingMode(),
       entropy_bound=_ENTROPY_BOUND.value, t_min=_T_MIN.value, t_max=_T_MAX.value,
       confidence_threshold=_CONFIDENCE_THRESHOLD.value, stability_threshold=_STABILITY_THRESHOLD.value,
       stop_at_eos=_STOP_AT_EOS.value)
@@ -450,7 +434,7 @@ def main(argv):
   if sampler == "block_diffusion":  # LLaDA2's answer: the first gen_length tokens, up to the first EOS
     reply = reply[:settings.gen_length]
   ends = end_ids(config, end_of_turn) if settings.stop_at_eos else set()
-  if sampler in ("block_diffusion", "diffusion_gemma"):  # these samplers stop at EOS; pad follows it
+  if getattr(settings.options(config), "eos_stop", False):  # the sampler stops at EOS; pad follows it
     ends |= {config.eos_token_id} - {None}
   if tokenizer is not None:
     result["text"] = reply_text(tokenizer, reply, ends)

@@ -188,7 +188,7 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
   scores = np.asarray(sinks.relative_scores(all_queries, valid4))  # [steps, L', N, S]
   sink_mask = np.asarray(sink_selection.epsilon_rule(scores, settings.epsilon, "sum", valid4))
   n_entries = int(np.broadcast_to(valid4, scores.shape).sum())
-  if model.sampler == "diffusion_gemma":  # the noisy canvas of each decoder step, from the trace
+  if model.decoder.self_conditioning:  # the noisy canvas of each decoder step, from the trace
     canvas = sinks.uniform_step_canvases(tokens, host["canvases"][decoded, row], queries)  # [steps, S]
   else:
     mask_id = model.config.mask_token_id if model.diffusion else None
@@ -292,7 +292,7 @@ def run_model(settings: Settings, model: checkpoints.Model, runtime: devices.Run
                                 "incoming": trace.stats["incoming_attention"],
                                 **({"experts": trace.stats["routed_experts"]} if config.is_moe else {}),
                                 **({"accepted": trace.accepted, "canvases": trace.canvases}
-                                   if model.sampler == "diffusion_gemma" else {})})
+                                   if model.decoder.self_conditioning else {})})
     for row, item in enumerate(batch.items):
       if done(item):
         continue
@@ -351,7 +351,7 @@ def _masked_queries(model: checkpoints.Model, canvas: np.ndarray, host, decoded:
   """[steps, S] bool: the positions of the "masked" query group at each decoded step — the mask token, or for
   DiffusionGemma the canvas positions the previous call did not accept (`dlm_jax.instrument.stats.QUERY_GROUP_NAMES`;
   a canvas's first decoder step follows its encoder call, which accepts nothing)."""
-  if model.sampler != "diffusion_gemma":
+  if not model.decoder.self_conditioning:
     return canvas == model.config.mask_token_id
   accepted = np.asarray(host["accepted"])[decoded - 1, row]  # [steps, C]: the previous call's
   queries = np.asarray(host["queries"])[decoded]

@@ -54,29 +54,34 @@ def test_llada_draws_mask_exact_counts():
   assert any(np.array_equal(k_rows, row) for row in table)
 
 
-def _llada_numpy_loss(seq, masks, cfg_scale=0.0):
+def _llada_numpy_loss(seq, masks, cfg_scale=0.0, name="llada"):
+  """LLaDA's minibatch loss written out; on Dream's (shifted) model position p reads the output at p − 1."""
+  config = LLADA if name == "llada" else DREAM
   lp, t = PROMPT.size, ANSWER.size
   noisy = np.tile(seq, (masks.shape[0], 1))
-  noisy[:, lp:][masks] = LLADA.mask_token_id
-  logits = np.asarray(_logits(params("llada"), jnp.asarray(noisy), config=LLADA), np.float64)
+  noisy[:, lp:][masks] = config.mask_token_id
+  logits = np.asarray(_logits(params(name), jnp.asarray(noisy), config=config), np.float64)
   if cfg_scale > 0:
     un = noisy.copy()
-    un[:, :lp] = LLADA.mask_token_id
-    un_logits = np.asarray(_logits(params("llada"), jnp.asarray(un), config=LLADA), np.float64)
+    un[:, :lp] = config.mask_token_id
+    un_logits = np.asarray(_logits(params(name), jnp.asarray(un), config=config), np.float64)
     logits = un_logits + (cfg_scale + 1) * (logits - un_logits)
+  if config.logit_shift:
+    logits = np.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
   ce = -np.take_along_axis(_log_softmax(logits), np.tile(seq, (masks.shape[0], 1))[..., None], -1)[..., 0]
   ratio = masks.sum(1) / t
-  per_row = np.where(noisy == LLADA.mask_token_id, ce / ratio[:, None], 0.0).sum(1)
+  per_row = np.where(noisy == config.mask_token_id, ce / ratio[:, None], 0.0).sum(1)
   return per_row.sum() / masks.shape[0]
 
 
-@pytest.mark.parametrize("cfg_scale", [0.0, 1.5])
-def test_llada_minibatch_loss_equals_numpy_replay(cfg_scale):
+@pytest.mark.parametrize("name,cfg_scale", [("llada", 0.0), ("llada", 1.5), ("dream", 0.0)])
+def test_llada_minibatch_loss_equals_numpy_replay(name, cfg_scale):
   seq = np.concatenate([PROMPT, ANSWER])
   masks = likelihood.llada_mask_draws(jax.random.key(1), 4, ANSWER.size)
-  got = likelihood.llada_minibatch_nll(params("llada"), jnp.asarray(seq), masks, config=LLADA,
-                                       prompt_len=PROMPT.size, cfg_scale=cfg_scale)
-  np.testing.assert_allclose(float(got), _llada_numpy_loss(seq, np.asarray(masks), cfg_scale), rtol=1e-5)
+  config = LLADA if name == "llada" else DREAM
+  got = likelihood.llada_minibatch_nll(params(name), jnp.asarray(seq), masks, config=config, prompt_len=PROMPT.size,
+                                       cfg_scale=cfg_scale)
+  np.testing.assert_allclose(float(got), _llada_numpy_loss(seq, np.asarray(masks), cfg_scale, name), rtol=1e-5)
 
 
 def _dream_numpy_loss(seq, masks, p_mask, cfg_scale=0.0):

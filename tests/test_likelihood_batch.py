@@ -68,7 +68,7 @@ def _numpy_losses(name, request, masked, weight, settings):
     un_logits = np.asarray(_logits(params, jnp.asarray(un), config=config), np.float64)
     w = settings.cfg_scale + 1 if settings.estimator == "llada" else settings.cfg_scale
     logits = un_logits + w * (logits - un_logits)
-  if settings.estimator == "dream":
+  if config.logit_shift:  # the model's rule, whichever the estimator
     logits = np.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
   ce = -np.take_along_axis(_log_softmax(logits), np.tile(seq, (len(noisy), 1))[..., None], -1)[..., 0]
   return np.where(masked, ce / weight[:, None], 0.0).sum(1)
@@ -98,10 +98,12 @@ def test_dream_draws_are_antithetic_and_spare_the_ends():
   np.testing.assert_allclose(np.diff(np.sort(t)), 1 / 8, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,estimator,cfg", [("tiny-dlm", "llada", 1.5), ("tiny-dream", "dream", 2.0)])
+@pytest.mark.parametrize("name,estimator,cfg", [("tiny-dlm", "llada", 1.5), ("tiny-dream", "dream", 2.0),
+                                                ("tiny-dream", "llada", 0.0)])
 def test_estimate_equals_numpy_replay_of_the_same_draws(name, estimator, cfg):
   """With CFG (the conditional half is the unguided program); REQUESTS[:2] (one continuation is too short
-  for Dream, whose last position is never masked)."""
+  for Dream, whose last position is never masked). LLaDA's estimator on a shifted model reads the shifted
+  predictions."""
   config, params = loaded(name)
   settings = lb.MCSettings(estimator, mc_num=8, group=4, cfg_scale=cfg)
   got = lb.mc_log_likelihoods(params, REQUESTS[:2], config=config, settings=settings, seed=0, batch_size=BATCH)

@@ -14,12 +14,14 @@ prompt replaced by mask tokens in the unconditional copy.
 
 Dream (antithetic, `eval/eval.py` "ftb"): t_i = (u + i/b) mod 1 with one u ~ U(0, 1) per minibatch,
 p_i = (1 − ε)·t_i + ε, every answer position masked independently with probability p_i except the first
-and the last position of the whole sequence; logits are shifted by one position; minibatch loss =
-Σ_i Σ_masked CE / p_i / b. CFG: logits = un + w·(cond − un) (applied when cfg_scale > 0; the prompt is
-masked in the unconditional copy).
+and the last position of the whole sequence; minibatch loss = Σ_i Σ_masked CE / p_i / b.
+CFG: logits = un + w·(cond − un) (applied when cfg_scale > 0; the prompt is masked in the unconditional copy).
 
-Both run mc_num // batch_size minibatches (at least one for Dream), each one jitted call with explicit
-PRNG keys. The mask draws are separate functions so that tests can replay them.
+Both read the prediction of a position by the model's own shift rule (`dlm_jax.config.logit_shift`: from the
+output at that position for LLaDA-style models, at the one before for Dream's), whichever estimator is
+used. (Before, the Dream estimator always shifted and LLaDA's never did, so an estimator used on the other
+kind of model scored the neighbour's prediction.) Both run mc_num // batch_size minibatches (at least one
+for Dream), each one jitted call with explicit PRNG keys. The mask draws are separate functions so that tests can replay them.
 
 Under a `mesh` (params already placed, e.g. by `sharding.param_shardings`), each minibatch's b noisy copies
 are sharded over the batch axes (b must divide over data × fsdp) and the sequence is replicated; the
@@ -36,10 +38,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dlm_jax.runtime import sharding
-from dlm_jax.config import ModelConfig
+from dlm_jax.config import ModelConfig, logit_shift
 from dlm_jax.model.attention import NO_BIAS
 from dlm_jax.model import forward
-from dlm_jax.sampling.dream import shift_logits
 from dlm_jax.sampling.schedules import torch_linspace_f32
 
 
@@ -114,8 +115,11 @@ def llada_minibatch_nll(params, seq, answer_masks, *, config: ModelConfig, promp
   mask_id = config.mask_token_id
   rows = jnp.broadcast_to(seq[None, :], (b, seq.shape[0]))
   noisy = rows.at[:, prompt_len:].set(jnp.where(answer_masks, mask_id, rows[:, prompt_len:]))
-  logits = guided_logits(params, noisy, _prompt_positions(seq.shape[0], prompt_len), config=config,
-                   window=(prompt_len, seq.shape[0]), mask_id=mask_id, cfg_scale=cfg_scale, llada_rule=True)
+  shift = config.logit_shift
+  outputs = guided_logits(params, noisy, _prompt_positions(seq.shape[0], prompt_len), config=config,
+                          window=logit_shift.output_window(prompt_len, seq.shape[0], shift), mask_id=mask_id,
+                          cfg_scale=cfg_scale, llada_rule=True)
+  logits = logit_shift.target_logits(outputs, prompt_len, shift)
   masked = noisy[:, prompt_len:] == mask_id
   ratio = jnp.sum(answer_masks, axis=-1).astype(jnp.float32) / t
   return jnp.sum(masked_ce(logits, rows[:, prompt_len:], masked, ratio)) / b
@@ -129,10 +133,11 @@ def dream_minibatch_nll(params, seq, masks, p_mask, *, config: ModelConfig, prom
   mask_id = config.mask_token_id
   rows = jnp.broadcast_to(seq[None, :], (b, length))
   noisy = jnp.where(masks, mask_id, rows)
-  start = max(prompt_len, 0)
+  start, shift = max(prompt_len, 0), config.logit_shift
   outputs = guided_logits(params, noisy, _prompt_positions(length, prompt_len), config=config,
-                    window=(max(start - 1, 0), length - 1), mask_id=mask_id, cfg_scale=cfg_scale, llada_rule=False)
-  logits = shift_logits(outputs, start)
+                          window=logit_shift.output_window(start, length, shift), mask_id=mask_id,
+                          cfg_scale=cfg_scale, llada_rule=False)
+  logits = logit_shift.target_logits(outputs, start, shift)
   masked = noisy[:, start:] == mask_id
   return jnp.sum(masked_ce(logits, rows[:, start:], masked, p_mask)) / b
 

@@ -18,7 +18,8 @@ LLaDA (stratified): in stratum g, k ~ U{1..T} from the stratum key; draw i masks
 n_i = `llada_mask_count_table(T, group)[k − 1, i]` continuation positions chosen uniformly (from the draw
 key); weight n_i / T. Dream (antithetic): u ~ U(0, 1) from the stratum key, t_i = (u + i/group) mod 1,
 p_i = (1 − ε)·t_i + ε; each continuation position is masked with probability p_i (draw key) except the
-row's first real token and its last position; logits shifted by one; weight p_i. The estimate of
+row's first real token and its last position; weight p_i. Both read predictions by the model's shift rule
+(`dlm_jax.config.logit_shift`), whichever the estimator. The estimate of
 log p(continuation | context) is −(Σ of the mc_num pair losses) / mc_num.
 
 Autoregressive models: the exact teacher-forced log-likelihood Σ log p(x_j | x_<j) over the continuation
@@ -38,7 +39,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dlm_jax.runtime import sharding
-from dlm_jax.config import ModelConfig
+from dlm_jax.config import ModelConfig, logit_shift
 from dlm_jax.instrument.interventions import padding_bias
 from dlm_jax.analysis.likelihood import guided_logits, llada_mask_count_table, masked_ce
 from dlm_jax.model import forward
@@ -148,9 +149,11 @@ def pair_losses(params, tokens, valid, target_len, key_data, draw_index, count_c
   target = jnp.arange(width)[None, :] >= width - target_len[:, None]
   bias, positions = _layout(valid)
   llada = settings.estimator == "llada"
-  span = (width - window, width) if llada else (width - window - 1, width - 1)
-  logits = guided_logits(params, noisy, valid & ~target, config=config, window=span, mask_id=config.mask_token_id,
-                         cfg_scale=settings.cfg_scale, llada_rule=llada, bias=bias, positions=positions)
+  outputs = guided_logits(params, noisy, valid & ~target, config=config,
+                          window=logit_shift.output_window(width - window, width, config.logit_shift),
+                          mask_id=config.mask_token_id, cfg_scale=settings.cfg_scale, llada_rule=llada, bias=bias,
+                          positions=positions)
+  logits = logit_shift.target_logits(outputs, width - window, config.logit_shift)
   return masked_ce(logits, tokens[:, width - window:], masked[:, width - window:], weight)
 
 
@@ -161,7 +164,7 @@ def teacher_forced(params, tokens, valid, target_len, *, config: ModelConfig, wi
   width = tokens.shape[1]
   bias, positions = _layout(valid)
   logits = forward(params, tokens, config=config, bias=bias, positions=positions,
-                   logits_window=(width - window - 1, width - 1)).logits
+                   logits_window=logit_shift.output_window(width - window, width, config.logit_shift)).logits
   log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   targets = tokens[:, width - window:]
   scored = jnp.arange(width - window, width)[None, :] >= width - target_len[:, None]

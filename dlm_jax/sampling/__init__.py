@@ -6,13 +6,14 @@
   autoregressive.generate    KV-cache decoding of the autoregressive baselines
   block_diffusion.generate   block diffusion with an exact KV cache (LLaDA2.x, SDAR, dInfer)
   diffusion_gemma.generate   DiffusionGemma's uniform-state block diffusion with self-conditioning
+  registry                   every sampler by name: options class, options from common settings, generate, facts
   padding                    left-padding validity, shifted positions and padding biases
   selection                  top-k positions, logit filters, decode steps
   schedules                  LLaDA transfer counts, Dream timesteps (torch.linspace, bit for bit)
 """
 
 from dlm_jax.sampling import (
-    autoregressive, block_diffusion, diffusion_gemma, driver, dream, llada, padding, schedules, selection)
+    autoregressive, block_diffusion, diffusion_gemma, driver, dream, llada, padding, registry, schedules, selection)
 from dlm_jax.sampling.autoregressive import AROptions
 from dlm_jax.sampling.block_diffusion import BlockDiffusionOptions
 from dlm_jax.sampling.diffusion_gemma import DiffusionGemmaOptions
@@ -21,4 +22,5 @@ from dlm_jax.sampling.llada import LLaDAOptions, mmada_options
 from dlm_jax.sampling.trace import Trace
 
 __all__ = ["AROptions", "BlockDiffusionOptions", "DiffusionGemmaOptions", "DreamOptions", "LLaDAOptions", "Trace",
-           "autoregressive", "block_diffusion", "diffusion_gemma", "driver", "dream", "llada", "mmada_options", "padding", "schedules", "selection"]
+           "autoregressive", "block_diffusion", "diffusion_gemma", "driver", "dream", "llada", "mmada_options",
+           "padding", "registry", "schedules", "selection"]

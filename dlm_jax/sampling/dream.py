@@ -5,7 +5,8 @@ The canvas is [B, Lp + G]: the left-padded prompt, then G mask tokens. `timestep
 t = ts[i] and s = ts[i + 1]:
 
   1. logits, shifted by one position: the prediction for position p is the model output at p − 1
-     (position 0 reuses its own output); only the outputs needed for the masked region are computed;
+     (position 0 reuses its own output; `dlm_jax.config.logit_shift`); only the outputs needed for the
+     masked region are computed;
   2. `sample_tokens`: divide by the temperature (if > 0), top-p then top-k filtering (removed logits become
      finfo(float32).min), probs = softmax; x0 ~ probs (temperature > 0) or argmax, with confidence p(x0);
      `topk_margin`: confidence = top1 − top2 probability; `entropy`: confidence = Σ p·log(p + 1e-10);
@@ -47,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dlm_jax.config import ModelConfig
+from dlm_jax.config import ModelConfig, logit_shift
 from dlm_jax.instrument.interventions import Intervention
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import blocks, dream_blockwise, driver, keys, padding
@@ -190,17 +191,6 @@ def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature: float, top_
   return confidence, x0
 
 
-def shift_logits(outputs: jax.Array, target_start: int) -> jax.Array:
-  """Dream's one-position shift restricted to targets [target_start, S).
-
-  outputs: [B, W, V], the model outputs of positions [max(target_start − 1, 0), S − 1).
-  Returns [B, S − target_start, V]: row p holds the output of position p − 1 (position 0: its own).
-  """
-  if target_start >= 1:
-    return outputs
-  return jnp.concatenate([outputs[:, :1], outputs], axis=1)
-
-
 @struct.dataclass
 class DreamCarry:
   """tokens [B, S]; key; decode_step [B, G]. Block modes also: block, the index of the last block whose
@@ -233,25 +223,9 @@ class DreamFamily(driver.MaskedDiffusionFamily):
       raise ValueError(f"Dream sampling reads shifted logits; config {config.name!r} has logit_shift=0 "
                        "(use dlm_jax.sampling.llada for unshifted models).")
 
-  @property
-  def can_finish_early(self) -> bool:
-    return self.options.blockwise
-
-  def phases(self, run) -> tuple[driver.Phase, ...]:
-    if self.options.blockwise:
-      return dream_blockwise.phases(self.options)
-    return super().phases(run)
-
-  def n_blocks(self, run) -> int:
-    return self.options.num_blocks if self.options.blockwise else 1
-
   def init_carry(self, run, params, canvas, key, consts) -> DreamCarry:
-    b = canvas.shape[0]
-    decode_step = jnp.full((b, self.options.gen_length), -1, jnp.int32)
-    if not self.options.blockwise:
-      return DreamCarry(tokens=canvas, key=key, decode_step=decode_step)
-    return DreamCarry(tokens=canvas, key=key, decode_step=decode_step, block=jnp.int32(-1), block_step=jnp.int32(0),
-                      cache=dream_blockwise.init_cache(run, params, b))
+    decode_step = jnp.full((canvas.shape[0], self.options.gen_length), -1, jnp.int32)
+    return DreamCarry(tokens=canvas, key=key, decode_step=decode_step)
 
   def proposals(self, run, logits: jax.Array, key: jax.Array, alg: Alg = "maskgit_plus"):
     """`sample_tokens` with the options' temperature, top-p and top-k and alg's confidence (p(x0), the
@@ -261,27 +235,15 @@ class DreamFamily(driver.MaskedDiffusionFamily):
     return sample_tokens(logits, key, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
                          margin=alg == "topk_margin", neg_entropy=alg == "entropy", per_row=run.row_keys)
 
-  def finished(self, run, consts, carry: DreamCarry, i, phase):
-    """Block modes: skip the call (`dream_blockwise.finished`: the block done, or the last block in the one-phase
-    layout)."""
-    return dream_blockwise.finished(self, run, carry, phase)
-
-  def open_phase(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
-    """Block modes with per-block phases (the prefix cache): the block-start step of block `phase.arg` (the
-    cache refresh)."""
-    return dream_blockwise.open_block(self, run, params, consts, carry, istate, i, phase.arg)
-
   def step(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
-    if self.options.blockwise:
-      return dream_blockwise.step(self, run, params, consts, carry, istate, i, phase)
-    o, mask_id, lp = self.options, self.mask_id, run.prompt_length
+    o, mask_id, lp, shift = self.options, self.mask_id, run.prompt_length, run.config.logit_shift
     w0 = 0 if self.infill else lp
     x = carry.tokens
     key, sample_key, select_key = keys.split(carry.key, 3, run.row_keys)
-    result = run.caller(params, x, i, istate, window=(max(w0 - 1, 0), run.total_length - 1),
+    result = run.caller(params, x, i, istate, window=logit_shift.output_window(w0, run.total_length, shift),
                         positions=consts.positions, valid_keys=consts.valid, query_valid=consts.valid,
                         base_bias=consts.bias)
-    logits = shift_logits(result.logits, w0)
+    logits = logit_shift.target_logits(result.logits, w0, shift)
     x_win = x[:, w0:]
     masked = x_win == mask_id
     fraction = jnp.asarray(dream_transfer_fractions(o.steps, o.eps))[i]
@@ -303,11 +265,44 @@ class DreamFamily(driver.MaskedDiffusionFamily):
     return carry, result.intervention_state, result.outputs
 
 
+@dataclasses.dataclass(frozen=True)
+class DreamBlockwiseFamily(DreamFamily):
+  """Fast-dLLM's Dream block modes (`dlm_jax.sampling.dream_blockwise`): the exact family's checks and
+  proposals, its own phases, carry (current block, its steps, the KV cache), early finish and model calls."""
+
+  name = "dream_blockwise"
+  can_finish_early = True
+
+  def phases(self, run) -> tuple[driver.Phase, ...]:
+    return dream_blockwise.phases(self.options)
+
+  def n_blocks(self, run) -> int:
+    return self.options.num_blocks
+
+  def init_carry(self, run, params, canvas, key, consts) -> DreamCarry:
+    return super().init_carry(run, params, canvas, key, consts).replace(
+        block=jnp.int32(-1), block_step=jnp.int32(0), cache=dream_blockwise.init_cache(run, params, canvas.shape[0]))
+
+  def finished(self, run, consts, carry: DreamCarry, i, phase):
+    """Skip the call (`dream_blockwise.finished`: the block done, or the last block in the one-phase layout)."""
+    return dream_blockwise.finished(self, run, carry, phase)
+
+  def open_phase(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
+    """With per-block phases (the prefix cache): the block-start step of block `phase.arg` (the cache
+    refresh)."""
+    return dream_blockwise.open_block(self, run, params, consts, carry, istate, i, phase.arg)
+
+  def step(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
+    return dream_blockwise.step(self, run, params, consts, carry, istate, i, phase)
+
+
 def _family(config: ModelConfig, options: DreamOptions, prompt) -> DreamFamily:
+  """The exact family, or the block one when the options set a block length."""
   mask_id = config.mask_token_id if options.mask_token_id is None else options.mask_token_id
   if mask_id is None:
     raise ValueError("Dream sampling needs a mask token id: set ModelConfig.mask_token_id or options.mask_token_id.")
-  return DreamFamily(options=options, mask_id=mask_id, infill=bool(np.any(np.asarray(prompt) == mask_id)))
+  family = DreamBlockwiseFamily if options.blockwise else DreamFamily
+  return family(options=options, mask_id=mask_id, infill=bool(np.any(np.asarray(prompt) == mask_id)))
 
 
 diffusion_generate = driver.public_sampler(_family, DreamOptions(), """Dream masked-diffusion generation

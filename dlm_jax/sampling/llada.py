@@ -261,7 +261,7 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
     return LLaDACarry(tokens=canvas, key=key, schedule=jnp.zeros((b, o.steps_per_block), jnp.int32),
                       decode_step=jnp.full((b, o.gen_length), -1, jnp.int32),
                       block_step=jnp.zeros((), jnp.int32), block=jnp.zeros((), jnp.int32),
-                      cache=llada_blockwise.init_cache(run, params, b))
+                      cache=blocks.init_cache(run, params, b))
 
   def _confidence_dtype(self, params) -> Any:
     if self.options.confidence_dtype is None:
@@ -315,17 +315,10 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
 
   @property
   def can_finish_early(self) -> bool:
-    return self.options.blockwise or self.options.stop_token_id is not None
-
-  def phases(self, run) -> tuple[driver.Phase, ...]:
-    if self.options.blockwise:
-      return llada_blockwise.phases(self.options)
-    return super().phases(run)
+    return self.options.stop_token_id is not None
 
   def block_index(self, run, before, after, i, phase_index):
     """Semi-autoregressive blocks: step i works on block i // steps_per_block."""
-    if self.options.blockwise:
-      return super().block_index(run, before, after, i, phase_index)
     return jnp.asarray(i // self.options.steps_per_block, jnp.int32)
 
   def n_blocks(self, run) -> int:
@@ -333,24 +326,15 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
 
   def finished(self, run, consts, carry: LLaDACarry, i, phase):
     """MMaDA's early stop: at a block start after the first, every row's previous position holds the stop id
-    (the later steps are skipped); in the block-by-block modes also a block every row has finished."""
+    (the later steps are skipped)."""
     o = self.options
-    if o.blockwise:
-      return llada_blockwise.finished(self, run, carry, phase)
     block, s = i // o.steps_per_block, i % o.steps_per_block
     last = jax.lax.dynamic_index_in_dim(carry.tokens, jnp.maximum(run.prompt_length + block * o.block - 1, 0),
                                         axis=1, keepdims=False)
     return (s == 0) & (block > 0) & jnp.all(last == o.stop_token_id)
 
-  def open_phase(self, run, params, consts: LLaDAConstants, carry: LLaDACarry, istate, i, phase):
-    """A cached block's first step: the whole canvas, refreshing the cache."""
-    return llada_blockwise.decode(self, run, params, consts, carry, istate, i, phase, "refresh")
-
   def step(self, run, params, consts: LLaDAConstants, carry: LLaDACarry, istate, i, phase):
     o, mask_id, lp = self.options, self.mask_id, run.prompt_length
-    if o.blockwise:
-      call = {"none": "full", "prefix": "prefix", "dual": "dual"}[o.cache]
-      return llada_blockwise.decode(self, run, params, consts, carry, istate, i, phase, call)
     block, s = i // o.steps_per_block, i % o.steps_per_block
     block_start = lp + block * o.block
     x = carry.tokens
@@ -388,6 +372,36 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
     return carry, istate, outputs
 
 
+@dataclasses.dataclass(frozen=True)
+class LLaDABlockwiseFamily(LLaDAFamily):
+  """LLaDA / MMaDA's block-by-block modes (`dlm_jax.sampling.llada_blockwise`: threshold or factor parallel
+  decoding, prefix or dual KV cache): the exact family's proposals, blocks and carry, its own phases, early
+  finish and model calls."""
+
+  name = "llada_blockwise"
+  can_finish_early = True
+
+  def phases(self, run) -> tuple[driver.Phase, ...]:
+    return llada_blockwise.phases(self.options)
+
+  def block_index(self, run, before, after, i, phase_index):
+    """The phase's block, or the carry's after the step (`driver.Family.block_index`)."""
+    return driver.Family.block_index(self, run, before, after, i, phase_index)
+
+  def finished(self, run, consts, carry: LLaDACarry, i, phase):
+    """A block every row has finished, or (MMaDA's stop id) at a block start every row's previous position
+    holds the stop id (`llada_blockwise.finished`)."""
+    return llada_blockwise.finished(self, run, carry, phase)
+
+  def open_phase(self, run, params, consts: LLaDAConstants, carry: LLaDACarry, istate, i, phase):
+    """A cached block's first step: the whole canvas, refreshing the cache."""
+    return llada_blockwise.decode(self, run, params, consts, carry, istate, i, phase, "refresh")
+
+  def step(self, run, params, consts: LLaDAConstants, carry: LLaDACarry, istate, i, phase):
+    call = {"none": "full", "prefix": "prefix", "dual": "dual"}[self.options.cache]
+    return llada_blockwise.decode(self, run, params, consts, carry, istate, i, phase, call)
+
+
 def _special_ids(config: ModelConfig, options: LLaDAOptions) -> tuple[int, int | None, int | None]:
   mask_id = config.mask_token_id if options.mask_token_id is None else options.mask_token_id
   eos_id = config.eos_token_id if options.eos_token_id is None else options.eos_token_id
@@ -402,9 +416,11 @@ def _special_ids(config: ModelConfig, options: LLaDAOptions) -> tuple[int, int |
 
 
 def _family(config: ModelConfig, options: LLaDAOptions, prompt) -> LLaDAFamily:
+  """The exact family, or the block-by-block one when the options ask for a block mode."""
   del prompt
   mask_id, eos_id, eot_id = _special_ids(config, options)
-  return LLaDAFamily(options=options, mask_id=mask_id, eos_id=eos_id, eot_id=eot_id)
+  family = LLaDABlockwiseFamily if options.blockwise else LLaDAFamily
+  return family(options=options, mask_id=mask_id, eos_id=eos_id, eot_id=eot_id)
 
 
 generate = driver.public_sampler(_family, LLaDAOptions(), """LLaDA / MMaDA masked-diffusion generation (module

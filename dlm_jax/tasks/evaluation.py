@@ -37,7 +37,7 @@ def complete(directory: str, questions: Sequence[str], *, prompt_len: int | None
   """
   # Heavy imports stay local: the task readers must not pull in the samplers.
   from dlm_jax.io import checkpoint  # pylint: disable=import-outside-toplevel
-  from dlm_jax.sampling import autoregressive, llada  # pylint: disable=import-outside-toplevel
+  from dlm_jax.sampling import registry  # pylint: disable=import-outside-toplevel
   from dlm_jax.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
 
   config, params = checkpoint.load(directory, dtype=np.float32)
@@ -46,14 +46,15 @@ def complete(directory: str, questions: Sequence[str], *, prompt_len: int | None
   prompt_len = prompt_len or record.get("data", {}).get("prompt_len") or 36
   sink = record.get("train_config", {}).get("sink", "none")
   ids = training_data.SpecialIds(pad=config.pad_token_id, bos=config.bos_token_id, eos=config.eos_token_id)
+  sampler = registry.get("ar" if config.causal else "llada")
+  common = registry.CommonSettings(gen_length=gen_length, steps=steps or gen_length, block_length=block_length)
   completions = []
   for start in range(0, len(questions), batch_size):
     prompt = training_data.left_padded_prompts(questions[start:start + batch_size], tokenizer.encode, ids, prompt_len)
     if config.causal:
-      options = autoregressive.AROptions(gen_length=gen_length, stop_at_eos=True)
-      trace = autoregressive.generate(params, prompt, config=config, options=options, prompt_mask=prompt != ids.pad)
+      trace = sampler.generate(params, prompt, config=config, options=sampler.options(common, stop_at_eos=True),
+                               prompt_mask=prompt != ids.pad)
     else:
-      options = llada.LLaDAOptions(gen_length=gen_length, steps=steps or gen_length, block_length=block_length)
       kwargs = {}
       if sink != "none":
         from dlm_jax.instrument import interventions  # pylint: disable=import-outside-toplevel
@@ -61,7 +62,7 @@ def complete(directory: str, questions: Sequence[str], *, prompt_len: int | None
           raise NotImplementedError("Only a front sink token can be evaluated (it sits in the prompt).")
         prompt = np.asarray(interventions.add_sink_token(prompt, tokenizer.token_to_id("[SINK]"), "front"))
         kwargs["intervention"] = interventions.SinkToken("front")
-      trace = llada.generate(params, prompt, config=config, options=options, **kwargs)
+      trace = sampler.generate(params, prompt, config=config, options=sampler.options(common), **kwargs)
     for row in np.asarray(trace.generated).tolist():
       stop = next((i for i, t in enumerate(row) if t in (ids.eos, ids.pad)), len(row))
       completions.append(tokenizer.decode(row[:stop], skip_special_tokens=True))

@@ -14,8 +14,9 @@ Objectives (../shared/reference/models.md §2.10, papers.md §B.3–B.4), for to
   predict token i+1, scored where `target_mask[:, i+1]` is True (PAD never scored). Normalised by the
   number of scored targets in the batch (token-level mean, not per sequence).
 
-For a diffusion model with `logit_shift = 1` (Dream-style) the logits are aligned first (position i is
-read from the output at i − 1) and position 0 is never masked.
+For a diffusion model with `logit_shift = 1` (Dream-style) the logits are aligned first by the shared rule
+(`dlm_jax.config.logit_shift`: position i is read from the output at i − 1) and position 0, which has no
+output before it, is never masked.
 
 Extra sink token (`SinkTokenSpec`): a reserved vocabulary id whose embedding row is the learned sink
 vector is inserted *after* noising, at the front (position 0, content at RoPE positions 1..L) or at the
@@ -45,7 +46,7 @@ from dlm_jax.runtime import sharding
 from dlm_jax.training import uniform as training_uniform
 from dlm_jax.instrument.interventions import add_sink_token, sink_token_bias, sink_token_index
 from dlm_jax.model.attention import AttentionBias
-from dlm_jax.config import ModelConfig
+from dlm_jax.config import ModelConfig, logit_shift
 from dlm_jax.model import Params, forward, init_params
 from dlm_jax.runtime.sharding import ShardingRules
 
@@ -193,11 +194,13 @@ def model_logits(params: Params, tokens: jax.Array, *, config: ModelConfig, sink
                  attention_impl=attention_impl).logits
 
 
-def _aligned(logits: jax.Array, shift: int) -> jax.Array:
-  """Logits [B, L, V] such that row i predicts token i (for logit_shift = 1, the output at i − 1)."""
-  if not shift:
-    return logits
-  return jnp.concatenate([jnp.zeros_like(logits[:, :1]), logits[:, :-1]], axis=1)
+def _aligned_logits(outputs: jax.Array, shift: int) -> jax.Array:
+  """Logits [B, L, V] whose row i predicts token i, from the outputs [B, L, V] of all L positions, by the
+  model's shift rule (`dlm_jax.config.logit_shift`; with shift 1 the last output predicts nothing and row 0,
+  never scored, repeats output 0)."""
+  length = outputs.shape[1]
+  start, stop = logit_shift.output_window(0, length, shift)
+  return logit_shift.target_logits(outputs[:, start:stop], 0, shift)
 
 
 def diffusion_inputs(batch: Batch, noise: Noise, *, config: ModelConfig, kind: ObjectiveKind) -> tuple[jax.Array, jax.Array]:
@@ -229,8 +232,8 @@ def loss_fn(params: Params, batch: Batch, key: jax.Array, *, config: ModelConfig
   else:
     noise = draw_noise(key, *tokens.shape, eps=objective.eps)
     noisy, masked = diffusion_inputs(batch, noise, config=config, kind=objective.kind)
-    logits = _aligned(model_logits(params, noisy, config=config, sink=objective.sink,
-                                   attention_impl=objective.attention_impl), config.logit_shift)
+    logits = _aligned_logits(model_logits(params, noisy, config=config, sink=objective.sink,
+                                         attention_impl=objective.attention_impl), config.logit_shift)
     if objective.kind == "pretrain":
       loss = pretrain_loss_from_logits(logits, tokens, masked, noise.p)
     else:

@@ -16,12 +16,13 @@ from typing import Any
 from dlm_jax import default_models
 from dlm_jax.io import json_files
 from dlm_jax.config import ModelConfig
+from dlm_jax.sampling import registry
 from experiments import smollm2
 from experiments.common import progress, weight_hashes
 from experiments.common.cli import UserError
 
 NAMES = tuple(default_models.NAMES) + smollm2.ALIASES
-SAMPLERS = ("auto", "llada", "mmada", "dream", "ar", "block_diffusion", "diffusion_gemma")
+SAMPLERS = ("auto",) + registry.NAMES
 
 
 def resolve(entry: str) -> tuple[str, str]:
@@ -71,28 +72,23 @@ def training_record(directory: str) -> dict[str, Any]:
 
 
 def default_sampler(config: ModelConfig) -> str:
-  """diffusion_gemma for DiffusionGemma-style models (causal encoder, self-conditioning decoder), ar for
-  other causal models, block_diffusion for block-causal ones (LLaDA2.x), dream for shifted DLMs, llada
-  otherwise."""
-  if config.self_conditioning:
-    return "diffusion_gemma"
-  if config.causal:
-    return "ar"
-  if config.attention_block_size is not None:
-    return "block_diffusion"
-  return "dream" if config.logit_shift == 1 else "llada"
+  """The model's default sampler (`dlm_jax.sampling.registry.default_for`): diffusion_gemma for
+  DiffusionGemma-style models, ar for other causal models, block_diffusion for block-causal ones (LLaDA2.x),
+  dream for shifted DLMs, llada otherwise."""
+  return registry.default_for(config).name
+
+
+_KIND_NAMES = {"self_conditioning": "DiffusionGemma-style", "causal": "causal", "block_causal": "block-causal",
+               "bidirectional": "bidirectional"}
 
 
 def check_sampler(label: str, sampler: str, config: ModelConfig) -> None:
-  """Refuses a sampler that does not fit the model: its attention (causal, block-causal or bidirectional), or
-  a DiffusionGemma-style model (uniform-state, self-conditioning), which only its own sampler decodes."""
-  kind = ("DiffusionGemma-style" if config.self_conditioning else "causal" if config.causal
-          else "block-causal" if config.attention_block_size is not None else "bidirectional")
-  fits = {"DiffusionGemma-style": ("diffusion_gemma",), "causal": ("ar",),
-          "block-causal": ("block_diffusion",)}.get(kind, ("llada", "mmada", "dream"))
-  if sampler not in fits:
-    raise UserError(f"{label}: sampler {sampler} does not fit a {kind} model; use "
-                    f"{default_sampler(config)} (or auto)")
+  """Refuses a sampler that does not fit the model (`registry.Sampler.fits`): its attention (causal,
+  block-causal or bidirectional), or a DiffusionGemma-style model (uniform-state, self-conditioning), which
+  only its own sampler decodes."""
+  if not registry.get(sampler).fits(config):
+    raise UserError(f"{label}: sampler {sampler} does not fit a {_KIND_NAMES[registry.model_kind(config)]} model; "
+                    f"use {default_sampler(config)} (or auto)")
 
 
 @dataclasses.dataclass
@@ -114,8 +110,13 @@ class Model:
   prompt_format: str
 
   @property
+  def decoder(self):
+    """The model's sampler (`dlm_jax.sampling.registry.Sampler`: its options, generate function and facts)."""
+    return registry.get(self.sampler)
+
+  @property
   def diffusion(self) -> bool:
-    return self.sampler != "ar"
+    return self.decoder.kind != "causal"
 
   @property
   def sink_token(self) -> str:

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from dlm_jax.sampling import registry
 from experiments.common import devices, size_limits
 from experiments.common.checkpoints import Model
 from experiments.common.cli import UserError
@@ -152,11 +153,10 @@ def model_settings(decode: DecodeSettings, model: Model, mode: DecodingMode = De
     values.update(steps=decode.steps or block, block_length=block, top_p=decode.top_p, top_k=decode.top_k,
                   **mode.record())
   elif model.sampler == "diffusion_gemma":
-    from dlm_jax.sampling import diffusion_gemma  # pylint: disable=import-outside-toplevel
     if decode.temperature:
       logging.warning("%s: --temperature does not apply to the diffusion_gemma sampler (its schedule runs from "
                       "t_max to t_min); ignored", model.label)
-    defaults = diffusion_gemma.DiffusionGemmaOptions()
+    defaults = model.decoder.options_class()
     del values["temperature"]
     values.update(canvas_length=decode.block_length or length, max_denoising_steps=decode.steps or
                   defaults.max_denoising_steps, entropy_bound=defaults.entropy_bound, t_min=defaults.t_min,
@@ -194,37 +194,31 @@ def _llada_padding(padding: str, mmada: bool) -> dict[str, Any]:
   return dict(padding="key", cfg_padding=True, shift_positions=True)
 
 
+_COMMON = tuple(field.name for field in dataclasses.fields(registry.CommonSettings))
+
+
 def sampler_options(values: dict[str, Any], padded: bool, end_ids: tuple[int, ...] = ()):
-  """The library options of the decoding `values` (`model_settings`); `padded`: a prompt mask is passed;
-  `end_ids`: the ids that end an autoregressive row (empty = the config's EOS and EoT)."""
-  from dlm_jax.sampling import autoregressive, block_diffusion, diffusion_gemma, dream, llada  # pylint: disable=import-outside-toplevel
-  v = values
-  if v["sampler"] == "diffusion_gemma":
-    return diffusion_gemma.DiffusionGemmaOptions(
-        gen_length=v["gen_length"], canvas_length=v["canvas_length"], max_denoising_steps=v["max_denoising_steps"],
-        entropy_bound=v["entropy_bound"], t_min=v["t_min"], t_max=v["t_max"],
-        confidence_threshold=v["confidence_threshold"], stability_threshold=v["stability_threshold"])
-  if v["sampler"] == "block_diffusion":
-    return block_diffusion.BlockDiffusionOptions(
-        gen_length=v["gen_length"], block_length=v["block_length"], steps=v["steps"], temperature=v["temperature"],
-        top_k=v["top_k"], top_p=v["top_p"], **DecodingMode.from_record(v).option_fields("block_diffusion"))
-  if v["sampler"] in ("llada", "mmada"):
-    common = dict(gen_length=v["gen_length"], steps=v["steps"], block_length=v["block_length"],
-                  temperature=v["temperature"], cfg_scale=v["cfg_scale"], remasking=v["remasking"],
-                  confidence_ranking=v.get("confidence_ranking", "probability"),
-                  **DecodingMode.from_record(v).option_fields(v["sampler"]))
-    if padded:
-      common.update(_llada_padding(v["padding"], v["sampler"] == "mmada"))
-    if v["sampler"] == "mmada":
-      return llada.mmada_options(**common)
-    return llada.LLaDAOptions(**common)
-  if v["sampler"] == "dream":
-    return dream.DreamOptions(gen_length=v["gen_length"], steps=v["steps"], alg=v["alg"], alg_temp=v["alg_temp"],
-                              temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"],
-                              block_length=v.get("block_length"),
-                              **DecodingMode.from_record(v).option_fields("dream"))
-  return autoregressive.AROptions(gen_length=v["gen_length"], temperature=v["temperature"], top_k=v["top_k"],
-                                  top_p=v["top_p"], stop_at_eos=True, eos_token_ids=tuple(sorted(end_ids)) or None)
+  """The library options of the decoding `values` (`model_settings`; `dlm_jax.sampling.registry`); `padded`:
+  a prompt mask is passed; `end_ids`: the ids that end an autoregressive row (empty = the config's EOS and
+  EoT)."""
+  common = registry.CommonSettings(**{name: values[name] for name in _COMMON if name in values})
+  return registry.get(values["sampler"]).options(common, **_own_fields(values, padded, end_ids))
+
+
+def _own_fields(values: dict[str, Any], padded: bool, end_ids: tuple[int, ...]) -> dict[str, Any]:
+  """The options fields of the values' sampler that are not common settings: the decoding mode's, LLaDA's
+  confidence ranking and padding, the autoregressive end ids, DiffusionGemma's canvas and schedule."""
+  v, name = values, values["sampler"]
+  mode = DecodingMode.from_record(v).option_fields(name)
+  if name in ("llada", "mmada"):
+    return dict(confidence_ranking=v.get("confidence_ranking", "probability"), **mode,
+                **(_llada_padding(v["padding"], name == "mmada") if padded else {}))
+  if name == "diffusion_gemma":
+    return {key: v[key] for key in ("canvas_length", "max_denoising_steps", "entropy_bound", "t_min", "t_max",
+                                    "confidence_threshold", "stability_threshold")}
+  if name == "ar":
+    return dict(stop_at_eos=True, eos_token_ids=tuple(sorted(end_ids)) or None)
+  return mode
 
 
 def base_intervention(model: Model):
@@ -281,7 +275,6 @@ def sampler(model: Model, values: dict[str, Any], prompts: Prompts, runtime: dev
 
   values: `model_settings`; intervention: the complete intervention (see `combined_intervention`); None =
   the model's own."""
-  from dlm_jax.sampling import autoregressive, block_diffusion, diffusion_gemma, dream, llada  # pylint: disable=import-outside-toplevel
   from dlm_jax.instrument.stats import NO_STATS  # pylint: disable=import-outside-toplevel
   if intervention is None:
     intervention = combined_intervention(model)
@@ -294,10 +287,7 @@ def sampler(model: Model, values: dict[str, Any], prompts: Prompts, runtime: dev
                 intervention=intervention, intervention_state=intervention_state,
                 attention_impl=numerics.attention_impl, query_chunk=numerics.query_chunk,
                 batch_invariant=numerics.batch_invariant)
-  run = {"llada": llada.generate, "mmada": llada.generate, "dream": dream.diffusion_generate,
-         "block_diffusion": block_diffusion.generate,
-         "diffusion_gemma": diffusion_gemma.generate}.get(model.sampler, autoregressive.generate)
-  return functools.partial(run, model.params, prompt, **kwargs)
+  return functools.partial(model.decoder.generate, model.params, prompt, **kwargs)
 
 
 def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,

@@ -27,7 +27,8 @@ until the block holds no mask) or `steps_per_block` (NVlabs' current code: at mo
 the refresh included; masks a block leaves compete at later blocks' refreshes and the output can end with
 mask ids); LLaDA and MMaDA only.
 
-Samplers. `SAMPLER_FIELDS` lists the option fields of each sampler's options that the modes set: LLaDA
+Samplers. `dlm_jax.sampling.registry` lists the option fields of each sampler's options that the modes set
+(`Sampler.mode_fields`): LLaDA
 and MMaDA take every mode (`LLaDAOptions.threshold / factor / cache`), Dream too (`DreamOptions`, with
 the binaries' block length; its quota caches need --alg other than origin, which reveals at random). The
 autoregressive
@@ -46,6 +47,7 @@ from typing import Any
 
 from absl import logging
 
+from dlm_jax.sampling import registry
 from experiments.common.cli import UsageError, UserError
 
 MODES: dict[str, tuple[str, str]] = {
@@ -64,18 +66,6 @@ DEFAULT_THRESHOLD = 0.9
 DEFAULT_FACTOR = 1.0
 DUAL_CACHE_FORWARDS = ("until_done", "steps_per_block")
 """--dual_cache_forwards values (module docstring); the first is the default."""
-
-SAMPLER_FIELDS: dict[str, frozenset[str]] = {
-    "llada": frozenset({"threshold", "factor", "factor_rule", "cache", "dual_cache_forwards"}),
-    "mmada": frozenset({"threshold", "factor", "factor_rule", "cache", "dual_cache_forwards"}),
-    "dream": frozenset({"threshold", "factor", "factor_rule", "cache"}),
-    "block_diffusion": frozenset({"threshold"}),
-}
-"""The option fields a diffusion sampler's options take from a mode (module docstring)."""
-
-UNMODED = ("ar", "diffusion_gemma")
-"""Samplers the modes do not apply to: they decode as usual (module docstring)."""
-
 
 @dataclasses.dataclass(frozen=True)
 class DecodingMode:
@@ -154,7 +144,7 @@ class DecodingMode:
 
     Raises a one-line error when the mode needs a field the sampler does not have (Dream, for now).
     """
-    if sampler in UNMODED:
+    if not registry.get(sampler).has_modes:
       return {}
     if sampler == "block_diffusion":
       return self._block_diffusion_fields()
@@ -163,7 +153,7 @@ class DecodingMode:
       fields["factor_rule"] = self.factor_rule
     if self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
       fields["dual_cache_forwards"] = self.dual_cache_forwards
-    supported = SAMPLER_FIELDS[sampler]
+    supported = registry.get(sampler).mode_fields
     missing = sorted(k for k, v in fields.items() if v not in (None, "none") and k not in supported)
     if missing:
       raise UsageError(f"--decoding={self.decoding}: the {sampler} sampler has no {' / '.join(missing)} decoding "

@@ -18,11 +18,6 @@ def decoded_steps(nfe: int, active_rows: np.ndarray, row: int) -> np.ndarray:
   return np.flatnonzero(np.asarray(active_rows)[:int(nfe), row])
 
 
-CAUSAL_BLOCK_SAMPLERS = ("block_diffusion", "diffusion_gemma")
-"""Samplers whose step's queries see no key after their own block or canvas (block-causal attention, a
-DiffusionGemma decoder reading the prompt cache)."""
-
-
 def step_validity(model: Model, batch: prompts.Prompts, row: int, tokens: np.ndarray, steps: int,
                   queries: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
   """(valid [steps, S] bool, active [steps] bool) for row `row` of a trace with final canvas `tokens` [S],
@@ -37,7 +32,7 @@ def step_validity(model: Model, batch: prompts.Prompts, row: int, tokens: np.nda
   valid = np.ones((steps, total), bool)
   if batch.mask is not None:
     valid[:, :lp] = batch.mask[row][None]
-  if model.sampler in CAUSAL_BLOCK_SAMPLERS:
+  if model.decoder.block_queries:  # a step's queries see no key after their block or canvas
     if queries is None:
       raise ValueError(f"step_validity of a {model.sampler} trace needs its computed queries.")
     valid &= np.arange(total)[None, :] < np.asarray(queries)[:, 1:2]

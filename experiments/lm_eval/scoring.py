@@ -42,7 +42,7 @@ def mc_settings(lm, args) -> likelihood_batch.MCSettings:
 
 def _check_model(lm) -> None:
   model = lm.model
-  if model.sampler in ("block_diffusion", "diffusion_gemma"):
+  if not model.decoder.likelihood:
     raise UserError(f"loglikelihood: {model.label} decodes with {model.sampler}; its likelihood is not estimated "
                     "here (masked diffusion and causal models only)")
   if model.sink_token != "none":
