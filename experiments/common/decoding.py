@@ -272,14 +272,13 @@ def masker_state(model: Model, intervention, masker, batch: int, total: int, k: 
   return set_k(state)
 
 
-def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,
-             key: jax.Array, stats_spec=None, intervention=None, intervention_state=None):
-  """Runs the model's sampler on a batch (placed on the mesh when there is one); returns the `Trace`, refused
-  when its logits went non-finite (`check_finite`).
-
-  values: `model_settings`; intervention: the complete intervention (see `combined_intervention`); None =
-  the model's own."""
+def sampler_call(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,
+                 key: jax.Array, stats_spec=None, intervention=None, intervention_state=None, hooks=None,
+                 hook_values=None, params=None):
+  """The sampler call of `generate` as a thunk () -> Trace, not run (e.g. for `jax.eval_shape` with abstract
+  `params`, default the model's); hooks, hook_values: the activation hooks of the run (`dlm_jax.instrument`)."""
   from dlm_jax.sampling import autoregressive, block_diffusion, diffusion_gemma, dream, llada  # pylint: disable=import-outside-toplevel
+  from dlm_jax.instrument.hook_spec import NO_HOOKS  # pylint: disable=import-outside-toplevel
   from dlm_jax.instrument.stats import NO_STATS  # pylint: disable=import-outside-toplevel
   if intervention is None:
     intervention = combined_intervention(model)
@@ -291,10 +290,23 @@ def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: de
   kwargs = dict(config=model.config, options=options, key=key, prompt_mask=mask, stats_spec=stats_spec or NO_STATS,
                 intervention=intervention, intervention_state=intervention_state,
                 attention_impl=numerics.attention_impl, query_chunk=numerics.query_chunk,
-                batch_invariant=numerics.batch_invariant)
+                batch_invariant=numerics.batch_invariant, hooks=hooks or NO_HOOKS, hook_values=hook_values)
   sampler = {"llada": llada.generate, "mmada": llada.generate, "dream": dream.diffusion_generate,
              "block_diffusion": block_diffusion.generate,
              "diffusion_gemma": diffusion_gemma.generate}.get(model.sampler, autoregressive.generate)
-  trace = sampler(model.params, prompt, **kwargs)
+  return lambda: sampler(model.params if params is None else params, prompt, **kwargs)
+
+
+def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,
+             key: jax.Array, stats_spec=None, intervention=None, intervention_state=None, hooks=None,
+             hook_values=None):
+  """Runs the model's sampler on a batch (placed on the mesh when there is one); returns the `Trace`, refused
+  when its logits went non-finite (`check_finite`).
+
+  values: `model_settings`; intervention: the complete intervention (see `combined_intervention`); None =
+  the model's own; hooks, hook_values: activation hooks (`sampler_call`)."""
+  trace = sampler_call(model, values, prompts, runtime, numerics, key=key, stats_spec=stats_spec,
+                       intervention=intervention, intervention_state=intervention_state, hooks=hooks,
+                       hook_values=hook_values)()
   check_finite(trace, [f"{model.label} batch row {row}" for row in range(prompts.ids.shape[0])])
   return trace
