@@ -92,7 +92,7 @@ def _np_forward(params, tokens, config, skip_attention=None):
 
   x = p["embed.embedding"][tokens]
   for layer in range(config.n_layers):
-    w = lambda name: p[f"blocks.{name}"][layer]  # noqa: E731
+    w = lambda name, layer=layer: p[f"blocks.{name}"][layer]  # noqa: E731
     h = rms(x, w("attn_norm.weight"))
     q = rope((h @ w("attn.q.kernel")).reshape(-1, config.n_heads, h_dim))
     k = rope((h @ w("attn.k.kernel")).reshape(-1, config.n_kv_heads, h_dim))

@@ -69,7 +69,7 @@ class PatchRunner:
   def _layers(self) -> int:
     return self.model.config.n_layers
 
-  def _sampler(self, pairs, hooks, edit, prompts, key, params=None):
+  def _sampler(self, hooks, edit, prompts, key, params=None):
     values = None if edit is None else hook_values(hooks, self.model.config, prompts.ids.shape[0],
                                                    prompts.ids.shape[1] + self.values["gen_length"], edits={0: edit})
     # Capture shapes do not depend on batch invariance; capture_bytes cannot trace its CPU program (a nested jit
@@ -90,7 +90,7 @@ class PatchRunner:
         params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
         edit = None if edit_shapes is None else {k: jnp.zeros(v, jnp.float32) if k == "values" else v
                                                  for k, v in edit_shapes.items()}
-        return self._sampler(pairs, hooks, edit, prompts, key, params)()
+        return self._sampler(hooks, edit, prompts, key, params)()
       return thunk
 
     plans = [("capture run", plan(self.capture_hooks, patching_pairs.batch(self.prompt_set, pairs),
@@ -114,7 +114,7 @@ class PatchRunner:
   def _head_hooks(self, site):
     return Hooks(captures=self.head_captures, edits=(Edit(site, "replace", source="values"),))
 
-  def _run(self, pairs, hooks, prompts, key, edit=None) -> dict:
+  def _run(self, hooks, prompts, key, edit=None) -> dict:
     trace = decoding.generate(self.model, self.values, prompts, self.runtime, self.settings.numerics, key=key,
                               hooks=hooks, hook_values=None if edit is None else hook_values(
                                   hooks, self.model.config, prompts.ids.shape[0],
@@ -155,7 +155,7 @@ class PatchRunner:
 
   def _chunk(self, pairs: list[PromptPair]) -> list[dict]:
     n_pairs, n_layers, seed = len(pairs), self._layers(), self.settings.decode.seed
-    host = self._run(pairs, self.capture_hooks, patching_pairs.batch(self.prompt_set, pairs),
+    host = self._run(self.capture_hooks, patching_pairs.batch(self.prompt_set, pairs),
                      patching_pairs.keys(seed, pairs, 1, True))
     clean_rows, corrupted_rows = slice(0, n_pairs), slice(n_pairs, 2 * n_pairs)
     both, decode_both, _ = self._metric(host, pairs + pairs, 1)
@@ -176,7 +176,7 @@ class PatchRunner:
       prompts = patching_pairs.batch(self.prompt_set, pairs, True, n_layers)
       for j, step in enumerate(self.steps):
         edit = patching_grid.layer_step_rows(values[site][:, :, clean_rows], step)
-        out = self._run(pairs, self._grid_hooks(site), prompts, patching_pairs.keys(seed, pairs, n_layers), edit)
+        out = self._run(self._grid_hooks(site), prompts, patching_pairs.keys(seed, pairs, n_layers), edit)
         at_decode, _, now = self._metric(out, pairs, n_layers, step if self.attribution else None)
         grid[:, :, j] = at_decode.reshape(n_pairs, n_layers)
         if now is not None:
@@ -195,7 +195,7 @@ class PatchRunner:
         per_window = []
         for window in self.head_windows:
           edit = patching_grid.layer_head_rows(values[site][:, :, [i]], window, self.window_slots)
-          out = self._run([pair], self._head_hooks(site), prompts, patching_pairs.keys(seed, [pair], n_layers * heads),
+          out = self._run(self._head_hooks(site), prompts, patching_pairs.keys(seed, [pair], n_layers * heads),
                           edit)
           per_window.append(self._metric(out, [pair], n_layers * heads)[0].reshape(n_layers, heads))
         record["heads"][site] = np.stack(per_window)
