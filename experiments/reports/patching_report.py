@@ -43,9 +43,9 @@ def correlation(rows: list[dict], site: str) -> dict:
 
 def _example(rows: list[dict]) -> str:
   r = rows[0]
-  return (f"example pair (item {r['item']}): {r['clean_question']}  →  operand {r['operand']} {r['old']} → "
-          f"{r['new']}; answer token '{r['clean_token']}' vs '{r['corrupted_token']}' at generated position "
-          f"{r['answer_index']}")
+  return (f"example pair (item {r['item']}): \"{r['clean_question']}\"; corrupted: number {r['operand'] + 1} of the "
+          f"question {r['old']} → {r['new']}; answer token '{r['clean_token']}' vs '{r['corrupted_token']}' at "
+          f"generated position {r['answer_index']}")
 
 
 def heatmap(grid: np.ndarray, title: str, caption: str, xlabel: str, xticks: list[str], ylabel: str = "layer",
@@ -113,7 +113,7 @@ def model_summary(out: str, meta: dict, rows: list[dict]) -> tuple[dict, list[st
            f"{decode_steps[:, 0].mean():.1f} (clean) / {decode_steps[:, 1].mean():.1f} (corrupted) on average.", ""]
   model_dir = os.path.join(out, label)
   marker = None
-  if steps:
+  if steps[0] <= decode_steps[:, 1].mean() <= steps[-1]:
     marker = float(np.interp(decode_steps[:, 1].mean(), steps, np.arange(len(steps))))
   for site in meta["grid_sites"]:
     result = site_result(rows, site)
