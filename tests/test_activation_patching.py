@@ -227,7 +227,9 @@ def test_binary_on_the_embedded_models(tmp_path):
       assert (out / label / name).stat().st_size > 0
   attribution_summary = summary["tiny-dlm"]["attribution"]["hook_resid_pre"]
   assert attribution_summary["max_metric_gap"] < 1e-3
-  assert attribution_summary["pearson_r"] > 0.8
+  # Measured for this run (2 pairs, steps 12-13, 16 cells): r = 0.927, signs agree in 16 of 16 cells; over all 32
+  # steps of 6 pairs (docs/results/activation_patching) r = 0.70 and 85% of the signs agree.
+  assert attribution_summary["pearson_r"] > 0.8 and attribution_summary["sign_agreement"] >= 0.9
   assert summary["tiny-arm"]["attribution"] == {}
   before = (out / "results.jsonl").read_text()
   again = fx.run_binary("activation_patching", *args)
