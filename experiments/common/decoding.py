@@ -268,13 +268,13 @@ def masker_state(model: Model, intervention, masker, batch: int, total: int, k: 
 
 
 def sampler(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,
-            key: jax.Array, stats_spec=None, intervention=None, intervention_state=None):
+            key: jax.Array, stats_spec=None, intervention=None, intervention_state=None, params=None):
   """The model's sampler on a batch (placed on the mesh when there is one) with everything bound but its
   activation hooks: a function sample(hooks=..., hook_values=...) -> `Trace` (defaults: none), without the
   finiteness check of `generate` (so that `jax.eval_shape` can run it, e.g. `capture_budget.check`).
 
   values: `model_settings`; intervention: the complete intervention (see `combined_intervention`); None =
-  the model's own."""
+  the model's own; params: the weights (default the model's; e.g. abstract ones under `jax.eval_shape`)."""
   from dlm_jax.instrument.stats import NO_STATS  # pylint: disable=import-outside-toplevel
   if intervention is None:
     intervention = combined_intervention(model)
@@ -287,14 +287,17 @@ def sampler(model: Model, values: dict[str, Any], prompts: Prompts, runtime: dev
                 intervention=intervention, intervention_state=intervention_state,
                 attention_impl=numerics.attention_impl, query_chunk=numerics.query_chunk,
                 batch_invariant=numerics.batch_invariant)
-  return functools.partial(model.decoder.generate, model.params, prompt, **kwargs)
+  return functools.partial(model.decoder.generate, model.params if params is None else params, prompt, **kwargs)
 
 
 def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,
-             key: jax.Array, stats_spec=None, intervention=None, intervention_state=None):
-  """Runs the model's sampler on a batch (`sampler`); returns the `Trace`, refused when its logits went
-  non-finite (`check_finite`)."""
+             key: jax.Array, stats_spec=None, intervention=None, intervention_state=None, hooks=None,
+             hook_values=None):
+  """Runs the model's sampler on a batch (`sampler`) with activation hooks if given (`dlm_jax.instrument`);
+  returns the `Trace`, refused when its logits went non-finite (`check_finite`)."""
+  from dlm_jax.instrument.hook_spec import NO_HOOKS  # pylint: disable=import-outside-toplevel
   trace = sampler(model, values, prompts, runtime, numerics, key=key, stats_spec=stats_spec,
-                  intervention=intervention, intervention_state=intervention_state)()
+                  intervention=intervention, intervention_state=intervention_state)(
+                      hooks=NO_HOOKS if hooks is None else hooks, hook_values=hook_values)
   check_finite(trace, [f"{model.label} batch row {row}" for row in range(prompts.ids.shape[0])])
   return trace
