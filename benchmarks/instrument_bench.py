@@ -20,8 +20,10 @@ On one random model (float32, LLaDA low-confidence decoding, temperature 0) it m
 
 Timing: every program is compiled and run once first; then `--rounds` rounds run each once in turn
 (the baseline and current no-hook programs in their workers, the others in this process), so load from
-other processes falls on all alike. Per variant: the median ms per step over rounds, and the min and max
-(the spread); ratios are medians of the per-round ratios (each round's runs are neighbours in time).
+other processes falls on all alike. Two clocks: wall time, and the CPU time of the process that ran the
+program (all its threads; on a loaded machine waiting for a core does not count, so it is the steadier
+one). Per variant and clock: the median ms per step over rounds, and the min and max (the spread); ratios
+are medians of the per-round ratios (each round's runs are neighbours in time).
 The CPU model (/proc/cpuinfo) and the load average before and after are printed and written to the JSON.
 
     python -m benchmarks.instrument_bench                   # width 512, 8 layers, canvas 256, 32 steps
@@ -111,7 +113,7 @@ def _plain_sampler(config, options):
 def _serve(spec: dict) -> None:
   """Worker: compiles the no-hook sampler from the `dlm_jax` on sys.path, writes its optimized HLO
   (`normalized_hlo`) to spec["hlo_out"], prints a ready line, then runs the program once per stdin line
-  and prints the seconds it took."""
+  and prints its wall and CPU seconds (`_clocks`)."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   import dlm_jax  # pylint: disable=import-outside-toplevel
@@ -124,16 +126,18 @@ def _serve(spec: dict) -> None:
   print(json.dumps({"ready": True, "dlm_jax": os.path.dirname(dlm_jax.__file__), "tokens": tokens.tolist()}),
         flush=True)
   for _ in sys.stdin:
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(params, prompt))
-    print(json.dumps({"seconds": time.perf_counter() - start}), flush=True)
+    print(json.dumps({"clocks": _clocks(lambda: jax.block_until_ready(compiled(params, prompt)))}), flush=True)
 
 
 class _Worker:
-  """A `_serve` process on the `dlm_jax` of `tree` (cwd and PYTHONPATH: the tree; this file run by path)."""
+  """A `_serve` process on the `dlm_jax` of `tree` (cwd and PYTHONPATH: the tree; this file run by path),
+  with JAX's persistent compilation cache off: a cache shared by the two workers (the test suite sets one)
+  could hand the baseline worker the current tree's executable, and the comparison would compare one
+  program with itself."""
 
   def __init__(self, tree: str, spec: dict):
-    env = {**os.environ, "PYTHONPATH": tree}
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(PYTHONPATH=tree, JAX_ENABLE_COMPILATION_CACHE="false")
     self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__), f"--worker={json.dumps(spec)}"],
                                     cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     self.ready = self._reply()
@@ -146,10 +150,11 @@ class _Worker:
       raise RuntimeError(f"worker {self.process.args} exited with {self.process.wait()}")
     return json.loads(line)
 
-  def run(self) -> float:
+  def run(self) -> tuple[float, float]:
+    """(wall, CPU) seconds of one run of the worker's program."""
     self.process.stdin.write("run\n")
     self.process.stdin.flush()
-    return self._reply()["seconds"]
+    return tuple(self._reply()["clocks"])
 
   def close(self) -> None:
     self.process.stdin.close()
@@ -264,8 +269,47 @@ def _capture_plans(spec: dict, config, params, prompt, options) -> list[dict]:
   return out
 
 
+def _clocks(run) -> tuple[float, float]:
+  """(wall seconds, CPU seconds of this process, all threads) of run()."""
+  wall, cpu = time.perf_counter(), time.process_time()
+  run()
+  return time.perf_counter() - wall, time.process_time() - cpu
+
+
 def _median_ratio(numerator: list[float], denominator: list[float]) -> float:
   return statistics.median(n / d for n, d in zip(numerator, denominator))
+
+
+def _ratios(per_step: dict[str, list[float]]) -> dict[str, float]:
+  """The figures' ratios from ms per step per round, each the median over rounds of the round's ratio."""
+  base = per_step["no hooks"]
+  ratios = {}
+  if "baseline (no hooks, worker)" in per_step:
+    ratios["current / baseline (workers)"] = _median_ratio(per_step["current (no hooks, worker)"],
+                                                           per_step["baseline (no hooks, worker)"])
+  for name in ("capture mean masked", "capture mean decoded", "clean capture (1 layer)", "patched (1 layer)"):
+    ratios[f"{name} / no hooks"] = _median_ratio(per_step[name], base)
+  extra = [p - b for p, b in zip(per_step["patched (1 layer)"], base)]
+  ratios["(patched - no hooks) / plain forward"] = _median_ratio(extra, per_step["plain forward call"])
+  ratios["plain forward / no-hook step"] = _median_ratio(per_step["plain forward call"], base)
+  return ratios
+
+
+def _print_clock(clock: str, results: dict, spec: dict) -> None:
+  """The table, ratios and figures 2 and 3 of one clock (wall or CPU time)."""
+  print(f"\n{clock} time: {'program':<30} {'ms/step median':>14} {'min':>8} {'max':>8}  same tokens as no hooks")
+  for name, row in results[f"{clock}_ms_per_step"].items():
+    same = results["same_tokens_as_no_hooks"].get(name, "")
+    print(f"{clock} time: {name:<30} {row['median']:>14.2f} {row['min']:>8.2f} {row['max']:>8.2f}  {same}")
+  ratios = results[f"{clock}_ratios"]
+  print(f"{clock} time ratios (median over rounds of each round's ratio):")
+  for name, value in ratios.items():
+    print(f"  {name:<42} {value:.3f}")
+  print(f"2. ({clock} time) capture mean per class, every layer and step: masked "
+        f"{100 * (ratios['capture mean masked / no hooks'] - 1):+.1f}%, decoded "
+        f"{100 * (ratios['capture mean decoded / no hooks'] - 1):+.1f}% of the step time (target <= +10%)")
+  print(f"3. ({clock} time) patching one site at one layer, {results['patching']['patched_steps']} patched steps: "
+        f"{ratios['(patched - no hooks) / plain forward']:+.3f} forwards extra per step (target <= 1)", flush=True)
 
 
 def _write_json(path: str, results: dict) -> None:
@@ -309,39 +353,15 @@ def _measure(spec: dict, baseline_tree: str | None, hlo_dir: str) -> dict:
   times = {name: [] for name in timed}
   for _ in range(spec["rounds"]):
     for name, run in timed.items():
-      if name in workers:
-        times[name].append(run())
-        continue
-      start = time.perf_counter()
-      run()
-      times[name].append(time.perf_counter() - start)
+      times[name].append(run() if name in workers else _clocks(run))
   for worker in workers.values():
     worker.close()
-  per_step = {name: [1e3 * t / spec["steps"] for t in ts] for name, ts in times.items()}
-  results["ms_per_step"] = {name: {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "rounds": ms}
-                            for name, ms in per_step.items()}
-  print(f"\n{'program':<30} {'ms/step median':>14} {'min':>8} {'max':>8}  same tokens as no hooks")
-  for name, row in results["ms_per_step"].items():
-    same = results["same_tokens_as_no_hooks"].get(name, "")
-    print(f"{name:<30} {row['median']:>14.2f} {row['min']:>8.2f} {row['max']:>8.2f}  {same}")
-  base = per_step["no hooks"]
-  ratios = {}
-  if "baseline (no hooks, worker)" in per_step:
-    ratios["current / baseline (workers)"] = _median_ratio(per_step["current (no hooks, worker)"],
-                                                           per_step["baseline (no hooks, worker)"])
-  for name in ("capture mean masked", "capture mean decoded", "clean capture (1 layer)", "patched (1 layer)"):
-    ratios[f"{name} / no hooks"] = _median_ratio(per_step[name], base)
-  extra = [p - b for p, b in zip(per_step["patched (1 layer)"], base)]
-  ratios["(patched - no hooks) / plain forward"] = _median_ratio(extra, per_step["plain forward call"])
-  ratios["plain forward / no-hook step"] = _median_ratio(per_step["plain forward call"], base)
-  results["ratios"] = ratios
-  print("\nratios (median over rounds of each round's ratio):")
-  for name, value in ratios.items():
-    print(f"  {name:<42} {value:.3f}")
-  print(f"2. capture mean per class, every layer and step: masked {100 * (ratios['capture mean masked / no hooks'] - 1):+.1f}%"
-        f", decoded {100 * (ratios['capture mean decoded / no hooks'] - 1):+.1f}% of the step time (target <= +10%)")
-  print(f"3. patching one site at one layer, {results['patching']['patched_steps']} patched steps: "
-        f"{ratios['(patched - no hooks) / plain forward']:+.3f} forwards extra per step (target <= 1)", flush=True)
+  for clock, index in (("wall", 0), ("cpu", 1)):
+    per_step = {name: [1e3 * t[index] / spec["steps"] for t in ts] for name, ts in times.items()}
+    results[f"{clock}_ms_per_step"] = {name: {"median": statistics.median(ms), "min": min(ms), "max": max(ms),
+                                              "rounds": ms} for name, ms in per_step.items()}
+    results[f"{clock}_ratios"] = _ratios(per_step)
+    _print_clock(clock, results, spec)
   results["capture_plans"] = _capture_plans(spec, config, params, prompt, options)
   print("4. capture bytes: capture_bytes (planned) vs the arrays Trace.captures returned")
   for plan in results["capture_plans"]:

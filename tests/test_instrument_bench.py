@@ -17,16 +17,17 @@ def test_quick_mode_prints_every_figure_and_writes_json(tmp_path):
   assert done.returncode == 0, done.stderr[-3000:]
   results = json.loads(out.read_text())
   assert f"CPU: {results['cpu']['model']}" in done.stdout
-  for figure in ("1. optimized HLO of the no-hook sampler", "2. capture mean per class", "3. patching one site",
-                 "4. capture bytes"):
-    assert figure in done.stdout
+  figures = ["1. optimized HLO of the no-hook sampler", "4. capture bytes"] + [
+      f"{n}. ({clock} time) {what}" for clock in ("wall", "cpu")
+      for n, what in ((2, "capture mean per class"), (3, "patching one site"))]
+  assert all(figure in done.stdout for figure in figures)
   assert results["hlo"]["identical"] and results["hlo"]["same_tokens"]
-  assert set(results["ms_per_step"]) == {
+  assert set(results["wall_ms_per_step"]) == set(results["cpu_ms_per_step"]) == {
       "current (no hooks, worker)", "baseline (no hooks, worker)", "no hooks", "capture mean masked",
       "capture mean decoded", "clean capture (1 layer)", "patched (1 layer)", "plain forward call"}
-  assert all(row["median"] > 0 for row in results["ms_per_step"].values())
+  assert all(row["median"] > 0 for row in results["wall_ms_per_step"].values())
   assert all(same for name, same in results["same_tokens_as_no_hooks"].items() if name != "patched (1 layer)")
-  assert "(patched - no hooks) / plain forward" in results["ratios"]
+  assert "(patched - no hooks) / plain forward" in results["cpu_ratios"]
   assert len(results["capture_plans"]) == 3 and all(plan["equal"] for plan in results["capture_plans"])
 
 
