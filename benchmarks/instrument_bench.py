@@ -14,7 +14,7 @@ On one random model (float32, LLaDA low-confidence decoding, temperature 0) it m
    (values from the clean run, `dlm_jax.analysis.patching.patch_values`): ms per step of the patched run,
    of the run without hooks and of one plain forward call (`model.forward` jitted on the canvas, logits of
    one block, as a sampler step computes them); the extra time per patched step in forwards.
-4. Capture bytes: `dlm_jax.sampling.capture_steps.capture_bytes` against the bytes of the arrays the run
+4. Capture bytes: `dlm_jax.sampling.driver.capture_bytes` against the bytes of the arrays the run
    returns in `Trace.captures`, for three plans: hook_resid_post at every layer and step unreduced; its
    mean over the masked positions; the logit lens at the masked positions every 8th step.
 
@@ -242,7 +242,7 @@ def _capture_plans(spec: dict, config, params, prompt, options) -> list[dict]:
   import numpy as np  # pylint: disable=import-outside-toplevel
   from dlm_jax.instrument.hook_call import CaptureValues, hook_values  # pylint: disable=import-outside-toplevel
   from dlm_jax.instrument.hook_spec import Capture, Hooks, Steps  # pylint: disable=import-outside-toplevel
-  from dlm_jax.sampling.capture_steps import capture_bytes  # pylint: disable=import-outside-toplevel
+  from dlm_jax.sampling.driver import capture_bytes  # pylint: disable=import-outside-toplevel
   from dlm_jax.sampling.llada import generate  # pylint: disable=import-outside-toplevel
   seq = spec["prompt"] + spec["gen"]
   targets = np.random.default_rng(3).integers(3, spec["vocab"] - 1, size=(1, seq)).astype(np.int32)
