@@ -169,12 +169,15 @@ class HookCall:
   flags: [B, T] int32 class bits (`VALID`, `PROMPT`, …) of the call's queries; None counts every query as
     VALID only ("all").
   step: scalar int32, the sampler step (0 for a plain forward call).
+  keep: [n captures] bool, whether each capture keeps this call's step (its `Steps`), or None (every
+    capture does); costly reductions are skipped where it is False (`dlm_jax.instrument.site_hooks`).
   """
 
   hooks: Hooks = struct.field(pytree_node=False)
   values: HookValues
   flags: jax.Array | None = None
   step: jax.Array | int = 0
+  keep: jax.Array | None = None
 
   def map_rows(self, rows: Callable[[jax.Array, int], jax.Array]) -> HookCall:
     """This call with rows(x, batch axis) applied to every array that has a batch axis (e.g. doubling the
@@ -201,11 +204,11 @@ def row_slices(call: HookCall) -> tuple[HookCall, Callable[[HookCall], HookCall]
   def drop_shared(c: HookCall) -> HookCall:
     edits = tuple(v.replace(value_steps=None) for v in c.values.edits)
     captures = tuple(v.replace(directions=None) for v in c.values.captures)
-    return c.replace(values=HookValues(captures=captures, edits=edits), step=None)
+    return c.replace(values=HookValues(captures=captures, edits=edits), step=None, keep=None)
 
   def rebuild(row: HookCall) -> HookCall:
     edits = tuple(r.replace(value_steps=s.value_steps) for r, s in zip(row.values.edits, shared.values.edits))
     captures = tuple(r.replace(directions=s.directions) for r, s in zip(row.values.captures, shared.values.captures))
-    return row.replace(values=HookValues(captures=captures, edits=edits), step=shared.step)
+    return row.replace(values=HookValues(captures=captures, edits=edits), step=shared.step, keep=shared.keep)
 
   return drop_shared(split_call), rebuild

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dlm_jax.config import ModelConfig
@@ -52,10 +53,12 @@ def position_flags(context: CallContext, was_unresolved: jax.Array) -> jax.Array
 @dataclasses.dataclass(frozen=True)
 class Instrumented(Intervention):
   """`inner`'s attention biases and state, plus `hooks` at every model call (module docstring). State:
-  (inner state, `InstrumentState`)."""
+  (inner state, `InstrumentState`). max_steps: the run's step bound, for `HookCall.keep` (0: every capture
+  keeps every step)."""
 
   inner: Intervention
   hooks: Hooks
+  max_steps: int = 0
 
   def required_stats(self, config: ModelConfig) -> StatsSpec:
     return self.inner.required_stats(config)
@@ -80,7 +83,18 @@ class Instrumented(Intervention):
   def hook_call(self, state, context: CallContext) -> HookCall:
     instrument = state[1]
     return HookCall(hooks=self.hooks, values=instrument.values, flags=position_flags(context, instrument.was_unresolved),
-                    step=context.step)
+                    step=context.step, keep=self._keep(context.step))
+
+  def _keep(self, step: jax.Array) -> jax.Array | None:
+    """[n captures] bool: each capture keeps step `step` (`Steps.slots`; block starts and decoded positions
+    are known only after the call, so those keep every step)."""
+    if not self.max_steps or not self.hooks.captures:
+      return None
+    table = np.ones((len(self.hooks.captures), self.max_steps), bool)
+    for i, capture in enumerate(self.hooks.captures):
+      if capture.steps.kind in ("all", "at", "every"):
+        table[i] = np.asarray(capture.steps.slots(self.max_steps)) >= 0
+    return jnp.asarray(table)[:, jnp.clip(step, 0, self.max_steps - 1)]
 
   def update(self, state, output: ForwardOutput, context: CallContext):
     inner, instrument = state

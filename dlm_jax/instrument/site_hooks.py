@@ -142,13 +142,24 @@ def slot_table(config: ModelConfig, layers: tuple[int | None, ...], kind: str | 
   return table
 
 
+GATED_REDUCTIONS = ("lens", "topk", "project")
+
+
+def _gated(capture: Capture) -> bool:
+  return capture.reduce in GATED_REDUCTIONS or capture.site == "attn.hook_pattern"
+
+
 class SiteHooks:
   """The hooks of one forward call at one layer (`layer` traced int32) of attention kind `kind`, or at the
   model-level sites (layer None).
 
   offset: sequence position of the call's first query; n_seq: S; readout(h, normalized): final norm (unless
-  `normalized`) + LM head, [B, T, D] -> float32 logits [B, T, V] (the "lens" reduction). After the sites ran, `captured` maps each capture
-  index acting here to its reduced value.
+  `normalized`) + LM head, [B, T, D] -> float32 logits [B, T, V] (the "lens" reduction). After the sites
+  ran, `captured` maps each capture index acting here to its reduced value.
+
+  The costly captures (`GATED`: the lens, top-k, projections, attention rows) are computed under a
+  `lax.cond` only at their own layers and kept steps (`HookCall.keep`); elsewhere they are zeros, which
+  nothing keeps. The cheap ones are computed at every layer of their kind and kept only at theirs.
   """
 
   def __init__(self, call: HookCall, config: ModelConfig, *, kind: str | None, layer, offset, n_seq: int,
@@ -180,6 +191,25 @@ class SiteHooks:
     table = slot_table(self.config, self.call.hooks.resolved_layers(self.config, item))
     return jnp.asarray(table)[self.layer]
 
+  def _wanted(self, index: int) -> jax.Array | None:
+    """Scalar bool: capture `index` is kept at this layer and this call's step (None: at every one)."""
+    wanted = None
+    if self.kind is not None:
+      wanted = self._slot(self.call.hooks.captures[index]) >= 0
+    if self.call.keep is not None:
+      wanted = self.call.keep[index] if wanted is None else wanted & self.call.keep[index]
+    return wanted
+
+  def _capture(self, index: int, reduce: Callable[[], object]) -> None:
+    """Records capture `index` = reduce(), behind a `lax.cond` on `_wanted` for a costly one."""
+    wanted = self._wanted(index) if _gated(self.call.hooks.captures[index]) else None
+    if wanted is None:
+      self.captured[index] = reduce()
+      return
+    shapes = jax.eval_shape(reduce)
+    zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+    self.captured[index] = jax.lax.cond(wanted, reduce, zeros)
+
   def flags(self, t: int, start=0) -> jax.Array:
     """[B, T] class bits of the queries start..start+T−1 of the call (all VALID without flags)."""
     flags = self.call.flags
@@ -205,8 +235,8 @@ class SiteHooks:
       capture = hooks.captures[i]
       if capture.site == site:
         selected = class_mask("all" if isinstance(capture.positions, tuple) else capture.positions, flags)
-        self.captured[i] = reduce_capture(capture, self.call.values.captures[i], x, selected, offset, self.n_seq,
-                                          self.readout)
+        self._capture(i, lambda capture=capture, i=i, selected=selected: reduce_capture(
+            capture, self.call.values.captures[i], x, selected, offset, self.n_seq, self.readout))
     return x
 
   def pattern(self, probabilities: Callable[[jax.Array], jax.Array], n_queries: int) -> None:
@@ -219,7 +249,7 @@ class SiteHooks:
         query_index = jnp.asarray(self.offset, jnp.int32) + jnp.arange(n_queries)
         chosen = jnp.asarray(capture.positions, jnp.int32)
         weights = (query_index[None, :] == chosen[:, None]).astype(jnp.float32)
-        self.captured[i] = probabilities(weights)
+        self._capture(i, lambda weights=weights: probabilities(weights))
 
 
 def at(hooks: SiteHooks | None, site: str, x: jax.Array) -> jax.Array:

@@ -421,19 +421,20 @@ def run_family(
     raise ValueError(f"hooks must be a dlm_jax.instrument.hook_spec.Hooks, got {type(hooks).__name__}.")
   if hook_values is not None and not hooks.enabled:
     raise ValueError("hook_values were given without hooks; pass hooks=Hooks(captures=..., edits=...).")
-  if hooks.enabled:
-    hooks.check(config)
-    instrumented = Instrumented(inner=intervention, hooks=hooks)
-    if intervention_state is None:
-      intervention_state = intervention.init_state(config, b, total)
-    intervention_state = instrumented.init_state(config, b, total, hook_values, intervention_state, gen_start=lp)
-    intervention = instrumented
   caller = ModelCaller(config=config, plan=plan,
                        intervention=intervention, mask_id=family.query_mask_id, gen_start=lp,
                        attention_impl=attention_impl, query_chunk=query_chunk,
                        record_intervention=record_intervention, batch_invariant=batch_invariant)
   key, row_keys = keys.as_run_key(key, b)
   run = Run(family=family, config=config, caller=caller, prompt_length=lp, total_length=total, row_keys=row_keys)
+  if hooks.enabled:
+    hooks.check(config)
+    instrumented = Instrumented(inner=intervention, hooks=hooks, max_steps=_max_steps(family.phases(run)))
+    if intervention_state is None:
+      intervention_state = intervention.init_state(config, b, total)
+    intervention_state = instrumented.init_state(config, b, total, hook_values, intervention_state, gen_start=lp)
+    intervention = instrumented
+    run = dataclasses.replace(run, caller=dataclasses.replace(caller, intervention=instrumented))
   if hooks.captures:
     layout = capture_steps.CaptureLayout(
         steps=tuple((name, hooks.captures[i].steps) for name, i in hooks.capture_names(config).items()),
