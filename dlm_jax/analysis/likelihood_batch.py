@@ -5,7 +5,7 @@ count table), laid out for many requests at once:
 
 - every request is one row [context | continuation], left-padded to a width S that depends only on its
   own length L (`row_width`: L rounded up to a multiple of 8 up to 128, of 16 up to 256, of 32 beyond, so
-  at most 1/8 of a row is padding); pad keys are hidden and positions shifted so that each row's first
+  padding stays under max(8, L/8) tokens); pad keys are hidden and positions shifted so that each row's first
   real token is at position 0, so padding does not change a request's result;
 - a Monte-Carlo estimate is a set of (request, draw) pairs; a batch of `batch_size` pairs (the last one
   padded by repeating its last pair) is one jitted call that draws the masks, runs the model (twice
@@ -82,7 +82,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 def row_width(length: int) -> int:
   """S of a request of `length` tokens: rounded up to a multiple of 8 (length <= 128), 16 (<= 256) or 32,
-  so padding is under 1/8 of the row and round_up(S, DRAW_MULTIPLE) = round_up(length, DRAW_MULTIPLE)."""
+  so padding stays under max(8, length/8) tokens and round_up(S, DRAW_MULTIPLE) = round_up(length, DRAW_MULTIPLE)."""
   step = next((step for bound, step in ROW_STEPS if length <= bound), ROW_STEP_BEYOND)
   return _round_up(length, step)
 
