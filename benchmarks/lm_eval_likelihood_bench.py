@@ -11,7 +11,9 @@ at a time, mc_num / batch minibatches of `batch` noisy copies, each a full-logit
 `transformers`' Llama (bidirectional through an all-visible 4-D mask, `benchmarks.torch_way.build_model`)
 followed by the stratified forward process (torch.linspace counts, a random permutation per row) and
 Σ CE / (n/T) on the host side in eager torch. Throughput = requests × mc_num / seconds (draws/s), both in
-float32 on this CPU, each best of --repeats after a warm-up; the ratio is measured within one run.
+float32 on this CPU, each best of --repeats after a warm-up, the two ways timed in turn (jax, torch, jax,
+...) so that both see the same changes of load; the ratio is measured within one run. The load average
+is printed at the start and the end: on a shared machine, read the figures with it.
 
 Variance: the spread over --seeds seeds of the estimate of each of 8 requests at equal draws (mc_num),
 averaged over the requests: LLaDA's stratified draws (strata of mc_num) against plain sampling (strata of
@@ -73,13 +75,20 @@ def _requests(config, count: int, seed: int = 1):
           for _ in range(count)]
 
 
-def _best(fn, repeats: int) -> float:
-  times = []
+def _timed(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+def _best_interleaved(fns, repeats: int) -> list[float]:
+  """The best of `repeats` wall times of each function, run in turn (a, b, a, b, ...) so that a change of
+  the machine's load during the run reaches both."""
+  times = [[] for _ in fns]
   for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return min(times)
+    for fn, kept in zip(fns, times):
+      kept.append(_timed(fn))
+  return [min(kept) for kept in times]
 
 
 def torch_llada_log_likelihood(model, prompt, answer, *, mc_num: int, batch: int, mask_id: int, generator):
@@ -117,10 +126,7 @@ def speed(name, config, params) -> dict:
   mc = _MC_NUM.value
   settings = lb.MCSettings("llada", mc_num=mc, group=mc)
   run = lambda: lb.mc_log_likelihoods(params, requests, config=config, settings=settings, batch_size=_PAIRS.value)
-  start = time.perf_counter()
-  run()
-  first = time.perf_counter() - start
-  jax_s = _best(run, _REPEATS.value)
+  first = _timed(run)
   model = torch_way.build_model(jax.device_get(params), config, "sdpa")
   generator = torch.Generator().manual_seed(0)
   tensors = [(torch.tensor(c), torch.tensor(a)) for c, a in requests]
@@ -128,7 +134,7 @@ def speed(name, config, params) -> dict:
                                                   generator=generator) for c, a in tensors]
   torch_llada_log_likelihood(model, *tensors[0], mc_num=mc, batch=mc, mask_id=config.mask_token_id,
                              generator=generator)
-  torch_s = _best(torch_run, _REPEATS.value)
+  jax_s, torch_s = _best_interleaved([run, torch_run], _REPEATS.value)
   draws = len(requests) * mc
   return {"model": name, "d_model": config.d_model, "requests": len(requests), "mc_num": mc,
           "jax_compile_s": max(first - jax_s, 0.0), "jax_s": jax_s, "torch_s": torch_s,
@@ -170,13 +176,15 @@ def main(argv):
   from dlm_jax.config import preset
   jax.config.update("jax_default_matmul_precision", "highest")
   models = _models()
-  results = {"cpu": cpu_model(), "load_average": os.getloadavg(), "speed": [speed(*m) for m in models]}
+  results = {"cpu": cpu_model(), "load_average": os.getloadavg(), "speed": [speed(*m) for m in models],
+             "load_average_after_speed": os.getloadavg()}
   dream = preset("tiny-dream")
   results["variance"] = [
       variance(*models[0], "llada", task_requests(8)),
       variance("tiny-dream (random)", dream, model.init_params(dream, jax.random.key(3)), "dream",
                _requests(dream, 8, seed=2))]
-  print(f"CPU: {results['cpu']}, load average at the start {results['load_average'][0]:.1f}")
+  print(f"CPU: {results['cpu']}, load average at the start {results['load_average'][0]:.1f}, after the speed "
+        f"test {results['load_average_after_speed'][0]:.1f}")
   print("| model | d_model | requests × mc_num | dlm_jax draws/s | torch draws/s | speedup | dlm_jax compile s |")
   print("|---|---|---|---|---|---|---|")
   for r in results["speed"]:

@@ -39,10 +39,11 @@ def _log_softmax(x):
   return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def _inputs(request, settings, draws):
-  """The draw_masks inputs of `draws` of one request, as mc_log_likelihoods builds them."""
+def _inputs(request, settings, draws, width=None):
+  """The draw_masks inputs of `draws` of one request, as mc_log_likelihoods builds them (at its row width,
+  or at `width`)."""
   context, continuation = request
-  width, _ = lb.shapes(len(context), len(continuation))
+  width = width or lb.shapes(len(context), len(continuation))[0]
   valid = np.arange(width) >= width - len(context) - len(continuation)
   key = np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(0),
                                                           lb.request_key_number(context, continuation))))
@@ -85,6 +86,22 @@ def test_llada_draws_are_stratified_over_the_continuation():
   for stratum in (masked[:8], masked[8:]):
     assert any(np.array_equal(stratum.sum(1), row) for row in table)
   np.testing.assert_allclose(weight, masked.sum(1) / 5)
+
+
+def test_rows_are_padded_little_and_draws_do_not_depend_on_the_width():
+  """Padding under max(8, L/8) tokens; a request's masks at its row width equal those drawn on a row as wide
+  as the draw canvas (L rounded up to 32), aligned at the right end."""
+  for length in range(1, 700):
+    width = lb.row_width(length)
+    assert length <= width < length + max(8, length / 8) and width % 8 == 0, (length, width)
+  for estimator in lb.ESTIMATORS:
+    settings = lb.MCSettings(estimator, mc_num=8, group=4)
+    for request in (REQUESTS[1], ([1] + list(range(4, 46)), [50, 51, 52, 53, 54, 55, 56, 57, 58, 59])):
+      length = len(request[0]) + len(request[1])
+      masks = [np.asarray(lb.draw_masks(*_inputs(request, settings, list(range(8)), width), settings=settings)[0])
+               for width in (lb.row_width(length), -(-length // 32) * 32)]
+      assert masks[0].shape[1] < masks[1].shape[1] and masks[0].any()
+      np.testing.assert_array_equal(masks[0][:, -length:], masks[1][:, -length:])
 
 
 def test_dream_draws_are_antithetic_and_spare_the_ends():

@@ -4,8 +4,9 @@ The estimators are those of `dlm_jax.analysis.likelihood` (same weighting, same 
 count table), laid out for many requests at once:
 
 - every request is one row [context | continuation], left-padded to a width S that depends only on its
-  own length (a multiple of `WIDTH_MULTIPLE`); pad keys are hidden and positions shifted so that each
-  row's first real token is at position 0, so padding does not change a request's result;
+  own length L (`row_width`: L rounded up to a multiple of 8 up to 128, of 16 up to 256, of 32 beyond, so
+  padding stays under max(8, L/8) tokens); pad keys are hidden and positions shifted so that each row's first
+  real token is at position 0, so padding does not change a request's result;
 - a Monte-Carlo estimate is a set of (request, draw) pairs; a batch of `batch_size` pairs (the last one
   padded by repeating its last pair) is one jitted call that draws the masks, runs the model (twice
   with CFG) and returns each pair's loss Σ_masked CE / weight;
@@ -13,6 +14,8 @@ count table), laid out for many requests at once:
   request key is fold_in(key(seed), CRC-32 of the request's ids) and `group` is the stratum (LLaDA's
   and Dream's MC minibatch): the draws of one stratum share LLaDA's k, or Dream's u. So a request's
   estimate depends on the seed and its own ids only, not on the other requests of a batch or their order.
+  A draw's position uniforms are the last S of uniform(draw key, [round_up(S, DRAW_MULTIPLE)]) (a canvas
+  of L rounded up to a multiple of 32), so they do not change with the row width.
 
 LLaDA (stratified): in stratum g, k ~ U{1..T} from the stratum key; draw i masks exactly
 n_i = `llada_mask_count_table(T, group)[k − 1, i]` continuation positions chosen uniformly (from the draw
@@ -46,8 +49,10 @@ from dlm_jax.model import forward
 from dlm_jax.sampling.padding import shifted_positions
 
 ESTIMATORS = ("llada", "dream")
-WIDTH_MULTIPLE = 32
+ROW_STEPS = ((128, 8), (256, 16))
+ROW_STEP_BEYOND = 32
 WINDOW_MULTIPLE = 8
+DRAW_MULTIPLE = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +81,17 @@ def _round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
+def row_width(length: int) -> int:
+  """S of a request of `length` tokens: rounded up to a multiple of 8 (length <= 128), 16 (<= 256) or 32,
+  so padding stays under max(8, length/8) tokens and round_up(S, DRAW_MULTIPLE) = round_up(length, DRAW_MULTIPLE)."""
+  step = next((step for bound, step in ROW_STEPS if length <= bound), ROW_STEP_BEYOND)
+  return _round_up(length, step)
+
+
 def shapes(context_len: int, continuation_len: int) -> tuple[int, int]:
-  """(S, W) of a request: row width (a multiple of WIDTH_MULTIPLE) and continuation window (a multiple of
+  """(S, W) of a request: row width (`row_width`) and continuation window (a multiple of
   WINDOW_MULTIPLE, at most S − 1)."""
-  width = _round_up(context_len + continuation_len, WIDTH_MULTIPLE)
+  width = row_width(context_len + continuation_len)
   return width, min(_round_up(continuation_len, WINDOW_MULTIPLE), width - 1)
 
 
@@ -124,7 +136,8 @@ def draw_masks(valid, target_len, key_data, draw_index, count_columns, *, settin
   draw_keys = jax.vmap(jax.random.fold_in)(stratum_keys, draw_index % group + 1)
   position = jnp.arange(width)[None, :]
   target = position >= width - target_len[:, None]
-  uniform = jax.vmap(lambda key: jax.random.uniform(key, (width,)))(draw_keys)
+  canvas = _round_up(width, DRAW_MULTIPLE)
+  uniform = jax.vmap(lambda key: jax.random.uniform(key, (canvas,)))(draw_keys)[:, canvas - width:]
   if settings.estimator == "llada":
     k = jax.vmap(lambda key, t: jax.random.randint(key, (), 1, t + 1))(stratum_keys, target_len)
     counts = jnp.take_along_axis(count_columns, (k - 1)[:, None], axis=1)[:, 0]
