@@ -212,9 +212,13 @@ hooks = Hooks(captures=(Capture("hook_resid_mid", layers=1, reduce="mean", posit
 values = hook_values(hooks, config, 4, 13, edits={0: dict(vector=jnp.ones(config.d_model), coefficient=jnp.arange(4.0))})
 options = LLaDAOptions(gen_length=8, steps=4, block_length=4)
 alone = llada.generate(params, prompt, config=config, options=options, hooks=hooks, hook_values=values)
+plain = llada.generate(params, prompt, config=config, options=options)
+# row 0 steers with coefficient 0: a no-op, bitwise; the others steer by 1, 2, 3 and decode other tokens
+assert np.array_equal(np.asarray(alone.tokens)[0], np.asarray(plain.tokens)[0])
+assert not np.array_equal(np.asarray(alone.tokens)[1:], np.asarray(plain.tokens)[1:])
 mesh = sharding.make_mesh(data=2, tensor=2)
 sharded = sharding.put_host(params, sharding.param_shardings(config, mesh, params))
-with mesh:
+with jax.set_mesh(mesh):
   meshed = llada.generate(sharded, sharding.put_rows(prompt, mesh), config=config, options=options, hooks=hooks,
                           hook_values=values)
 assert np.array_equal(np.asarray(meshed.tokens), np.asarray(alone.tokens))
@@ -225,7 +229,8 @@ print("ok", sorted(alone.captures))
 
 
 def test_captures_and_edits_under_a_mesh():
-  """Captures and a per-row steering edit under a data × tensor mesh of 4 CPU devices equal the unsharded run."""
+  """Captures and a per-row steering edit under a data × tensor mesh of 4 CPU devices equal the unsharded run;
+  steering with coefficient 0 changes nothing."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   done = subprocess.run([sys.executable, "-c", _MESH_DRIVER], cwd=root, env=env, capture_output=True, text=True,

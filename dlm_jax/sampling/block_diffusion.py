@@ -402,8 +402,7 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
       carry = self._advance(run, carry, k)
     outputs = result.outputs.replace(active=decoding, queries=jnp.stack([jnp.asarray(start, jnp.int32),
                                                                          jnp.asarray(e, jnp.int32)]))
-    updated = decoding | ~jnp.any(decoding)  # a commit call updates every row's state
-    return carry, run.caller.intervention.keep_rows(result.intervention_state, istate, updated), outputs
+    return carry, result.intervention_state, outputs
 
   def _advance(self, run, carry: BlockDiffusionCarry, k) -> BlockDiffusionCarry:
     """The carry after a call of block k (traced) in the one-phase layout: at block k + 1, step 0, when no row

@@ -321,7 +321,7 @@ class DiffusionGemmaFamily(driver.Family):
                           passes=carry.passes + active.astype(jnp.int32))
     outputs = result.outputs.replace(active=active, queries=jnp.array([s, s + c], jnp.int32),
                                      accepted=accepted & active[:, None], canvas=read)
-    return carry, run.caller.intervention.keep_rows(result.intervention_state, istate, active), outputs
+    return carry, result.intervention_state, outputs
 
   def outcome(self, run, carry: DiffusionGemmaCarry) -> tuple[jax.Array, jax.Array]:
     return carry.tokens, carry.decode_step

@@ -210,4 +210,4 @@ def _block_step(family, run, params, consts: padding.PaddingLayout, carry, istat
   carry = carry.replace(tokens=new_x, key=key, decode_step=decode_step, block_step=carry.block_step + 1, cache=cache)
   queries = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(start + length, jnp.int32)])
   outputs = result.outputs.replace(active=active, queries=queries)
-  return carry, run.caller.intervention.keep_rows(result.intervention_state, istate, active), outputs
+  return carry, result.intervention_state, outputs

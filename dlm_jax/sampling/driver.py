@@ -88,7 +88,9 @@ class Family:
       with an opening.
     step(run, params, consts, carry, istate, i, phase) -> (carry, istate, StepOutput): step i (traced
       int32). A family whose rows can be idle in a batch (done with the phase while others are not) sets
-      `StepOutput.active` [B] to the rows the step decoded for (default: all).
+      `StepOutput.active` [B] to the rows the step decoded for (default: all); the driver then keeps the
+      intervention state of the rows that waited (`Intervention.keep_rows`), so a row's state does not
+      depend on its batch. A call that decodes no row (a cache commit, an encoder call) updates every row's.
     outcome(run, carry) -> (tokens [B, S], decode_step [B, G]): what the `Trace` reports.
     block_index(run, before, after, i, phase_index) -> the block step i worked on (carries before and after
       it), for captures at `Steps.block_starts()`; n_blocks(run) -> the most blocks a run has.
@@ -264,8 +266,9 @@ def _program(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
     and after count are only written by later calls — so it changes nothing, and XLA updates the buffers
     in place instead of copying them through the conditional at every step."""
     def make_call(carry, istate, count):
-      carry, istate, output = call(carry, istate, count)
-      return carry, istate, _with_defaults(output, batch, run.total_length)
+      carry, new_istate, output = call(carry, istate, count)
+      output = _with_defaults(output, batch, run.total_length)
+      return carry, _keep_waiting_rows(run, new_istate, istate, output.active), output
 
     def skip(carry, istate, count):
       del count
@@ -298,6 +301,12 @@ def _program(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
       state, _ = jax.lax.scan(lambda st, _: (body(st), None), state, None, length=phase.steps)
   carry, _, count, buffers, captured = state
   return _trace(run, carry, buffers, count, captured)
+
+
+def _keep_waiting_rows(run: Run, new_istate, old_istate, active: jax.Array):
+  """The intervention state after a step: `old_istate` for the rows that waited (not `active` [B]), unless the
+  call decoded no row at all (a cache commit, an encoder call), which updates every row's state."""
+  return run.caller.intervention.keep_rows(new_istate, old_istate, active | ~jnp.any(active))
 
 
 def _keep_captures(run: Run, captured: capture_steps.CaptureBuffers, captures, before, after, count, ran,
@@ -342,13 +351,15 @@ def _python_loop(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
       i = jnp.int32(len(outputs))
       if family.can_finish_early and bool(finished(carry, i)):
         continue
-      before = carry
+      before, old_istate = carry, istate
       carry, istate, output = call(params, consts, carry, istate, i)
+      output = _with_defaults(output, batch, run.total_length)
+      istate = _keep_waiting_rows(run, istate, old_istate, output.active)
       if run.captures is not None:
         if captured is None:
           captured = capture_steps.init_buffers(run.captures, jax.eval_shape(lambda c: c, output.captures))
         captured = _keep_captures(run, captured, output.captures, before, carry, i, jnp.bool_(True), phase_index)
-      outputs.append(_with_defaults(output.replace(captures=None), batch, run.total_length))
+      outputs.append(output.replace(captures=None))
   stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
   pad = _max_steps(phases) - len(outputs)
   stacked = jax.tree.map(lambda a: jnp.concatenate([a, jnp.zeros((pad, *a.shape[1:]), a.dtype)]), stacked)

@@ -173,7 +173,7 @@ def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, c
   carry = carry.replace(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step, block_step=block_step,
                         block=block, cache=result.cache if result.cache is not None else carry.cache)
   outputs = result.outputs.replace(active=active, queries=queries)
-  return carry, run.caller.intervention.keep_rows(result.intervention_state, istate, active), outputs
+  return carry, result.intervention_state, outputs
 
 
 def _capped_dual_step(family, run, params, consts, carry, istate, i, s, schedule, block_step, fresh, key, step_key):
@@ -211,4 +211,4 @@ def _capped_dual_step(family, run, params, consts, carry, istate, i, s, schedule
                         block_step=jnp.where(block_over, 0, block_step),
                         block=carry.block + block_over.astype(jnp.int32), cache=result.cache)
   outputs = result.outputs.replace(active=active, queries=queries)
-  return carry, run.caller.intervention.keep_rows(result.intervention_state, istate, active), outputs
+  return carry, result.intervention_state, outputs
