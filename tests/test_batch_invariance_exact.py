@@ -3,9 +3,11 @@ order, statistics, top sinks and sink-masker record are bitwise the same at batc
 whatever its neighbours and its row, with left-padded prompts of different lengths (the batch-invariant
 padding layout), the per-step sink masker of sink_masking_eval and per-row keys: the LLaDA sampler on the
 embedded tiny-dlm, and DiffusionGemma's (encoder commits, self-conditioned decoder steps over a KV cache) on
-the embedded tiny-uniform-dlm. DiffusionGemma runs without adaptive stopping and EOS stops: with them a batch
-skips the steps only once every row is done, so the step axis of a row's trace (and its decode_step, a
-driver step index) depends on its neighbours by construction (BUILD.md, "Exact batch independence")."""
+the embedded tiny-uniform-dlm, with adaptive stopping and EOS stops. A batch skips a step only once every row
+is done with it, so the step axis of a row's trace holds, besides the row's own steps, the steps it waited
+through for its neighbours (`Trace.active_rows` False), which depend on the batch by construction: a row's
+results are compared at its own steps, in order (decode_step as the index of the decoding step among
+them)."""
 
 import functools
 
@@ -30,8 +32,8 @@ FAMILIES = {
               StatsSpec(incoming_attention=True, per_head=True, value_norms=True)),
     # layer_pattern models have no value norms; the sampler's query groups instead (masked = renoised).
     "diffusion_gemma": ("tiny-uniform-dlm", diffusion_gemma.generate,
-                        diffusion_gemma.DiffusionGemmaOptions(gen_length=8, canvas_length=4, max_denoising_steps=4,
-                                                              confidence_threshold=None, eos_stop=False),
+                        diffusion_gemma.DiffusionGemmaOptions(gen_length=12, canvas_length=4, max_denoising_steps=6,
+                                                              confidence_threshold=0.5, eos_stop=True),
                         StatsSpec(incoming_attention=True, per_head=True, query_groups=3)),
 }
 
@@ -67,11 +69,14 @@ def _run(family: str, rows: list[int], batch_invariant: bool):
   trace = jax.device_get(trace)
   out = {}
   for r, item in enumerate(rows):
-    values = {"tokens": trace.tokens[r], "decode_step": trace.decode_step[r], "active": trace.active_rows[:, r],
-              "top_sinks": trace.top_sinks[:, :, r], "masked": trace.intervention_record[:, :, r]}
-    values.update({name: x[:, :, r] for name, x in trace.stats.items()})
+    own = trace.active_rows[:, r]  # the row's own steps (module docstring)
+    decode_step = trace.decode_step[r]
+    ordinal = np.where(decode_step >= 0, np.cumsum(own)[np.maximum(decode_step, 0)] - 1, -1)
+    values = {"tokens": trace.tokens[r], "decode_step": ordinal, "n_steps": own.sum(),
+              "top_sinks": trace.top_sinks[own, :, r], "masked": trace.intervention_record[own, :, r]}
+    values.update({name: x[own, :, r] for name, x in trace.stats.items()})
     if trace.canvases is not None:
-      values.update(canvases=trace.canvases[:, r], accepted=trace.accepted[:, r])
+      values.update(canvases=trace.canvases[own, r], accepted=trace.accepted[own, r])
     out.setdefault(item, values)
   return out
 
@@ -122,5 +127,7 @@ def test_the_masker_and_statistics_are_exercised(family):
   reference = _reference(family)
   first = reference[TARGETS[0]][0]
   assert first["masked"][1:].any() and np.ptp(first["incoming_attention"]) > 0
+  if family == "diffusion_gemma":  # adaptive stopping ends canvases early (the waiting steps are left out)
+    assert first["n_steps"] < FAMILIES[family][2].n_canvases * (1 + FAMILIES[family][2].max_denoising_steps)
   assert not np.array_equal(reference[TARGETS[0]][0]["tokens"], reference[TARGETS[1]][0]["tokens"])
 
