@@ -193,7 +193,7 @@ def test_moe_router_logits_and_head_shapes_of_global_layers():
     normed = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + config.norm_eps) * w
     expected = normed @ np.asarray(stack["mlp"]["router"]["kernel"][layer - config.first_k_dense], np.float64)
     np.testing.assert_allclose(np.asarray(out.captures[f"blocks.{layer}.mlp.hook_router_logits"]), expected, **TOL)
-  assert f"blocks.0.mlp.hook_router_logits" not in out.captures  # the dense first layer has no router
+  assert "blocks.0.mlp.hook_router_logits" not in out.captures  # the dense first layer has no router
   gemma = preset("tiny-diffusiongemma")
   gparams = init_params(gemma, jax.random.key(0))
   hooks = Hooks(captures=(Capture("attn.hook_k"),))

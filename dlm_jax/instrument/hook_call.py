@@ -8,7 +8,6 @@ site's heads (query heads, or kv heads at hook_k / hook_v), R directions, k top 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ from flax import struct
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument import sites
-from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
+from dlm_jax.instrument.hook_spec import Hooks
 
 VALID, PROMPT, MASKED, DECODED, COMMITTED = 1, 2, 4, 8, 16
 """Position-class bits of a query (`HookCall.flags`); a real query has VALID and one of the others."""
@@ -199,7 +198,7 @@ def row_slices(call: HookCall) -> tuple[HookCall, Callable[[HookCall], HookCall]
     return jnp.expand_dims(jnp.moveaxis(x, axis, 0), axis + 1)
 
   split_call = call.map_rows(split)
-  shared = dataclasses.replace(call)
+  shared = call
 
   def drop_shared(c: HookCall) -> HookCall:
     edits = tuple(v.replace(value_steps=None) for v in c.values.edits)
