@@ -33,3 +33,19 @@ import jax  # noqa: E402  (the environment must be set before JAX initialises)
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """After each test file, drop JAX's in-memory caches of traced and compiled programs. Every compiled CPU
+  executable keeps memory mappings of its machine code, and an xdist worker runs many files: with the caches
+  kept, a worker of the full suite reached 60,770 mappings against Linux's vm.max_map_count of 65,530 and
+  crashed inside XLA (a segfault in `executable.serialize()`, an abort in `backend_compile_and_load`, both
+  late in the run). Programs a later file needs again come back from the persistent compilation cache."""
+  yield
+  jax.clear_caches()
+  gc.collect()
