@@ -21,8 +21,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 # Only programs that take a second or more to compile are written: the sampler and training programs that
-# several files share. Fewer writes also mean fewer calls of `executable.serialize()`, which segfaulted once
-# here (2026-12-02, a training-loop program in test_train_resume, under a load of 6–10; not reproduced).
+# several files share (the small ones compile about as fast as they load).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1.0")
 # A size limit turns on JAX's file lock around every cache read and write. Without it an entry is written in
 # place, and a process reading the entry another one is still writing deserialises a torn executable (seen
