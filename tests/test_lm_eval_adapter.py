@@ -184,3 +184,28 @@ def test_generate_until_honours_each_requests_max_gen_toks(arm):
               _request("generate_until", (QUESTIONS[0], {"until": [], "max_gen_toks": 32}))]
   short, full = arm.generate_until(requests)
   assert len(full.split()) > 4 and short.split() == full.split()[:4]
+
+
+def test_a_steering_file_steers_generation_and_a_zero_coefficient_changes_nothing(dlm, tmp_path):
+  requests = [_request("generate_until", (q, {"until": ["\n"], "max_gen_toks": 32})) for q in QUESTIONS[:2]]
+  plain = dlm.generate_until(requests)
+  d = dlm.model.config.d_model
+  np.save(tmp_path / "direction.npy", np.ones((d,), np.float32))
+  texts = {}
+  for coefficient in (0.0, 8.0):
+    spec = tmp_path / f"steer_{coefficient}.json"
+    spec.write_text(json.dumps({"blocks.1.hook_resid_post": {"vector": "direction.npy", "coefficient": coefficient,
+                                                             "positions": "masked", "steps": [0, 16]}}))
+    steered = DlmJaxLM(**DLM_ARGS, steer=str(spec))
+    texts[coefficient] = steered.generate_until(requests)
+  assert texts[0.0] == plain
+  assert texts[8.0] != plain
+  bad = tmp_path / "bad.json"
+  bad.write_text(json.dumps({"blocks.1.hook_nope": {"vector": [1.0]}}))
+  with pytest.raises(cli.UserError, match=r"^model_args steer=.*unknown site 'blocks.1.hook_nope'") as error:
+    args_lib.parse(dict(checkpoint="tiny-dlm", steer=str(bad)))
+  assert "\n" not in str(error.value)
+  wrong = tmp_path / "wrong.json"
+  wrong.write_text(json.dumps({"blocks.1.hook_resid_post": {"vector": [1.0, 2.0]}}))
+  with pytest.raises(cli.UserError, match=r"vector must be \[128\] finite numbers"):
+    DlmJaxLM(**DLM_ARGS, steer=str(wrong)).generate_until(requests[:1])

@@ -11,6 +11,8 @@ resolved per task with a preset (`experiments.lm_eval.presets`).
   cfg             guidance weight for generation and likelihood (0 = none)
   mask_sinks      K >= 0: mask the previous step's top-K sinks while generating (0 = off)
   sink_token      auto | none: the checkpoint's extra sink token (auto: as trained) or none
+  steer           a steering file (JSON; `experiments.common.steering`): activation additions at named sites
+                  while generating (empty = none)
   prompt_format   plain (BOS + text) | training (a diffusion model trained here: [PAD … BOS text] padded with
                   visible pads to its training prompt width, as `experiments.common.prompts`' training layout)
   estimator       auto | llada | dream: the DLM likelihood estimator (auto: dream for shifted models)
@@ -32,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from experiments.common import decoding, decoding_modes, numerics
+from experiments.common import decoding, decoding_modes, numerics, steering
 from experiments.common.checkpoints import SAMPLERS
 from experiments.common.cli import UserError
 from experiments.lm_eval import presets
@@ -63,6 +65,7 @@ class EvalArgs:
   cfg: float = 0.0
   mask_sinks: int = 0
   sink_token: str = "auto"
+  steer: str = ""
   prompt_format: str = "plain"
   estimator: str = "auto"
   mc_num: int = 128
@@ -106,6 +109,11 @@ class EvalArgs:
       decoding_modes.from_values(self.decoding, self.threshold, self.factor)
     except (UserError, ValueError) as e:
       raise UserError(f"model_args decoding={self.decoding}: {e}") from None
+    if self.steer:
+      try:
+        steering.read(self.steer)
+      except UserError as e:
+        raise UserError(f"model_args steer={self.steer}: {e}") from None
 
   @property
   def mode(self) -> decoding_modes.DecodingMode:

@@ -9,7 +9,8 @@ with a warning. Prompts of a batch are left-padded to a multiple of 32 (`experim
 invariant padding: pad keys hidden, positions shifted) and every row's PRNG key derives from the seed
 and the request (`decoding.batch_key`), so a request's text does not depend on the batch it lands in
 beyond float32 reduction order. mask_sinks = K > 0 runs the sampler under `MaskPreviousSinks(K)`
-(`MaskPreviousSinksAR` for causal models) composed after the checkpoint's own sink token.
+(`MaskPreviousSinksAR` for causal models) composed after the checkpoint's own sink token; steer = FILE adds
+the steering file's vectors at their sites inside the sampler (`experiments.common.steering`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 
 from dlm_jax.instrument import interventions
 from dlm_jax.runtime import distributed
-from experiments.common import decoding, prompts
+from experiments.common import decoding, prompts, steering
 from experiments.common.cli import UserError
 from experiments.common.decoding import DecodeSettings
 from experiments.lm_eval.args import EvalArgs
@@ -91,8 +92,11 @@ def run_batch(model, values: dict[str, Any], ids: list[list[int]], item_ids: lis
     if batch.mask is not None:
       valid[:, :width] = batch.mask
     state = decoding.masker_state(model, intervention, masker, rows, total, args.mask_sinks, valid)
+  hooks, hook_values = None, None
+  if args.steer:
+    hooks, hook_values = steering.steering(args.steer, model.config, rows, width + values["gen_length"])
   trace = decoding.generate(model, values, batch, runtime, numerics, key=key, intervention=intervention,
-                            intervention_state=state)
+                            intervention_state=state, hooks=hooks, hook_values=hook_values)
   generated = np.asarray(distributed.to_host(trace.generated))
   stops = prompts.end_ids(model)
   out = []

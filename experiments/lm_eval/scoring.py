@@ -50,6 +50,8 @@ def _check_model(lm) -> None:
                     "estimators do not apply; pass sink_token=none to score it without")
   if lm.args.mask_sinks:
     LOG.warning("dlm_jax: mask_sinks applies to generation only; likelihoods are computed unmasked")
+  if lm.args.steer:
+    LOG.warning("dlm_jax: steer applies to generation only; likelihoods are computed unsteered")
 
 
 def _greedy(lm, args, pairs: list[tuple[list[int], list[int]]]) -> list[bool]:
