@@ -51,7 +51,7 @@ def canvases_before_steps(tokens: np.ndarray, decode_step: np.ndarray, prompt_le
 
 def site_gradients(params, canvas: jax.Array, metric: Callable[[jax.Array], jax.Array], *, config: ModelConfig,
                    site: str, layers: tuple[int, ...] | None = None, **forward_kwargs) -> tuple[jax.Array, jax.Array]:
-  """(metric [B], gradient [Le, B, S, *F]) of a forward call on canvas [B, S]: metric(logits [B, S, V]) -> [B]
+  """(metric [B], gradient [Le, B, S, F...]) of a forward call on canvas [B, S]: metric(logits [B, S, V]) -> [B]
   per row, differentiated (one backward pass) with respect to an additive edit of `site` at `layers` (None:
   every layer with the site) that is zero, i.e. with respect to the site's values themselves. Rows are
   independent, so row b's gradient is that of metric[b]. forward_kwargs go to `forward` (positions, bias…)."""
@@ -83,6 +83,6 @@ def logit_difference_at(position: jax.Array, clean_token: jax.Array, corrupted_t
 
 
 def attribution(gradient: np.ndarray, clean: np.ndarray, corrupted: np.ndarray) -> np.ndarray:
-  """[Le, B]: Σ over positions and features of (clean − corrupted) · gradient, all [Le, B, S, *F]."""
+  """[Le, B]: Σ over positions and features of (clean − corrupted) · gradient, all [Le, B, S, F...]."""
   delta = (np.asarray(clean, np.float64) - np.asarray(corrupted, np.float64)) * np.asarray(gradient, np.float64)
   return delta.reshape(delta.shape[0], delta.shape[1], -1).sum(-1)

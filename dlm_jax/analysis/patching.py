@@ -20,8 +20,8 @@ from dlm_jax.sampling.trace import Trace
 
 def patch_values(trace: Trace, names: list[str]) -> tuple[jnp.ndarray, jnp.ndarray]:
   """Patch values from a run's captures of one site: names are its captured arrays in the edit's layer
-  order (e.g. "blocks.0.hook_resid_pre", "blocks.1.hook_resid_pre", …), each [M, B, S, *F] over the same
-  kept steps. Returns (values [M, Le, B, S, *F], value_steps [M] int32: the step of each slot, −1 for a
+  order (e.g. "blocks.0.hook_resid_pre", "blocks.1.hook_resid_pre", …), each [M, B, S, F...] over the same
+  kept steps. Returns (values [M, Le, B, S, F...], value_steps [M] int32: the step of each slot, −1 for a
   slot the run never filled, which matches no step)."""
   missing = [n for n in names if trace.captures is None or n not in trace.captures]
   if missing:

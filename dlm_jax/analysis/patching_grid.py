@@ -7,7 +7,7 @@ with `Edit(site, "replace", source="values")`; the cell lives only in the row's 
 
   layer × step (a [D] site: hook_resid_pre, hook_attn_out, hook_mlp_out, …): row (pair p, layer l) of the
     call for step s has window [s, s + 1), the layer mask one-hot at l, every position, and values
-    [1, Le, R, S, *F] holding pair p's clean values at step s (value_steps = [s]); a call covers every
+    [1, Le, R, S, F...] holding pair p's clean values at step s (value_steps = [s]); a call covers every
     pair of the batch and every layer at one step.
   layer × head (a per-head site: attn.hook_z): row (pair p, layer l, head h) of the call for the step
     window [a, b) has that window, the layer mask one-hot at l and the head mask one-hot at h, and values
@@ -28,9 +28,9 @@ from dlm_jax.model import lm_head
 def layer_step_rows(clean: np.ndarray, step: int) -> dict:
   """The edit values (keyword arguments of `edit_values`) of the layer × step call at `step`.
 
-  clean: [n, Le, P, S, *F] the clean rows' patch values. Rows are (pair, layer) pairs in pair-major order:
+  clean: [n, Le, P, S, F...] the clean rows' patch values. Rows are (pair, layer) pairs in pair-major order:
   row r patches pair r // Le at layer r % Le. Returns window [R, 2], layers [R, Le] bool, positions None
-  (every position), values [1, Le, R, S, *F], value_steps [1]."""
+  (every position), values [1, Le, R, S, F...], value_steps [1]."""
   n_layers, n_pairs = clean.shape[1], clean.shape[2]
   pair = np.repeat(np.arange(n_pairs), n_layers)
   layer = np.tile(np.arange(n_layers), n_pairs)

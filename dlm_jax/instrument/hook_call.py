@@ -51,8 +51,8 @@ class EditValues:
   positions: [B, S] bool, the sequence positions the row may be edited at (within the edit's class).
   heads: [B, N] bool at a per-head site (which heads), else None.
   coefficient: [B] float32 ("add", "scale").
-  vector: [B, *F] ("replace" / "add" with source "vector"), else None.
-  values: [M, Le, B, S, *F] ("replace" / "add" with source "values"): the value at step value_steps[m],
+  vector: [B, F...] ("replace" / "add" with source "vector"), else None.
+  values: [M, Le, B, S, F...] ("replace" / "add" with source "values"): the value at step value_steps[m],
     layer Le, sequence position; value_steps: [M] int32 (a step not listed is not edited).
   """
 
@@ -71,12 +71,12 @@ EDIT_BATCH_AXES = {"window": 0, "layers": 0, "positions": 0, "heads": 0, "coeffi
 
 
 def _row_array(x, batch: int, shape: tuple[int, ...], dtype, what: str) -> jax.Array:
-  """x broadcast to [B, *shape]: x may be [*shape] (every row) or [B, *shape]."""
+  """x broadcast to [B, shape...]: x may be [shape...] (every row) or [B, shape...]."""
   x = jnp.asarray(x, dtype)
   if x.shape == shape:
     return jnp.broadcast_to(x, (batch, *shape))
   if x.shape != (batch, *shape):
-    raise ValueError(f"{what} must be {list(shape)} or [B, *{list(shape)}] = {[batch, *shape]}, got {list(x.shape)}.")
+    raise ValueError(f"{what} must be {list(shape)} or {[batch, *shape]}, got {list(x.shape)}.")
   return x
 
 
@@ -89,8 +89,8 @@ def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_l
   source need. Each argument may be given for every row ([...]) or per row ([B, ...]).
 
   window: (start, stop) steps, or [B, 2]; layers: [Le] / [B, Le] bool; positions: [S] / [B, S] bool; heads:
-  [N] / [B, N] bool (per-head sites only); coefficient: scalar or [B]; vector: [*F] or [B, *F];
-  values: [M, Le, B, S, *F] with value_steps [M] int32 (sequence coordinates, e.g. a captured run's arrays
+  [N] / [B, N] bool (per-head sites only); coefficient: scalar or [B]; vector: [F...] or [B, F...];
+  values: [M, Le, B, S, F...] with value_steps [M] int32 (sequence coordinates, e.g. a captured run's arrays
   stacked by `patch_values`).
   """
   edit = hooks.edits[index]
@@ -114,15 +114,15 @@ def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_l
   needs_source = edit.op in ("replace", "add")
   if needs_source and edit.source == "vector":
     if vector is None:
-      raise ValueError(f"{what} with source 'vector' needs vector [*F] = {list(feature)} or [B, *F].")
+      raise ValueError(f"{what} with source 'vector' needs vector [F...] = {list(feature)} or [B, F...].")
     out = out.replace(vector=_row_array(vector, batch, feature, jnp.float32, f"{what}: vector"))
   if needs_source and edit.source == "values":
     if values is None or value_steps is None:
-      raise ValueError(f"{what} with source 'values' needs values [M, Le, B, S, *F] and value_steps [M].")
+      raise ValueError(f"{what} with source 'values' needs values [M, Le, B, S, F...] and value_steps [M].")
     values, value_steps = jnp.asarray(values), jnp.asarray(value_steps, jnp.int32)
     expected = (value_steps.shape[0], len(resolved), batch, seq_len, *feature)
     if value_steps.ndim != 1 or values.shape != expected:
-      raise ValueError(f"{what}: values must be [M, Le, B, S, *F] = {list(expected)} with value_steps [M]; got "
+      raise ValueError(f"{what}: values must be [M, Le, B, S, F...] = {list(expected)} with value_steps [M]; got "
                        f"{list(values.shape)} and {list(value_steps.shape)}.")
     out = out.replace(values=values, value_steps=value_steps)
   elif values is not None or (vector is not None and not needs_source):

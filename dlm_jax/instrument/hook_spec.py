@@ -18,10 +18,10 @@ counts every position as "all" unless told otherwise):
 
 Reductions of a capture, over the site's last (feature) axis unless said:
   none       the values themselves;
-  mean       the mean over the positions of the class in the call: [B, *F] (no position axis);
-  norm       the L2 norm: [.., *F[:-1]];
-  topk       the k largest values and their indices (`TopK`): [.., *F[:-1], k];
-  project    the dot products with R given directions [R, F_last] (traced): [.., *F[:-1], R];
+  mean       the mean over the positions of the class in the call: [B, F...] (no position axis);
+  norm       the L2 norm: [.., F[:-1]...];
+  topk       the k largest values and their indices (`TopK`): [.., F[:-1]..., k];
+  project    the dot products with R given directions [R, F_last] (traced): [.., F[:-1]..., R];
   lens       the logit lens (residual sites): the final norm and LM head applied to the value, read at
              given target tokens: `LensReadout` (probability and rank of the target, top-k tokens).
 """
@@ -196,7 +196,7 @@ class Edit:
     activation patching), "add" (value + coefficient · source: steering), "scale" (coefficient · value).
   site, layers: as in `Capture` (None: every layer where the site exists).
   positions: the position class edited (the traced per-row position mask narrows it further).
-  source: for "replace" / "add": "vector" (one [*F] value per row, broadcast over positions) or "values"
+  source: for "replace" / "add": "vector" (one [F...] value per row, broadcast over positions) or "values"
     (per-position values in sequence coordinates, per step and layer: patching from a captured run).
   """
 

@@ -65,8 +65,8 @@ def _lens(x: jax.Array, targets: jax.Array, k: int, readout: Callable[[jax.Array
 
 def reduce_capture(capture: Capture, values: CaptureValues, x: jax.Array, selected: jax.Array, offset, n_seq: int,
                    readout: Callable[[jax.Array], jax.Array] | None):
-  """One capture of site values x [B, T, *F] of the queries `selected` [B, T] (its position class): an
-  array or `TopK` / `LensReadout`, in sequence coordinates [B, S | P, ...] (or [B, *F] for "mean").
+  """One capture of site values x [B, T, F...] of the queries `selected` [B, T] (its position class): an
+  array or `TopK` / `LensReadout`, in sequence coordinates [B, S | P, ...] (or [B, F...] for "mean").
   readout(h, normalized=...) -> logits: the final norm (skipped at ln_final.hook_normalized) and LM head."""
   if capture.reduce == "mean":
     weights = _expand(selected.astype(jnp.float32), x.ndim)
@@ -97,7 +97,7 @@ def reduce_capture(capture: Capture, values: CaptureValues, x: jax.Array, select
 
 
 def apply_edit(edit: Edit, values: EditValues, x: jax.Array, slot, step, flags: jax.Array, offset) -> jax.Array:
-  """Site values x [B, T, *F] with `edit` applied where its values allow it: at layer slot `slot` (its index
+  """Site values x [B, T, F...] with `edit` applied where its values allow it: at layer slot `slot` (its index
   in the edit's layers, −1 when the layer is not one of them), step `step`, queries of flags [B, T]."""
   t = x.shape[1]
   offset = jnp.asarray(offset, jnp.int32)
@@ -218,7 +218,7 @@ class SiteHooks:
     return jax.lax.dynamic_slice_in_dim(flags, jnp.asarray(start, jnp.int32), t, axis=1)
 
   def __call__(self, site: str, x: jax.Array, start=0) -> jax.Array:
-    """x [B, T, *F] at `site` -> x with the edits applied; captures recorded. start: index of x's first
+    """x [B, T, F...] at `site` -> x with the edits applied; captures recorded. start: index of x's first
     position among the call's queries (the logits window at ln_final)."""
     if site not in self.kinds:
       return x

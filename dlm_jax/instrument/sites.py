@@ -2,7 +2,7 @@
 
 A site is where `dlm_jax.instrument.hooks` may read (capture) or change (edit) an activation inside the
 forward pass. Per-layer sites are named `blocks.{l}.{kind}`; the model-level ones have no layer. Values
-at a site are [B, T, *F] for the call's T queries (F below); the sampler's captures place them in sequence
+at a site are [B, T, F...] for the call's T queries (F below); the sampler's captures place them in sequence
 coordinates (`hooks`).
 
   hook_embed                  [B, T, D] the token embeddings (times √D with `embed_scale`), before
@@ -89,7 +89,7 @@ def unavailable(config: ModelConfig, kind: str, layer: int | None) -> str | None
 
 
 def feature_shape(config: ModelConfig, kind: str, layer: int | None) -> tuple[int, ...]:
-  """The trailing shape F of the site's [B, T, *F] values (hook_pattern: (N, S) is call-dependent, so
+  """The trailing shape F of the site's [B, T, F...] values (hook_pattern: (N, S) is call-dependent, so
   this returns (N,))."""
   c = config
   if kind in ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z", "attn.hook_pattern"):

@@ -20,9 +20,9 @@ into the code around it; it is then optimised together with that code, and gets 
 loop body at batch >= 2 (measured on DiffusionGemma: the final-logit softcap's `tanh(x/30)·30` and the
 sampler's division by the temperature T were folded into `tanh(x/30)·(30·(1/T))`, and the decoder's fusions
 were cut differently — XLA's CPU code contracts a·b + c into a fused multiply-add inside a fusion, so
-another fusion is another rounding). `_map_rows` fences the loop with `lax.optimization_barrier`s (its
-inputs before it, its results after it), which no pass crosses: the inlined row then gets the loop body's
-numbers bitwise (tests/test_batch_invariance_exact.py).
+another fusion is another rounding). `_map_rows` fences the loop with optimization barriers
+(`lax.optimization_barrier`: its inputs before it, its results after it), which no pass crosses: the inlined
+row then gets the loop body's numbers bitwise (tests/test_batch_invariance_exact.py).
 """
 
 from __future__ import annotations
