@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 
 import numpy as np
-from absl import flags, logging
+from absl import flags
 
 from dlm_jax.analysis import sinks
 from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
 from experiments.common import (atomic_files, checkpoints, cli, decode_flags, decoding, devices, item_batches, items,
-                                numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags, size_limits,
+                                model_runs, numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags, size_limits,
                                 validity)
 from experiments.reports import plots
 from experiments.common.decoding import DecodeSettings
@@ -222,20 +221,11 @@ def main(argv):
   for model in models:
     settings.check_model(model)
     decoding.model_settings(decode, model)
-  out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
-                                           "checkpoints": checkpoints.identities(models)},
-                       overwrite=output.overwrite, primary=runtime.primary, inputs=run_dir.inputs_of(models, task.task))
-  log = run_dir.ResultsLog(out, "results.jsonl", ("model", "item"), output.max_items_this_run)
-  metas, start = [], time.time()
-  try:
-    for model in models:
-      metas.append(run_model(settings, checkpoints.load_weights(model, runtime, settings.numerics), runtime, log))
-  except run_dir.ItemBudget as stop:
-    logging.info("%s", stop)
-    return
-  if runtime.primary:
-    out.ensure()
-    progress.summary_banner(out.path, write_report(settings, out.path, metas, log.records, time.time() - start))
+  runs = model_runs.run_models(output, settings, models, runtime, task.task, run_model)
+  if runs is not None and runtime.primary:
+    runs.out.ensure()
+    progress.summary_banner(runs.out.path, write_report(settings, runs.out.path, runs.metas, runs.log.records,
+                                                        runs.seconds))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+"""The loop every analysis binary runs: open the run directory, run each model into one results log, stop at
+the item budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import logging
+
+from experiments.common import checkpoints, run_dir
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRuns:
+  """What a finished run hands its report: the directory, the results log, each model's meta, the seconds."""
+
+  out: run_dir.RunDir
+  log: run_dir.ResultsLog
+  metas: list
+  seconds: float
+
+
+def run_models(output, settings: Any, models: Sequence[Any], runtime, task: str,
+               run_model: Callable[[Any, Any, Any, run_dir.ResultsLog], Any]) -> ModelRuns | None:
+  """Opens --output_dir (its run.json records `settings` and the checkpoints' identities), then for each model
+  loads its weights and calls run_model(settings, model, runtime, log) -> meta, every result going to
+  results.jsonl keyed by (model, item). Returns None when --max_items_this_run stopped the run (the next one
+  resumes)."""
+  out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
+                                           "checkpoints": checkpoints.identities(models)},
+                       overwrite=output.overwrite, primary=runtime.primary, inputs=run_dir.inputs_of(models, task))
+  log = run_dir.ResultsLog(out, "results.jsonl", ("model", "item"), output.max_items_this_run)
+  metas, start = [], time.time()
+  try:
+    for model in models:
+      metas.append(run_model(settings, checkpoints.load_weights(model, runtime, settings.numerics), runtime, log))
+  except run_dir.ItemBudget as stop:
+    logging.info("%s", stop)
+    return None
+  return ModelRuns(out=out, log=log, metas=metas, seconds=time.time() - start)
