@@ -1,10 +1,13 @@
 """ModelConfig validation, presets and JSON round trip."""
 
+import ast
+import dataclasses
+import inspect
 import json
 
 import pytest
 
-from dlm_jax.config import PRESETS, ConfigError, ModelConfig, preset
+from dlm_jax.config import PRESETS, ConfigError, ModelConfig, model_config, preset
 
 
 def test_presets_are_hashable_and_round_trip_through_json():
@@ -38,10 +41,36 @@ def test_real_presets_carry_the_reference_values():
     (dict(norm_eps=0.0), "norm_eps"),
     (dict(mask_token_id=256), "mask_token_id"),
     (dict(causal="yes"), "causal"),
+    (dict(fused_projections=1), "fused_projections must be a bool"),
+    (dict(name=7), "name must be a string"),
+    (dict(attention_scale=-1.0), "attention_scale"),
+    (dict(global_rope_fraction=1.5), "global_rope_fraction"),
+    (dict(mlp_activation="relu"), "mlp_activation"),
+    (dict(sliding_window=4), "sliding_window applies to models with sliding and global layers"),
+    (dict(router_groups=2), "router_groups=2 needs a mixture-of-experts model"),
 ])
 def test_invalid_values_name_the_field(change, words):
   with pytest.raises(ConfigError, match=words):
     preset("tiny-llada").replace(**change)
+
+
+def test_every_field_is_documented_beside_it_in_a_named_group():
+  """Read from the source: each ModelConfig field has its docstring right after it, and the fields sit under
+  the nine group comments, in this order."""
+  tree = ast.parse(inspect.getsource(model_config))
+  cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "ModelConfig")
+  fields = [(i, node.target.id) for i, node in enumerate(cls.body) if isinstance(node, ast.AnnAssign)]
+  assert [name for _, name in fields] == [f.name for f in dataclasses.fields(ModelConfig)]
+  for i, name in fields:
+    doc = cls.body[i + 1]
+    assert isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str), name
+    assert len(doc.value.value.split()) >= 2, name
+  lines = inspect.getsource(ModelConfig).splitlines()
+  groups = [line.strip() for line in lines if line.startswith("  # ")]
+  assert [g.split(":")[0].rstrip(".").removeprefix("# ").split(" (")[0] for g in groups] == [
+      "The shape", "Attention", "Rotary positions", "Norms, embedding and output", "Special tokens",
+      "The feed-forward and its mixture of experts", "Sliding and global layers", "The Gemma-4 block",
+      "Compute options"]
 
 
 def test_from_dict_rejects_unknown_and_missing_keys():
