@@ -189,10 +189,10 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
   sink_mask = np.asarray(sink_selection.epsilon_rule(scores, settings.epsilon, "sum", valid4))
   n_entries = int(np.broadcast_to(valid4, scores.shape).sum())
   if model.decoder.self_conditioning:  # the noisy canvas of each decoder step, from the trace
-    canvas = sinks.uniform_step_canvases(tokens, host["canvases"][decoded, row], queries)  # [steps, S]
+    canvas = sinks.uniform_step_sequences(tokens, host["canvases"][decoded, row], queries)  # [steps, S]
   else:
     mask_id = model.config.mask_token_id if model.diffusion else None
-    canvas = sinks.step_canvases(tokens[None], decode_step[None], lp, int(host["nfe"]),
+    canvas = sinks.step_sequences(tokens[None], decode_step[None], lp, int(host["nfe"]),
                                  mask_id=mask_id)[decoded, 0]  # [steps, S]
 
   hist, _ = np.histogram(np.minimum(scores[np.broadcast_to(valid4, scores.shape)], edges[-1] - 1e-6), bins=edges)

@@ -173,10 +173,10 @@ def test_site_gradients_match_finite_differences():
   assert np.all(np.abs(linear) > 1e-2)
 
 
-def test_canvases_before_steps_hold_the_mask_where_later_steps_decode():
+def test_sequences_before_steps_hold_the_mask_where_later_steps_decode():
   tokens = np.asarray([[9, 9, 11, 12, 13]])
   decode_step = np.asarray([[2, 0, -1]])
-  canvases = attribution.canvases_before_steps(tokens, decode_step, 2, 3, np.asarray([0, 1, 3]))
+  canvases = attribution.sequences_before_steps(tokens, decode_step, 2, 3, np.asarray([0, 1, 3]))
   np.testing.assert_array_equal(canvases[:, 0], [[9, 9, 3, 3, 3], [9, 9, 3, 12, 3], [9, 9, 11, 12, 3]])
 
 

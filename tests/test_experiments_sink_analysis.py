@@ -55,12 +55,12 @@ def test_main_sink_disagreement():
   assert sinks.main_sink_disagreement(a, b, active) == (1, 3)
 
 
-def test_step_canvases_diffusion_and_autoregressive():
+def test_step_sequences_diffusion_and_autoregressive():
   tokens = np.array([[7, 8, 20, 21, 22]])
   decode = np.array([[1, -1, 0]])
-  got = sinks.step_canvases(tokens, decode, 2, 3, mask_id=99)
+  got = sinks.step_sequences(tokens, decode, 2, 3, mask_id=99)
   np.testing.assert_array_equal(got[:, 0], [[7, 8, 99, 99, 99], [7, 8, 99, 99, 22], [7, 8, 20, 99, 22]])
-  ar = sinks.step_canvases(tokens, np.array([[0, 1, 2]]), 2, 3, fill_id=-1)
+  ar = sinks.step_sequences(tokens, np.array([[0, 1, 2]]), 2, 3, fill_id=-1)
   np.testing.assert_array_equal(ar[:, 0], [[7, 8, -1, -1, -1], [7, 8, 20, -1, -1], [7, 8, 20, 21, -1]])
 
 

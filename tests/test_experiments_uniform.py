@@ -29,10 +29,10 @@ def _library(directory: str, prompt_ids: list[int], item_id: str):
                      key=decoding.batch_key(0, [item_id]))
 
 
-def test_uniform_step_canvases():
+def test_uniform_step_sequences():
   tokens = np.array([5, 6, 30, 31, 40, 41])
   canvases = np.array([[7, 8], [9, 10]])
-  got = sinks.uniform_step_canvases(tokens, canvases, np.array([[2, 4], [4, 6]]))
+  got = sinks.uniform_step_sequences(tokens, canvases, np.array([[2, 4], [4, 6]]))
   np.testing.assert_array_equal(got, [[5, 6, 7, 8, -1, -1], [5, 6, 30, 31, 9, 10]])
 
 

@@ -28,28 +28,28 @@ def peaky_params(config, seed=0):
   return params
 
 
-def step_canvases(trace, mask_id, steps):
-  """[steps, B, S] int32: the canvas each step of a diffusion `Trace` saw, rebuilt from decode_step."""
+def step_sequences(trace, mask_id, steps):
+  """[steps, B, S] int32: the sequence each step of a diffusion `Trace` saw, rebuilt from decode_step."""
   final, decode_step = np.asarray(trace.tokens), np.asarray(trace.decode_step)
   lp = trace.prompt_length
   out = []
   for t in range(steps):
-    canvas = final.copy()
-    canvas[:, lp:] = np.where((decode_step >= 0) & (decode_step < t), final[:, lp:], mask_id)
-    out.append(canvas)
+    sequence = final.copy()
+    sequence[:, lp:] = np.where((decode_step >= 0) & (decode_step < t), final[:, lp:], mask_id)
+    out.append(sequence)
   return jnp.asarray(np.stack(out), jnp.int32)
 
 
 def run_llada(config, params, intervention, state, options=None):
-  """The real LLaDA sampler with per-head statistics and the intervention's record: (canvases [STEPS, B, S],
+  """The real LLaDA sampler with per-head statistics and the intervention's record: (sequences [STEPS, B, S],
   masked [STEPS, ...] (the record), incoming [STEPS, L, B, N, S])."""
   options = options or llada.LLaDAOptions(gen_length=S - PROMPT, steps=STEPS, block_length=(S - PROMPT) // 2)
   prompt = jnp.asarray(np.random.default_rng(0).integers(3, 200, size=(B, PROMPT)), jnp.int32)
   trace = llada.generate(params, prompt, config=config, options=options, intervention=intervention,
                          intervention_state=state, stats_spec=StatsSpec(incoming_attention=True, per_head=True),
                          record_intervention=True, attention_impl="chunked", query_chunk=4)
-  canvases = step_canvases(trace, config.mask_token_id, options.steps)
-  return canvases, np.asarray(trace.intervention_record), np.asarray(trace.stats["incoming_attention"])
+  sequences = step_sequences(trace, config.mask_token_id, options.steps)
+  return sequences, np.asarray(trace.intervention_record), np.asarray(trace.stats["incoming_attention"])
 
 
 def numpy_layer0_qk(config, params, tokens, positions):
@@ -155,7 +155,7 @@ def test_trace_global_gqa_with_first_step_mask():
   trace = dream.diffusion_generate(params, prompt, config=config, options=options, intervention=sink_mask,
                                    stats_spec=StatsSpec(incoming_attention=True, per_head=True),
                                    record_intervention=True, query_chunk=4)
-  tokens = step_canvases(trace, config.mask_token_id, STEPS)
+  tokens = step_sequences(trace, config.mask_token_id, STEPS)
   first = np.zeros((B, S), bool)
   first[:, 0] = True
   check_trace(config, params, tokens, np.asarray(trace.intervention_record),

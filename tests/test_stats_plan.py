@@ -4,7 +4,7 @@ merged forward equals that consumer's statistic computed directly from attention
 A random probability tensor p [L, B, N, T, S] stands for the attention of one model call. The merged
 forward's output is built from p exactly as `StatsSpec` defines it (weighted column sums per query group,
 layer subset, head mean), so what is under test is the planning: the union of the consumers (layers,
-heads, query-group blocks, the "all real queries" block under padding), and `derive` / `user_stats` /
+heads, query-group spans, the "all real queries" span under padding), and `derive` / `user_stats` /
 `intervention_output` / `top_sinks` slicing it back. The reference views are written from each consumer's
 definition (`StatsPlan`'s docstring), never through the planner. The forward itself is checked against
 `transformers` in test_model_parity.py.
@@ -137,12 +137,12 @@ def test_forward_spec_is_the_union_and_nothing_when_nobody_asks():
   spec = plan.forward_spec
   # per head because the sinks (user's layers, per user's head choice = mean) ... and the intervention needs heads
   assert spec.per_head and spec.layers == (0, 1, 2)
-  # the sampler's 3 groups give the sum over real queries; the intervention's 2 groups follow: no "all" block
-  assert plan.group_blocks == (("sampler", 3), ("intervention", 2)) and spec.query_groups == 5
-  # ungrouped consumers of a padded batch need the block of real queries
+  # the sampler's 3 groups give the sum over real queries; the intervention's 2 groups follow: no "all" span
+  assert plan.group_spans == (("sampler", 3), ("intervention", 2)) and spec.query_groups == 5
+  # ungrouped consumers of a padded batch need the span of real queries
   padded_only = StatsPlan(user=USERS["all layers per head"], padded=True)
-  assert padded_only.group_blocks == (("all", 1),) and padded_only.forward_spec.query_groups == 1
-  assert StatsPlan(user=USERS["all layers per head"]).group_blocks == ()
+  assert padded_only.group_spans == (("all", 1),) and padded_only.forward_spec.query_groups == 1
+  assert StatsPlan(user=USERS["all layers per head"]).group_spans == ()
 
 
 def test_planner_errors():

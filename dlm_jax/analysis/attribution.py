@@ -1,9 +1,9 @@
 """Attribution patching across the steps of a diffusion run: a gradient per step instead of a patched run
 per (layer, step) cell.
 
-What it is. For a corrupted LLaDA / Dream run decoded over the whole canvas (exact decoding, no KV cache),
-step s's model call reads the canvas the run held before step s: the final tokens with every generated
-position decoded at a step >= s (or never) still holding the mask token (`canvases_before_steps`, from
+What it is. For a corrupted LLaDA / Dream run decoded over the whole sequence (exact decoding, no KV cache),
+step s's model call reads the sequence the run held before step s: the final tokens with every generated
+position decoded at a step >= s (or never) still holding the mask token (`sequences_before_steps`, from
 `Trace.decode_step`). For a metric m of step s's own logits (e.g. the logit difference at the answer
 position), `site_gradients` differentiates m with respect to an additive edit of a site at every layer,
 `Edit(site, "add", source="values")` with zero values, through `dlm_jax.model.forward` — one backward pass
@@ -36,10 +36,10 @@ from dlm_jax.instrument.hook_spec import Edit, Hooks
 from dlm_jax.model import forward
 
 
-def canvases_before_steps(tokens: np.ndarray, decode_step: np.ndarray, prompt_length: int, mask_id: int,
+def sequences_before_steps(tokens: np.ndarray, decode_step: np.ndarray, prompt_length: int, mask_id: int,
                           steps: np.ndarray) -> np.ndarray:
-  """[n, B, S] the canvas of a whole-canvas diffusion run before each of `steps` [n]: tokens [B, S] (the
-  final canvas) with the generated positions whose decode_step [B, G] is >= that step, or −1 (never
+  """[n, B, S] the sequence of a whole-sequence diffusion run before each of `steps` [n]: tokens [B, S] (the
+  final sequence) with the generated positions whose decode_step [B, G] is >= that step, or −1 (never
   decoded), set to mask_id."""
   tokens, decode_step = np.asarray(tokens), np.asarray(decode_step)
   steps = np.asarray(steps)[:, None, None]
@@ -49,21 +49,21 @@ def canvases_before_steps(tokens: np.ndarray, decode_step: np.ndarray, prompt_le
   return np.concatenate([prompt, generated], axis=2).astype(np.int32)
 
 
-def site_gradients(params, canvas: jax.Array, metric: Callable[[jax.Array], jax.Array], *, config: ModelConfig,
+def site_gradients(params, sequence: jax.Array, metric: Callable[[jax.Array], jax.Array], *, config: ModelConfig,
                    site: str, layers: tuple[int, ...] | None = None, **forward_kwargs) -> tuple[jax.Array, jax.Array]:
-  """(metric [B], gradient [Le, B, S, F...]) of a forward call on canvas [B, S]: metric(logits [B, S, V]) -> [B]
+  """(metric [B], gradient [Le, B, S, F...]) of a forward call on sequence [B, S]: metric(logits [B, S, V]) -> [B]
   per row, differentiated (one backward pass) with respect to an additive edit of `site` at `layers` (None:
   every layer with the site) that is zero, i.e. with respect to the site's values themselves. Rows are
   independent, so row b's gradient is that of metric[b]. forward_kwargs go to `forward` (positions, bias…)."""
   hooks = Hooks(edits=(Edit(site, "add", layers=layers, source="values"),))
   resolved = hooks.resolved_layers(config, hooks.edits[0])
   feature = sites.feature_shape(config, hooks.edits[0].site, resolved[0])
-  b, s = canvas.shape
+  b, s = sequence.shape
 
   def objective(values):
     call = HookCall(hooks=hooks, values=hook_values(hooks, config, b, s, edits={
         0: dict(values=values, value_steps=jnp.zeros((1,), jnp.int32))}))
-    m = metric(forward(params, canvas, config=config, hooks=call, **forward_kwargs).logits)
+    m = metric(forward(params, sequence, config=config, hooks=call, **forward_kwargs).logits)
     return jnp.sum(m), m
 
   zeros = jnp.zeros((1, len(resolved), b, s, *feature), jnp.float32)

@@ -14,7 +14,7 @@ count table), laid out for many requests at once:
   request key is fold_in(key(seed), CRC-32 of the request's ids) and `group` is the stratum (LLaDA's
   and Dream's MC minibatch): the draws of one stratum share LLaDA's k, or Dream's u. So a request's
   estimate depends on the seed and its own ids only, not on the other requests of a batch or their order.
-  A draw's position uniforms are the last S of uniform(draw key, [round_up(S, DRAW_MULTIPLE)]) (a canvas
+  A draw's position uniforms are the last S of uniform(draw key, [round_up(S, DRAW_MULTIPLE)]) (a vector
   of L rounded up to a multiple of 32), so they do not change with the row width.
 
 LLaDA (stratified): in stratum g, k ~ U{1..T} from the stratum key; draw i masks exactly
@@ -136,8 +136,8 @@ def draw_masks(valid, target_len, key_data, draw_index, count_columns, *, settin
   draw_keys = jax.vmap(jax.random.fold_in)(stratum_keys, draw_index % group + 1)
   position = jnp.arange(width)[None, :]
   target = position >= width - target_len[:, None]
-  canvas = _round_up(width, DRAW_MULTIPLE)
-  uniform = jax.vmap(lambda key: jax.random.uniform(key, (canvas,)))(draw_keys)[:, canvas - width:]
+  padded_width = _round_up(width, DRAW_MULTIPLE)
+  uniform = jax.vmap(lambda key: jax.random.uniform(key, (padded_width,)))(draw_keys)[:, padded_width - width:]
   if settings.estimator == "llada":
     k = jax.vmap(lambda key, t: jax.random.randint(key, (), 1, t + 1))(stratum_keys, target_len)
     counts = jnp.take_along_axis(count_columns, (k - 1)[:, None], axis=1)[:, 0]

@@ -14,7 +14,7 @@ with `Edit(site, "replace", source="values")`; the cell lives only in the row's 
     [M, Le, R, S, N, H] holding pair p's clean values at the steps a..b−1 (value_steps a..b−1, then −1 for
     the slots of a shorter last window: M is fixed so every window shares the program).
 
-Shapes: n steps of the clean run, Le the edit's layers, P pairs, R rows, S canvas positions, F features.
+Shapes: n steps of the clean run, Le the edit's layers, P pairs, R rows, S sequence positions, F features.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def answer_hidden(final_normed: np.ndarray, answer_position: np.ndarray, step: n
   """[R, D] the final-normed hidden state whose logits predict each row's answer position at `step`.
 
   final_normed: [n, R, S, D] (a `Steps.every_step()` capture of ln_final.hook_normalized) or [R, S, D] (a
-  `Steps.decoded()` capture, step ignored); answer_position: [R] canvas index; step: [R] step index;
+  `Steps.decoded()` capture, step ignored); answer_position: [R] sequence index; step: [R] step index;
   shift: the model's logit shift (1: the logits of position p are read at p − 1)."""
   rows = np.arange(len(answer_position))
   position = np.asarray(answer_position) - shift

@@ -155,7 +155,7 @@ def sink_token_counts(sink_mask: ArrayLike, tokens: ArrayLike) -> collections.Co
   """Counter {token id: number of (…, position) entries flagged as a sink} (Rulli Table 2, pooled).
 
   sink_mask: bool [..., S]; tokens: int ids broadcastable to it, e.g. a [steps, L, B, N, S] mask with
-  tokens [steps, 1, B, 1, S] (the canvas of each step).
+  tokens [steps, 1, B, 1, S] (the sequence of each step).
   """
   mask = np.asarray(sink_mask, bool)
   ids = np.broadcast_to(np.asarray(tokens), mask.shape)[mask]
@@ -243,11 +243,11 @@ def main_sink_disagreement(group_a: ArrayLike, group_b: ArrayLike, active: Array
   return int(((a != b) & act).sum()), int(act.sum())
 
 
-def step_canvases(tokens: ArrayLike, decode_step: ArrayLike, prompt_length: int, n_steps: int, *,
-                  mask_id: int | None = None, fill_id: int = -1) -> np.ndarray:
-  """int [steps, B, S]: the canvas each model call of a sampler saw, rebuilt from its `Trace`.
+def step_sequences(tokens: ArrayLike, decode_step: ArrayLike, prompt_length: int, n_steps: int, *,
+                   mask_id: int | None = None, fill_id: int = -1) -> np.ndarray:
+  """int [steps, B, S]: the sequence each model call of a sampler saw, rebuilt from its `Trace`.
 
-  tokens: [B, S] final canvas; decode_step: [B, G] step that produced (or unmasked) each generated
+  tokens: [B, S] final sequence; decode_step: [B, G] step that produced (or unmasked) each generated
   position, −1 if none. Diffusion samplers (mask_id given): at step t a generated position holds its final
   token if decode_step < t, else the mask token (exact when no token is re-masked, as in LLaDA and Dream).
   Autoregressive (mask_id None): at step t the positions < prompt_length + t hold their tokens (step 0 is
@@ -267,8 +267,8 @@ def step_canvases(tokens: ArrayLike, decode_step: ArrayLike, prompt_length: int,
   return out
 
 
-def uniform_step_canvases(tokens: ArrayLike, canvases: ArrayLike, queries: ArrayLike, *, fill_id: int = -1
-                          ) -> np.ndarray:
+def uniform_step_sequences(tokens: ArrayLike, canvases: ArrayLike, queries: ArrayLike, *, fill_id: int = -1
+                           ) -> np.ndarray:
   """int [steps, S]: the sequence each decoder step of a uniform-state sampler (DiffusionGemma) saw, for one
   row: the final tokens [S] before the step's canvas (the prompt and the canvases committed to the cache),
   the step's own canvas [C] (`Trace.canvases`, noisy: accepted samples and renoised ids) at its computed

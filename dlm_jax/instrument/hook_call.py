@@ -1,7 +1,7 @@
 """The traced half of an instrumented call: the values of captures and edits, and `HookCall`, what one
 forward call receives (`dlm_jax.model.forward(..., hooks=HookCall(...))`).
 
-Shapes: B rows, S sequence positions (the canvas, or the KV-cache length), Le the edit's layers
+Shapes: B rows, S sequence positions (the sequence, or the KV-cache length), Le the edit's layers
 (`Hooks.resolved_layers`), M patched steps, F the site's feature shape (`dlm_jax.instrument.sites`), N the
 site's heads (query heads, or kv heads at hook_k / hook_v), R directions, k top entries.
 """
@@ -84,7 +84,7 @@ def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_l
                 window: Any = None, layers: Any = None, positions: Any = None, heads: Any = None,
                 coefficient: Any = 1.0, vector: Any = None, values: Any = None, value_steps: Any = None
                 ) -> EditValues:
-  """The traced values of edit `hooks.edits[index]` for [B, S] canvases, with defaults: every step (window),
+  """The traced values of edit `hooks.edits[index]` for [B, S] sequences, with defaults: every step (window),
   every one of its layers, every position, every head, coefficient 1; `vector` / `values` as its op and
   source need. Each argument may be given for every row ([...]) or per row ([B, ...]).
 
@@ -142,7 +142,7 @@ class HookValues:
 def hook_values(hooks: Hooks, config: ModelConfig, batch: int, seq_len: int, *,
                 captures: dict[int, CaptureValues] | None = None, edits: dict[int, dict] | None = None
                 ) -> HookValues:
-  """`HookValues` for [B, S] canvases: captures {index: CaptureValues} (default: none needed); edits
+  """`HookValues` for [B, S] sequences: captures {index: CaptureValues} (default: none needed); edits
   {index: keyword arguments of `edit_values`} (default: the edit everywhere, coefficient 1). Raises when a
   capture lacks its directions or targets."""
   captures, edits = captures or {}, edits or {}

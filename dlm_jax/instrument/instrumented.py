@@ -65,7 +65,7 @@ class Instrumented(Intervention):
 
   def init_state(self, config: ModelConfig, batch_size: int, seq_len: int, values: HookValues | None = None,
                  inner_state: Any = None, gen_start: int = 0) -> tuple[Any, InstrumentState]:
-    """(inner state, `InstrumentState`) for [B, S] canvases whose generation starts at `gen_start`; values
+    """(inner state, `InstrumentState`) for [B, S] sequences whose generation starts at `gen_start`; values
     default to `hook_values`' defaults."""
     if inner_state is None:
       inner_state = self.inner.init_state(config, batch_size, seq_len)

@@ -5,11 +5,11 @@ arrays that vary between conditions or steps (positions, K, ε, validity masks) 
 pytree carried through the sampler loop, so one compiled program serves every condition. One model call
 of a sampler (or of `intervened_forward`, the plain forward) does:
 
-    context = CallContext(step=i, tokens=canvas)   # KV cache: also query_offset=offset, query_length=T
+    context = CallContext(step=i, tokens=sequence)   # KV cache: also query_offset=offset, query_length=T
     record = intervention.record(state)                      # optional: what this call will apply
     bias = intervention.bias(state, context)                 # AttentionBias for this call
     weights = intervention.query_weights(state, context)     # None, or [B, Q, T] (see below)
-    output = forward(params, canvas, bias=bias, query_weights=weights,   # cache=... for KV-cached calls
+    output = forward(params, sequence, bias=bias, query_weights=weights,   # cache=... for KV-cached calls
                      stats_spec=merge_specs(recorded_spec, intervention.required_stats(config)))
     state = intervention.update(state, output, context)      # e.g. remember this call's sinks
 
@@ -18,7 +18,7 @@ Protocol (every method has a do-nothing default in `Intervention`):
     sampler must pass `query_weights(state, context)` ([B, Q, T]) to the forward; combine it with the
     statistics a sampler records itself through `dlm_jax.instrument.stats.merge_specs` (it raises on a conflict).
     The statistics it receives have the library's one layout ([L', B, Q, N', S], `dlm_jax.instrument.stats`).
-  init_state(config, batch_size, seq_len) -> pytree: initial state for [batch_size, seq_len] canvases
+  init_state(config, batch_size, seq_len) -> pytree: initial state for [batch_size, seq_len] sequences
     (seq_len = the KV-cache length S for cached decoding).
   bias(state, context) -> AttentionBias: additive biases [… T|1, S] for this call, with T =
     `context.n_queries` (S unless the sampler sets query_length; a sampler that leaves it unset and feeds
@@ -65,7 +65,7 @@ class CallContext:
   """What an intervention may read about the model call it biases.
 
   step: scalar int32, the index of the model call within the sampler run (0 for a plain forward).
-  tokens: [B, S] the whole canvas of the call (all S key positions; with a KV cache, the canvas of cache
+  tokens: [B, S] the whole sequence of the call (all S key positions; with a KV cache, the sequence of cache
     length S, positions not yet written holding anything).
   query_offset: scalar int (may be traced), sequence index of the call's first query (the cache offset).
   query_length: static int, the number T of queries fed at this call, or None for all S (a full forward).
@@ -103,7 +103,7 @@ class Intervention:
     return NO_STATS
 
   def init_state(self, config: ModelConfig, batch_size: int, seq_len: int) -> Any:
-    """Initial traced state for a run over [batch_size, seq_len] token canvases."""
+    """Initial traced state for a run over [batch_size, seq_len] token sequences."""
     del config, batch_size, seq_len
     return ()
 
@@ -260,7 +260,7 @@ class MaskKeys(Intervention):
 class KeyPadding(Intervention):
   """Padding mask. State: valid [B, S] bool (True = real token), all True initially (data).
 
-  pad_token_id: when set, validity is also read from the canvas (`context.tokens` != pad_token_id).
+  pad_token_id: when set, validity is also read from the sequence (`context.tokens` != pad_token_id).
     Beware: LLaDA and Dream use the EOS id as pad id, so generated EOS tokens would be masked too; prefer
     the state mask there.
   outer: Dream/MMaDA's outer-product mask (padded queries see nothing) instead of key padding only.
@@ -281,7 +281,7 @@ class KeyPadding(Intervention):
 @dataclasses.dataclass(frozen=True)
 class SinkToken(Intervention):
   """The extra sink token of *One Token Is Enough* (papers.md §B.3): its query row attends only to itself,
-  every token may attend to it. The canvas must already hold the sink token (see `add_sink_token`).
+  every token may attend to it. The sequence must already hold the sink token (see `add_sink_token`).
 
   position: "front" (index 0, the paper's default) or "end" (index S−1).
   zero_value: replace the sink's value vector by zeros (Table 5), through the model's `zero_values`.
@@ -359,7 +359,7 @@ class MaskPreviousSinks(Intervention):
   First call: `initial_keys` (e.g. (0,) for the BOS token; negative indices count from the end) are
   masked in every layer and head; none by default. K, ε, the eligible keys and the first mask are state
   (`PreviousSinksState`), so one compiled program serves K = 0, 1, 5, 10 (`with_top_k`). Each call must
-  see the whole canvas ([B, S] tokens, statistics over S keys).
+  see the whole sequence ([B, S] tokens, statistics over S keys).
   `spare_self`: each query keeps its own key (pairwise bias; O(L·N·S²) memory per sequence per head).
   """
 

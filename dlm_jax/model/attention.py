@@ -7,11 +7,11 @@ Axis letters used in einsum strings and docstrings throughout the library:
 
 Three implementations share one set of semantics:
   * `dense`: materialises the [B, N, T, S] probabilities; the reference used in tests.
-  * `chunked`: scans over blocks of queries, each block seeing all keys (an exact row softmax), and
+  * `chunked`: scans over chunks of queries, each chunk seeing all keys (an exact row softmax), and
     accumulates the incoming attention; peak memory O(B·N·chunk·S) per layer. The CPU default.
   * `fused`: `jax.nn.dot_product_attention` (cuDNN flash attention on GPUs for bf16/fp16 inputs, XLA
     elsewhere) with its log-sum-exp residual; the incoming attention comes from a second query-chunked
-    pass that rebuilds exp(score − lse) block by block, never materialising [N, T, S].
+    pass that rebuilds exp(score − lse) chunk by chunk, never materialising [N, T, S].
 
 Besides the biases, two structural patterns are built from indices (never stored as [T, S] inputs):
 `causal` (query at sequence index i sees keys 0..i) and `block_size` B (block-causal: i sees j iff
@@ -161,9 +161,9 @@ def _masked_scores(scores, pairwise_bias, key_bias, causal, block_size, query_in
   return jnp.maximum(scores, MASK_VALUE)
 
 
-def _attend_block(q, k, v, *, scale, causal, block_size, pairwise_bias, key_bias, query_weights, query_index,
+def _attend_chunk(q, k, v, *, scale, causal, block_size, pairwise_bias, key_bias, query_weights, query_index,
                   window=None):
-  """Attention of one block of queries against all keys.
+  """Attention of one chunk of queries against all keys.
 
   q: [B, T, K, G, H]; k, v: [B, S, K, H]; query_weights: [B, Q, T] or None.
   Returns out [B, T, K, G, H] and incoming [B, Q, K, G, S] (float32) or None.
@@ -238,7 +238,7 @@ def attention(
     with_incoming: also return the incoming attention.
     impl: "dense" (reference), "chunked" (exact, O(N·chunk·S) memory) or "fused" (fused kernel plus a
       chunked log-sum-exp pass for the statistics).
-    query_chunk: queries per block in the chunked path and in the fused path's statistics pass.
+    query_chunk: queries per chunk in the chunked path and in the fused path's statistics pass.
 
   Returns:
     out: [B, T, N, H] in v's dtype.
@@ -271,7 +271,7 @@ def attention(
     if query_weights is not None:
       incoming = _incoming_from_lse(q, k, lse, pairwise, query_weights, query_index, query_chunk, common)
   elif impl == "dense" or t <= query_chunk:
-    out, incoming = _attend_block(q, k, v, pairwise_bias=pairwise, query_weights=query_weights,
+    out, incoming = _attend_chunk(q, k, v, pairwise_bias=pairwise, query_weights=query_weights,
                                   query_index=query_index, **common)
   else:
     out, incoming = _chunked(q, k, v, pairwise, query_weights, query_index, query_chunk, common)
@@ -304,10 +304,10 @@ def _chunked(q, k, v, pairwise, query_weights, query_index, chunk, common):
   if query_weights is not None:
     xs["weights"] = _split_queries(query_weights, 2, chunk, n_chunks)
 
-  def body(incoming_sum, block):
-    block_bias = block.get("pairwise", pairwise)
-    out, incoming = _attend_block(block["q"], k, v, pairwise_bias=block_bias,
-                                  query_weights=block.get("weights"), query_index=block["query_index"],
+  def body(incoming_sum, chunk_xs):
+    chunk_bias = chunk_xs.get("pairwise", pairwise)
+    out, incoming = _attend_chunk(chunk_xs["q"], k, v, pairwise_bias=chunk_bias,
+                                  query_weights=chunk_xs.get("weights"), query_index=chunk_xs["query_index"],
                                   **common)
     if incoming is not None:
       incoming_sum = incoming_sum + incoming
@@ -347,7 +347,7 @@ def _fused(q, k, v, scale, causal, block_size, pairwise, keys, query_offset, win
 
 
 def _incoming_from_lse(q, k, lse, pairwise, query_weights, query_index, chunk, common):
-  """Σ_t w[b, q, t] · exp(score[t, s] − lse[t]) by blocks of queries: [B, Q, K, G, S] float32."""
+  """Σ_t w[b, q, t] · exp(score[t, s] − lse[t]) by chunks of queries: [B, Q, K, G, S] float32."""
   t = q.shape[1]
   n_chunks = -(-t // chunk)
   xs = {
@@ -360,13 +360,13 @@ def _incoming_from_lse(q, k, lse, pairwise, query_weights, query_index, chunk, c
     xs["pairwise"] = _split_queries(pairwise, 3, chunk, n_chunks)
   key_index = jnp.arange(k.shape[1])
 
-  def body(total, block):
-    scores = jnp.einsum("btkgh,bskh->bkgts", block["q"], k, preferred_element_type=jnp.float32)
-    scores = _masked_scores(scores * common["scale"], block.get("pairwise", pairwise), common["key_bias"],
-                            common["causal"], common["block_size"], block["query_index"], key_index,
+  def body(total, chunk_xs):
+    scores = jnp.einsum("btkgh,bskh->bkgts", chunk_xs["q"], k, preferred_element_type=jnp.float32)
+    scores = _masked_scores(scores * common["scale"], chunk_xs.get("pairwise", pairwise), common["key_bias"],
+                            common["causal"], common["block_size"], chunk_xs["query_index"], key_index,
                             common.get("window"))
-    probs = jnp.exp(scores - block["lse"][..., None])
-    return total + jnp.einsum("bqt,bkgts->bqkgs", block["weights"].astype(jnp.float32), probs), None
+    probs = jnp.exp(scores - chunk_xs["lse"][..., None])
+    return total + jnp.einsum("bqt,bkgts->bqkgs", chunk_xs["weights"].astype(jnp.float32), probs), None
 
   b, kv, g = q.shape[0], q.shape[2], q.shape[3]
   init = jnp.zeros((b, query_weights.shape[1], kv, g, k.shape[1]), jnp.float32)

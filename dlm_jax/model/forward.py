@@ -155,7 +155,7 @@ def forward(
       inside [0, T] (out-of-range offsets are clamped, as `lax.dynamic_slice` does); e.g. the current block
       of a semi-autoregressive sampler inside a compiled loop.
     attention_impl: "chunked" (exact, O(N·chunk·S) memory), "dense" (reference) or "fused".
-    query_chunk: queries per block in the chunked path.
+    query_chunk: queries per chunk in the chunked path.
     cache: a `KVCache` ([L, B, S, K, H]); this call's keys and values are written at sequence positions
       cache_offset..cache_offset+T-1 and the queries attend to all S cache positions (for a causal model
       the causal mask hides the slots after each query, so unwritten slots are never seen; with

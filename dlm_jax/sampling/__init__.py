@@ -1,6 +1,6 @@
 """Compiled samplers on one driver, each run one jitted program returning a `Trace`.
 
-  driver                     the one loop: prompt checks, canvas, statistics plan, model caller, runners
+  driver                     the one loop: prompt checks, sequence, statistics plan, model caller, runners
   llada.generate             LLaDA `generate`; MMaDA t2t / mmu / mmu_generate_fast via `llada.mmada_options`
   dream.diffusion_generate   Dream `diffusion_generate`, and Fast-dLLM's Dream block modes (dream_blockwise)
   autoregressive.generate    KV-cache decoding of the autoregressive baselines

@@ -105,29 +105,29 @@ class ARFamily(driver.Family):
     if not config.causal:
       raise ValueError(f"Autoregressive decoding needs a causal model; config {config.name!r} is bidirectional.")
 
-  def init_carry(self, run, params, canvas, key, consts) -> ARCarry:
-    b, total = canvas.shape
+  def init_carry(self, run, params, sequence, key, consts) -> ARCarry:
+    b, total = sequence.shape
     cache = KVCache.zeros(run.config, b, total, params["embed"]["embedding"].dtype)
-    return ARCarry(tokens=canvas, cache=cache, key=key, finished=jnp.zeros((b,), bool))
+    return ARCarry(tokens=sequence, cache=cache, key=key, finished=jnp.zeros((b,), bool))
 
   def _feed(self, run, params, consts: padding.PaddingLayout, carry: ARCarry, istate, offset, length: int, step):
     """Feeds tokens[:, offset:offset+length] and writes the next token at offset + length."""
     key, sample_key = keys.split(carry.key, 2, run.row_keys)
-    canvas = carry.tokens
-    tokens = jax.lax.dynamic_slice_in_dim(canvas, offset, length, axis=1)
+    sequence = carry.tokens
+    tokens = jax.lax.dynamic_slice_in_dim(sequence, offset, length, axis=1)
     positions = jax.lax.dynamic_slice_in_dim(consts.positions, offset, length, axis=1)
-    written = jnp.arange(canvas.shape[1])[None, :] < offset + length
+    written = jnp.arange(sequence.shape[1])[None, :] < offset + length
     query_valid = jax.lax.dynamic_slice_in_dim(consts.valid, offset, length, axis=1)
     result = run.caller(params, tokens, step, istate, window="last", positions=positions,
                         valid_keys=consts.valid & written, query_valid=query_valid, base_bias=consts.bias,
-                        cache=carry.cache, cache_offset=offset, canvas=canvas)
+                        cache=carry.cache, cache_offset=offset, sequence=sequence)
     token = _next_token(self.options, result.logits[:, -1], sample_key, run.row_keys)
     finished = carry.finished
     if self.options.stop_at_eos:
       token = jnp.where(finished, self.pad_id, token)
       finished = finished | jnp.isin(token, jnp.asarray(self.eos_ids))
-    canvas = jax.lax.dynamic_update_slice_in_dim(canvas, token[:, None], offset + length, axis=1)
-    carry = ARCarry(tokens=canvas, cache=result.cache, key=key, finished=finished)
+    sequence = jax.lax.dynamic_update_slice_in_dim(sequence, token[:, None], offset + length, axis=1)
+    carry = ARCarry(tokens=sequence, cache=result.cache, key=key, finished=finished)
     queries = jnp.stack([jnp.asarray(offset, jnp.int32), jnp.asarray(offset + length, jnp.int32)])
     return carry, result.intervention_state, result.outputs.replace(queries=queries)
 

@@ -1,7 +1,7 @@
 """Block diffusion with an exact KV cache (LLaDA2.x, SDAR, dInfer; `reference/decoding_modes.md` §6) on the
 sampler driver, one compiled program.
 
-Canvas. For a [B, Lp] prompt and G = `gen_length`, with L the block length, the canvas has
+Sequence. For a [B, Lp] prompt and G = `gen_length`, with L the block length, the sequence has
 T = ⌈(Lp + G) / L⌉·L positions: the prompt at 0..Lp−1, then T − Lp ≥ G mask tokens. The generation is
 extended to fill the last block, as in LLaDA2's `generate`, whose answer is cut back to the first G
 generated tokens (`answers`). The blocks are those of the model's block-causal attention
@@ -28,7 +28,7 @@ Model calls, `cache=True`:
 block-causal mask and reads the block's logits. It goes through the forward's cache path on a fresh buffer
 of T slots, so that keys (statistics, interventions) address all T positions in both modes; nothing is
 carried between steps. The window's length changes with the block, so each block is a driver phase of its
-own (static shapes; compile time grows with the number of blocks). Running the whole canvas [0, T) under
+own (static shapes; compile time grows with the number of blocks). Running the whole sequence [0, T) under
 the block-causal mask instead would decode the same tokens (later keys are invisible) at up to T/e times
 the compute, but would change the statistics (the later queries' incoming attention, the value norms of
 later positions), so it is not done. The two modes give the same tokens (`tests/test_block_diffusion.py`).
@@ -113,7 +113,7 @@ class BlockDiffusionOptions:
   """Static knobs of block diffusion (defaults: LLaDA2.0's `generate`, decoding_modes.md §6).
 
   Attributes:
-    gen_length: G, the tokens asked for (LLaDA2 default 2048); the canvas extends the generation to the end
+    gen_length: G, the tokens asked for (LLaDA2 default 2048); the sequence extends the generation to the end
       of the last block (module docstring).
     block_length: L, positions per block (32); must equal the model's `attention_block_size`.
     steps: steps per block for the "llada2" rule (32), capped at gen_length.
@@ -214,10 +214,10 @@ class BlockDiffusionCarry:
 
 @dataclasses.dataclass(frozen=True)
 class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
-  """Block diffusion (module docstring) with resolved ids; canvas_gen = T − Lp, the generated positions."""
+  """Block diffusion (module docstring) with resolved ids; gen_width = T − Lp, the generated positions."""
 
   eos_id: int | None
-  canvas_gen: int
+  gen_width: int
 
   name = "block_diffusion"
   padding_attention = "key"
@@ -226,10 +226,10 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
 
   @property
   def gen_length(self) -> int:
-    return self.canvas_gen
+    return self.gen_width
 
   def check(self, config: ModelConfig, intervention: interventions.Intervention) -> None:
-    interventions.refuse_end_sink_token(intervention, "block diffusion", "the last canvas position lies in the last "
+    interventions.refuse_end_sink_token(intervention, "block diffusion", "the last sequence position lies in the last "
                                         "block, which no earlier block sees under block-causal attention")
     length = self.options.block_length
     if config.attention_block_size is None:
@@ -269,13 +269,13 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
     first, last = self._blocks(run)
     return last - first + 1
 
-  def init_carry(self, run, params, canvas, key, consts) -> BlockDiffusionCarry:
-    b = canvas.shape[0]
+  def init_carry(self, run, params, sequence, key, consts) -> BlockDiffusionCarry:
+    b = sequence.shape[0]
     cache = None
     if self.options.cache:
       cache = KVCache.zeros(run.config, b, run.total_length, params["embed"]["embedding"].dtype)
     zero = jnp.zeros((), jnp.int32)
-    return BlockDiffusionCarry(tokens=canvas, key=key, decode_step=jnp.full((b, self.canvas_gen), -1, jnp.int32),
+    return BlockDiffusionCarry(tokens=sequence, key=key, decode_step=jnp.full((b, self.gen_width), -1, jnp.int32),
                                block=zero + self._blocks(run)[0], block_step=zero, committed=zero,
                                edited=jnp.zeros((b,), bool), post_steps=jnp.zeros((b,), jnp.int32), cache=cache)
 
@@ -325,7 +325,7 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
     result = run.caller(params, x[:, :n], i, istate, window=(n - 1, n), positions=layout.positions[:, :n],
                         valid_keys=layout.valid & (jnp.arange(run.total_length) < n)[None, :],
                         query_valid=layout.valid[:, :n], base_bias=padding.query_rows(layout.bias, 0, n),
-                        cache=carry.cache, cache_offset=0, canvas=x)
+                        cache=carry.cache, cache_offset=0, sequence=x)
     carry = carry.replace(cache=result.cache, committed=jnp.asarray(n // self.options.block_length, jnp.int32))
     outputs = result.outputs.replace(active=jnp.zeros(x.shape[:1], bool), queries=jnp.array([0, n], jnp.int32))
     return carry, result.intervention_state, outputs
@@ -373,7 +373,7 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
                         valid_keys=layout.valid & (jnp.arange(total) < e)[None, :],
                         query_valid=_rows(layout.valid, start, queries),
                         base_bias=padding.query_rows(layout.bias, start, queries), cache=cache,
-                        cache_offset=start, canvas=x)
+                        cache_offset=start, sequence=x)
     key, step_key = keys.split(carry.key, 2, run.row_keys)
     x0, confidence = self._proposals(result.logits, step_key, run.row_keys)
     block_tokens = _rows(x, s, length)
@@ -429,7 +429,7 @@ def _family(config: ModelConfig, options: BlockDiffusionOptions, prompt) -> Bloc
   prompt_length = np.shape(prompt)[-1] if np.ndim(prompt) else 0
   length = options.block_length
   total = -(-(prompt_length + options.gen_length) // length) * length
-  return BlockDiffusionFamily(options=options, mask_id=mask_id, eos_id=eos_id, canvas_gen=total - prompt_length)
+  return BlockDiffusionFamily(options=options, mask_id=mask_id, eos_id=eos_id, gen_width=total - prompt_length)
 
 
 def answers(trace: Trace, gen_length: int, eos_id: int) -> list[np.ndarray]:

@@ -224,12 +224,12 @@ class DiffusionGemmaFamily(driver.Family):
     return tuple(driver.Phase(arg=k, steps=self.options.max_denoising_steps, opening=True)
                  for k in range(self.options.n_canvases))
 
-  def init_carry(self, run, params, canvas, key, consts) -> DiffusionGemmaCarry:
-    b, c = canvas.shape[0], self.options.canvas_length
+  def init_carry(self, run, params, sequence, key, consts) -> DiffusionGemmaCarry:
+    b, c = sequence.shape[0], self.options.canvas_length
     dtype = params["embed"]["embedding"].dtype
     false = jnp.zeros((b,), bool)
     return DiffusionGemmaCarry(
-        tokens=canvas, canvas=jnp.zeros((b, c), jnp.int32), argmax=jnp.zeros((b, c), jnp.int32),
+        tokens=sequence, canvas=jnp.zeros((b, c), jnp.int32), argmax=jnp.zeros((b, c), jnp.int32),
         sc_logits=jnp.zeros((b, c, run.config.vocab_size), dtype), has_sc=false,
         history=jnp.full((max(1, self.options.stability_threshold), b, c), -1, jnp.int32), denoise_done=false,
         stopped=false, canvas_eos=false, accepted=jnp.zeros((b, c), bool), block=jnp.int32(-1),
@@ -260,7 +260,7 @@ class DiffusionGemmaFamily(driver.Family):
                         valid_keys=layout.valid & (jnp.arange(run.total_length) < stop)[None, :],
                         query_valid=layout.valid[:, start:stop],
                         base_bias=padding.query_rows(layout.bias, start, stop - start), cache=carry.cache,
-                        cache_offset=start, canvas=x)
+                        cache_offset=start, sequence=x)
     b = x.shape[0]
     canvas = canvas_draws(carry.key, k, (b, c), run.config.vocab_size, run.row_keys)
     s = lp + k * c
@@ -285,7 +285,7 @@ class DiffusionGemmaFamily(driver.Family):
     result = run.caller(params, carry.canvas, i, istate, window=None, positions=layout.positions[:, s:s + c],
                         valid_keys=layout.valid & (jnp.arange(run.total_length) < s + c)[None, :],
                         query_valid=layout.valid[:, s:s + c], base_bias=padding.query_rows(layout.bias, s, c),
-                        cache=carry.cache, cache_offset=s, canvas=sequence,
+                        cache=carry.cache, cache_offset=s, sequence=sequence,
                         decoder=DecoderCall(self_conditioning_logits=carry.sc_logits,
                                             self_conditioning_mask=carry.has_sc),
                         unresolved=~carry.accepted)

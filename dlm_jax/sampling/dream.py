@@ -1,6 +1,6 @@
 """Dream's `diffusion_generate` as one compiled program (`reference/models.md` §3.5–3.8).
 
-The canvas is [B, Lp + G]: the left-padded prompt, then G mask tokens. `timesteps` are
+The sequence is [B, Lp + G]: the left-padded prompt, then G mask tokens. `timesteps` are
 `torch.linspace(1, eps, steps + 1)` in float32, bit for bit (`schedules.dream_timesteps`). Step i, with
 t = ts[i] and s = ts[i + 1]:
 
@@ -28,7 +28,7 @@ The original's `generation_tokens_hook_func` / `generation_logits_hook_func` are
 changes go through interventions.
 
 Block modes (`DreamOptions.block_length` set; `dlm_jax.sampling.dream_blockwise`): Fast-dLLM's Dream code —
-blocks of B positions after the prompt, decoded left to right; each block opens with a whole-canvas step
+blocks of B positions after the prompt, decoded left to right; each block opens with a whole-sequence step
 that commits its first position unconditionally (the cache refresh with a cache), then steps that decode
 the rest of the block by the confidence threshold (`threshold`), the factor rule (`factor`) or the
 per-block timestep quota (neither), with no cache, the prefix KV cache or the dual KV cache (`cache`).
@@ -86,7 +86,7 @@ class DreamOptions(blocks.BlockLayout):
     With neither, the block modes use Fast-dLLM's per-block quota: steps / num_blocks steps per block
       (at least 2 when B > 1), ranked by alg's confidence ("maskgit_plus", "topk_margin" or "entropy").
       With either, alg must stay "origin" (the default) or be "maskgit_plus" (both: p(x0)), alg_temp unset.
-    cache: block modes: "none" (every step runs the whole canvas), "prefix" or "dual" (Fast-dLLM's
+    cache: block modes: "none" (every step runs the whole sequence), "prefix" or "dual" (Fast-dLLM's
       approximate KV caches, refreshed by each block-start step).
   """
 
@@ -208,7 +208,7 @@ class DreamCarry:
 @dataclasses.dataclass(frozen=True)
 class DreamFamily(driver.MaskedDiffusionFamily):
   """Dream's `diffusion_generate` (module docstring). infill: the prompt holds mask tokens, so the
-  logits of the whole canvas are needed (else those of the generation region only)."""
+  logits of the whole sequence are needed (else those of the generation region only)."""
 
   infill: bool
 
@@ -223,9 +223,9 @@ class DreamFamily(driver.MaskedDiffusionFamily):
       raise ValueError(f"Dream sampling reads shifted logits; config {config.name!r} has logit_shift=0 "
                        "(use dlm_jax.sampling.llada for unshifted models).")
 
-  def init_carry(self, run, params, canvas, key, consts) -> DreamCarry:
-    decode_step = jnp.full((canvas.shape[0], self.options.gen_length), -1, jnp.int32)
-    return DreamCarry(tokens=canvas, key=key, decode_step=decode_step)
+  def init_carry(self, run, params, sequence, key, consts) -> DreamCarry:
+    decode_step = jnp.full((sequence.shape[0], self.options.gen_length), -1, jnp.int32)
+    return DreamCarry(tokens=sequence, key=key, decode_step=decode_step)
 
   def proposals(self, run, logits: jax.Array, key: jax.Array, alg: Alg = "maskgit_plus"):
     """`sample_tokens` with the options' temperature, top-p and top-k and alg's confidence (p(x0), the
@@ -279,9 +279,9 @@ class DreamBlockwiseFamily(DreamFamily):
   def n_blocks(self, run) -> int:
     return self.options.num_blocks
 
-  def init_carry(self, run, params, canvas, key, consts) -> DreamCarry:
-    return super().init_carry(run, params, canvas, key, consts).replace(
-        block=jnp.int32(-1), block_step=jnp.int32(0), cache=dream_blockwise.init_cache(run, params, canvas.shape[0]))
+  def init_carry(self, run, params, sequence, key, consts) -> DreamCarry:
+    return super().init_carry(run, params, sequence, key, consts).replace(
+        block=jnp.int32(-1), block_step=jnp.int32(0), cache=dream_blockwise.init_cache(run, params, sequence.shape[0]))
 
   def finished(self, run, consts, carry: DreamCarry, i, phase):
     """Skip the call (`dream_blockwise.finished`: the block done, or the last block in the one-phase layout)."""

@@ -7,7 +7,7 @@ no cache, the prefix KV cache or the dual KV cache.
 prediction for position p is the model output at p − 1 (the logit shift), and s ≥ Lp ≥ 1, so the output at
 s − 1 always exists.
 
-Phases. Without a cache and with the dual cache every call has fixed shapes (the whole canvas with a traced
+Phases. Without a cache and with the dual cache every call has fixed shapes (the whole sequence with a traced
 logits offset, or the block's B queries at a traced cache offset), so the run is one driver phase of
 num_blocks × bound steps (bound: B calls per block with a threshold or factor, steps / num_blocks with the
 quota) with the current block in the carry: a step is the next block's block-start step (a `lax.cond`)
@@ -20,7 +20,7 @@ blocks is a phase of its own, opened by the block-start step (compile time grows
 blocks).
 
 Block k:
-  1. Block-start step: one model call on the whole canvas; position s takes its proposal
+  1. Block-start step: one model call on the whole sequence; position s takes its proposal
      (`dream.sample_tokens` on the output at s − 1) unconditionally — no threshold, no quota — so this
      step commits exactly one token, as Fast-dLLM's refresh does. With a cache this call is the refresh:
      it keeps every layer's keys and values of all S positions.
@@ -28,7 +28,7 @@ Block k:
      step commits at least one token) or exactly steps / num_blocks − 1 with the quota (none when B = 1).
      Each step computes the proposals for (s, e) from the outputs of [s, e − 1) and transfers by the rule
      below:
-       * cache "none":   the whole canvas (exact attention);
+       * cache "none":   the whole sequence (exact attention);
        * cache "prefix": queries [s, S) — the block and every later position — attending to the refresh's
                          cached keys and values of [0, s) and to their own fresh ones;
        * cache "dual":   queries [s, e), their fresh keys and values written into the cache in place,
@@ -120,7 +120,7 @@ def finished(family, run, carry, phase: driver.Phase) -> jax.Array:
 
 def _model_call(family, run, params, consts: padding.PaddingLayout, carry, istate, i, start, length: int,
                 window: tuple[int, int], logits_offset=0):
-  """The model on canvas positions [start, start + length) (a cached call when the options have a cache;
+  """The model on sequence positions [start, start + length) (a cached call when the options have a cache;
   start: int or traced), logits of the call's positions window = [w0, w1) moved by logits_offset (int or
   traced). Returns the `CallResult`."""
   x, cached = carry.tokens, family.options.cache != "none"
@@ -128,7 +128,7 @@ def _model_call(family, run, params, consts: padding.PaddingLayout, carry, istat
                     positions=_rows(consts.positions, start, length), valid_keys=consts.valid,
                     query_valid=_rows(consts.valid, start, length),
                     base_bias=padding.query_rows(consts.bias, start, length),
-                    cache=carry.cache if cached else None, cache_offset=start, canvas=x if cached else None)
+                    cache=carry.cache if cached else None, cache_offset=start, sequence=x if cached else None)
 
 
 def open_block(family, run, params, consts: padding.PaddingLayout, carry, istate, i, block):

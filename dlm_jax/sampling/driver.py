@@ -1,9 +1,9 @@
 """The one sampler loop: every decoding family runs through `run_family` here.
 
 The driver owns everything that is not a family's own: `run_family` validates the prompt and its mask,
-builds the canvas (prompt, then G filler tokens), the padding layout (`dlm_jax.sampling.padding`), the
+builds the sequence (prompt, then G filler tokens), the padding layout (`dlm_jax.sampling.padding`), the
 statistics plan (`dlm_jax.sampling.stats_plan.StatsPlan`) and the model caller (`model_call.ModelCaller`), initialises
-the intervention, runs the loop — one compiled program (`lax.scan` over the steps, donated canvas), or the
+the intervention, runs the loop — one compiled program (`lax.scan` over the steps, donated sequence), or the
 same step function driven by a Python loop for tests — and builds the `Trace`, squeezing statistics to
 the users' shapes at this one edge.
 
@@ -80,8 +80,8 @@ class Family:
       groups): static facts.
     phases(run) -> the static `Phase`s, run in order (default: one phase of n_steps steps).
     check(config): raises ValueError when the family cannot run this model.
-    constants(run, canvas, layout) -> loop invariants (a pytree), from the canvas and `PaddingLayout`.
-    init_carry(run, params, canvas, key, consts) -> the initial carry.
+    constants(run, sequence, layout) -> loop invariants (a pytree), from the sequence and `PaddingLayout`.
+    init_carry(run, params, sequence, key, consts) -> the initial carry.
     finished(run, consts, carry, i, phase) -> scalar bool: skip the next call of this phase (every row is
       done with it); only called when can_finish_early.
     open_phase(run, params, consts, carry, istate, i, phase) -> (carry, istate, StepOutput), for a phase
@@ -127,11 +127,11 @@ class Family:
   def check(self, config: ModelConfig, intervention: Intervention) -> None:
     del config, intervention
 
-  def constants(self, run: Run, canvas: jax.Array, layout: padding.PaddingLayout) -> Any:
-    del run, canvas
+  def constants(self, run: Run, sequence: jax.Array, layout: padding.PaddingLayout) -> Any:
+    del run, sequence
     return layout
 
-  def init_carry(self, run: Run, params, canvas: jax.Array, key: jax.Array, consts: Any) -> Any:
+  def init_carry(self, run: Run, params, sequence: jax.Array, key: jax.Array, consts: Any) -> Any:
     raise NotImplementedError
 
   def finished(self, run: Run, consts: Any, carry: Any, i: jax.Array, phase: Phase) -> jax.Array:
@@ -159,7 +159,7 @@ class Family:
 
 @dataclasses.dataclass(frozen=True)
 class MaskedDiffusionFamily(Family):
-  """A family whose generation starts as mask tokens (LLaDA/MMaDA, Dream): mask_id fills the canvas and
+  """A family whose generation starts as mask tokens (LLaDA/MMaDA, Dream): mask_id fills the sequence and
   defines the masked query group; its carry has `tokens` and `decode_step` fields."""
 
   mask_id: int
@@ -208,11 +208,11 @@ def _with_defaults(output: StepOutput, batch: int, total: int) -> StepOutput:
   return output
 
 
-def _start(run: Run, params, canvas, prompt_mask, key):
+def _start(run: Run, params, sequence, prompt_mask, key):
   layout = padding.layout(prompt_mask, run.total_length, run.family.padding_attention,
-                          run.family.shift_positions, canvas.shape[0])
-  consts = run.family.constants(run, canvas, layout)
-  return consts, run.family.init_carry(run, params, canvas, key, consts)
+                          run.family.shift_positions, sequence.shape[0])
+  consts = run.family.constants(run, sequence, layout)
+  return consts, run.family.init_carry(run, params, sequence, key, consts)
 
 
 def _trace(run: Run, carry, outputs: StepOutput, n_steps, captured: capture_steps.CaptureBuffers | None) -> Trace:
@@ -243,12 +243,12 @@ def _calls(run: Run, params, consts, phase: Phase):
   return opening, step
 
 
-def _program(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
+def _program(params, sequence, prompt_mask, key, istate, run: Run) -> Trace:
   """The whole run as one program (jitted as `_compiled`, or `_compiled_batch_invariant` on CPU)."""
   TRACE_COUNTS[run.family.name] += 1
-  family, batch = run.family, canvas.shape[0]
+  family, batch = run.family, sequence.shape[0]
   phases = family.phases(run)
-  consts, carry = _start(run, params, canvas, prompt_mask, key)
+  consts, carry = _start(run, params, sequence, prompt_mask, key)
   first = phases[0]
   probe = family.open_phase if first.opening else family.step
   shapes = jax.eval_shape(lambda c, s: _with_defaults(probe(run, params, consts, c, s, jnp.int32(0), first)[2], batch,
@@ -317,8 +317,8 @@ def _keep_captures(run: Run, captured: capture_steps.CaptureBuffers, captures, b
   return capture_steps.write(run.captures, captured, captures, count, ran, block, decode_step)
 
 
-_compiled = jax.jit(_program, static_argnames=("run",), donate_argnames=("canvas",))
-_compiled_batch_invariant = jax.jit(_program, static_argnames=("run",), donate_argnames=("canvas",),
+_compiled = jax.jit(_program, static_argnames=("run",), donate_argnames=("sequence",))
+_compiled_batch_invariant = jax.jit(_program, static_argnames=("run",), donate_argnames=("sequence",),
                                     compiler_options=row_by_row.CPU_COMPILER_OPTIONS)
 _abstract_runs = 0
 """Nonzero while `capture_bytes` evaluates a run abstractly (`jax.eval_shape` refuses compiler options)."""
@@ -337,11 +337,11 @@ def capture_bytes(run: Callable[[], Trace]) -> int:
   return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(trace.captures))
 
 
-def _python_loop(params, canvas, prompt_mask, key, istate, run: Run) -> Trace:
+def _python_loop(params, sequence, prompt_mask, key, istate, run: Run) -> Trace:
   """The same family functions driven by a Python loop (one jitted call per step); for tests."""
-  family, batch = run.family, canvas.shape[0]
+  family, batch = run.family, sequence.shape[0]
   phases = family.phases(run)
-  consts, carry = jax.jit(functools.partial(_start, run))(params, canvas, prompt_mask, key)
+  consts, carry = jax.jit(functools.partial(_start, run))(params, sequence, prompt_mask, key)
   outputs, captured = [], None
   for phase_index, phase in enumerate(phases):
     finished = jax.jit(lambda c, i, phase=phase: family.finished(run, consts, c, i, phase))
@@ -452,7 +452,7 @@ def run_family(
         max_steps=_max_steps(family.phases(run)), n_blocks=family.n_blocks(run), prompt_length=lp)
     capture_steps.check_layout(layout)
     run = dataclasses.replace(run, captures=layout)
-  canvas = jnp.concatenate([prompt, jnp.full((b, family.gen_length), family.fill_id, jnp.int32)], axis=1)
+  sequence = jnp.concatenate([prompt, jnp.full((b, family.gen_length), family.fill_id, jnp.int32)], axis=1)
   if intervention_state is None:
     intervention_state = intervention.init_state(config, b, total)
   if loop == "python":
@@ -461,7 +461,7 @@ def run_family(
     runner = _compiled_batch_invariant
   else:
     runner = _compiled
-  return runner(params, canvas, prompt_mask, key, intervention_state, run=run)
+  return runner(params, sequence, prompt_mask, key, intervention_state, run=run)
 
 
 def public_sampler(build_family: Callable[[ModelConfig, Any, Any], Family], default_options: Any, doc: str):

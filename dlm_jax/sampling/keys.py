@@ -4,7 +4,7 @@ With one key (the default) every draw covers the batch at once, as the original 
 per row — a typed key array of shape [B], e.g. `jax.random.fold_in(seed_key, item_id)` per item — every
 draw of row b depends only on its own key and its own row, so an item's sample is the same whatever batch
 it is in and whichever row it takes. (A draw whose shape per row depends on the batch breaks that: the
-LLaDA steps that need whole-canvas logits draw over the canvas, whose width is the batch's longest
+LLaDA steps that need whole-sequence logits draw over the sequence, whose width is the batch's longest
 prompt plus G.)
 
 `per_row` is a static flag set once by the driver (`Run.row_keys`).

@@ -1,18 +1,18 @@
 """LLaDA `generate` and MMaDA text generation as one compiled program (`reference/models.md` §2.8, §4.5–4.6).
 
-The canvas is [B, Lp + G]: the (left-padded) prompt, then G mask tokens. The G positions are split into
+The sequence is [B, Lp + G]: the (left-padded) prompt, then G mask tokens. The G positions are split into
 G / block_length blocks decoded left to right, each in steps / num_blocks steps. One `lax.scan` runs over
 all steps; step i works on block i // steps_per_block and, at the first step of a block, computes that
 block's per-row transfer schedule from the masks the block holds then. Each step:
 
-  1. logits (CFG: conditional and unconditional canvases as one 2B batch,
-     logits = un + (cfg_scale + 1)·(cond − un); the unconditional canvas has every position that was not a
+  1. logits (CFG: conditional and unconditional sequences as one 2B batch,
+     logits = un + (cfg_scale + 1)·(cond − un); the unconditional sequence has every position that was not a
      mask at the start, pads included, replaced by the mask token). The official code computes logits
      everywhere; positions after the current block get confidence −inf, but every position that still
      holds the mask token is a candidate, wherever it is. We compute the logits of the current block
      only while no earlier position (prompt included) holds the mask token — then only the block can
      transfer and the tokens are the same — and switch, inside the compiled loop (`lax.cond`), to
-     whole-canvas logits at any step where one does: the prompt holds masks (infilling), or an earlier
+     whole-sequence logits at any step where one does: the prompt holds masks (infilling), or an earlier
      block kept one because its argmax was the mask id itself (possible under CFG). Such a position
      "transfers" the mask id, stays masked and competes for the transfer slots of later blocks, as in
      the official loop;
@@ -41,7 +41,7 @@ Padding policies (a left-padded batch, `prompt_mask` 1 = real token; `dlm_jax.sa
   * "outer":   MMaDA's callers: a boolean outer product mask(i) ∧ mask(j) over prompt + generation, so pad
                queries see nothing (finite, uniform rows) and real queries never see pads. MMaDA's CFG
                branch calls the model with no mask at all (`cfg_padding=False`). (MMaDA's own code builds
-               the outer product from the prompt-length mask only, which does not fit the longer canvas
+               the outer product from the prompt-length mask only, which does not fit the longer sequence
                when a batch is padded; we extend the mask with ones over the generation, the evident intent.)
 Positions are never shifted for left padding in the originals (all versions), so a row's tokens depend on
 how much it is padded. `shift_positions=True` (not in the originals) gives real tokens the positions
@@ -49,8 +49,8 @@ how much it is padded. `shift_positions=True` (not in the originals) gives real 
 padding (the batch-invariant layout).
 
 Random draws (Gumbel noise at temperature > 0, random remasking) are drawn for the logits' window (the
-block, or the whole canvas at the steps that need it), so a given key gives other samples than it would
-over the whole canvas at every step.
+block, or the whole sequence at the steps that need it), so a given key gives other samples than it would
+over the whole sequence at every step.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class LLaDAOptions(blocks.BlockLayout):
       threshold. None = off.
     factor_rule: "fast_dllm" (NVlabs' code, the default: when only the last-ranked candidate fails, all are
       committed) or "dllm" (dllm's vectorised rule: exactly the accepted prefix); `parallel.FACTOR_RULES`.
-    cache: "none", "prefix" or "dual": Fast-dLLM's approximate KV caches, refreshed by a whole-canvas
+    cache: "none", "prefix" or "dual": Fast-dLLM's approximate KV caches, refreshed by a whole-sequence
       step at each block start (`dlm_jax.sampling.llada_blockwise`).
     dual_cache_forwards: with cache="dual", how many model calls a block may take: "until_done" (NVlabs'
       June-2025 code, 24cc59e: until the block holds no mask) or "steps_per_block" (NVlabs' current code:
@@ -181,7 +181,7 @@ class LLaDAOptions(blocks.BlockLayout):
                        f"cache={self.cache!r}.")
     if self.cache != "none" and self.cfg_scale > 0:
       raise ValueError(f"cache={self.cache!r} cannot be combined with cfg_scale > 0 (classifier-free guidance "
-                       "would need a cache for the unconditional canvas); use cache='none'.")
+                       "would need a cache for the unconditional sequence); use cache='none'.")
 
   @property
   def blockwise(self) -> bool:
@@ -212,7 +212,7 @@ def gumbel_argmax(logits: jax.Array, temperature: float, key: jax.Array, per_row
 
 @struct.dataclass
 class LLaDAConstants:
-  """Loop invariants: the padding layout, the unconditional canvas's padding bias and the CFG prompt
+  """Loop invariants: the padding layout, the unconditional sequence's padding bias and the CFG prompt
   index ([B, S] bool, positions that were not masks at the start)."""
 
   layout: padding.PaddingLayout
@@ -252,13 +252,13 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
   def shift_positions(self) -> bool:
     return self.options.shift_positions
 
-  def constants(self, run, canvas, layout) -> LLaDAConstants:
+  def constants(self, run, sequence, layout) -> LLaDAConstants:
     uncond_bias = layout.bias if self.options.cfg_padding else NO_BIAS
-    return LLaDAConstants(layout=layout, uncond_bias=uncond_bias, prompt_index=canvas != self.mask_id)
+    return LLaDAConstants(layout=layout, uncond_bias=uncond_bias, prompt_index=sequence != self.mask_id)
 
-  def init_carry(self, run, params, canvas, key, consts) -> LLaDACarry:
-    b, o = canvas.shape[0], self.options
-    return LLaDACarry(tokens=canvas, key=key, schedule=jnp.zeros((b, o.steps_per_block), jnp.int32),
+  def init_carry(self, run, params, sequence, key, consts) -> LLaDACarry:
+    b, o = sequence.shape[0], self.options
+    return LLaDACarry(tokens=sequence, key=key, schedule=jnp.zeros((b, o.steps_per_block), jnp.int32),
                       decode_step=jnp.full((b, o.gen_length), -1, jnp.int32),
                       block_step=jnp.zeros((), jnp.int32), block=jnp.zeros((), jnp.int32),
                       cache=blocks.init_cache(run, params, b))
@@ -272,7 +272,7 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
 
   def _proposals(self, params, logits, uncond_logits, key, per_row: bool = False):
     """Steps 1–5 of the module docstring on the logits [B, W, V] of a window (and of the unconditional
-    canvas under CFG): (x0 [B, W] int32, confidence p(x0) [B, W]). per_row: `key` is [B] keys."""
+    sequence under CFG): (x0 [B, W] int32, confidence p(x0) [B, W]). per_row: `key` is [B] keys."""
     o = self.options
     if o.cfg_scale > 0:
       logits = uncond_logits + (o.cfg_scale + 1.0) * (logits - uncond_logits)
@@ -299,7 +299,7 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
     return x0, x0_p
 
   def _transfer(self, x, x0, x0_p, block_end, transfer_count):
-    """Step 6 on the whole canvas x [B, S]: the transfer_count [B] most confident masked positions before
+    """Step 6 on the whole sequence x [B, S]: the transfer_count [B] most confident masked positions before
     block_end take x0 [B, S] (confidence x0_p [B, S], −inf where no proposal was computed)."""
     masked = x == self.mask_id
     before_end = jnp.arange(x.shape[1])[None, :] < block_end
@@ -344,11 +344,11 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
     key, step_key = keys.split(carry.key, 2, run.row_keys)
     uncond = jnp.where(consts.prompt_index, mask_id, x) if o.cfg_scale > 0 else None
 
-    def proposals(result, whole_canvas: bool):
-      """(x0, confidence) [B, S] from the logits of the whole canvas, or of the current block only
+    def proposals(result, whole_sequence: bool):
+      """(x0, confidence) [B, S] from the logits of the whole sequence, or of the current block only
       (confidence −inf elsewhere)."""
       def propose(_):
-        start, width = (0, run.total_length) if whole_canvas else (block_start, o.block)
+        start, width = (0, run.total_length) if whole_sequence else (block_start, o.block)
         head = lambda h: model.lm_head(params, h, config=run.config)
         if run.caller.batch_invariant:
           head = functools.partial(row_by_row.lm_head_rows, head)
@@ -394,7 +394,7 @@ class LLaDABlockwiseFamily(LLaDAFamily):
     return llada_blockwise.finished(self, run, carry, phase)
 
   def open_phase(self, run, params, consts: LLaDAConstants, carry: LLaDACarry, istate, i, phase):
-    """A cached block's first step: the whole canvas, refreshing the cache."""
+    """A cached block's first step: the whole sequence, refreshing the cache."""
     return llada_blockwise.decode(self, run, params, consts, carry, istate, i, phase, "refresh")
 
   def step(self, run, params, consts: LLaDAConstants, carry: LLaDACarry, istate, i, phase):

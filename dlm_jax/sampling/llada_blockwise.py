@@ -10,8 +10,8 @@ refresh at a block's first step); the prefix cache computes S − s queries, a c
 block, so each of its blocks is a phase of its own (compile time grows with the number of blocks).
 
 Model calls in block k = [s, e):
-  * "none":   every step runs the whole canvas (exact attention); the logits are the block's.
-  * "prefix": the block's first step runs the whole canvas and keeps every layer's keys and values (the
+  * "none":   every step runs the whole sequence (exact attention); the logits are the block's.
+  * "prefix": the block's first step runs the whole sequence and keeps every layer's keys and values (the
               refresh); the other steps run the queries [s, S) — the block and every later position —
               attending to the cached keys and values of [0, s) and to their own fresh ones.
   * "dual":   the same refresh; the other steps run the block's queries only, writing the block's fresh
@@ -30,7 +30,7 @@ left with its masks. In a batch the rows move to the next block together: a row 
 (unchanged, `Trace.active_rows` False, its key and its intervention state not advanced —
 `Intervention.keep_rows`) while the others finish, so its tokens and `row_nfe` are those it gets alone.
 
-Not supported (a clear error): classifier-free guidance with a cache (the unconditional canvas would need
+Not supported (a clear error): classifier-free guidance with a cache (the unconditional sequence would need
 a cache of its own; Fast-dLLM has no CFG).
 """
 
@@ -108,7 +108,7 @@ def _rows(array, start, length):
 
 
 def _model_call(family, run, params, consts, carry, istate, i, s, call: Call, step_key):
-  """The step's model call: (CallResult with the block's logits [B, block, V] — the whole canvas's [B, S, V]
+  """The step's model call: (CallResult with the block's logits [B, block, V] — the whole sequence's [B, S, V]
   at a refresh of the capped dual cache — queries [2])."""
   o, total, x, layout = family.options, run.total_length, carry.tokens, consts.layout
   if call == "prefix":
@@ -120,22 +120,22 @@ def _model_call(family, run, params, consts, carry, istate, i, s, call: Call, st
   uncond = jnp.where(consts.prompt_index, family.mask_id, x) if o.cfg_scale > 0 else None
   cache = None if call == "full" else carry.cache
   whole = call in ("full", "refresh")
-  canvas_logits = call == "refresh" and _capped(o)
+  sequence_logits = call == "refresh" and _capped(o)
   result = run.caller(params, x if whole else _rows(x, start, length), i, istate,
-                      window=(0, total) if canvas_logits else (0, o.block),
-                      logits_offset=s if whole and not canvas_logits else 0,
+                      window=(0, total) if sequence_logits else (0, o.block),
+                      logits_offset=s if whole and not sequence_logits else 0,
                       positions=_rows(layout.positions, start, length),
                       valid_keys=layout.valid, query_valid=_rows(layout.valid, start, length),
                       base_bias=padding.query_rows(layout.bias, start, length), uncond_tokens=uncond,
                       uncond_base_bias=consts.uncond_bias, cache=cache, cache_offset=start,
-                      canvas=None if cache is None else x)
+                      sequence=None if cache is None else x)
   queries = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(start + length, jnp.int32)])
   return result, queries
 
 
 def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, call: Call) -> tuple[Any, Any, Any]:
   """One step with the model call `call` (module docstring): "full" (no cache), "refresh" (the whole
-  canvas, filling the cache), "prefix" or "dual" — in the one-phase layout "dual" means the refresh at a
+  sequence, filling the cache), "prefix" or "dual" — in the one-phase layout "dual" means the refresh at a
   block's first step (a `lax.cond`) and the dual call after. Returns (carry, istate, StepOutput)."""
   o, mask_id, lp = family.options, family.mask_id, run.prompt_length
   k = _block_index(carry, phase)
@@ -180,7 +180,7 @@ def _capped_dual_step(family, run, params, consts, carry, istate, i, s, schedule
   """A step of the dual cache under NVlabs' current per-block cap (`LLaDAOptions.dual_cache_forwards`): the
   refresh proposes at every position and its candidates are all masks before the block's end (masks an
   earlier block left included); a cached call's candidates are the block's masks. Proposals, confidences
-  and candidates are canvas-wide [B, S]. Returns (carry, istate, StepOutput)."""
+  and candidates are sequence-wide [B, S]. Returns (carry, istate, StepOutput)."""
   o, mask_id, lp, x = family.options, family.mask_id, run.prompt_length, carry.tokens
   position = jnp.arange(run.total_length)[None, :]
   masked = x == mask_id

@@ -1,6 +1,6 @@
 """One model evaluation of a sampler step: padding bias + intervention → forward → statistics per plan.
 
-CFG. With classifier-free guidance the conditional and unconditional canvases run as one 2B batch (one
+CFG. With classifier-free guidance the conditional and unconditional sequences run as one 2B batch (one
 model evaluation: `nfe` counts forward calls). Statistics, top sinks and the intervention's `update`
 see the conditional half only; the intervention's bias is applied to both halves.
 """
@@ -33,8 +33,8 @@ class StepOutput:
   top_sinks: [L', B, N', k] int32.
   record: the intervention's record of the step (`Intervention.record`, taken before the call).
   active: [B] bool, the rows the step decoded for (set by the family; the driver fills all-true when None).
-  queries: [2] int32, the canvas positions [start, stop) whose queries the step computed (set by families
-    that compute part of the canvas; the driver fills [0, S) when None).
+  queries: [2] int32, the sequence positions [start, stop) whose queries the step computed (set by families
+    that compute part of the sequence; the driver fills [0, S) when None).
   accepted: [B, C] bool, the canvas positions a uniform-state step accepted (DiffusionGemma; None for the
     other families).
   canvas: [B, C] int32, the canvas a uniform-state decoder step read (DiffusionGemma: the noisy canvas its
@@ -71,7 +71,7 @@ def _nonfinite_rows(*arrays: jax.Array | None) -> jax.Array:
 class CallResult:
   """Named result of `ModelCaller.__call__`.
 
-  logits: [B, W, V] float32 of the conditional canvas; uncond_logits: the same for the unconditional one
+  logits: [B, W, V] float32 of the conditional sequence; uncond_logits: the same for the unconditional one
   (CFG) or None. With `return_hidden` both are None and hidden / uncond_hidden hold the final-normed
   hidden states [B, W, D] instead (`dlm_jax.model.lm_head` turns a slice into logits).
   intervention_state: the state after `update`; cache: the updated `KVCache` or None; outputs: the
@@ -122,10 +122,10 @@ class ModelCaller:
                positions: jax.Array, valid_keys: jax.Array, query_valid: jax.Array,
                base_bias: AttentionBias = NO_BIAS,
                uncond_tokens: jax.Array | None = None, uncond_base_bias: AttentionBias = NO_BIAS,
-               cache: KVCache | None = None, cache_offset: jax.Array | int = 0, canvas: jax.Array | None = None,
+               cache: KVCache | None = None, cache_offset: jax.Array | int = 0, sequence: jax.Array | None = None,
                logits_offset: jax.Array | int = 0, return_hidden: bool = False,
                decoder: DecoderCall | None = None, unresolved: jax.Array | None = None) -> CallResult:
-    """Runs the model on tokens [B, T] (with the unconditional canvas [B, T] as a 2B batch when given).
+    """Runs the model on tokens [B, T] (with the unconditional sequence [B, T] as a 2B batch when given).
 
     window: (start, stop) positions whose logits are computed, "last" (the last position) or None (all);
     logits_offset shifts it by a traced amount (see `dlm_jax.model.forward`); return_hidden: return the
@@ -133,7 +133,7 @@ class ModelCaller:
     positions: [B, T] RoPE positions; valid_keys: [B, S] keys the top sinks may be chosen among;
     query_valid: [B, T] the real (not padding) queries, the ones the statistics sum over.
     base_bias / uncond_base_bias: the padding biases of the two halves.
-    cache: a `KVCache`: the call writes it at `cache_offset`, the keys are its S positions and `canvas`
+    cache: a `KVCache`: the call writes it at `cache_offset`, the keys are its S positions and `sequence`
     [B, S] is the whole sequence the intervention sees (`CallContext.tokens`).
     decoder: a `DecoderCall` for a DiffusionGemma decoder call (reads the cache, writes nothing; see
     `dlm_jax.model.forward`).
@@ -147,7 +147,7 @@ class ModelCaller:
     if cache is None:
       context = CallContext(step=jnp.asarray(step, jnp.int32), tokens=tokens, **known)
     else:
-      context = CallContext(step=jnp.asarray(step, jnp.int32), tokens=canvas, query_offset=cache_offset,
+      context = CallContext(step=jnp.asarray(step, jnp.int32), tokens=sequence, query_offset=cache_offset,
                             query_length=length, **known)
     record = self.intervention.record(istate) if self.record_intervention else None
     intervention_bias = self.intervention.bias(istate, context)

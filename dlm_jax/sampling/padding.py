@@ -1,7 +1,7 @@
 """Left-padded batches: the one helper that builds validity masks, shifted positions and padding biases.
 
 A batch of prompts of different lengths is left-padded to [B, Lp] with a `prompt_mask` (1 = real token);
-the canvas appends G generated positions, all real. Families choose, per the original code they follow:
+the sequence appends G generated positions, all real. Families choose, per the original code they follow:
 
   attention "visible": pads are ordinary tokens (no mask; the original HF LLaDA);
             "key":     pad keys are removed from every query's view (key bias; LLaDA's Oct-2025 update,
@@ -36,8 +36,8 @@ class PaddingLayout:
   """What padding means for one run (loop invariants).
 
   valid: [B, S] bool, True = real token (all True without a prompt mask).
-  positions: [B, S] int32 RoPE positions of the canvas.
-  bias: the padding `AttentionBias` over the whole canvas (keys S, queries S).
+  positions: [B, S] int32 RoPE positions of the sequence.
+  bias: the padding `AttentionBias` over the whole sequence (keys S, queries S).
   """
 
   valid: jax.Array
@@ -45,7 +45,7 @@ class PaddingLayout:
   bias: AttentionBias
 
 
-def canvas_validity(prompt_mask: jax.Array | None, batch: int, total: int) -> jax.Array:
+def sequence_validity(prompt_mask: jax.Array | None, batch: int, total: int) -> jax.Array:
   """[B, S] bool: the prompt mask [B, Lp] (None = all real) extended with ones over the generation."""
   if prompt_mask is None:
     return jnp.ones((batch, total), bool)
@@ -60,13 +60,13 @@ def shifted_positions(valid: jax.Array) -> jax.Array:
 
 def layout(prompt_mask: jax.Array | None, total: int, attention: PaddingAttention, shift_positions: bool,
            batch: int) -> PaddingLayout:
-  """The `PaddingLayout` of a [batch, total] canvas whose first Lp positions follow `prompt_mask` [B, Lp].
+  """The `PaddingLayout` of a [batch, total] sequence whose first Lp positions follow `prompt_mask` [B, Lp].
 
   Without a prompt mask nothing is padded: no bias and positions 0..S−1 whatever the options.
   """
   if attention not in PADDING_ATTENTION:
     raise ValueError(f"padding attention must be one of {PADDING_ATTENTION}, got {attention!r}.")
-  valid = canvas_validity(prompt_mask, batch, total)
+  valid = sequence_validity(prompt_mask, batch, total)
   plain = jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (batch, total))
   if prompt_mask is None:
     return PaddingLayout(valid=valid, positions=plain, bias=NO_BIAS)
@@ -76,7 +76,7 @@ def layout(prompt_mask: jax.Array | None, total: int, attention: PaddingAttentio
 
 
 def query_rows(bias: AttentionBias, start: int, length: int) -> AttentionBias:
-  """The bias of a call whose queries are canvas positions start..start+length−1 (its pairwise rows;
+  """The bias of a call whose queries are sequence positions start..start+length−1 (its pairwise rows;
   key biases apply to every query unchanged). start: int or traced scalar; length: static int."""
   if bias.pairwise is None or bias.pairwise.shape[-2] == 1:
     return bias

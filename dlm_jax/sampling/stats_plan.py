@@ -27,7 +27,7 @@ class StatsPlan:
   A sampler step has up to three consumers: the user's spec, the intervention's `required_stats(config)`
   (with its own `query_weights` when it asks for query groups) and the per-step top-k sinks. The plan
   runs one forward with their union (heads if anyone needs heads, the union of the layers, the
-  query-group blocks of every consumer side by side) and derives each consumer's view from it.
+  query-group spans of every consumer side by side) and derives each consumer's view from it.
 
   Attributes:
     user: the caller's spec (query_groups 0 or 3, `QUERY_GROUP_NAMES`).
@@ -38,9 +38,9 @@ class StatsPlan:
       row's statistics would depend on how much it is padded). An intervention's own query groups are
       used as it gives them.
 
-  The forward's query groups come in blocks: "sampler" (the 3 groups, when the user asks for them),
+  The forward's query groups come in spans: "sampler" (the 3 groups, when the user asks for them),
   "all" (one group of every real query, when someone needs the sum over all queries and no sampler
-  block gives it) and "intervention" (the intervention's groups). Without any grouped consumer and
+  span gives it) and "intervention" (the intervention's groups). Without any grouped consumer and
   without padding the forward is ungrouped.
   """
 
@@ -66,23 +66,23 @@ class StatsPlan:
     return StatsSpec(incoming_attention=True, per_head=True)
 
   @property
-  def group_blocks(self) -> tuple[tuple[str, int], ...]:
-    """((name, size), ...) of the forward's query-group blocks; () = ungrouped."""
+  def group_spans(self) -> tuple[tuple[str, int], ...]:
+    """((name, size), ...) of the forward's query-group spans; () = ungrouped."""
     consumers = [s for s in (self.user, self.intervention, self.sinks_spec) if s.incoming_attention]
-    blocks = []
+    spans = []
     if self.user.incoming_attention and self.user.query_groups:
-      blocks.append(("sampler", len(QUERY_GROUP_NAMES)))
+      spans.append(("sampler", len(QUERY_GROUP_NAMES)))
     if self.intervention.incoming_attention and self.intervention.query_groups:
-      blocks.append(("intervention", self.intervention.query_groups))
-    if ((blocks or self.padded) and (not blocks or blocks[0][0] != "sampler")
+      spans.append(("intervention", self.intervention.query_groups))
+    if ((spans or self.padded) and (not spans or spans[0][0] != "sampler")
         and any(not s.query_groups for s in consumers)):
-      blocks.insert(0, ("all", 1))
-    return tuple(blocks)
+      spans.insert(0, ("all", 1))
+    return tuple(spans)
 
-  def _block(self, name: str) -> slice:
+  def _span(self, name: str) -> slice:
     start = 0
-    for block, size in self.group_blocks:
-      if block == name:
+    for span, size in self.group_spans:
+      if span == name:
         return slice(start, start + size)
       start += size
     raise KeyError(name)
@@ -99,7 +99,7 @@ class StatsPlan:
         incoming_attention=bool(incoming),
         per_head=any(s.per_head for s in incoming) if incoming else True,
         layers=_union_layers(incoming + values + routing),
-        query_groups=sum(size for _, size in self.group_blocks),
+        query_groups=sum(size for _, size in self.group_spans),
         value_norms=bool(values), routing=bool(routing))
 
   def check(self, n_layers: int) -> None:
@@ -107,10 +107,10 @@ class StatsPlan:
 
   def query_weights(self, sampler_weights, intervention_weights, query_valid: jax.Array) -> jax.Array | None:
     """[B, Q, T] weights of the forward's groups, from zero-argument callables giving the sampler's and the
-    intervention's blocks; query_valid: [B, T] bool, the real queries (all True without padding)."""
+    intervention's spans; query_valid: [B, T] bool, the real queries (all True without padding)."""
     parts = []
     real = query_valid.astype(jnp.float32)[:, None, :]
-    for name, _ in self.group_blocks:
+    for name, _ in self.group_spans:
       if name == "sampler":
         parts.append(sampler_weights() * real)
       elif name == "intervention":
@@ -146,13 +146,13 @@ class StatsPlan:
     return ForwardOutput(logits=output.logits, stats=stats)
 
   def _groups(self, x: jax.Array, axis: int, target: StatsSpec, role: str) -> jax.Array:
-    """The target's query groups of x along `axis`: its own block, or one group summing all queries."""
-    take = lambda block: jax.lax.slice_in_dim(x, block.start, block.stop, axis=axis)  # noqa: E731
+    """The target's query groups of x along `axis`: its own span, or one group summing all queries."""
+    take = lambda span: jax.lax.slice_in_dim(x, span.start, span.stop, axis=axis)  # noqa: E731
     if target.query_groups:
-      return take(self._block("sampler" if role == "user" else "intervention"))
-    if self.group_blocks[0][0] == "sampler":
-      return jnp.sum(take(self._block("sampler")), axis=axis, keepdims=True)
-    return take(self._block("all"))
+      return take(self._span("sampler" if role == "user" else "intervention"))
+    if self.group_spans[0][0] == "sampler":
+      return jnp.sum(take(self._span("sampler")), axis=axis, keepdims=True)
+    return take(self._span("all"))
 
   def user_stats(self, output: ForwardOutput, n_experts: int = 0) -> dict[str, jax.Array] | None:
     """The user's statistics of one call by name, canonical layout (`STATISTICS`), plus "expert_load"

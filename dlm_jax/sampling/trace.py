@@ -14,12 +14,12 @@ class Trace:
   """The result of one sampler run (a pytree; `prompt_length` is static).
 
   Attributes:
-    tokens: [B, S_total] int32, the final canvas: the (left-padded) prompt followed by the generation.
+    tokens: [B, S_total] int32, the final sequence: the (left-padded) prompt followed by the generation.
     decode_step: [B, G] int32, for each generated position the 0-based step at which it stopped holding
       the mask token (diffusion samplers; the last such step if a token was re-masked), or the step that
       produced it (autoregressive); -1 if it never did.
     nfe: scalar int32, the number of model evaluations (forward calls; a CFG step runs the conditional and
-      unconditional canvases as one 2B batch and counts once; steps skipped by an early stop do not count).
+      unconditional sequences as one 2B batch and counts once; steps skipped by an early stop do not count).
       It is also the number of steps run: indices 0..nfe−1 of every per-step buffer below are valid, the
       rest (up to the sampler's step bound, `max_steps`) are zeros.
     active_rows: [max_steps, B] bool, the rows each step decoded for: all rows at every step run, except
@@ -27,15 +27,15 @@ class Trace:
       diffusion): a row that is done waits, unchanged, while its model call still runs with the batch; and
       no row at block diffusion's cache calls (the prefill, a block's commit), which decode nothing.
       False after step nfe − 1.
-    computed_queries: [max_steps, 2] int32, the canvas positions [start, stop) whose queries each step
-      computed: [0, S) for a whole-canvas step; the block and what follows it (prefix cache), the block
+    computed_queries: [max_steps, 2] int32, the sequence positions [start, stop) whose queries each step
+      computed: [0, S) for a whole-sequence step; the block and what follows it (prefix cache), the block
       (dual cache, block diffusion) or the fed tokens (autoregressive) otherwise. Statistics sum over
       these queries (and attend over all S keys, cached ones included).
     stats: None, or the user's statistics stacked over steps, in the users' shapes
       (`dlm_jax.instrument.stats.squeeze`): {"incoming_attention": [max_steps, L', B, (Q,) (N,) S] — the Q
       axis only with query groups, the head axis only per head — "value_norms": [max_steps, L', B, K, S],
       and with `StatsSpec.routing` "routed_experts" / "routing_weights": [max_steps, L', B, S, k] (the
-      router's choice at each canvas position a step computed; −1 / 0 elsewhere and in dense layers) and
+      router's choice at each sequence position a step computed; −1 / 0 elsewhere and in dense layers) and
       "expert_load": [max_steps, L', B, E] (tokens per expert in the step)}.
     top_sinks: None, or [max_steps, L', B, (N,) k] int32, the k keys with the most incoming attention (all
       queries) at each step, per layer (and head when the stats are per head), among the valid keys.

@@ -16,7 +16,7 @@ ATTENTION_IMPLS = ("chunked", "dense", "fused")
 @dataclasses.dataclass(frozen=True)
 class Numerics:
   """dtype: float32, bfloat16, float16, or "stored" (the checkpoint's own dtypes); matmul_precision:
-  jax_default_matmul_precision; attention_impl: chunked, dense or fused; query_chunk: queries per block of
+  jax_default_matmul_precision; attention_impl: chunked, dense or fused; query_chunk: queries per chunk of
   the chunked path; batch_invariant: the model runs one row at a time, so an item's tokens and statistics
   are bitwise the same whatever its batch (`dlm_jax.sampling.row_by_row`)."""
 

@@ -219,7 +219,7 @@ class PatchRunner:
     n_pairs = len(pairs)
     position, _, clean, corrupted = self._answer(pairs, 1)
     config = self.model.config
-    canvases = attribution.canvases_before_steps(host["tokens"][n_pairs:], host["decode_step"][n_pairs:],
+    canvases = attribution.sequences_before_steps(host["tokens"][n_pairs:], host["decode_step"][n_pairs:],
                                                  self.prompt_set.width, config.mask_token_id, np.asarray(self.steps))
     grads = _gradient_fn(config, site, self.settings.numerics.attention_impl, self.settings.numerics.query_chunk)
     result = np.zeros((n_pairs, values.shape[1], len(self.steps)))
