@@ -11,7 +11,7 @@ from flax import nnx
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.site_hooks import SiteHooks, at
 from dlm_jax.model.attention_layer import Attention
-from dlm_jax.model.layers import RMSNorm, SwiGLU, rms_normalize
+from dlm_jax.model.primitives import RMSNorm, SwiGLU, rms_normalize
 from dlm_jax.model.moe import MoE
 
 

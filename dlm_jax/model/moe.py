@@ -12,7 +12,7 @@ from flax import nnx
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.site_hooks import SiteHooks, at
-from dlm_jax.model.layers import KERNEL_INIT, SwiGLU, gate_activation, rms_normalize
+from dlm_jax.model.primitives import KERNEL_INIT, SwiGLU, gate_activation, rms_normalize
 
 
 def route(config: ModelConfig, logits: jax.Array, score_bias: jax.Array | None = None

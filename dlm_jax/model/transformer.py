@@ -44,7 +44,7 @@ from dlm_jax.instrument.stats import STATISTICS, ForwardOutput, StatsSpec
 from dlm_jax.model.attention import MASK_VALUE, AttentionBias
 from dlm_jax.model.block import SelfConditioning, block_stack
 from dlm_jax.model.cache import KVCache
-from dlm_jax.model.layers import EMBED_INIT, RMSNorm, linear
+from dlm_jax.model.primitives import EMBED_INIT, RMSNorm, linear
 from dlm_jax.model.rope import proportional_rope_tables, rope_tables
 
 

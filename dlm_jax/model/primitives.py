@@ -1,4 +1,4 @@
-"""The small layers every block is built of: RMSNorm, linear projections, the gated feed-forward."""
+"""The primitives every Transformer layer is built of: RMSNorm, linear projections, the gated feed-forward."""
 
 from __future__ import annotations
 
