@@ -105,7 +105,7 @@ STATISTICS: dict[str, Statistic] = {
     "routing_weights": Statistic("routing", ("L", "B", "S", "k")),
 }
 """Every per-call statistic by name. Adding one: an entry here (with a `StatsSpec` switch) and its computation
-in `dlm_jax.model.transformer._run_block`; the planner, the CFG split, batch-invariant calls and the `Trace`
+in `dlm_jax.model.transformer._run_layer`; the planner, the CFG split, batch-invariant calls and the `Trace`
 treat entries by name and layout."""
 
 

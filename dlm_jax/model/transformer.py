@@ -292,8 +292,8 @@ def _stat_slots(config: ModelConfig, spec: StatsSpec) -> jax.Array | None:
   return jnp.asarray(slot_of_layer)
 
 
-def _run_block(call: _LayerCall, kind: str, block, h, kv_cache, layer_biases, with_stats: bool, layer):
-  """One block: (h [B, T, D], (keys, values) [B, S, K, H], {statistic name: this layer's value},
+def _run_layer(call: _LayerCall, kind: str, block, h, kv_cache, layer_biases, with_stats: bool, layer):
+  """One layer (its `Block`): (h [B, T, D], (keys, values) [B, S, K, H], {statistic name: this layer's value},
   {capture index: this layer's captured value})."""
   spec = call.stats_spec
   cos, sin = call.tables[kind]
@@ -322,18 +322,18 @@ def _scan_layer(call: _LayerCall, kind: str, block_graph, carry, xs):
   state, layer_biases, kv_cache, slot, layer = xs
   block = nnx.merge(block_graph, state)
   if call.slots is None:
-    h, kv, stats, captured = _run_block(call, kind, block, h, kv_cache, layer_biases, call.stats_spec.enabled,
+    h, kv, stats, captured = _run_layer(call, kind, block, h, kv_cache, layer_biases, call.stats_spec.enabled,
                                         layer)
     capture_buffers = _write_captures(call, kind, layer, capture_buffers, captured)
     return (h, buffers, capture_buffers), {**stats, **({"cache": kv} if call.emit_cache else {})}
 
   def with_stats(h, buffers):
-    h, kv, stats, captured = _run_block(call, kind, block, h, kv_cache, layer_biases, True, layer)
+    h, kv, stats, captured = _run_layer(call, kind, block, h, kv_cache, layer_biases, True, layer)
     return h, kv, {name: jax.lax.dynamic_update_index_in_dim(buffers[name], stats[name], slot, 0)
                    for name in buffers}, captured
 
   def without_stats(h, buffers):
-    h, kv, _, captured = _run_block(call, kind, block, h, kv_cache, layer_biases, False, layer)
+    h, kv, _, captured = _run_layer(call, kind, block, h, kv_cache, layer_biases, False, layer)
     return h, kv, buffers, captured
 
   h, kv, buffers, captured = jax.lax.cond(slot >= 0, with_stats, without_stats, h, buffers)
