@@ -17,7 +17,7 @@ it writes to --output_dir:
 
 Sink positions: for each item and recorded layer, the modal largest sink (the position most often the
 largest sink over the item's decoded steps and the heads); "same modal sink" is the fraction of (item,
-layer) pairs where a mode's equals the reference's, over all decoded steps and over the whole-canvas steps
+layer) pairs where a mode's equals the reference's, over all decoded steps and over the whole-sequence steps
 only (every step without a cache, a block's refresh step with one). "lifetime / NFE" is the mean sink
 lifetime as a fraction of the item's steps (the modes take different numbers of steps). No model is run;
 nothing is written before every input has been read.
@@ -186,10 +186,10 @@ def _sinks_markdown(result: dict) -> list[str]:
   lines = ["## Sinks across the decoded steps (experiments.sink_analysis)", "",
            f"{result['model']}, {ref['n_items']} prompts per mode; in parentheses the change from "
            f"{rows[0]['mode']}. Per-layer values are averaged over the recorded layers.", "",
-           "| mode | accuracy | NFE per row | whole-canvas steps | sink fraction (ε-rule) | non-sinks at ε | "
+           "| mode | accuracy | NFE per row | whole-sequence steps | sink fraction (ε-rule) | non-sinks at ε | "
            "sinks per head and step | steps with a sink | largest sink moved (change rate) | drift | "
            "sink lifetime (steps) | lifetime / NFE | largest sink in prompt | largest sink = first token | "
-           "same modal sink as reference | same, whole-canvas steps | masked/unmasked separate | top sink tokens |",
+           "same modal sink as reference | same, whole-sequence steps | masked/unmasked separate | top sink tokens |",
            "|---|" + "---|" * 17]
   for m in rows:
     s = m["sinks"]
@@ -237,7 +237,7 @@ def markdown(result: dict) -> str:
            "Produced by `python -m experiments.decoding_comparison` from the runs listed at the end. Modes: "
            + "; ".join(f"`{name}` = {rule} rule, {cache} cache" for name, (rule, cache) in MODES.items()) + ".",
            "", "Under a KV cache a step's statistics are the incoming attention of the queries the step computed "
-           "(the whole canvas at a block's refresh step; then the block and every later position with the prefix "
+           "(the whole sequence at a block's refresh step; then the block and every later position with the prefix "
            "cache, the block alone with the dual cache) over all keys, cached keys included; scores stay relative "
            "to the uniform share of those queries, so the ε-rule means the same thing in every mode. Every "
            "measure reads only the steps a generation decoded at.", ""]

@@ -7,7 +7,7 @@ RUN_DIR is a finished `experiments.sink_analysis` run (its summary.json and each
 item_<figure_item>.npz) or a `sink_masking_eval` run (then the page shows the masking panel only);
 --masking_dir adds a sink_masking_eval run's completions of the same item under each condition. The page
 (default results/explore/<RUN_DIR name>.html; never inside RUN_DIR, which is an input) holds its data, script
-and style inline: no network, no CDN, it works from file://. For each model it shows the canvas after every
+and style inline: no network, no CDN, it works from file://. For each model it shows the sequence after every
 decoded step (masked / decoded / committed at that step), a step slider and a play button, the incoming
 attention of a chosen layer and head over the keys at that step (sinks by the run's ε-rule marked, the tokens
 as labels) and over all steps, the decode order, and the sink-masking conditions side by side. The URL

@@ -23,7 +23,7 @@ masked.
 
 Decoding modes: --decoding=exact|threshold|factor|prefix_cache|dual_cache|threshold_prefix_cache|
 threshold_dual_cache with --threshold / --factor (`experiments.common.decoding_modes`; DLMs only). Under a KV cache
-the sinks of a step come from the incoming attention of the queries it computed (the whole canvas at a
+the sinks of a step come from the incoming attention of the queries it computed (the whole sequence at a
 block's refresh step, then the block and every later position with the prefix cache, the block alone with
 the dual cache) over all keys, cached ones included. With a threshold or factor rule the rows of a batch
 wait for each other block by block; a waiting row keeps its tokens, key and masker state

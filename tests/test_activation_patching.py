@@ -153,10 +153,10 @@ def test_grid_rows_equal_separate_runs_of_their_cells():
 def test_site_gradients_match_finite_differences():
   config = SAMPLERS["llada"][0]
   params = params_of("llada")
-  canvas = jnp.asarray(np.random.default_rng(3).integers(4, 250, size=(2, 10)), jnp.int32)
+  sequence = jnp.asarray(np.random.default_rng(3).integers(4, 250, size=(2, 10)), jnp.int32)
   metric = attribution.logit_difference_at(jnp.asarray([7, 9]), jnp.asarray([5, 6]), jnp.asarray([8, 9]))
-  value, grad = attribution.site_gradients(params, canvas, metric, config=config, site="hook_mlp_out")
-  plain = model.forward(params, canvas, config=config).logits
+  value, grad = attribution.site_gradients(params, sequence, metric, config=config, site="hook_mlp_out")
+  plain = model.forward(params, sequence, config=config).logits
   np.testing.assert_allclose(np.asarray(value), np.asarray(metric(plain)), atol=1e-5)
   hooks = Hooks(edits=(Edit("hook_mlp_out", "add", source="values"),))
   direction = np.random.default_rng(4).normal(size=(1, config.n_layers, 2, 10, config.d_model)).astype(np.float32)
@@ -164,7 +164,7 @@ def test_site_gradients_match_finite_differences():
   def shifted(epsilon):
     call = HookCall(hooks=hooks, values=hook_values(hooks, config, 2, 10, edits={
         0: dict(values=epsilon * direction, value_steps=np.zeros(1, np.int32))}))
-    return np.asarray(metric(model.forward(params, canvas, config=config, hooks=call).logits), np.float64)
+    return np.asarray(metric(model.forward(params, sequence, config=config, hooks=call).logits), np.float64)
 
   epsilon = 1e-2
   finite = (shifted(epsilon) - shifted(-epsilon)) / (2 * epsilon)

@@ -267,7 +267,7 @@ def test_quota_matches_reference(cache):
 
 @pytest.mark.parametrize("rule", [dict(threshold=THRESHOLD), dict(steps=8, alg="entropy")])
 def test_blocks_of_one_position_are_their_block_start_steps(rule):
-  """B = 1: each block is its block-start step alone (one whole-canvas call, the same in every cache mode),
+  """B = 1: each block is its block-start step alone (one whole-sequence call, the same in every cache mode),
   with the quota (2 steps per block by the options) as with the threshold."""
   traces = [dream.diffusion_generate(params(), prompts(), config=CONFIG, options=dream.DreamOptions(
       gen_length=4, block_length=1, cache=cache, **rule)) for cache in ("none", "prefix", "dual")]

@@ -8,7 +8,7 @@
 2. Equal confidences take the lowest index first: at temperature 0 with `confidence_eos_eot_inf` every
    position predicting EOS has confidence exactly 0; the tests check the cut fell inside such a tie.
 
-The reference is `reference_generate` of test_sampling_llada.py (the official loop in NumPy, whole-canvas
+The reference is `reference_generate` of test_sampling_llada.py (the official loop in NumPy, whole-sequence
 logits at every step). A recorder wrapped around its model call keeps the logits it used, from which
 `_replay` recomputes every step's candidates, confidences and choices, checks them against the reference's
 decode steps, counts the situations above and checks that every decision had a margin far above float

@@ -142,7 +142,7 @@ def test_matches_numpy_reference_at_temperature_zero(name):
 
 
 def test_masks_inside_the_prompt_are_filled_as_in_the_reference():
-  """Infilling: the prompt's own mask tokens may transfer in any block (whole-canvas logits variant)."""
+  """Infilling: the prompt's own mask tokens may transfer in any block (whole-sequence logits variant)."""
   case = dict(gen_length=8, steps=8, block_length=4)
   prompt = np.array(prompts())
   prompt[:, 2] = MASK

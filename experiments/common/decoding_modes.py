@@ -3,16 +3,16 @@ options: exact decoding, or Fast-dLLM's parallel decoding and approximate KV cac
 (`reference/decoding_modes.md` §2–§5; the library side is `dlm_jax.sampling.llada_blockwise`).
 
   --decoding              transfer rule at a step (in the current block)      model calls of a block
-  exact                   the sampler's own (LLaDA: a quota of steps/blocks)  the whole canvas at every step
-  threshold               confidence >= --threshold, at least the best one    the whole canvas at every step
-  factor                  Fast-dLLM's factor rule with --factor (NVlabs')     the whole canvas at every step
-  factor_dllm             the factor rule as dllm vectorises it               the whole canvas at every step
+  exact                   the sampler's own (LLaDA: a quota of steps/blocks)  the whole sequence at every step
+  threshold               confidence >= --threshold, at least the best one    the whole sequence at every step
+  factor                  Fast-dLLM's factor rule with --factor (NVlabs')     the whole sequence at every step
+  factor_dllm             the factor rule as dllm vectorises it               the whole sequence at every step
   prefix_cache            the quota rule                                      refresh, then queries [s, S)
   dual_cache              the quota rule                                      refresh, then the block's queries
   threshold_prefix_cache  the threshold rule                                  as prefix_cache
   threshold_dual_cache    the threshold rule                                  as dual_cache
 
-A block [s, e) under a cache starts with a refresh (a whole-canvas step that also fills the cache); the
+A block [s, e) under a cache starts with a refresh (a whole-sequence step that also fills the cache); the
 prefix cache then computes the queries [s, S) over the cached keys of [0, s) and their own, the dual cache
 only the block's queries over all S cached keys, the block's written in place. With the threshold or
 factor rule a block takes as many steps as it needs (one token at least per step, so `--steps` only has
@@ -171,7 +171,7 @@ class DecodingMode:
     return {}
 
   def check_guidance(self, cfg_scale: float) -> None:
-    """Refuses a KV cache together with classifier-free guidance (the unconditional canvas has no cache)."""
+    """Refuses a KV cache together with classifier-free guidance (the unconditional sequence has no cache)."""
     if self.cache != "none" and cfg_scale > 0:
       raise UsageError(f"--decoding={self.decoding} keeps a KV cache, which classifier-free guidance "
                        f"(--cfg_scale={cfg_scale:g}) does not support; use --cfg_scale=0 or a mode without a cache")

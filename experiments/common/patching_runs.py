@@ -1,7 +1,7 @@
 """The sampler runs of experiments.activation_patching for one model: the clean / corrupted capture run,
 the layer × step and layer × head grid calls, and attribution patching, per chunk of pairs.
 
-Shapes: P pairs of a chunk, n steps of a run, Le layers, R rows of a call, S canvas positions, D d_model.
+Shapes: P pairs of a chunk, n steps of a run, Le layers, R rows of a call, S sequence positions, D d_model.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class PatchRunner:
                                 "captures": trace.captures, "capture_steps": trace.capture_steps})
 
   def _answer(self, pairs, repeat: int):
-    """[R] answer positions (canvas), answer indices, clean and corrupted tokens of rows that repeat each pair."""
+    """[R] answer positions (sequence), answer indices, clean and corrupted tokens of rows that repeat each pair."""
     index = np.repeat([p.answer_index for p in pairs], repeat)
     return (self.prompt_set.width + index, index, np.repeat([p.clean_token for p in pairs], repeat),
             np.repeat([p.corrupted_token for p in pairs], repeat))
@@ -219,13 +219,13 @@ class PatchRunner:
     n_pairs = len(pairs)
     position, _, clean, corrupted = self._answer(pairs, 1)
     config = self.model.config
-    canvases = attribution.sequences_before_steps(host["tokens"][n_pairs:], host["decode_step"][n_pairs:],
+    sequences = attribution.sequences_before_steps(host["tokens"][n_pairs:], host["decode_step"][n_pairs:],
                                                  self.prompt_set.width, config.mask_token_id, np.asarray(self.steps))
     grads = _gradient_fn(config, site, self.settings.numerics.attention_impl, self.settings.numerics.query_chunk)
     result = np.zeros((n_pairs, values.shape[1], len(self.steps)))
     gap = 0.0
     for j, step in enumerate(self.steps):
-      metric, gradient = grads(self.model.params, jnp.asarray(canvases[j]), jnp.asarray(position - self.shift),
+      metric, gradient = grads(self.model.params, jnp.asarray(sequences[j]), jnp.asarray(position - self.shift),
                                jnp.asarray(clean), jnp.asarray(corrupted))
       gap = max(gap, float(np.max(np.abs(np.asarray(metric) - corrupted_steps[step]))))
       result[:, :, j] = attribution.attribution(np.asarray(gradient), values[step][:, :n_pairs],
@@ -237,9 +237,10 @@ class PatchRunner:
 
 @functools.lru_cache(maxsize=None)
 def _gradient_fn(config, site: str, attention_impl: str, query_chunk: int):
-  """jit of (params, canvas [P, S], position [P], clean [P], corrupted [P]) -> (metric [P], gradient [Le, P, S, *F])."""
-  def fn(params, canvas, position, clean, corrupted):
-    return attribution.site_gradients(params, canvas, attribution.logit_difference_at(position, clean, corrupted),
+  """jit of (params, sequence [P, S], position [P], clean [P], corrupted [P]) -> (metric [P], gradient
+  [Le, P, S, *F])."""
+  def fn(params, sequence, position, clean, corrupted):
+    return attribution.site_gradients(params, sequence, attribution.logit_difference_at(position, clean, corrupted),
                                       config=config, site=site, attention_impl=attention_impl, query_chunk=query_chunk)
   return jax.jit(fn)
 

@@ -7,7 +7,7 @@ the pads are visible tokens to a diffusion model, as in training, and masked for
 checkpoint has a training.json with a prompt width, chat otherwise.
 
 Every prompt of a run is left-padded to the same width W — the longest prompt of the run (the training
-width for `training`) — so the canvas, and with it every item's tokens and statistics, is the same
+width for `training`) — so the sequence, and with it every item's tokens and statistics, is the same
 whatever the batch size and whichever items share a batch.
 """
 

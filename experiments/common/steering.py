@@ -81,7 +81,7 @@ def _vector(path: str, site: str, entry: dict, shape: tuple[int, ...]) -> np.nda
 
 
 def steering(path: str, config: ModelConfig, batch: int, seq_len: int) -> tuple[Hooks, HookValues]:
-  """The hooks and traced values of steering file `path` for a model and [B, S] canvases; UserError (one
+  """The hooks and traced values of steering file `path` for a model and [B, S] sequences; UserError (one
   line) for a site the model lacks or a vector of another shape."""
   entries = read(path)
   edits = tuple(Edit(site, "add", positions=entry.get("positions", "masked")) for site, entry in entries)

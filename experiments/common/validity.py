@@ -20,7 +20,7 @@ def decoded_steps(nfe: int, active_rows: np.ndarray, row: int) -> np.ndarray:
 
 def step_validity(model: Model, batch: prompts.Prompts, row: int, tokens: np.ndarray, steps: int,
                   queries: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """(valid [steps, S] bool, active [steps] bool) for row `row` of a trace with final canvas `tokens` [S],
+  """(valid [steps, S] bool, active [steps] bool) for row `row` of a trace with final sequence `tokens` [S],
   over the row's `steps` decoded steps (`decoded_steps`); queries: their computed queries [steps, 2].
 
   valid: the keys that count at each step — not padding (when the prompts carry a mask), for an ARM

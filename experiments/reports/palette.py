@@ -2,7 +2,7 @@
 (`experiments.explore`): the same thing is drawn in the same colour everywhere.
 
 Meanings: a sink and a normal (non-sink) token; the end of the prompt and a block start; a masked,
-decoded and just-committed canvas position; and one colour per model, fixed for the embedded models and
+decoded and just-committed sequence position; and one colour per model, fixed for the embedded models and
 smollm2 so that a model keeps its colour across figures and runs (other labels take the remaining colours
 in the order they are asked for, `model_colours`).
 """
@@ -20,9 +20,9 @@ PROMPT_END = "#17becf"
 BLOCK_START = "#bcbd22"
 """The lines at block starts (olive)."""
 MASKED = "#c7c7c7"
-"""A masked (not yet decoded) canvas position (light grey)."""
+"""A masked (not yet decoded) sequence position (light grey)."""
 DECODED = "#1f77b4"
-"""A decoded canvas position (blue)."""
+"""A decoded sequence position (blue)."""
 JUST_COMMITTED = "#ff7f0e"
 """A position committed at the step shown (orange)."""
 THRESHOLD = "#000000"

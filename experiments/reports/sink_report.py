@@ -24,7 +24,7 @@ PAPER_TABLE2 = {
                  ("istant", 0.066)],
 }
 CACHE_NOTE = ("With a KV cache (--decoding=prefix_cache, dual_cache, ...) a step's statistics are the incoming "
-              "attention of the queries that step computed — the whole canvas at a block's first (refresh) step, "
+              "attention of the queries that step computed — the whole sequence at a block's first (refresh) step, "
               "then the block and every later position (prefix cache) or the block alone (dual cache) — over all "
               "keys, cached keys included; the scores stay relative to the uniform share of those queries.")
 MOVING_KEYS = ("sinks_per_head", "steps_with_sink", "change_rate", "drift", "signed_drift", "mean_lifetime",
