@@ -42,8 +42,9 @@ import time
 from absl import flags, logging
 
 from dlm_jax.instrument import sites
-from experiments.common import (capture_budget, checkpoints, cli, decode_flags, decoding, devices, numerics_flags,
-                                output_flags, patching_pairs, progress, run_dir, runtime_flags, size_limits)
+from experiments.common import (capture_budget, checkpoints, cli, decode_flags, decoding, devices, flag_checks,
+                                numerics_flags, output_flags, patching_pairs, progress, run_dir, runtime_flags,
+                                size_limits)
 from experiments.common.decoding import DecodeSettings
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
@@ -85,11 +86,8 @@ class Settings:
   numerics: Numerics
 
   def __post_init__(self):
-    if not self.checkpoints:
-      raise cli.UserError("--checkpoints is empty; give at least one checkpoint")
-    for name in ("n_pairs", "pairs_per_call"):
-      if getattr(self, name) < 1:
-        raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
+    flag_checks.checkpoints_given(self.checkpoints)
+    flag_checks.positive(n_pairs=self.n_pairs, pairs_per_call=self.pairs_per_call)
     size_limits.check(n_prompts=self.n_pairs, batch_size=self.pairs_per_call)
     if not self.sites:
       raise cli.UserError("--sites is empty; give at least one site")

@@ -49,8 +49,8 @@ from dlm_jax.instrument.hook_call import CaptureValues, hook_values
 from dlm_jax.instrument.hook_spec import Steps
 from dlm_jax.model import init_params
 from experiments.common import (atomic_files, capture_budget, checkpoints, cli, decode_flags, decoding, devices,
-                                item_batches, items, model_runs, numerics_flags, output_flags, progress, prompts, run_dir,
-                                runtime_flags, size_limits)
+                                flag_checks, item_batches, items, model_runs, numerics_flags, output_flags, progress,
+                                prompts, run_dir, runtime_flags, size_limits)
 from experiments.common.decoding import DecodeSettings
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
@@ -101,13 +101,9 @@ class Settings:
   numerics: Numerics
 
   def __post_init__(self):
-    if not self.checkpoints:
-      raise cli.UserError("--checkpoints is empty; give at least one checkpoint")
-    for name in ("batch_size", "lens_top_k"):
-      if getattr(self, name) < 1:
-        raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
-    if self.n_prompts < 0:
-      raise cli.UserError(f"--n_prompts={self.n_prompts}: expected >= 0 (0 = the whole task)")
+    flag_checks.checkpoints_given(self.checkpoints)
+    flag_checks.positive(batch_size=self.batch_size, lens_top_k=self.lens_top_k)
+    flag_checks.item_count(n_prompts=self.n_prompts)
     size_limits.check(n_prompts=self.n_prompts, batch_size=self.batch_size, lens_top_k=self.lens_top_k)
     parse_steps(self.lens_steps)
 

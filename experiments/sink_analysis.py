@@ -78,8 +78,8 @@ from dlm_jax.analysis import routing, sinks
 from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
 from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
-                                item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir,
-                                runtime_flags, scoring, size_limits, validity)
+                                flag_checks, item_batches, items, numerics_flags, output_flags, progress, prompts,
+                                run_dir, runtime_flags, scoring, size_limits, validity)
 from experiments.reports import sink_report
 from experiments.common.decoding import DecodeSettings
 from experiments.common.decoding_modes import DecodingMode
@@ -133,21 +133,13 @@ class Settings:
   decoding: DecodingMode = DecodingMode()
 
   def __post_init__(self):
-    if not self.checkpoints:
-      raise cli.UserError("--checkpoints is empty; give at least one checkpoint")
-    if self.n_prompts < 0:
-      raise cli.UserError(f"--n_prompts={self.n_prompts}: expected >= 0 (0 = the whole task)")
-    if self.batch_size < 1:
-      raise cli.UserError(f"--batch_size={self.batch_size}: expected a positive integer")
-    if self.epsilon <= 0:
-      raise cli.UserError(f"--epsilon={self.epsilon}: expected > 0")
-    if self.histogram_max <= 0:
-      raise cli.UserError(f"--histogram_max={self.histogram_max}: expected > 0")
-    if self.top_tokens < 1:
-      raise cli.UserError(f"--top_tokens={self.top_tokens}: expected a positive integer")
+    flag_checks.checkpoints_given(self.checkpoints)
+    flag_checks.item_count(n_prompts=self.n_prompts)
+    flag_checks.positive(batch_size=self.batch_size)
+    flag_checks.above_zero(epsilon=self.epsilon, histogram_max=self.histogram_max)
+    flag_checks.positive(top_tokens=self.top_tokens)
     size_limits.check(n_prompts=self.n_prompts, batch_size=self.batch_size, top_tokens=self.top_tokens)
-    if self.layers is not None and any(l < 0 for l in self.layers):
-      raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: expected layer indices >= 0")
+    flag_checks.layer_indices(self.layers)
     for entry in self.track_heads:
       layer, sep, head = entry.partition(":")
       if not sep or not layer.isdigit() or not head.isdigit():
@@ -156,9 +148,7 @@ class Settings:
   def check_model(self, model: checkpoints.Model) -> None:
     """Refuses layers and heads the model does not have."""
     config = model.config
-    if self.layers is not None and any(l >= config.n_layers for l in self.layers):
-      raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: {model.label} has {config.n_layers} "
-                          f"layers (0 to {config.n_layers - 1})")
+    flag_checks.layers_of_model(self.layers, model.label, config.n_layers)
     for entry in self.track_heads:
       layer, _, head = entry.partition(":")
       if int(layer) >= config.n_layers or int(head) >= config.n_heads:

@@ -55,8 +55,8 @@ from absl import flags, logging
 from dlm_jax.instrument import interventions
 from dlm_jax.runtime import distributed
 from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
-                                item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir,
-                                runtime_flags, scoring, size_limits)
+                                flag_checks, item_batches, items, numerics_flags, output_flags, progress, prompts,
+                                run_dir, runtime_flags, scoring, size_limits)
 from experiments.reports import masking_report
 from experiments.common.decoding import DecodeSettings
 from experiments.common.decoding_modes import DecodingMode
@@ -117,19 +117,15 @@ class Settings:
   decoding: DecodingMode = DecodingMode()
 
   def __post_init__(self):
-    if not self.checkpoints:
-      raise cli.UserError("--checkpoints is empty; give at least one checkpoint")
+    flag_checks.checkpoints_given(self.checkpoints)
     ks = self.mask_top_k
     if not ks or any(k < 0 for k in ks) or len(set(ks)) != len(ks):
       raise cli.UserError(f"--mask_top_k={','.join(map(str, ks))}: expected distinct integers >= 0")
-    if self.n_items < 0:
-      raise cli.UserError(f"--n_items={self.n_items}: expected >= 0 (0 = the whole task)")
-    if self.batch_size < 1:
-      raise cli.UserError(f"--batch_size={self.batch_size}: expected a positive integer")
+    flag_checks.item_count(n_items=self.n_items)
+    flag_checks.positive(batch_size=self.batch_size)
     if self.sink_epsilon is not None and self.sink_epsilon <= 0:
       raise cli.UserError(f"--sink_epsilon={self.sink_epsilon}: expected > 0 (or leave it unset)")
-    if self.perplexity_items < 1:
-      raise cli.UserError(f"--perplexity_items={self.perplexity_items}: expected a positive integer")
+    flag_checks.positive(perplexity_items=self.perplexity_items)
     size_limits.check(n_items=self.n_items, batch_size=self.batch_size, perplexity_items=self.perplexity_items)
     if self.perplexity_text is not None and not os.path.isfile(self.perplexity_text):
       raise cli.UserError(f"--perplexity_text={self.perplexity_text}: no such file")

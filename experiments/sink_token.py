@@ -41,9 +41,9 @@ from dlm_jax.runtime import distributed
 from dlm_jax.training import data as training_data, loop as train_loop
 from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.tasks import synthetic
-from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, item_batches, items, numerics_flags,
-                                output_flags, progress, prompts, results_file, run_dir, runtime_flags, scoring,
-                                size_limits, train_flags)
+from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
+                                numerics_flags, output_flags, progress, prompts, results_file, run_dir, runtime_flags,
+                                scoring, size_limits, train_flags)
 from experiments.reports import plots
 from experiments.common.decoding import DecodeSettings
 from experiments.common.numerics import Numerics
@@ -94,15 +94,12 @@ class Settings:
     if unknown or not self.variants or len(set(self.variants)) != len(self.variants):
       raise cli.UserError(f"--variants={','.join(self.variants)}: expected distinct values from "
                           f"{', '.join(VARIANTS)}")
-    for name in ("train_size", "n_eval", "batch_size"):
-      if getattr(self, name) < 1:
-        raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
+    flag_checks.positive(train_size=self.train_size, n_eval=self.n_eval, batch_size=self.batch_size)
     size_limits.check(train_size=self.train_size, n_eval=self.n_eval, batch_size=self.batch_size,
                       seq_len=self.seq_len, prompt_len=self.prompt_len)
     if not 1 <= self.prompt_len < self.seq_len:
       raise cli.UserError(f"--prompt_len={self.prompt_len}: expected 1 <= prompt_len < seq_len ({self.seq_len})")
-    if self.epsilon <= 0:
-      raise cli.UserError(f"--epsilon={self.epsilon}: expected > 0")
+    flag_checks.above_zero(epsilon=self.epsilon)
 
 
 def _model_config(settings: Settings, tokenizer) -> config_lib.ModelConfig:

@@ -32,7 +32,7 @@ from dlm_jax import config as config_lib
 from dlm_jax.io import json_files, output_dir
 from dlm_jax.training import data as training_data, loop as train_loop
 from dlm_jax.tasks import gsm8k, synthetic
-from experiments.common import cli, devices, run_dir, runtime_flags, size_limits, train_flags
+from experiments.common import cli, devices, flag_checks, run_dir, runtime_flags, size_limits, train_flags
 
 train_flags.define(train_steps=1000, train_batch_size=32, lr=1e-3, warmup=100, log_every=50, checkpoint_every=250,
                    preset=None)
@@ -89,8 +89,7 @@ class DataSettings:
         raise cli.UsageError("--tokenizer is required with a JSONL --data file")
     if self.tokenizer is not None and not os.path.exists(self.tokenizer):
       raise cli.UserError(f"--tokenizer={self.tokenizer}: no such file or directory")
-    if self.train_size < 1:
-      raise cli.UserError(f"--train_size={self.train_size}: expected a positive integer")
+    flag_checks.positive(train_size=self.train_size)
     if self.eval_size < 0:
       raise cli.UserError(f"--eval_size={self.eval_size}: expected >= 0 (0 = no held-out loss)")
     if self.seq_len < 2:

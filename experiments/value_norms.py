@@ -33,9 +33,9 @@ from absl import flags
 from dlm_jax.analysis import sinks
 from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
-from experiments.common import (atomic_files, checkpoints, cli, decode_flags, decoding, devices, item_batches, items,
-                                model_runs, numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags, size_limits,
-                                validity)
+from experiments.common import (atomic_files, checkpoints, cli, decode_flags, decoding, devices, flag_checks,
+                                item_batches, items, model_runs, numerics_flags, output_flags, progress, prompts,
+                                run_dir, runtime_flags, size_limits, validity)
 from experiments.reports import plots
 from experiments.common.decoding import DecodeSettings
 from experiments.common.items import TaskSettings
@@ -71,19 +71,14 @@ class Settings:
   numerics: Numerics
 
   def __post_init__(self):
-    if not self.checkpoints:
-      raise cli.UserError("--checkpoints is empty; give at least one checkpoint")
-    for name in ("batch_size", "samples_per_item", "max_points"):
-      if getattr(self, name) < 1:
-        raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
-    if self.n_prompts < 0:
-      raise cli.UserError(f"--n_prompts={self.n_prompts}: expected >= 0 (0 = the whole task)")
+    flag_checks.checkpoints_given(self.checkpoints)
+    flag_checks.positive(batch_size=self.batch_size, samples_per_item=self.samples_per_item,
+                         max_points=self.max_points)
+    flag_checks.item_count(n_prompts=self.n_prompts)
     size_limits.check(n_prompts=self.n_prompts, batch_size=self.batch_size, samples_per_item=self.samples_per_item,
                       max_points=self.max_points)
-    if self.epsilon <= 0:
-      raise cli.UserError(f"--epsilon={self.epsilon}: expected > 0")
-    if self.layers is not None and any(l < 0 for l in self.layers):
-      raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: expected layer indices >= 0")
+    flag_checks.above_zero(epsilon=self.epsilon)
+    flag_checks.layer_indices(self.layers)
 
   def check_model(self, model: checkpoints.Model) -> None:
     """Refuses layers the model does not have, and models with sliding and global layers (DiffusionGemma),
@@ -91,9 +86,7 @@ class Settings:
     if model.config.layer_pattern is not None:
       raise cli.UserError(f"{model.label} has sliding and global layers (layer_pattern "
                           f"{model.config.layer_pattern!r}); value norms are not available for such models")
-    n = model.config.n_layers
-    if self.layers is not None and any(l >= n for l in self.layers):
-      raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: {model.label} has {n} layers (0 to {n - 1})")
+    flag_checks.layers_of_model(self.layers, model.label, model.config.n_layers)
 
 
 def analyse_row(settings: Settings, model, item, batch: prompts.Prompts, host, row: int) -> dict:
