@@ -54,7 +54,7 @@ from experiments.common import (atomic_files, capture_budget, checkpoints, cli, 
 from experiments.common.decoding import DecodeSettings
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
-from experiments.reports import figure_axes, lens_plots
+from experiments.reports import figure_axes, lens_plots, summary_files
 
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "tiny-uniform-dlm", "tiny-arm"],
                                  f"Checkpoints ([label=]DIR or {', '.join(checkpoints.NAMES)}).")
@@ -328,12 +328,8 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
   for label in summary:
     lines.append(f"- [{label}/lens_probability.png]({label}/lens_probability.png), "
                  f"[{label}/example_first_top1.png]({label}/example_first_top1.png)")
-  atomic_files.write_json(os.path.join(out, "summary.json"),
-                          {"models": [{k: v for k, v in m.items() if k != "token_text"} for m in metas],
-                           "summary": summary, "wall_s": wall_s})
-  text = "\n".join(lines) + "\n"
-  atomic_files.write_text(os.path.join(out, "summary.md"), text)
-  return text
+  return summary_files.write(out, {"models": [{k: v for k, v in m.items() if k != "token_text"} for m in metas],
+                                   "summary": summary, "wall_s": wall_s}, lines)
 
 
 def main(argv):

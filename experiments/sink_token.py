@@ -44,7 +44,7 @@ from dlm_jax.tasks import synthetic
 from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
                                 numerics_flags, output_flags, progress, prompts, results_file, run_dir, runtime_flags,
                                 scoring, size_limits, train_flags)
-from experiments.reports import plots
+from experiments.reports import plots, summary_files
 from experiments.common.decoding import DecodeSettings
 from experiments.common.numerics import Numerics
 
@@ -257,10 +257,7 @@ def write_report(settings: Settings, out: str, records: list[dict], wall_s: floa
             "learned one (Table 5); it 'stabilizes attention sinks' (attention concentrates on the fixed token "
             "instead of moving content sinks).", "",
            "![loss](loss_curves.png) ![mass](sink_mass_per_layer.png) ![norms](value_norms_per_layer.png)"]
-  text = "\n".join(lines) + "\n"
-  atomic_files.write_json(os.path.join(out, "summary.json"), {"train": train, "eval": evals, "wall_s": wall_s})
-  atomic_files.write_text(os.path.join(out, "summary.md"), text)
-  return text
+  return summary_files.write(out, {"train": train, "eval": evals, "wall_s": wall_s}, lines)
 
 
 def _quiet_orbax() -> None:

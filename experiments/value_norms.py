@@ -36,7 +36,7 @@ from dlm_jax.instrument.stats import StatsSpec
 from experiments.common import (atomic_files, checkpoints, cli, decode_flags, decoding, devices, flag_checks,
                                 item_batches, items, model_runs, numerics_flags, output_flags, progress, prompts,
                                 run_dir, runtime_flags, size_limits, validity)
-from experiments.reports import plots
+from experiments.reports import plots, summary_files
 from experiments.common.decoding import DecodeSettings
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
@@ -192,10 +192,7 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
   for label in summary:
     lines.append(f"- [{label}/fig1_value_norms.png]({label}/fig1_value_norms.png), "
                  f"[{label}/value_norms_per_layer.png]({label}/value_norms_per_layer.png)")
-  atomic_files.write_json(os.path.join(out, "summary.json"), {"models": metas, "summary": summary, "wall_s": wall_s})
-  text = "\n".join(lines) + "\n"
-  atomic_files.write_text(os.path.join(out, "summary.md"), text)
-  return text
+  return summary_files.write(out, {"models": metas, "summary": summary, "wall_s": wall_s}, lines)
 
 
 def main(argv):

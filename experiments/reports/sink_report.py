@@ -13,7 +13,7 @@ import numpy as np
 from dlm_jax.analysis import routing
 from experiments.reports import figure_axes
 from experiments.common import atomic_files
-from experiments.reports import plots
+from experiments.reports import plots, summary_files
 from experiments.common.decoding_modes import MODES
 
 PAPER_TABLE2 = {
@@ -218,7 +218,8 @@ def _fmt(x, digits=3):
   return f"{x:.{digits}f}"
 
 
-def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
+def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> list[str]:
+  """The lines of summary.md."""
   lines = ["# Attention sinks across denoising steps (Rulli et al. §4): `experiments.sink_analysis`", ""]
   lines.append(f"Scores are incoming attention relative to the uniform share (column sums over all queries for "
                f"DLMs; an ARM step's newest query row × the number of keys it sees). A key is a sink when its score "
@@ -304,7 +305,7 @@ def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
             "", "## Figures", ""]
   for path in figures:
     lines.append(f"- [{path}]({path})")
-  return "\n".join(lines) + "\n"
+  return lines
 
 
 def write_report(out, metas, records, epsilon_grid, epsilon, edges, track_heads, figure_item, top_tokens,
@@ -325,8 +326,5 @@ def write_report(out, metas, records, epsilon_grid, epsilon, edges, track_heads,
                                               "Fraction of non-sinks against ε (Fig. 10)"),
                        os.path.join(out, "fig10_nonsink_fraction.png"))
     figures = ["fig3_score_histogram.png", "fig10_nonsink_fraction.png"] + figures
-  atomic_files.write_json(os.path.join(out, "summary.json"), {"models": metas, "aggregates": aggs, "epsilon": epsilon,
-                                                        "wall_s": wall_s})
-  text = _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s)
-  atomic_files.write_text(os.path.join(out, "summary.md"), text)
-  return text
+  return summary_files.write(out, {"models": metas, "aggregates": aggs, "epsilon": epsilon, "wall_s": wall_s},
+                             _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s))
