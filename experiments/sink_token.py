@@ -260,16 +260,9 @@ def write_report(settings: Settings, out: str, records: list[dict], wall_s: floa
   return summary_files.write(out, {"train": train, "eval": evals, "wall_s": wall_s}, lines)
 
 
-def _quiet_orbax() -> None:
-  """Drops orbax's INFO lines (they share absl's logger) so that the progress lines stay readable."""
-  import logging as python_logging  # pylint: disable=import-outside-toplevel
-  logging.get_absl_handler().addFilter(
-      lambda record: record.levelno >= python_logging.WARNING or "orbax" not in record.pathname)
-
-
 def main(argv):
   del argv
-  _quiet_orbax()
+  progress.quiet_orbax()
   runtime_settings = runtime_flags.from_flags()
   output = output_flags.from_flags("sink_token")
   decode = DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value, block_length=_BLOCK_LENGTH.value,
