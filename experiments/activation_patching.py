@@ -37,14 +37,14 @@ work.
 from __future__ import annotations
 
 import dataclasses
-import time
+import functools
 
-from absl import flags, logging
+from absl import flags
 
 from dlm_jax.instrument import sites
 from experiments.common import (capture_budget, checkpoints, cli, decode_flags, decoding, devices, flag_checks,
-                                numerics_flags, output_flags, patching_pairs, progress, run_dir, runtime_flags,
-                                size_limits)
+                                model_runs, numerics_flags, output_flags, patching_pairs, progress, run_dir,
+                                runtime_flags, size_limits)
 from experiments.common.decoding import DecodeSettings
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
@@ -139,6 +139,17 @@ class Settings:
     return values
 
 
+def run_model(runners: dict[str, PatchRunner], settings: Settings, model: checkpoints.Model,
+              runtime: devices.Runtime, log: run_dir.ResultsLog) -> dict:
+  """Patches every pair of the model not done yet with its runner (built before any weights were read), now on
+  the model's loaded weights; returns its metadata for the report."""
+  del settings, runtime  # the runner holds both
+  runner = runners[model.label]
+  runner.model = model
+  runner.run(log)
+  return runner.meta()
+
+
 def main(argv):
   del argv
   runtime_settings = runtime_flags.from_flags()
@@ -153,7 +164,7 @@ def main(argv):
                       numerics=numerics_flags.from_flags(runtime_settings))
   models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
   runtime = devices.init_runtime(runtime_settings)
-  runners = []
+  runners = {}
   for model in models:
     values = settings.check_model(model)
     pair_set = patching_pairs.build(model, settings.n_pairs, task.data_seed, decode.seed)
@@ -164,23 +175,12 @@ def main(argv):
     for plan, thunk in runner.capture_plans():
       capture_budget.check(thunk, f"{model.label} {plan}", "lower --pairs_per_call or --n_pairs, patch fewer "
                            "--sites, or set --head_window")
-    runners.append(runner)
-  out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
-                                           "checkpoints": checkpoints.identities(models)},
-                       overwrite=output.overwrite, primary=runtime.primary, inputs=run_dir.inputs_of(models, "synthetic"))
-  log = run_dir.ResultsLog(out, "results.jsonl", ("model", "item"), output.max_items_this_run)
-  start = time.time()
-  try:
-    for runner in runners:
-      runner.model = checkpoints.load_weights(runner.model, runtime, settings.numerics)
-      runner.run(log)
-  except run_dir.ItemBudget as stop:
-    logging.info("%s", stop)
-    return
-  if runtime.primary:
-    out.ensure()
-    text = patching_report.write(out.path, [r.meta() for r in runners], log.records, time.time() - start)
-    progress.summary_banner(out.path, text)
+    runners[model.label] = runner
+  runs = model_runs.run_models(output, settings, models, runtime, "synthetic",
+                               functools.partial(run_model, runners))
+  if runs is not None:
+    progress.summary_banner(runs.out.path, patching_report.write(runs.out.path, runs.metas, runs.log.records,
+                                                                 runs.seconds))
 
 
 if __name__ == "__main__":

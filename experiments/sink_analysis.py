@@ -72,14 +72,14 @@ import time
 import warnings
 
 import numpy as np
-from absl import flags, logging
+from absl import flags
 
 from dlm_jax.analysis import routing, sinks
 from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
 from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
-                                flag_checks, item_batches, items, numerics_flags, output_flags, progress, prompts,
-                                run_dir, runtime_flags, scoring, size_limits, validity)
+                                flag_checks, item_batches, items, model_runs, numerics_flags, output_flags, progress,
+                                prompts, run_dir, runtime_flags, scoring, size_limits, validity)
 from experiments.reports import sink_report
 from experiments.common.decoding import DecodeSettings
 from experiments.common.decoding_modes import DecodingMode
@@ -316,25 +316,14 @@ def main(argv):
     settings.check_model(model)
     decoding.model_settings(decode, model, mode)
     decoding_modes.warn_if_unused(mode, model.sampler, model.label)
-  out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
-                                           "checkpoints": checkpoints.identities(models)},
-                       overwrite=output.overwrite, primary=runtime.primary, inputs=run_dir.inputs_of(models, task.task))
-  log = run_dir.ResultsLog(out, "results.jsonl", ("model", "item"), output.max_items_this_run)
-  metas, start = [], time.time()
-  try:
-    for model in models:
-      metas.append(run_model(settings, checkpoints.load_weights(model, runtime, settings.numerics), runtime, log))
-  except run_dir.ItemBudget as stop:
-    logging.info("%s", stop)
-    return
-  if runtime.primary:
-    out.ensure()
-    text = sink_report.write_report(out.path, metas, log.records, EPSILON_GRID, settings.epsilon, edges_of(settings),
-                                    list(settings.track_heads), settings.figure_item, settings.top_tokens,
-                                    time.time() - start)
+  runs = model_runs.run_models(output, settings, models, runtime, task.task, run_model)
+  if runs is not None:
+    text = sink_report.write_report(runs.out.path, runs.metas, runs.log.records, EPSILON_GRID, settings.epsilon,
+                                    edges_of(settings), list(settings.track_heads), settings.figure_item,
+                                    settings.top_tokens, runs.seconds)
     if _HTML.value:
-      explorer_page.write_page(out.path, out.file(explorer_page.PAGE_FILE))
-    progress.summary_banner(out.path, text)
+      explorer_page.write_page(runs.out.path, runs.out.file(explorer_page.PAGE_FILE))
+    progress.summary_banner(runs.out.path, text)
 
 
 def _masked_queries(model: checkpoints.Model, canvas: np.ndarray, host, decoded: np.ndarray, row: int) -> np.ndarray:

@@ -55,8 +55,8 @@ from absl import flags, logging
 from dlm_jax.instrument import interventions
 from dlm_jax.runtime import distributed
 from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
-                                flag_checks, item_batches, items, numerics_flags, output_flags, progress, prompts,
-                                run_dir, runtime_flags, scoring, size_limits)
+                                flag_checks, item_batches, items, model_runs, numerics_flags, output_flags, progress,
+                                prompts, runtime_flags, scoring, size_limits)
 from experiments.reports import masking_report
 from experiments.common.decoding import DecodeSettings
 from experiments.common.decoding_modes import DecodingMode
@@ -85,6 +85,8 @@ _PERPLEXITY_TEXT = flags.DEFINE_string("perplexity_text", None, "Text file (para
 _PERPLEXITY_ITEMS = flags.DEFINE_integer("perplexity_items", 32, "Synthetic problems scored for perplexity "
                                          "(synthetic-trained models), >= 1.")
 
+RESULT_KEYS = ("kind", "model", "condition", "item")
+"""What names a line of results.jsonl: accuracy lines per item and K, perplexity lines per text and condition."""
 PAPER_TABLE1 = {
     "GSM8K": {"Dream-7B": ["0.82±0.01", "0.79±0.01", "0.78±0.01", "0.75±0.01"],
               "LLaDA-8B": ["0.76±0.01", "0.75±0.01", "0.73±0.01", "0.55±0.01"],
@@ -222,6 +224,18 @@ def run_perplexity(settings: Settings, model, runtime, log) -> None:
     logging.info("%s perplexity: texts %d-%d in %.1fs", model.label, rows[0], rows[-1], time.time() - start)
 
 
+def run_model(settings: Settings, model, runtime, log) -> dict:
+  """Runs the model's accuracy conditions and, for a causal model, its perplexity, each as far as not done
+  yet; returns its metadata for the report."""
+  n_items = run_accuracy(settings, model, runtime, log)
+  if settings.perplexity and not model.diffusion:
+    run_perplexity(settings, model, runtime, log)
+  return {"label": model.label, "directory": progress.display_path(model.directory),
+          "task": items.task_name(settings.task.task, model.record), "prompt_format": model.prompt_format,
+          "n_items": n_items, "diffusion": model.diffusion,
+          "settings": decoding.model_settings(settings.decode, model, settings.decoding)}
+
+
 def main(argv):
   del argv
   runtime_settings = runtime_flags.from_flags()
@@ -240,30 +254,13 @@ def main(argv):
   for model in models:
     decoding.model_settings(decode, model, mode)
     decoding_modes.warn_if_unused(mode, model.sampler, model.label)
-  out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
-                                           "checkpoints": checkpoints.identities(models)},
-                       overwrite=output.overwrite, primary=runtime.primary, inputs=run_dir.inputs_of(models, task.task))
-  log = run_dir.ResultsLog(out, "results.jsonl", ("kind", "model", "condition", "item"), output.max_items_this_run)
-  metas, start = [], time.time()
-  try:
-    for model in models:
-      model = checkpoints.load_weights(model, runtime, settings.numerics)
-      n_items = run_accuracy(settings, model, runtime, log)
-      if settings.perplexity and not model.diffusion:
-        run_perplexity(settings, model, runtime, log)
-      metas.append({"label": model.label, "directory": progress.display_path(model.directory),
-                    "task": items.task_name(settings.task.task, model.record), "prompt_format": model.prompt_format,
-                    "n_items": n_items, "diffusion": model.diffusion,
-                    "settings": decoding.model_settings(settings.decode, model, settings.decoding)})
-  except run_dir.ItemBudget as stop:
-    logging.info("%s", stop)
-    return
-  if runtime.primary:
-    out.ensure()
-    text = masking_report.write_report(out.path, metas, log.records, list(ks), PAPER_TABLE1, time.time() - start)
+  runs = model_runs.run_models(output, settings, models, runtime, task.task, run_model, RESULT_KEYS)
+  if runs is not None:
+    text = masking_report.write_report(runs.out.path, runs.metas, runs.log.records, list(ks), PAPER_TABLE1,
+                                       runs.seconds)
     if _HTML.value:
-      explorer_page.write_page(out.path, out.file(explorer_page.PAGE_FILE))
-    progress.summary_banner(out.path, text)
+      explorer_page.write_page(runs.out.path, runs.out.file(explorer_page.PAGE_FILE))
+    progress.summary_banner(runs.out.path, text)
 
 
 if __name__ == "__main__":

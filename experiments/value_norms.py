@@ -212,8 +212,7 @@ def main(argv):
     settings.check_model(model)
     decoding.model_settings(decode, model)
   runs = model_runs.run_models(output, settings, models, runtime, task.task, run_model)
-  if runs is not None and runtime.primary:
-    runs.out.ensure()
+  if runs is not None:
     progress.summary_banner(runs.out.path, write_report(settings, runs.out.path, runs.metas, runs.log.records,
                                                         runs.seconds))
 
