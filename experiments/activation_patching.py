@@ -42,9 +42,8 @@ import functools
 from absl import flags
 
 from dlm_jax.instrument import sites
-from experiments.common import (capture_budget, checkpoints, cli, decode_flags, decoding, devices, flag_checks,
-                                model_runs, numerics_flags, output_flags, patching_pairs, progress, run_dir,
-                                runtime_flags, size_limits)
+from experiments.common import (analysis_flags, capture_budget, checkpoints, cli, decoding, devices, flag_checks,
+                                model_runs, numerics_flags, patching_pairs, progress, run_dir, size_limits)
 from experiments.common.decoding import DecodeSettings
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
@@ -152,22 +151,19 @@ def run_model(runners: dict[str, PatchRunner], settings: Settings, model: checkp
 
 def main(argv):
   del argv
-  runtime_settings = runtime_flags.from_flags()
-  task, decode = decode_flags.task_from_flags(), decode_flags.decode_from_flags()
-  output = output_flags.from_flags("activation_patching")
-  entries = tuple(_CHECKPOINTS.value)
+  shared = analysis_flags.from_flags("activation_patching", _CHECKPOINTS)
   steps = None if [s.strip() for s in _PATCH_STEPS.value] == ["all"] else cli.int_list(_PATCH_STEPS.value,
                                                                                         "patch_steps")
-  settings = Settings(checkpoints=entries, n_pairs=_N_PAIRS.value, pairs_per_call=_PAIRS_PER_CALL.value,
+  settings = Settings(checkpoints=shared.checkpoints, n_pairs=_N_PAIRS.value, pairs_per_call=_PAIRS_PER_CALL.value,
                       sites=tuple(s.strip() for s in _SITES.value), patch_steps=steps, head_window=_HEAD_WINDOW.value,
-                      attribution=_ATTRIBUTION.value, task=task, decode=decode,
-                      numerics=numerics_flags.from_flags(runtime_settings))
-  models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
-  runtime = devices.init_runtime(runtime_settings)
+                      attribution=_ATTRIBUTION.value, task=shared.task, decode=shared.decode,
+                      numerics=numerics_flags.from_flags(shared.runtime))
+  models = shared.prepare_models()
+  runtime = devices.init_runtime(shared.runtime)
   runners = {}
   for model in models:
     values = settings.check_model(model)
-    pair_set = patching_pairs.build(model, settings.n_pairs, task.data_seed, decode.seed)
+    pair_set = patching_pairs.build(model, settings.n_pairs, shared.task.data_seed, shared.decode.seed)
     if not pair_set.pairs:
       raise cli.UserError(f"{model.label}: no usable pair among the first {settings.n_pairs} problems "
                           f"(skipped: {pair_set.skipped})")
@@ -176,7 +172,7 @@ def main(argv):
       capture_budget.check(thunk, f"{model.label} {plan}", "lower --pairs_per_call or --n_pairs, patch fewer "
                            "--sites, or set --head_window")
     runners[model.label] = runner
-  runs = model_runs.run_models(output, settings, models, runtime, "synthetic",
+  runs = model_runs.run_models(shared.output, settings, models, runtime, "synthetic",
                                functools.partial(run_model, runners))
   if runs is not None:
     progress.summary_banner(runs.out.path, patching_report.write(runs.out.path, runs.metas, runs.log.records,

@@ -77,9 +77,9 @@ from absl import flags
 from dlm_jax.analysis import routing, sinks
 from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
-from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
-                                flag_checks, item_batches, items, model_runs, numerics_flags, output_flags, progress,
-                                prompts, run_dir, runtime_flags, scoring, size_limits, validity)
+from experiments.common import (analysis_flags, checkpoints, cli, decoding, decoding_flags, decoding_modes, devices,
+                                flag_checks, item_batches, items, model_runs, numerics_flags, progress, prompts,
+                                run_dir, scoring, size_limits, validity)
 from experiments.reports import sink_report
 from experiments.common.decoding import DecodeSettings
 from experiments.common.decoding_modes import DecodingMode
@@ -300,23 +300,21 @@ def run_model(settings: Settings, model: checkpoints.Model, runtime: devices.Run
 
 def main(argv):
   del argv
-  runtime_settings = runtime_flags.from_flags()
-  task, decode = decode_flags.task_from_flags(), decode_flags.decode_from_flags()
+  shared = analysis_flags.from_flags("sink_analysis", _CHECKPOINTS)
   mode = decoding_flags.from_flags()
-  output = output_flags.from_flags("sink_analysis")
-  entries = tuple(_CHECKPOINTS.value)
-  models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
-  runtime = devices.init_runtime(runtime_settings)
-  settings = Settings(checkpoints=entries, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
+  models = shared.prepare_models()
+  runtime = devices.init_runtime(shared.runtime)
+  settings = Settings(checkpoints=shared.checkpoints, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
                       epsilon=_EPSILON.value, layers=cli.int_list(_LAYERS.value, "layers") or None,
                       split_queries=_SPLIT_QUERIES.value, track_heads=tuple(_TRACK_HEADS.value),
                       figure_item=_FIGURE_ITEM.value, histogram_max=_HISTOGRAM_MAX.value, top_tokens=_TOP_TOKENS.value,
-                      task=task, decode=decode, numerics=numerics_flags.from_flags(runtime_settings), decoding=mode)
+                      task=shared.task, decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime),
+                      decoding=mode)
   for model in models:
     settings.check_model(model)
-    decoding.model_settings(decode, model, mode)
+    decoding.model_settings(shared.decode, model, mode)
     decoding_modes.warn_if_unused(mode, model.sampler, model.label)
-  runs = model_runs.run_models(output, settings, models, runtime, task.task, run_model)
+  runs = model_runs.run_models(shared.output, settings, models, runtime, shared.task.task, run_model)
   if runs is not None:
     text = sink_report.write_report(runs.out.path, runs.metas, runs.log.records, EPSILON_GRID, settings.epsilon,
                                     edges_of(settings), list(settings.track_heads), settings.figure_item,

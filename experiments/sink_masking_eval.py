@@ -54,9 +54,9 @@ from absl import flags, logging
 
 from dlm_jax.instrument import interventions
 from dlm_jax.runtime import distributed
-from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
-                                flag_checks, item_batches, items, model_runs, numerics_flags, output_flags, progress,
-                                prompts, runtime_flags, scoring, size_limits)
+from experiments.common import (analysis_flags, checkpoints, cli, decoding, decoding_flags, decoding_modes, devices,
+                                flag_checks, item_batches, items, model_runs, numerics_flags, progress, prompts,
+                                scoring, size_limits)
 from experiments.reports import masking_report
 from experiments.common.decoding import DecodeSettings
 from experiments.common.decoding_modes import DecodingMode
@@ -238,23 +238,21 @@ def run_model(settings: Settings, model, runtime, log) -> dict:
 
 def main(argv):
   del argv
-  runtime_settings = runtime_flags.from_flags()
-  task, decode = decode_flags.task_from_flags(), decode_flags.decode_from_flags()
+  shared = analysis_flags.from_flags("sink_masking_eval", _CHECKPOINTS)
   mode = decoding_flags.from_flags()
-  output = output_flags.from_flags("sink_masking_eval")
-  entries = tuple(_CHECKPOINTS.value)
   ks = cli.int_list(_MASK_TOP_K.value, "mask_top_k")
-  models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
-  runtime = devices.init_runtime(runtime_settings)
-  settings = Settings(checkpoints=entries, mask_top_k=ks, n_items=_N_ITEMS.value, batch_size=_BATCH_SIZE.value,
-                      mask_scope=_MASK_SCOPE.value, sink_epsilon=_SINK_EPSILON.value, ar_last_row=_AR_LAST_ROW.value,
-                      perplexity=_PERPLEXITY.value, perplexity_text=_PERPLEXITY_TEXT.value,
-                      perplexity_items=_PERPLEXITY_ITEMS.value, task=task, decode=decode,
-                      numerics=numerics_flags.from_flags(runtime_settings), decoding=mode)
+  models = shared.prepare_models()
+  runtime = devices.init_runtime(shared.runtime)
+  settings = Settings(checkpoints=shared.checkpoints, mask_top_k=ks, n_items=_N_ITEMS.value,
+                      batch_size=_BATCH_SIZE.value, mask_scope=_MASK_SCOPE.value, sink_epsilon=_SINK_EPSILON.value,
+                      ar_last_row=_AR_LAST_ROW.value, perplexity=_PERPLEXITY.value,
+                      perplexity_text=_PERPLEXITY_TEXT.value, perplexity_items=_PERPLEXITY_ITEMS.value,
+                      task=shared.task, decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime),
+                      decoding=mode)
   for model in models:
-    decoding.model_settings(decode, model, mode)
+    decoding.model_settings(shared.decode, model, mode)
     decoding_modes.warn_if_unused(mode, model.sampler, model.label)
-  runs = model_runs.run_models(output, settings, models, runtime, task.task, run_model, RESULT_KEYS)
+  runs = model_runs.run_models(shared.output, settings, models, runtime, shared.task.task, run_model, RESULT_KEYS)
   if runs is not None:
     text = masking_report.write_report(runs.out.path, runs.metas, runs.log.records, list(ks), PAPER_TABLE1,
                                        runs.seconds)

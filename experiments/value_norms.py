@@ -33,9 +33,9 @@ from absl import flags
 from dlm_jax.analysis import sinks
 from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
-from experiments.common import (atomic_files, checkpoints, cli, decode_flags, decoding, devices, flag_checks,
-                                item_batches, items, model_runs, numerics_flags, output_flags, progress, prompts,
-                                run_dir, runtime_flags, size_limits, validity)
+from experiments.common import (analysis_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks,
+                                item_batches, items, model_runs, numerics_flags, progress, prompts, run_dir,
+                                size_limits, validity)
 from experiments.reports import plots, summary_files
 from experiments.common.decoding import DecodeSettings
 from experiments.common.items import TaskSettings
@@ -197,21 +197,18 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
 
 def main(argv):
   del argv
-  runtime_settings = runtime_flags.from_flags()
-  task, decode = decode_flags.task_from_flags(), decode_flags.decode_from_flags()
-  output = output_flags.from_flags("value_norms")
-  entries = tuple(_CHECKPOINTS.value)
-  models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
-  runtime = devices.init_runtime(runtime_settings)
+  shared = analysis_flags.from_flags("value_norms", _CHECKPOINTS)
+  models = shared.prepare_models()
+  runtime = devices.init_runtime(shared.runtime)
   layers = cli.int_list(_LAYERS.value, "layers") or None
-  settings = Settings(checkpoints=entries, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
+  settings = Settings(checkpoints=shared.checkpoints, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
                       epsilon=_EPSILON.value, layers=layers, samples_per_item=_SAMPLES_PER_ITEM.value,
-                      max_points=_MAX_POINTS.value, task=task, decode=decode,
-                      numerics=numerics_flags.from_flags(runtime_settings))
+                      max_points=_MAX_POINTS.value, task=shared.task, decode=shared.decode,
+                      numerics=numerics_flags.from_flags(shared.runtime))
   for model in models:
     settings.check_model(model)
-    decoding.model_settings(decode, model)
-  runs = model_runs.run_models(output, settings, models, runtime, task.task, run_model)
+    decoding.model_settings(shared.decode, model)
+  runs = model_runs.run_models(shared.output, settings, models, runtime, shared.task.task, run_model)
   if runs is not None:
     progress.summary_banner(runs.out.path, write_report(settings, runs.out.path, runs.metas, runs.log.records,
                                                         runs.seconds))
