@@ -37,13 +37,13 @@ work.
 from __future__ import annotations
 
 import dataclasses
-import time
+import functools
 
-from absl import flags, logging
+from absl import flags
 
 from dlm_jax.instrument import sites
-from experiments.common import (capture_budget, checkpoints, cli, decode_flags, decoding, devices, numerics_flags,
-                                output_flags, patching_pairs, progress, run_dir, runtime_flags, size_limits)
+from experiments.common import (analysis_flags, capture_budget, checkpoints, cli, decoding, devices, flag_checks,
+                                model_runs, numerics_flags, patching_pairs, progress, run_dir, size_limits)
 from experiments.common.decoding import DecodeSettings
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
@@ -85,11 +85,8 @@ class Settings:
   numerics: Numerics
 
   def __post_init__(self):
-    if not self.checkpoints:
-      raise cli.UserError("--checkpoints is empty; give at least one checkpoint")
-    for name in ("n_pairs", "pairs_per_call"):
-      if getattr(self, name) < 1:
-        raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
+    flag_checks.checkpoints_given(self.checkpoints)
+    flag_checks.positive(n_pairs=self.n_pairs, pairs_per_call=self.pairs_per_call)
     size_limits.check(n_prompts=self.n_pairs, batch_size=self.pairs_per_call)
     if not self.sites:
       raise cli.UserError("--sites is empty; give at least one site")
@@ -141,24 +138,32 @@ class Settings:
     return values
 
 
+def run_model(runners: dict[str, PatchRunner], settings: Settings, model: checkpoints.Model,
+              runtime: devices.Runtime, log: run_dir.ResultsLog) -> dict:
+  """Patches every pair of the model not done yet with its runner (built before any weights were read), now on
+  the model's loaded weights; returns its metadata for the report."""
+  del settings, runtime  # the runner holds both
+  runner = runners[model.label]
+  runner.model = model
+  runner.run(log)
+  return runner.meta()
+
+
 def main(argv):
   del argv
-  runtime_settings = runtime_flags.from_flags()
-  task, decode = decode_flags.task_from_flags(), decode_flags.decode_from_flags()
-  output = output_flags.from_flags("activation_patching")
-  entries = tuple(_CHECKPOINTS.value)
+  shared = analysis_flags.from_flags("activation_patching", _CHECKPOINTS)
   steps = None if [s.strip() for s in _PATCH_STEPS.value] == ["all"] else cli.int_list(_PATCH_STEPS.value,
                                                                                         "patch_steps")
-  settings = Settings(checkpoints=entries, n_pairs=_N_PAIRS.value, pairs_per_call=_PAIRS_PER_CALL.value,
+  settings = Settings(checkpoints=shared.checkpoints, n_pairs=_N_PAIRS.value, pairs_per_call=_PAIRS_PER_CALL.value,
                       sites=tuple(s.strip() for s in _SITES.value), patch_steps=steps, head_window=_HEAD_WINDOW.value,
-                      attribution=_ATTRIBUTION.value, task=task, decode=decode,
-                      numerics=numerics_flags.from_flags(runtime_settings))
-  models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
-  runtime = devices.init_runtime(runtime_settings)
-  runners = []
+                      attribution=_ATTRIBUTION.value, task=shared.task, decode=shared.decode,
+                      numerics=numerics_flags.from_flags(shared.runtime))
+  models = shared.prepare_models()
+  runtime = devices.init_runtime(shared.runtime)
+  runners = {}
   for model in models:
     values = settings.check_model(model)
-    pair_set = patching_pairs.build(model, settings.n_pairs, task.data_seed, decode.seed)
+    pair_set = patching_pairs.build(model, settings.n_pairs, shared.task.data_seed, shared.decode.seed)
     if not pair_set.pairs:
       raise cli.UserError(f"{model.label}: no usable pair among the first {settings.n_pairs} problems "
                           f"(skipped: {pair_set.skipped})")
@@ -166,23 +171,12 @@ def main(argv):
     for plan, thunk in runner.capture_plans():
       capture_budget.check(thunk, f"{model.label} {plan}", "lower --pairs_per_call or --n_pairs, patch fewer "
                            "--sites, or set --head_window")
-    runners.append(runner)
-  out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
-                                           "checkpoints": checkpoints.identities(models)},
-                       overwrite=output.overwrite, primary=runtime.primary, inputs=run_dir.inputs_of(models, "synthetic"))
-  log = run_dir.ResultsLog(out, "results.jsonl", ("model", "item"), output.max_items_this_run)
-  start = time.time()
-  try:
-    for runner in runners:
-      runner.model = checkpoints.load_weights(runner.model, runtime, settings.numerics)
-      runner.run(log)
-  except run_dir.ItemBudget as stop:
-    logging.info("%s", stop)
-    return
-  if runtime.primary:
-    out.ensure()
-    text = patching_report.write(out.path, [r.meta() for r in runners], log.records, time.time() - start)
-    progress.summary_banner(out.path, text)
+    runners[model.label] = runner
+  runs = model_runs.run_models(shared.output, settings, models, runtime, "synthetic",
+                               functools.partial(run_model, runners))
+  if runs is not None:
+    progress.summary_banner(runs.out.path, patching_report.write(runs.out.path, runs.metas, runs.log.records,
+                                                                 runs.seconds))
 
 
 if __name__ == "__main__":

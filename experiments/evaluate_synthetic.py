@@ -23,8 +23,8 @@ from absl import flags, logging
 
 from dlm_jax.runtime import distributed
 from dlm_jax.tasks import gsm8k
-from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, item_batches, items, numerics_flags,
-                                progress, prompts, run_dir, runtime_flags, size_limits)
+from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
+                                numerics_flags, progress, prompts, run_dir, runtime_flags, size_limits)
 from experiments.common.numerics import Numerics
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, tiny-arm, tiny-moe-dlm, "
@@ -54,8 +54,7 @@ class Settings:
   def __post_init__(self):
     if self.n < 1:
       raise cli.UserError(f"--n={self.n}: expected a positive number of problems")
-    if self.batch_size < 1:
-      raise cli.UserError(f"--batch_size={self.batch_size}: expected a positive integer")
+    flag_checks.positive(batch_size=self.batch_size)
     size_limits.check(n=self.n, batch_size=self.batch_size)
 
 

@@ -48,13 +48,13 @@ from dlm_jax.analysis import logit_lens
 from dlm_jax.instrument.hook_call import CaptureValues, hook_values
 from dlm_jax.instrument.hook_spec import Steps
 from dlm_jax.model import init_params
-from experiments.common import (atomic_files, capture_budget, checkpoints, cli, decode_flags, decoding, devices,
-                                item_batches, items, model_runs, numerics_flags, output_flags, progress, prompts, run_dir,
-                                runtime_flags, size_limits)
+from experiments.common import (analysis_flags, atomic_files, capture_budget, checkpoints, cli, decoding, devices,
+                                flag_checks, item_batches, items, model_runs, numerics_flags, progress, prompts,
+                                run_dir, size_limits)
 from experiments.common.decoding import DecodeSettings
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
-from experiments.reports import figure_axes, lens_plots
+from experiments.reports import figure_axes, lens_plots, summary_files
 
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "tiny-uniform-dlm", "tiny-arm"],
                                  f"Checkpoints ([label=]DIR or {', '.join(checkpoints.NAMES)}).")
@@ -101,13 +101,9 @@ class Settings:
   numerics: Numerics
 
   def __post_init__(self):
-    if not self.checkpoints:
-      raise cli.UserError("--checkpoints is empty; give at least one checkpoint")
-    for name in ("batch_size", "lens_top_k"):
-      if getattr(self, name) < 1:
-        raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
-    if self.n_prompts < 0:
-      raise cli.UserError(f"--n_prompts={self.n_prompts}: expected >= 0 (0 = the whole task)")
+    flag_checks.checkpoints_given(self.checkpoints)
+    flag_checks.positive(batch_size=self.batch_size, lens_top_k=self.lens_top_k)
+    flag_checks.item_count(n_prompts=self.n_prompts)
     size_limits.check(n_prompts=self.n_prompts, batch_size=self.batch_size, lens_top_k=self.lens_top_k)
     parse_steps(self.lens_steps)
 
@@ -332,33 +328,25 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
   for label in summary:
     lines.append(f"- [{label}/lens_probability.png]({label}/lens_probability.png), "
                  f"[{label}/example_first_top1.png]({label}/example_first_top1.png)")
-  atomic_files.write_json(os.path.join(out, "summary.json"),
-                          {"models": [{k: v for k, v in m.items() if k != "token_text"} for m in metas],
-                           "summary": summary, "wall_s": wall_s})
-  text = "\n".join(lines) + "\n"
-  atomic_files.write_text(os.path.join(out, "summary.md"), text)
-  return text
+  return summary_files.write(out, {"models": [{k: v for k, v in m.items() if k != "token_text"} for m in metas],
+                                   "summary": summary, "wall_s": wall_s}, lines)
 
 
 def main(argv):
   del argv
-  runtime_settings = runtime_flags.from_flags()
-  task, decode = decode_flags.task_from_flags(), decode_flags.decode_from_flags()
-  output = output_flags.from_flags("logit_lens")
-  entries = tuple(_CHECKPOINTS.value)
-  settings = Settings(checkpoints=entries, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
-                      lens_steps=_LENS_STEPS.value, lens_top_k=_LENS_TOP_K.value, task=task, decode=decode,
-                      numerics=numerics_flags.from_flags(runtime_settings))
-  models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
-  runtime = devices.init_runtime(runtime_settings)
+  shared = analysis_flags.from_flags("logit_lens", _CHECKPOINTS)
+  settings = Settings(checkpoints=shared.checkpoints, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
+                      lens_steps=_LENS_STEPS.value, lens_top_k=_LENS_TOP_K.value, task=shared.task,
+                      decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime))
+  models = shared.prepare_models()
+  runtime = devices.init_runtime(shared.runtime)
   for model in models:
     settings.check_model(model)
-    values = decoding.model_settings(decode, model)
+    values = decoding.model_settings(shared.decode, model)
     _, batches = _batches(settings, model, runtime, lambda item: False)
     _plan_check(settings, model, values, next(batches), runtime)
-  runs = model_runs.run_models(output, settings, models, runtime, task.task, run_model)
-  if runs is not None and runtime.primary:
-    runs.out.ensure()
+  runs = model_runs.run_models(shared.output, settings, models, runtime, shared.task.task, run_model)
+  if runs is not None:
     progress.summary_banner(runs.out.path, write_report(settings, runs.out.path, runs.metas, runs.log.records,
                                                         runs.seconds))
 

@@ -72,14 +72,14 @@ import time
 import warnings
 
 import numpy as np
-from absl import flags, logging
+from absl import flags
 
 from dlm_jax.analysis import routing, sinks
 from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
-from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
-                                item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir,
-                                runtime_flags, scoring, size_limits, validity)
+from experiments.common import (analysis_flags, checkpoints, cli, decoding, decoding_flags, decoding_modes, devices,
+                                flag_checks, item_batches, items, model_runs, numerics_flags, progress, prompts,
+                                run_dir, scoring, size_limits, validity)
 from experiments.reports import sink_report
 from experiments.common.decoding import DecodeSettings
 from experiments.common.decoding_modes import DecodingMode
@@ -133,21 +133,13 @@ class Settings:
   decoding: DecodingMode = DecodingMode()
 
   def __post_init__(self):
-    if not self.checkpoints:
-      raise cli.UserError("--checkpoints is empty; give at least one checkpoint")
-    if self.n_prompts < 0:
-      raise cli.UserError(f"--n_prompts={self.n_prompts}: expected >= 0 (0 = the whole task)")
-    if self.batch_size < 1:
-      raise cli.UserError(f"--batch_size={self.batch_size}: expected a positive integer")
-    if self.epsilon <= 0:
-      raise cli.UserError(f"--epsilon={self.epsilon}: expected > 0")
-    if self.histogram_max <= 0:
-      raise cli.UserError(f"--histogram_max={self.histogram_max}: expected > 0")
-    if self.top_tokens < 1:
-      raise cli.UserError(f"--top_tokens={self.top_tokens}: expected a positive integer")
+    flag_checks.checkpoints_given(self.checkpoints)
+    flag_checks.item_count(n_prompts=self.n_prompts)
+    flag_checks.positive(batch_size=self.batch_size)
+    flag_checks.above_zero(epsilon=self.epsilon, histogram_max=self.histogram_max)
+    flag_checks.positive(top_tokens=self.top_tokens)
     size_limits.check(n_prompts=self.n_prompts, batch_size=self.batch_size, top_tokens=self.top_tokens)
-    if self.layers is not None and any(l < 0 for l in self.layers):
-      raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: expected layer indices >= 0")
+    flag_checks.layer_indices(self.layers)
     for entry in self.track_heads:
       layer, sep, head = entry.partition(":")
       if not sep or not layer.isdigit() or not head.isdigit():
@@ -156,9 +148,7 @@ class Settings:
   def check_model(self, model: checkpoints.Model) -> None:
     """Refuses layers and heads the model does not have."""
     config = model.config
-    if self.layers is not None and any(l >= config.n_layers for l in self.layers):
-      raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: {model.label} has {config.n_layers} "
-                          f"layers (0 to {config.n_layers - 1})")
+    flag_checks.layers_of_model(self.layers, model.label, config.n_layers)
     for entry in self.track_heads:
       layer, _, head = entry.partition(":")
       if int(layer) >= config.n_layers or int(head) >= config.n_heads:
@@ -310,41 +300,28 @@ def run_model(settings: Settings, model: checkpoints.Model, runtime: devices.Run
 
 def main(argv):
   del argv
-  runtime_settings = runtime_flags.from_flags()
-  task, decode = decode_flags.task_from_flags(), decode_flags.decode_from_flags()
+  shared = analysis_flags.from_flags("sink_analysis", _CHECKPOINTS)
   mode = decoding_flags.from_flags()
-  output = output_flags.from_flags("sink_analysis")
-  entries = tuple(_CHECKPOINTS.value)
-  models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
-  runtime = devices.init_runtime(runtime_settings)
-  settings = Settings(checkpoints=entries, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
+  models = shared.prepare_models()
+  runtime = devices.init_runtime(shared.runtime)
+  settings = Settings(checkpoints=shared.checkpoints, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
                       epsilon=_EPSILON.value, layers=cli.int_list(_LAYERS.value, "layers") or None,
                       split_queries=_SPLIT_QUERIES.value, track_heads=tuple(_TRACK_HEADS.value),
                       figure_item=_FIGURE_ITEM.value, histogram_max=_HISTOGRAM_MAX.value, top_tokens=_TOP_TOKENS.value,
-                      task=task, decode=decode, numerics=numerics_flags.from_flags(runtime_settings), decoding=mode)
+                      task=shared.task, decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime),
+                      decoding=mode)
   for model in models:
     settings.check_model(model)
-    decoding.model_settings(decode, model, mode)
+    decoding.model_settings(shared.decode, model, mode)
     decoding_modes.warn_if_unused(mode, model.sampler, model.label)
-  out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
-                                           "checkpoints": checkpoints.identities(models)},
-                       overwrite=output.overwrite, primary=runtime.primary, inputs=run_dir.inputs_of(models, task.task))
-  log = run_dir.ResultsLog(out, "results.jsonl", ("model", "item"), output.max_items_this_run)
-  metas, start = [], time.time()
-  try:
-    for model in models:
-      metas.append(run_model(settings, checkpoints.load_weights(model, runtime, settings.numerics), runtime, log))
-  except run_dir.ItemBudget as stop:
-    logging.info("%s", stop)
-    return
-  if runtime.primary:
-    out.ensure()
-    text = sink_report.write_report(out.path, metas, log.records, EPSILON_GRID, settings.epsilon, edges_of(settings),
-                                    list(settings.track_heads), settings.figure_item, settings.top_tokens,
-                                    time.time() - start)
+  runs = model_runs.run_models(shared.output, settings, models, runtime, shared.task.task, run_model)
+  if runs is not None:
+    text = sink_report.write_report(runs.out.path, runs.metas, runs.log.records, EPSILON_GRID, settings.epsilon,
+                                    edges_of(settings), list(settings.track_heads), settings.figure_item,
+                                    settings.top_tokens, runs.seconds)
     if _HTML.value:
-      explorer_page.write_page(out.path, out.file(explorer_page.PAGE_FILE))
-    progress.summary_banner(out.path, text)
+      explorer_page.write_page(runs.out.path, runs.out.file(explorer_page.PAGE_FILE))
+    progress.summary_banner(runs.out.path, text)
 
 
 def _masked_queries(model: checkpoints.Model, canvas: np.ndarray, host, decoded: np.ndarray, row: int) -> np.ndarray:

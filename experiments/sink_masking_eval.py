@@ -54,9 +54,9 @@ from absl import flags, logging
 
 from dlm_jax.instrument import interventions
 from dlm_jax.runtime import distributed
-from experiments.common import (checkpoints, cli, decode_flags, decoding, decoding_flags, decoding_modes, devices,
-                                item_batches, items, numerics_flags, output_flags, progress, prompts, run_dir,
-                                runtime_flags, scoring, size_limits)
+from experiments.common import (analysis_flags, checkpoints, cli, decoding, decoding_flags, decoding_modes, devices,
+                                flag_checks, item_batches, items, model_runs, numerics_flags, progress, prompts,
+                                scoring, size_limits)
 from experiments.reports import masking_report
 from experiments.common.decoding import DecodeSettings
 from experiments.common.decoding_modes import DecodingMode
@@ -85,6 +85,8 @@ _PERPLEXITY_TEXT = flags.DEFINE_string("perplexity_text", None, "Text file (para
 _PERPLEXITY_ITEMS = flags.DEFINE_integer("perplexity_items", 32, "Synthetic problems scored for perplexity "
                                          "(synthetic-trained models), >= 1.")
 
+RESULT_KEYS = ("kind", "model", "condition", "item")
+"""What names a line of results.jsonl: accuracy lines per item and K, perplexity lines per text and condition."""
 PAPER_TABLE1 = {
     "GSM8K": {"Dream-7B": ["0.82±0.01", "0.79±0.01", "0.78±0.01", "0.75±0.01"],
               "LLaDA-8B": ["0.76±0.01", "0.75±0.01", "0.73±0.01", "0.55±0.01"],
@@ -117,19 +119,15 @@ class Settings:
   decoding: DecodingMode = DecodingMode()
 
   def __post_init__(self):
-    if not self.checkpoints:
-      raise cli.UserError("--checkpoints is empty; give at least one checkpoint")
+    flag_checks.checkpoints_given(self.checkpoints)
     ks = self.mask_top_k
     if not ks or any(k < 0 for k in ks) or len(set(ks)) != len(ks):
       raise cli.UserError(f"--mask_top_k={','.join(map(str, ks))}: expected distinct integers >= 0")
-    if self.n_items < 0:
-      raise cli.UserError(f"--n_items={self.n_items}: expected >= 0 (0 = the whole task)")
-    if self.batch_size < 1:
-      raise cli.UserError(f"--batch_size={self.batch_size}: expected a positive integer")
+    flag_checks.item_count(n_items=self.n_items)
+    flag_checks.positive(batch_size=self.batch_size)
     if self.sink_epsilon is not None and self.sink_epsilon <= 0:
       raise cli.UserError(f"--sink_epsilon={self.sink_epsilon}: expected > 0 (or leave it unset)")
-    if self.perplexity_items < 1:
-      raise cli.UserError(f"--perplexity_items={self.perplexity_items}: expected a positive integer")
+    flag_checks.positive(perplexity_items=self.perplexity_items)
     size_limits.check(n_items=self.n_items, batch_size=self.batch_size, perplexity_items=self.perplexity_items)
     if self.perplexity_text is not None and not os.path.isfile(self.perplexity_text):
       raise cli.UserError(f"--perplexity_text={self.perplexity_text}: no such file")
@@ -226,48 +224,41 @@ def run_perplexity(settings: Settings, model, runtime, log) -> None:
     logging.info("%s perplexity: texts %d-%d in %.1fs", model.label, rows[0], rows[-1], time.time() - start)
 
 
+def run_model(settings: Settings, model, runtime, log) -> dict:
+  """Runs the model's accuracy conditions and, for a causal model, its perplexity, each as far as not done
+  yet; returns its metadata for the report."""
+  n_items = run_accuracy(settings, model, runtime, log)
+  if settings.perplexity and not model.diffusion:
+    run_perplexity(settings, model, runtime, log)
+  return {"label": model.label, "directory": progress.display_path(model.directory),
+          "task": items.task_name(settings.task.task, model.record), "prompt_format": model.prompt_format,
+          "n_items": n_items, "diffusion": model.diffusion,
+          "settings": decoding.model_settings(settings.decode, model, settings.decoding)}
+
+
 def main(argv):
   del argv
-  runtime_settings = runtime_flags.from_flags()
-  task, decode = decode_flags.task_from_flags(), decode_flags.decode_from_flags()
+  shared = analysis_flags.from_flags("sink_masking_eval", _CHECKPOINTS)
   mode = decoding_flags.from_flags()
-  output = output_flags.from_flags("sink_masking_eval")
-  entries = tuple(_CHECKPOINTS.value)
   ks = cli.int_list(_MASK_TOP_K.value, "mask_top_k")
-  models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
-  runtime = devices.init_runtime(runtime_settings)
-  settings = Settings(checkpoints=entries, mask_top_k=ks, n_items=_N_ITEMS.value, batch_size=_BATCH_SIZE.value,
-                      mask_scope=_MASK_SCOPE.value, sink_epsilon=_SINK_EPSILON.value, ar_last_row=_AR_LAST_ROW.value,
-                      perplexity=_PERPLEXITY.value, perplexity_text=_PERPLEXITY_TEXT.value,
-                      perplexity_items=_PERPLEXITY_ITEMS.value, task=task, decode=decode,
-                      numerics=numerics_flags.from_flags(runtime_settings), decoding=mode)
+  models = shared.prepare_models()
+  runtime = devices.init_runtime(shared.runtime)
+  settings = Settings(checkpoints=shared.checkpoints, mask_top_k=ks, n_items=_N_ITEMS.value,
+                      batch_size=_BATCH_SIZE.value, mask_scope=_MASK_SCOPE.value, sink_epsilon=_SINK_EPSILON.value,
+                      ar_last_row=_AR_LAST_ROW.value, perplexity=_PERPLEXITY.value,
+                      perplexity_text=_PERPLEXITY_TEXT.value, perplexity_items=_PERPLEXITY_ITEMS.value,
+                      task=shared.task, decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime),
+                      decoding=mode)
   for model in models:
-    decoding.model_settings(decode, model, mode)
+    decoding.model_settings(shared.decode, model, mode)
     decoding_modes.warn_if_unused(mode, model.sampler, model.label)
-  out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
-                                           "checkpoints": checkpoints.identities(models)},
-                       overwrite=output.overwrite, primary=runtime.primary, inputs=run_dir.inputs_of(models, task.task))
-  log = run_dir.ResultsLog(out, "results.jsonl", ("kind", "model", "condition", "item"), output.max_items_this_run)
-  metas, start = [], time.time()
-  try:
-    for model in models:
-      model = checkpoints.load_weights(model, runtime, settings.numerics)
-      n_items = run_accuracy(settings, model, runtime, log)
-      if settings.perplexity and not model.diffusion:
-        run_perplexity(settings, model, runtime, log)
-      metas.append({"label": model.label, "directory": progress.display_path(model.directory),
-                    "task": items.task_name(settings.task.task, model.record), "prompt_format": model.prompt_format,
-                    "n_items": n_items, "diffusion": model.diffusion,
-                    "settings": decoding.model_settings(settings.decode, model, settings.decoding)})
-  except run_dir.ItemBudget as stop:
-    logging.info("%s", stop)
-    return
-  if runtime.primary:
-    out.ensure()
-    text = masking_report.write_report(out.path, metas, log.records, list(ks), PAPER_TABLE1, time.time() - start)
+  runs = model_runs.run_models(shared.output, settings, models, runtime, shared.task.task, run_model, RESULT_KEYS)
+  if runs is not None:
+    text = masking_report.write_report(runs.out.path, runs.metas, runs.log.records, list(ks), PAPER_TABLE1,
+                                       runs.seconds)
     if _HTML.value:
-      explorer_page.write_page(out.path, out.file(explorer_page.PAGE_FILE))
-    progress.summary_banner(out.path, text)
+      explorer_page.write_page(runs.out.path, runs.out.file(explorer_page.PAGE_FILE))
+    progress.summary_banner(runs.out.path, text)
 
 
 if __name__ == "__main__":

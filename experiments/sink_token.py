@@ -41,10 +41,10 @@ from dlm_jax.runtime import distributed
 from dlm_jax.training import data as training_data, loop as train_loop
 from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.tasks import synthetic
-from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, item_batches, items, numerics_flags,
-                                output_flags, progress, prompts, results_file, run_dir, runtime_flags, scoring,
-                                size_limits, train_flags)
-from experiments.reports import plots
+from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
+                                numerics_flags, output_flags, progress, prompts, results_file, run_dir, runtime_flags,
+                                scoring, size_limits, train_flags)
+from experiments.reports import plots, summary_files
 from experiments.common.decoding import DecodeSettings
 from experiments.common.numerics import Numerics
 
@@ -94,15 +94,12 @@ class Settings:
     if unknown or not self.variants or len(set(self.variants)) != len(self.variants):
       raise cli.UserError(f"--variants={','.join(self.variants)}: expected distinct values from "
                           f"{', '.join(VARIANTS)}")
-    for name in ("train_size", "n_eval", "batch_size"):
-      if getattr(self, name) < 1:
-        raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
+    flag_checks.positive(train_size=self.train_size, n_eval=self.n_eval, batch_size=self.batch_size)
     size_limits.check(train_size=self.train_size, n_eval=self.n_eval, batch_size=self.batch_size,
                       seq_len=self.seq_len, prompt_len=self.prompt_len)
     if not 1 <= self.prompt_len < self.seq_len:
       raise cli.UserError(f"--prompt_len={self.prompt_len}: expected 1 <= prompt_len < seq_len ({self.seq_len})")
-    if self.epsilon <= 0:
-      raise cli.UserError(f"--epsilon={self.epsilon}: expected > 0")
+    flag_checks.above_zero(epsilon=self.epsilon)
 
 
 def _model_config(settings: Settings, tokenizer) -> config_lib.ModelConfig:
@@ -260,22 +257,12 @@ def write_report(settings: Settings, out: str, records: list[dict], wall_s: floa
             "learned one (Table 5); it 'stabilizes attention sinks' (attention concentrates on the fixed token "
             "instead of moving content sinks).", "",
            "![loss](loss_curves.png) ![mass](sink_mass_per_layer.png) ![norms](value_norms_per_layer.png)"]
-  text = "\n".join(lines) + "\n"
-  atomic_files.write_json(os.path.join(out, "summary.json"), {"train": train, "eval": evals, "wall_s": wall_s})
-  atomic_files.write_text(os.path.join(out, "summary.md"), text)
-  return text
-
-
-def _quiet_orbax() -> None:
-  """Drops orbax's INFO lines (they share absl's logger) so that the progress lines stay readable."""
-  import logging as python_logging  # pylint: disable=import-outside-toplevel
-  logging.get_absl_handler().addFilter(
-      lambda record: record.levelno >= python_logging.WARNING or "orbax" not in record.pathname)
+  return summary_files.write(out, {"train": train, "eval": evals, "wall_s": wall_s}, lines)
 
 
 def main(argv):
   del argv
-  _quiet_orbax()
+  progress.quiet_orbax()
   runtime_settings = runtime_flags.from_flags()
   output = output_flags.from_flags("sink_token")
   decode = DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value, block_length=_BLOCK_LENGTH.value,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging as python_logging
 import os
 
 from absl import flags, logging
@@ -32,7 +31,7 @@ from dlm_jax import config as config_lib
 from dlm_jax.io import json_files, output_dir
 from dlm_jax.training import data as training_data, loop as train_loop
 from dlm_jax.tasks import gsm8k, synthetic
-from experiments.common import cli, devices, run_dir, runtime_flags, size_limits, train_flags
+from experiments.common import cli, devices, flag_checks, progress, run_dir, runtime_flags, size_limits, train_flags
 
 train_flags.define(train_steps=1000, train_batch_size=32, lr=1e-3, warmup=100, log_every=50, checkpoint_every=250,
                    preset=None)
@@ -89,8 +88,7 @@ class DataSettings:
         raise cli.UsageError("--tokenizer is required with a JSONL --data file")
     if self.tokenizer is not None and not os.path.exists(self.tokenizer):
       raise cli.UserError(f"--tokenizer={self.tokenizer}: no such file or directory")
-    if self.train_size < 1:
-      raise cli.UserError(f"--train_size={self.train_size}: expected a positive integer")
+    flag_checks.positive(train_size=self.train_size)
     if self.eval_size < 0:
       raise cli.UserError(f"--eval_size={self.eval_size}: expected >= 0 (0 = no held-out loss)")
     if self.seq_len < 2:
@@ -152,15 +150,9 @@ def _pairs(data: DataSettings, split: str) -> list[tuple[str, str]]:
   return [(p.question, p.answer) for p in problems]
 
 
-def _quiet_orbax() -> None:
-  """Drops orbax's per-save INFO lines (they share absl's logger) so progress lines stay readable."""
-  logging.get_absl_handler().addFilter(
-      lambda record: record.levelno >= python_logging.WARNING or "orbax" not in record.pathname)
-
-
 def main(argv):
   del argv
-  _quiet_orbax()
+  progress.quiet_orbax()
   runtime_settings = runtime_flags.from_flags()
   layout = {"sft": "sft", "uniform": "sft", "pretrain": "document", "ar": "ar"}[_OBJECTIVE.value]
   data = DataSettings(data=_DATA.value, train_size=_TRAIN_SIZE.value, eval_size=_EVAL_SIZE.value,

@@ -33,10 +33,10 @@ from absl import flags
 from dlm_jax.analysis import sinks
 from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
-from experiments.common import (atomic_files, checkpoints, cli, decode_flags, decoding, devices, item_batches, items,
-                                model_runs, numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags, size_limits,
-                                validity)
-from experiments.reports import plots
+from experiments.common import (analysis_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks,
+                                item_batches, items, model_runs, numerics_flags, progress, prompts, run_dir,
+                                size_limits, validity)
+from experiments.reports import plots, summary_files
 from experiments.common.decoding import DecodeSettings
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
@@ -71,19 +71,14 @@ class Settings:
   numerics: Numerics
 
   def __post_init__(self):
-    if not self.checkpoints:
-      raise cli.UserError("--checkpoints is empty; give at least one checkpoint")
-    for name in ("batch_size", "samples_per_item", "max_points"):
-      if getattr(self, name) < 1:
-        raise cli.UserError(f"--{name}={getattr(self, name)}: expected a positive integer")
-    if self.n_prompts < 0:
-      raise cli.UserError(f"--n_prompts={self.n_prompts}: expected >= 0 (0 = the whole task)")
+    flag_checks.checkpoints_given(self.checkpoints)
+    flag_checks.positive(batch_size=self.batch_size, samples_per_item=self.samples_per_item,
+                         max_points=self.max_points)
+    flag_checks.item_count(n_prompts=self.n_prompts)
     size_limits.check(n_prompts=self.n_prompts, batch_size=self.batch_size, samples_per_item=self.samples_per_item,
                       max_points=self.max_points)
-    if self.epsilon <= 0:
-      raise cli.UserError(f"--epsilon={self.epsilon}: expected > 0")
-    if self.layers is not None and any(l < 0 for l in self.layers):
-      raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: expected layer indices >= 0")
+    flag_checks.above_zero(epsilon=self.epsilon)
+    flag_checks.layer_indices(self.layers)
 
   def check_model(self, model: checkpoints.Model) -> None:
     """Refuses layers the model does not have, and models with sliding and global layers (DiffusionGemma),
@@ -91,9 +86,7 @@ class Settings:
     if model.config.layer_pattern is not None:
       raise cli.UserError(f"{model.label} has sliding and global layers (layer_pattern "
                           f"{model.config.layer_pattern!r}); value norms are not available for such models")
-    n = model.config.n_layers
-    if self.layers is not None and any(l >= n for l in self.layers):
-      raise cli.UserError(f"--layers={','.join(map(str, self.layers))}: {model.label} has {n} layers (0 to {n - 1})")
+    flag_checks.layers_of_model(self.layers, model.label, model.config.n_layers)
 
 
 def analyse_row(settings: Settings, model, item, batch: prompts.Prompts, host, row: int) -> dict:
@@ -199,31 +192,24 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
   for label in summary:
     lines.append(f"- [{label}/fig1_value_norms.png]({label}/fig1_value_norms.png), "
                  f"[{label}/value_norms_per_layer.png]({label}/value_norms_per_layer.png)")
-  atomic_files.write_json(os.path.join(out, "summary.json"), {"models": metas, "summary": summary, "wall_s": wall_s})
-  text = "\n".join(lines) + "\n"
-  atomic_files.write_text(os.path.join(out, "summary.md"), text)
-  return text
+  return summary_files.write(out, {"models": metas, "summary": summary, "wall_s": wall_s}, lines)
 
 
 def main(argv):
   del argv
-  runtime_settings = runtime_flags.from_flags()
-  task, decode = decode_flags.task_from_flags(), decode_flags.decode_from_flags()
-  output = output_flags.from_flags("value_norms")
-  entries = tuple(_CHECKPOINTS.value)
-  models = checkpoints.prepare_all(entries, task.samplers_for(entries), task.prompt_format)
-  runtime = devices.init_runtime(runtime_settings)
+  shared = analysis_flags.from_flags("value_norms", _CHECKPOINTS)
+  models = shared.prepare_models()
+  runtime = devices.init_runtime(shared.runtime)
   layers = cli.int_list(_LAYERS.value, "layers") or None
-  settings = Settings(checkpoints=entries, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
+  settings = Settings(checkpoints=shared.checkpoints, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
                       epsilon=_EPSILON.value, layers=layers, samples_per_item=_SAMPLES_PER_ITEM.value,
-                      max_points=_MAX_POINTS.value, task=task, decode=decode,
-                      numerics=numerics_flags.from_flags(runtime_settings))
+                      max_points=_MAX_POINTS.value, task=shared.task, decode=shared.decode,
+                      numerics=numerics_flags.from_flags(shared.runtime))
   for model in models:
     settings.check_model(model)
-    decoding.model_settings(decode, model)
-  runs = model_runs.run_models(output, settings, models, runtime, task.task, run_model)
-  if runs is not None and runtime.primary:
-    runs.out.ensure()
+    decoding.model_settings(shared.decode, model)
+  runs = model_runs.run_models(shared.output, settings, models, runtime, shared.task.task, run_model)
+  if runs is not None:
     progress.summary_banner(runs.out.path, write_report(settings, runs.out.path, runs.metas, runs.log.records,
                                                         runs.seconds))
 

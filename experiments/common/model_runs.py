@@ -24,15 +24,17 @@ class ModelRuns:
 
 
 def run_models(output, settings: Any, models: Sequence[Any], runtime, task: str,
-               run_model: Callable[[Any, Any, Any, run_dir.ResultsLog], Any]) -> ModelRuns | None:
+               run_model: Callable[[Any, Any, Any, run_dir.ResultsLog], Any],
+               keys: tuple[str, ...] = ("model", "item")) -> ModelRuns | None:
   """Opens --output_dir (its run.json records `settings` and the checkpoints' identities), then for each model
   loads its weights and calls run_model(settings, model, runtime, log) -> meta, every result going to
-  results.jsonl keyed by (model, item). Returns None when --max_items_this_run stopped the run (the next one
+  results.jsonl keyed by the fields `keys`. Returns the finished run for the report, its directory created, on
+  the primary process; None on the others and when --max_items_this_run stopped the run (the next one
   resumes)."""
   out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),
                                            "checkpoints": checkpoints.identities(models)},
                        overwrite=output.overwrite, primary=runtime.primary, inputs=run_dir.inputs_of(models, task))
-  log = run_dir.ResultsLog(out, "results.jsonl", ("model", "item"), output.max_items_this_run)
+  log = run_dir.ResultsLog(out, "results.jsonl", keys, output.max_items_this_run)
   metas, start = [], time.time()
   try:
     for model in models:
@@ -40,4 +42,7 @@ def run_models(output, settings: Any, models: Sequence[Any], runtime, task: str,
   except run_dir.ItemBudget as stop:
     logging.info("%s", stop)
     return None
+  if not runtime.primary:
+    return None
+  out.ensure()
   return ModelRuns(out=out, log=log, metas=metas, seconds=time.time() - start)

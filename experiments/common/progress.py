@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging as python_logging
 import os
 import time
 from typing import Callable
@@ -31,6 +32,13 @@ class Progress:
     eta = (self.total - self.done) / rate if rate > 0 else float("nan")
     self.log(f"{self.label}: {self.done}/{self.total} done, {elapsed:.0f}s elapsed, eta {eta:.0f}s"
              + (f" — {note}" if note else ""))
+
+
+def quiet_orbax() -> None:
+  """Drops orbax's INFO lines (they share absl's logger, one per checkpoint save) so that the progress lines
+  of a binary that trains stay readable."""
+  logging.get_absl_handler().addFilter(
+      lambda record: record.levelno >= python_logging.WARNING or "orbax" not in record.pathname)
 
 
 def summary_banner(path: str, text: str) -> None:

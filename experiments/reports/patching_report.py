@@ -12,6 +12,7 @@ import numpy as np
 from dlm_jax.analysis.patching import PatchingResult
 from experiments.common import atomic_files
 from experiments.reports import plots  # noqa: F401  (selects the Agg backend before pyplot is imported)
+from experiments.reports import summary_files
 
 import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-order
 
@@ -163,7 +164,4 @@ def write(out: str, metas: list[dict], records: list[dict], wall_s: float) -> st
     if rows:
       summary[meta["label"]], model_lines = model_summary(out, meta, rows)
       lines += model_lines
-  atomic_files.write_json(os.path.join(out, "summary.json"), {"models": metas, "summary": summary, "wall_s": wall_s})
-  text = "\n".join(lines) + "\n"
-  atomic_files.write_text(os.path.join(out, "summary.md"), text)
-  return text
+  return summary_files.write(out, {"models": metas, "summary": summary, "wall_s": wall_s}, lines)

@@ -29,6 +29,8 @@ from experiments.reports import figure_axes, palette  # noqa: E402
 _CMAP = palette.HEATMAP
 _OUTSIDE = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 """Legend placement beside the axes (off the data)."""
+_MASKED_K = "sinks masked (from the previous step)"
+"""The x label of the accuracy-against-K axes."""
 
 
 def _integer_axis(ax, n: int, axis: str = "x", labels: Sequence[str] | None = None, max_ticks: int = 8) -> None:
@@ -36,6 +38,25 @@ def _integer_axis(ax, n: int, axis: str = "x", labels: Sequence[str] | None = No
   ticks = figure_axes.integer_ticks(n, max_ticks)
   texts = [str(t) for t in ticks] if labels is None else [labels[t] for t in ticks]
   (ax.set_xticks if axis == "x" else ax.set_yticks)(ticks, texts)
+
+
+def _label(ax, title: str, xlabel: str, ylabel: str, legend_size: int = 8) -> None:
+  """Names the axes, titles them and puts their legend beside them."""
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=10)
+  ax.legend(fontsize=legend_size, **_OUTSIDE)
+
+
+def _accuracy_lines(ax, ks: Sequence[int], results: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                    colours: Mapping[str, str] | None = None) -> None:
+  """Accuracy ± standard error against the number K of masked sinks, one line per entry of `results`
+  ({label: (accuracy, standard error)}, one value per K); labels without a colour take the colour cycle's."""
+  x = np.arange(len(ks))
+  for label, (acc, se) in results.items():
+    ax.errorbar(x, acc, yerr=se, marker="o", capsize=3, label=label, color=(colours or {}).get(label))
+  ax.set_xticks(x, ["none" if k == 0 else f"top-{k}" for k in ks])
+  ax.set_ylim(-0.02, 1.02)
 
 
 def _boundaries(ax, prompt_length: int | None, block_starts: Sequence[int] = (), vertical: bool = True) -> None:
@@ -123,10 +144,7 @@ def score_histogram(edges: np.ndarray, counts: Mapping[str, np.ndarray], epsilon
       ax.plot([centers[-1]], [values[-1] / total], marker="v", color=colours[label], ms=6)
   ax.axvline(1 + epsilon, color=palette.THRESHOLD, ls="--", lw=0.8, label=f"1 + ε (ε = {epsilon:g})")
   ax.set_yscale("log")
-  ax.set_xlabel("score (incoming attention / uniform share)")
-  ax.set_ylabel("fraction of (step, layer, head, key)")
-  ax.set_title(title, fontsize=10)
-  ax.legend(fontsize=8, **_OUTSIDE)
+  _label(ax, title, "score (incoming attention / uniform share)", "fraction of (step, layer, head, key)")
   fig.tight_layout()
   return fig
 
@@ -173,11 +191,8 @@ def largest_sink_tracks(tracks: Mapping[str, np.ndarray], title: str, *, prompt_
     ax.set_yticks(named, figure_axes.position_labels(named, tokens), fontsize=7)
   n_steps = max((len(p) for p in tracks.values()), default=0)
   _integer_axis(ax, n_steps, "x", max_ticks=12)
-  ax.set_xlabel(xlabel)
-  ax.set_ylabel("largest sink (8 most visited named)" if tokens is not None
-                else "position of the largest sink")
-  ax.set_title(title, fontsize=10)
-  ax.legend(fontsize=7, **_OUTSIDE)
+  _label(ax, title, xlabel, "largest sink (8 most visited named)" if tokens is not None
+         else "position of the largest sink", legend_size=7)
   fig.tight_layout()
   return fig
 
@@ -191,10 +206,7 @@ def nonsink_fraction(epsilons: np.ndarray, fractions: Mapping[str, np.ndarray], 
     ax.plot(epsilons, values, marker=".", ms=3, label=label, color=colours[label])
   ax.axvline(epsilon, color=palette.THRESHOLD, ls="--", lw=0.8, label=f"ε = {epsilon:g}")
   ax.axhline(0.96, color=palette.THRESHOLD, ls=":", lw=0.8, label="96% (Rulli et al.)")
-  ax.set_xlabel("ε")
-  ax.set_ylabel("fraction of non-sinks")
-  ax.set_title(title, fontsize=10)
-  ax.legend(fontsize=8, **_OUTSIDE)
+  _label(ax, title, "ε", "fraction of non-sinks")
   fig.tight_layout()
   return fig
 
@@ -203,16 +215,8 @@ def accuracy_vs_masked(ks: Sequence[int], results: Mapping[str, tuple[np.ndarray
                        title: str, ylabel: str = "accuracy") -> plt.Figure:
   """Accuracy ± standard error against the number K of masked sinks, one line per model."""
   fig, ax = plt.subplots(figsize=(7.0, 3.6))
-  x = np.arange(len(ks))
-  colours = palette.model_colours(list(results))
-  for label, (acc, se) in results.items():
-    ax.errorbar(x, acc, yerr=se, marker="o", capsize=3, label=label, color=colours[label])
-  ax.set_xticks(x, ["none" if k == 0 else f"top-{k}" for k in ks])
-  ax.set_xlabel("sinks masked (from the previous step)")
-  ax.set_ylabel(ylabel)
-  ax.set_ylim(-0.02, 1.02)
-  ax.set_title(title, fontsize=10)
-  ax.legend(fontsize=8, **_OUTSIDE)
+  _accuracy_lines(ax, ks, results, palette.model_colours(list(results)))
+  _label(ax, title, _MASKED_K, ylabel)
   fig.tight_layout()
   return fig
 
@@ -225,10 +229,7 @@ def curves(series: Mapping[str, tuple[np.ndarray, np.ndarray]], title: str, xlab
     ax.plot(x, y, marker="." if len(x) < 40 else None, label=label, color=palette.track_colour(i))
   if log_y:
     ax.set_yscale("log")
-  ax.set_xlabel(xlabel)
-  ax.set_ylabel(ylabel)
-  ax.set_title(title, fontsize=10)
-  ax.legend(fontsize=8, **_OUTSIDE)
+  _label(ax, title, xlabel, ylabel)
   fig.tight_layout()
   return fig
 
@@ -244,10 +245,7 @@ def grouped_bars(groups: Sequence[str], series: Mapping[str, np.ndarray], title:
     colour = (colours or {}).get(label, palette.track_colour(i))
     ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=label, color=colour)
   ax.set_xticks(x, groups)
-  ax.set_xlabel(xlabel)
-  ax.set_ylabel(ylabel)
-  ax.set_title(title, fontsize=10)
-  ax.legend(fontsize=8, **_OUTSIDE)
+  _label(ax, title, xlabel, ylabel)
   fig.tight_layout()
   return fig
 
@@ -269,10 +267,7 @@ def value_norm_histogram(samples: Mapping[str, np.ndarray], colours: Mapping[str
     ax.hist(values, bins=edges, density=True, histtype="step", lw=1.4, color=colours[label],
             label=f"{label} (n = {values.size}, median {np.median(values):.2f})")
     ax.axvline(float(np.median(values)), color=colours[label], ls="--", lw=1)
-  ax.set_xlabel("value norm ‖v‖₂")
-  ax.set_ylabel("density")
-  ax.set_title(title, fontsize=10)
-  ax.legend(fontsize=8, **_OUTSIDE)
+  _label(ax, title, "value norm ‖v‖₂", "density")
   fig.tight_layout()
   return fig
 
@@ -331,16 +326,8 @@ def decoding_mode_panels(ks: Sequence[int], masking: Mapping[str, tuple[np.ndarr
   cols = 2
   rows = (n + cols - 1) // cols
   fig, axes = plt.subplots(rows, cols, figsize=(11, 3.6 * rows), squeeze=False)
-  ax = axes[0, 0]
-  x = np.arange(len(ks))
-  for label, (acc, se) in masking.items():
-    ax.errorbar(x, acc, yerr=se, marker="o", capsize=3, label=label)
-  ax.set_xticks(x, ["none" if k == 0 else f"top-{k}" for k in ks])
-  ax.set_xlabel("sinks masked (from the previous step)")
-  ax.set_ylabel("accuracy")
-  ax.set_ylim(-0.02, 1.02)
-  ax.set_title("accuracy with sinks masked", fontsize=10)
-  ax.legend(fontsize=7, **_OUTSIDE)
+  _accuracy_lines(axes[0, 0], ks, masking)
+  _label(axes[0, 0], "accuracy with sinks masked", _MASKED_K, "accuracy", legend_size=7)
   groups = np.arange(len(layers))
   for index, (panel, series) in enumerate(per_layer.items(), start=1):
     ax = axes[index // cols, index % cols]

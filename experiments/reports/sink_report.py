@@ -13,7 +13,7 @@ import numpy as np
 from dlm_jax.analysis import routing
 from experiments.reports import figure_axes
 from experiments.common import atomic_files
-from experiments.reports import plots
+from experiments.reports import plots, summary_files
 from experiments.common.decoding_modes import MODES
 
 PAPER_TABLE2 = {
@@ -218,7 +218,9 @@ def _fmt(x, digits=3):
   return f"{x:.{digits}f}"
 
 
-def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
+def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> list[str]:
+  """The lines of summary.md."""
+  reported = [(meta, aggs[meta["label"]]) for meta in metas if meta["label"] in aggs]  # the models with results
   lines = ["# Attention sinks across denoising steps (Rulli et al. §4): `experiments.sink_analysis`", ""]
   lines.append(f"Scores are incoming attention relative to the uniform share (column sums over all queries for "
                f"DLMs; an ARM step's newest query row × the number of keys it sees). A key is a sink when its score "
@@ -230,10 +232,7 @@ def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
             "sinks (fraction of step·layer·head·key) | non-sinks at ε | largest sink in prompt | "
             "largest sink = first token | first-token share (last layer) |",
             "|---|---|---|---|---|---|---|---|---|---|"]
-  for meta in metas:
-    agg = aggs.get(meta["label"])
-    if agg is None:
-      continue
+  for meta, agg in reported:
     s = meta["settings"]
     sampler = ", ".join(f"{k}={v}" for k, v in s.items() if v is not None)
     lines.append(f"| {meta['label']} | {sampler} | {meta['task']} / {agg['n_items']} | {_fmt(agg['accuracy'], 2)} | "
@@ -243,10 +242,7 @@ def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
                  f"{_fmt(float(agg['first_token_share_per_layer'][-1]), 3)} |")
   lines += ["", "## Most frequent sink tokens (Table 2)", "",
             "Relative frequency among all (step, layer, head, position) entries flagged as sinks.", ""]
-  for meta in metas:
-    agg = aggs.get(meta["label"])
-    if agg is None:
-      continue
+  for meta, agg in reported:
     top = ", ".join(f"`{t!r}` {f:.3f}" for t, f in agg["sink_tokens"][:top_tokens]) or "no sinks"
     lines.append(f"- **{meta['label']}**: {top}")
   lines += ["", "Paper (30 generations, length 128, 128 steps, block 32):"]
@@ -259,10 +255,7 @@ def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
             "variance over steps of the sink centroid (Sink-Aware Pruning); first share: attention share of the "
             "first real token; separate: fraction of (step, head) where masked and unmasked queries have "
             "different top keys (Fig. 6a; for a uniform-state model, not-yet-accepted and accepted queries)."]
-  for meta in metas:
-    agg = aggs.get(meta["label"])
-    if agg is None:
-      continue
+  for meta, agg in reported:
     moving = agg["moving_per_layer"]
     lines += ["", f"**{meta['label']}**", "",
               "| layer | sinks/head | with sink | change | drift | signed drift | lifetime | centroid var | "
@@ -272,14 +265,14 @@ def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
       lines.append(f"| {layer} | " + " | ".join(_fmt(float(moving[k][i]), 2) for k in MOVING_KEYS)
                    + f" | {_fmt(float(agg['first_token_share_per_layer'][i]), 3)} | "
                    + (_fmt(float(separate[i]), 2) if separate is not None else "–") + " |")
-  routed = [m for m in metas if "routing" in aggs.get(m["label"], {})]
+  routed = [(meta, agg) for meta, agg in reported if "routing" in agg]
   if routed:
     lines += ["", "## Routing of sinks (mixture-of-experts models)", "",
               "Per MoE layer: routing slots (k per token and step) of the sink tokens and of the others, the "
               "Jensen–Shannon divergence (bits) between their expert distributions (0 = routed alike), and the "
               "two experts sinks go to most, with their share among the sinks' slots and among the others'."]
-  for meta in routed:
-    r = aggs[meta["label"]]["routing"]
+  for meta, agg in routed:
+    r = agg["routing"]
     lines += ["", f"**{meta['label']}**", "", "| layer | sink slots | other slots | JS divergence | top sink experts "
               "(share of sinks / of others) |", "|---|---|---|---|---|"]
     for i, layer in enumerate(meta["layers"]):
@@ -304,7 +297,7 @@ def _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s) -> str:
             "", "## Figures", ""]
   for path in figures:
     lines.append(f"- [{path}]({path})")
-  return "\n".join(lines) + "\n"
+  return lines
 
 
 def write_report(out, metas, records, epsilon_grid, epsilon, edges, track_heads, figure_item, top_tokens,
@@ -325,8 +318,5 @@ def write_report(out, metas, records, epsilon_grid, epsilon, edges, track_heads,
                                               "Fraction of non-sinks against ε (Fig. 10)"),
                        os.path.join(out, "fig10_nonsink_fraction.png"))
     figures = ["fig3_score_histogram.png", "fig10_nonsink_fraction.png"] + figures
-  atomic_files.write_json(os.path.join(out, "summary.json"), {"models": metas, "aggregates": aggs, "epsilon": epsilon,
-                                                        "wall_s": wall_s})
-  text = _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s)
-  atomic_files.write_text(os.path.join(out, "summary.md"), text)
-  return text
+  return summary_files.write(out, {"models": metas, "aggregates": aggs, "epsilon": epsilon, "wall_s": wall_s},
+                             _markdown(metas, aggs, figures, epsilon, top_tokens, wall_s))
