@@ -152,14 +152,14 @@ def run_model(runners: dict[str, PatchRunner], settings: Settings, model: checkp
 def main(argv):
   del argv
   shared = analysis_flags.from_flags("activation_patching", _CHECKPOINTS)
+  models = shared.prepare_models()
+  runtime = devices.init_runtime(shared.runtime)  # before anything touches a JAX backend (the numerics)
   steps = None if [s.strip() for s in _PATCH_STEPS.value] == ["all"] else cli.int_list(_PATCH_STEPS.value,
                                                                                         "patch_steps")
   settings = Settings(checkpoints=shared.checkpoints, n_pairs=_N_PAIRS.value, pairs_per_call=_PAIRS_PER_CALL.value,
                       sites=tuple(s.strip() for s in _SITES.value), patch_steps=steps, head_window=_HEAD_WINDOW.value,
                       attribution=_ATTRIBUTION.value, task=shared.task, decode=shared.decode,
                       numerics=numerics_flags.from_flags(shared.runtime))
-  models = shared.prepare_models()
-  runtime = devices.init_runtime(shared.runtime)
   runners = {}
   for model in models:
     values = settings.check_model(model)

@@ -335,11 +335,11 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
 def main(argv):
   del argv
   shared = analysis_flags.from_flags("logit_lens", _CHECKPOINTS)
+  models = shared.prepare_models()
+  runtime = devices.init_runtime(shared.runtime)  # before anything touches a JAX backend (the numerics)
   settings = Settings(checkpoints=shared.checkpoints, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
                       lens_steps=_LENS_STEPS.value, lens_top_k=_LENS_TOP_K.value, task=shared.task,
                       decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime))
-  models = shared.prepare_models()
-  runtime = devices.init_runtime(shared.runtime)
   for model in models:
     settings.check_model(model)
     values = decoding.model_settings(shared.decode, model)

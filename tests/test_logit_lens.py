@@ -153,7 +153,7 @@ SMALL = ["--n_prompts=2", "--batch_size=2", "--gen_length=8", "--steps=8", "--bl
 def test_binary_end_to_end_resumes_and_refuses_bad_plans(tmp_path):
   out = tmp_path / "out"
   args = ["--checkpoints=tiny-dlm,tiny-arm", f"--output_dir={out}", "--lens_steps=every:2", "--lens_top_k=3", *SMALL]
-  fx.run_binary("logit_lens", *args, "--max_items_this_run=1")
+  fx.run_binary("logit_lens", *args, "--max_items_this_run=1", "--cpu_devices=2")  # the runtime before the numerics
   assert len(fx.read_jsonl(out / "results.jsonl")) == 1 and not (out / "summary.json").exists()
   result = fx.run_binary("logit_lens", *args)  # resumes: the first line is kept, the other three are added
   assert "capture plan tiny-dlm" in result.stdout and "top-1 fraction" in result.stdout
