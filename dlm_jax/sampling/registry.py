@@ -19,31 +19,26 @@ at its computed queries' stop.
 
 What each decodes with by default and which settings of its own it has:
 
-  name             official defaults        blocks     own variants                    own schedule       chat
-                   gen / steps / block
-  llada            128 / 128 / 128          divide     logits_eos_inf,                 -                  llada
-                                                       confidence_eos_eot_inf
-  mmada            128 / 128 / 128          divide     stop_token_id                   -                  mmada
-  dream            512 / 512 / -            modes      -                               -                  dream
-  ar               128 / - / -              none       -                               -                  llama3
-  block_diffusion  2048 / 32 / the model's  attention  editing_threshold,              -                  ling
-                                                       max_post_steps
-  diffusion_gemma  256 / 48 / 256           canvas     -                               entropy_bound,     -
-                                                                                       t_min, t_max,
-                                                                                       confidence_threshold,
-                                                                                       stability_threshold
+  name             official defaults  blocks     own variants                            own schedule  chat
+  llada            128 / 128 / 128    divide     logits_eos_inf, confidence_eos_eot_inf  -             llada
+  mmada            128 / 128 / 128    divide     stop_token_id                           -             mmada
+  dream            512 / 512 / -      modes      -                                       -             dream
+  ar               128 / - / -        none       -                                       -             llama3
+  block_diffusion  2048 / 32 / model  attention  editing_threshold, max_post_steps       -             ling
+  diffusion_gemma  256 / 48 / 256     canvas     -                                       (below)       -
 
-"official defaults" (`Sampler.defaults`): gen_length, steps and block_length as the originals set them
-(LLaDA's `generate` signature; Dream's generation config, whose README uses max_new_tokens = steps = 512;
-LLaDA2's `generate`; HF's `DiffusionGemmaGenerationConfig`); "-": the sampler has no such setting, or its
-exact decoding has no blocks. "blocks" (`Sampler.blocks`, `BlockRule`): how gen_length, steps and
-block_length fit together. "own variants" (`Sampler.variant_fields`): option fields beyond the common
-settings and the modes that switch on a variant of the original (off by default). "own schedule"
-(`Sampler.schedule_fields`): option fields beyond the common settings that define its decoding schedule,
-recorded with every run. "chat" (`Sampler.chat_template`): the chat template of the models it was written
-for (`dlm_jax.io.tokenizer.chat_text`), for checkpoints that record none. DiffusionGemma also runs its own
-temperature schedule (`Sampler.temperature_schedule`: t_max → t_min), so the common temperature does not
-apply to it. LLaDA's and MMaDA's options choose how a left-padded batch's pads are treated
+"official defaults" (`Sampler.defaults`): gen_length / steps / block_length as the originals set them (LLaDA's
+`generate` signature; Dream's generation config, whose README uses max_new_tokens = steps = 512; LLaDA2's
+`generate`; HF's `DiffusionGemmaGenerationConfig`); "-": the sampler has no such setting, or its exact
+decoding has no blocks; "model": the model's attention block. "blocks" (`Sampler.blocks`, `BlockRule`): how
+gen_length, steps and block_length fit together. "own variants" (`Sampler.variant_fields`): option fields
+beyond the common settings and the modes that switch on a variant of the original (off by default). "own
+schedule" (`Sampler.schedule_fields`): option fields beyond the common settings that define its decoding
+schedule, recorded with every run (DiffusionGemma's entropy_bound, t_min, t_max, confidence_threshold and
+stability_threshold). "chat" (`Sampler.chat_template`): the chat template of the models it was written for
+(`dlm_jax.io.tokenizer.chat_text`), for checkpoints that record none. DiffusionGemma also runs its own
+temperature schedule (`Sampler.temperature_schedule`: t_max → t_min), so the common temperature does not apply
+to it. LLaDA's and MMaDA's options choose how a left-padded batch's pads are treated
 (`Sampler.official_padding`: what their originals do; LLaDA's Oct-2025 HF code hides pad keys, MMaDA applies
 its outer-product mask and none under CFG); the other samplers have one way.
 """
