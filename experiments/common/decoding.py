@@ -143,8 +143,8 @@ def model_settings(decode: DecodeSettings, model: Model, mode: DecodingMode = De
     logging.warning("%s: --temperature does not apply to the %s sampler (its schedule runs from %s to %s); "
                     "ignored", model.label, model.sampler, *sampler.temperature_schedule)
   values["padding"] = decode.padding
-  settings = {**_lengths(decode, model, length, mode), **{name: getattr(decode, name) for name in _RECORDED}}
-  values.update({field: settings[name] for name, field in sampler.common_fields.items() if name in settings})
+  common = {**_lengths(decode, model, length, mode), **{name: getattr(decode, name) for name in _RECORDED}}
+  values.update({field: common[name] for name, field in sampler.common_fields.items() if name in common})
   if "confidence_ranking" in sampler.fields:
     values["confidence_ranking"] = decode.confidence_ranking
   if sampler.has_modes:
@@ -178,8 +178,9 @@ def _lengths(decode: DecodeSettings, model: Model, length: int, mode: DecodingMo
 
 
 def _check_fit(values: dict[str, Any], model: Model, mode: DecodingMode, cfg_scale: float) -> None:
-  """Refuses lengths that do not fit the sampler's block rule (divide: checked here, with guidance under a
-  cache; Dream's blocks and DiffusionGemma's canvases: by their options)."""
+  """Refuses values that do not fit together: blocks that do not divide gen_length or steps that are not a
+  multiple of their number (block rule divide), a KV cache with guidance, and what the options refuse of the
+  blocks of a decoding mode (block rule modes) or of canvases (canvas)."""
   sampler = model.decoder
   if sampler.blocks == "divide":
     length, block, steps = values["gen_length"], values["block_length"], values["steps"]
