@@ -81,6 +81,7 @@ def _workload(checkpoint: str, n: int, seed: int, dtype):
   from dlm_jax.io import checkpoint as ckpt
   from dlm_jax import model as model_lib
   from dlm_jax.config import preset
+  from dlm_jax.sampling import llada
   from experiments.common import checkpoints, items, prompts
   if checkpoint.startswith("random:"):
     config = preset(checkpoint.split(":", 1)[1])
@@ -91,7 +92,7 @@ def _workload(checkpoint: str, n: int, seed: int, dtype):
     ids = np.random.default_rng(seed).choice(ordinary, size=(n, _PROMPT_LENGTH.value)).astype(np.int32)
     return config, params, None, None, ids, None
   model = checkpoints.prepare(checkpoint, "auto", "training")
-  if model.sampler != "llada":
+  if model.decoder.generate is not llada.generate:  # the modes are timed on LLaDA's generate
     raise app.UsageError(f"--checkpoint={checkpoint}: expected a LLaDA-style diffusion model, got {model.sampler}")
   config, params = ckpt.load(model.directory, dtype=dtype)
   problems = items.load_items("synthetic", n, seed)

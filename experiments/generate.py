@@ -27,18 +27,19 @@ sampler — `ar` stops producing tokens there, the diffusion samplers' "text" en
 --nostop_at_eos (then `ar` runs gen_length tokens and "text" is every generated token, special ones
 skipped).
 
-Defaults outside the training layout are the official ones: LLaDA / MMaDA gen_length = steps = block_length =
-128 (LLaDA's `generate` signature); Dream gen_length = steps = 512 with alg origin, eps 1e-3, temperature 0 and
-no top-p / top-k (Dream's generation config; its README uses max_new_tokens = steps = 512); ar gen_length 128,
-greedy; block_diffusion (block-causal models: LLaDA2.x) gen_length 2048, steps 32 per block, blocks of the
-model's `attention_block_size`, τ 0.95, EOS stop, exact KV cache (LLaDA2's `generate`, whose answer — the first
-gen_length tokens up to the first EOS — is "text"); --editing_threshold=0.9 adds LLaDA2.1's token editing
-(--max_post_steps 16); diffusion_gemma (DiffusionGemma-style uniform-state models) HF's
+Defaults outside the training layout are the official ones (`dlm_jax.sampling.registry`: `Sampler.defaults`): LLaDA
+/ MMaDA gen_length = steps = block_length = 128 (LLaDA's `generate` signature); Dream gen_length = steps = 512 with
+alg origin, eps 1e-3, temperature 0 and no top-p / top-k (Dream's generation config; its README uses max_new_tokens
+= steps = 512); ar gen_length 128, greedy; block_diffusion (block-causal models: LLaDA2.x) gen_length 2048, steps
+32 per block, blocks of the model's `attention_block_size`, τ 0.95, EOS stop, exact KV cache (LLaDA2's `generate`,
+whose answer — the first gen_length tokens up to the first EOS — is "text"); --editing_threshold=0.9 adds
+LLaDA2.1's token editing (--max_post_steps 16); diffusion_gemma (DiffusionGemma-style uniform-state models) HF's
 `DiffusionGemmaGenerationConfig`: gen_length 256 in canvases of --block_length 256, at most --steps 48 decoder
 steps per canvas, --entropy_bound 0.1, temperatures --t_max 0.8 → --t_min 0.4 (--temperature does not apply),
-adaptive stopping at mean entropy < --confidence_threshold 0.005 (0 = off) with --stability_threshold 1, EOS
-stop. The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A sampler knob
-given for a sampler that does not have it is ignored with a warning.
+adaptive stopping at mean entropy < --confidence_threshold 0.005 (0 = off) with --stability_threshold 1, EOS stop.
+The experiment binaries (sink_analysis, ...) use other defaults, said in their --helpfull. A sampler knob (`knobs`:
+the registry's common settings a sampler reads and its own fields) given for a sampler that does not have it is
+ignored with a warning.
 
 --decoding (LLaDA / MMaDA; `experiments.common.decoding_modes`): exact (default), Fast-dLLM's confidence-threshold
 (--threshold, default 0.9) or factor (--factor, default 1.0) parallel decoding, the prefix or dual KV cache
@@ -106,8 +107,7 @@ _STOP_AT_EOS = flags.DEFINE_bool("stop_at_eos", True, "End the reply at the firs
 _TEMPLATE = flags.DEFINE_enum("template", None, list(chat.TEMPLATES), "Chat template (default: the one recorded "
                               "in the checkpoint, else llada, mmada, dream or llama3 by --sampler).")
 _PROMPT_IDS = flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids.")
-_SAMPLER = flags.DEFINE_enum("sampler", "auto", ["auto", "llada", "mmada", "dream", "ar", "block_diffusion",
-                                                  "diffusion_gemma"],
+_SAMPLER = flags.DEFINE_enum("sampler", "auto", list(checkpoints.SAMPLERS),
                              "Sampler (auto: diffusion_gemma for DiffusionGemma-style models, ar for other causal "
                              "models, block_diffusion for block-causal ones, dream for shifted DLMs, llada otherwise).")
 _GEN_LENGTH = flags.DEFINE_integer("gen_length", None, "Generated positions (default 128; Dream 512, its "
@@ -146,19 +146,20 @@ _CONFIDENCE_THRESHOLD = flags.DEFINE_float("confidence_threshold", 0.005, "diffu
 _STABILITY_THRESHOLD = flags.DEFINE_integer("stability_threshold", 1, "diffusion_gemma: earlier steps whose argmax "
                                             "canvas must equal the current one to stop (>= 0).")
 
-DEFAULTS = {"llada": dict(gen_length=128, steps=128, block_length=128),
-            "mmada": dict(gen_length=128, steps=128, block_length=128),
-            "dream": dict(gen_length=512, steps=512), "ar": dict(gen_length=128),
-            "block_diffusion": dict(gen_length=2048, steps=32),
-            "diffusion_gemma": dict(gen_length=256, steps=48, block_length=256)}
-"""Official defaults per sampler (module docstring)."""
-KNOBS = {"llada": {"steps", "block_length", "remasking", "cfg_scale", "logits_eos_inf", "confidence_eos_eot_inf"},
-         "mmada": {"steps", "block_length", "remasking", "cfg_scale", "stop_at_eot"},
-         "dream": {"steps", "block_length", "alg", "alg_temp", "top_p", "top_k", "eps"}, "ar": {"top_p", "top_k"},
-         "block_diffusion": {"steps", "block_length", "top_p", "top_k", "editing_threshold", "max_post_steps"},
-         "diffusion_gemma": {"steps", "block_length", "entropy_bound", "t_min", "t_max", "confidence_threshold",
-                             "stability_threshold"}}
-"""The sampler-specific flags each sampler takes."""
+SHARED_FLAGS = ("gen_length", "temperature")
+"""Common settings that are no sampler's own knob: every sampler has gen_length; --temperature is warned about
+on its own where a sampler runs its own temperature schedule."""
+FLAG_OF_FIELD = {"stop_token_id": "stop_at_eot"}
+"""Own options fields set by a flag of another name (--stop_at_eot: stop at the config's EoT); every other own
+field's flag has its name."""
+
+
+def knobs(sampler: registry.Sampler) -> set[str]:
+  """The sampler-specific flags `sampler` takes: the common settings it reads (`SHARED_FLAGS` aside) and its
+  own variant and schedule fields (`dlm_jax.sampling.registry`)."""
+  own = sampler.variant_fields + sampler.schedule_fields
+  return ({name for name in sampler.common_fields if name not in SHARED_FLAGS}
+          | {FLAG_OF_FIELD.get(field, field) for field in own})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,20 +217,19 @@ class Settings:
       raise cli.UserError(f"--eps={self.eps}: expected a value in (0, 1)")
     if self.mask_sinks < 0:
       raise cli.UserError(f"--mask_sinks={self.mask_sinks}: expected >= 0 (0 = off)")
-    if "confidence_threshold" in KNOBS[self.sampler] and self.confidence_threshold < 0:
+    sampler = registry.get(self.sampler)
+    if "confidence_threshold" in knobs(sampler) and self.confidence_threshold < 0:
       raise cli.UserError(f"--confidence_threshold={self.confidence_threshold}: expected >= 0 (0 = no adaptive "
                           "stopping)")
-    if self.sampler == "block_diffusion":
-      return  # the canvas extends to the end of the last block; steps count per block
-    if self.sampler == "diffusion_gemma":
-      return  # canvases and their steps: checked by DiffusionGemmaOptions (`options`)
+    if sampler.blocks not in ("divide", "modes"):  # steps per attention block; canvases: checked by `options`
+      return
     if self.block_length is not None and self.gen_length % self.block_length:
       raise cli.UserError(f"--gen_length={self.gen_length} must be a multiple of block_length ({self.block_length});"
                           " change --gen_length or --block_length")
     if self.block_length is not None and self.steps % (self.gen_length // self.block_length):
       raise cli.UserError(f"--steps={self.steps} must be a multiple of the number of blocks gen_length / "
                           f"block_length = {self.gen_length // self.block_length}")
-    if "cfg_scale" in registry.get(self.sampler).common_fields:
+    if "cfg_scale" in sampler.common_fields:
       self.decoding.check_guidance(self.cfg_scale)
 
   def options(self, config):
@@ -242,21 +242,29 @@ class Settings:
     return registry.get(self.sampler).options(common, **self._own_fields(config))
 
   def _own_fields(self, config) -> dict:
-    """The options fields of this sampler that are not common settings: its own flags (`KNOBS`) and the
-    decoding mode's fields."""
-    mode = self.decoding.option_fields(self.sampler)
-    ends = end_ids(config, self.end_of_turn_id)
-    return {
-        "llada": dict(logits_eos_inf=self.logits_eos_inf, confidence_eos_eot_inf=self.confidence_eos_eot_inf, **mode),
-        "mmada": dict(stop_token_id=config.eot_token_id if self.stop_at_eot else None, **mode),
-        "dream": dict(block_length=None if self.decoding.exact else self.block_length, **mode),
-        "ar": dict(stop_at_eos=self.stop_at_eos, eos_token_ids=tuple(sorted(ends)) if self.stop_at_eos else None),
-        "block_diffusion": dict(block_length=self.block_length or config.attention_block_size,
-                                editing_threshold=self.editing_threshold, max_post_steps=self.max_post_steps, **mode),
-        "diffusion_gemma": dict(entropy_bound=self.entropy_bound, t_min=self.t_min, t_max=self.t_max,
-                                stability_threshold=self.stability_threshold,
-                                confidence_threshold=self.confidence_threshold or None),
-    }[self.sampler]
+    """The options fields of this sampler that are not common settings: the decoding mode's, its own variant
+    and schedule fields (`knobs`), the block length its block rule sets and the autoregressive end ids."""
+    sampler = registry.get(self.sampler)
+    fields = self.decoding.option_fields(self.sampler)
+    own = sampler.variant_fields + sampler.schedule_fields
+    fields.update({field: self._own_value(field, config) for field in own})
+    if sampler.blocks == "modes" and self.decoding.exact:
+      fields["block_length"] = None  # exact decoding has no blocks
+    if sampler.blocks == "attention":
+      fields["block_length"] = self.block_length or config.attention_block_size
+    if "eos_token_ids" in sampler.fields:
+      ends = end_ids(config, self.end_of_turn_id)
+      fields.update(stop_at_eos=self.stop_at_eos, eos_token_ids=tuple(sorted(ends)) if self.stop_at_eos else None)
+    return fields
+
+  def _own_value(self, field: str, config):
+    """One own options field's value: its flag's, except stop_token_id (--stop_at_eot: the config's EoT id, else
+    None) and confidence_threshold (0 = None: no adaptive stopping)."""
+    if field == "stop_token_id":
+      return config.eot_token_id if self.stop_at_eot else None
+    if field == "confidence_threshold":
+      return self.confidence_threshold or None
+    return getattr(self, field)
 
 
 def end_ids(config, end_of_turn_id: int | None) -> set[int]:
@@ -265,14 +273,17 @@ def end_ids(config, end_of_turn_id: int | None) -> set[int]:
 
 
 def _warn_unused_knobs(sampler: str) -> None:
-  """Warns about sampler-specific flags given for a sampler that does not have them (they are ignored)."""
-  for name in sorted(set().union(*KNOBS.values()) - KNOBS[sampler]):
+  """Warns about sampler-specific flags given for a sampler that does not have them (they are ignored), and
+  about --temperature given for a sampler that runs its own temperature schedule."""
+  every = {s.name: knobs(s) for s in registry.SAMPLERS.values()}
+  for name in sorted(set().union(*every.values()) - every[sampler]):
     if flags.FLAGS[name].present:
-      owners = ", ".join(s for s in KNOBS if name in KNOBS[s])
+      owners = ", ".join(s for s in every if name in every[s])
       logging.warning("--%s applies to --sampler=%s only; ignored for %s", name, owners, sampler)
-  if sampler == "diffusion_gemma" and flags.FLAGS["temperature"].present:
-    logging.warning("--temperature does not apply to diffusion_gemma (its schedule runs from --t_max to --t_min); "
-                    "ignored")
+  schedule = registry.get(sampler).temperature_schedule
+  if schedule and flags.FLAGS["temperature"].present:
+    logging.warning("--temperature does not apply to %s (its schedule runs from --%s to --%s); ignored", sampler,
+                    *schedule)
 
 
 def prompt_format(record: dict) -> str:
@@ -392,9 +403,10 @@ def main(argv):
   ids, end_of_turn = _prompt_ids(config, tokenizer, directory, sampler, layout)
   runtime = devices.init_runtime(runtime_settings)
   given = {"gen_length": _GEN_LENGTH.value, "steps": _STEPS.value, "block_length": _BLOCK_LENGTH.value}
-  applies = KNOBS[sampler] | {"gen_length"}
-  defaults = training_defaults(record, sampler) if layout == "training" else DEFAULTS[sampler]
-  values = {k: v if v is not None and k in applies else defaults.get(k, DEFAULTS[sampler].get(k))
+  decoder = registry.get(sampler)
+  applies = knobs(decoder) | {"gen_length"}
+  defaults = training_defaults(record, sampler) if layout == "training" else {}
+  values = {k: v if v is not None and k in applies else defaults.get(k, getattr(decoder.defaults, k))
             for k, v in given.items()}
   check_training_width(label, record, len(ids), values["gen_length"])
   settings = Settings(
@@ -406,7 +418,7 @@ def main(argv):
       top_k=_TOP_K.value, eps=_EPS.value, seed=_SEED.value, mask_sinks=_MASK_SINKS.value,
       end_of_turn_id=end_of_turn, editing_threshold=_EDITING_THRESHOLD.value, max_post_steps=_MAX_POST_STEPS.value,
       numerics=numerics_flags.from_flags(runtime_settings),
-      decoding=mode if registry.get(sampler).has_modes else DecodingMode(),
+      decoding=mode if decoder.has_modes else DecodingMode(),
       entropy_bound=_ENTROPY_BOUND.value, t_min=_T_MIN.value, t_max=_T_MAX.value,
       confidence_threshold=_CONFIDENCE_THRESHOLD.value, stability_threshold=_STABILITY_THRESHOLD.value,
       stop_at_eos=_STOP_AT_EOS.value)
@@ -430,9 +442,8 @@ def main(argv):
             "decode_step": [int(s) for s in np.asarray(trace.decode_step)[0]], "nfe": int(trace.nfe),
             "row_nfe": int(np.asarray(trace.row_nfe)[0]), "decoding": settings.decoding.spec, "sampler": sampler,
             "prompt_format": layout, "wall_s": wall_s, "settings": dataclasses.asdict(settings)}
-  reply = tokens[trace.prompt_length:]
-  if sampler == "block_diffusion":  # LLaDA2's answer: the first gen_length tokens, up to the first EOS
-    reply = reply[:settings.gen_length]
+  # The first gen_length tokens: blocks of the model's attention run on past it (LLaDA2's answer ends there).
+  reply = tokens[trace.prompt_length:][:settings.gen_length]
   ends = end_ids(config, end_of_turn) if settings.stop_at_eos else set()
   if getattr(settings.options(config), "eos_stop", False):  # the sampler stops at EOS; pad follows it
     ends |= {config.eos_token_id} - {None}

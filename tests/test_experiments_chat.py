@@ -1,13 +1,16 @@
 """The chat template a checkpoint records wins over the sampler's (SmolLM2's ChatML from its GGUF
-metadata), its end-of-turn token ends a reply, and unknown tokens are counted and warned about."""
+metadata), its end-of-turn token ends a reply, a sampler without a template of its own needs one named, and
+unknown tokens are counted and warned about."""
 
 import json
 
+import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
 from dlm_jax.io.tokenizer import Tokenizer
 from experiments.common import chat
+from experiments.common.cli import UserError
 
 SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
                     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -40,6 +43,13 @@ def test_without_a_chatml_template_the_sampler_decides(tmp_path):
   form = chat.chat_format(str(empty), "dream")
   assert form.template == "dream" and form.end_of_turn == "<|im_end|>"
   assert chat.chat_format(str(empty), "mmada").end_of_turn == "<|eot_id|>"
+  assert chat.chat_format(str(empty), "block_diffusion").template == "ling"
+
+
+def test_a_sampler_without_a_template_is_refused_in_one_line(tmp_path):
+  with pytest.raises(UserError, match="records no chat template and the diffusion_gemma sampler has none"):
+    chat.chat_format(str(tmp_path), "diffusion_gemma")
+  assert chat.chat_format(str(tmp_path), "diffusion_gemma", override="chatml").template == "chatml"
 
 
 def test_unknown_tokens_are_counted():

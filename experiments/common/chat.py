@@ -4,8 +4,9 @@ The template recorded in the converted checkpoint wins: a `chat_template` in tok
 uses `<|im_start|>` is ChatML (SmolLM2 from its GGUF metadata, Qwen2.5, Dream), with the system prompt
 the template itself supplies by default when it has one; one that uses `<|start_header_id|>` is the
 Llama-3 family's (LLaDA, MMaDA and Llama-3 differ only in BOS and newlines, so the sampler picks among
-them). Without a recorded template the sampler decides: llada, mmada, dream (ChatML), llama3 (ar) or ling
-(block_diffusion: LLaDA2.x). A recorded template with `<role>` tags is Ling's (LLaDA-MoE, LLaDA2.x).
+them). Without a recorded template the sampler decides (`dlm_jax.sampling.registry`: `Sampler.chat_template`):
+llada, mmada, dream (ChatML), llama3 (ar) or ling (block_diffusion: LLaDA2.x); diffusion_gemma has none
+(--template names one). A recorded template with `<role>` tags is Ling's (LLaDA-MoE, LLaDA2.x).
 One with Qwen3's `enable_thinking` switch is `qwen3` (Qwen3, dllm A2D, TIDE, SDAR;
 reference/small_dlms.md §3.3): ChatML without a default system turn and the generation prompt
 `<|im_start|>assistant\n<think>\n\n</think>\n\n` (thinking off, the default dllm's tokenizer wrapper sets and
@@ -24,9 +25,10 @@ import re
 from absl import logging
 
 from dlm_jax.io.tokenizer import DREAM_DEFAULT_SYSTEM, chat_text
+from dlm_jax.sampling import registry
+from experiments.common.cli import UserError
 
 TEMPLATES = ("llada", "mmada", "dream", "llama3", "chatml", "ling", "qwen3")
-SAMPLER_TEMPLATE = {"llada": "llada", "mmada": "mmada", "dream": "dream", "ar": "llama3", "block_diffusion": "ling"}
 END_OF_TURN = {"llada": "<|eot_id|>", "mmada": "<|eot_id|>", "llama3": "<|eot_id|>", "dream": "<|im_end|>",
                "chatml": "<|im_end|>", "ling": "<|role_end|>", "qwen3": "<|im_end|>"}
 _CHATML_SYSTEM = re.compile(r"<\|im_start\|>system(?:\\n|\n)([^{}'\"]+?)<\|im_end\|>")
@@ -76,7 +78,7 @@ def recorded_template(directory: str) -> str | None:
 @functools.lru_cache(maxsize=None)
 def chat_format(directory: str, sampler: str, override: str | None = None) -> ChatFormat:
   """The chat format of a checkpoint (module docstring); `override` (a TEMPLATES name) wins. Read once
-  per checkpoint and sampler."""
+  per checkpoint and sampler; refused (a one-line error) when neither the checkpoint nor the sampler has one."""
   recorded = recorded_template(directory) or ""
   if override is None and "<|im_start|>" in recorded and "enable_thinking" in recorded:
     return ChatFormat("qwen3")
@@ -85,7 +87,11 @@ def chat_format(directory: str, sampler: str, override: str | None = None) -> Ch
     return ChatFormat("chatml", match.group(1) if match else DREAM_DEFAULT_SYSTEM)
   if override is None and "<role>" in recorded:
     return ChatFormat("ling")
-  return ChatFormat(override or SAMPLER_TEMPLATE[sampler])
+  template = override or registry.get(sampler).chat_template
+  if template is None:
+    raise UserError(f"{directory} records no chat template and the {sampler} sampler has none of its own "
+                    "(experiments.generate takes --template)")
+  return ChatFormat(template)
 
 
 def warn_unknown_tokens(tokenizer, ids: list[int], what: str) -> int:

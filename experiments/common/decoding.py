@@ -9,7 +9,9 @@ models, LLaDA2.x): blocks of the model's attention block, steps = the block leng
 rule (τ 0.95) or --decoding=threshold, EOS stop, exact KV cache. DiffusionGemma (uniform-state models):
 one canvas of gen_length (--block_length sets canvases of that length), at most --steps (default 48)
 decoder steps per canvas, and every other knob at `DiffusionGemmaGenerationConfig`'s default (entropy
-bound 0.1, temperatures 0.8 → 0.4, adaptive stopping, EOS stop); --temperature does not apply to it.
+bound 0.1, temperatures 0.8 → 0.4, adaptive stopping, EOS stop); --temperature does not apply to it. Which
+rule a sampler follows is its block rule in the sampler registry (`dlm_jax.sampling.registry.BlockRule`:
+divide, modes, attention, canvas, none), never its name.
 
 Padding (--padding). Prompts of a run share one width (`experiments.common.prompts`); shorter ones are
 left-padded. `invariant` (default): pad keys are hidden from every query and positions are shifted so
@@ -111,64 +113,90 @@ def _default_block(length: int) -> int:
   return length // 4 if length % 4 == 0 else length
 
 
+_RECORDED = ("cfg_scale", "remasking", "alg", "alg_temp", "top_p", "top_k")
+"""The common settings other than the lengths and temperature that `DecodeSettings` holds: recorded for
+each sampler that reads them."""
+
+
 def model_settings(decode: DecodeSettings, model: Model, mode: DecodingMode = DecodingMode()) -> dict[str, Any]:
   """The decoding values used for `model` (defaults resolved) as a JSON-able dict; refuses values that do
   not fit together (block length not dividing gen_length, steps not a multiple of the blocks, a decoding
   mode the sampler does not have or a KV cache with guidance).
 
+  The values: the sampler, gen_length, temperature (unless the sampler runs its own schedule), padding, the
+  lengths of its block rule and the other common settings it reads (under its options' field names), LLaDA's
+  confidence ranking, the decoding mode, its own schedule at its options' defaults and the autoregressive
+  stop (`dlm_jax.sampling.registry`).
+
   mode: the --decoding mode (`experiments.common.decoding_modes`); diffusion samplers record it ("decoding" and
   the rule's "threshold" or "factor"), the autoregressive sampler, to which it does not apply, does not."""
   mode.option_fields(model.sampler)
+  sampler = model.decoder
   data = model.record.get("data", {})
   length = decode.gen_length
   if length is None:
     length = int(data["seq_len"]) - int(data["prompt_len"]) if data.get("seq_len") and data.get("prompt_len") else 64
-  values = {"sampler": model.sampler, "gen_length": length, "temperature": decode.temperature,
-            "padding": decode.padding}
-  if model.sampler in ("llada", "mmada"):
-    block = decode.block_length or _default_block(length)
-    steps = decode.steps or length
+  values: dict[str, Any] = {"sampler": model.sampler, "gen_length": length}
+  if sampler.temperature_schedule is None:
+    values["temperature"] = decode.temperature
+  elif decode.temperature:
+    logging.warning("%s: --temperature does not apply to the %s sampler (its schedule runs from %s to %s); "
+                    "ignored", model.label, model.sampler, *sampler.temperature_schedule)
+  values["padding"] = decode.padding
+  common = {**_lengths(decode, model, length, mode), **{name: getattr(decode, name) for name in _RECORDED}}
+  values.update({field: common[name] for name, field in sampler.common_fields.items() if name in common})
+  if "confidence_ranking" in sampler.fields:
+    values["confidence_ranking"] = decode.confidence_ranking
+  if sampler.has_modes:
+    values.update(mode.record())
+  defaults = {field.name: field.default for field in dataclasses.fields(sampler.options_class)}
+  values.update({field: defaults[field] for field in sampler.schedule_fields})
+  if "stop_at_eos" in sampler.fields:
+    values["stop_at_eos"] = True
+  _check_fit(values, model, mode, decode.cfg_scale)
+  return values
+
+
+def _lengths(decode: DecodeSettings, model: Model, length: int, mode: DecodingMode) -> dict[str, int]:
+  """steps and block_length (common setting names) of the sampler's block rule (`registry.BlockRule`;
+  defaults: module docstring); refuses a block length other than the model's attention block."""
+  sampler = model.decoder
+  if sampler.blocks == "none":
+    return {}
+  if sampler.blocks == "attention":
+    block = model.config.attention_block_size
+    if decode.block_length not in (None, block):
+      raise UserError(f"{model.label}: --block_length={decode.block_length} must be the model's attention block "
+                      f"({block}) for block diffusion")
+    return {"steps": decode.steps or block, "block_length": block}
+  if sampler.blocks == "canvas":
+    return {"steps": decode.steps or sampler.defaults.steps, "block_length": decode.block_length or length}
+  lengths = {"steps": decode.steps or length}
+  if sampler.blocks == "divide" or not mode.exact:
+    lengths["block_length"] = decode.block_length or _default_block(length)
+  return lengths
+
+
+def _check_fit(values: dict[str, Any], model: Model, mode: DecodingMode, cfg_scale: float) -> None:
+  """Refuses values that do not fit together: blocks that do not divide gen_length or steps that are not a
+  multiple of their number (block rule divide), a KV cache with guidance, and what the options refuse of the
+  blocks of a decoding mode (block rule modes) or of canvases (canvas)."""
+  sampler = model.decoder
+  if sampler.blocks == "divide":
+    length, block, steps = values["gen_length"], values["block_length"], values["steps"]
     if length % block:
       raise UserError(f"{model.label}: --block_length={block} must divide --gen_length={length}")
     if steps % (length // block):
       raise UserError(f"{model.label}: --steps={steps} must be a multiple of the number of blocks "
                       f"gen_length / block_length = {length // block}")
-    mode.check_guidance(decode.cfg_scale)
-    values.update(steps=steps, block_length=block, cfg_scale=decode.cfg_scale, remasking=decode.remasking,
-                  confidence_ranking=decode.confidence_ranking, **mode.record())
-  elif model.sampler == "dream":
-    values.update(steps=decode.steps or length, alg=decode.alg, alg_temp=decode.alg_temp, top_p=decode.top_p,
-                  top_k=decode.top_k, **mode.record())
-    if not mode.exact:
-      values["block_length"] = decode.block_length or _default_block(length)
-      try:
-        sampler_options(values, padded=False)
-      except ValueError as error:
-        raise UserError(f"{model.label}: --decoding={mode.decoding}: {error}") from None
-  elif model.sampler == "block_diffusion":
-    block = model.config.attention_block_size
-    if decode.block_length not in (None, block):
-      raise UserError(f"{model.label}: --block_length={decode.block_length} must be the model's attention block "
-                      f"({block}) for block diffusion")
-    values.update(steps=decode.steps or block, block_length=block, top_p=decode.top_p, top_k=decode.top_k,
-                  **mode.record())
-  elif model.sampler == "diffusion_gemma":
-    if decode.temperature:
-      logging.warning("%s: --temperature does not apply to the diffusion_gemma sampler (its schedule runs from "
-                      "t_max to t_min); ignored", model.label)
-    defaults = model.decoder.options_class()
-    del values["temperature"]
-    values.update(canvas_length=decode.block_length or length, max_denoising_steps=decode.steps or
-                  defaults.max_denoising_steps, entropy_bound=defaults.entropy_bound, t_min=defaults.t_min,
-                  t_max=defaults.t_max, confidence_threshold=defaults.confidence_threshold,
-                  stability_threshold=defaults.stability_threshold)
+  if "cfg_scale" in sampler.common_fields:
+    mode.check_guidance(cfg_scale)
+  if sampler.blocks == "canvas" or (sampler.blocks == "modes" and not mode.exact):
     try:
       sampler_options(values, padded=False)
     except ValueError as error:
-      raise UserError(f"{model.label}: {error}") from None
-  else:
-    values.update(top_p=decode.top_p, top_k=decode.top_k, stop_at_eos=True)
-  return values
+      context = "" if sampler.blocks == "canvas" else f"--decoding={mode.decoding}: "
+      raise UserError(f"{model.label}: {context}{error}") from None
 
 
 def item_key_number(item_id: str) -> int:
@@ -187,38 +215,37 @@ def batch_key(seed: int, item_ids: list[str]) -> jax.Array:
   return jax.vmap(lambda n: jax.random.fold_in(jax.random.key(seed), n))(numbers)
 
 
-def _llada_padding(padding: str, mmada: bool) -> dict[str, Any]:
-  """LLaDAOptions padding fields of the --padding mode for a padded batch."""
+def _padding(padding: str, sampler: registry.Sampler) -> dict[str, Any]:
+  """The options' padding fields of the --padding mode for a padded batch: the original's, or hidden pad keys
+  with shifted positions (invariant)."""
   if padding == "official":
-    return dict(padding="outer", cfg_padding=False) if mmada else dict(padding="key")
-  return dict(padding="key", cfg_padding=True, shift_positions=True)
-
-
-_COMMON = tuple(field.name for field in dataclasses.fields(registry.CommonSettings))
+    return dict(sampler.official_padding)
+  return {"padding": "key", "cfg_padding": True, "shift_positions": True}
 
 
 def sampler_options(values: dict[str, Any], padded: bool, end_ids: tuple[int, ...] = ()):
   """The library options of the decoding `values` (`model_settings`; `dlm_jax.sampling.registry`); `padded`:
   a prompt mask is passed; `end_ids`: the ids that end an autoregressive row (empty = the config's EOS and
   EoT)."""
-  common = registry.CommonSettings(**{name: values[name] for name in _COMMON if name in values})
-  return registry.get(values["sampler"]).options(common, **_own_fields(values, padded, end_ids))
+  sampler = registry.get(values["sampler"])
+  common = registry.CommonSettings(**{name: values[field] for name, field in sampler.common_fields.items()
+                                      if field in values})
+  return sampler.options(common, **_own_fields(sampler, values, padded, end_ids))
 
 
-def _own_fields(values: dict[str, Any], padded: bool, end_ids: tuple[int, ...]) -> dict[str, Any]:
+def _own_fields(sampler: registry.Sampler, values: dict[str, Any], padded: bool,
+                end_ids: tuple[int, ...]) -> dict[str, Any]:
   """The options fields of the values' sampler that are not common settings: the decoding mode's, LLaDA's
-  confidence ranking and padding, the autoregressive end ids, DiffusionGemma's canvas and schedule."""
-  v, name = values, values["sampler"]
-  mode = DecodingMode.from_record(v).option_fields(name)
-  if name in ("llada", "mmada"):
-    return dict(confidence_ranking=v.get("confidence_ranking", "probability"), **mode,
-                **(_llada_padding(v["padding"], name == "mmada") if padded else {}))
-  if name == "diffusion_gemma":
-    return {key: v[key] for key in ("canvas_length", "max_denoising_steps", "entropy_bound", "t_min", "t_max",
-                                    "confidence_threshold", "stability_threshold")}
-  if name == "ar":
-    return dict(stop_at_eos=True, eos_token_ids=tuple(sorted(end_ids)) or None)
-  return mode
+  confidence ranking and padding, DiffusionGemma's schedule, the autoregressive end ids."""
+  fields = DecodingMode.from_record(values).option_fields(sampler.name)
+  if "confidence_ranking" in sampler.fields:
+    fields["confidence_ranking"] = values.get("confidence_ranking", "probability")
+  if padded and sampler.official_padding:
+    fields.update(_padding(values["padding"], sampler))
+  fields.update({field: values[field] for field in sampler.schedule_fields})
+  if "eos_token_ids" in sampler.fields:
+    fields.update(stop_at_eos=True, eos_token_ids=tuple(sorted(end_ids)) or None)
+  return fields
 
 
 def base_intervention(model: Model):

@@ -140,31 +140,33 @@ class DecodingMode:
                values.get("dual_cache_forwards", DUAL_CACHE_FORWARDS[0]))
 
   def option_fields(self, sampler: str) -> dict[str, Any]:
-    """The fields of `sampler`'s options that this mode sets (every field the sampler has; {} for "ar").
+    """The fields of `sampler`'s options that this mode sets (every field the sampler has; {} for a sampler
+    without modes, `registry.Sampler.mode_fields`).
 
     Raises a one-line error when the mode needs a field the sampler does not have (Dream, for now).
     """
-    if not registry.get(sampler).has_modes:
+    supported = registry.get(sampler).mode_fields
+    if not supported:
       return {}
-    if sampler == "block_diffusion":
-      return self._block_diffusion_fields()
+    if "transfer" in supported:
+      return self._transfer_fields(sampler)
     fields = {"threshold": self.threshold, "factor": self.factor, "cache": self.cache}
     if self.factor_rule != "fast_dllm" and self.rule == "factor":
       fields["factor_rule"] = self.factor_rule
     if self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
       fields["dual_cache_forwards"] = self.dual_cache_forwards
-    supported = registry.get(sampler).mode_fields
     missing = sorted(k for k, v in fields.items() if v not in (None, "none") and k not in supported)
     if missing:
       raise UsageError(f"--decoding={self.decoding}: the {sampler} sampler has no {' / '.join(missing)} decoding "
                        "yet; use --decoding=exact")
     return {k: v for k, v in fields.items() if k in supported}
 
-  def _block_diffusion_fields(self) -> dict[str, Any]:
-    """Block diffusion (LLaDA2.x) decodes with its exact KV cache always: exact = LLaDA2's own rule (a quota,
-    or every proposal above τ = 0.95), threshold = Fast-dLLM's rule at --threshold."""
+  def _transfer_fields(self, sampler: str) -> dict[str, Any]:
+    """A sampler whose mode selects its `transfer` rule (block diffusion, LLaDA2.x) decodes with its exact KV
+    cache always: exact = its own rule (LLaDA2's: a quota, or every proposal above τ = 0.95), threshold =
+    Fast-dLLM's rule at --threshold."""
     if self.cache != "none" or self.rule == "factor":
-      raise UsageError(f"--decoding={self.decoding}: the block_diffusion sampler always decodes with its exact "
+      raise UsageError(f"--decoding={self.decoding}: the {sampler} sampler always decodes with its exact "
                        "KV cache and has no factor rule; use --decoding=exact (LLaDA2's rule) or threshold")
     if self.rule == "threshold":
       return {"transfer": "fast_dllm", "threshold": self.threshold}
@@ -215,13 +217,12 @@ def from_spec(spec: str) -> DecodingMode:
 
 
 def warn_if_unused(mode: DecodingMode, sampler: str, label: str) -> None:
-  """Logs that a non-exact mode does not apply to an autoregressive or DiffusionGemma model (decoded as
-  usual)."""
-  if mode.exact:
+  """Logs that a non-exact mode does not apply to a sampler without modes, the autoregressive or the
+  DiffusionGemma one (decoded as usual)."""
+  if mode.exact or registry.get(sampler).has_modes:
     return
-  if sampler == "ar":
-    logging.warning("%s: --decoding=%s applies to the masked diffusion samplers; the autoregressive sampler "
-                    "decodes as usual (one token per call, exact KV cache)", label, mode.decoding)
-  elif sampler == "diffusion_gemma":
-    logging.warning("%s: --decoding=%s applies to the masked diffusion samplers; the diffusion_gemma sampler "
-                    "decodes as usual (entropy-bound acceptance, exact prompt cache)", label, mode.decoding)
+  if registry.get(sampler).kind == "causal":
+    usual = "the autoregressive sampler decodes as usual (one token per call, exact KV cache)"
+  else:
+    usual = f"the {sampler} sampler decodes as usual (entropy-bound acceptance, exact prompt cache)"
+  logging.warning("%s: --decoding=%s applies to the masked diffusion samplers; %s", label, mode.decoding, usual)

@@ -11,6 +11,7 @@ import warnings
 import numpy as np
 
 from dlm_jax.analysis import routing
+from dlm_jax.sampling import registry
 from experiments.reports import figure_axes
 from experiments.common import atomic_files
 from experiments.reports import plots, summary_files
@@ -196,7 +197,8 @@ def model_figures(out: str, meta: dict, agg: dict, track_heads: list[str], figur
   if "group_incoming" in data:
     groups = data["group_incoming"][:ran, -1]  # [steps, 2, S]
     shares = groups / np.maximum(groups.sum(-1, keepdims=True), 1e-30)
-    names = (("not-yet-accepted", "accepted") if meta["sampler"] == "diffusion_gemma" else ("masked", "unmasked"))
+    uniform_state = registry.get(meta["sampler"]).self_conditioning  # its canvas holds tokens, not masks
+    names = ("not-yet-accepted", "accepted") if uniform_state else ("masked", "unmasked")
     panels = [(f"{names[0]} queries, layer {layers[-1]}", shares[:, 0]),
               (f"{names[1]} queries, layer {layers[-1]}", shares[:, 1])]
     save(plots.step_heatmaps(panels, f"{label}: share of each query group's attention per key, last recorded layer "
