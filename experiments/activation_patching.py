@@ -42,6 +42,7 @@ import functools
 from absl import flags
 
 from dlm_jax.instrument import sites
+from dlm_jax.sampling import registry
 from experiments.common import (analysis_flags, capture_budget, checkpoints, cli, decoding, devices, flag_checks,
                                 model_runs, numerics_flags, patching_pairs, progress, run_dir, size_limits)
 from experiments.common.decoding import DecodeSettings
@@ -52,7 +53,9 @@ from experiments.reports import patching_report
 
 GRID_SITES = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
 HEAD_SITES = ("attn.hook_z",)
-SAMPLERS = ("llada", "mmada", "dream", "ar")
+SAMPLERS = tuple(name for name, s in registry.SAMPLERS.items() if not (s.block_queries or s.self_conditioning))
+"""The samplers whose every step reads a fixed answer position of one sequence: not block diffusion (its steps
+see only their block) nor DiffusionGemma (uniform-state canvases, no fixed answer position at a step)."""
 
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "tiny-arm"],
                                  f"Checkpoints ([label=]DIR or {', '.join(checkpoints.NAMES)}).")
@@ -125,7 +128,7 @@ class Settings:
       raise cli.UserError(f"{model.label}: activation_patching reads the answer at its position in the training "
                           "layout; use a model trained here (--prompt_format=training)")
     decode = self.decode
-    if decode.block_length is None and model.sampler in ("llada", "mmada"):
+    if decode.block_length is None and model.decoder.blocks == "divide":
       length = decoding.model_settings(decode, model)["gen_length"]
       decode = dataclasses.replace(decode, block_length=length)
     values = decoding.model_settings(decode, model)

@@ -62,7 +62,7 @@ has a tokenizer.
 NPZ (--stats_out): incoming_attention [nfe, L, N, S] float32 for batch row 0: entry [t, l, n, j] is the
 sum over the queries step t computed of the attention key j receives in layer l, head n, during the model
 call of step t (with CFG, the conditional call); computed_queries [nfe, 2] int32, those queries' positions
-[start, stop): [0, S) for a whole-canvas step, [s, S) or the block [s, e) for the prefix / dual cache steps
+[start, stop): [0, S) for a whole-sequence step, [s, S) or the block [s, e) for the prefix / dual cache steps
 after a block's refresh. The keys are all S positions, cached ones included. For a mixture-of-experts model
 also routed_experts / routing_weights [nfe, L, S, k] (row 0's router choice per step, layer and position;
 expert -1 / weight 0 in dense layers and at positions the step did not compute).
@@ -426,7 +426,7 @@ def main(argv):
     settings.options(config)
   except ValueError as e:
     raise cli.UserError(str(e)) from None
-  size_limits.check_canvas(len(ids), settings.gen_length, config.vocab_size, 2 if settings.cfg_scale > 0 else 1)
+  size_limits.check_sequence(len(ids), settings.gen_length, config.vocab_size, 2 if settings.cfg_scale > 0 else 1)
   config, params = checkpoints.load_params(directory, runtime, settings.numerics.weight_dtype)
   stats_spec = (StatsSpec(incoming_attention=True, per_head=True, routing=config.is_moe) if _STATS_OUT.value
                 else NO_STATS)

@@ -24,7 +24,7 @@ threshold_dual_cache with --threshold / --factor (`experiments.common.decoding_m
 reads only the steps a generation decoded at — the first `nfe` steps of the trace, less those its row waited
 through while other rows of the batch finished a block (`validity.decoded_steps`) — so its NFE is its own.
 Under a KV cache a step's statistics are the incoming attention of the queries the step computed (the
-whole canvas at a block's refresh step, then the block and every later position with the prefix cache, the
+whole sequence at a block's refresh step, then the block and every later position with the prefix cache, the
 block alone with the dual cache) over all keys, cached ones included; the query groups split those queries.
 
 Uniform-state models (DiffusionGemma-style, `--samplers=diffusion_gemma`, auto for them): the steps read are
@@ -179,17 +179,17 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
   sink_mask = np.asarray(sink_selection.epsilon_rule(scores, settings.epsilon, "sum", valid4))
   n_entries = int(np.broadcast_to(valid4, scores.shape).sum())
   if model.decoder.self_conditioning:  # the noisy canvas of each decoder step, from the trace
-    canvas = sinks.uniform_step_sequences(tokens, host["canvases"][decoded, row], queries)  # [steps, S]
+    sequences = sinks.uniform_step_sequences(tokens, host["canvases"][decoded, row], queries)  # [steps, S]
   else:
     mask_id = model.config.mask_token_id if model.diffusion else None
-    canvas = sinks.step_sequences(tokens[None], decode_step[None], lp, int(host["nfe"]),
-                                 mask_id=mask_id)[decoded, 0]  # [steps, S]
+    sequences = sinks.step_sequences(tokens[None], decode_step[None], lp, int(host["nfe"]),
+                                     mask_id=mask_id)[decoded, 0]  # [steps, S]
 
   hist, _ = np.histogram(np.minimum(scores[np.broadcast_to(valid4, scores.shape)], edges[-1] - 1e-6), bins=edges)
   nonsink = n_entries - sinks.sink_counts_over_epsilon(scores, EPSILON_GRID, valid4)
   main_score = np.where(valid4, scores, -np.inf).max(-1)[active]  # [active steps, L', N]
   largest = np.asarray(sinks.largest_sink_positions(scores, settings.epsilon, "sum", valid4))  # [steps, L', N]
-  counts = sinks.sink_token_counts(sink_mask, canvas[:, None, None, :])
+  counts = sinks.sink_token_counts(sink_mask, sequences[:, None, None, :])
   token_counts = collections.Counter()
   for token_id, n in counts.items():
     token_counts[model.tokenizer.id_to_token(int(token_id)) if token_id >= 0 else "<unwritten>"] += n
@@ -237,11 +237,11 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
                          "nonsink_counts": routing.expert_counts(experts, ~is_sink & real, n_experts)}
   if item.kind != "humaneval":
     record["correct"] = scoring.score(item, record["completion"], model.prompt_format == "chat")["correct"]
-  seen = np.unique(np.concatenate([tokens.ravel(), canvas[canvas >= 0].ravel()]))
+  seen = np.unique(np.concatenate([tokens.ravel(), sequences[sequences >= 0].ravel()]))
   arrays = {"layer_scores": scores.mean(2), "largest": largest, "tokens": tokens, "decode_step": decode_step,
             "valid": valid, "layers": np.asarray(layers), "prompt_length": np.asarray(lp),
             "step_index": decoded, "computed_queries": queries,
-            "head_scores": scores.astype(np.float16), "head_sinks": sink_mask, "canvas": canvas.astype(np.int32),
+            "head_scores": scores.astype(np.float16), "head_sinks": sink_mask, "canvas": sequences.astype(np.int32),
             "vocab_ids": seen.astype(np.int32),
             "vocab_text": np.asarray([model.tokenizer.id_to_token(int(i)) or "?" for i in seen], dtype=str)}
   if grouped:
@@ -249,7 +249,7 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
     unmasked_q = incoming[:, :, 1] + incoming[:, :, 2]
     positions = np.arange(total)[None, :]
     computed = (positions >= queries[:, :1]) & (positions < queries[:, 1:])  # [steps, S]
-    n_masked, n_computed = (_masked_queries(model, canvas, host, decoded, row) & computed).sum(-1), computed.sum(-1)
+    n_masked, n_computed = (_masked_queries(model, sequences, host, decoded, row) & computed).sum(-1), computed.sum(-1)
     both = (n_masked > 0) & (n_masked < n_computed)  # the step's queries hold both groups
     both_groups = np.broadcast_to(both[:, None], (steps, masked_q.shape[2]))
     masked_keys, unmasked_keys = np.where(valid4, masked_q, -1.0), np.where(valid4, unmasked_q, -1.0)
@@ -322,17 +322,18 @@ def main(argv):
     if _HTML.value:
       explorer_page.write_page(runs.out.path, runs.out.file(explorer_page.PAGE_FILE))
     progress.summary_banner(runs.out.path, text)
+def _masked_queries(model: checkpoints.Model, sequences: np.ndarray, host, decoded: np.ndarray,
+                    row: int) -> np.ndarray:
 
-
-def _masked_queries(model: checkpoints.Model, canvas: np.ndarray, host, decoded: np.ndarray, row: int) -> np.ndarray:
+def _masked_queries(model: checkpoints.Model, sequences: np.ndarray, host, decoded: np.ndarray, row: int) -> np.ndarray:
   """[steps, S] bool: the positions of the "masked" query group at each decoded step — the mask token, or for
   DiffusionGemma the canvas positions the previous call did not accept (`dlm_jax.instrument.stats.QUERY_GROUP_NAMES`;
   a canvas's first decoder step follows its encoder call, which accepts nothing)."""
   if not model.decoder.self_conditioning:
-    return canvas == model.config.mask_token_id
+    return sequences == model.config.mask_token_id
   accepted = np.asarray(host["accepted"])[decoded - 1, row]  # [steps, C]: the previous call's
   queries = np.asarray(host["queries"])[decoded]
-  out = np.zeros(canvas.shape, bool)
+  out = np.zeros(sequences.shape, bool)
   for t, (start, stop) in enumerate(queries):
     out[t, start:stop] = ~accepted[t]
   return out

@@ -122,3 +122,11 @@ def test_default_models_solve_synthetic_test_problems(name, minimum):
   problems = synthetic.make_split("test", 20, seed=0)
   completions = evaluation.complete(default_models.path(name), [p.question for p in problems])
   assert gsm8k.accuracy(problems, completions)["strict_match"] >= minimum
+
+
+def test_completion_refuses_a_uniform_state_model_in_one_line():
+  """tiny-uniform-dlm's config is causal (its encoder) but it decodes with its own sampler, not the ARM's."""
+  from dlm_jax import default_models  # pylint: disable=import-outside-toplevel
+  from dlm_jax.tasks import evaluation  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="evaluate_synthetic"):
+    evaluation.complete(default_models.path("tiny-uniform-dlm"), ["1 + 1"])

@@ -157,9 +157,9 @@ def test_flag_sizes_refused():
   with pytest.raises(UserError, match="--gen_length=1000000000"):
     decoding.DecodeSettings(gen_length=10**9)
   with pytest.raises(UserError, match="positions, above the limit"):
-    size_limits.check_canvas(100, size_limits.MAX_SEQUENCE, 50)
+    size_limits.check_sequence(100, size_limits.MAX_SEQUENCE, 50)
   with pytest.raises(UserError, match="logits is above the limit"):
-    size_limits.check_canvas(10, 100_000, 126464, batch=2)
+    size_limits.check_sequence(10, 100_000, 126464, batch=2)
 
 
 def test_generate_and_forward_refuse_in_one_line(tiny, tmp_path):

@@ -33,7 +33,9 @@ def complete(directory: str, questions: Sequence[str], *, prompt_len: int | None
   """Decoded completions of the checkpoint in `directory` for `questions`.
 
   prompt_len: prompt width (default: the training record's, else 36). steps / block_length: diffusion
-  sampler settings (default steps = gen_length, one block).
+  sampler settings (default steps = gen_length, one block). The model decodes with its default sampler
+  (`dlm_jax.sampling.registry.default_for`); uniform-state models are refused (their prompt layout is the
+  binaries').
   """
   # Heavy imports stay local: the task readers must not pull in the samplers.
   from dlm_jax.io import checkpoint  # pylint: disable=import-outside-toplevel
@@ -46,12 +48,15 @@ def complete(directory: str, questions: Sequence[str], *, prompt_len: int | None
   prompt_len = prompt_len or record.get("data", {}).get("prompt_len") or 36
   sink = record.get("train_config", {}).get("sink", "none")
   ids = training_data.SpecialIds(pad=config.pad_token_id, bos=config.bos_token_id, eos=config.eos_token_id)
-  sampler = registry.get("ar" if config.causal else "llada")
+  sampler = registry.default_for(config)
+  if sampler.self_conditioning:
+    raise ValueError(f"{directory}: complete() decodes masked-diffusion and causal checkpoints; a uniform-state "
+                     "(DiffusionGemma-style) model is evaluated by `python -m experiments.evaluate_synthetic`.")
   common = registry.CommonSettings(gen_length=gen_length, steps=steps or gen_length, block_length=block_length)
   completions = []
   for start in range(0, len(questions), batch_size):
     prompt = training_data.left_padded_prompts(questions[start:start + batch_size], tokenizer.encode, ids, prompt_len)
-    if config.causal:
+    if sampler.kind == "causal":
       trace = sampler.generate(params, prompt, config=config, options=sampler.options(common, stop_at_eos=True),
                                prompt_mask=prompt != ids.pad)
     else:

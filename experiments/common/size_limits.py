@@ -4,7 +4,7 @@
 
 * a hard ceiling per flag (`CEILINGS`), far above any real use: sequences of at most `MAX_SEQUENCE`
   positions, at most `MAX_STEPS` denoising steps, `MAX_BATCH` rows per sampler call, `MAX_ITEMS` items;
-* relative to the model (`check_canvas`): the prompt plus the generated positions at most `MAX_SEQUENCE`,
+* relative to the model (`check_sequence`): the prompt plus the generated positions at most `MAX_SEQUENCE`,
   and the float32 logits of one sampler call (batch × sequence × vocabulary) at most `MAX_LOGITS`
   elements (64 GiB), the largest array a decoding step makes.
 """
@@ -37,7 +37,7 @@ def check(**values: int | None) -> None:
       raise UserError(f"--{name}={value}: above the limit {limit}; nothing was allocated")
 
 
-def check_canvas(prompt_length: int, gen_length: int, vocab_size: int, batch: int = 1) -> None:
+def check_sequence(prompt_length: int, gen_length: int, vocab_size: int, batch: int = 1) -> None:
   """Refuses a sampler call whose sequence or logits would be larger than the ceilings (module docstring)."""
   length = prompt_length + gen_length
   if length > MAX_SEQUENCE:
