@@ -59,3 +59,17 @@ def test_unknown_tokens_are_counted():
   ids = tokenizer.encode("two plus three plus four")
   assert chat.warn_unknown_tokens(tokenizer, ids, "test") == 2
   assert chat.warn_unknown_tokens(tokenizer, tokenizer.encode("two plus two"), "test") == 0
+
+
+def test_plain_prompts_need_no_chat_template():
+  """A plain prompt is the question's ids after BOS: a sampler without a chat template of its own
+  (DiffusionGemma's) still encodes plain prompts; only the chat format asks for a template."""
+  from experiments.common import checkpoints, prompts  # pylint: disable=import-outside-toplevel
+  from experiments.common.items import Item  # pylint: disable=import-outside-toplevel
+  item = Item(id="0", question="What is 2 + 3?", target="#### 5", kind="gsm8k")
+  model = checkpoints.prepare("tiny-uniform-dlm", "auto", "plain")
+  encoded = prompts.encode(model, [item])
+  bos = [] if model.config.bos_token_id is None else [model.config.bos_token_id]
+  assert encoded.sequences["0"][:len(bos)] == bos and len(encoded.sequences["0"]) > len(bos)
+  with pytest.raises(UserError, match="chat template"):
+    prompts.encode(checkpoints.prepare("tiny-uniform-dlm", "auto", "chat"), [item])

@@ -86,7 +86,7 @@ def encode(model: Model, items: list[Item], chat_format: chat.ChatFormat | None 
     full = {k: sink + [pad] * (width - len(r)) + r for k, r in rows.items()}
     return PromptSet(full, width + len(sink), pad, masked=False)
   bos = None if config.bos_token_id is None else tok.id_to_token(config.bos_token_id)
-  form = chat_format or chat.chat_format(model.directory, model.sampler)
+  form = chat_format or (chat.chat_format(model.directory, model.sampler) if model.prompt_format == "chat" else None)
   sequences = {}
   for item in items:
     question = _question_text(model, item)
