@@ -322,10 +322,10 @@ def main(argv):
     if _HTML.value:
       explorer_page.write_page(runs.out.path, runs.out.file(explorer_page.PAGE_FILE))
     progress.summary_banner(runs.out.path, text)
+
+
 def _masked_queries(model: checkpoints.Model, sequences: np.ndarray, host, decoded: np.ndarray,
                     row: int) -> np.ndarray:
-
-def _masked_queries(model: checkpoints.Model, sequences: np.ndarray, host, decoded: np.ndarray, row: int) -> np.ndarray:
   """[steps, S] bool: the positions of the "masked" query group at each decoded step — the mask token, or for
   DiffusionGemma the canvas positions the previous call did not accept (`dlm_jax.instrument.stats.QUERY_GROUP_NAMES`;
   a canvas's first decoder step follows its encoder call, which accepts nothing)."""

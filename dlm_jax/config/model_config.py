@@ -111,7 +111,7 @@ class ModelConfig:
   eos_token_id: int | None = None
   """End of sequence: a sampler that stops at EOS ends a row at its first EOS."""
   eot_token_id: int | None = None
-  """End of turn of a chat template (LLaDA's <|eot_id|>; MMaDA's samplers may stop at it)."""
+  """End of turn of a chat template (LLaDA's `<|eot_id|>`; MMaDA's samplers may stop at it)."""
   bos_token_id: int | None = None
   """Beginning of sequence, for the tokenizers and chat templates that put one first."""
   pad_token_id: int | None = None

@@ -291,18 +291,25 @@ def _split_queries(x: jax.Array, axis: int, chunk: int, n_chunks: int) -> jax.Ar
   return jnp.moveaxis(x, axis, 0)
 
 
-def _chunked(q, k, v, pairwise, query_weights, query_index, chunk, common):
-  """Query-chunked exact attention; see `attention`. q: [B, T, K, G, H]."""
-  t = q.shape[1]
-  n_chunks = -(-t // chunk)
-  xs = {
-      "q": _split_queries(q, 1, chunk, n_chunks),
-      "query_index": _split_queries(query_index, 0, chunk, n_chunks),
-  }
+def _query_chunks(chunk: int, q, query_index, pairwise, query_weights, lse=None) -> tuple[dict, int]:
+  """The per-query inputs cut into chunks of `chunk` queries, chunk index first (the `lax.scan` xs), and the
+  chunk count: q [B, T, K, G, H], query_index [T], a per-query pairwise bias [B, N|1, T, S], query_weights
+  [B, Q, T] and lse [B, K, G, T], each when given (a pairwise bias shared by all queries stays whole)."""
+  n_chunks = -(-q.shape[1] // chunk)
+  xs = {"q": _split_queries(q, 1, chunk, n_chunks), "query_index": _split_queries(query_index, 0, chunk, n_chunks)}
   if pairwise is not None and pairwise.shape[3] != 1:
     xs["pairwise"] = _split_queries(pairwise, 3, chunk, n_chunks)
   if query_weights is not None:
     xs["weights"] = _split_queries(query_weights, 2, chunk, n_chunks)
+  if lse is not None:
+    xs["lse"] = _split_queries(lse, 3, chunk, n_chunks)
+  return xs, n_chunks
+
+
+def _chunked(q, k, v, pairwise, query_weights, query_index, chunk, common):
+  """Query-chunked exact attention; see `attention`. q: [B, T, K, G, H]."""
+  t = q.shape[1]
+  xs, n_chunks = _query_chunks(chunk, q, query_index, pairwise, query_weights)
 
   def body(incoming_sum, chunk_xs):
     chunk_bias = chunk_xs.get("pairwise", pairwise)
@@ -348,16 +355,7 @@ def _fused(q, k, v, scale, causal, block_size, pairwise, keys, query_offset, win
 
 def _incoming_from_lse(q, k, lse, pairwise, query_weights, query_index, chunk, common):
   """Σ_t w[b, q, t] · exp(score[t, s] − lse[t]) by chunks of queries: [B, Q, K, G, S] float32."""
-  t = q.shape[1]
-  n_chunks = -(-t // chunk)
-  xs = {
-      "q": _split_queries(q, 1, chunk, n_chunks),
-      "lse": _split_queries(lse, 3, chunk, n_chunks),
-      "query_index": _split_queries(query_index, 0, chunk, n_chunks),
-      "weights": _split_queries(query_weights, 2, chunk, n_chunks),
-  }
-  if pairwise is not None and pairwise.shape[3] != 1:
-    xs["pairwise"] = _split_queries(pairwise, 3, chunk, n_chunks)
+  xs, _ = _query_chunks(chunk, q, query_index, pairwise, query_weights, lse)
   key_index = jnp.arange(k.shape[1])
 
   def body(total, chunk_xs):
