@@ -86,13 +86,10 @@ from absl import flags, logging
 from dlm_jax.runtime import distributed
 from dlm_jax.sampling import registry
 from experiments.common import (atomic_files, chat, checkpoints, cli, decoding_flags, decoding_modes, devices,
-                                numerics_flags, run_dir, runtime_flags)
+                                flag_checks, items, numerics_flags, prompts, run_dir, runtime_flags, size_limits)
 from experiments.common.decoding import check_finite
 from experiments.common.decoding_modes import DecodingMode
 from experiments.common.numerics import Numerics
-from experiments.common import (size_limits)
-from experiments.common import (items,
-                                prompts)
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory, or "
                                   f"{', '.join(checkpoints.NAMES)}.", required=True)
@@ -198,10 +195,8 @@ class Settings:
   stop_at_eos: bool = True
 
   def __post_init__(self):
-    for name in ("gen_length", "steps", "block_length", "top_k"):
-      value = getattr(self, name)
-      if value is not None and value < 1:
-        raise cli.UserError(f"--{name}={value}: expected a positive integer")
+    lengths = {name: getattr(self, name) for name in ("gen_length", "steps", "block_length", "top_k")}
+    flag_checks.positive(**{name: value for name, value in lengths.items() if value is not None})
     size_limits.check(gen_length=self.gen_length, steps=self.steps, block_length=self.block_length, top_k=self.top_k,
                       mask_sinks=self.mask_sinks, max_post_steps=self.max_post_steps,
                       stability_threshold=self.stability_threshold)
