@@ -11,9 +11,12 @@ kept (and left in place). BUILD.md ("Test") has the measured effect.
 """
 
 import atexit
+import json
 import os
 import shutil
+import sys
 import tempfile
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -28,6 +31,16 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1.0")
 # once here: a segfault in `compilation_cache.get_executable_and_time` with two workers compiling one program).
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 
+# Profiling the suite (BUILD.md, "Measuring the suite"): every process of the run records its JAX compilations
+# and times; subprocesses through tests/profiling/sitecustomize.py, found first on their PYTHONPATH.
+_PROFILING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiling")
+if os.environ.get("DLM_JAX_SUITE_PROFILE"):
+  os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_PROFILING, os.environ.get("PYTHONPATH")) if p)
+  sys.path.insert(0, _PROFILING)
+  import suite_events  # noqa: E402
+else:
+  suite_events = None
+
 import jax  # noqa: E402  (the environment must be set before JAX initialises)
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -36,6 +49,25 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+_FILE_COSTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "file_costs.json")
+
+
+def pytest_configure(config):
+  """pytest-xdist orders test files by their number of tests by default; the suite orders them by cost."""
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+  """Runs the costliest test files first (tests/file_costs.json: measured CPU seconds per file; a file not
+  listed yet counts as the median file), so that with `--dist loadfile` the two workers finish together
+  instead of one waiting while the other runs a long file picked last. Tests keep their order in a file."""
+  with open(_FILE_COSTS, encoding="utf-8") as f:
+    costs = json.load(f)["cpu_seconds"]
+  unknown = sorted(costs.values())[len(costs) // 2] if costs else 0.0
+  items.sort(key=lambda item: -costs.get(item.nodeid.split("::")[0], unknown))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -48,3 +80,17 @@ def _release_compiled_programs():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+if suite_events is not None:
+  suite_events.install_jax_listeners()
+
+  @pytest.hookimpl(hookwrapper=True)
+  def pytest_runtest_protocol(item, nextitem):
+    """Per test: wall seconds, this worker's CPU seconds and its finished subprocesses' CPU seconds."""
+    wall, cpu = time.time(), suite_events.cpu_seconds()
+    children = suite_events.cpu_seconds(suite_events.resource.RUSAGE_CHILDREN)
+    yield
+    suite_events.write({"kind": "test", "nodeid": item.nodeid, "wall": time.time() - wall,
+                        "cpu": suite_events.cpu_seconds() - cpu,
+                        "children_cpu": suite_events.cpu_seconds(suite_events.resource.RUSAGE_CHILDREN) - children})
