@@ -27,6 +27,7 @@ import numpy as np
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.hook_call import HookValues
 from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks
+from dlm_jax.instrument import step_schedule
 from dlm_jax.instrument.instrumented import Instrumented
 from dlm_jax.instrument.interventions import NO_INTERVENTION, Intervention
 from dlm_jax.sampling import capture_steps, keys, padding, row_by_row
@@ -440,6 +441,9 @@ def run_family(
   run = Run(family=family, config=config, caller=caller, prompt_length=lp, total_length=total, row_keys=row_keys)
   if hooks.enabled:
     hooks.check(config)
+    for index, edit in enumerate(hooks.edits):
+      if edit.schedule is not None:
+        step_schedule.check_steps(edit.schedule, _max_steps(family.phases(run)), f"Edit {index} ({edit.site})")
     instrumented = Instrumented(inner=intervention, hooks=hooks, max_steps=_max_steps(family.phases(run)))
     if intervention_state is None:
       intervention_state = intervention.init_state(config, b, total)
