@@ -135,11 +135,11 @@ def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_l
       raise ValueError(f"{what}: values must be [M, Le, B, S, F...] = {list(expected)} with value_steps [M]; got "
                        f"{list(values.shape)} and {list(value_steps.shape)}.")
     out = out.replace(values=values, value_steps=value_steps)
-  if edit.schedule is not None:
-    out = out.replace(schedule=schedule_values(edit.schedule, batch, what, **(schedule or {})))
   elif values is not None or (vector is not None and not needs_source):
     raise ValueError(f"{what} takes no {'values' if values is not None else 'vector'} (op {edit.op!r}, source "
                      f"{edit.source!r}).")
+  if edit.schedule is not None:
+    out = out.replace(schedule=schedule_values(edit.schedule, batch, what, **(schedule or {})))
   return out
 
 

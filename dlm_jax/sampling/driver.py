@@ -325,16 +325,22 @@ _abstract_runs = 0
 """Nonzero while `capture_bytes` evaluates a run abstractly (`jax.eval_shape` refuses compiler options)."""
 
 
-def capture_bytes(run: Callable[[], Trace]) -> int:
-  """The bytes a run's captures occupy in its `Trace`, from its abstract evaluation (nothing is computed or
-  compiled): run() -> Trace, e.g. `lambda: llada.generate(params, prompt, config=..., hooks=...)`. A
-  batch-invariant run is evaluated as the ordinary program, whose shapes are the same."""
+def abstract_trace(run: Callable[[], Trace]) -> Trace:
+  """The `Trace` of run() as shapes (`jax.ShapeDtypeStruct` leaves), from its abstract evaluation (nothing is
+  computed or compiled; e.g. `active_rows.shape[0]` is the run's step bound). A batch-invariant run is
+  evaluated as the ordinary program, whose shapes are the same."""
   global _abstract_runs
   _abstract_runs += 1
   try:
-    trace = jax.eval_shape(run)
+    return jax.eval_shape(run)
   finally:
     _abstract_runs -= 1
+
+
+def capture_bytes(run: Callable[[], Trace]) -> int:
+  """The bytes a run's captures occupy in its `Trace`, from its abstract evaluation (`abstract_trace`): run() ->
+  Trace, e.g. `lambda: llada.generate(params, prompt, config=..., hooks=...)`."""
+  trace = abstract_trace(run)
   return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(trace.captures))
 
 
