@@ -23,7 +23,9 @@ layer --layer − 1's residual on the unit clock direction u of that layer (last
 midpoint and Δ the distance of the first and last bins' means along u: g ≈ 0.88 where the probe reads the
 first bin, ≈ 0.12 where it reads the last — steering the positions the clock still reads as early). A
 schedule that names a step the sampler never runs is refused before any model work. --coefficients must
-include 0, the unsteered baseline (bitwise the plain run).
+include 0, the unsteered baseline (bitwise the plain run). --direction=random replaces each bin's clock vector
+by a random direction of the same norm (a control: does the clock direction do more than any perturbation of
+that size?).
 
 Outputs in --output_dir (default results/steering_sweep): results.jsonl (one line per model, schedule,
 coefficient and prompt: per step the masked positions read, their mean confidence and entropy; the tokens,
@@ -71,6 +73,9 @@ _SCOPE = flags.DEFINE_enum("scope", "masked", ["masked", "committed", "decoded",
 _N_BINS = flags.DEFINE_integer("n_bins", 4, "Step bins of the clock direction (one vector per bin).")
 _CLOCK_TARGET = flags.DEFINE_enum("clock_target", "last", ["last", "first"],
                                   "The bin t̂ the clock direction points to.")
+_DIRECTION = flags.DEFINE_enum("direction", "clock", ["clock", "random"],
+                               "clock, or random: per bin a random direction with the clock vector's norm (a "
+                               "control; seeded by --seed).")
 
 NAMED = ("constant", "first_half", "second_half", "gated")
 
@@ -114,6 +119,7 @@ class Settings:
   scope: str
   n_bins: int
   clock_target: str
+  direction: str
   task: TaskSettings
   decode: DecodeSettings
   numerics: Numerics
@@ -230,13 +236,22 @@ def gate_values(clock: dict, layer: int) -> tuple[np.ndarray, float, float]:
   return unit[None].astype(np.float32), scale, -scale * middle
 
 
+def steering_vectors(settings: Settings, clock_vectors: np.ndarray) -> np.ndarray:
+  """[n_bins, D]: the clock vectors, or (--direction=random) per bin a Gaussian direction of the same norm."""
+  if settings.direction == "clock":
+    return clock_vectors
+  random = np.random.default_rng(settings.decode.seed).normal(size=clock_vectors.shape)
+  norms = np.linalg.norm(clock_vectors, axis=-1, keepdims=True) / np.linalg.norm(random, axis=-1, keepdims=True)
+  return (random * norms).astype(np.float32)
+
+
 def run_model(settings: Settings, model, runtime: devices.Runtime, log: run_dir.ResultsLog) -> dict:
   """Calibrates the clock, then decodes every (schedule, coefficient) not done yet; returns the model's meta."""
   values = decoding.model_settings(settings.decode, model)
   todo, prompt_set = _prompts(settings, model)
   n_steps = run_steps(model, values, _first_batch(settings, todo, prompt_set, runtime), runtime, settings.numerics)
   clock = calibrate(settings, model, values, todo, prompt_set, runtime, n_steps)
-  vectors = clock[f"blocks.{settings.layer}.hook_resid_post"]["vectors"]
+  vectors = steering_vectors(settings, clock[f"blocks.{settings.layer}.hook_resid_post"]["vectors"])
   conditions = [(s, c) for s in settings.schedules for c in settings.coefficients]
   done = lambda item, s, c: log.done(model=model.label, schedule=s, coefficient=c, item=item.id)  # noqa: E731
   meter = progress.Progress(f"{model.label} (schedule, coefficient, prompt)", len(conditions) * len(todo),
@@ -310,15 +325,17 @@ def aggregate(records: list[dict], meta: dict, settings: Settings) -> dict:
 
 def write_report(settings: Settings, out: str, metas: list[dict], records: list[dict], wall_s: float) -> str:
   lines = ["# Steering along the denoising clock: `experiments.steering_sweep`", "",
-           f"hook_resid_post of layer {settings.layer}, positions {settings.scope}, clock direction μ[t̂] − μ[bin t] "
-           f"with {settings.n_bins} step bins and t̂ the {settings.clock_target} bin; calibrated on the same "
+           f"hook_resid_post of layer {settings.layer}, positions {settings.scope}, "
+           + ("clock direction μ[t̂] − μ[bin t]" if settings.direction == "clock" else
+              "random directions with the norms of the clock vectors μ[t̂] − μ[bin t] (a control)")
+           + f" with {settings.n_bins} step bins and t̂ the {settings.clock_target} bin; calibrated on the same "
            f"prompts. Wall time {wall_s:.0f}s.", "",
            "Mean over every (step, masked position) read: confidence (largest probability) and entropy (nats), "
            "their change against coefficient 0, accuracy, and the share of answer tokens that differ from the "
            "unsteered answer:", "",
            "| model | schedule | α | confidence | Δ | entropy | Δ | accuracy | tokens changed |",
            "|---|---|---|---|---|---|---|---|---|"]
-  summary = {}
+  summary, links = {}, [""]
   for meta in metas:
     rows = [r for r in records if r["model"] == meta["label"]]
     if not rows:
@@ -338,9 +355,10 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
                               for name, v in entry.items()})
     for key, label in (("confidence", "mean confidence (largest probability)"), ("entropy", "mean entropy (nats)")):
       figure = steering_plots.per_step_panels(
-          {s: {f"α={c:g}": v[key] for c, v in per.items()} for s, per in pooled.items()},
+          {s: {f"α={c:g}": per[c][key] for c in sorted(per)} for s, per in pooled.items()},
           f"{meta['label']}: {label} at the still-masked positions per step, steering layer {settings.layer} along "
-          f"the clock ({settings.scope} positions)", label)
+          f"the {'clock' if settings.direction == 'clock' else 'random control'} ({settings.scope} positions)", label,
+          steering_plots.ordered_colours([f"α={c:g}" for c in sorted(settings.coefficients)], "α=0"))
       atomic_files.save_figure(figure, os.path.join(model_dir, f"{key}_per_step.png"))
     first = settings.schedules[0]
     example = {c: r for r in rows for c in settings.coefficients
@@ -350,9 +368,10 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
     atomic_files.save_figure(steering_plots.answer_tokens(
         tokens, "α=0", f"{meta['label']}, prompt {rows[0]['item']}, schedule {first}: the answer per coefficient "
         "(tokens that differ from α=0 highlighted)"), os.path.join(model_dir, "example_answers.png"))
-    lines += ["", f"- [{meta['label']}/confidence_per_step.png]({meta['label']}/confidence_per_step.png), "
-              f"[{meta['label']}/entropy_per_step.png]({meta['label']}/entropy_per_step.png), "
-              f"[{meta['label']}/example_answers.png]({meta['label']}/example_answers.png)", ""]
+    links.append(f"- [{meta['label']}/confidence_per_step.png]({meta['label']}/confidence_per_step.png), "
+                 f"[{meta['label']}/entropy_per_step.png]({meta['label']}/entropy_per_step.png), "
+                 f"[{meta['label']}/example_answers.png]({meta['label']}/example_answers.png)")
+  lines += links
   return summary_files.write(out, {"models": [{k: v for k, v in m.items() if k not in ("token_text", "clock")}
                                               for m in metas],
                                    "summary": summary, "wall_s": wall_s}, lines)
@@ -369,7 +388,8 @@ def main(argv):
     raise cli.UserError(f"--coefficients={','.join(_COEFFICIENTS.value)}: expected numbers") from None
   settings = Settings(checkpoints=shared.checkpoints, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
                       coefficients=coefficients, schedules=tuple(_SCHEDULES.value), layer=_LAYER.value,
-                      scope=_SCOPE.value, n_bins=_N_BINS.value, clock_target=_CLOCK_TARGET.value, task=shared.task,
+                      scope=_SCOPE.value, n_bins=_N_BINS.value, clock_target=_CLOCK_TARGET.value,
+                      direction=_DIRECTION.value, task=shared.task,
                       decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime))
   for model in models:
     values = decoding.model_settings(shared.decode, model)

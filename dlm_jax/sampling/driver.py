@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.instrument import step_schedule
 from dlm_jax.instrument.hook_call import HookValues
 from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks
-from dlm_jax.instrument import step_schedule
 from dlm_jax.instrument.instrumented import Instrumented
 from dlm_jax.instrument.interventions import NO_INTERVENTION, Intervention
 from dlm_jax.sampling import capture_steps, keys, padding, row_by_row
@@ -322,7 +322,7 @@ _compiled = jax.jit(_program, static_argnames=("run",), donate_argnames=("sequen
 _compiled_batch_invariant = jax.jit(_program, static_argnames=("run",), donate_argnames=("sequence",),
                                     compiler_options=row_by_row.CPU_COMPILER_OPTIONS)
 _abstract_runs = 0
-"""Nonzero while `capture_bytes` evaluates a run abstractly (`jax.eval_shape` refuses compiler options)."""
+"""Nonzero while `abstract_trace` evaluates a run abstractly (`jax.eval_shape` refuses compiler options)."""
 
 
 def abstract_trace(run: Callable[[], Trace]) -> Trace:

@@ -7,20 +7,23 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from matplotlib import colors
 
 from experiments.reports import figure_axes, palette, plots
 
 plt = plots.plt
 
 
-def per_step_panels(panels: Mapping[str, Mapping[str, np.ndarray]], title: str, ylabel: str):
-  """One panel per schedule ({schedule: {line label: [n] values per step, NaN where nothing was read}})."""
+def per_step_panels(panels: Mapping[str, Mapping[str, np.ndarray]], title: str, ylabel: str,
+                    colours: Mapping[str, str] | None = None):
+  """One panel per schedule ({schedule: {line label: [n] values per step, NaN where nothing was read}});
+  colours: a colour per line label (default: the palette's track colours)."""
   fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1.5, 3.6), sharey=True, squeeze=False)
   for ax, (schedule, lines) in zip(axes[0], panels.items()):
     for i, (label, values) in enumerate(lines.items()):
       values = np.asarray(values, np.float64)
       ax.plot(np.arange(len(values)), values, marker="." if len(values) < 40 else None, label=label,
-              color=palette.track_colour(i))
+              color=colours[label] if colours and label in colours else palette.track_colour(i))
     plots._integer_axis(ax, len(next(iter(lines.values()))))  # pylint: disable=protected-access
     ax.set_title(schedule, fontsize=10)
     ax.set_xlabel("denoising step (model call)")
@@ -29,6 +32,14 @@ def per_step_panels(panels: Mapping[str, Mapping[str, np.ndarray]], title: str, 
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
   return fig
+
+
+def ordered_colours(labels: Sequence[str], baseline: str) -> dict[str, str]:
+  """Colours along a diverging map for labels in order (e.g. coefficients from negative to positive), the
+  baseline in black."""
+  cmap = plt.get_cmap("coolwarm")
+  n = max(len(labels) - 1, 1)
+  return {label: "#000000" if label == baseline else colors.to_hex(cmap(i / n)) for i, label in enumerate(labels)}
 
 
 def answer_tokens(rows: Mapping[str, Sequence[str | None]], baseline: str, title: str):
