@@ -120,9 +120,10 @@ def test_coefficient_schedules_as_tables():
 
 OPTIONS = LLaDAOptions(gen_length=8, steps=4, block_length=8)
 LP = 4
-SAMPLER_HOOKS = Hooks(captures=(Capture("ln_final.hook_normalized", reduce="mean", positions="masked"),),
-                      edits=(Edit("hook_resid_post", "add", layers=0, positions="masked",
-                                  schedule=StepSchedule(4, 2)),))
+SAMPLER_HOOKS = Hooks(captures=(Capture("ln_final.hook_normalized", reduce="mean", positions="masked"),
+                                Capture("hook_resid_post", layers=0, reduce="norm", label="gate")),
+                      edits=(Edit("hook_resid_post", "add", layers=1, positions="masked",
+                                  schedule=StepSchedule(4, 2, Gate("gate.0"))),))
 
 
 def _sample(prompt, edit, batch_invariant=True, hooks=SAMPLER_HOOKS, options=OPTIONS):
@@ -138,10 +139,11 @@ def _prompt(b):
 
 def _sampler_edit(rng, b, coefficient, table):
   return dict(vector=rng.normal(size=(b, 2, D)).astype(np.float32) * 3, coefficient=np.asarray(coefficient, np.float32),
-              schedule=dict(table=np.asarray(table, np.float32), bins=np.array([0, 0, 1, 1])))
+              schedule=dict(table=np.asarray(table, np.float32), bins=np.array([0, 0, 1, 1]),
+                            gate_scale=np.linspace(-0.5, 0.5, b).astype(np.float32), gate_bias=np.ones(b, np.float32)))
 
 
-def test_in_the_sampler_the_table_acts_at_its_steps_and_rows_are_batch_invariant():
+def test_in_the_sampler_the_gated_table_acts_at_its_steps_and_rows_are_batch_invariant():
   rng = np.random.default_rng(2)
   prompt = _prompt(3)
   tables = [[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]]
@@ -179,7 +181,8 @@ def test_refusals_are_one_line_before_model_work():
   with pytest.raises(ValueError, match="on an 'add' edit with source 'vector'"):
     Edit("hook_resid_post", "scale", schedule=StepSchedule(4))
   with pytest.raises(ValueError, match=r"schedule bins must lie in \[0, 2\)"):
-    hook_values(SAMPLER_HOOKS, CONFIG, 1, 12, edits={0: dict(vector=np.zeros((2, D)), schedule=dict(bins=[0, 2, 0, 0]))})
+    hook_values(SAMPLER_HOOKS, CONFIG, 1, 12, edits={0: dict(vector=np.zeros((2, D)),
+                                                             schedule=dict(bins=[0, 2, 0, 0]))})
   with pytest.raises(ValueError, match=r"a gate reads one \(directions \[1, F_last\]\)"):
     hook_values(GATED, CONFIG, B, T, captures={0: CaptureValues(directions=np.zeros((2, D)))},
                 edits={0: dict(vector=np.zeros((N_BINS, D)))})

@@ -85,5 +85,6 @@ def step_confidence_entropy(params, config: ModelConfig, hidden: np.ndarray, mas
   predicted = np.zeros_like(masked)
   predicted[..., :masked.shape[-1] - shift] = masked[..., shift:]  # read at p − shift for masked p
   read = predicted & np.any(hidden != 0, axis=-1)
-  outs = [_confidence_entropy(params, jnp.asarray(hidden[t]), jnp.asarray(read[t]), config) for t in range(hidden.shape[0])]
+  outs = [_confidence_entropy(params, jnp.asarray(hidden[t]), jnp.asarray(read[t]), config)
+          for t in range(hidden.shape[0])]
   return tuple(np.stack([np.asarray(o[i]) for o in outs]) for i in range(3))
