@@ -41,7 +41,6 @@ import dataclasses
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import flags
 

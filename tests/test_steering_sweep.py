@@ -4,7 +4,6 @@
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,10 +14,8 @@ from experiments.common import cli, steering
 
 try:
   from tests import experiments_fixtures as fx
-  from tests import numpy_transformer as ref
 except ImportError:  # run from inside tests/
   import experiments_fixtures as fx
-  import numpy_transformer as ref
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

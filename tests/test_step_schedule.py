@@ -11,7 +11,7 @@ import pytest
 
 from dlm_jax.config import preset
 from dlm_jax.instrument.hook_call import DECODED, MASKED, PROMPT, VALID, CaptureValues, HookCall, hook_values
-from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks, Steps
+from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
 from dlm_jax.instrument.step_schedule import CoefficientSchedule, Gate, StepSchedule
 from dlm_jax.model import forward, init_params
 from dlm_jax.sampling import LLaDAOptions, llada
