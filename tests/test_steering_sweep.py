@@ -99,7 +99,8 @@ def test_steering_files_with_schedules_and_old_files(tmp_path):
           "must be a per-layer site before layer 1"),
          ({"vector": [1.0] * d, "steps": [0, 2], "gate": {"site": "blocks.0.hook_resid_post"}},
           "a gate with reduce 'project' needs a direction"),
-         ({"vector": [1.0] * d, "bins": [0, 1]}, "vector must be [2, 64] finite numbers")]
+         ({"vector": [1.0] * d, "bins": [0, 1]}, "vector must be [2, 64] finite numbers"),
+         ({"vector": [[1.0] * d], "bins": [0, 0], "steps": [0, 3]}, "names step 2, but the sampler runs at most 2")]
   for i, (entry, words) in enumerate(bad):
     path = _write(tmp_path / f"bad{i}.json", {"blocks.1.hook_resid_post": entry})
     with pytest.raises(cli.UserError) as error:

@@ -179,7 +179,10 @@ def steering(path: str, config: ModelConfig, batch: int, seq_len: int) -> tuple[
       schedule = step_schedule.StepSchedule(n_steps, n_bins, gate)
       table = entry.get("schedule")
       if table is None and "steps" in entry:
-        table = step_schedule.CoefficientSchedule("window", 1.0, *entry["steps"]).table(n_steps)
+        try:
+          table = step_schedule.CoefficientSchedule("window", 1.0, *entry["steps"]).table(n_steps)
+        except ValueError as e:
+          raise UserError(f"steering file {path}, {site!r}: steps {entry['steps']} against bins: {e}") from None
       gate_values = {} if gate is None else dict(gate_scale=float(entry["gate"].get("scale", 1.0)),
                                                  gate_bias=float(entry["gate"].get("bias", 0.0)))
       value["schedule"] = dict(table=table, bins=bins, **gate_values)
