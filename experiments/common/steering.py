@@ -21,9 +21,10 @@ Step schedules (issue 33; `dlm_jax.instrument.step_schedule`; files without thes
   gate         {"site": a full site name at an earlier layer, "reduce": "project" (default; with "direction",
                a list or a .npy file of the site's width) or "norm", "scale" (default 1), "bias" (default 0)}:
                each position's coefficient is multiplied by sigmoid(scale · r + bias), r the probe reading
-               (w · x) or the norm of x at that site, read in the same forward; needs "schedule" or "steps".
-A scheduled entry names steps 0..n−1 (n: the table's length, or the window's stop); a sampler that runs
-fewer steps refuses it in one line before any model work.
+               (w · x) or the norm of x at that site, read in the same forward; needs "schedule", "bins" or
+               "steps".
+A scheduled entry names steps 0..n−1 (n: the table's length, the bins' length, or the window's stop); a
+sampler that runs fewer steps refuses it in one line before any model work.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def read(path: str) -> list[tuple[str, dict]]:
     if steps is not None and not (isinstance(steps, list) and len(steps) == 2 and all(
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps) and steps[0] < steps[1]):
       raise UserError(f"{where}: steps must be [start, stop) with 0 <= start < stop")
-    _check_schedule(where, kind, layer, entry)
+    _check_schedule(where, layer, entry)
     entries.append((site, entry))
   return entries
 
@@ -83,7 +84,7 @@ def _numbers(x) -> bool:
                                                  and np.isfinite(v) for v in x)
 
 
-def _check_schedule(where: str, kind: str, layer: int | None, entry: dict) -> None:
+def _check_schedule(where: str, layer: int | None, entry: dict) -> None:
   """The form of an entry's "schedule", "bins" and "gate" (module docstring)."""
   table, bins, gate = entry.get("schedule"), entry.get("bins"), entry.get("gate")
   if table is not None and not _numbers(table):
@@ -118,7 +119,7 @@ def _check_schedule(where: str, kind: str, layer: int | None, entry: dict) -> No
 
 
 def _n_steps(entry: dict) -> int:
-  """The steps a scheduled entry names (its table's length, or its window's stop)."""
+  """The steps a scheduled entry names (its table's length, its bins' length, or its window's stop)."""
   if "schedule" in entry:
     return len(entry["schedule"])
   if "bins" in entry:
