@@ -19,6 +19,7 @@ from flax import struct
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument import sites
 from dlm_jax.instrument.hook_spec import Hooks
+from dlm_jax.instrument.step_schedule import ScheduleValues, schedule_values
 
 VALID, PROMPT, MASKED, DECODED, COMMITTED = 1, 2, 4, 8, 16
 """Position-class bits of a query (`HookCall.flags`); a real query has VALID and one of the others."""
@@ -54,6 +55,8 @@ class EditValues:
   vector: [B, F...] ("replace" / "add" with source "vector"), else None.
   values: [M, Le, B, S, F...] ("replace" / "add" with source "values"): the value at step value_steps[m],
     layer Le, sequence position; value_steps: [M] int32 (a step not listed is not edited).
+  schedule: an edit with a `StepSchedule`: its `ScheduleValues` (table, bins, gate; `vector` is then
+    [B, n_bins, F...], one direction per step bin; `dlm_jax.instrument.step_schedule`), else None.
   """
 
   window: jax.Array
@@ -64,10 +67,11 @@ class EditValues:
   vector: jax.Array | None = None
   values: jax.Array | None = None
   value_steps: jax.Array | None = None
+  schedule: ScheduleValues | None = None
 
 
 EDIT_BATCH_AXES = {"window": 0, "layers": 0, "positions": 0, "heads": 0, "coefficient": 0, "vector": 0,
-                   "values": 2, "value_steps": None}
+                   "values": 2, "value_steps": None, "schedule": 0}
 
 
 def _row_array(x, batch: int, shape: tuple[int, ...], dtype, what: str) -> jax.Array:
@@ -82,14 +86,16 @@ def _row_array(x, batch: int, shape: tuple[int, ...], dtype, what: str) -> jax.A
 
 def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_len: int, *,
                 window: Any = None, layers: Any = None, positions: Any = None, heads: Any = None,
-                coefficient: Any = 1.0, vector: Any = None, values: Any = None, value_steps: Any = None
-                ) -> EditValues:
+                coefficient: Any = 1.0, vector: Any = None, values: Any = None, value_steps: Any = None,
+                schedule: dict | None = None) -> EditValues:
   """The traced values of edit `hooks.edits[index]` for [B, S] sequences, with defaults: every step (window),
   every one of its layers, every position, every head, coefficient 1; `vector` / `values` as its op and
   source need. Each argument may be given for every row ([...]) or per row ([B, ...]).
 
   window: (start, stop) steps, or [B, 2]; layers: [Le] / [B, Le] bool; positions: [S] / [B, S] bool; heads:
-  [N] / [B, N] bool (per-head sites only); coefficient: scalar or [B]; vector: [F...] or [B, F...];
+  [N] / [B, N] bool (per-head sites only); coefficient: scalar or [B]; vector: [F...] or [B, F...]
+  ([n_bins, F...] or [B, n_bins, F...] with a step schedule); schedule: keyword arguments of
+  `dlm_jax.instrument.step_schedule.schedule_values` (an edit with a `StepSchedule` only);
   values: [M, Le, B, S, F...] with value_steps [M] int32 (sequence coordinates, e.g. a captured run's arrays
   stacked by `patch_values`).
   """
@@ -97,6 +103,10 @@ def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_l
   resolved = hooks.resolved_layers(config, edit)
   feature = sites.feature_shape(config, edit.site, resolved[0])
   what = f"Edit {index} ({edit.site}, {edit.op})"
+  if edit.schedule is not None:
+    feature = (edit.schedule.n_bins, *feature)
+  elif schedule is not None:
+    raise ValueError(f"{what} has no StepSchedule; it takes no schedule values.")
   window = (0, NO_STEP_LIMIT) if window is None else window
   out = EditValues(
       window=_row_array(window, batch, (2,), jnp.int32, f"{what}: window"),
@@ -128,6 +138,8 @@ def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_l
   elif values is not None or (vector is not None and not needs_source):
     raise ValueError(f"{what} takes no {'values' if values is not None else 'vector'} (op {edit.op!r}, source "
                      f"{edit.source!r}).")
+  if edit.schedule is not None:
+    out = out.replace(schedule=schedule_values(edit.schedule, batch, what, **(schedule or {})))
   return out
 
 
@@ -155,6 +167,15 @@ def hook_values(hooks: Hooks, config: ModelConfig, batch: int, seq_len: int, *,
       raise ValueError(f"Capture {i} ({capture.site}, lens) needs CaptureValues(targets=[B, S] = "
                        f"{[batch, seq_len]} token ids).")
     capture_values.append(value)
+  names = hooks.capture_names(config) if any(e.schedule is not None and e.schedule.gate is not None
+                                             for e in hooks.edits) else {}
+  for i, edit in enumerate(hooks.edits):
+    if edit.schedule is not None and edit.schedule.gate is not None and edit.schedule.gate.capture in names:
+      gate = names[edit.schedule.gate.capture]
+      directions = capture_values[gate].directions
+      if hooks.captures[gate].reduce == "project" and jnp.shape(directions)[0] != 1:
+        raise ValueError(f"Edit {i} ({edit.site}): its gate capture {edit.schedule.gate.capture!r} projects on "
+                         f"{jnp.shape(directions)[0]} directions; a gate reads one (directions [1, F_last]).")
   return HookValues(captures=tuple(capture_values),
                     edits=tuple(edit_values(hooks, i, config, batch, seq_len, **edits.get(i, {}))
                                 for i in range(len(hooks.edits))))
@@ -183,7 +204,7 @@ class HookCall:
     rows under CFG); the others are kept."""
     def edit(values: EditValues) -> EditValues:
       return values.replace(**{name: None if getattr(values, name) is None or axis is None
-                               else rows(getattr(values, name), axis)
+                               else jax.tree.map(lambda x, axis=axis: rows(x, axis), getattr(values, name))
                                for name, axis in EDIT_BATCH_AXES.items() if axis is not None})
     captures = tuple(v.replace(targets=None if v.targets is None else rows(v.targets, 0))
                      for v in self.values.captures)

@@ -32,6 +32,7 @@ import dataclasses
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument import sites
+from dlm_jax.instrument.step_schedule import StepSchedule, check as check_schedule
 
 POSITION_CLASSES = ("all", "prompt", "masked", "decoded", "committed")
 REDUCTIONS = ("none", "mean", "norm", "topk", "project", "lens")
@@ -198,6 +199,8 @@ class Edit:
   positions: the position class edited (the traced per-row position mask narrows it further).
   source: for "replace" / "add": "vector" (one [F...] value per row, broadcast over positions) or "values"
     (per-position values in sequence coordinates, per step and layer: patching from a captured run).
+  schedule: a `dlm_jax.instrument.step_schedule.StepSchedule` ("add" with source "vector" only): the
+    coefficient and direction per step, optionally gated by a capture read earlier in the same forward.
   """
 
   site: str
@@ -205,6 +208,7 @@ class Edit:
   layers: tuple[int, ...] | int | None = None
   positions: str = "all"
   source: str = "vector"
+  schedule: StepSchedule | None = None
 
   def __post_init__(self):
     kind, layers = _site(self.site, self.layers, "Edit")
@@ -220,6 +224,9 @@ class Edit:
                        "choose explicit positions with the edit's traced position mask.")
     if self.source not in ("vector", "values"):
       raise ValueError(f"Edit.source must be 'vector' or 'values', got {self.source!r}.")
+    if self.schedule is not None and (not isinstance(self.schedule, StepSchedule) or self.op != "add"
+                                      or self.source != "vector"):
+      raise ValueError("Edit.schedule must be a StepSchedule, on an 'add' edit with source 'vector'.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +286,13 @@ class Hooks:
       if len(shapes) > 1:
         raise ValueError(f"Edit of {edit.site} spans layers of different head shapes {sorted(shapes)} "
                          "(sliding and global layers); use one Edit per layer kind.")
+    gated = [(i, e) for i, e in enumerate(self.edits) if e.schedule is not None and e.schedule.gate is not None]
+    if gated:
+      names = {name: (capture, layer) for capture in self.captures
+               for layer, name in zip(self.resolved_layers(config, capture),
+                                      capture.names(self.resolved_layers(config, capture)))}
+      for i, edit in gated:
+        check_schedule(edit.schedule, self.resolved_layers(config, edit), names, f"Edit {i} ({edit.site})")
 
   def capture_names(self, config: ModelConfig) -> dict[str, int]:
     """{captured array name: index of its capture in `captures`}."""

@@ -20,6 +20,7 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument import sites
 from dlm_jax.instrument.hook_call import VALID, CaptureValues, EditValues, HookCall, class_mask
 from dlm_jax.instrument.hook_spec import Capture, Edit
+from dlm_jax.instrument.step_schedule import gate_reading, scheduled_add
 
 
 @struct.dataclass
@@ -96,9 +97,11 @@ def reduce_capture(capture: Capture, values: CaptureValues, x: jax.Array, select
   return y
 
 
-def apply_edit(edit: Edit, values: EditValues, x: jax.Array, slot, step, flags: jax.Array, offset) -> jax.Array:
+def apply_edit(edit: Edit, values: EditValues, x: jax.Array, slot, step, flags: jax.Array, offset,
+               gate: jax.Array | None = None) -> jax.Array:
   """Site values x [B, T, F...] with `edit` applied where its values allow it: at layer slot `slot` (its index
-  in the edit's layers, −1 when the layer is not one of them), step `step`, queries of flags [B, T]."""
+  in the edit's layers, −1 when the layer is not one of them), step `step`, queries of flags [B, T]; gate: the
+  [B, T] reading of a scheduled edit's gate (`dlm_jax.instrument.step_schedule`)."""
   t = x.shape[1]
   offset = jnp.asarray(offset, jnp.int32)
   slot = jnp.asarray(slot, jnp.int32)
@@ -117,6 +120,8 @@ def apply_edit(edit: Edit, values: EditValues, x: jax.Array, slot, step, flags: 
   if values.heads is not None:
     where = where[:, :, None] & values.heads[:, None, :]
   where = _expand(where, x.ndim)
+  if edit.schedule is not None:
+    return scheduled_add(values, values.schedule, x, where, step, gate)
   coefficient = None if values.coefficient is None else _expand(values.coefficient, x.ndim)
   if edit.op == "zero":
     new = jnp.zeros((), x.dtype)
@@ -154,8 +159,10 @@ class SiteHooks:
   model-level sites (layer None).
 
   offset: sequence position of the call's first query; n_seq: S; readout(h, normalized): final norm (unless
-  `normalized`) + LM head, [B, T, D] -> float32 logits [B, T, V] (the "lens" reduction). After the sites
-  ran, `captured` maps each capture index acting here to its reduced value.
+  `normalized`) + LM head, [B, T, D] -> float32 logits [B, T, V] (the "lens" reduction); earlier(index) ->
+  capture `index`'s value at its (single) layer in this forward, already computed (the gates of scheduled
+  edits; None at the model level). After the sites ran, `captured` maps each capture index acting here to its
+  reduced value.
 
   The costly captures (`GATED`: the lens, top-k, projections, attention rows) are computed under a
   `lax.cond` only at their own layers and kept steps (`HookCall.keep`); elsewhere they are zeros, which
@@ -163,9 +170,9 @@ class SiteHooks:
   """
 
   def __init__(self, call: HookCall, config: ModelConfig, *, kind: str | None, layer, offset, n_seq: int,
-               readout: Callable[[jax.Array], jax.Array] | None):
+               readout: Callable[[jax.Array], jax.Array] | None, earlier: Callable[[int], object] | None = None):
     self.call, self.config, self.kind, self.layer = call, config, kind, layer
-    self.offset, self.n_seq, self.readout = offset, n_seq, readout
+    self.offset, self.n_seq, self.readout, self.earlier = offset, n_seq, readout, earlier
     hooks = call.hooks
     self.captures = [i for i, c in enumerate(hooks.captures) if self._acts(c)]
     self.edits = [i for i, e in enumerate(hooks.edits) if self._acts(e)]
@@ -210,6 +217,13 @@ class SiteHooks:
     zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
     self.captured[index] = jax.lax.cond(wanted, reduce, zeros)
 
+  def _gate(self, edit: Edit, t: int, offset) -> jax.Array | None:
+    """[B, T] the gate reading of a scheduled, gated edit at the call's queries (None for other edits)."""
+    if edit.schedule is None or edit.schedule.gate is None:
+      return None
+    index = self.call.hooks.capture_names(self.config)[edit.schedule.gate.capture]
+    return gate_reading(self.earlier(index), self.call.hooks.captures[index].reduce, offset, t)
+
   def flags(self, t: int, start=0) -> jax.Array:
     """[B, T] class bits of the queries start..start+T−1 of the call (all VALID without flags)."""
     flags = self.call.flags
@@ -230,7 +244,7 @@ class SiteHooks:
     for i in self.edits:
       if hooks.edits[i].site == site:
         x = apply_edit(hooks.edits[i], self.call.values.edits[i], x, self._slot(hooks.edits[i]), self.call.step,
-                       flags, offset)
+                       flags, offset, self._gate(hooks.edits[i], x.shape[1], offset))
     for i in self.captures:
       capture = hooks.captures[i]
       if capture.site == site:

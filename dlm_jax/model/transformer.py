@@ -249,12 +249,14 @@ class _LayerCall:
   readout: Any = None
   n_seq: int = 0
 
-  def site_hooks(self, kind: str, layer) -> SiteHooks | None:
-    """The `SiteHooks` of layer `layer` (traced int32) of attention kind `kind`, or None without hooks."""
+  def site_hooks(self, kind: str, layer, capture_buffers: dict) -> SiteHooks | None:
+    """The `SiteHooks` of layer `layer` (traced int32) of attention kind `kind`, or None without hooks;
+    capture_buffers: the captures of the layers run so far (read by the gates of scheduled edits)."""
     if self.hooks is None:
       return None
     return SiteHooks(self.hooks, self.config, kind=kind, layer=layer, offset=self.attention_kwargs["cache_offset"],
-                     n_seq=self.n_seq, readout=self.readout)
+                     n_seq=self.n_seq, readout=self.readout,
+                     earlier=lambda index: _earlier_capture(self, capture_buffers, index))
 
 
 def _bias_parts(bias: AttentionBias):
@@ -292,13 +294,14 @@ def _stat_slots(config: ModelConfig, spec: StatsSpec) -> jax.Array | None:
   return jnp.asarray(slot_of_layer)
 
 
-def _run_layer(call: _LayerCall, kind: str, block, h, kv_cache, layer_biases, with_stats: bool, layer):
+def _run_layer(call: _LayerCall, kind: str, block, h, kv_cache, layer_biases, with_stats: bool, layer,
+               capture_buffers: dict):
   """One layer (its `Block`): (h [B, T, D], (keys, values) [B, S, K, H], {statistic name: this layer's value},
-  {capture index: this layer's captured value})."""
+  {capture index: this layer's captured value}); capture_buffers: the captures of the earlier layers."""
   spec = call.stats_spec
   cos, sin = call.tables[kind]
   extra = {} if call.structure[kind] is None else {"structure_key_bias": call.structure[kind], "write_cache": False}
-  hooks = call.site_hooks(kind, layer)
+  hooks = call.site_hooks(kind, layer, capture_buffers)
   h, incoming, (keys, values), routing = block(
       h, cos, sin, hooks=hooks, with_incoming=with_stats and spec.incoming_attention, cache=kv_cache,
       **call.attention_kwargs, **extra, **layer_biases)
@@ -323,17 +326,17 @@ def _scan_layer(call: _LayerCall, kind: str, block_graph, carry, xs):
   block = nnx.merge(block_graph, state)
   if call.slots is None:
     h, kv, stats, captured = _run_layer(call, kind, block, h, kv_cache, layer_biases, call.stats_spec.enabled,
-                                        layer)
+                                        layer, capture_buffers)
     capture_buffers = _write_captures(call, kind, layer, capture_buffers, captured)
     return (h, buffers, capture_buffers), {**stats, **({"cache": kv} if call.emit_cache else {})}
 
   def with_stats(h, buffers):
-    h, kv, stats, captured = _run_layer(call, kind, block, h, kv_cache, layer_biases, True, layer)
+    h, kv, stats, captured = _run_layer(call, kind, block, h, kv_cache, layer_biases, True, layer, capture_buffers)
     return h, kv, {name: jax.lax.dynamic_update_index_in_dim(buffers[name], stats[name], slot, 0)
                    for name in buffers}, captured
 
   def without_stats(h, buffers):
-    h, kv, _, captured = _run_layer(call, kind, block, h, kv_cache, layer_biases, False, layer)
+    h, kv, _, captured = _run_layer(call, kind, block, h, kv_cache, layer_biases, False, layer, capture_buffers)
     return h, kv, buffers, captured
 
   h, kv, buffers, captured = jax.lax.cond(slot >= 0, with_stats, without_stats, h, buffers)
@@ -397,6 +400,14 @@ def _write_captures(call: _LayerCall, kind: str, layer, buffers: dict, captured:
 
     out[key] = jax.tree.map(write, buffers[key], value)
   return out
+
+
+def _earlier_capture(call: _LayerCall, buffers: dict, index: int):
+  """Capture `index` (of one layer) as written so far in this forward: its value at that layer."""
+  (layer,) = call.hooks.hooks.resolved_layers(call.config, call.hooks.hooks.captures[index])
+  kind = sites.layer_kind(call.config, layer)
+  slot = _capture_layers(call, index, kind).index(layer)
+  return jax.tree.map(lambda a: a[slot], buffers[_capture_key(index, kind)])
 
 
 def _named_captures(call: _LayerCall, buffers: dict, model_captured: dict) -> dict[str, Any]:

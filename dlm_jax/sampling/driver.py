@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.instrument import step_schedule
 from dlm_jax.instrument.hook_call import HookValues
 from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks
 from dlm_jax.instrument.instrumented import Instrumented
@@ -321,19 +322,25 @@ _compiled = jax.jit(_program, static_argnames=("run",), donate_argnames=("sequen
 _compiled_batch_invariant = jax.jit(_program, static_argnames=("run",), donate_argnames=("sequence",),
                                     compiler_options=row_by_row.CPU_COMPILER_OPTIONS)
 _abstract_runs = 0
-"""Nonzero while `capture_bytes` evaluates a run abstractly (`jax.eval_shape` refuses compiler options)."""
+"""Nonzero while `abstract_trace` evaluates a run abstractly (`jax.eval_shape` refuses compiler options)."""
 
 
-def capture_bytes(run: Callable[[], Trace]) -> int:
-  """The bytes a run's captures occupy in its `Trace`, from its abstract evaluation (nothing is computed or
-  compiled): run() -> Trace, e.g. `lambda: llada.generate(params, prompt, config=..., hooks=...)`. A
-  batch-invariant run is evaluated as the ordinary program, whose shapes are the same."""
+def abstract_trace(run: Callable[[], Trace]) -> Trace:
+  """The `Trace` of run() as shapes (`jax.ShapeDtypeStruct` leaves), from its abstract evaluation (nothing is
+  computed or compiled; e.g. `active_rows.shape[0]` is the run's step bound). A batch-invariant run is
+  evaluated as the ordinary program, whose shapes are the same."""
   global _abstract_runs
   _abstract_runs += 1
   try:
-    trace = jax.eval_shape(run)
+    return jax.eval_shape(run)
   finally:
     _abstract_runs -= 1
+
+
+def capture_bytes(run: Callable[[], Trace]) -> int:
+  """The bytes a run's captures occupy in its `Trace`, from its abstract evaluation (`abstract_trace`): run() ->
+  Trace, e.g. `lambda: llada.generate(params, prompt, config=..., hooks=...)`."""
+  trace = abstract_trace(run)
   return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(trace.captures))
 
 
@@ -440,6 +447,9 @@ def run_family(
   run = Run(family=family, config=config, caller=caller, prompt_length=lp, total_length=total, row_keys=row_keys)
   if hooks.enabled:
     hooks.check(config)
+    for index, edit in enumerate(hooks.edits):
+      if edit.schedule is not None:
+        step_schedule.check_steps(edit.schedule, _max_steps(family.phases(run)), f"Edit {index} ({edit.site})")
     instrumented = Instrumented(inner=intervention, hooks=hooks, max_steps=_max_steps(family.phases(run)))
     if intervention_state is None:
       intervention_state = intervention.init_state(config, b, total)

@@ -11,6 +11,20 @@ A steering file is a JSON object {site: entry} whose sites are full TransformerL
   steps        [start, stop): the sampler steps steered (default every step).
 Each entry becomes `Edit(site, "add", positions=...)`: value + coefficient · vector at that site, layer,
 class and step window, inside the compiled sampler.
+
+Step schedules (issue 33; `dlm_jax.instrument.step_schedule`; files without these keys read as before):
+  schedule     a per-step coefficient table [c_0, c_1, ...]: step t is steered by coefficient · c_t; steps
+               after the table are not steered (instead of "steps");
+  bins         the step bin of each step [b_0, b_1, ...] (the table's length; a table of ones when there is
+               no "schedule"): "vector" is then one direction per bin, [n_bins, F...] (e.g. the clock
+               direction μ[t̂] − μ[t] of each step bin);
+  gate         {"site": a full site name at an earlier layer, "reduce": "project" (default; with "direction",
+               a list or a .npy file of the site's width) or "norm", "scale" (default 1), "bias" (default 0)}:
+               each position's coefficient is multiplied by sigmoid(scale · r + bias), r the probe reading
+               (w · x) or the norm of x at that site, read in the same forward; needs "schedule", "bins" or
+               "steps".
+A scheduled entry names steps 0..n−1 (n: the table's length, the bins' length, or the window's stop); a
+sampler that runs fewer steps refuses it in one line before any model work.
 """
 
 from __future__ import annotations
@@ -22,11 +36,14 @@ import numpy as np
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument import sites
-from dlm_jax.instrument.hook_call import HookValues, hook_values
-from dlm_jax.instrument.hook_spec import POSITION_CLASSES, Edit, Hooks
+from dlm_jax.instrument import step_schedule
+from dlm_jax.instrument.hook_call import CaptureValues, HookValues, hook_values
+from dlm_jax.instrument.hook_spec import POSITION_CLASSES, Capture, Edit, Hooks
+from dlm_jax.instrument.step_schedule import GATE_REDUCTIONS
 from experiments.common.cli import UserError
 
-ENTRY_KEYS = ("vector", "coefficient", "positions", "steps")
+ENTRY_KEYS = ("vector", "coefficient", "positions", "steps", "schedule", "bins", "gate")
+GATE_KEYS = ("site", "reduce", "direction", "scale", "bias")
 
 
 def read(path: str) -> list[tuple[str, dict]]:
@@ -57,13 +74,66 @@ def read(path: str) -> list[tuple[str, dict]]:
     if steps is not None and not (isinstance(steps, list) and len(steps) == 2 and all(
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps) and steps[0] < steps[1]):
       raise UserError(f"{where}: steps must be [start, stop) with 0 <= start < stop")
+    _check_schedule(where, layer, entry)
     entries.append((site, entry))
   return entries
 
 
-def _vector(path: str, site: str, entry: dict, shape: tuple[int, ...]) -> np.ndarray:
-  vector = entry["vector"]
-  where = f"steering file {path}, {site!r}"
+def _numbers(x) -> bool:
+  return isinstance(x, list) and bool(x) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                 and np.isfinite(v) for v in x)
+
+
+def _check_schedule(where: str, layer: int | None, entry: dict) -> None:
+  """The form of an entry's "schedule", "bins" and "gate" (module docstring)."""
+  table, bins, gate = entry.get("schedule"), entry.get("bins"), entry.get("gate")
+  if table is not None and not _numbers(table):
+    raise UserError(f"{where}: schedule must be a non-empty list of finite numbers, one per step")
+  if table is not None and "steps" in entry:
+    raise UserError(f"{where}: give either steps (a window) or schedule (a per-step table), not both")
+  if bins is not None and not (isinstance(bins, list) and bins and all(
+      isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in bins)):
+    raise UserError(f"{where}: bins must be a non-empty list of step bins >= 0, one per step")
+  if bins is not None and table is not None and len(bins) != len(table):
+    raise UserError(f"{where}: bins has {len(bins)} steps but schedule has {len(table)}; give one of each per step")
+  if gate is None:
+    return
+  if not isinstance(gate, dict) or "site" not in gate or set(gate) - set(GATE_KEYS):
+    raise UserError(f"{where}: gate must be an object with \"site\" and optionally {', '.join(GATE_KEYS[1:])}")
+  if table is None and "steps" not in entry and bins is None:
+    raise UserError(f"{where}: a gate needs schedule, bins or steps (the steps it may act at)")
+  try:
+    gate_kind, gate_layer = sites.parse(gate["site"])
+  except ValueError as e:
+    raise UserError(f"{where}: gate: {e}") from None
+  if gate_layer is None or layer is None or gate_layer >= layer:
+    raise UserError(f"{where}: gate site {gate['site']!r} must be a per-layer site before layer {layer}")
+  if gate.get("reduce", "project") not in GATE_REDUCTIONS:
+    raise UserError(f"{where}: gate reduce must be one of {', '.join(GATE_REDUCTIONS)}")
+  if (gate.get("reduce", "project") == "project") != ("direction" in gate):
+    raise UserError(f"{where}: a gate with reduce 'project' needs a direction, and only such a gate takes one")
+  for name in ("scale", "bias"):
+    value = gate.get(name, 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+      raise UserError(f"{where}: gate {name} must be a finite number")
+
+
+def _n_steps(entry: dict) -> int:
+  """The steps a scheduled entry names (its table's length, its bins' length, or its window's stop)."""
+  if "schedule" in entry:
+    return len(entry["schedule"])
+  if "bins" in entry:
+    return len(entry["bins"])
+  return entry["steps"][1]
+
+
+def _scheduled(entry: dict) -> bool:
+  return any(key in entry for key in ("schedule", "bins", "gate"))
+
+
+def _vector(path: str, site: str, entry: dict, shape: tuple[int, ...], key: str = "vector") -> np.ndarray:
+  vector = entry[key]
+  where = f"steering file {path}, {site!r}" + ("" if key == "vector" else ", gate")
   if isinstance(vector, str):
     file = os.path.join(os.path.dirname(os.path.abspath(path)), vector)
     try:
@@ -75,7 +145,7 @@ def _vector(path: str, site: str, entry: dict, shape: tuple[int, ...]) -> np.nda
   except (TypeError, ValueError):
     raise UserError(f"{where}: vector must be numbers") from None
   if vector.shape != shape or not np.all(np.isfinite(vector)):
-    raise UserError(f"{where}: vector must be {list(shape)} finite numbers for this model, got shape "
+    raise UserError(f"{where}: {key} must be {list(shape)} finite numbers for this model, got shape "
                     f"{list(vector.shape)}")
   return vector
 
@@ -84,16 +154,50 @@ def steering(path: str, config: ModelConfig, batch: int, seq_len: int) -> tuple[
   """The hooks and traced values of steering file `path` for a model and [B, S] sequences; UserError (one
   line) for a site the model lacks or a vector of another shape."""
   entries = read(path)
-  edits = tuple(Edit(site, "add", positions=entry.get("positions", "masked")) for site, entry in entries)
-  hooks = Hooks(edits=edits)
-  values = {}
+  edits, captures, values, capture_values = [], [], {}, {}
   for index, (site, entry) in enumerate(entries):
     kind, layer = sites.parse(site)
-    why = sites.unavailable(config, kind, layer)
-    if why is not None:
-      raise UserError(f"steering file {path}, {site!r}: {why}")
-    steps = entry.get("steps")
-    values[index] = dict(vector=_vector(path, site, entry, sites.feature_shape(config, kind, layer)),
-                         coefficient=float(entry.get("coefficient", 1.0)),
-                         window=None if steps is None else tuple(steps))
-  return hooks, hook_values(hooks, config, batch, seq_len, edits=values)
+    for name in (site, entry.get("gate", {}).get("site")):
+      why = None if name is None else sites.unavailable(config, *sites.parse(name))
+      if why is not None:
+        raise UserError(f"steering file {path}, {site!r}: {why}")
+    feature = sites.feature_shape(config, kind, layer)
+    schedule, value = None, dict(coefficient=float(entry.get("coefficient", 1.0)))
+    if _scheduled(entry):
+      n_steps = _n_steps(entry)
+      bins = entry.get("bins")
+      n_bins = 1 if bins is None else max(bins) + 1
+      gate = None
+      if "gate" in entry:
+        gate_kind, gate_layer = sites.parse(entry["gate"]["site"])
+        reduce = entry["gate"].get("reduce", "project")
+        label = f"steering_gate_{index}"
+        captures.append(Capture(gate_kind, layers=(gate_layer,), reduce=reduce, label=label))
+        if reduce == "project":
+          capture_values[len(captures) - 1] = CaptureValues(directions=_vector(
+              path, site, entry["gate"], sites.feature_shape(config, gate_kind, gate_layer), "direction")[None])
+        gate = step_schedule.Gate(f"{label}.{gate_layer}")
+      schedule = step_schedule.StepSchedule(n_steps, n_bins, gate)
+      table = entry.get("schedule")
+      if table is None and "steps" in entry:
+        try:
+          table = step_schedule.CoefficientSchedule("window", 1.0, *entry["steps"]).table(n_steps)
+        except ValueError as e:
+          raise UserError(f"steering file {path}, {site!r}: steps {entry['steps']} against bins: {e}") from None
+      gate_values = {} if gate is None else dict(gate_scale=float(entry["gate"].get("scale", 1.0)),
+                                                 gate_bias=float(entry["gate"].get("bias", 0.0)))
+      value["schedule"] = dict(table=table, bins=bins, **gate_values)
+      value["vector"] = _vector(path, site, entry, feature if bins is None else (n_bins, *feature))
+      if bins is None:
+        value["vector"] = value["vector"][None]
+    else:
+      steps = entry.get("steps")
+      value.update(vector=_vector(path, site, entry, feature), window=None if steps is None else tuple(steps))
+    edits.append(Edit(site, "add", positions=entry.get("positions", "masked"), schedule=schedule))
+    values[index] = value
+  hooks = Hooks(captures=tuple(captures), edits=tuple(edits))
+  try:
+    hooks.check(config)
+    return hooks, hook_values(hooks, config, batch, seq_len, captures=capture_values, edits=values)
+  except ValueError as e:
+    raise UserError(f"steering file {path}: {e}") from None
