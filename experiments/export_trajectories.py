@@ -16,7 +16,9 @@ float32 column per captured site (blocks.{l}.<kind>). One shard per batch of --b
 one batch's captures whatever --n_prompts. The manifest records the settings and the checkpoint's identity
 (SHA-256 of config.json and of every weight file); running the same command again resumes after the last
 finished shard and gives the same bytes as an uninterrupted run (each shard is one fixed batch); other
-settings or another model in the directory are refused in one line. --capture_budget_gb: the capture plan's
+settings or another model in the directory are refused in one line; --max_items_this_run=N stops after N new
+shards. While shard k is built and written, batch k + 1 is already sampling (JAX dispatches it
+asynchronously). --capture_budget_gb: the capture plan's
 bytes per sampler call are printed before any model runs, and a plan over the budget is refused.
 
 Samplers: the masked-diffusion ones (llada, mmada, dream), whose position classes follow from the step each
@@ -160,14 +162,22 @@ def _correct(model: checkpoints.Model, batch_items: list, generated: np.ndarray)
                      for r, item in enumerate(batch_items)], np.int8)
 
 
-def batch_shard(settings: Settings, model: checkpoints.Model, values: dict, batch: item_batches.Batch,
-                item_index: dict[str, int], runtime: devices.Runtime) -> dict[str, np.ndarray]:
-  """Decodes one batch with the captures and returns its rows (`trajectories.batch_rows`)."""
-  hooks = settings.hooks()
-  trace = decoding.sampler(model, values, batch.prompts, runtime, settings.numerics, key=batch.key)(hooks=hooks)
+def launch_batch(settings: Settings, model: checkpoints.Model, values: dict, batch: item_batches.Batch,
+                 runtime: devices.Runtime) -> tuple:
+  """Starts one batch's sampling with the captures and its readout (JAX dispatches both asynchronously, so the
+  host can write the previous shard meanwhile); returns what `batch_shard` needs."""
+  trace = decoding.sampler(model, values, batch.prompts, runtime, settings.numerics, key=batch.key)(
+      hooks=settings.hooks())
+  readout = trajectories.step_readout(model.params, trace.captures[trajectories.READOUT_SITE], config=model.config)
+  return batch, trace, readout
+
+
+def batch_shard(settings: Settings, model: checkpoints.Model, launched: tuple,
+                item_index: dict[str, int]) -> dict[str, np.ndarray]:
+  """The rows of a launched batch (`launch_batch`; `trajectories.batch_rows`), its answers scored."""
+  batch, trace, readout = launched
   decoding.check_finite(trace, [f"{model.label} batch row {r}" for r in range(batch.prompts.ids.shape[0])])
   lp = batch.prompts.ids.shape[1]
-  readout = trajectories.step_readout(model.params, trace.captures[trajectories.READOUT_SITE], config=model.config)
   tokens = np.asarray(trace.tokens)
   names = site_columns(settings, model)
   valid = np.ones(batch.prompts.ids.shape, bool) if batch.prompts.mask is None else np.asarray(batch.prompts.mask)
@@ -189,7 +199,7 @@ def columns(settings: Settings, model: checkpoints.Model) -> dict:
 
 def export_model(settings: Settings, model: checkpoints.Model, runtime: devices.Runtime, path: str,
                  max_shards: int = 0) -> TrajectoryWriter:
-  """Writes (or resumes) the model's dataset at `path`; stops after `max_shards` new shards (0: none)."""
+  """Writes (or resumes) the model's dataset at `path`; stops after `max_shards` new shards (0: no limit; --max_items_this_run counts shards here)."""
   values = decoding.model_settings(settings.decode, model)
   todo = items.load_items(items.task_name(settings.task.task, model.record), settings.n_prompts,
                           settings.task.data_seed)
@@ -206,15 +216,18 @@ def export_model(settings: Settings, model: checkpoints.Model, runtime: devices.
     raise cli.UserError(f"{error}; use the same flags, another --output_dir, or --overwrite") from None
   done = lambda item: item_index[item.id] // settings.batch_size < writer.shards_done
   meter = progress.Progress(f"{model.label} shards", writer.manifest["expected_shards"], writer.shards_done)
-  written = 0
-  for batch in item_batches.batches(todo, prompts.encode(model, todo), settings.batch_size, settings.decode.seed,
-                                    runtime, done):
-    shard = batch_shard(settings, model, values, batch, item_index, runtime)
-    writer.write_shard(item_index[batch.items[0].id] // settings.batch_size, shard)
-    written += 1
-    meter.update(1, f"{len(shard['step'])} rows")
-    if max_shards and written >= max_shards and not writer.complete:
-      break
+  todo_batches = list(item_batches.batches(todo, prompts.encode(model, todo), settings.batch_size,
+                                           settings.decode.seed, runtime, done))
+  if max_shards:
+    todo_batches = todo_batches[:max_shards]
+  pending = None
+  for batch in [*todo_batches, None]:  # batch k + 1 is sampled while shard k is built and written
+    launched = None if batch is None else launch_batch(settings, model, values, batch, runtime)
+    if pending is not None:
+      shard = batch_shard(settings, model, pending, item_index)
+      writer.write_shard(item_index[pending[0].items[0].id] // settings.batch_size, shard)
+      meter.update(1, f"{len(shard['step'])} rows")
+    pending = launched
   return writer
 
 
