@@ -48,7 +48,6 @@ model (`expect_model`) or settings, a column that does not exist.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re
@@ -88,12 +87,13 @@ def _column_spec(columns: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
   return spec
 
 
-def _write_file_atomic(path: str, data: bytes) -> None:
+def _write_file_atomic(path: str, write) -> None:
+  """Calls write(file) on a temporary file next to `path`, fsyncs it and renames it over `path`."""
   directory = os.path.dirname(path)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
   try:
     with os.fdopen(fd, "wb") as f:
-      f.write(data)
+      write(f)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -103,11 +103,31 @@ def _write_file_atomic(path: str, data: bytes) -> None:
     raise
 
 
-def _npy_bytes(array: np.ndarray) -> bytes:
-  """The .npy file of `array` (C order) as bytes: the same array gives the same bytes."""
-  buffer = io.BytesIO()
-  np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
-  return buffer.getvalue()
+class _HashingWriter:
+  """A write-only file object that passes bytes on to `file` and counts and hashes them (SHA-256)."""
+
+  def __init__(self, file):
+    self.file, self.digest, self.size = file, hashlib.sha256(), 0
+
+  def write(self, data) -> int:
+    view = memoryview(data).cast("B")
+    self.digest.update(view)
+    self.size += len(view)
+    return self.file.write(view)
+
+
+def _write_npy(path: str, array: np.ndarray) -> dict[str, Any]:
+  """Writes `array` as a .npy file (C order; the same array gives the same bytes) atomically; returns its
+  {"bytes", "sha256"}. The array streams through the hash into the file in chunks (no copy of the whole)."""
+  out = {}
+
+  def write(f):
+    sink = _HashingWriter(f)
+    np.lib.format.write_array(sink, np.ascontiguousarray(array), allow_pickle=False)
+    out.update(bytes=sink.size, sha256=sink.digest.hexdigest())
+
+  _write_file_atomic(path, write)
+  return out
 
 
 def read_manifest(path: str) -> dict[str, Any]:
@@ -378,10 +398,8 @@ class TrajectoryWriter:
       if array.dtype.str != spec["dtype"] or list(array.shape[1:]) != spec["shape"]:
         raise TrajectoryDatasetError(f"shard {index}: column {name} is {array.dtype.str} {list(array.shape[1:])} per "
                                      f"row; the dataset declares {spec['dtype']} {spec['shape']}")
-      data = _npy_bytes(array)
-      _write_file_atomic(os.path.join(directory, name + ".npy"), data)
-      files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+      files[name] = _write_npy(os.path.join(directory, name + ".npy"), array)
     self.manifest["shards"].append({"rows": rows.pop(), "files": files})
     self.manifest["complete"] = self.shards_done == self.manifest["expected_shards"]
-    _write_file_atomic(os.path.join(self.path, MANIFEST),
-                       (json.dumps(self.manifest, indent=1) + "\n").encode("utf-8"))
+    text = (json.dumps(self.manifest, indent=1) + "\n").encode("utf-8")
+    _write_file_atomic(os.path.join(self.path, MANIFEST), lambda f: f.write(text))
