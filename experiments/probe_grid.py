@@ -13,7 +13,9 @@ bootstrap interval over --n_boot resamples of the held-out items:
   decoded_next  logistic regression: does a masked position hold a token from the next step on? AUC
   correct       logistic regression of the item's answer correctness (as scored by the export) on the mean
                 of the site over the item's positions of the class at each step (one row per item and step):
-                AUC; the summary names, per site, the first step bin whose interval lies above 0.5
+                AUC
+The summary names, per grid and site, the first step bin from which on every bin's interval lies above chance
+(AUC 0.5, R² 0, the majority class's accuracy).
 A target with one class in the whole selection (every answer correct, decoded_next without masked positions)
 is refused in one line before any fit; a cell whose training rows have one class is left blank (its reason
 in results.jsonl).
@@ -179,14 +181,6 @@ def _site_label(site: str) -> str:
   return f"L{site.split('.')[1]} {site.split('.', 2)[2]}" if site.startswith("blocks.") else site
 
 
-def first_reading_bin(cells: list[dict]) -> int | None:
-  """The first step bin (ascending) whose interval's low end is above chance, or None."""
-  for cell in sorted(cells, key=lambda c: c["step_bin"]):
-    if np.isfinite(cell["ci"][0]) and cell["ci"][0] > cell["chance"]:
-      return cell["step_bin"]
-  return None
-
-
 def write_report(settings: Settings, out: str, sites: tuple[str, ...], records: list[dict], model: dict) -> str:
   """Writes the figures, summary.json and summary.md; returns the markdown."""
   labels = [_site_label(s) for s in sites]
@@ -228,17 +222,21 @@ def write_report(settings: Settings, out: str, sites: tuple[str, ...], records: 
         grid[:, sites.index(r["site"]), bins.index(r["step_bin"])] = [r["value"], *r["ci"]]
       columns = [str(b * settings.step_bin) if settings.step_bin == 1 else
                  f"{b * settings.step_bin}-{(b + 1) * settings.step_bin - 1}" for b in bins]
-      first = {site: first_reading_bin([r for r in cells if r["site"] == site]) for site in sites}
+      if np.all(np.isnan(grid[0])):
+        reasons = sorted({r["skipped"] for r in cells if r["skipped"]})
+        lines += [f"## {target} at {klass} positions: no probe ({'; '.join(reasons)})", ""]
+        continue
+      first = {site: probe_cells.first_reading_bin([r for r in cells if r["site"] == site]) for site in sites}
       summary["grids"][f"{target}/{klass}"] = {"metric": metric, "rows": list(sites), "step_bins": columns,
                                                "value": grid[0], "low": grid[1], "high": grid[2],
-                                               "first_bin_above_chance": first}
+                                               "above_chance_from_bin": first}
       fig = probe_plots.grid_figure(grid[0], labels, columns, title=f"{target} from a linear probe at {klass} "
                                     f"positions: held-out {metric}", xlabel="step (model call)",
                                     ylabel="site (layer)", metric=f"held-out {metric}",
                                     vmin=0.0 if metric != "auc" else 0.3, vmax=1.0)
       atomic_files.save_figure(fig, os.path.join(out, f"{target}_{klass}.png"))
       lines += [f"## {target} at {klass} positions ({metric}, held-out items)", "",
-                "| site | best step bin: value [95% interval] | first step bin with the interval above chance |",
+                "| site | best step bin: value [95% interval] | above chance from step bin on |",
                 "|---|---|---|"]
       for i, site in enumerate(sites):
         if np.all(np.isnan(grid[0, i])):

@@ -92,3 +92,11 @@ def test_cells_split_by_item_and_skip_one_class():
   assert one["skipped"] == "one class among the training rows" and np.isnan(one["value"])
   reg = probe_cells.probe_cell(x, (x @ w).astype(np.float32), items, "regression", test_items, n_boot=20)
   assert reg["metric"] == "r2" and reg["value"] > 0.99
+
+
+def test_first_reading_bin_needs_every_later_bin_above_chance():
+  cell = lambda b, low: {"step_bin": b, "ci": [low, 1.0], "chance": 0.5}
+  assert probe_cells.first_reading_bin([cell(0, 0.4), cell(1, 0.6), cell(2, 0.45), cell(3, 0.55), cell(4, 0.7)]) == 3
+  assert probe_cells.first_reading_bin([cell(1, 0.6), cell(0, 0.6)]) == 0
+  assert probe_cells.first_reading_bin([cell(0, 0.6), cell(1, float("nan"))]) is None
+  assert probe_cells.first_reading_bin([cell(0, 0.5)]) is None

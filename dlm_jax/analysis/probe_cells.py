@@ -91,3 +91,14 @@ def probe_cell(x: np.ndarray, y: np.ndarray, items: np.ndarray, kind: str, test_
   out["value"] = value(np.arange(len(test_idx)))
   out["ci"] = list(probes.bootstrap_ci(value, test_items_of_rows, n_boot=n_boot, seed=seed))
   return out
+
+
+def first_reading_bin(cells: list[dict]) -> int | None:
+  """The first step bin from which on every bin's interval lies above chance (its low end > chance; a cell
+  without a probe breaks the run), or None. Asking every later bin too keeps one lucky bin among many from
+  counting."""
+  first = None
+  for cell in sorted(cells, key=lambda c: c["step_bin"]):
+    above = np.isfinite(cell["ci"][0]) and cell["ci"][0] > cell["chance"]
+    first = (cell["step_bin"] if first is None else first) if above else None
+  return first
