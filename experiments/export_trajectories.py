@@ -55,8 +55,9 @@ _SITES = flags.DEFINE_list("sites", ["hook_resid_post"], "Sites captured: kinds 
                            "(blocks.1.hook_resid_post, ln_final.hook_normalized).")
 _EXPORT_STEPS = flags.DEFINE_string("export_steps", "all", "Steps (model calls) exported: all, every:K, or "
                                     "comma-separated step numbers.")
-_CLASSES = flags.DEFINE_list("position_classes", ["prompt", "masked", "decoded", "committed"],
-                             "Position classes exported (prompt, masked, decoded, committed).")
+_CLASSES = flags.DEFINE_list("position_classes", ["masked", "decoded", "committed"],
+                             "Position classes exported (prompt, masked, decoded, committed); prompt rows repeat "
+                             "every prompt position at every step.")
 
 SAMPLERS = ("llada", "mmada", "dream")
 

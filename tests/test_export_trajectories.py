@@ -20,7 +20,8 @@ except ImportError:
   import experiments_fixtures as fx
 
 SMALL = ["--checkpoints=tiny-dlm", "--n_prompts=3", "--batch_size=2", "--gen_length=8", "--steps=8",
-         "--block_length=8", "--sites=blocks.1.hook_resid_post,ln_final.hook_normalized"]
+         "--block_length=8", "--sites=blocks.1.hook_resid_post,ln_final.hook_normalized",
+         "--position_classes=prompt,masked,decoded,committed"]
 
 _DRIVER = r"""
 import json, sys

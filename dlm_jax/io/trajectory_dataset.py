@@ -110,20 +110,24 @@ class _HashingWriter:
     self.file, self.digest, self.size = file, hashlib.sha256(), 0
 
   def write(self, data) -> int:
-    view = memoryview(data).cast("B")
+    view = memoryview(data)
+    view = view if view.format == "B" and view.ndim == 1 else view.cast("B")
     self.digest.update(view)
     self.size += len(view)
     return self.file.write(view)
 
 
 def _write_npy(path: str, array: np.ndarray) -> dict[str, Any]:
-  """Writes `array` as a .npy file (C order; the same array gives the same bytes) atomically; returns its
-  {"bytes", "sha256"}. The array streams through the hash into the file in chunks (no copy of the whole)."""
+  """Writes `array` as a version 1.0 .npy file (C order; the same array gives the same bytes) atomically;
+  returns its {"bytes", "sha256"}. The array's memory goes through the hash into the file without a copy."""
+  array = np.ascontiguousarray(array)
   out = {}
 
   def write(f):
     sink = _HashingWriter(f)
-    np.lib.format.write_array(sink, np.ascontiguousarray(array), allow_pickle=False)
+    np.lib.format.write_array_header_1_0(sink, np.lib.format.header_data_from_array_1_0(array))
+    if array.size:
+      sink.write(memoryview(array.reshape(-1)).cast("B"))
     out.update(bytes=sink.size, sha256=sink.digest.hexdigest())
 
   _write_file_atomic(path, write)
