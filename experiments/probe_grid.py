@@ -8,7 +8,8 @@ For each target, position class, captured site (a column blocks.{l}.<kind> of th
 (--test_fraction of the items, fixed --seed; `dlm_jax.analysis.probe_cells`), with a 95% percentile
 bootstrap interval over --n_boot resamples of the held-out items:
   progress      ridge regression (--ridge_l2) of the denoising progress step / (steps run − 1), all steps of
-                the class pooled (a step bin holds one progress value): R², sites × position classes
+                the class pooled (a step bin holds one progress value): R², sites × position classes; beside
+                it the control "position only": the same ridge on a one-hot of the position alone
   final_token   softmax logistic regression (--l2) over the final tokens found in the dataset: accuracy
   decoded_next  logistic regression: does a masked position hold a token from the next step on? AUC
   correct       logistic regression of the item's answer correctness (as scored by the export) on the mean
@@ -138,7 +139,12 @@ def _cells(settings: Settings, ds: TrajectoryDataset, target: str, site: str, ro
                 max_train_rows=settings.max_train_rows, n_boot=settings.n_boot, seed=settings.seed)
   if target == "progress":
     if not done(-1):
-      yield -1, probe_cells.probe_cell(features, ds.column("progress")[rows], items, kind, test_items, **common)
+      y = ds.column("progress")[rows]
+      cell = probe_cells.probe_cell(features, y, items, kind, test_items, **common)
+      positions = ds.column("position")[rows]
+      one_hot = (positions[:, None] == np.unique(positions)[None]).astype(np.float32)
+      control = probe_cells.probe_cell(one_hot, y, items, kind, test_items, **common)
+      yield -1, dict(cell, position_only={"value": control["value"], "ci": control["ci"]})
     return
   if target == "correct":
     features, items, steps = _pooled(features, items, steps)
@@ -193,12 +199,14 @@ def write_report(settings: Settings, out: str, sites: tuple[str, ...], records: 
     metric = probe_cells.METRICS[KIND[target]]
     if target == "progress":
       grid = np.full((3, len(sites), len(settings.position_classes)), np.nan)
+      control = {}
       for r in records:
         if r["target"] == target and r["site"] in sites and r["position_class"] in settings.position_classes:
           at = (sites.index(r["site"]), settings.position_classes.index(r["position_class"]))
           grid[:, at[0], at[1]] = [r["value"], *r["ci"]]
+          control[r["position_class"]] = r["position_only"]
       summary["grids"][target] = {"metric": metric, "rows": list(sites), "columns": list(settings.position_classes),
-                                  "value": grid[0], "low": grid[1], "high": grid[2]}
+                                  "value": grid[0], "low": grid[1], "high": grid[2], "position_only": control}
       fig = probe_plots.grid_figure(grid[0], labels, list(settings.position_classes),
                                     title=f"denoising progress from a linear (ridge) probe: held-out {metric}",
                                     xlabel="position class", ylabel="site (layer)", metric=f"held-out {metric}",
@@ -210,6 +218,9 @@ def write_report(settings: Settings, out: str, sites: tuple[str, ...], records: 
       lines += [f"| {labels[i]} | " + " | ".join(f"{grid[0, i, j]:.3f} [{grid[1, i, j]:.3f}, {grid[2, i, j]:.3f}]"
                                                for j in range(len(settings.position_classes))) + " |"
                 for i in range(len(sites))]
+      lines.append("| position only (control) | " + " | ".join(
+          f"{control[c]['value']:.3f} [{control[c]['ci'][0]:.3f}, {control[c]['ci'][1]:.3f}]" if c in control else "–"
+          for c in settings.position_classes) + " |")
       lines.append("")
       continue
     for klass in settings.position_classes:

@@ -133,6 +133,8 @@ def test_probe_grid_on_the_export_and_bad_input(exported, tmp_path):
   assert not (tmp_path / "x").exists()
   records = fx.read_jsonl(out / "results.jsonl")
   assert {(r["target"], r["step_bin"]) for r in records} == {("progress", -1)} | {("decoded_next", s) for s in range(8)}
+  progress = [r for r in records if r["target"] == "progress"][0]
+  assert progress["metric"] == "r2" and np.isfinite(progress["position_only"]["value"])
   summary = json.loads((out / "summary.json").read_text())
   assert summary["grids"]["decoded_next/masked"]["step_bins"] == [str(s) for s in range(8)]
   assert (out / "progress.png").stat().st_size > 0 and (out / "decoded_next_masked.png").stat().st_size > 0
