@@ -159,8 +159,9 @@ def _cells(settings: Settings, ds: TrajectoryDataset, target: str, site: str, ro
     if done(int(b)):
       continue
     at = bins == b
-    yield int(b), probe_cells.probe_cell(features[at], y[at], items[at], kind, test_items,
-                                         n_classes=len(token_classes) if kind == "multiclass" else 2, **common)
+    cell = probe_cells.probe_cell(features[at], y[at], items[at], kind, test_items,
+                                  n_classes=len(token_classes) if kind == "multiclass" else 2, **common)
+    yield int(b), dict(cell, steps=[int(s) for s in np.unique(steps[at])])
 
 
 def run_grid(settings: Settings, ds: TrajectoryDataset, sites: tuple[str, ...], log: run_dir.ResultsLog) -> None:
@@ -178,8 +179,7 @@ def run_grid(settings: Settings, ds: TrajectoryDataset, sites: tuple[str, ...], 
       done = lambda b, t=target, c=klass, s=site: log.done(target=t, position_class=c, site=s, step_bin=b)
       for step_bin, cell in _cells(settings, ds, target, site, rows, test_items, token_classes, done):
         log.append({"target": target, "position_class": klass, "site": site, "step_bin": step_bin,
-                      "steps": [step_bin * settings.step_bin, (step_bin + 1) * settings.step_bin - 1]
-                      if step_bin >= 0 else "all", **cell})
+                    "steps": "all", **cell})
     meter.update(1, f"{target} {klass} {site}")
 
 
@@ -231,8 +231,8 @@ def write_report(settings: Settings, out: str, sites: tuple[str, ...], records: 
       grid = np.full((3, len(sites), len(bins)), np.nan)
       for r in cells:
         grid[:, sites.index(r["site"]), bins.index(r["step_bin"])] = [r["value"], *r["ci"]]
-      columns = [str(b * settings.step_bin) if settings.step_bin == 1 else
-                 f"{b * settings.step_bin}-{(b + 1) * settings.step_bin - 1}" for b in bins]
+      present = {r["step_bin"]: r["steps"] for r in cells}
+      columns = [str(present[b][0]) if len(present[b]) == 1 else f"{present[b][0]}-{present[b][-1]}" for b in bins]
       if np.all(np.isnan(grid[0])):
         reasons = sorted({r["skipped"] for r in cells if r["skipped"]})
         lines += [f"## {target} at {klass} positions: no probe ({'; '.join(reasons)})", ""]
