@@ -40,7 +40,7 @@ ROW_COLUMNS = {"item": ("int32", ()), "step": ("int32", ()), "progress": ("float
                "entropy": ("float32", ()), "decode_step": ("int32", ()), "decoded_next": ("int8", ()),
                "correct": ("int8", ())}
 """The per-row columns every trajectory dataset has (name: (dtype, per-row shape)); `batch_rows` documents
-them. The captured sites are columns too, named by site ([*feature shape], float32)."""
+them. The captured sites are columns too, named by site (float32, the feature shape per row)."""
 
 
 def trajectory_hooks(sites: tuple[str, ...], steps: Steps) -> Hooks:

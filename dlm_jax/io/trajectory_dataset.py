@@ -3,7 +3,7 @@
 On disk a dataset is a directory:
 
   manifest.json                 what the dataset is (below), rewritten atomically after every shard
-  shards/00000/<column>.npy     one plain NumPy .npy file per column and shard: [rows_in_shard, *shape]
+  shards/00000/<column>.npy     one plain NumPy .npy file per column and shard: [rows_in_shard, shape...]
   shards/00001/<column>.npy     ...
 
 manifest.json (a JSON object):
@@ -227,9 +227,9 @@ class TrajectoryDataset:
   """A finished (or, with `allow_incomplete`, partly written) trajectory dataset opened for reading.
 
   manifest: the manifest dict; num_rows: rows over every shard; columns: the column names;
-  column(name) -> [num_rows, *shape] (a read-only memory map with one shard; the shards' memory maps
+  column(name) -> [num_rows, shape...] (a read-only memory map with one shard; the shards' memory maps
   concatenated, i.e. read into memory, with several: use `shard_column` or `iter_batches` for bounded memory);
-  shard_column(k, name) -> shard k's memory-mapped [rows_k, *shape]; iter_batches(...) -> dicts of batches.
+  shard_column(k, name) -> shard k's memory-mapped [rows_k, shape...]; iter_batches(...) -> dicts of batches.
   """
 
   def __init__(self, path: str, manifest: dict[str, Any]):
@@ -256,12 +256,12 @@ class TrajectoryDataset:
     return name
 
   def shard_column(self, index: int, name: str) -> np.ndarray:
-    """Shard `index`'s column `name`, memory-mapped read-only: [rows_in_shard, *shape]."""
+    """Shard `index`'s column `name`, memory-mapped read-only: [rows_in_shard, shape...]."""
     return np.load(os.path.join(shard_dir(self.path, index), self._name(name) + ".npy"), mmap_mode="r",
                    allow_pickle=False)
 
   def column(self, name: str) -> np.ndarray:
-    """Column `name` over every shard: [num_rows, *shape] (class docstring on memory)."""
+    """Column `name` over every shard: [num_rows, shape...] (class docstring on memory)."""
     self._name(name)
     if self.num_shards == 1:
       return self.shard_column(0, name)
@@ -271,7 +271,7 @@ class TrajectoryDataset:
     return np.concatenate([self.shard_column(k, name) for k in range(self.num_shards)])
 
   def rows(self, columns: Sequence[str], indices: np.ndarray) -> dict[str, np.ndarray]:
-    """The given global row indices (any order) of `columns`, read shard by shard: {name: [len, *shape]}."""
+    """The given global row indices (any order) of `columns`, read shard by shard: {name: [len, shape...]}."""
     indices = np.asarray(indices, np.int64)
     shard = np.searchsorted(self._offsets, indices, side="right") - 1
     out = {}
@@ -288,7 +288,7 @@ class TrajectoryDataset:
 
   def iter_batches(self, columns: Sequence[str], batch_size: int, shuffle_seed: int | None = None,
                    drop_last: bool = False) -> Iterator[dict[str, np.ndarray]]:
-    """Batches of `batch_size` rows ({name: [batch, *shape]}), in order or in the permutation of
+    """Batches of `batch_size` rows ({name: [batch, shape...]}), in order or in the permutation of
     `np.random.default_rng(shuffle_seed)`; the last batch is shorter unless `drop_last`. Only one batch is
     in memory at a time."""
     columns = [self._name(c) for c in columns]
@@ -378,7 +378,7 @@ class TrajectoryWriter:
     return self.manifest["complete"]
 
   def write_shard(self, index: int, arrays: Mapping[str, np.ndarray]) -> None:
-    """Writes shard `index` (must be `shards_done`): {column: [rows, *shape]} with the declared dtypes and
+    """Writes shard `index` (must be `shards_done`): {column: [rows, shape...]} with the declared dtypes and
     shapes and one row count, then lists it in the manifest (the last shard marks the dataset complete)."""
     if index != self.shards_done:
       raise TrajectoryDatasetError(f"shard {index} written out of order; the next shard of {self.path} is "
