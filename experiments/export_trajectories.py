@@ -143,11 +143,13 @@ def _plan_check(settings: Settings, model: checkpoints.Model, values: dict, batc
   """Prints the capture bytes of one sampler call and refuses a plan over the budget or one that keeps no
   step of this run; abstract (the weights are not read)."""
   hooks = settings.hooks()
+  # The sampler is bound outside the abstract evaluation, so the prompt stays concrete (Dream's family reads
+  # it on the host); only the weights are abstract.
+  bound = decoding.sampler(model, values, batch.prompts, runtime, settings.numerics, key=batch.key)
 
   def run():
     params = init_params(model.config, jax.random.key(0), settings.numerics.weight_dtype)
-    abstract = dataclasses.replace(model, params=params)
-    return decoding.sampler(abstract, values, batch.prompts, runtime, settings.numerics, key=batch.key)(hooks=hooks)
+    return bound.func(params, *bound.args[1:], **bound.keywords, hooks=hooks)
 
   try:
     capture_budget.check(run, f"{model.label} ({len(hooks.capture_names(model.config))} sites)",
