@@ -13,8 +13,8 @@ with NumPy alone): a row per (item, kept step, position of a kept --position_cla
 `dlm_jax.analysis.trajectories.batch_rows` (step, progress, position, position class, token, final token,
 predicted token, confidence, entropy, decode step, decoded_next, the item's answer correctness) and one
 float32 column per captured site (blocks.{l}.<kind>). One shard per batch of --batch_size prompts: memory is
-one batch's captures whatever --n_prompts. The manifest records the settings and the checkpoint's identity
-(SHA-256 of config.json and of every weight file); running the same command again resumes after the last
+the captures of two batches at most (one sampling, one being written), whatever --n_prompts. The manifest
+records the settings and the checkpoint's identity (SHA-256 of config.json and of every weight file); running the same command again resumes after the last
 finished shard and gives the same bytes as an uninterrupted run (each shard is one fixed batch); other
 settings or another model in the directory are refused in one line; --max_items_this_run=N stops after N new
 shards. While shard k is built and written, batch k + 1 is already sampling (JAX dispatches it
