@@ -88,7 +88,7 @@ def main(argv):
     for batch in batches:
       trace = decoding.sampler(model, values, batch.prompts, runtime, settings.numerics, key=batch.key)()
       decoding.check_finite(trace)
-      ex._correct(model, batch.items, np.asarray(trace.tokens)[:len(batch.items), lp:])  # pylint: disable=protected-access
+      ex.score_answers(model, batch.items, np.asarray(trace.tokens)[:len(batch.items), lp:])
 
   def export(path):
     writer = TrajectoryWriter(path, model={"checkpoint": flag.checkpoints[0]}, settings={},

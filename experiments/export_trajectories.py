@@ -13,13 +13,13 @@ with NumPy alone): a row per (item, kept step, position of a kept --position_cla
 `dlm_jax.analysis.trajectories.batch_rows` (step, progress, position, position class, token, final token,
 predicted token, confidence, entropy, decode step, decoded_next, the item's answer correctness) and one
 float32 column per captured site (blocks.{l}.<kind>). One shard per batch of --batch_size prompts: memory is
-the captures of two batches at most (one sampling, one being written), whatever --n_prompts. The manifest
-records the settings and the checkpoint's identity (SHA-256 of config.json and of every weight file); running the same command again resumes after the last
-finished shard and gives the same bytes as an uninterrupted run (each shard is one fixed batch); other
-settings or another model in the directory are refused in one line; --max_items_this_run=N stops after N new
-shards. While shard k is built and written, batch k + 1 is already sampling (JAX dispatches it
-asynchronously). --capture_budget_gb: the capture plan's
-bytes per sampler call are printed before any model runs, and a plan over the budget is refused.
+the captures of two batches at most (while shard k is built and written, batch k + 1 is already sampling;
+JAX dispatches it asynchronously), whatever --n_prompts. The manifest records the settings and the
+checkpoint's identity (SHA-256 of config.json and of every weight file); running the same command again
+resumes after the last finished shard and gives the same bytes as an uninterrupted run (each shard is one
+fixed batch); other settings or another model in the directory are refused in one line; --max_items_this_run=N
+stops after N new shards. --capture_budget_gb: the capture plan's bytes per sampler call are printed before
+any model runs, and a plan over the budget is refused.
 
 Samplers: the masked-diffusion ones (llada, mmada, dream), whose position classes follow from the step each
 position is decoded at (`dlm_jax.analysis.trajectories`).
@@ -158,7 +158,7 @@ def _plan_check(settings: Settings, model: checkpoints.Model, values: dict, batc
     raise cli.UserError(f"--export_steps={settings.export_steps}: {model.label}: {error}") from None
 
 
-def _correct(model: checkpoints.Model, batch_items: list, generated: np.ndarray) -> np.ndarray:
+def score_answers(model: checkpoints.Model, batch_items: list, generated: np.ndarray) -> np.ndarray:
   """[b] int8: 1 when the item's completion is scored correct, else 0."""
   chat = model.prompt_format == "chat"
   return np.asarray([int(scoring.score(item, prompts.completion(model, generated[r])[1], chat)["correct"])
@@ -192,7 +192,7 @@ def batch_shard(settings: Settings, model: checkpoints.Model, launched: tuple,
       activations={name: np.asarray(trace.captures[name]) for name in names},
       classes=settings.position_classes, mask_id=int(model.config.mask_token_id),
       items=np.asarray([item_index[i.id] for i in batch.items]),
-      correct=_correct(model, batch.items, tokens[:len(batch.items), lp:]))
+      correct=score_answers(model, batch.items, tokens[:len(batch.items), lp:]))
 
 
 def columns(settings: Settings, model: checkpoints.Model) -> dict:
@@ -202,7 +202,8 @@ def columns(settings: Settings, model: checkpoints.Model) -> dict:
 
 def export_model(settings: Settings, model: checkpoints.Model, runtime: devices.Runtime, path: str,
                  max_shards: int = 0) -> TrajectoryWriter:
-  """Writes (or resumes) the model's dataset at `path`; stops after `max_shards` new shards (0: no limit; --max_items_this_run counts shards here)."""
+  """Writes (or resumes) the model's dataset at `path`; stops after `max_shards` new shards (0: no limit;
+  --max_items_this_run counts shards here)."""
   values = decoding.model_settings(settings.decode, model)
   todo = items.load_items(items.task_name(settings.task.task, model.record), settings.n_prompts,
                           settings.task.data_seed)

@@ -43,7 +43,8 @@ def test_logistic_reaches_sklearns_optimum_through_padding_rows():
   np.testing.assert_allclose(fit.coef[:, 0], ref.coef_[0], atol=1e-3)  # float32 optimum, coefficients of size ~1
   np.testing.assert_allclose(fit.intercept, ref.intercept_, atol=1e-3)
   y3 = np.argmax(x[:, :3] + 0.3 * rng.standard_normal((len(x), 3)), 1)
-  fit3 = probes.fit_logistic(xp, probe_cells._padded(x, y3)[1], 3, 1.0, weights, tol=1e-5)  # pylint: disable=protected-access
+  y3p = probe_cells._padded(x, y3)[1]  # pylint: disable=protected-access
+  fit3 = probes.fit_logistic(xp, y3p, 3, 1.0, weights, tol=1e-5)
   ref3 = sklearn.LogisticRegression(C=1.0, tol=1e-10, max_iter=10000).fit(x, y3)
   p = np.exp(fit3.scores(x) - fit3.scores(x).max(1, keepdims=True))
   np.testing.assert_allclose(p / p.sum(1, keepdims=True), ref3.predict_proba(x), atol=5e-4)  # float32 optimum
