@@ -186,7 +186,7 @@ def batch_shard(settings: Settings, model: checkpoints.Model, launched: tuple,
   valid = np.ones(batch.prompts.ids.shape, bool) if batch.prompts.mask is None else np.asarray(batch.prompts.mask)
   return trajectories.batch_rows(
       tokens=tokens, decode_step=np.asarray(trace.decode_step), prompt_valid=valid,
-      steps=np.asarray(trace.capture_steps[trajectories.READOUT_SITE]), nfe=int(trace.nfe),
+      steps=np.asarray(trace.capture_steps[trajectories.READOUT_SITE]), row_nfe=np.asarray(trace.row_nfe),
       active_rows=np.asarray(trace.active_rows), computed_queries=np.asarray(trace.computed_queries),
       readout=tuple(np.asarray(a) for a in readout),
       activations={name: np.asarray(trace.captures[name]) for name in names},

@@ -108,6 +108,7 @@ def test_readings_equal_numpy_on_the_same_captures(exported):
   now = ds.column("decoded_next") == 1
   assert now.sum() == 3 * 8 and np.array_equal(ds.column("predicted_token")[now], ds.column("final_token")[now])
   steps, items = ds.column("step"), ds.column("item")
+  np.testing.assert_allclose(ds.column("progress"), steps / 7, rtol=1e-6)  # 8 steps run
   assert sorted(set(steps)) == list(range(8)) and sorted(set(items)) == [0, 1, 2]
   for item in range(3):  # every step holds every position: 36 prompt + 8 generated
     assert np.all(np.bincount(steps[items == item]) == 44)

@@ -83,19 +83,20 @@ def position_classes(decode_step: np.ndarray, steps: np.ndarray, prompt_valid: n
 
 
 def batch_rows(*, tokens: np.ndarray, decode_step: np.ndarray, prompt_valid: np.ndarray, steps: np.ndarray,
-               nfe: int, active_rows: np.ndarray, computed_queries: np.ndarray, readout: tuple, activations: dict,
-               classes: tuple[str, ...], mask_id: int, items: np.ndarray, correct: np.ndarray) -> dict[str, np.ndarray]:
+               row_nfe: np.ndarray, active_rows: np.ndarray, computed_queries: np.ndarray, readout: tuple,
+               activations: dict, classes: tuple[str, ...], mask_id: int, items: np.ndarray,
+               correct: np.ndarray) -> dict[str, np.ndarray]:
   """The rows of one batch, item by item, then step by step, then position by position.
 
   tokens [B, S] final tokens; decode_step [B, G]; prompt_valid [B, Lp] (False at left padding); steps [n] the
-  kept steps' numbers (−1: not run); nfe: the steps run; active_rows [max_steps, B]; computed_queries
-  [max_steps, 2]; readout: `step_readout`'s three [n, B, S] arrays; activations {site: [n, B, S, ...]};
-  classes: the position classes kept; items [b] the item index of the first b batch rows (the rest are
-  padding rows); correct [b] int8 (1 / 0, −1: not scored).
+  kept steps' numbers (−1: not run); row_nfe [B] the steps each row decoded with (`Trace.row_nfe`);
+  active_rows [max_steps, B]; computed_queries [max_steps, 2]; readout: `step_readout`'s three [n, B, S]
+  arrays; activations {site: [n, B, S, ...]}; classes: the position classes kept; items [b] the item index of
+  the first b batch rows (the rest are padding rows); correct [b] int8 (1 / 0).
 
-  Columns (`ROW_COLUMNS`): item; step; progress = step / (nfe − 1) (0 with one step); position (p − Lp: 0 is
-  the first generated position, prompt positions are negative); position_class; token (the token the call
-  saw); final_token; predicted_token, confidence, entropy (`step_readout`); decode_step (−1 at the prompt);
+  Columns (`ROW_COLUMNS`): item; step; progress = step / (the row's steps − 1) (0 with one step); position
+  (p − Lp: 0 is the first generated position, prompt positions are negative); position_class; token (the
+  token the call saw); final_token; predicted_token, confidence, entropy (`step_readout`); decode_step (−1 at the prompt);
   decoded_next (1 when a masked position holds a token from the next step on, d == t); correct; and each site.
   """
   n_items = len(items)
@@ -118,7 +119,8 @@ def batch_rows(*, tokens: np.ndarray, decode_step: np.ndarray, prompt_valid: np.
   final = tokens[row, pos]
   confidence, entropy, argmax = readout
   out = {"item": items[row].astype(np.int32), "step": step,
-         "progress": (step / max(nfe - 1, 1)).astype(np.float32), "position": gen.astype(np.int32),
+         "progress": (step / np.maximum(np.asarray(row_nfe)[row] - 1, 1)).astype(np.float32),
+         "position": gen.astype(np.int32),
          "position_class": code.astype(np.int8),
          "token": np.where(code == CLASS_CODES["masked"], mask_id, final).astype(np.int32),
          "final_token": final.astype(np.int32), "predicted_token": argmax[slot, row, pos].astype(np.int32),
