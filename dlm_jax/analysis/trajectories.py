@@ -96,8 +96,9 @@ def batch_rows(*, tokens: np.ndarray, decode_step: np.ndarray, prompt_valid: np.
 
   Columns (`ROW_COLUMNS`): item; step; progress = step / (the row's steps − 1) (0 with one step); position
   (p − Lp: 0 is the first generated position, prompt positions are negative); position_class; token (the
-  token the call saw); final_token; predicted_token, confidence, entropy (`step_readout`); decode_step (−1 at the prompt);
-  decoded_next (1 when a masked position holds a token from the next step on, d == t); correct; and each site.
+  token the call saw); final_token; predicted_token, confidence, entropy (`step_readout`); decode_step (−1 at
+  the prompt); decoded_next (1 when a masked position holds a token from the next step on, d == t); correct;
+  and each site.
   """
   n_items = len(items)
   lp = prompt_valid.shape[1]
