@@ -237,6 +237,7 @@ class TrajectoryDataset:
     self.manifest = manifest
     self._rows = [int(s["rows"]) for s in manifest["shards"]]
     self._offsets = np.concatenate([[0], np.cumsum(self._rows, dtype=np.int64)])
+    self._maps: dict[tuple[int, str], np.ndarray] = {}
 
   @property
   def num_rows(self) -> int:
@@ -256,9 +257,12 @@ class TrajectoryDataset:
     return name
 
   def shard_column(self, index: int, name: str) -> np.ndarray:
-    """Shard `index`'s column `name`, memory-mapped read-only: [rows_in_shard, shape...]."""
-    return np.load(os.path.join(shard_dir(self.path, index), self._name(name) + ".npy"), mmap_mode="r",
-                   allow_pickle=False)
+    """Shard `index`'s column `name`, memory-mapped read-only: [rows_in_shard, shape...] (opened once)."""
+    key = (index, self._name(name))
+    if key not in self._maps:
+      self._maps[key] = np.load(os.path.join(shard_dir(self.path, index), name + ".npy"), mmap_mode="r",
+                                allow_pickle=False)
+    return self._maps[key]
 
   def column(self, name: str) -> np.ndarray:
     """Column `name` over every shard: [num_rows, shape...] (class docstring on memory)."""
