@@ -43,6 +43,9 @@ class StepOutput:
     `ModelCaller`; the conditional and, under CFG, the unconditional half).
   captures: the call's captured activations by name ([B, S | P, ...], the conditional half;
     `dlm_jax.instrument.hook_spec`), {} without hooks.
+  committed: [B, G] bool, the generated positions the step committed a token to (the decoding rules of
+    `dlm_jax.sampling.llada_rules`; None for the other samplers).
+  revoked: [B, G] bool, the generated positions the step re-masked (WINO; all False for the other rules).
   """
 
   stats: dict[str, jax.Array] | None = None
@@ -54,6 +57,8 @@ class StepOutput:
   canvas: jax.Array | None = None
   nonfinite: jax.Array | None = None
   captures: dict[str, Any] | None = None
+  committed: jax.Array | None = None
+  revoked: jax.Array | None = None
 
 
 def _nonfinite_rows(*arrays: jax.Array | None) -> jax.Array:
