@@ -16,12 +16,14 @@ import pytest
 from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.model.attention import MASK_VALUE, AttentionBias
-from dlm_jax.sampling import corpus_prior, decoding_rules as dr, llada
+from dlm_jax.sampling import corpus_prior, decoding_rules as dr, dream, llada
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 CONFIG = preset("tiny-llada")
+DREAM = preset("tiny-dream")
 MASK = CONFIG.mask_token_id
+assert DREAM.mask_token_id == MASK and DREAM.vocab_size == CONFIG.vocab_size
 LP, GEN = 5, 16
 
 
@@ -33,20 +35,35 @@ def params():
   return p
 
 
+@functools.lru_cache(maxsize=None)
+def dream_params():
+  p = model.init_params(DREAM, jax.random.key(4))
+  p["lm_head"]["kernel"] = p["lm_head"]["kernel"] * 9.0
+  return p
+
+
 def prompts(batch=3, seed=0):
   return np.random.default_rng(seed).integers(3, 200, size=(batch, LP)).astype(np.int32)
 
 
 @functools.lru_cache(maxsize=None)
-def _forward(with_bias: bool):
+def _forward(with_bias: bool, config=CONFIG):
   if with_bias:
-    return jax.jit(lambda p, t, pos, bias: model.forward(p, t, config=CONFIG, positions=pos, bias=bias).logits)
-  return jax.jit(lambda p, t: model.forward(p, t, config=CONFIG).logits)
+    return jax.jit(lambda p, t, pos, bias: model.forward(p, t, config=config, positions=pos, bias=bias).logits)
+  return jax.jit(lambda p, t: model.forward(p, t, config=config).logits)
+
+
+MODEL = {"dream": False}
+"""Which model the replays call: LLaDA's, or Dream's (outputs shifted right by one: position p reads the output
+at p − 1, position 0 its own)."""
 
 
 def logits_of(tokens):
-  """The reference's model: the whole row [S] -> float64 logits [S, V]."""
-  return np.asarray(_forward(False)(params(), jnp.asarray(tokens[None])), np.float64)[0]
+  """The reference's model: the whole row [S] -> float64 logits [S, V] (the prediction for each position)."""
+  if not MODEL["dream"]:
+    return np.asarray(_forward(False)(params(), jnp.asarray(tokens[None])), np.float64)[0]
+  out = np.asarray(_forward(False, DREAM)(dream_params(), jnp.asarray(tokens[None])), np.float64)[0]
+  return np.concatenate([out[:1], out[:-1]])
 
 
 def softmax(z):
@@ -252,6 +269,10 @@ CASES = {
 }
 
 
+DREAM_CASES = ("eb_blocks", "klass", "pc", "certainty_prior")
+"""The cases Dream runs too (WINO is LLaDA's)."""
+
+
 def _check_row(trace, row, ref: Replay):
   nfe = len(ref.committed)
   np.testing.assert_array_equal(np.asarray(trace.tokens[row]), ref.x)
@@ -287,6 +308,21 @@ def test_rule_matches_original_replay(case):
     assert int(jnp.max(trace.revocations)) >= 1
     first = np.asarray(trace.first_commit_step)
     assert np.all((first <= np.asarray(trace.decode_step)) | (first == -1))
+
+
+@pytest.mark.parametrize("case", DREAM_CASES)
+def test_dream_rule_matches_original_replay(case):
+  rule, layout, original = CASES[case]
+  batch = prompts(2, seed=2)
+  trace = dream.diffusion_generate(dream_params(), batch, config=DREAM,
+                                   options=dream.DreamOptions(gen_length=GEN, rule=rule, **layout))
+  MODEL["dream"] = True
+  try:
+    refs = [original(row) for row in batch]
+  finally:
+    MODEL["dream"] = False
+  for row, ref in enumerate(refs):
+    _check_row(trace, row, ref)
 
 
 def test_wino_python_loop_equals_compiled():
@@ -359,8 +395,10 @@ def test_binary_modes_build_the_rules(tmp_path):
   assert mode.option_fields("llada") == {"rule": dr.EBSampler(gamma=0.1)}
   assert decoding_modes.from_values("klass", knobs=(("kl_history_length", 3),)).option_fields("mmada") == {
       "rule": dr.KLASS(kl_history_length=3)}
-  with pytest.raises(UserError, match="the dream sampler has no wino decoding yet"):
-    decoding_modes.from_values("wino").option_fields("dream")
+  with pytest.raises(UserError, match="the block_diffusion sampler has no wino decoding yet"):
+    decoding_modes.from_values("wino").option_fields("block_diffusion")
+  with pytest.raises(ValueError, match="decoding rule wino is LLaDA's"):
+    dream.DreamOptions(gen_length=16, steps=16, **decoding_modes.from_values("wino").option_fields("dream"))
   with pytest.raises(UserError, match=r"--decoding=wino: wino narrow_out must be a probability"):
     decoding_modes.from_spec("wino:narrow_out=1.5")
   with pytest.raises(UserError, match="--decoding=eb: decoding rule eb has no knob sigma"):

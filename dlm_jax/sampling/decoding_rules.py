@@ -308,3 +308,33 @@ def rule_from_name(name: str, **knobs: Any) -> Rule:
   if name == "pc" and isinstance(knobs.get("prior"), str):
     knobs = dict(knobs, prior=corpus_prior.load(knobs["prior"]))
   return classes[name](**knobs)
+
+
+def check_dream_options(options) -> None:
+  """Refuses, in one line, `DreamOptions` a rule cannot run with (called by its __post_init__): WINO (its
+  verification copy is defined for LLaDA's unshifted logits), threshold, factor, a cache, KLASS at
+  temperature > 0, alg_temp; blocks must divide gen_length and steps fit the blocks."""
+  rule = options.rule
+  if not isinstance(rule, (EBSampler, KLASS, WINO, PCSampler, CertaintyPrior)):
+    raise ValueError(f"rule must be one of EBSampler, KLASS, WINO, PCSampler, CertaintyPrior or None, got {rule!r}.")
+  if isinstance(rule, WINO):
+    raise ValueError("decoding rule wino is LLaDA's (its verification copy assumes unshifted logits); Dream "
+                     "takes eb, klass, pc and certainty_prior.")
+  clashes = {"threshold": options.threshold is not None, "factor": options.factor is not None,
+             "cache": options.cache != "none", "alg_temp": bool(options.alg_temp),
+             "temperature > 0": options.temperature > 0 and isinstance(rule, KLASS)}
+  for name, clash in clashes.items():
+    if clash:
+      raise ValueError(f"decoding rule {rule.name} cannot be combined with {name}; it runs without it in its "
+                       "original code.")
+  if isinstance(options.block_length, bool) or (options.block_length is not None and (
+      not isinstance(options.block_length, int) or options.block_length <= 0
+      or options.gen_length % options.block_length)):
+    raise ValueError(f"block_length must be a positive divisor of gen_length ({options.gen_length}) or None, got "
+                     f"{options.block_length!r}.")
+  if options.steps % options.num_blocks:
+    raise ValueError(f"steps ({options.steps}) must be a multiple of the number of blocks gen_length / "
+                     f"block_length = {options.num_blocks}.")
+  if isinstance(rule, (PCSampler, CertaintyPrior, KLASS)) and options.steps_per_block > options.block:
+    raise ValueError(f"decoding rule {rule.name} takes at most block_length steps per block; got steps / "
+                     f"num_blocks = {options.steps_per_block} > block_length = {options.block}.")

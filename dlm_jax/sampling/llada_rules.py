@@ -1,4 +1,4 @@
-"""The LLaDA / MMaDA family under one of the decoding rules of `dlm_jax.sampling.decoding_rules`
+"""The LLaDA / MMaDA and Dream families under one of the decoding rules of `dlm_jax.sampling.decoding_rules`
 (`LLaDAOptions.rule`): EB-Sampler, KLASS, WINO, PC-Sampler, certainty prior.
 
 Blocks are LLaDA's ([Lp + kB, Lp + (k + 1)B)); each step's candidates are the masked positions of the
@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dlm_jax.config import logit_shift
 from dlm_jax.instrument.interventions import NO_INTERVENTION
 from dlm_jax.model.attention import MASK_VALUE, AttentionBias
 from dlm_jax.sampling import decoding_rules as dr
@@ -67,10 +68,12 @@ class RuleConstants:
 
 
 def constants(family, base) -> RuleConstants:
-  """The LLaDA family's constants `base` reduced to what the rules use, with the prior added."""
+  """The family's constants `base` (LLaDA's, or Dream's `PaddingLayout`) reduced to the layout, with the prior
+  added."""
   rule = family.options.rule
   prior = jnp.asarray(rule.prior.frequencies, jnp.float32) if isinstance(rule, dr.PCSampler) else None
-  return RuleConstants(layout=base.layout, prior=prior)
+  layout = base if isinstance(base, padding.PaddingLayout) else base.layout
+  return RuleConstants(layout=layout, prior=prior)
 
 
 def check(family, config, intervention) -> None:
@@ -116,11 +119,16 @@ def _wino_bias(layout_bias: AttentionBias, total: int, block: int, block_start) 
 
 
 def _call(family, run, params, consts, x, istate, i, s):
-  """The step's model call: (CallResult with logits [B, G (+ B for WINO), V], queries [2])."""
+  """The step's model call: (CallResult with the generated positions' logits [B, G (+ B for WINO), V] — for a
+  model with shifted logits (Dream) the outputs one position earlier, `dlm_jax.config.logit_shift` — and
+  queries [2])."""
   o, lp, total, layout = family.options, run.prompt_length, run.total_length, consts.layout
   if not isinstance(o.rule, dr.WINO):
-    result = run.caller(params, x, i, istate, window=(lp, total), positions=layout.positions,
-                        valid_keys=layout.valid, query_valid=layout.valid, base_bias=layout.bias)
+    shift = run.config.logit_shift
+    result = run.caller(params, x, i, istate, window=logit_shift.output_window(lp, total, shift),
+                        positions=layout.positions, valid_keys=layout.valid, query_valid=layout.valid,
+                        base_bias=layout.bias)
+    result = result.replace(logits=logit_shift.target_logits(result.logits, lp, shift))
     return result, jnp.array([0, total], jnp.int32)
   if run.caller.intervention != NO_INTERVENTION:
     raise ValueError("decoding rule wino runs its calls on the sequence plus a verification copy of the block; "

@@ -195,7 +195,7 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("dream", dream.DreamOptions, dream.DreamOptions, dream.diffusion_generate,
             {name: name for name in ("gen_length", "steps", "block_length", "temperature", "alg", "alg_temp",
                                      "top_p", "top_k", "eps")},
-            default=True, default_shift=1, mode_fields=frozenset({"threshold", "factor", "factor_rule", "cache"}),
+            default=True, default_shift=1, mode_fields=frozenset({"threshold", "factor", "factor_rule", "cache", "rule"}),
             defaults=Defaults(gen_length=512, steps=512), blocks="modes", chat_template="dream", **_DIFFUSION),
     Sampler("ar", autoregressive.AROptions, autoregressive.AROptions, autoregressive.generate,
             {name: name for name in ("gen_length", "temperature", "top_p", "top_k")}, kind="causal", default=True,
