@@ -419,3 +419,18 @@ def test_binary_modes_build_the_rules(tmp_path):
   with pytest.raises(UserError, match="--decoding=pc: pc prior .* made for another tokenizer") as info:
     mode.check_tokenizer(Other())
   assert "\n" not in str(info.value)
+
+
+def test_lm_eval_model_args_take_the_rules():
+  from experiments.common.cli import UserError
+  from experiments.lm_eval import args
+  mode = args.parse({"checkpoint": "tiny-dlm", "decoding": "klass", "klass_kl_history_length": "3",
+                     "eb_gamma": "0.5"}).mode
+  assert mode.option_fields("llada") == {"rule": dr.KLASS(kl_history_length=3)}
+  assert args.parse({"checkpoint": "tiny-dlm", "decoding": "eb", "eb_gamma": "0.5"}).mode.knobs == (("gamma", 0.5),)
+  with pytest.raises(UserError, match="model_args decoding=wino: --decoding=wino: wino wide_in must be a "
+                                      "probability") as info:
+    args.parse({"checkpoint": "tiny-dlm", "decoding": "wino", "wino_wide_in": "7"})
+  assert "\n" not in str(info.value)
+  with pytest.raises(UserError, match="pc needs a corpus prior"):
+    args.parse({"checkpoint": "tiny-dlm", "decoding": "pc"})

@@ -73,6 +73,21 @@ RULE_MODES: dict[str, tuple[str, str]] = {name: (name, "none") for name in decod
 ALL_MODES: dict[str, tuple[str, str]] = {**MODES, **RULE_MODES}
 """Every --decoding name."""
 
+RULE_ARGS: dict[str, tuple[str, str]] = {
+    "eb_gamma": ("eb", "gamma"), "klass_conf_threshold": ("klass", "conf_threshold"),
+    "klass_kl_threshold": ("klass", "kl_threshold"), "klass_kl_history_length": ("klass", "kl_history_length"),
+    "wino_wide_in": ("wino", "wide_in"), "wino_narrow_out": ("wino", "narrow_out"), "pc_prior": ("pc", "prior"),
+    "pc_lambda": ("pc", "lam"), "pc_alpha": ("pc", "alpha"), "pc_variant": ("pc", "variant"),
+    "certainty_sigma": ("certainty_prior", "sigma")}
+"""The flat names of the rules' knobs (binary flags, lm-eval model_args) -> (rule, knob)."""
+
+
+def rule_knobs(decoding: str, values: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+  """The knobs of rule `decoding` among flat-named `values` (`RULE_ARGS`), as sorted (knob, value) pairs."""
+  return tuple(sorted((knob, values[flat]) for flat, (rule, knob) in RULE_ARGS.items()
+                      if rule == decoding and flat in values))
+
+
 DEFAULT_THRESHOLD = 0.9
 DEFAULT_FACTOR = 1.0
 DUAL_CACHE_FORWARDS = ("until_done", "steps_per_block")

@@ -8,6 +8,7 @@ from typing import Any
 from absl import flags
 
 from dlm_jax.sampling import decoding_rules as dr
+from experiments.common import decoding_modes
 
 _EB_GAMMA = flags.DEFINE_float("eb_gamma", dr.EBSampler.gamma, "EB-Sampler's entropy budget gamma >= 0 (nats).")
 _KLASS_CONF = flags.DEFINE_float("klass_conf_threshold", dr.KLASS.conf_threshold,
@@ -31,13 +32,8 @@ _CERTAINTY_SIGMA = flags.DEFINE_float("certainty_sigma", dr.CertaintyPrior.sigma
 
 def knobs(decoding: str) -> tuple[tuple[str, Any], ...]:
   """The knobs of rule `decoding` from the flags ((name, value) pairs; () for a mode that is not a rule)."""
-  values = {
-      "eb": {"gamma": _EB_GAMMA.value},
-      "klass": {"conf_threshold": _KLASS_CONF.value, "kl_threshold": _KLASS_KL.value,
-                "kl_history_length": _KLASS_HISTORY.value},
-      "wino": {"wide_in": _WINO_IN.value, "narrow_out": _WINO_OUT.value},
-      "pc": {"prior": _PC_PRIOR.value, "lam": _PC_LAMBDA.value, "alpha": _PC_ALPHA.value,
-             "variant": _PC_VARIANT.value},
-      "certainty_prior": {"sigma": _CERTAINTY_SIGMA.value},
-  }.get(decoding, {})
-  return tuple(sorted(values.items()))
+  flat = {"eb_gamma": _EB_GAMMA, "klass_conf_threshold": _KLASS_CONF, "klass_kl_threshold": _KLASS_KL,
+          "klass_kl_history_length": _KLASS_HISTORY, "wino_wide_in": _WINO_IN, "wino_narrow_out": _WINO_OUT,
+          "pc_prior": _PC_PRIOR, "pc_lambda": _PC_LAMBDA, "pc_alpha": _PC_ALPHA, "pc_variant": _PC_VARIANT,
+          "certainty_sigma": _CERTAINTY_SIGMA}
+  return decoding_modes.rule_knobs(decoding, {name: flag.value for name, flag in flat.items()})
