@@ -87,9 +87,10 @@ class Replay:
 
   def __init__(self, prompt):
     self.x = np.concatenate([prompt, np.full(GEN, MASK, np.int64)])
-    self.committed, self.revoked = [], []
+    self.committed, self.revoked, self.read = [], [], []
 
   def commit(self, positions, tokens, revoked=()):
+    self.read.append(self.x[LP:].copy())
     c = np.zeros(GEN, bool)
     r = np.zeros(GEN, bool)
     c[np.asarray(positions, int) - LP] = True
@@ -280,6 +281,7 @@ def _check_row(trace, row, ref: Replay):
   active = np.asarray(trace.active_rows[:, row])
   np.testing.assert_array_equal(np.asarray(trace.committed[:, row])[active], np.stack(ref.committed))
   np.testing.assert_array_equal(np.asarray(trace.revoked[:, row])[active], np.stack(ref.revoked))
+  np.testing.assert_array_equal(np.asarray(trace.canvases[:, row])[active], np.stack(ref.read))
   last = np.full(GEN, -1)
   own_steps = np.nonzero(active)[0]
   for j, (c, r) in enumerate(zip(ref.committed, ref.revoked)):

@@ -19,7 +19,9 @@ Statistics: WINO's calls attend over S + B keys (the verification copy's after t
 per-key statistics have S + B entries, the last B those of the copy; the other rules' have S.
 
 Each step reports the positions it committed and (WINO) re-masked (`StepOutput.committed` / `revoked`,
-stacked into `Trace.committed` / `Trace.revoked` [max_steps, B, G]); `decode_step` is the last commit.
+stacked into `Trace.committed` / `Trace.revoked` [max_steps, B, G]) and the generated tokens it read
+(`StepOutput.canvas`, `Trace.canvases` [max_steps, B, G]: a revoked draft shows there until its re-mask);
+`decode_step` is the last commit.
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ def step(family, run, params, consts, carry: RuleCarry, istate, i):
   carry = carry.replace(tokens=new_x, key=key, decode_step=decode_step, schedule=schedule,
                         block=carry.block + block_over.astype(jnp.int32),
                         block_step=jnp.where(block_over, 0, block_step), **updates)
-  outputs = result.outputs.replace(active=active, queries=queries, committed=chosen, revoked=revoked)
+  outputs = result.outputs.replace(active=active, queries=queries, committed=chosen, revoked=revoked, canvas=gen)
   return carry, result.intervention_state, outputs
 
 

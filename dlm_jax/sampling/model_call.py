@@ -38,7 +38,8 @@ class StepOutput:
   accepted: [B, C] bool, the canvas positions a uniform-state step accepted (DiffusionGemma; None for the
     other families).
   canvas: [B, C] int32, the canvas a uniform-state decoder step read (DiffusionGemma: the noisy canvas its
-    queries hold, which the final tokens do not show; zeros at its encoder calls; None for the others).
+    queries hold, which the final tokens do not show; zeros at its encoder calls), or [B, G] the generated
+    tokens a step under a decoding rule read (`llada_rules`); None for the others.
   nonfinite: [B] bool, the call's logits (or hidden states) of the row hold a NaN or an infinity (set by
     `ModelCaller`; the conditional and, under CFG, the unconditional half).
   captures: the call's captured activations by name ([B, S | P, ...], the conditional half;

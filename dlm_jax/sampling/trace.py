@@ -48,6 +48,8 @@ class Trace:
     canvases: None, or [max_steps, B, C] int32 (DiffusionGemma): the canvas each decoder step read — the
       tokens of its queries (accepted samples and renoised ids), which `tokens` does not show; zeros at the
       encoder calls.
+      Under a decoding rule (`dlm_jax.sampling.llada_rules`): [max_steps, B, G], the generated tokens each
+      step read (drafts a later step revoked included).
     first_nonfinite_step: [B] int32, the first step at which the row's logits held a NaN or an infinity
       (computed in the program from every model call's output), −1 when none did; its tokens after that
       step are meaningless (`nonfinite_message`).
