@@ -436,3 +436,22 @@ def test_lm_eval_model_args_take_the_rules():
   assert "\n" not in str(info.value)
   with pytest.raises(UserError, match="pc needs a corpus prior"):
     args.parse({"checkpoint": "tiny-dlm", "decoding": "pc"})
+
+
+def test_rules_read_probabilities_whatever_the_ranking_and_wino_statistics_cover_the_sequence():
+  from dlm_jax.instrument.stats import StatsSpec
+  rule, layout, _ = CASES["wino"]
+  batch = prompts(1, seed=3)
+  plain = llada.generate(params(), batch, config=CONFIG, options=llada.LLaDAOptions(gen_length=GEN, rule=rule,
+                                                                                    **layout))
+  traced = llada.generate(params(), batch, config=CONFIG, stats_spec=StatsSpec(incoming_attention=True),
+                          sink_top_k=2, options=llada.LLaDAOptions(gen_length=GEN, rule=rule,
+                                                                   confidence_ranking="log_odds", **layout))
+  np.testing.assert_array_equal(np.asarray(plain.tokens), np.asarray(traced.tokens))
+  np.testing.assert_array_equal(np.asarray(plain.committed), np.asarray(traced.committed))
+  s = LP + GEN
+  assert traced.stats["incoming_attention"].shape[-1] == s and int(jnp.max(traced.top_sinks)) < s
+  rule, layout, original = CASES["pc"]
+  trace = llada.generate(params(), batch, config=CONFIG, options=llada.LLaDAOptions(
+      gen_length=GEN, rule=rule, confidence_ranking="log_odds", **layout))
+  _check_row(trace, 0, original(batch[0]))

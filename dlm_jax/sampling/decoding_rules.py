@@ -277,7 +277,6 @@ def check_llada_options(options) -> None:
   clashes = {"threshold": options.threshold is not None, "factor": options.factor is not None,
              "cache": options.cache != "none", "cfg_scale": options.cfg_scale > 0,
              "remasking='random'": options.remasking != "low_confidence",
-             "confidence_ranking='log_odds'": options.confidence_ranking != "probability",
              "stop_token_id": options.stop_token_id is not None,
              "temperature > 0": options.temperature > 0 and isinstance(rule, (KLASS, WINO))}
   for name, clash in clashes.items():

@@ -117,7 +117,8 @@ class LLaDAOptions(blocks.BlockLayout):
     of them this is the exact sampler above.
     rule: one of the decoding rules of `dlm_jax.sampling.decoding_rules` (`EBSampler`, `KLASS`, `WINO`,
       `PCSampler`, `CertaintyPrior`), run by `dlm_jax.sampling.llada_rules`; None = LLaDA's own rules above.
-      Not with threshold, factor, a cache, CFG, random remasking, log-odds ranking or a stop token.
+      Not with threshold, factor, a cache, CFG, random remasking or a stop token; the rules read p(x0) whatever
+      `confidence_ranking` says.
   """
 
   gen_length: int = 128
@@ -421,6 +422,11 @@ class LLaDARuleFamily(llada_rules.RuleFamilyMixin, LLaDAFamily):
 
   def constants(self, run, sequence, layout):
     return llada_rules.constants(self, super().constants(run, sequence, layout))
+
+  def _proposals(self, params, logits, uncond_logits, key, per_row: bool = False):
+    """LLaDA's proposals with the confidence p(x0) the rules read (`confidence_ranking` does not apply)."""
+    probability = dataclasses.replace(self, options=dataclasses.replace(self.options, confidence_ranking="probability"))
+    return LLaDAFamily._proposals(probability, params, logits, uncond_logits, key, per_row)
 
 
 def _special_ids(config: ModelConfig, options: LLaDAOptions) -> tuple[int, int | None, int | None]:

@@ -15,8 +15,10 @@ In a batch the rows move to the next block together; a row whose block is done w
 `Trace.active_rows` False, its key, KLASS history and WINO counter not advanced), so its tokens and
 `row_nfe` are those it gets alone.
 
-Statistics: WINO's calls attend over S + B keys (the verification copy's after the sequence's), so its
-per-key statistics have S + B entries, the last B those of the copy; the other rules' have S.
+Statistics: WINO's calls hold S + B positions (the verification copy after the sequence); its statistics
+are cut to the sequence's S keys (the sequence's queries never see the copy's keys) and its top sinks are
+chosen among them, while the copy's B queries are part of the call and their attention to the sequence is
+in the sums (`Trace.computed_queries` says [0, S + B)); routing keeps the sequence's positions.
 
 Each step reports the positions it committed and (WINO) re-masked (`StepOutput.committed` / `revoked`,
 stacked into `Trace.committed` / `Trace.revoked` [max_steps, B, G]) and the generated tokens it read
@@ -139,9 +141,27 @@ def _call(family, run, params, consts, x, istate, i, s):
   tokens = jnp.concatenate([x, jnp.full((b, o.block), family.mask_id, x.dtype)], axis=1)
   positions = jnp.concatenate([layout.positions, _rows(layout.positions, s, o.block)], axis=1)
   valid = jnp.concatenate([layout.valid, _rows(layout.valid, s, o.block)], axis=1)
+  sequence_keys = jnp.concatenate([layout.valid, jnp.zeros((b, o.block), bool)], axis=1)
   result = run.caller(params, tokens, i, istate, window=(lp, total + o.block), positions=positions,
-                      valid_keys=valid, query_valid=valid, base_bias=_wino_bias(layout.bias, total, o.block, s))
-  return result, jnp.array([0, total + o.block], jnp.int32)
+                      valid_keys=sequence_keys, query_valid=valid,
+                      base_bias=_wino_bias(layout.bias, total, o.block, s))
+  outputs = result.outputs.replace(stats=_sequence_stats(result.outputs.stats, total, o.block))
+  return result.replace(outputs=outputs), jnp.array([0, total + o.block], jnp.int32)
+
+
+def _sequence_stats(stats, total: int, block: int):
+  """WINO's statistics on the sequence's S positions: every [..., S + B] key axis keeps its first S entries
+  (the sequence's queries never see the copy's keys; the copy's queries' attention to the sequence stays in
+  the sums), the [L', B, S + B, k] routing axis its first S (expert_load still counts the copy)."""
+  if stats is None:
+    return None
+
+  def cut(name, a):
+    if name in ("routed_experts", "routing_weights"):
+      return a[..., :total, :]
+    return a[..., :total] if a.shape[-1] == total + block else a
+
+  return {name: cut(name, a) for name, a in stats.items()}
 
 
 def step(family, run, params, consts, carry: RuleCarry, istate, i):
