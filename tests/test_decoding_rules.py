@@ -455,3 +455,18 @@ def test_rules_read_probabilities_whatever_the_ranking_and_wino_statistics_cover
   trace = llada.generate(params(), batch, config=CONFIG, options=llada.LLaDAOptions(
       gen_length=GEN, rule=rule, confidence_ranking="log_odds", **layout))
   _check_row(trace, 0, original(batch[0]))
+
+
+def test_explorer_marks_drafts_revoked_later_and_re_masks():
+  """Position 3 drafted 'b' at step 10, re-masked at step 11, committed 'c' at step 12; position 2 kept its
+  step-10 token: the explorer data marks 3 as a draft after step 10 and as re-masked at step 11 only."""
+  from experiments.reports import explorer_page
+  committed = np.zeros((3, 5), bool)
+  revoked = np.zeros((3, 5), bool)
+  committed[0, [2, 3]] = True
+  revoked[1, 3] = True
+  committed[2, 3] = True
+  canvas = np.array([[0, 0, 9, 9, 9], [0, 0, 5, 6, 9], [0, 0, 5, 9, 9]])
+  out = explorer_page._revisions(committed, revoked, np.array([-1, -1, 10, 12, -1]), canvas, np.array([10, 11, 12]),
+                                 {5: "a", 6: "b", 9: "[MASK]"})
+  assert out == {"revoked": [[], [3], []], "drafted": [[3], [], []], "draft_text": [["b"], [], []]}
