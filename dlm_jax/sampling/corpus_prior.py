@@ -88,11 +88,16 @@ def save(document: dict, path: str) -> None:
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   tmp = os.path.join(directory, f".tmp-{os.getpid()}-{os.path.basename(path)}")
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(document, f, sort_keys=True)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(document, f, sort_keys=True)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
 
 
 def _valid_body(body) -> bool:
