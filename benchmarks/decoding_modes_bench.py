@@ -11,12 +11,15 @@ layout, as `experiments.evaluate_synthetic`; scored by exact match, GSM8K strict
 no accuracy — random weights are rarely confident, so the threshold rule commits about one token per
 call and the run measures the cost of each mode's model calls).
 
-For each mode of --modes (`name` or `name:τ`; `experiments.common.decoding_modes`) it decodes the --n prompts in
+For each mode of --modes (`name`, `name:τ`, or a decoding rule `name:knob=value,...`, e.g. `eb:gamma=0.01`,
+`pc:prior=FILE`; `experiments.common.decoding_modes`) it decodes the --n prompts in
 batches of --batch_size (default 1, as Fast-dLLM measures) with statistics off, then with per-head incoming
 attention of every layer on (`StatsSpec(incoming_attention=True, per_head=True)`), and reports:
 
   accuracy      exact match over the problems (statistics never change the tokens);
   NFE per row   model calls each prompt decoded with (`Trace.row_nfe`), mean; calls per batch (`Trace.nfe`);
+  tokens/call   generated positions holding a token at the end (mask ids excluded) per row NFE, over all
+                prompts (the parallelism of a rule; 1 for one token per call);
   tokens/s      generated non-EOS tokens / wall time of the decoding loop (Fast-dLLM's count), each mode's
                 program compiled beforehand by one warm-up call; "× exact": the ratio to exact decoding
                 with the same statistics setting;
@@ -57,6 +60,8 @@ _IMPL = flags.DEFINE_enum("attention_impl", "chunked", ["chunked", "dense", "fus
 _QUERY_CHUNK = flags.DEFINE_integer("query_chunk", 128, "Query block of the chunked attention.")
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Timed passes per (mode, statistics); the minimum is reported.")
 _JSON_OUT = flags.DEFINE_string("json_out", "decoding_modes_bench.json", "Where to write the results.")
+_FIGURE_OUT = flags.DEFINE_string("figure_out", None, "Optional PNG: accuracy, tokens per call and tokens/s per "
+                                  "mode (statistics off).")
 
 TARGET_SPEEDUP, TARGET_ACCURACY_POINTS, TARGET_STATS_COST = 4.0, 2.0, 0.15
 
@@ -164,7 +169,8 @@ def measure(mode_spec: str, setup: dict) -> list[dict]:
     calls = sum(int(t.nfe) for t in run)
     eos = setup["config"].eos_token_id
     tokens = int((generated != eos).sum()) if eos is not None else int(generated.size)
-    results.append({"mode": mode.spec, "statistics": stats,
+    decoded = int((generated != setup["config"].mask_token_id).sum())
+    results.append({"mode": mode_spec, "statistics": stats, "tokens_per_call": decoded / float(row_nfe.sum()),
                     "accuracy": _accuracy(setup["model"], setup["problems"], generated),
                     "mean_row_nfe": float(row_nfe.mean()), "calls": calls, "calls_per_batch": calls / len(run),
                     "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "ms_per_call": 1e3 * wall / calls})
@@ -174,8 +180,8 @@ def measure(mode_spec: str, setup: dict) -> list[dict]:
 def _table(results: list[dict]) -> list[str]:
   exact = {r["statistics"]: r for r in results if r["mode"] == "exact"}
   off = {r["mode"]: r for r in results if not r["statistics"]}
-  lines = [f"{'mode':<26} {'stats':>5} {'accuracy':>8} {'NFE/row':>7} {'calls/batch':>11} {'tok/s':>9} "
-           f"{'x exact':>7} {'ms/call':>8} {'stats cost':>10}"]
+  lines = [f"{'mode':<26} {'stats':>5} {'accuracy':>8} {'NFE/row':>7} {'tok/call':>8} {'calls/batch':>11} "
+           f"{'tok/s':>9} {'x exact':>7} {'ms/call':>8} {'stats cost':>10}"]
   for r in results:
     ref = exact.get(r["statistics"])
     r["ratio_to_exact"] = r["tokens_per_s"] / ref["tokens_per_s"] if ref else None
@@ -184,10 +190,42 @@ def _table(results: list[dict]) -> list[str]:
     acc = "–" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}%"
     ratio = "–" if r["ratio_to_exact"] is None else f"{r['ratio_to_exact']:.2f}x"
     cost = f"{100 * r['stats_cost']:+.1f}%" if "stats_cost" in r else ""
-    lines.append(f"{r['mode']:<26} {'on' if r['statistics'] else 'off':>5} {acc:>8} {r['mean_row_nfe']:>7.2f} "
-                 f"{r['calls_per_batch']:>11.2f} {r['tokens_per_s']:>9.1f} {ratio:>7} {r['ms_per_call']:>8.2f} "
+    lines.append(f"{_short(r['mode']):<26} {'on' if r['statistics'] else 'off':>5} {acc:>8} "
+                 f"{r['mean_row_nfe']:>7.2f} {r['tokens_per_call']:>8.2f} {r['calls_per_batch']:>11.2f} {r['tokens_per_s']:>9.1f} {ratio:>7} {r['ms_per_call']:>8.2f} "
                  f"{cost:>10}")
   return lines
+
+
+def _short(spec: str) -> str:
+  """A mode's name for tables: a rule's prior file path shortened to its file name."""
+  name, _, rest = spec.partition(":")
+  if name != "pc" or not rest:
+    return spec
+  return name + ":" + ",".join(os.path.basename(v) if k == "prior" else f"{k}={v}"
+                               for k, _, v in (item.partition("=") for item in rest.split(",")))
+
+
+def figure(results: list[dict], title: str, path: str) -> None:
+  """Accuracy, tokens per call and tokens/s of each mode (statistics off) as three bar panels, written to path."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  off = [r for r in results if not r["statistics"]]
+  names = [_short(r["mode"]) for r in off]
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+  panels = (("accuracy (%)", [100 * (r["accuracy"] or 0.0) for r in off]),
+            ("tokens per model call", [r["tokens_per_call"] for r in off]),
+            ("tokens/s (compilation excluded)", [r["tokens_per_s"] for r in off]))
+  for ax, (label, values) in zip(axes, panels):
+    ax.bar(range(len(names)), values, color="#4c72b0")
+    ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel(label)
+  fig.suptitle(title)
+  fig.tight_layout()
+  tmp = f"{path}.tmp.png"
+  fig.savefig(tmp, dpi=120)
+  plt.close(fig)
+  os.replace(tmp, path)
 
 
 def targets(results: list[dict]) -> dict:
@@ -257,6 +295,10 @@ def main(argv):
     json.dump(report, f, indent=2)
   os.replace(tmp, _JSON_OUT.value)
   print(f"results written to {_JSON_OUT.value}")
+  if _FIGURE_OUT.value:
+    figure(results, f"{_CHECKPOINT.value}: {ids.shape[0]} prompts, {gen} generated, blocks of {block}, {steps} steps "
+           "(quota modes)", _FIGURE_OUT.value)
+    print(f"figure written to {_FIGURE_OUT.value}")
 
 
 if __name__ == "__main__":

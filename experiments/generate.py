@@ -8,7 +8,9 @@ and the time, and optionally writes the trace as JSON (--json_out) and the per-s
 
   CHECKPOINT: a converted directory, or tiny-dlm, tiny-arm, tiny-moe-dlm, tiny-uniform-dlm, smollm2.
   SAMPLER: auto, llada, mmada, dream, ar, block_diffusion, diffusion_gemma.
-  MODE: exact, threshold, factor, prefix_cache, dual_cache, threshold_prefix_cache, threshold_dual_cache.
+  MODE: exact, threshold, factor, prefix_cache, dual_cache, threshold_prefix_cache, threshold_dual_cache, and the
+  decoding rules eb, klass, wino, pc (--pc_prior=FILE), certainty_prior (knobs: --eb_gamma, --klass_*, --wino_*,
+  --pc_*, --certainty_sigma).
 
   python -m experiments.generate --checkpoint=tiny-dlm \\
       --prompt="Anna has 16 books. She finds 4 more. She buys 2 more. How many books does Anna have?"
@@ -394,6 +396,7 @@ def main(argv):
   mode = decoding_flags.from_flags()
   decoding_modes.warn_if_unused(mode, sampler, _CHECKPOINT.value)
   tokenizer = Tokenizer.from_dir(directory, config) if Tokenizer.exists_in(directory) else None
+  mode.check_tokenizer(tokenizer)
   layout = "ids" if _PROMPT_IDS.value is not None else prompt_format(record)
   ids, end_of_turn = _prompt_ids(config, tokenizer, directory, sampler, layout)
   runtime = devices.init_runtime(runtime_settings)

@@ -39,8 +39,9 @@ Outputs in --output_dir (default results/sink_analysis):
   <model>/item_<id>.npz        per-step arrays of the --figure_item generation (its decoded steps: step_index,
                                computed_queries [steps, 2]; head_scores [steps, L', N, S] float16 and
                                head_sinks (the ε-rule's sinks) [steps, L', N, S] bool, canvas
-                               [steps, S] the tokens each step read, vocab_ids / vocab_text their strings:
-                               what `experiments.explore` plays)
+                               [steps, S] the tokens each step read, vocab_ids / vocab_text their strings,
+                               and under a decoding rule committed / revoked [steps, S] (the positions each
+                               step committed and re-masked): what `experiments.explore` plays)
   <model>/tracks/item_<id>.npz every item's largest sinks [steps, L', N], tokens, decode_step, valid,
                                step_index, vocab
   <model>/fig_moving_sinks.png the largest sink of the heads whose sinks move most against the step, on the
@@ -180,6 +181,9 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
   n_entries = int(np.broadcast_to(valid4, scores.shape).sum())
   if model.decoder.self_conditioning:  # the noisy canvas of each decoder step, from the trace
     sequences = sinks.uniform_step_sequences(tokens, host["canvases"][decoded, row], queries)  # [steps, S]
+  elif "read" in host:  # a decoding rule: the tokens each step read, revoked drafts included
+    read = host["read"][decoded, row]
+    sequences = np.concatenate([np.broadcast_to(tokens[:lp], (read.shape[0], lp)), read], axis=1)
   else:
     mask_id = model.config.mask_token_id if model.diffusion else None
     sequences = sinks.step_sequences(tokens[None], decode_step[None], lp, int(host["nfe"]),
@@ -243,6 +247,8 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
             "step_index": decoded, "computed_queries": queries,
             "head_scores": scores.astype(np.float16), "head_sinks": sink_mask, "canvas": sequences.astype(np.int32),
             "vocab_ids": seen.astype(np.int32),
+            **{name: np.pad(host[name][decoded, row], ((0, 0), (lp, 0))) for name in ("committed", "revoked")
+               if name in host},
             "vocab_text": np.asarray([model.tokenizer.id_to_token(int(i)) or "?" for i in seen], dtype=str)}
   if grouped:
     masked_q = incoming[:, :, 0]
@@ -282,7 +288,9 @@ def run_model(settings: Settings, model: checkpoints.Model, runtime: devices.Run
                                 "incoming": trace.stats["incoming_attention"],
                                 **({"experts": trace.stats["routed_experts"]} if config.is_moe else {}),
                                 **({"accepted": trace.accepted, "canvases": trace.canvases}
-                                   if model.decoder.self_conditioning else {})})
+                                   if model.decoder.self_conditioning else {}),
+                                **({"read": trace.canvases, "committed": trace.committed, "revoked": trace.revoked}
+                                   if trace.revoked is not None else {})})
     for row, item in enumerate(batch.items):
       if done(item):
         continue

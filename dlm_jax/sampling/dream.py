@@ -51,7 +51,7 @@ from flax import struct
 from dlm_jax.config import ModelConfig, logit_shift
 from dlm_jax.instrument.interventions import Intervention
 from dlm_jax.model import KVCache
-from dlm_jax.sampling import blocks, dream_blockwise, driver, keys, padding
+from dlm_jax.sampling import blocks, decoding_rules, dream_blockwise, driver, keys, llada_rules, padding
 from dlm_jax.sampling.parallel import FACTOR_RULES
 from dlm_jax.sampling.schedules import dream_transfer_count, dream_transfer_fractions
 from dlm_jax.sampling.selection import filter_top_k, filter_top_p, select_top_k, update_decode_step
@@ -104,6 +104,7 @@ class DreamOptions(blocks.BlockLayout):
   factor: float | None = None
   factor_rule: Literal["fast_dllm", "dllm"] = "fast_dllm"
   cache: Literal["none", "prefix", "dual"] = "none"
+  rule: decoding_rules.Rule | None = None
 
   def __post_init__(self):
     if not isinstance(self.gen_length, int) or self.gen_length <= 0:
@@ -130,6 +131,9 @@ class DreamOptions(blocks.BlockLayout):
       raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
     if self.factor_rule not in FACTOR_RULES:
       raise ValueError(f"factor_rule must be one of {', '.join(FACTOR_RULES)}, got {self.factor_rule!r}.")
+    if self.rule is not None:
+      decoding_rules.check_dream_options(self)
+      return
     if self.block_length is None:
       if self.threshold is not None or self.factor is not None or self.cache != "none":
         raise ValueError("threshold, factor and cache are Fast-dLLM's block-by-block modes: set block_length "
@@ -161,7 +165,7 @@ class DreamOptions(blocks.BlockLayout):
   @property
   def blockwise(self) -> bool:
     """Fast-dLLM's block-by-block modes (`dream_blockwise`) rather than the exact sampler."""
-    return self.block_length is not None
+    return self.block_length is not None and self.rule is None
 
 
 
@@ -296,12 +300,38 @@ class DreamBlockwiseFamily(DreamFamily):
     return dream_blockwise.step(self, run, params, consts, carry, istate, i, phase)
 
 
+@dataclasses.dataclass(frozen=True)
+class DreamRuleFamily(llada_rules.RuleFamilyMixin, DreamFamily):
+  """Dream under a decoding rule (`DreamOptions.rule`; `dlm_jax.sampling.llada_rules`, with Dream's shifted
+  logits and `sample_tokens` proposals: temperature, top-p and top-k as the options say)."""
+
+  name = "dream_rules"
+  can_finish_early = True
+
+  def check(self, config: ModelConfig, intervention: Intervention) -> None:
+    super().check(config, intervention)
+    llada_rules.check(self, config, intervention)
+
+  def constants(self, run, sequence, layout):
+    return llada_rules.constants(self, super().constants(run, sequence, layout))
+
+  def _proposals(self, params, logits, uncond_logits, key, per_row: bool = False):
+    """(x0, confidence p(x0)) [B, G] from Dream's `sample_tokens` (alg maskgit_plus)."""
+    del params, uncond_logits
+    o = self.options
+    confidence, x0 = sample_tokens(logits, key, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+                                   per_row=per_row)
+    return x0, confidence
+
+
 def _family(config: ModelConfig, options: DreamOptions, prompt) -> DreamFamily:
   """The exact family, or the block one when the options set a block length."""
   mask_id = config.mask_token_id if options.mask_token_id is None else options.mask_token_id
   if mask_id is None:
     raise ValueError("Dream sampling needs a mask token id: set ModelConfig.mask_token_id or options.mask_token_id.")
   family = DreamBlockwiseFamily if options.blockwise else DreamFamily
+  if options.rule is not None:
+    family = DreamRuleFamily
   return family(options=options, mask_id=mask_id, infill=bool(np.any(np.asarray(prompt) == mask_id)))
 
 

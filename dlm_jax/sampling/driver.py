@@ -226,7 +226,8 @@ def _trace(run: Run, carry, outputs: StepOutput, n_steps, captured: capture_step
                first_nonfinite_step=first_nonfinite,
                active_rows=outputs.active, computed_queries=outputs.queries, stats=plan.squeeze_user(outputs.stats),
                top_sinks=plan.squeeze_sinks(outputs.top_sinks), intervention_record=outputs.record,
-               accepted=outputs.accepted, canvases=outputs.canvas, prompt_length=run.prompt_length,
+               accepted=outputs.accepted, canvases=outputs.canvas, committed=outputs.committed,
+               revoked=outputs.revoked, prompt_length=run.prompt_length,
                captures=None if captured is None else captured.values,
                capture_steps=None if captured is None else captured.steps)
 

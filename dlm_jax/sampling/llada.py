@@ -67,7 +67,8 @@ from dlm_jax import model
 from dlm_jax.model.attention import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache
-from dlm_jax.sampling import blocks, driver, keys, llada_blockwise, padding, parallel, row_by_row
+from dlm_jax.sampling import blocks, decoding_rules, driver, keys, llada_blockwise, llada_rules, padding, parallel, \
+    row_by_row
 from dlm_jax.sampling.schedules import llada_transfer_counts
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
 
@@ -114,6 +115,10 @@ class LLaDAOptions(blocks.BlockLayout):
       blocks' candidates at their refresh steps, and the output can end with mask ids).
     Any of threshold, factor or a cache selects the block-by-block modes of `llada_blockwise`; with none
     of them this is the exact sampler above.
+    rule: one of the decoding rules of `dlm_jax.sampling.decoding_rules` (`EBSampler`, `KLASS`, `WINO`,
+      `PCSampler`, `CertaintyPrior`), run by `dlm_jax.sampling.llada_rules`; None = LLaDA's own rules above.
+      Not with threshold, factor, a cache, CFG, random remasking or a stop token; the rules read p(x0) whatever
+      `confidence_ranking` says.
   """
 
   gen_length: int = 128
@@ -138,6 +143,7 @@ class LLaDAOptions(blocks.BlockLayout):
   factor_rule: Literal["fast_dllm", "dllm"] = "fast_dllm"
   cache: Literal["none", "prefix", "dual"] = "none"
   dual_cache_forwards: Literal["until_done", "steps_per_block"] = "until_done"
+  rule: decoding_rules.Rule | None = None
 
   def __post_init__(self):
     if isinstance(self.gen_length, bool) or not isinstance(self.gen_length, int) or self.gen_length <= 0:
@@ -182,6 +188,8 @@ class LLaDAOptions(blocks.BlockLayout):
     if self.cache != "none" and self.cfg_scale > 0:
       raise ValueError(f"cache={self.cache!r} cannot be combined with cfg_scale > 0 (classifier-free guidance "
                        "would need a cache for the unconditional sequence); use cache='none'.")
+    if self.rule is not None:
+      decoding_rules.check_llada_options(self)
 
   @property
   def blockwise(self) -> bool:
@@ -402,6 +410,25 @@ class LLaDABlockwiseFamily(LLaDAFamily):
     return llada_blockwise.decode(self, run, params, consts, carry, istate, i, phase, call)
 
 
+@dataclasses.dataclass(frozen=True)
+class LLaDARuleFamily(llada_rules.RuleFamilyMixin, LLaDAFamily):
+  """LLaDA / MMaDA under a decoding rule (`LLaDAOptions.rule`; `dlm_jax.sampling.llada_rules`)."""
+
+  name = "llada_rules"
+  can_finish_early = True
+
+  def check(self, config, intervention) -> None:
+    llada_rules.check(self, config, intervention)
+
+  def constants(self, run, sequence, layout):
+    return llada_rules.constants(self, super().constants(run, sequence, layout))
+
+  def _proposals(self, params, logits, uncond_logits, key, per_row: bool = False):
+    """LLaDA's proposals with the confidence p(x0) the rules read (`confidence_ranking` does not apply)."""
+    probability = dataclasses.replace(self, options=dataclasses.replace(self.options, confidence_ranking="probability"))
+    return LLaDAFamily._proposals(probability, params, logits, uncond_logits, key, per_row)
+
+
 def _special_ids(config: ModelConfig, options: LLaDAOptions) -> tuple[int, int | None, int | None]:
   mask_id = config.mask_token_id if options.mask_token_id is None else options.mask_token_id
   eos_id = config.eos_token_id if options.eos_token_id is None else options.eos_token_id
@@ -420,6 +447,8 @@ def _family(config: ModelConfig, options: LLaDAOptions, prompt) -> LLaDAFamily:
   del prompt
   mask_id, eos_id, eot_id = _special_ids(config, options)
   family = LLaDABlockwiseFamily if options.blockwise else LLaDAFamily
+  if options.rule is not None:
+    family = LLaDARuleFamily
   return family(options=options, mask_id=mask_id, eos_id=eos_id, eot_id=eot_id)
 
 

@@ -38,11 +38,15 @@ class StepOutput:
   accepted: [B, C] bool, the canvas positions a uniform-state step accepted (DiffusionGemma; None for the
     other families).
   canvas: [B, C] int32, the canvas a uniform-state decoder step read (DiffusionGemma: the noisy canvas its
-    queries hold, which the final tokens do not show; zeros at its encoder calls; None for the others).
+    queries hold, which the final tokens do not show; zeros at its encoder calls), or [B, G] the generated
+    tokens a step under a decoding rule read (`llada_rules`); None for the others.
   nonfinite: [B] bool, the call's logits (or hidden states) of the row hold a NaN or an infinity (set by
     `ModelCaller`; the conditional and, under CFG, the unconditional half).
   captures: the call's captured activations by name ([B, S | P, ...], the conditional half;
     `dlm_jax.instrument.hook_spec`), {} without hooks.
+  committed: [B, G] bool, the generated positions the step committed a token to (the decoding rules of
+    `dlm_jax.sampling.llada_rules`; None for the other samplers).
+  revoked: [B, G] bool, the generated positions the step re-masked (WINO; all False for the other rules).
   """
 
   stats: dict[str, jax.Array] | None = None
@@ -54,6 +58,8 @@ class StepOutput:
   canvas: jax.Array | None = None
   nonfinite: jax.Array | None = None
   captures: dict[str, Any] | None = None
+  committed: jax.Array | None = None
+  revoked: jax.Array | None = None
 
 
 def _nonfinite_rows(*arrays: jax.Array | None) -> jax.Array:

@@ -178,7 +178,7 @@ class Sampler:
 
 _LLADA_COMMON = {name: name for name in ("gen_length", "steps", "block_length", "temperature", "cfg_scale",
                                          "remasking")}
-_LLADA_MODES = frozenset({"threshold", "factor", "factor_rule", "cache", "dual_cache_forwards"})
+_LLADA_MODES = frozenset({"threshold", "factor", "factor_rule", "cache", "dual_cache_forwards", "rule"})
 _LLADA_DEFAULTS = Defaults(gen_length=128, steps=128, block_length=128)
 _DIFFUSION = dict(kind="bidirectional", needs_mask_token=True, self_conditioning=False, block_queries=False,
                   likelihood=True)
@@ -195,7 +195,7 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("dream", dream.DreamOptions, dream.DreamOptions, dream.diffusion_generate,
             {name: name for name in ("gen_length", "steps", "block_length", "temperature", "alg", "alg_temp",
                                      "top_p", "top_k", "eps")},
-            default=True, default_shift=1, mode_fields=frozenset({"threshold", "factor", "factor_rule", "cache"}),
+            default=True, default_shift=1, mode_fields=frozenset({"threshold", "factor", "factor_rule", "cache", "rule"}),
             defaults=Defaults(gen_length=512, steps=512), blocks="modes", chat_template="dream", **_DIFFUSION),
     Sampler("ar", autoregressive.AROptions, autoregressive.AROptions, autoregressive.generate,
             {name: name for name in ("gen_length", "temperature", "top_p", "top_k")}, kind="causal", default=True,

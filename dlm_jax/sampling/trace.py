@@ -48,6 +48,8 @@ class Trace:
     canvases: None, or [max_steps, B, C] int32 (DiffusionGemma): the canvas each decoder step read — the
       tokens of its queries (accepted samples and renoised ids), which `tokens` does not show; zeros at the
       encoder calls.
+      Under a decoding rule (`dlm_jax.sampling.llada_rules`): [max_steps, B, G], the generated tokens each
+      step read (drafts a later step revoked included).
     first_nonfinite_step: [B] int32, the first step at which the row's logits held a NaN or an infinity
       (computed in the program from every model call's output), −1 when none did; its tokens after that
       step are meaningless (`nonfinite_message`).
@@ -56,6 +58,11 @@ class Trace:
       coordinates (or [B, S, ...] for `Steps.decoded()`), the conditional half under CFG.
     capture_steps: None, or {name: [n] int32}, the step number of each kept slot (−1: never filled, e.g. a
       step after an early stop); absent for `Steps.decoded()` captures (`decode_step` says when).
+    committed: None, or [max_steps, B, G] bool (the decoding rules of `dlm_jax.sampling.llada_rules`): the
+      generated positions each step committed a token to; a position committed more than once was revoked
+      in between.
+    revoked: None, or [max_steps, B, G] bool (with `committed`): the generated positions each step re-masked
+      (WINO's narrow-out; never for the other rules). `first_commit_step` and `revocations` read them per position.
     prompt_length: Lp, the number of prompt positions (static).
   """
 
@@ -72,6 +79,8 @@ class Trace:
   first_nonfinite_step: jax.Array | None = None
   captures: dict[str, Any] | None = None
   capture_steps: dict[str, jax.Array] | None = None
+  committed: jax.Array | None = None
+  revoked: jax.Array | None = None
   prompt_length: int = struct.field(pytree_node=False, default=0)
 
   @property
@@ -79,6 +88,19 @@ class Trace:
     """[B] int32, the model evaluations each row decoded with (equals `nfe` unless rows can wait or the
     sampler makes cache calls that decode no row)."""
     return jnp.sum(self.active_rows, axis=0, dtype=jnp.int32)
+
+  @property
+  def revocations(self) -> jax.Array | None:
+    """[B, G] int32, how many times each generated position was re-masked (None without `revoked`)."""
+    return None if self.revoked is None else jnp.sum(self.revoked, axis=0, dtype=jnp.int32)
+
+  @property
+  def first_commit_step(self) -> jax.Array | None:
+    """[B, G] int32, the step a position was first committed at (−1 never; None without `committed`);
+    `decode_step` is the last."""
+    if self.committed is None:
+      return None
+    return jnp.where(jnp.any(self.committed, axis=0), jnp.argmax(self.committed, axis=0), -1).astype(jnp.int32)
 
   @property
   def generated(self) -> jax.Array:

@@ -131,6 +131,7 @@ def model_settings(decode: DecodeSettings, model: Model, mode: DecodingMode = De
   mode: the --decoding mode (`experiments.common.decoding_modes`); diffusion samplers record it ("decoding" and
   the rule's "threshold" or "factor"), the autoregressive sampler, to which it does not apply, does not."""
   mode.option_fields(model.sampler)
+  mode.check_tokenizer(model.tokenizer)
   sampler = model.decoder
   data = model.record.get("data", {})
   length = decode.gen_length

@@ -27,6 +27,11 @@ until the block holds no mask) or `steps_per_block` (NVlabs' current code: at mo
 the refresh included; masks a block leaves compete at later blocks' refreshes and the output can end with
 mask ids); LLaDA and MMaDA only.
 
+Decoding rules. eb, klass, wino, pc and certainty_prior run the rules of `dlm_jax.sampling.decoding_rules`
+(EB-Sampler, KLASS, WINO, PC-Sampler, d2Cache's certainty prior) with their knobs (`experiments.common.rule_flags`:
+--eb_gamma, --klass_*, --wino_*, --pc_prior / --pc_lambda / --pc_alpha / --pc_variant, --certainty_sigma;
+recorded as "knobs"); LLaDA, MMaDA and Dream (WINO: LLaDA and MMaDA), no cache.
+
 Samplers. `dlm_jax.sampling.registry` lists the option fields of each sampler's options that the modes set
 (`Sampler.mode_fields`): LLaDA
 and MMaDA take every mode (`LLaDAOptions.threshold / factor / cache`), Dream too (`DreamOptions`, with
@@ -47,7 +52,7 @@ from typing import Any
 
 from absl import logging
 
-from dlm_jax.sampling import registry
+from dlm_jax.sampling import corpus_prior, decoding_rules, registry
 from experiments.common.cli import UsageError, UserError
 
 MODES: dict[str, tuple[str, str]] = {
@@ -62,6 +67,27 @@ MODES: dict[str, tuple[str, str]] = {
 }
 """--decoding name -> (transfer rule: quota | threshold | factor, cache: none | prefix | dual)."""
 
+RULE_MODES: dict[str, tuple[str, str]] = {name: (name, "none") for name in decoding_rules.RULE_NAMES}
+"""The decoding-rule modes (`dlm_jax.sampling.decoding_rules`), same layout as `MODES`; no cache."""
+
+ALL_MODES: dict[str, tuple[str, str]] = {**MODES, **RULE_MODES}
+"""Every --decoding name."""
+
+RULE_ARGS: dict[str, tuple[str, str]] = {
+    "eb_gamma": ("eb", "gamma"), "klass_conf_threshold": ("klass", "conf_threshold"),
+    "klass_kl_threshold": ("klass", "kl_threshold"), "klass_kl_history_length": ("klass", "kl_history_length"),
+    "wino_wide_in": ("wino", "wide_in"), "wino_narrow_out": ("wino", "narrow_out"), "pc_prior": ("pc", "prior"),
+    "pc_lambda": ("pc", "lam"), "pc_alpha": ("pc", "alpha"), "pc_variant": ("pc", "variant"),
+    "certainty_sigma": ("certainty_prior", "sigma")}
+"""The flat names of the rules' knobs (binary flags, lm-eval model_args) -> (rule, knob)."""
+
+
+def rule_knobs(decoding: str, values: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+  """The knobs of rule `decoding` among flat-named `values` (`RULE_ARGS`), as sorted (knob, value) pairs."""
+  return tuple(sorted((knob, values[flat]) for flat, (rule, knob) in RULE_ARGS.items()
+                      if rule == decoding and flat in values))
+
+
 DEFAULT_THRESHOLD = 0.9
 DEFAULT_FACTOR = 1.0
 DUAL_CACHE_FORWARDS = ("until_done", "steps_per_block")
@@ -71,19 +97,22 @@ DUAL_CACHE_FORWARDS = ("until_done", "steps_per_block")
 class DecodingMode:
   """One decoding mode (recorded with the results; build it with `from_values` or `from_spec`).
 
-  decoding: a `MODES` name; threshold: τ of the threshold rule, only when the mode uses it (else None);
+  decoding: an `ALL_MODES` name; threshold: τ of the threshold rule, only when the mode uses it (else None);
   factor: f of the factor rule, likewise; dual_cache_forwards: a `DUAL_CACHE_FORWARDS` value (not the
-  default only with the dual cache).
+  default only with the dual cache); knobs: the decoding rule's knobs as sorted (name, value) pairs (the rule
+  modes eb, klass, wino, pc, certainty_prior; `dlm_jax.sampling.decoding_rules`; pc's "prior" is the prior
+  file's path).
   """
 
   decoding: str = "exact"
   threshold: float | None = None
   factor: float | None = None
   dual_cache_forwards: str = DUAL_CACHE_FORWARDS[0]
+  knobs: tuple[tuple[str, Any], ...] = ()
 
   def __post_init__(self):
-    if self.decoding not in MODES:
-      raise UserError(f"--decoding={self.decoding}: expected one of {', '.join(MODES)}")
+    if self.decoding not in ALL_MODES:
+      raise UserError(f"--decoding={self.decoding}: expected one of {', '.join(ALL_MODES)}")
     _check_threshold(self.threshold)
     _check_factor(self.factor)
     for name, used in (("threshold", self.rule == "threshold"), ("factor", self.rule == "factor")):
@@ -95,6 +124,17 @@ class DecodingMode:
     if self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0] and self.cache != "dual":
       raise UserError(f"--dual_cache_forwards={self.dual_cache_forwards} applies to the dual-cache modes "
                       f"(dual_cache, threshold_dual_cache), not --decoding={self.decoding}")
+    if self.knobs and self.rule not in decoding_rules.RULE_NAMES:
+      raise UserError(f"--decoding={self.decoding} takes no rule knobs ({', '.join(k for k, _ in self.knobs)})")
+    if self.rule in decoding_rules.RULE_NAMES:
+      self.decoding_rule()
+
+  def decoding_rule(self) -> decoding_rules.Rule:
+    """The rule of a rule mode (the pc prior loaded from its file); a one-line error on a bad knob."""
+    try:
+      return decoding_rules.rule_from_name(self.decoding, **dict(self.knobs))
+    except ValueError as e:
+      raise UserError(f"--decoding={self.decoding}: {e}") from None
 
   @property
   def factor_rule(self) -> str:
@@ -105,12 +145,12 @@ class DecodingMode:
   @property
   def rule(self) -> str:
     """The transfer rule: quota (the sampler's own), threshold or factor."""
-    return MODES[self.decoding][0]
+    return ALL_MODES[self.decoding][0]
 
   @property
   def cache(self) -> str:
     """none, prefix or dual."""
-    return MODES[self.decoding][1]
+    return ALL_MODES[self.decoding][1]
 
   @property
   def exact(self) -> bool:
@@ -131,13 +171,16 @@ class DecodingMode:
       values["factor"] = self.factor
     if self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
       values["dual_cache_forwards"] = self.dual_cache_forwards
+    if self.knobs:
+      values["knobs"] = dict(self.knobs)
     return values
 
   @classmethod
   def from_record(cls, values: dict[str, Any]) -> DecodingMode:
     """The mode of a `record()` (missing "decoding" = exact; other keys of `values` are ignored)."""
     return cls(values.get("decoding", "exact"), values.get("threshold"), values.get("factor"),
-               values.get("dual_cache_forwards", DUAL_CACHE_FORWARDS[0]))
+               values.get("dual_cache_forwards", DUAL_CACHE_FORWARDS[0]),
+               tuple(sorted(values.get("knobs", {}).items())))
 
   def option_fields(self, sampler: str) -> dict[str, Any]:
     """The fields of `sampler`'s options that this mode sets (every field the sampler has; {} for a sampler
@@ -148,6 +191,11 @@ class DecodingMode:
     supported = registry.get(sampler).mode_fields
     if not supported:
       return {}
+    if self.rule in decoding_rules.RULE_NAMES:
+      if "rule" not in supported:
+        raise UsageError(f"--decoding={self.decoding}: the {sampler} sampler has no {self.decoding} decoding yet; "
+                         "use --decoding=exact, threshold or factor")
+      return {"rule": self.decoding_rule()}
     if "transfer" in supported:
       return self._transfer_fields(sampler)
     fields = {"threshold": self.threshold, "factor": self.factor, "cache": self.cache}
@@ -172,6 +220,17 @@ class DecodingMode:
       return {"transfer": "fast_dllm", "threshold": self.threshold}
     return {}
 
+  def check_tokenizer(self, tokenizer) -> None:
+    """Refuses (one line) a pc prior file made for another tokenizer than `tokenizer` (a
+    `dlm_jax.io.tokenizer.Tokenizer`, or None: nothing to check)."""
+    prior = dict(self.knobs).get("prior")
+    if self.decoding != "pc" or tokenizer is None or not isinstance(prior, str):
+      return
+    try:
+      corpus_prior.load(prior, vocab=tokenizer.backend.get_vocab(with_added_tokens=True))
+    except ValueError as e:
+      raise UserError(f"--decoding=pc: {e}") from None
+
   def check_guidance(self, cfg_scale: float) -> None:
     """Refuses a KV cache together with classifier-free guidance (the unconditional sequence has no cache)."""
     if self.cache != "none" and cfg_scale > 0:
@@ -190,23 +249,27 @@ def _check_factor(value: float | None) -> None:
 
 
 def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: float = DEFAULT_FACTOR,
-                dual_cache_forwards: str = DUAL_CACHE_FORWARDS[0]) -> DecodingMode:
+                dual_cache_forwards: str = DUAL_CACHE_FORWARDS[0],
+                knobs: tuple[tuple[str, Any], ...] = ()) -> DecodingMode:
   """The mode of the flag values: each is checked (a one-line error naming its flag), and the threshold and
   factor are kept only when the mode uses them."""
   _check_threshold(threshold)
   _check_factor(factor)
-  if decoding not in MODES:
-    raise UserError(f"--decoding={decoding}: expected one of {', '.join(MODES)}")
-  rule = MODES[decoding][0]
+  if decoding not in ALL_MODES:
+    raise UserError(f"--decoding={decoding}: expected one of {', '.join(ALL_MODES)}")
+  rule = ALL_MODES[decoding][0]
   return DecodingMode(decoding, threshold if rule == "threshold" else None, factor if rule == "factor" else None,
-                      dual_cache_forwards)
+                      dual_cache_forwards, knobs if rule in decoding_rules.RULE_NAMES else ())
 
 
 def from_spec(spec: str) -> DecodingMode:
-  """`name` or `name:value` (value = the threshold or factor; default 0.9 / 1.0) -> the mode."""
+  """`name` or `name:value` (value = the threshold or factor; default 0.9 / 1.0), or for a decoding rule
+  `name:knob=value,knob=value` (e.g. `eb:gamma=0.1`, `pc:prior=prior.json`) -> the mode."""
   name, sep, value = spec.partition(":")
   if not sep:
     return from_values(name)
+  if name in decoding_rules.RULE_NAMES:
+    return from_values(name, knobs=_rule_knobs(spec, value))
   if name not in MODES or MODES[name][0] == "quota":
     raise UserError(f"decoding mode {spec!r}: only modes with a threshold or factor take ':value'")
   try:
@@ -214,6 +277,23 @@ def from_spec(spec: str) -> DecodingMode:
   except ValueError:
     raise UserError(f"decoding mode {spec!r}: expected name:number") from None
   return from_values(name, threshold=number) if MODES[name][0] == "threshold" else from_values(name, factor=number)
+
+
+def _rule_knobs(spec: str, text: str) -> tuple[tuple[str, Any], ...]:
+  """`knob=value,...` of a rule spec, numbers parsed (ints stay ints), other values kept as strings."""
+  knobs = {}
+  for item in text.split(","):
+    key, eq, raw = item.partition("=")
+    if not eq or not key:
+      raise UserError(f"decoding mode {spec!r}: expected name:knob=value[,knob=value...]")
+    try:
+      knobs[key] = int(raw)
+    except ValueError:
+      try:
+        knobs[key] = float(raw)
+      except ValueError:
+        knobs[key] = raw
+  return tuple(sorted(knobs.items()))
 
 
 def warn_if_unused(mode: DecodingMode, sampler: str, label: str) -> None:

@@ -4,7 +4,10 @@ resolved per task with a preset (`experiments.lm_eval.presets`).
   checkpoint      converted directory or tiny-dlm | tiny-arm | tiny-moe-dlm | tiny-uniform-dlm | smollm2 (required)
   sampler         auto | llada | mmada | dream | ar | block_diffusion | diffusion_gemma (auto: by the model)
   decoding        exact | threshold | factor | prefix_cache | dual_cache | threshold_prefix_cache |
-                  threshold_dual_cache, with threshold / factor (`experiments.common.decoding_modes`)
+                  threshold_dual_cache, with threshold / factor (`experiments.common.decoding_modes`), or a
+                  decoding rule eb | klass | wino | pc | certainty_prior with its knobs eb_gamma,
+                  klass_conf_threshold, klass_kl_threshold, klass_kl_history_length, wino_wide_in,
+                  wino_narrow_out, pc_prior (a prior file), pc_lambda, pc_alpha, pc_variant, certainty_sigma
   gen_length, steps, block_length, temperature, remasking, alg, alg_temp, top_p, top_k
                   generation (`experiments.common.decoding`; unset = that module's per-model defaults, gen_length
                   then the request's max_gen_toks)
@@ -34,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dlm_jax.sampling import decoding_rules
 from experiments.common import decoding, decoding_modes, numerics, steering
 from experiments.common.checkpoints import SAMPLERS
 from experiments.common.cli import UserError
@@ -53,6 +57,17 @@ class EvalArgs:
   decoding: str = "exact"
   threshold: float = decoding_modes.DEFAULT_THRESHOLD
   factor: float = decoding_modes.DEFAULT_FACTOR
+  eb_gamma: float = decoding_rules.EBSampler.gamma
+  klass_conf_threshold: float = decoding_rules.KLASS.conf_threshold
+  klass_kl_threshold: float = decoding_rules.KLASS.kl_threshold
+  klass_kl_history_length: int = decoding_rules.KLASS.kl_history_length
+  wino_wide_in: float = decoding_rules.WINO.wide_in
+  wino_narrow_out: float = decoding_rules.WINO.narrow_out
+  pc_prior: str | None = None
+  pc_lambda: float = decoding_rules.PCSampler.lam
+  pc_alpha: float = decoding_rules.PCSampler.alpha
+  pc_variant: str = "pc_sampler"
+  certainty_sigma: float = decoding_rules.CertaintyPrior.sigma
   gen_length: int | None = None
   steps: int | None = None
   block_length: int | None = None
@@ -83,7 +98,7 @@ class EvalArgs:
 
   def __post_init__(self):
     _choice("sampler", self.sampler, SAMPLERS)
-    _choice("decoding", self.decoding, tuple(decoding_modes.MODES))
+    _choice("decoding", self.decoding, tuple(decoding_modes.ALL_MODES))
     _choice("remasking", self.remasking, decoding.REMASKING)
     _choice("alg", self.alg, decoding.DREAM_ALGS)
     _choice("sink_token", self.sink_token, SINK_TOKENS)
@@ -106,7 +121,7 @@ class EvalArgs:
     if not 0 < self.eps < 1:
       raise UserError(f"model_args eps={self.eps}: expected a value in (0, 1)")
     try:
-      decoding_modes.from_values(self.decoding, self.threshold, self.factor)
+      self.mode  # pylint: disable=pointless-statement
     except (UserError, ValueError) as e:
       raise UserError(f"model_args decoding={self.decoding}: {e}") from None
     if self.steer:
@@ -117,7 +132,8 @@ class EvalArgs:
 
   @property
   def mode(self) -> decoding_modes.DecodingMode:
-    return decoding_modes.from_values(self.decoding, self.threshold, self.factor)
+    knobs = decoding_modes.rule_knobs(self.decoding, {name: getattr(self, name) for name in decoding_modes.RULE_ARGS})
+    return decoding_modes.from_values(self.decoding, self.threshold, self.factor, knobs=knobs)
 
   @property
   def runtime_mesh(self) -> str:

@@ -72,7 +72,27 @@ def model_data(run: str, meta: dict, item: str, records: list[dict]) -> dict | N
                     for l in range(sink_mask.shape[1])] for t in range(ran)]}
   if "correct" in record:
     out["correct"] = bool(record["correct"])
+  if "revoked" in data:
+    out.update(_revisions(data["committed"][:ran], data["revoked"][:ran], decode_step, data["canvas"][:ran],
+                          data["step_index"][:ran], vocab))
   return out
+
+
+def _revisions(committed, revoked, decode_step, canvas, steps, vocab) -> dict:
+  """A decoding rule's drafts (module docstring): per step shown, the positions it re-masked ("revoked",
+  shown with the draft the step read) and those holding a draft a later step revokes ("drafted", with its
+  text). committed / revoked [T, S] bool, decode_step [S], canvas [T, S], steps [T]."""
+  holding, drafted, texts = {}, [], []
+  for t in range(len(steps)):
+    for p in np.flatnonzero(revoked[t]):
+      holding.pop(int(p), None)
+    for p in np.flatnonzero(committed[t]):
+      holding[int(p)] = int(steps[t])
+    later = {p: s for p, s in holding.items() if decode_step[p] != s}
+    drafted.append(sorted(later))
+    step_read = canvas[t + 1] if t + 1 < len(steps) else None
+    texts.append([vocab.get(int(step_read[p]), "?") if step_read is not None else "?" for p in sorted(later)])
+  return {"revoked": [np.flatnonzero(r).tolist() for r in revoked], "drafted": drafted, "draft_text": texts}
 
 
 def masking_data(masking_dir: str, item: str | None) -> dict:

@@ -49,6 +49,8 @@
 
   function stateOf(m, t, p) {  // display class of position p after the t-th step shown
     if (p < m.prompt_length) return "prompt";
+    if (m.revoked && m.revoked[t].indexOf(p) >= 0) return "revoked";
+    if (m.drafted && m.drafted[t].indexOf(p) >= 0) return "drafted";
     var d = m.decode_step[p], s = m.steps[t];
     if (d < 0 || d > s) return "masked";
     return d === s ? "fresh" : "decoded";
@@ -56,6 +58,8 @@
   function textOf(m, t, p) {
     var c = stateOf(m, t, p);
     if (c === "masked") return m.vocab[m.canvas[t][p]] !== undefined ? m.vocab[m.canvas[t][p]] : "·";
+    if (c === "revoked") return m.vocab[m.canvas[t][p]] !== undefined ? m.vocab[m.canvas[t][p]] : "?";
+    if (c === "drafted") return m.draft_text[t][m.drafted[t].indexOf(p)];
     return m.tokens[p];
   }
 
