@@ -22,6 +22,8 @@ import time
 
 from absl import app, flags, logging
 
+from experiments.common import cli
+
 from converters.hf_config import ARCHS
 from converters.hf_convert import OUTPUT_DTYPES, convert
 from converters.plan import DEFAULT_CHUNK_BYTES
@@ -65,4 +67,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -15,6 +15,8 @@ import time
 
 from absl import app, flags, logging
 
+from experiments.common import cli
+
 from converters.gguf_import import OUTPUT_DTYPES, convert_gguf
 from dlm_jax.io.checkpoint import CheckpointError
 from dlm_jax.config import ConfigError
@@ -51,4 +53,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

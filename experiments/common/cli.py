@@ -28,6 +28,8 @@ from typing import Callable, NoReturn
 
 from absl import app, flags
 
+from dlm_jax.extras import MissingExtra
+from dlm_jax.runtime import backend_probe
 from dlm_jax.io.checkpoint import CheckpointError
 from dlm_jax.config import ConfigError
 
@@ -43,8 +45,9 @@ class UsageError(UserError):
 
 
 USER_ERRORS = (UserError, app.UsageError, CheckpointError, ConfigError, FileNotFoundError, NotADirectoryError,
-               IsADirectoryError, PermissionError)
-"""Exceptions `run` reports as one line: ours, and the library's errors about checkpoints, configs and files."""
+               IsADirectoryError, PermissionError, MissingExtra)
+"""Exceptions `run` reports as one line: ours, the library's errors about checkpoints, configs and files, and a
+missing extra (`dlm_jax.extras`)."""
 
 
 DEFAULT_RESUME_HINT = "nothing was written; run the same command again"
@@ -128,5 +131,7 @@ def call(main: Callable[[list[str]], None], argv: list[str], arguments: int = 0)
 
 
 def run(main: Callable[[list[str]], None], arguments: int = 0) -> None:
-  """`absl.app.run(main)` with user errors, flag errors and Ctrl-C reported as one line (module docstring)."""
+  """`absl.app.run(main)` with user errors, flag errors and Ctrl-C reported as one line (module docstring), and
+  without JAX's start-up noise about backends that are not installed (`dlm_jax.runtime.backend_probe`)."""
+  backend_probe.quiet_absent_backends()
   app.run(lambda argv: call(main, argv, arguments), flags_parser=parse_flags)

@@ -13,8 +13,11 @@ resolved per task with a preset (`experiments.lm_eval.presets`).
   sink_token      auto | none: the checkpoint's extra sink token (auto: as trained) or none
   steer           a steering file (JSON; `experiments.common.steering`): activation additions at named sites
                   while generating (empty = none)
-  prompt_format   plain (BOS + text) | training (a diffusion model trained here: [PAD … BOS text] padded with
-                  visible pads to its training prompt width, as `experiments.common.prompts`' training layout)
+  prompt_format   auto | plain (BOS + text) | training (a diffusion model trained here: [PAD … BOS text] padded
+                  with visible pads to its training prompt width, as `experiments.common.prompts`' training
+                  layout). auto: the checkpoint's default, the rule of every entry point
+                  (`dlm_jax.io.prompt_layout`): training when it records a training prompt width, else plain
+                  (a checkpoint whose default is chat: lm-eval's --apply_chat_template applies its template)
   estimator       auto | llada | dream: the DLM likelihood estimator (auto: dream for shifted models)
   mc_num, mc_batch, eps, is_check_greedy
                   Monte-Carlo draws per request, draws per stratum, Dream's ε, greedy check of a DLM
@@ -41,7 +44,7 @@ from experiments.lm_eval import presets
 
 ESTIMATORS = ("auto", "llada", "dream")
 SINK_TOKENS = ("auto", "none")
-PROMPT_FORMATS = ("plain", "training")
+PROMPT_FORMATS = ("auto", "plain", "training")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +69,7 @@ class EvalArgs:
   mask_sinks: int = 0
   sink_token: str = "auto"
   steer: str = ""
-  prompt_format: str = "plain"
+  prompt_format: str = "auto"
   estimator: str = "auto"
   mc_num: int = 128
   mc_batch: int = 32
