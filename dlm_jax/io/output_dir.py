@@ -60,8 +60,10 @@ def check_not_over_sources(out_dir: str | os.PathLike, sources: Sequence[str | o
 
 def check_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
                      sources: Sequence[str | os.PathLike] = ()) -> None:
-  """Raises CheckpointError if the real `out_dir` is a file, a non-empty directory without `overwrite`, or
-  overlaps a source (module docstring)."""
+  """Raises CheckpointError if `out_dir` is blank, or the real `out_dir` is a file, a non-empty directory without
+  `overwrite`, or overlaps a source (module docstring)."""
+  if not os.fspath(out_dir).strip():
+    raise CheckpointError(f"Output directory {os.fspath(out_dir)!r} is blank; expected a directory path.")
   check_not_over_sources(out_dir, sources)
   out = os.path.realpath(os.fspath(out_dir))
   if os.path.lexists(out):
