@@ -53,6 +53,10 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if not _HF_DIR.value or not _OUT_DIR.value:
     raise app.UsageError("--hf_dir and --out_dir are required.")
+  if _CHUNK_MB.value < 1:
+    raise app.UsageError(f"--chunk_mb={_CHUNK_MB.value}: expected a positive number of MiB")
+  if not _MAX_SHARD_GB.value > 0:
+    raise app.UsageError(f"--max_shard_gb={_MAX_SHARD_GB.value}: expected a size > 0 (GiB)")
   start = time.perf_counter()
   try:
     config = convert(_HF_DIR.value, _OUT_DIR.value, arch=_ARCH.value, dtype=_DTYPE.value,

@@ -53,6 +53,7 @@ def _request(kind, arguments, task="t"):
     (dict(estimator="x"), "estimator"), (dict(dtype="int8"), "dtype"), (dict(preset="paper"), "preset"),
     (dict(top_p=2.0), "top_p"), (dict(is_check_greedy="maybe"), "is_check_greedy"), (dict(colour=1), "colour"),
     (dict(sink_token="back"), "sink_token"), (dict(threshold=2.0, decoding="threshold"), "decoding"),
+    (dict(temperature="nan"), "temperature"), (dict(cfg="inf"), "cfg"), (dict(prompt_format="chat"), "prompt_format"),
 ])
 def test_bad_model_args_name_the_argument(kwargs, name):
   with pytest.raises(cli.UserError, match=rf"^model_args {name}\b"):

@@ -20,6 +20,7 @@ The hint is "nothing was written; run the same command again" unless the binary 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -90,12 +91,25 @@ def flag_error_message(error: flags.Error) -> str:
   return f"--{' and --'.join(missing)} {'is' if len(missing) == 1 else 'are'} required"
 
 
+def check_finite_floats() -> None:
+  """Refuses nan or ±inf in any float flag given (absl parses them; no binary has a use for them)."""
+  for name, flag in flags.FLAGS._flags().items():  # pylint: disable=protected-access
+    value = flag.value
+    if flag.present and isinstance(value, float) and not math.isfinite(value):
+      raise UsageError(f"--{name}={value}: expected a finite number")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parser with its errors reported as our one line (exit 1), not `FATAL Flags parsing error`."""
+  """absl's flag parser with its errors reported as our one line (exit 1), not `FATAL Flags parsing error`;
+  a non-finite float flag is refused the same way."""
   try:
-    return flags.FLAGS(argv)
+    remaining = flags.FLAGS(argv)
+    check_finite_floats()
+    return remaining
   except flags.Error as error:
     report(UsageError(flag_error_message(error)))
+  except UsageError as error:
+    report(error)
 
 
 def interrupted() -> NoReturn:

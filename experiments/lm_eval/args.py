@@ -35,6 +35,7 @@ max_batch_size / device are accepted and ignored (device: JAX's backend decides)
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from experiments.common import decoding, decoding_modes, numerics, steering
@@ -153,7 +154,7 @@ def _convert(name: str, value: Any) -> Any:
         raise ValueError
       return int(float(value))
     if kind.startswith("float"):
-      if isinstance(value, bool):
+      if isinstance(value, bool) or not math.isfinite(float(value)):
         raise ValueError
       return float(value)
     if kind == "bool":
