@@ -48,7 +48,9 @@ def require(module: str, extra: str, needed_by: str) -> ModuleType:
 def _program() -> str:
   main = sys.modules.get("__main__")
   spec = getattr(main, "__spec__", None)
-  return spec.name if spec is not None and spec.name else (sys.argv[0] if sys.argv else "dlm_jax")
+  if spec is not None and spec.name:
+    return spec.name.removesuffix(".__main__")  # `python -m experiments.lm_eval` runs its __main__ module
+  return sys.argv[0] if sys.argv else "dlm_jax"
 
 
 def _one_line_hook(previous):
