@@ -37,15 +37,6 @@ MOVED: dict[str, tuple[str, ...]] = {
 instrument.stats, the planner in sampling.stats_plan)."""
 
 
-def _caller_stacklevel() -> int:
-  """The `warnings.warn` stacklevel of the first frame outside importlib and this module (the import statement)."""
-  frame, level = sys._getframe(2), 2  # pylint: disable=protected-access
-  while frame is not None and (frame.f_code.co_filename.startswith("<frozen importlib")
-                               or frame.f_code.co_filename == __file__):
-    frame, level = frame.f_back, level + 1
-  return level
-
-
 class _ForwardingModule(types.ModuleType):
   """An old path: every attribute read from the new module(s), first one that has it."""
 
@@ -78,7 +69,7 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     targets = MOVED[spec.name]
     warnings.warn(f"{spec.name} moved to {' and '.join(targets)}; import it from there (the old path is a "
                   "deprecated alias, removed in the next release; see CHANGELOG.md)", DeprecationWarning,
-                  stacklevel=_caller_stacklevel())
+                  stacklevel=2)  # the import statement: warnings skips importlib's own frames
     for target in targets:
       importlib.import_module(target)
     return _ForwardingModule(spec.name, targets)

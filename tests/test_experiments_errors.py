@@ -63,6 +63,8 @@ def test_analysis_binaries(inputs):
       (["--mesh=rows:2"], ["--mesh=rows:2"]),
       (["--samplers=ar"], ["sampler ar", "bidirectional"]),
       (["--samplers=llada,ar"], ["--samplers"]),
+      (["--samplers=dream"], ["sampler dream", "logit_shift=0", "use llada"]),
+      (["--epsilon=nan"], ["--epsilon=nan", "finite"]), (["--output_dir= "], ["--output_dir=' '", "blank"]),
       ([f"--output_dir={inputs['file']}"], ["is a file"]),
       (["extra"], ["unexpected arguments", "helpfull"]),
   ]
@@ -91,7 +93,8 @@ def test_generate_forward_evaluate(inputs):
            ([f"--json_out={inputs['root']}"], ["is a directory"]), (["--checkpoint=/no/dir"], ["/no/dir"]),
            (["--prompt_ids=a,b"], ["--prompt_ids", "helpfull"]), (["--prompt_ids=5,999"], ["999"]),
            (["--prompt=hi"], ["exactly one", "helpfull"]), (["--mask_sinks=-3"], ["--mask_sinks=-3"]),
-           (["--sampler=ar"], ["sampler ar"]),
+           (["--sampler=ar"], ["sampler ar"]), (["--sampler=dream"], ["sampler dream", "logit_shift=0"]),
+           (["--temperature=inf"], ["--temperature=inf", "finite"]), (["--stats_out= "], ["blank"]),
            ([f"--checkpoint={inputs['corrupt']}"], ["config.json"]), (["--top_p=0", "--sampler=dream"], [])]
   flags = [base + args for args, _ in cases]
   results = fx.run_cases("generate", flags)

@@ -40,8 +40,10 @@ LAYOUT_MOVES = {
 @pytest.mark.parametrize("old,new", sorted(LAYOUT_MOVES.items()))
 def test_old_import_paths_still_work_with_a_deprecation_warning(old, new, monkeypatch):
   monkeypatch.delitem(sys.modules, old, raising=False)
-  with pytest.warns(DeprecationWarning, match=rf"^{old} moved to {new}; import it from there"):
-    alias = importlib.import_module(old)
+  with pytest.warns(DeprecationWarning, match=rf"^{old} moved to {new}; import it from there") as warned:
+    __import__(old)  # an import statement's own call (importlib.import_module would add a frame of its own)
+  alias = sys.modules[old]
+  assert warned[0].filename == __file__  # the importing line, so a script shows it by default
   target = importlib.import_module(new)
   public = [name for name in vars(target) if not name.startswith("_")]
   assert public and all(getattr(alias, name) is getattr(target, name) for name in public)

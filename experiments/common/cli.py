@@ -100,16 +100,11 @@ def check_finite_floats() -> None:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parser with its errors reported as our one line (exit 1), not `FATAL Flags parsing error`;
-  a non-finite float flag is refused the same way."""
+  """absl's flag parser with its errors reported as our one line (exit 1), not `FATAL Flags parsing error`."""
   try:
-    remaining = flags.FLAGS(argv)
-    check_finite_floats()
-    return remaining
+    return flags.FLAGS(argv)
   except flags.Error as error:
     report(UsageError(flag_error_message(error)))
-  except UsageError as error:
-    report(error)
 
 
 def interrupted() -> NoReturn:
@@ -134,8 +129,9 @@ def int_list(values: list[str], flag: str) -> tuple[int, ...]:
 
 def call(main: Callable[[list[str]], None], argv: list[str], arguments: int = 0) -> None:
   """Runs `main(argv)` (flags parsed), reporting a user error as one line and exit code 1; `arguments`
-  positional arguments are allowed (the binary checks them)."""
+  positional arguments are allowed (the binary checks them); a nan or infinite float flag is refused."""
   try:
+    check_finite_floats()
     check_no_arguments(argv, arguments)
     main(argv)
   except USER_ERRORS as error:
