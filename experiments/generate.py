@@ -250,6 +250,9 @@ class Settings:
     if sampler.blocks == "modes" and self.decoding.exact:
       fields["block_length"] = None  # exact decoding has no blocks
     if sampler.blocks == "attention":
+      if self.block_length not in (None, config.attention_block_size):
+        raise cli.UserError(f"--block_length={self.block_length} must be the model's attention block "
+                            f"({config.attention_block_size}) for {self.sampler}; leave it unset")
       fields["block_length"] = self.block_length or config.attention_block_size
     if "eos_token_ids" in sampler.fields:
       ends = end_ids(config, self.end_of_turn_id)

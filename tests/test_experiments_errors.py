@@ -27,7 +27,8 @@ def inputs(tmp_path_factory):
   a_file = root / "a_file"
   a_file.write_text("x")
   return {"root": root, "corrupt": str(corrupt), "malformed": str(malformed), "long": str(long_prompt),
-          "file": str(a_file), "dlm": fx.tiny_checkpoint(str(root / "dlm"), "dlm", seed=1)}
+          "file": str(a_file), "dlm": fx.tiny_checkpoint(str(root / "dlm"), "dlm", seed=1),
+          "llada2": fx.tiny_checkpoint(str(root / "llada2"), "llada2")}
 
 
 def _check(results, cases, must_mention, leftovers):
@@ -95,6 +96,7 @@ def test_generate_forward_evaluate(inputs):
            (["--prompt=hi"], ["exactly one", "helpfull"]), (["--mask_sinks=-3"], ["--mask_sinks=-3"]),
            (["--sampler=ar"], ["sampler ar"]), (["--sampler=dream"], ["sampler dream", "logit_shift=0"]),
            (["--temperature=inf"], ["--temperature=inf", "finite"]), (["--stats_out= "], ["blank"]),
+           ([f"--checkpoint={inputs['llada2']}", "--block_length=8"], ["--block_length=8", "attention block (4)"]),
            ([f"--checkpoint={inputs['corrupt']}"], ["config.json"]), (["--top_p=0", "--sampler=dream"], [])]
   flags = [base + args for args, _ in cases]
   results = fx.run_cases("generate", flags)
