@@ -23,6 +23,7 @@ import os
 
 from absl import flags
 
+from dlm_jax import extras
 from experiments.common import atomic_files, cli, flag_checks
 from experiments.reports import masking_report
 from experiments.lm_eval.__main__ import TASKS_DIR
@@ -81,6 +82,7 @@ def run_condition(lm, k: int, tasks: list[str], manager, out_dir: str) -> dict:
 
 def main(argv):
   del argv
+  extras.require("lm_eval", "eval", "experiments.lm_eval.table1")
   from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
   from experiments.common import checkpoints  # pylint: disable=import-outside-toplevel
   from experiments.lm_eval.model import DlmJaxLM  # pylint: disable=import-outside-toplevel
