@@ -13,6 +13,8 @@ import hashlib
 import os
 from typing import Any
 
+from absl import logging
+
 from dlm_jax import default_models
 from dlm_jax.io import json_files, prompt_layout
 from dlm_jax.config import ModelConfig
@@ -157,11 +159,12 @@ def prepare(entry: str, sampler: str, prompt_format: str) -> Model:
   record = training_record(directory)
   sampler = default_sampler(config) if sampler == "auto" else sampler
   check_sampler(label, sampler, config)
-  prompt_format = prompt_layout.resolve(prompt_format, directory, record)
+  requested, prompt_format = prompt_format, prompt_layout.resolve(prompt_format, directory, record)
   if prompt_format == "training" and not record.get("data", {}).get("prompt_len"):
     raise UserError(f"{label}: --prompt_format=training needs a training.json with the prompt width; use chat "
                     "or plain")
   tokenizer = Tokenizer.from_dir(directory, config)
+  logging.info("%s: %s prompts (--prompt_format=%s), sampler %s", label, prompt_format, requested, sampler)
   return Model(label, directory, config, None, tokenizer, record, sampler, prompt_format)
 
 
