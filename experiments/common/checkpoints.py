@@ -159,12 +159,11 @@ def prepare(entry: str, sampler: str, prompt_format: str) -> Model:
   record = training_record(directory)
   sampler = default_sampler(config) if sampler == "auto" else sampler
   check_sampler(label, sampler, config)
-  requested, prompt_format = prompt_format, prompt_layout.resolve(prompt_format, directory, record)
+  prompt_format = prompt_layout.resolve(prompt_format, directory, record)
   if prompt_format == "training" and not record.get("data", {}).get("prompt_len"):
     raise UserError(f"{label}: --prompt_format=training needs a training.json with the prompt width; use chat "
                     "or plain")
   tokenizer = Tokenizer.from_dir(directory, config)
-  logging.info("%s: %s prompts (--prompt_format=%s), sampler %s", label, prompt_format, requested, sampler)
   return Model(label, directory, config, None, tokenizer, record, sampler, prompt_format)
 
 
@@ -175,8 +174,11 @@ def load_weights(model: Model, runtime, numerics) -> Model:
 
 
 def prepare_all(entries: tuple[str, ...], samplers: tuple[str, ...], prompt_format: str) -> list[Model]:
-  """`prepare` for every entry; refuses two entries with the same label."""
+  """`prepare` for every entry, each one's prompt layout and sampler logged; refuses two entries with the same
+  label."""
   models = [prepare(e, s, prompt_format) for e, s in zip(entries, samplers)]
+  for m in models:
+    logging.info("%s: %s prompts (--prompt_format=%s), sampler %s", m.label, m.prompt_format, prompt_format, m.sampler)
   labels = [m.label for m in models]
   repeated = sorted({l for l in labels if labels.count(l) > 1})
   if repeated:
