@@ -243,7 +243,8 @@ def test_an_output_directory_that_cannot_be_created_is_one_error_and_leaves_noth
 
   monkeypatch.setattr(os, "mkdir", refusing_mkdir)
   try:
-    with pytest.raises(CheckpointError, match=r"^Output directory .*read_only/out cannot be created: Permission denied"):
+    with pytest.raises(CheckpointError, match=r"^Output directory .*read_only/out cannot be created: Permission "
+                       "denied"):
       convert(hf_dir, str(parent / "out"))
     assert os.listdir(parent) == []
   finally:

