@@ -13,8 +13,6 @@ import hashlib
 import os
 from typing import Any
 
-from absl import logging
-
 from dlm_jax import default_models
 from dlm_jax.io import json_files, prompt_layout
 from dlm_jax.config import ModelConfig
@@ -174,11 +172,8 @@ def load_weights(model: Model, runtime, numerics) -> Model:
 
 
 def prepare_all(entries: tuple[str, ...], samplers: tuple[str, ...], prompt_format: str) -> list[Model]:
-  """`prepare` for every entry, each one's prompt layout and sampler logged; refuses two entries with the same
-  label."""
+  """`prepare` for every entry; refuses two entries with the same label."""
   models = [prepare(e, s, prompt_format) for e, s in zip(entries, samplers)]
-  for m in models:
-    logging.info("%s: %s prompts (--prompt_format=%s), sampler %s", m.label, m.prompt_format, prompt_format, m.sampler)
   labels = [m.label for m in models]
   repeated = sorted({l for l in labels if labels.count(l) > 1})
   if repeated:
