@@ -22,13 +22,12 @@ import time
 
 from absl import app, flags, logging
 
-from experiments.common import cli
-
 from converters.hf_config import ARCHS
 from converters.hf_convert import OUTPUT_DTYPES, convert
 from converters.plan import DEFAULT_CHUNK_BYTES
 from dlm_jax.io.checkpoint import DEFAULT_MAX_SHARD_BYTES, CheckpointError
 from dlm_jax.config import ConfigError
+from experiments.common import cli
 
 _ARCH = flags.DEFINE_enum("arch", "auto", ("auto",) + ARCHS, "Source family; auto reads config.json.")
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "Hugging Face checkpoint directory.")

@@ -15,11 +15,10 @@ import time
 
 from absl import app, flags, logging
 
-from experiments.common import cli
-
 from converters.gguf_import import OUTPUT_DTYPES, convert_gguf
 from dlm_jax.io.checkpoint import CheckpointError
 from dlm_jax.config import ConfigError
+from experiments.common import cli
 
 _GGUF = flags.DEFINE_string("gguf", None, "GGUF file (llama architecture).")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Output directory (absent or empty unless --overwrite).")
