@@ -27,6 +27,7 @@ from converters.hf_convert import OUTPUT_DTYPES, convert
 from converters.plan import DEFAULT_CHUNK_BYTES
 from dlm_jax.io.checkpoint import DEFAULT_MAX_SHARD_BYTES, CheckpointError
 from dlm_jax.config import ConfigError
+from experiments.common import cli
 
 _ARCH = flags.DEFINE_enum("arch", "auto", ("auto",) + ARCHS, "Source family; auto reads config.json.")
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "Hugging Face checkpoint directory.")
@@ -51,6 +52,10 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if not _HF_DIR.value or not _OUT_DIR.value:
     raise app.UsageError("--hf_dir and --out_dir are required.")
+  if _CHUNK_MB.value < 1:
+    raise app.UsageError(f"--chunk_mb={_CHUNK_MB.value}: expected a positive number of MiB")
+  if not _MAX_SHARD_GB.value > 0:
+    raise app.UsageError(f"--max_shard_gb={_MAX_SHARD_GB.value}: expected a size > 0 (GiB)")
   start = time.perf_counter()
   try:
     config = convert(_HF_DIR.value, _OUT_DIR.value, arch=_ARCH.value, dtype=_DTYPE.value,
@@ -65,4 +70,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -18,6 +18,7 @@ from absl import app, flags, logging
 from converters.gguf_import import OUTPUT_DTYPES, convert_gguf
 from dlm_jax.io.checkpoint import CheckpointError
 from dlm_jax.config import ConfigError
+from experiments.common import cli
 
 _GGUF = flags.DEFINE_string("gguf", None, "GGUF file (llama architecture).")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Output directory (absent or empty unless --overwrite).")
@@ -51,4 +52,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import gguf
 import numpy as np
 
 from converters.gguf_tokenizer import build_tokenizer
@@ -26,6 +25,9 @@ from converters.plan import Piece, check_coverage, check_plan
 from dlm_jax.io.checkpoint import SAFETENSORS_DTYPES, CheckpointError, SafetensorsWriter, expected_tensors, write_config
 from dlm_jax.config import ConfigError, ModelConfig
 from dlm_jax.io.output_dir import atomic_output_dir, check_output_dir
+from dlm_jax import extras
+
+gguf = extras.require("gguf", "gguf", "GGUF import (converters.gguf)")
 
 OUTPUT_DTYPES = {"float32": SAFETENSORS_DTYPES["F32"], "bfloat16": SAFETENSORS_DTYPES["BF16"]}
 

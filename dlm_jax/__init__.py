@@ -17,10 +17,15 @@ The public API, by name (resolved on first use, so `import dlm_jax` stays light)
   scaling out     make_mesh, parse_mesh                      (dlm_jax.runtime.sharding)
 
 Everything else is reached through its package: config, model, instrument, sampling, analysis, training, io,
-runtime, tasks (BUILD.md, "Layout").
+runtime, tasks (BUILD.md, "Layout"). The modules' paths before that layout (dlm_jax.checkpoint, dlm_jax.stats,
+...) still import, with a DeprecationWarning naming the new path (`dlm_jax._moved_modules`, CHANGELOG.md).
 """
 
 import importlib
+
+from dlm_jax import _moved_modules
+
+_moved_modules.install()
 
 _EXPORTS = {
     "ModelConfig": ("dlm_jax.config", "ModelConfig"),

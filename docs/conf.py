@@ -15,6 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+try:
+  import myst_parser  # noqa: F401  pylint: disable=unused-import
+except ImportError:
+  from sphinx.errors import ConfigError  # pylint: disable=ungrouped-imports
+  from dlm_jax import extras
+  raise ConfigError(extras.missing_message("The documentation site", "myst_parser", "docs")) from None
+
 project = "dlm_jax"
 author = "dlm_jax authors"
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]

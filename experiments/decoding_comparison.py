@@ -267,6 +267,8 @@ def figure(result: dict):
 
 def main(argv):
   del argv
+  if not _OUTPUT_DIR.value.strip():  # an empty one would be the working directory itself
+    raise cli.UsageError(f"--output_dir={_OUTPUT_DIR.value!r} is blank; expected a path")
   settings = Settings(runs=tuple(_RUNS.value), model=_MODEL.value, output_dir=os.path.abspath(_OUTPUT_DIR.value))
   run_dir.check_output_file(os.path.join(settings.output_dir, "comparison.json"), "output_dir")
   result = collect(settings)

@@ -32,7 +32,7 @@ import os
 from absl import flags
 
 from experiments.reports import explorer_page
-from experiments.common import cli
+from experiments.common import cli, flag_checks
 
 _MASKING_DIR = flags.DEFINE_string("masking_dir", None, "A sink_masking_eval run directory: the same item under "
                                    "each masking condition.")
@@ -47,6 +47,7 @@ def main(argv):
   if len(argv) != 2:
     raise cli.UsageError("give one RUN_DIR: python -m experiments.explore RUN_DIR [--masking_dir=DIR]")
   run = argv[1]
+  flag_checks.not_blank(html_out=_HTML_OUT.value)
   path = os.path.abspath(_HTML_OUT.value or default_output(run))
   if os.path.commonpath([path, os.path.abspath(run)]) == os.path.abspath(run):
     raise cli.UserError(f"--html_out={path} is inside RUN_DIR {run}, an input; write it elsewhere")

@@ -20,9 +20,11 @@ checkpoint was trained with, read from its training.json (the embedded models: `
 the training prompt width for a diffusion model, `[BOS question]` for an autoregressive one;
 `experiments.common.prompts`), and its gen_length / steps / block_length default to the training answer width
 (one block); `chat` wraps it as one user turn in the chat template; `plain` is BOS + text; `raw` the
-tokenizer's ids alone. `auto` (default): chat with --chat, else training when the checkpoint records a
-training prompt width, else raw. A prompt longer than the recorded training prompt width, or a prompt
-plus --gen_length longer than the recorded training sequence, is refused (the model never saw one).
+tokenizer's ids alone. `auto` (default): chat with --chat, else the checkpoint's default, the same rule in every
+entry point (`dlm_jax.io.prompt_layout`): training when it records a training prompt width, else chat when it
+records a chat template, else plain. A prompt longer than the recorded training prompt width, or a prompt plus
+--gen_length longer than the recorded training sequence, is refused (the model never saw one). An empty --prompt
+(or one of whitespace only) is a usage error: no sampler starts from nothing (--prompt_ids can start from BOS).
 
 End of the reply: generation stops at EOS (and EoT, and the chat template's end-of-turn token) for every
 sampler — `ar` stops producing tokens there, the diffusion samplers' "text" ends there — unless
@@ -85,6 +87,7 @@ import jax
 import numpy as np
 from absl import flags, logging
 
+from dlm_jax.io import prompt_layout
 from dlm_jax.runtime import distributed
 from dlm_jax.sampling import registry
 from experiments.common import (atomic_files, chat, checkpoints, cli, decoding_flags, decoding_modes, devices,
@@ -100,7 +103,8 @@ _CHAT = flags.DEFINE_bool("chat", False, "Wrap --prompt as one user turn in the 
                           "(--prompt_format=chat).")
 _PROMPT_FORMAT = flags.DEFINE_enum("prompt_format", "auto", ["auto", "training", "chat", "plain", "raw"],
                                    "Layout of --prompt (module docstring; auto: chat with --chat, else the "
-                                   "checkpoint's training layout when it records one, else raw).")
+                                   "checkpoint's default: training when it records a training prompt width, else "
+                                   "chat when it records a chat template, else plain).")
 _STOP_AT_EOS = flags.DEFINE_bool("stop_at_eos", True, "End the reply at the first EOS / EoT / end-of-turn token "
                                  "(ar stops there; text ends there for every sampler).")
 _TEMPLATE = flags.DEFINE_enum("template", None, list(chat.TEMPLATES), "Chat template (default: the one recorded "
@@ -248,6 +252,9 @@ class Settings:
     if sampler.blocks == "modes" and self.decoding.exact:
       fields["block_length"] = None  # exact decoding has no blocks
     if sampler.blocks == "attention":
+      if self.block_length not in (None, config.attention_block_size):
+        raise cli.UserError(f"--block_length={self.block_length} must be the model's attention block "
+                            f"({config.attention_block_size}) for {self.sampler}; leave it unset")
       fields["block_length"] = self.block_length or config.attention_block_size
     if "eos_token_ids" in sampler.fields:
       ends = end_ids(config, self.end_of_turn_id)
@@ -283,16 +290,14 @@ def _warn_unused_knobs(sampler: str) -> None:
                     *schedule)
 
 
-def prompt_format(record: dict) -> str:
+def prompt_format(directory: str, record: dict) -> str:
   """--prompt_format with auto resolved (module docstring); refuses --chat with another format."""
   chosen = _PROMPT_FORMAT.value
   if _CHAT.value:
     if chosen not in ("auto", "chat"):
       raise cli.UsageError(f"--chat is --prompt_format=chat; it contradicts --prompt_format={chosen}")
     return "chat"
-  if chosen != "auto":
-    return chosen
-  return "training" if record.get("data", {}).get("prompt_len") else "raw"
+  return prompt_layout.resolve(chosen, directory, record)
 
 
 def _prompt_ids(config, tokenizer, directory: str, sampler: str, layout: str) -> tuple[list[int], int | None]:
@@ -310,6 +315,9 @@ def _prompt_ids(config, tokenizer, directory: str, sampler: str, layout: str) ->
     if not ids or bad:
       raise cli.UserError(f"--prompt_ids must be non-empty ids in [0, {config.vocab_size}); got {bad or 'none'}")
     return ids, None
+  if not _PROMPT.value.strip():
+    raise cli.UsageError(f"--prompt={_PROMPT.value!r} is empty; give the text to answer or continue, or "
+                         "--prompt_ids with the ids to start from (e.g. the BOS id alone)")
   if tokenizer is None:
     raise cli.UserError(f"--prompt needs tokenizer files in {directory}; use --prompt_ids")
   end = None
@@ -397,7 +405,7 @@ def main(argv):
   decoding_modes.warn_if_unused(mode, sampler, _CHECKPOINT.value)
   tokenizer = Tokenizer.from_dir(directory, config) if Tokenizer.exists_in(directory) else None
   mode.check_tokenizer(tokenizer)
-  layout = "ids" if _PROMPT_IDS.value is not None else prompt_format(record)
+  layout = "ids" if _PROMPT_IDS.value is not None else prompt_format(directory, record)
   ids, end_of_turn = _prompt_ids(config, tokenizer, directory, sampler, layout)
   runtime = devices.init_runtime(runtime_settings)
   given = {"gen_length": _GEN_LENGTH.value, "steps": _STEPS.value, "block_length": _BLOCK_LENGTH.value}

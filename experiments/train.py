@@ -158,6 +158,7 @@ def main(argv):
   data = DataSettings(data=_DATA.value, train_size=_TRAIN_SIZE.value, eval_size=_EVAL_SIZE.value,
                       data_seed=_DATA_SEED.value, tokenizer=_TOKENIZER.value, seq_len=_SEQ_LEN.value,
                       prompt_len=_PROMPT_LEN.value, layout=layout)
+  flag_checks.not_blank(run_dir=_RUN_DIR.value, out_dir=_OUT_DIR.value)
   if _OUT_DIR.value:
     run_dir.check_output_file(os.path.join(_OUT_DIR.value, "config.json"), "out_dir")
     inputs = [p for p in (_TOKENIZER.value, _RUN_DIR.value, _DATA.value if _DATA.value != "synthetic" else None) if p]

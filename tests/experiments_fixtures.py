@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -39,6 +40,29 @@ def tiny_checkpoint(directory: str, kind: str, seed: int = 0, sink: str = "none"
                      "prompt_len": PROMPT_LEN, "layout": "ar" if kind == "arm" else "sft"}}
   train_loop.save_converted(directory, config, params, tokenizer, training_record=record)
   return directory
+
+
+LLAMA3_TEMPLATE = ("{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' "
+                   "+ message['content'] + '<|eot_id|>' }}{% endfor %}")
+
+
+def layout_checkpoints(root: str) -> dict[str, str]:
+  """tiny-dlm's weights and tokenizer (copied: a checkpoint's files must lie inside it) in three directories, one
+  per default prompt layout of `dlm_jax.io.prompt_layout`: "training" (the embedded model itself: training.json records a prompt width),
+  "chat" (no training.json, a chat template in tokenizer_config.json) and "plain" (neither)."""
+  from dlm_jax import default_models  # pylint: disable=import-outside-toplevel
+  source = default_models.path("tiny-dlm")
+  directories = {"training": source}
+  for name in ("chat", "plain"):
+    directory = os.path.join(root, f"tiny-dlm-{name}")
+    os.makedirs(directory, exist_ok=True)
+    for file in ("config.json", "model.safetensors", "tokenizer.json"):
+      if not os.path.exists(os.path.join(directory, file)):
+        shutil.copyfile(os.path.join(source, file), os.path.join(directory, file))
+    directories[name] = directory
+  with open(os.path.join(directories["chat"], "tokenizer_config.json"), "w", encoding="utf-8") as f:
+    json.dump({"chat_template": LLAMA3_TEMPLATE}, f)
+  return directories
 
 
 def run_module(module: str, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -225,3 +225,39 @@ def test_cli_reports_errors_and_leaves_no_output(tmp_path, models):
   assert not out.exists()
   result = _cli("--arch=gpt2", f"--hf_dir={hf_dir}", f"--out_dir={out}")
   assert result.returncode != 0 and "--arch" in result.stderr and not out.exists()
+
+
+def test_an_output_directory_that_cannot_be_created_is_one_error_and_leaves_nothing(tmp_path, models, monkeypatch):
+  """A read-only parent: a CheckpointError naming the output (the CLI prints it as one line), nothing left in the
+  parent. The mode bits do not stop root, so the parent's refusal is also simulated at os.mkdir."""
+  hf_dir = _fixture(tmp_path, models)
+  parent = tmp_path / "read_only"
+  parent.mkdir()
+  parent.chmod(0o555)
+  real_mkdir = os.mkdir
+
+  def refusing_mkdir(path, *args, **kwargs):
+    if os.path.dirname(os.path.realpath(os.fspath(path))) == os.path.realpath(parent):
+      raise PermissionError(13, "Permission denied", os.fspath(path))
+    return real_mkdir(path, *args, **kwargs)
+
+  monkeypatch.setattr(os, "mkdir", refusing_mkdir)
+  try:
+    with pytest.raises(CheckpointError, match=r"^Output directory .*read_only/out cannot be created: Permission "
+                       "denied"):
+      convert(hf_dir, str(parent / "out"))
+    assert os.listdir(parent) == []
+  finally:
+    parent.chmod(0o755)
+
+
+def test_cli_flag_errors_are_one_line(tmp_path, models):
+  hf_dir = _fixture(tmp_path, models)
+  out = tmp_path / "out"
+  for flag, words in (("--max_shard_gb=nan", "--max_shard_gb=nan: expected a finite number"),
+                      ("--chunk_mb=0", "--chunk_mb=0: expected a positive number of MiB"),
+                      ("--arch=gpt2", "--arch=gpt2"), ("--out_dir= ", "is blank")):
+    result = _cli(f"--hf_dir={hf_dir}", f"--out_dir={out}", flag)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and words in lines[0], (flag, result.stderr[-2000:])
+    assert lines[0].startswith("converters.convert: error: ") and not out.exists()

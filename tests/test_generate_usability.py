@@ -12,6 +12,11 @@ from absl import flags
 
 from experiments.common import cli, run_dir
 
+try:
+  from tests import experiments_fixtures as fx
+except ImportError:
+  import experiments_fixtures as fx
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTION = "Anna has 16 books. She finds 4 more. She buys 2 more. How many books does Anna have?"
 
@@ -40,6 +45,8 @@ def runs(tmp_path_factory):
   """Every case below in one subprocess (one import, one JAX start-up)."""
   out = tmp_path_factory.mktemp("generate")
   long_prompt = " ".join(["Anna has 16 books."] * 40)
+  layouts = fx.layout_checkpoints(str(out))
+  small = ["--gen_length=8", "--steps=8", "--block_length=8"]
   cases = {
       "dlm": ["--checkpoint=tiny-dlm", f"--prompt={QUESTION}"],
       "arm": ["--checkpoint=tiny-arm", f"--prompt={QUESTION}", f"--json_out={out / 'arm.json'}"],
@@ -50,6 +57,14 @@ def runs(tmp_path_factory):
       "no_checkpoint": [f"--prompt={QUESTION}"],
       "bad_value": ["--checkpoint=tiny-dlm", f"--prompt={QUESTION}", "--steps=many"],
       "chat_and_training": ["--checkpoint=tiny-dlm", f"--prompt={QUESTION}", "--chat", "--prompt_format=training"],
+      "dream_on_dlm": ["--checkpoint=tiny-dlm", "--sampler=dream", "--prompt=hi"],
+      "block_diffusion_on_dlm": ["--checkpoint=tiny-dlm", "--sampler=block_diffusion", "--prompt=hi"],
+      "empty": ["--checkpoint=tiny-dlm", "--prompt=", f"--json_out={out / 'empty.json'}"],
+      "blank": ["--checkpoint=tiny-arm", "--prompt= \t "],
+      "chat_default": [f"--checkpoint={layouts['chat']}", f"--prompt={QUESTION}", *small,
+                       f"--json_out={out / 'chat.json'}"],
+      "plain_default": [f"--checkpoint={layouts['plain']}", f"--prompt={QUESTION}", *small,
+                        f"--json_out={out / 'plain.json'}"],
   }
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   done = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(list(cases.values()))], cwd=ROOT, env=env,
@@ -113,6 +128,41 @@ def test_flag_errors_are_one_line(runs):
   assert _one_line_error(cases["no_checkpoint"]) == "--checkpoint is required (see --helpfull)"
   assert "--steps=many" in _one_line_error(cases["bad_value"])
   assert "--chat is --prompt_format=chat" in _one_line_error(cases["chat_and_training"])
+
+
+def test_a_sampler_that_does_not_fit_the_model_is_one_line(runs):
+  cases, _, _ = runs
+  assert _one_line_error(cases["dream_on_dlm"]) == ("tiny-dlm: sampler dream does not fit a bidirectional model "
+                                                     "with logit_shift=0; use llada (or auto)")
+  line = _one_line_error(cases["block_diffusion_on_dlm"])
+  assert "sampler block_diffusion does not fit a bidirectional model" in line
+
+
+def test_an_empty_prompt_is_a_usage_error(runs):
+  cases, _, out = runs
+  assert _one_line_error(cases["empty"]).startswith("--prompt='' is empty")
+  assert _one_line_error(cases["blank"]).startswith("--prompt=' \\t ' is empty")
+  assert not (out / "empty.json").exists()
+
+
+def test_the_default_layout_is_the_checkpoints(runs):
+  """auto: training for the embedded models (the summary line), chat for a checkpoint that records a chat
+  template, plain (BOS + text) for one that records neither (`dlm_jax.io.prompt_layout`), said in the JSON."""
+  from dlm_jax.io import checkpoint  # pylint: disable=import-outside-toplevel
+  from dlm_jax.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  cases, _, out = runs
+  directory = fx.layout_checkpoints(str(out))["plain"]
+  config = checkpoint.read_config(directory)
+  tokenizer = Tokenizer.from_dir(directory, config)
+  for name in ("chat", "plain"):
+    _ok(cases[f"{name}_default"])
+    assert json.loads((out / f"{name}.json").read_text())["prompt_format"] == name
+  plain = json.loads((out / "plain.json").read_text())
+  assert plain["tokens"][:plain["prompt_length"]] == [config.bos_token_id] + tokenizer.encode(QUESTION)
+  chat = json.loads((out / "chat.json").read_text())
+  question, prompt = tokenizer.encode(QUESTION)[:-1], chat["tokens"][:chat["prompt_length"]]  # "?<|eot_id|>": 1 token
+  inside = [i for i in range(len(prompt)) if prompt[i:i + len(question)] == question]
+  assert len(inside) == 1 and 0 < inside[0] and inside[0] + len(question) < len(prompt)  # turn markers around it
 
 
 def test_help_reads_well(runs):

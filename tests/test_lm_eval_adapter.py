@@ -20,8 +20,10 @@ from experiments.lm_eval import scoring as scoring_lib
 from experiments.lm_eval.model import DlmJaxLM
 
 try:
+  from tests import experiments_fixtures as fx
   from tests.experiments_fixtures import run_cases
 except ImportError:  # pytest's rootdir-less import mode
+  import experiments_fixtures as fx
   from experiments_fixtures import run_cases
 
 DLM_ARGS = dict(checkpoint="tiny-dlm", gen_length=32, steps=32, block_length=8, batch_size=4, mc_num=8, mc_batch=4,
@@ -51,6 +53,7 @@ def _request(kind, arguments, task="t"):
     (dict(estimator="x"), "estimator"), (dict(dtype="int8"), "dtype"), (dict(preset="paper"), "preset"),
     (dict(top_p=2.0), "top_p"), (dict(is_check_greedy="maybe"), "is_check_greedy"), (dict(colour=1), "colour"),
     (dict(sink_token="back"), "sink_token"), (dict(threshold=2.0, decoding="threshold"), "decoding"),
+    (dict(temperature="nan"), "temperature"), (dict(cfg="inf"), "cfg"), (dict(prompt_format="chat"), "prompt_format"),
 ])
 def test_bad_model_args_name_the_argument(kwargs, name):
   with pytest.raises(cli.UserError, match=rf"^model_args {name}\b"):
@@ -133,12 +136,35 @@ def test_lm_eval_evaluator_runs_the_local_tasks_offline(dlm, arm):
     out = simple_evaluate(model=lm, tasks=["dlm_synthetic_gen", "dlm_synthetic_mc"], limit=4, task_manager=manager,
                           log_samples=True, bootstrap_iters=0)
     gen, mc = out["results"]["dlm_synthetic_gen"], out["results"]["dlm_synthetic_mc"]
+    assert out["config"]["prompt_format"] == "training"  # the layout used, recorded in the results
     assert 0 <= gen["exact_match,strict-match"] <= 1 and 0 <= mc["acc,none"] <= 1
     assert len(out["samples"]["dlm_synthetic_mc"]) == 4
     assert all(np.isfinite(r[0][0]) for s in out["samples"]["dlm_synthetic_mc"] for r in s["resps"])
     if lm is arm:  # the trained ARM solves these four problems; a broken prompt, cut or score would not
       assert gen["exact_match,strict-match"] == 1.0 and mc["acc,none"] == 1.0
+    else:  # the DLM in its training layout (the default) picks every right answer (measured: gen 0.5)
+      assert mc["acc,none"] == 1.0
   jax.clear_caches()
+
+
+def test_the_default_prompt_layout_is_the_checkpoints(dlm, arm, tmp_path):
+  """prompt_format=auto (the default) takes `dlm_jax.io.prompt_layout`'s rule: the training layout for the
+  embedded models ([PAD … BOS question] of width 36 for the DLM), plain for a checkpoint without a training
+  record (its chat default is lm-eval's --apply_chat_template)."""
+  from experiments.common import checkpoints  # pylint: disable=import-outside-toplevel
+  from experiments.lm_eval.model import resolve_prompt_format  # pylint: disable=import-outside-toplevel
+  assert dlm.args.prompt_format == "auto" and (dlm.prompt_format, arm.prompt_format) == ("training", "training")
+  assert dlm.get_model_info()["prompt_format"] == "training"
+  config, tokenizer = dlm.model.config, dlm.model.tokenizer
+  row = [config.bos_token_id] + tokenizer.encode(QUESTIONS[1])
+  ids = dlm.context_ids(QUESTIONS[1])
+  assert len(ids) == 36 and ids[-len(row):] == row and set(ids[:-len(row)]) == {config.pad_token_id}
+  layouts = fx.layout_checkpoints(str(tmp_path))
+  for name in ("chat", "plain"):
+    model = checkpoints.prepare(layouts[name], "auto", "auto")
+    assert resolve_prompt_format("auto", model) == "plain"
+    with pytest.raises(cli.UserError, match="^model_args prompt_format=training: .* no training.json"):
+      resolve_prompt_format("training", model)
 
 
 def test_table1_helpers():

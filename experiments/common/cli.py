@@ -20,6 +20,7 @@ The hint is "nothing was written; run the same command again" unless the binary 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -28,6 +29,8 @@ from typing import Callable, NoReturn
 
 from absl import app, flags
 
+from dlm_jax.extras import MissingExtra
+from dlm_jax.runtime import backend_probe
 from dlm_jax.io.checkpoint import CheckpointError
 from dlm_jax.config import ConfigError
 
@@ -43,8 +46,9 @@ class UsageError(UserError):
 
 
 USER_ERRORS = (UserError, app.UsageError, CheckpointError, ConfigError, FileNotFoundError, NotADirectoryError,
-               IsADirectoryError, PermissionError)
-"""Exceptions `run` reports as one line: ours, and the library's errors about checkpoints, configs and files."""
+               IsADirectoryError, PermissionError, MissingExtra)
+"""Exceptions `run` reports as one line: ours, the library's errors about checkpoints, configs and files, and a
+missing extra (`dlm_jax.extras`)."""
 
 
 DEFAULT_RESUME_HINT = "nothing was written; run the same command again"
@@ -87,6 +91,14 @@ def flag_error_message(error: flags.Error) -> str:
   return f"--{' and --'.join(missing)} {'is' if len(missing) == 1 else 'are'} required"
 
 
+def check_finite_floats() -> None:
+  """Refuses nan or ±inf in any float flag given (absl parses them; no binary has a use for them)."""
+  for name, flag in flags.FLAGS._flags().items():  # pylint: disable=protected-access
+    value = flag.value
+    if flag.present and isinstance(value, float) and not math.isfinite(value):
+      raise UsageError(f"--{name}={value}: expected a finite number")
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parser with its errors reported as our one line (exit 1), not `FATAL Flags parsing error`."""
   try:
@@ -117,8 +129,9 @@ def int_list(values: list[str], flag: str) -> tuple[int, ...]:
 
 def call(main: Callable[[list[str]], None], argv: list[str], arguments: int = 0) -> None:
   """Runs `main(argv)` (flags parsed), reporting a user error as one line and exit code 1; `arguments`
-  positional arguments are allowed (the binary checks them)."""
+  positional arguments are allowed (the binary checks them); a nan or infinite float flag is refused."""
   try:
+    check_finite_floats()
     check_no_arguments(argv, arguments)
     main(argv)
   except USER_ERRORS as error:
@@ -128,5 +141,7 @@ def call(main: Callable[[list[str]], None], argv: list[str], arguments: int = 0)
 
 
 def run(main: Callable[[list[str]], None], arguments: int = 0) -> None:
-  """`absl.app.run(main)` with user errors, flag errors and Ctrl-C reported as one line (module docstring)."""
+  """`absl.app.run(main)` with user errors, flag errors and Ctrl-C reported as one line (module docstring), and
+  without JAX's start-up noise about backends that are not installed (`dlm_jax.runtime.backend_probe`)."""
+  backend_probe.quiet_absent_backends()
   app.run(lambda argv: call(main, argv, arguments), flags_parser=parse_flags)

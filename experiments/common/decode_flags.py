@@ -15,8 +15,9 @@ _TASK = flags.DEFINE_string("task", "auto", "synthetic, simple, humaneval, a GSM
                             "(synthetic for models trained on it, else simple).")
 _DATA_SEED = flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic task generator.")
 _PROMPT_FORMAT = flags.DEFINE_enum("prompt_format", "auto", list(items.PROMPT_FORMATS),
-                                   "How questions become prompts (auto: training for models trained here, else "
-                                   "chat).")
+                                   "How questions become prompts (auto: the checkpoint's default, "
+                                   "dlm_jax.io.prompt_layout: training when it records a training prompt width, "
+                                   "else chat when it records a chat template, else plain).")
 _GEN_LENGTH = flags.DEFINE_integer("gen_length", None, "Generated positions (default: the training answer width, "
                                    "else 64; experiments.generate defaults to 128).")
 _STEPS = flags.DEFINE_integer("steps", None, "Diffusion steps (default: gen_length; experiments.generate "

@@ -17,6 +17,13 @@ def checkpoints_given(entries: Sequence[str]) -> None:
     raise UserError("--checkpoints is empty; give at least one checkpoint")
 
 
+def not_blank(**values: str | None) -> None:
+  """Refuses a path of whitespace only (unset and empty values are left to the binary's default)."""
+  for name, value in values.items():
+    if value and not value.strip():
+      raise UserError(f"--{name}={value!r} is blank; expected a path")
+
+
 def positive(**values: int) -> None:
   """Refuses a value below 1."""
   for name, value in values.items():

@@ -27,7 +27,7 @@ def run_models(output, settings: Any, models: Sequence[Any], runtime, task: str,
                run_model: Callable[[Any, Any, Any, run_dir.ResultsLog], Any],
                keys: tuple[str, ...] = ("model", "item")) -> ModelRuns | None:
   """Opens --output_dir (its run.json records `settings` and the checkpoints' identities), then for each model
-  loads its weights and calls run_model(settings, model, runtime, log) -> meta, every result going to
+  logs its prompt layout and sampler, loads its weights and calls run_model(settings, model, runtime, log) -> meta, every result going to
   results.jsonl keyed by the fields `keys`. Returns the finished run for the report, its directory created, on
   the primary process; None on the others and when --max_items_this_run stopped the run (the next one
   resumes)."""
@@ -38,6 +38,8 @@ def run_models(output, settings: Any, models: Sequence[Any], runtime, task: str,
   metas, start = [], time.time()
   try:
     for model in models:
+      logging.info("%s: %s prompts (dlm_jax.io.prompt_layout), sampler %s", model.label, model.prompt_format,
+                   model.sampler)
       metas.append(run_model(settings, checkpoints.load_weights(model, runtime, settings.numerics), runtime, log))
   except run_dir.ItemBudget as stop:
     logging.info("%s", stop)

@@ -7,6 +7,7 @@ import os
 
 from absl import flags
 
+from experiments.common import flag_checks
 from experiments.common.cli import UserError
 
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", None, "Results directory (default: results/<binary name>).")
@@ -30,6 +31,8 @@ class OutputSettings:
 
 
 def from_flags(default_name: str) -> OutputSettings:
-  """The output flags; --output_dir defaults to results/<default_name> under the working directory."""
+  """The output flags; --output_dir defaults to results/<default_name> under the working directory (a blank one
+  is refused)."""
+  flag_checks.not_blank(output_dir=_OUTPUT_DIR.value)
   return OutputSettings(output_dir=os.path.abspath(_OUTPUT_DIR.value or os.path.join("results", default_name)),
                         overwrite=_OVERWRITE.value, max_items_this_run=_MAX_ITEMS.value)

@@ -3,8 +3,9 @@
 Prompt formats (--prompt_format): `training` (the layout the embedded models were trained with:
 `[PAD … BOS question]` of the training prompt width, after the extra sink token when the model has one;
 the pads are visible tokens to a diffusion model, as in training, and masked for a causal one), `chat`
-(the checkpoint's chat template, `experiments.common.chat`), `plain` (BOS + question); `auto`: training when the
-checkpoint has a training.json with a prompt width, chat otherwise.
+(the checkpoint's chat template, `experiments.common.chat`), `plain` (BOS + question); `auto`: the checkpoint's default
+(`dlm_jax.io.prompt_layout`, the same rule in every entry point: training when it records a training prompt
+width, else chat when it records a chat template, else plain).
 
 Every prompt of a run is left-padded to the same width W — the longest prompt of the run (the training
 width for `training`) — so the sequence, and with it every item's tokens and statistics, is the same

@@ -88,7 +88,10 @@ def differing_fields(stored: dict[str, Any], current: dict[str, Any]) -> list[st
 
 
 def check_output_file(path: str, flag: str) -> None:
-  """Refuses an output file path that is a directory or whose parent is a file (before any work)."""
+  """Refuses an output file path that is blank, a directory, or whose parent is a file or not writable (before any
+  work)."""
+  if not path.strip():
+    raise UserError(f"--{flag}={path!r} is blank; expected a file path")
   path = os.path.abspath(path)
   if os.path.isdir(path):
     raise UserError(f"--{flag}={path} is a directory; expected a file path")

@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 import sys
 
+from dlm_jax import extras
+from dlm_jax.runtime import backend_probe
+
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
 
 
@@ -22,6 +25,8 @@ def _flag(args: list[str], name: str) -> str | None:
 
 
 def main(argv: list[str]) -> int:
+  extras.require("lm_eval", "eval", "experiments.lm_eval")
+  backend_probe.quiet_absent_backends()
   from lm_eval.__main__ import cli_evaluate  # pylint: disable=import-outside-toplevel
   from experiments.common import cli  # pylint: disable=import-outside-toplevel
   from experiments.lm_eval import model  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import  (registers "dlm_jax")

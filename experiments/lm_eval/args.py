@@ -16,8 +16,11 @@ resolved per task with a preset (`experiments.lm_eval.presets`).
   sink_token      auto | none: the checkpoint's extra sink token (auto: as trained) or none
   steer           a steering file (JSON; `experiments.common.steering`): activation additions at named sites
                   while generating (empty = none)
-  prompt_format   plain (BOS + text) | training (a diffusion model trained here: [PAD … BOS text] padded with
-                  visible pads to its training prompt width, as `experiments.common.prompts`' training layout)
+  prompt_format   auto | plain (BOS + text) | training (a diffusion model trained here: [PAD … BOS text] padded
+                  with visible pads to its training prompt width, as `experiments.common.prompts`' training
+                  layout). auto: the checkpoint's default, the rule of every entry point
+                  (`dlm_jax.io.prompt_layout`): training when it records a training prompt width, else plain
+                  (a checkpoint whose default is chat: lm-eval's --apply_chat_template applies its template)
   estimator       auto | llada | dream: the DLM likelihood estimator (auto: dream for shifted models)
   mc_num, mc_batch, eps, is_check_greedy
                   Monte-Carlo draws per request, draws per stratum, Dream's ε, greedy check of a DLM
@@ -35,6 +38,7 @@ max_batch_size / device are accepted and ignored (device: JAX's backend decides)
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from dlm_jax.sampling import decoding_rules
@@ -45,7 +49,7 @@ from experiments.lm_eval import presets
 
 ESTIMATORS = ("auto", "llada", "dream")
 SINK_TOKENS = ("auto", "none")
-PROMPT_FORMATS = ("plain", "training")
+PROMPT_FORMATS = ("auto", "plain", "training")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +85,7 @@ class EvalArgs:
   mask_sinks: int = 0
   sink_token: str = "auto"
   steer: str = ""
-  prompt_format: str = "plain"
+  prompt_format: str = "auto"
   estimator: str = "auto"
   mc_num: int = 128
   mc_batch: int = 32
@@ -166,7 +170,7 @@ def _convert(name: str, value: Any) -> Any:
         raise ValueError
       return int(float(value))
     if kind.startswith("float"):
-      if isinstance(value, bool):
+      if isinstance(value, bool) or not math.isfinite(float(value)):
         raise ValueError
       return float(value)
     if kind == "bool":

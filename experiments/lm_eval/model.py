@@ -3,9 +3,11 @@ request types (importing this module registers it).
 
   lm_eval.simple_evaluate(model="dlm_jax", model_args="checkpoint=tiny-dlm,mc_num=32", tasks=[...])
 
-model_args: `experiments.lm_eval.args`. Prompts are plain text: BOS (when the model has one) + the
-context's ids, unless the context already starts with BOS (a chat template's text); lm-eval's
-`--apply_chat_template` uses the checkpoint's chat format (`experiments.common.chat`). Contexts are
+model_args: `experiments.lm_eval.args`. Prompts take the checkpoint's default layout (`prompt_format=auto`,
+`dlm_jax.io.prompt_layout`): the training layout for a model trained here, else plain text: BOS (when the model
+has one) + the context's ids, unless the context already starts with BOS (a chat template's text); lm-eval's
+`--apply_chat_template` uses the checkpoint's chat format (`experiments.common.chat`). The layout used is
+logged and recorded in the results' config (`prompt_format`, `get_model_info`). Contexts are
 left-truncated to max_length tokens (minus the generation length). Request types: `generation` and
 `scoring` in this package.
 """
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from absl import logging
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from dlm_jax.io import prompt_layout
 from dlm_jax.io.tokenizer import chat_text
 from experiments.common import chat, checkpoints, devices
 from experiments.common import prompts as prompts_lib
@@ -26,10 +30,19 @@ from experiments.lm_eval import generation, scoring
 from experiments.common.numerics import Numerics
 
 
+def resolve_prompt_format(requested: str, model: checkpoints.Model) -> str:
+  """model_args prompt_format with auto resolved by the checkpoint (`dlm_jax.io.prompt_layout`; its chat default
+  is plain here: lm-eval's --apply_chat_template applies the template); training needs a recorded width."""
+  chosen = prompt_layout.resolve(requested, model.directory, model.record)
+  if chosen == "training" and not prompt_layout.training_prompt_width(model.record):
+    raise UserError(f"model_args prompt_format=training: {model.label} has no training.json with a prompt width")
+  return "plain" if chosen == "chat" else chosen
+
+
 @register_model("dlm_jax")
 class DlmJaxLM(LM):
   """lm-eval `LM` over a dlm_jax checkpoint. Attributes: args (`EvalArgs`), model (`checkpoints.Model`
-  with weights), runtime, numerics."""
+  with weights), runtime, numerics, prompt_format (plain or training: model_args prompt_format resolved)."""
 
   def __init__(self, **kwargs):
     super().__init__()
@@ -44,10 +57,15 @@ class DlmJaxLM(LM):
     if self.args.sink_token == "none" and model.sink_token != "none":
       record = dict(model.record, train_config=dict(model.record.get("train_config", {}), sink="none"))
       model = dataclasses.replace(model, record=record)
-    if self.args.prompt_format == "training" and not model.record.get("data", {}).get("prompt_len"):
-      raise UserError(f"model_args prompt_format=training: {model.label} has no training.json with a prompt width")
+    self.prompt_format = resolve_prompt_format(self.args.prompt_format, model)
+    logging.info("dlm_jax: %s prompts for %s (model_args prompt_format=%s)", self.prompt_format, model.label,
+                 self.args.prompt_format)
     self.model = checkpoints.load_weights(model, self.runtime, self.numerics)
     self.warned_rolling = False
+
+  def get_model_info(self) -> dict[str, str]:
+    """What lm-eval adds to its results' config: the prompt layout used and the checkpoint."""
+    return {"prompt_format": self.prompt_format, "checkpoint": self.model.directory}
 
   def set_mask_sinks(self, k: int) -> None:
     """Switches sink masking to K = k (>= 0) for later requests (the weights stay loaded)."""
@@ -70,7 +88,7 @@ class DlmJaxLM(LM):
 
   def _training_layout(self, ids: list[int]) -> list[int]:
     """prompt_format=training for a diffusion model: visible left pads up to the training prompt width."""
-    if self.args.prompt_format != "training" or not self.model.diffusion:
+    if self.prompt_format != "training" or not self.model.diffusion:
       return ids
     width = int(self.model.record["data"]["prompt_len"])
     if len(ids) > width:

@@ -23,7 +23,8 @@ import os
 
 from absl import flags
 
-from experiments.common import atomic_files, cli
+from dlm_jax import extras
+from experiments.common import atomic_files, cli, flag_checks
 from experiments.reports import masking_report
 from experiments.lm_eval.__main__ import TASKS_DIR
 
@@ -81,6 +82,7 @@ def run_condition(lm, k: int, tasks: list[str], manager, out_dir: str) -> dict:
 
 def main(argv):
   del argv
+  extras.require("lm_eval", "eval", "experiments.lm_eval.table1")
   from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
   from experiments.common import checkpoints  # pylint: disable=import-outside-toplevel
   from experiments.lm_eval.model import DlmJaxLM  # pylint: disable=import-outside-toplevel
@@ -91,6 +93,7 @@ def main(argv):
     raise cli.UserError(f"--limit={_LIMIT.value}: expected >= 0 (0 = all items)")
   extra = extra_args(_MODEL_ARGS.value)
   entries = [checkpoints.resolve(entry) for entry in _CHECKPOINTS.value]
+  flag_checks.not_blank(output_dir=_OUTPUT_DIR.value)
   output = os.path.abspath(_OUTPUT_DIR.value or os.path.join("results", "lm_eval_table1"))
   manager = TaskManager(include_path=_INCLUDE_PATH.value or None)
   table, metas, record = {}, [], {}

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-try:
-  import matplotlib
-except ImportError as e:  # a clear message before any work is done (the binaries import this module first)
-  raise ImportError("The experiment binaries draw figures with matplotlib: python -m pip install matplotlib") from e
+from dlm_jax import extras
 
+# A one-line error naming the extra before any work is done (the binaries import this module first).
+matplotlib = extras.require("matplotlib", "plots", "experiments.reports.plots (the binaries' figures)")
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
