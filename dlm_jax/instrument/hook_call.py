@@ -17,8 +17,9 @@ import numpy as np
 from flax import struct
 
 from dlm_jax.config import ModelConfig
-from dlm_jax.instrument import sites
+from dlm_jax.instrument import sae_hooks, sites
 from dlm_jax.instrument.hook_spec import Hooks
+from dlm_jax.instrument.sae import SAE
 
 VALID, PROMPT, MASKED, DECODED, COMMITTED = 1, 2, 4, 8, 16
 """Position-class bits of a query (`HookCall.flags`); a real query has VALID and one of the others."""
@@ -36,10 +37,11 @@ def class_mask(position_class: str, flags: jax.Array) -> jax.Array:
 class CaptureValues:
   """Traced inputs of one capture. directions: [R, F_last] float ("project"); targets: [B, S] int32 token
   per sequence position ("lens": the token whose probability and rank are read, e.g. the finally decoded
-  one)."""
+  one); sae: the sparse autoencoder ("sae")."""
 
   directions: jax.Array | None = None
   targets: jax.Array | None = None
+  sae: SAE | None = None
 
 
 @struct.dataclass
@@ -54,6 +56,9 @@ class EditValues:
   vector: [B, F...] ("replace" / "add" with source "vector"), else None.
   values: [M, Le, B, S, F...] ("replace" / "add" with source "values"): the value at step value_steps[m],
     layer Le, sequence position; value_steps: [M] int32 (a step not listed is not edited).
+  sae: the sparse autoencoder of "sae_splice" / "sae_features"; feature_mask [B, d_sae] bool with
+    feature_value [B, d_sae] (features clamped), feature_add [B, d_sae] (added to the activations), else None
+    (`dlm_jax.instrument.sae_hooks`).
   """
 
   window: jax.Array
@@ -64,10 +69,15 @@ class EditValues:
   vector: jax.Array | None = None
   values: jax.Array | None = None
   value_steps: jax.Array | None = None
+  sae: SAE | None = None
+  feature_mask: jax.Array | None = None
+  feature_value: jax.Array | None = None
+  feature_add: jax.Array | None = None
 
 
 EDIT_BATCH_AXES = {"window": 0, "layers": 0, "positions": 0, "heads": 0, "coefficient": 0, "vector": 0,
-                   "values": 2, "value_steps": None}
+                   "values": 2, "value_steps": None, "sae": None, "feature_mask": 0, "feature_value": 0,
+                   "feature_add": 0}
 
 
 def _row_array(x, batch: int, shape: tuple[int, ...], dtype, what: str) -> jax.Array:
@@ -82,8 +92,9 @@ def _row_array(x, batch: int, shape: tuple[int, ...], dtype, what: str) -> jax.A
 
 def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_len: int, *,
                 window: Any = None, layers: Any = None, positions: Any = None, heads: Any = None,
-                coefficient: Any = 1.0, vector: Any = None, values: Any = None, value_steps: Any = None
-                ) -> EditValues:
+                coefficient: Any = 1.0, vector: Any = None, values: Any = None, value_steps: Any = None,
+                sae: SAE | None = None, feature_mask: Any = None, feature_value: Any = None,
+                feature_add: Any = None) -> EditValues:
   """The traced values of edit `hooks.edits[index]` for [B, S] sequences, with defaults: every step (window),
   every one of its layers, every position, every head, coefficient 1; `vector` / `values` as its op and
   source need. Each argument may be given for every row ([...]) or per row ([B, ...]).
@@ -91,7 +102,8 @@ def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_l
   window: (start, stop) steps, or [B, 2]; layers: [Le] / [B, Le] bool; positions: [S] / [B, S] bool; heads:
   [N] / [B, N] bool (per-head sites only); coefficient: scalar or [B]; vector: [F...] or [B, F...];
   values: [M, Le, B, S, F...] with value_steps [M] int32 (sequence coordinates, e.g. a captured run's arrays
-  stacked by `patch_values`).
+  stacked by `patch_values`); sae, feature_mask / feature_value / feature_add: [d_sae] or [B, d_sae] (the SAE
+  ops, `dlm_jax.instrument.sae_hooks`).
   """
   edit = hooks.edits[index]
   resolved = hooks.resolved_layers(config, edit)
@@ -128,7 +140,8 @@ def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_l
   elif values is not None or (vector is not None and not needs_source):
     raise ValueError(f"{what} takes no {'values' if values is not None else 'vector'} (op {edit.op!r}, source "
                      f"{edit.source!r}).")
-  return out
+  return out.replace(**sae_hooks.edit_fields(edit, config, resolved, batch, what, _row_array, sae, feature_mask,
+                                             feature_value, feature_add))
 
 
 @struct.dataclass
@@ -154,6 +167,11 @@ def hook_values(hooks: Hooks, config: ModelConfig, batch: int, seq_len: int, *,
     if capture.reduce == "lens" and (value.targets is None or jnp.shape(value.targets) != (batch, seq_len)):
       raise ValueError(f"Capture {i} ({capture.site}, lens) needs CaptureValues(targets=[B, S] = "
                        f"{[batch, seq_len]} token ids).")
+    if capture.reduce == "sae":
+      if value.sae is None:
+        raise ValueError(f"Capture {i} ({capture.site}, sae) needs CaptureValues(sae=SAE).")
+      sae_hooks.check_width(value.sae, config, capture.site, hooks.resolved_layers(config, capture),
+                            f"Capture {i} ({capture.site}, sae)")
     capture_values.append(value)
   return HookValues(captures=tuple(capture_values),
                     edits=tuple(edit_values(hooks, i, config, batch, seq_len, **edits.get(i, {}))
@@ -201,13 +219,15 @@ def row_slices(call: HookCall) -> tuple[HookCall, Callable[[HookCall], HookCall]
   shared = call
 
   def drop_shared(c: HookCall) -> HookCall:
-    edits = tuple(v.replace(value_steps=None) for v in c.values.edits)
-    captures = tuple(v.replace(directions=None) for v in c.values.captures)
+    edits = tuple(v.replace(value_steps=None, sae=None) for v in c.values.edits)
+    captures = tuple(v.replace(directions=None, sae=None) for v in c.values.captures)
     return c.replace(values=HookValues(captures=captures, edits=edits), step=None, keep=None)
 
   def rebuild(row: HookCall) -> HookCall:
-    edits = tuple(r.replace(value_steps=s.value_steps) for r, s in zip(row.values.edits, shared.values.edits))
-    captures = tuple(r.replace(directions=s.directions) for r, s in zip(row.values.captures, shared.values.captures))
+    edits = tuple(r.replace(value_steps=s.value_steps, sae=s.sae) for r, s in zip(row.values.edits,
+                                                                                  shared.values.edits))
+    captures = tuple(r.replace(directions=s.directions, sae=s.sae) for r, s in zip(row.values.captures,
+                                                                                   shared.values.captures))
     return row.replace(values=HookValues(captures=captures, edits=edits), step=shared.step, keep=shared.keep)
 
   return drop_shared(split_call), rebuild
