@@ -133,8 +133,10 @@ def apply_edit(edit: Edit, values: EditValues, x: jax.Array, slot, step, flags: 
     new = source
   elif edit.op == "add":
     new = x + coefficient * source
-  elif edit.op in sae_hooks.SAE_OPS:
-    new = sae_hooks.edited(edit.op, values.sae, x, values.feature_mask, values.feature_value, values.feature_add)
+  elif edit.op in sae_hooks.SAE_OPS:  # an encode and a decode: only where some row is edited at this layer and step
+    new = jax.lax.cond(jnp.any(where), lambda: sae_hooks.edited(
+        edit.op, values.sae, x, values.feature_mask, values.feature_value, values.feature_add).astype(x.dtype),
+                       lambda: x)
   else:
     new = coefficient * x
   return jnp.where(where, jnp.asarray(new).astype(x.dtype), x)

@@ -25,6 +25,7 @@ def training_curves(layers: Mapping[str, Mapping[str, Any]], path: str) -> None:
       ax.plot([h["step"] for h in history], [h[key] for h in history], marker=".", label=site)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("optimizer step")
+    ax.ticklabel_format(axis="y", useOffset=False)
   axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   fig.tight_layout()
   atomic_files.save_figure(fig, path)
