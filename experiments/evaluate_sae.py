@@ -20,7 +20,8 @@ SAEs: SAELens directories (--saes), or every SAE a train_sae run saved (--sae_ru
    of CE(spliced) − CE(nothing spliced); Δaccuracy the difference of exact match.
 
 Outputs in --output_dir: conditions.jsonl (one line per condition and batch of problems: resumable), results.json
-(the grids and the per-step CE), grid.png (ΔCE, Δaccuracy, explained variance and L0 per site × bin).
+(the grids and the per-step CE), grid.png (ΔCE, Δaccuracy, explained variance and the fraction of features unused,
+per site × bin).
 """
 
 from __future__ import annotations
@@ -190,8 +191,9 @@ def main(argv):
        ("Δ exact match", np.array(results["delta_accuracy"]), True),
        ("explained variance", np.array([[recon[n][k]["generated"]["explained_variance"] for k in
                                         [f"{a}-{b}" for a, b in bins] + [f"0-{n_steps}"]] for n in names]), False),
-       ("L0", np.array([[recon[n][k]["generated"]["l0"] for k in [f"{a}-{b}" for a, b in bins] + [f"0-{n_steps}"]]
-                        for n in names]), False)],
+       ("features unused in the bin (fraction)", np.array([[recon[n][k]["generated"]["dead_fraction"] for k in
+                                                             [f"{a}-{b}" for a, b in bins] + [f"0-{n_steps}"]]
+                                                            for n in names]), False)],
       names, bin_labels, f"{model.label}: SAE splice cost per site and step bin ({_N.value} problems)",
       run.file("grid.png"))
   best = min(((results["delta_ce"][i][j], names[i], bin_labels[j]) for i in range(len(names))

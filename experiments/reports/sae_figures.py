@@ -47,12 +47,12 @@ def layer_step_grids(panels: Sequence[tuple[str, np.ndarray, bool]], layers: Seq
       image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=palette.GRID)
     for (i, j), value in np.ndenumerate(grid):
       if np.isfinite(value):
-        ax.text(j, i, f"{value:.2g}", ha="center", va="center", fontsize=6)
+        ax.text(j, i, f"{value:.3g}", ha="center", va="center", fontsize=6)
     ax.set_xticks(range(len(bins)), bins, rotation=60, fontsize=7)
     ax.set_yticks(range(len(layers)), layers, fontsize=7)
     ax.set_xlabel("denoising steps spliced")
     ax.set_title(name, fontsize=9)
-    fig.colorbar(image, ax=ax)
+    fig.colorbar(image, ax=ax).formatter.set_useOffset(False)
   axes[0][0].set_ylabel("site")
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
