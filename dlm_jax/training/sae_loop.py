@@ -58,7 +58,9 @@ class SAETrainConfig:
 
 
 class ArrayBatches:
-  """Batches of rows of an activation array [N, D] (a NumPy array or memory map) in the module's order."""
+  """Batches of rows of an activation array [N, D] in the module's order: a NumPy array, a memory map, or anything
+  with `shape`, `ndim` and indexing by a sorted integer array (a trajectory dataset's memory-mapped column); only
+  the rows of one batch are read at a time."""
 
   def __init__(self, rows: np.ndarray, batch_size: int, seed: int):
     if rows.ndim != 2 or rows.shape[0] == 0:
