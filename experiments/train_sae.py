@@ -91,8 +91,9 @@ def _layers(config) -> tuple[int, ...]:
     raise cli.UserError(f"--layers={','.join(_LAYERS.value)}: expected layer indices") from None
   flag_checks.layers_of_model(layers, "--layers", config.n_layers)
   for layer in layers:
-    why = sites.unavailable(config, _SITE.value, layer) if _SITE.value in sites.LAYER_SITES else (
-        f"--site={_SITE.value}: expected a per-layer site kind ({', '.join(sites.LAYER_SITES)})")
+    kinds = [k for k in sites.LAYER_SITES if k != "attn.hook_pattern"]
+    why = sites.unavailable(config, _SITE.value, layer) if _SITE.value in kinds else (
+        f"--site={_SITE.value}: expected a per-layer site kind with values per position ({', '.join(kinds)})")
     if why is not None:
       raise cli.UserError(why)
   return layers
@@ -153,9 +154,8 @@ def main(argv):
   atomic_files.write_json(run.file("train.json"), summary)
   sae_figures.training_curves(summary["layers"], run.file("training.png"))
   progress.summary_banner(run.file("train.json"), "\n".join(
-      f"{name}: explained variance {log.records[i]['final']['explained_variance']:.3f}, L0 "
-      f"{log.records[i]['final']['l0']:.1f}, dead {log.records[i]['final']['dead_fraction']:.3f}"
-      for i, name in enumerate(r["site"] for r in log.records)))
+      f"{r['site']}: explained variance {r['final']['explained_variance']:.3f}, L0 {r['final']['l0']:.1f}, dead "
+      f"{r['final']['dead_fraction']:.3f}" for r in log.records))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ loads in sae-lens and encodes like ours."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -91,13 +92,13 @@ def test_stopped_run_resumes_to_the_same_parameters(tmp_path):
   for name in ("W_enc", "b_enc", "W_dec", "b_dec"):
     np.testing.assert_array_equal(np.asarray(getattr(resumed.sae, name)), np.asarray(getattr(whole.sae, name)))
   with pytest.raises(ValueError, match=r"other settings \(config differ\)") as e:
-    sae_loop.train_sae(TOPK, SHORT.__class__(**{**SHORT.__dict__, "lr": 2e-2}), data, run_dir=str(tmp_path / "run"))
+    sae_loop.train_sae(TOPK, dataclasses.replace(SHORT, lr=2e-2), data, run_dir=str(tmp_path / "run"))
   assert "\n" not in str(e.value)
 
 
 def test_mesh_run_equals_single_device_and_loads_in_saelens(tmp_path):
   data = sae_loop.ArrayBatches(DATA, 64, 2)
-  config = SHORT.__class__(**{**SHORT.__dict__, "steps": 12, "checkpoint_every": 0})
+  config = dataclasses.replace(SHORT, steps=12, checkpoint_every=0)
   single = sae_loop.train_sae(JUMP, config, data, log=lambda _: None)
   mesh = sharding.make_mesh(8, devices=jax.devices()[:8])
   sharded = sae_loop.train_sae(JUMP, config, data, mesh=mesh, log=lambda _: None)
