@@ -3,7 +3,7 @@ JAX with optax), saved in SAELens's format.
 
   python -m experiments.train_sae --output_dir=results/sae_tiny_dlm
   python -m experiments.train_sae --checkpoint=tiny-dlm --site=hook_resid_post --layers=0,2 \
-      --architecture=jumprelu --l0_coefficient=3e-3 --d_sae=512 --train_steps=4000 --output_dir=/tmp/sae
+      --architecture=jumprelu --l0_coefficient=0.3 --d_sae=1024 --output_dir=/tmp/sae
 
 Data: the model's sampler (temperature 0, steps = gen_length, one block: the decoding of
 experiments.evaluate_synthetic) runs on --n_train problems of the synthetic task's *train* split, capturing
@@ -48,8 +48,10 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Prompts per sampler call (
 _ARCHITECTURE = flags.DEFINE_enum("architecture", "topk", list(objectives.TRAIN_ARCHITECTURES), "SAE architecture.")
 _D_SAE = flags.DEFINE_integer("d_sae", 512, "Features per SAE.")
 _K = flags.DEFINE_integer("k", 16, "TopK: features kept per row.")
-_L0_COEFFICIENT = flags.DEFINE_float("l0_coefficient", 1e-3, "JumpReLU: weight of the L0 penalty.")
-_BANDWIDTH = flags.DEFINE_float("bandwidth", 1e-3, "JumpReLU: straight-through estimator bandwidth.")
+_L0_COEFFICIENT = flags.DEFINE_float("l0_coefficient", 0.1, "JumpReLU: weight of the L0 penalty (the defaults of "
+                                     "the three JumpReLU flags give L0 ≈ 16 on tiny-dlm; BUILD.md).")
+_BANDWIDTH = flags.DEFINE_float("bandwidth", 0.1, "JumpReLU: straight-through estimator bandwidth.")
+_INIT_THRESHOLD = flags.DEFINE_float("init_threshold", 0.3, "JumpReLU: initial threshold (> 0).")
 _TRAIN_STEPS = flags.DEFINE_integer("train_steps", 3000, "Optimizer steps per layer.")
 _TRAIN_BATCH_SIZE = flags.DEFINE_integer("train_batch_size", 512, "Rows per optimizer step.")
 _LR = flags.DEFINE_float("lr", 1e-3, "Adam learning rate (linear warm-up over 50 steps, decay over the last 20%).")
@@ -74,14 +76,14 @@ class Settings:
 def _objective(d_in: int) -> objectives.SAEObjective:
   flag_checks.positive(d_sae=_D_SAE.value, k=_K.value, train_steps=_TRAIN_STEPS.value,
                        train_batch_size=_TRAIN_BATCH_SIZE.value)
-  flag_checks.above_zero(lr=_LR.value, bandwidth=_BANDWIDTH.value)
+  flag_checks.above_zero(lr=_LR.value, bandwidth=_BANDWIDTH.value, init_threshold=_INIT_THRESHOLD.value)
   if _L0_COEFFICIENT.value < 0:
     raise cli.UserError(f"--l0_coefficient={_L0_COEFFICIENT.value}: expected >= 0")
   if _ARCHITECTURE.value == "topk" and _K.value > _D_SAE.value:
     raise cli.UserError(f"--k={_K.value}: expected at most --d_sae={_D_SAE.value}")
   return objectives.SAEObjective(_ARCHITECTURE.value, d_in=d_in, d_sae=_D_SAE.value, k=_K.value,
                                  l0_coefficient=_L0_COEFFICIENT.value, bandwidth=_BANDWIDTH.value,
-                                 init_threshold=max(_BANDWIDTH.value, 1e-3))
+                                 init_threshold=_INIT_THRESHOLD.value)
 
 
 def _layers(config) -> tuple[int, ...]:
