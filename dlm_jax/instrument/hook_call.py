@@ -17,8 +17,9 @@ import numpy as np
 from flax import struct
 
 from dlm_jax.config import ModelConfig
-from dlm_jax.instrument import sites
+from dlm_jax.instrument import sae_hooks, sites
 from dlm_jax.instrument.hook_spec import Hooks
+from dlm_jax.instrument.sae import SAE
 from dlm_jax.instrument.step_schedule import ScheduleValues, schedule_values
 
 VALID, PROMPT, MASKED, DECODED, COMMITTED = 1, 2, 4, 8, 16
@@ -37,10 +38,11 @@ def class_mask(position_class: str, flags: jax.Array) -> jax.Array:
 class CaptureValues:
   """Traced inputs of one capture. directions: [R, F_last] float ("project"); targets: [B, S] int32 token
   per sequence position ("lens": the token whose probability and rank are read, e.g. the finally decoded
-  one)."""
+  one); sae: the sparse autoencoder ("sae")."""
 
   directions: jax.Array | None = None
   targets: jax.Array | None = None
+  sae: SAE | None = None
 
 
 @struct.dataclass
@@ -57,6 +59,9 @@ class EditValues:
     layer Le, sequence position; value_steps: [M] int32 (a step not listed is not edited).
   schedule: an edit with a `StepSchedule`: its `ScheduleValues` (table, bins, gate; `vector` is then
     [B, n_bins, F...], one direction per step bin; `dlm_jax.instrument.step_schedule`), else None.
+  sae: the sparse autoencoder of "sae_splice" / "sae_features"; feature_mask [B, d_sae] bool with
+    feature_value [B, d_sae] (features clamped), feature_add [B, d_sae] (added to the activations), else None
+    (`dlm_jax.instrument.sae_hooks`).
   """
 
   window: jax.Array
@@ -68,10 +73,15 @@ class EditValues:
   values: jax.Array | None = None
   value_steps: jax.Array | None = None
   schedule: ScheduleValues | None = None
+  sae: SAE | None = None
+  feature_mask: jax.Array | None = None
+  feature_value: jax.Array | None = None
+  feature_add: jax.Array | None = None
 
 
 EDIT_BATCH_AXES = {"window": 0, "layers": 0, "positions": 0, "heads": 0, "coefficient": 0, "vector": 0,
-                   "values": 2, "value_steps": None, "schedule": 0}
+                   "values": 2, "value_steps": None, "schedule": 0, "sae": None, "feature_mask": 0,
+                   "feature_value": 0, "feature_add": 0}
 
 
 def _row_array(x, batch: int, shape: tuple[int, ...], dtype, what: str) -> jax.Array:
@@ -87,7 +97,8 @@ def _row_array(x, batch: int, shape: tuple[int, ...], dtype, what: str) -> jax.A
 def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_len: int, *,
                 window: Any = None, layers: Any = None, positions: Any = None, heads: Any = None,
                 coefficient: Any = 1.0, vector: Any = None, values: Any = None, value_steps: Any = None,
-                schedule: dict | None = None) -> EditValues:
+                schedule: dict | None = None, sae: SAE | None = None, feature_mask: Any = None,
+                feature_value: Any = None, feature_add: Any = None) -> EditValues:
   """The traced values of edit `hooks.edits[index]` for [B, S] sequences, with defaults: every step (window),
   every one of its layers, every position, every head, coefficient 1; `vector` / `values` as its op and
   source need. Each argument may be given for every row ([...]) or per row ([B, ...]).
@@ -97,7 +108,8 @@ def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_l
   ([n_bins, F...] or [B, n_bins, F...] with a step schedule); schedule: keyword arguments of
   `dlm_jax.instrument.step_schedule.schedule_values` (an edit with a `StepSchedule` only);
   values: [M, Le, B, S, F...] with value_steps [M] int32 (sequence coordinates, e.g. a captured run's arrays
-  stacked by `patch_values`).
+  stacked by `patch_values`); sae, feature_mask / feature_value / feature_add: [d_sae] or [B, d_sae] (the SAE
+  ops, `dlm_jax.instrument.sae_hooks`).
   """
   edit = hooks.edits[index]
   resolved = hooks.resolved_layers(config, edit)
@@ -140,7 +152,8 @@ def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_l
                      f"{edit.source!r}).")
   if edit.schedule is not None:
     out = out.replace(schedule=schedule_values(edit.schedule, batch, what, **(schedule or {})))
-  return out
+  return out.replace(**sae_hooks.edit_fields(edit, config, resolved, batch, what, _row_array, sae, feature_mask,
+                                             feature_value, feature_add))
 
 
 @struct.dataclass
@@ -166,6 +179,11 @@ def hook_values(hooks: Hooks, config: ModelConfig, batch: int, seq_len: int, *,
     if capture.reduce == "lens" and (value.targets is None or jnp.shape(value.targets) != (batch, seq_len)):
       raise ValueError(f"Capture {i} ({capture.site}, lens) needs CaptureValues(targets=[B, S] = "
                        f"{[batch, seq_len]} token ids).")
+    if capture.reduce == "sae":
+      if value.sae is None:
+        raise ValueError(f"Capture {i} ({capture.site}, sae) needs CaptureValues(sae=SAE).")
+      sae_hooks.check_width(value.sae, config, capture.site, hooks.resolved_layers(config, capture),
+                            f"Capture {i} ({capture.site}, sae)")
     capture_values.append(value)
   names = hooks.capture_names(config) if any(e.schedule is not None and e.schedule.gate is not None
                                              for e in hooks.edits) else {}
@@ -222,13 +240,15 @@ def row_slices(call: HookCall) -> tuple[HookCall, Callable[[HookCall], HookCall]
   shared = call
 
   def drop_shared(c: HookCall) -> HookCall:
-    edits = tuple(v.replace(value_steps=None) for v in c.values.edits)
-    captures = tuple(v.replace(directions=None) for v in c.values.captures)
+    edits = tuple(v.replace(value_steps=None, sae=None) for v in c.values.edits)
+    captures = tuple(v.replace(directions=None, sae=None) for v in c.values.captures)
     return c.replace(values=HookValues(captures=captures, edits=edits), step=None, keep=None)
 
   def rebuild(row: HookCall) -> HookCall:
-    edits = tuple(r.replace(value_steps=s.value_steps) for r, s in zip(row.values.edits, shared.values.edits))
-    captures = tuple(r.replace(directions=s.directions) for r, s in zip(row.values.captures, shared.values.captures))
+    edits = tuple(r.replace(value_steps=s.value_steps, sae=s.sae) for r, s in zip(row.values.edits,
+                                                                                  shared.values.edits))
+    captures = tuple(r.replace(directions=s.directions, sae=s.sae) for r, s in zip(row.values.captures,
+                                                                                   shared.values.captures))
     return row.replace(values=HookValues(captures=captures, edits=edits), step=shared.step, keep=shared.keep)
 
   return drop_shared(split_call), rebuild

@@ -23,7 +23,10 @@ Reductions of a capture, over the site's last (feature) axis unless said:
   topk       the k largest values and their indices (`TopK`): [.., F[:-1]..., k];
   project    the dot products with R given directions [R, F_last] (traced): [.., F[:-1]..., R];
   lens       the logit lens (residual sites): the final norm and LM head applied to the value, read at
-             given target tokens: `LensReadout` (probability and rank of the target, top-k tokens).
+             given target tokens: `LensReadout` (probability and rank of the target, top-k tokens);
+  sae        a sparse autoencoder's feature activations (the SAE is traced: `CaptureValues.sae`; the site's
+             features flattened): [.., d_sae], or with k >= 1 their k largest (`TopK`)
+             (`dlm_jax.instrument.sae_hooks`, which also holds the SAE edits "sae_splice" / "sae_features").
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from dlm_jax.instrument import sites
 from dlm_jax.instrument.step_schedule import StepSchedule, check as check_schedule
 
 POSITION_CLASSES = ("all", "prompt", "masked", "decoded", "committed")
-REDUCTIONS = ("none", "mean", "norm", "topk", "project", "lens")
-EDIT_OPS = ("zero", "mean", "replace", "add", "scale")
+REDUCTIONS = ("none", "mean", "norm", "topk", "project", "lens", "sae")
+EDIT_OPS = ("zero", "mean", "replace", "add", "scale", "sae_splice", "sae_features")
 STEP_KINDS = ("all", "at", "every", "block_starts", "decoded")
 RESIDUAL_SITES = ("hook_embed", "hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out",
                   "hook_mlp_out", "ln_final.hook_normalized")
@@ -134,7 +137,8 @@ class Capture:
   steps: `Steps` (sampler runs only; a plain forward call is one step).
   positions: a position class, or a tuple of sequence indices (the values at those positions only: the
     position axis becomes P = len(positions)); "attn.hook_pattern" needs the query indices as a tuple.
-  reduce: one of `REDUCTIONS`; k: the k of "topk" and the top tokens of "lens".
+  reduce: one of `REDUCTIONS`; k: the k of "topk" and the top tokens of "lens"; of "sae": 0 keeps every
+    feature, k >= 1 the k largest.
   label: a name for the captured arrays instead of the site name (to capture one site twice).
   """
 
@@ -166,6 +170,8 @@ class Capture:
       raise ValueError(f"Capture.reduce must be one of {', '.join(REDUCTIONS)}, got {self.reduce!r}.")
     if self.reduce in ("topk", "lens") and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k <= 0):
       raise ValueError(f"Capture.reduce={self.reduce!r} needs k >= 1, got k={self.k!r}.")
+    if self.reduce == "sae" and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0):
+      raise ValueError(f"Capture.reduce='sae' needs k >= 0 (0: every feature), got k={self.k!r}.")
     if self.reduce == "lens" and kind not in RESIDUAL_SITES:
       raise ValueError(f"Capture.reduce='lens' reads a residual-stream site ({', '.join(RESIDUAL_SITES)}), "
                        f"not {kind}.")
@@ -194,7 +200,9 @@ class Edit:
 
   op: "zero" (zero-ablation), "mean" (mean-ablation: each edited value becomes the mean of the edited
     positions of its row in the call; a dataset mean is `replace` with a vector), "replace" (by the source:
-    activation patching), "add" (value + coefficient · source: steering), "scale" (coefficient · value).
+    activation patching), "add" (value + coefficient · source: steering), "scale" (coefficient · value),
+    "sae_splice" / "sae_features" (a sparse autoencoder's reconstruction, with feature clamps and additions;
+    `dlm_jax.instrument.sae_hooks`).
   site, layers: as in `Capture` (None: every layer where the site exists).
   positions: the position class edited (the traced per-row position mask narrows it further).
   source: for "replace" / "add": "vector" (one [F...] value per row, broadcast over positions) or "values"

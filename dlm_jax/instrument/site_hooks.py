@@ -17,7 +17,7 @@ import numpy as np
 from flax import struct
 
 from dlm_jax.config import ModelConfig
-from dlm_jax.instrument import sites
+from dlm_jax.instrument import sae_hooks, sites
 from dlm_jax.instrument.hook_call import VALID, CaptureValues, EditValues, HookCall, class_mask
 from dlm_jax.instrument.hook_spec import Capture, Edit
 from dlm_jax.instrument.step_schedule import gate_reading, scheduled_add
@@ -82,6 +82,11 @@ def reduce_capture(capture: Capture, values: CaptureValues, x: jax.Array, select
     y = TopK(values=top, indices=index.astype(jnp.int32))
   elif capture.reduce == "project":
     y = jnp.einsum("...f,rf->...r", x.astype(jnp.float32), values.directions.astype(jnp.float32))
+  elif capture.reduce == "sae":
+    y = sae_hooks.features(values.sae, x)
+    if capture.k:
+      top, index = jax.lax.top_k(y, capture.k)
+      y = TopK(values=top, indices=index.astype(jnp.int32))
   else:
     targets = jax.lax.dynamic_slice_in_dim(values.targets, jnp.asarray(offset, jnp.int32), x.shape[1], axis=1)
     normalized = capture.site == "ln_final.hook_normalized"  # the final norm is applied already
@@ -133,6 +138,10 @@ def apply_edit(edit: Edit, values: EditValues, x: jax.Array, slot, step, flags: 
     new = source
   elif edit.op == "add":
     new = x + coefficient * source
+  elif edit.op in sae_hooks.SAE_OPS:  # an encode and a decode: only where some row is edited at this layer and step
+    new = jax.lax.cond(jnp.any(where), lambda: sae_hooks.edited(
+        edit.op, values.sae, x, values.feature_mask, values.feature_value, values.feature_add).astype(x.dtype),
+                       lambda: x)
   else:
     new = coefficient * x
   return jnp.where(where, jnp.asarray(new).astype(x.dtype), x)
@@ -147,7 +156,7 @@ def slot_table(config: ModelConfig, layers: tuple[int | None, ...], kind: str | 
   return table
 
 
-GATED_REDUCTIONS = ("lens", "topk", "project")
+GATED_REDUCTIONS = ("lens", "topk", "project", "sae")
 
 
 def _gated(capture: Capture) -> bool:
