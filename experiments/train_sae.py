@@ -8,7 +8,12 @@ JAX with optax), saved in SAELens's format.
 Data: the model's sampler (temperature 0, steps = gen_length, one block: the decoding of
 experiments.evaluate_synthetic) runs on --n_train problems of the synthetic task's *train* split, capturing
 the site at every step; every (problem, step, generated position) is a row, masked and decoded positions alike
-(`experiments.common.sae_runs`). The rows are saved once (activations.npz) and reused on resume.
+(`experiments.common.sae_runs`). The rows are saved once (activations.npz) and reused on resume. Or, with
+--dataset, the rows of a trajectory dataset of the same checkpoint (experiments.export_trajectories; its
+column of each layer's site, e.g. blocks.1.hook_resid_post), read batch by batch from its shards:
+
+  python -m experiments.export_trajectories --checkpoints=tiny-dlm --output_dir=/tmp/traj
+  python -m experiments.train_sae --dataset=/tmp/traj/tiny-dlm --output_dir=/tmp/sae
 
 Training (`dlm_jax.training.sae_loop`): --train_steps optax steps of --train_batch_size rows, data-parallel over
 --mesh when given; each layer's run keeps orbax checkpoints in runs/<site>/ (every --checkpoint_every steps),
@@ -29,7 +34,7 @@ import numpy as np
 from absl import flags, logging
 
 from dlm_jax.instrument import sites
-from dlm_jax.io import saelens
+from dlm_jax.io import saelens, trajectory_dataset
 from dlm_jax.training import sae_loop
 from dlm_jax.training import sae_objectives as objectives
 from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, numerics_flags,
@@ -40,6 +45,9 @@ _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoin
                                   "tiny-uniform-dlm, ...")
 _SITE = flags.DEFINE_string("site", "hook_resid_post", "Per-layer site kind (dlm_jax.instrument.sites).")
 _LAYERS = flags.DEFINE_list("layers", [], "Layers (default: every layer).")
+_DATASET = flags.DEFINE_string("dataset", None, "A trajectory dataset of this checkpoint "
+                               "(experiments.export_trajectories) to train on: its column of each layer's site, "
+                               "read batch by batch. Without it the binary decodes --n_train problems itself.")
 _N_TRAIN = flags.DEFINE_integer("n_train", 128, "Problems of the synthetic train split whose activations are used.")
 _DATA_SEED = flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic generator.")
 _GEN_LENGTH = flags.DEFINE_integer("gen_length", 32, "Generated positions.")
@@ -64,6 +72,7 @@ class Settings:
   """Everything that defines a train_sae run (recorded in run.json)."""
 
   checkpoint: dict
+  dataset: dict | None
   site: str
   layers: tuple[int, ...]
   n_train: int
@@ -101,6 +110,33 @@ def _layers(config) -> tuple[int, ...]:
   return layers
 
 
+def _dataset(model, names: list[str], width: int) -> trajectory_dataset.TrajectoryDataset | None:
+  """The --dataset, checked before any model work: this checkpoint's rows, a column per site of `width`."""
+  if _DATASET.value is None:
+    return None
+  flag_checks.not_blank(dataset=_DATASET.value)
+  try:
+    ds = trajectory_dataset.open_trajectory_dataset(_DATASET.value, expect_model=checkpoints.identity(model.directory))
+  except trajectory_dataset.TrajectoryDatasetError as e:
+    raise cli.UserError(f"--dataset={_DATASET.value}: {e}") from None
+  for name in names:
+    if name not in ds.columns:
+      raise cli.UserError(f"--dataset={_DATASET.value}: no column {name!r} (its columns: {', '.join(ds.columns)}); "
+                          "export that site or choose --site / --layers among them")
+    if int(np.prod(ds.manifest["columns"][name]["shape"])) != width or len(ds.manifest["columns"][name]["shape"]) != 1:
+      raise cli.UserError(f"--dataset={_DATASET.value}: column {name!r} has shape "
+                          f"{ds.manifest['columns'][name]['shape']}, expected [{width}] per row")
+  if ds.num_rows == 0:
+    raise cli.UserError(f"--dataset={_DATASET.value}: the dataset has no rows")
+  return ds
+
+
+def _dataset_record(dataset: trajectory_dataset.TrajectoryDataset, names: list[str]) -> dict:
+  """What run.json records of the dataset: its path, rows and the SHA-256 of every file of the columns used."""
+  return {"path": dataset.path, "rows": dataset.num_rows,
+          "sha256": {name: [shard["files"][name]["sha256"] for shard in dataset.manifest["shards"]] for name in names}}
+
+
 def main(argv):
   del argv
   runtime_settings = runtime_flags.from_flags()
@@ -109,6 +145,8 @@ def main(argv):
   layers = _layers(model.config)
   width = int(np.prod(sites.feature_shape(model.config, _SITE.value, layers[0])))
   objective = _objective(width)
+  names = [sites.full_name(_SITE.value, layer) for layer in layers]
+  dataset = _dataset(model, names, width)
   flag_checks.positive(n_train=_N_TRAIN.value, batch_size=_BATCH_SIZE.value, gen_length=_GEN_LENGTH.value)
   if _CHECKPOINT_EVERY.value < 0:
     raise cli.UserError(f"--checkpoint_every={_CHECKPOINT_EVERY.value}: expected >= 0")
@@ -116,7 +154,9 @@ def main(argv):
                                    seed=_SEED.value, checkpoint_every=_CHECKPOINT_EVERY.value)
   decode = decoding.DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value, block_length=_GEN_LENGTH.value)
   values = decoding.model_settings(decode, model)
-  settings = Settings(checkpoint=checkpoints.identity(model.directory), site=_SITE.value, layers=layers,
+  settings = Settings(checkpoint=checkpoints.identity(model.directory),
+                      dataset=None if dataset is None else _dataset_record(dataset, names),
+                      site=_SITE.value, layers=layers,
                       n_train=_N_TRAIN.value, data_seed=_DATA_SEED.value, decode=values,
                       objective=dataclasses.asdict(objective),
                       train={k: v for k, v in dataclasses.asdict(config).items()
@@ -130,10 +170,11 @@ def main(argv):
   numerics = numerics_flags.from_flags(runtime_settings)
   model = checkpoints.load_weights(model, runtime, numerics)
   progress.quiet_orbax()
-  names = [sites.full_name(_SITE.value, layer) for layer in layers]
   log = run_dir.ResultsLog(run, "layers.jsonl", ("site",))
   data_file = run.file("activations.npz")
-  if not all(log.done(site=name) for name in names):
+  if dataset is not None:
+    data = {name: dataset.column_view(name) for name in names}
+  elif not all(log.done(site=name) for name in names):
     if os.path.exists(data_file):
       data = dict(np.load(data_file))
     else:

@@ -157,3 +157,25 @@ def test_export_bad_input_is_one_line_before_model_work(exported, tmp_path):
     assert code == 1 and len(lines) == 1 and "Traceback" not in stderr, (extra, stderr)
     assert all(w in lines[0] for w in words), (extra, lines[0])
   assert not never.exists()
+
+
+def test_train_sae_on_the_export(exported, tmp_path):
+  """experiments.train_sae --dataset: trains on the dataset's rows of the site; a missing column and a dataset of
+  another model are one line before any model work."""
+  dataset = exported / "whole" / "tiny-dlm"
+  train = ["--checkpoint=tiny-dlm", f"--dataset={dataset}", "--train_steps=4", "--train_batch_size=8", "--d_sae=16",
+           "--k=2", "--checkpoint_every=0"]
+  results = fx.run_cases("train_sae", [train + ["--layers=1", f"--output_dir={tmp_path / 'sae'}"],
+                                       train + ["--layers=0", f"--output_dir={tmp_path / 'x'}"],
+                                       [a.replace("tiny-dlm", "tiny-moe-dlm", 1) if a.startswith("--checkpoint=")
+                                        else a for a in train] + ["--layers=1", f"--output_dir={tmp_path / 'x'}"]])
+  assert results[0][0] == 0, results[0][1][-3000:]
+  rows = open_trajectory_dataset(str(dataset)).num_rows
+  (layer,) = fx.read_jsonl(tmp_path / "sae" / "layers.jsonl")
+  assert layer["site"] == "blocks.1.hook_resid_post" and layer["rows"] == rows and layer["steps"] == 4
+  run = json.loads((tmp_path / "sae" / "run.json").read_text())
+  assert run["dataset"]["rows"] == rows and not (tmp_path / "sae" / "activations.npz").exists()
+  for (code, stderr), words in zip(results[1:], (["--dataset", "blocks.0.hook_resid_post"], ["--dataset"])):
+    lines = stderr.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and all(w in lines[0] for w in words), stderr
+  assert not (tmp_path / "x").exists()

@@ -71,6 +71,22 @@ def test_iter_batches_in_order_and_shuffled(tmp_path):
   assert len(list(ds.iter_batches(["step"], 4, drop_last=True))) == 4
 
 
+def test_column_view_reads_the_rows_it_is_asked_for(tmp_path):
+  """A column seen as an array across shards: the rows at any indices (unsorted, repeated, across shards) equal
+  the concatenated column's, and an SAE's batches read through it equal those read from the whole array."""
+  from dlm_jax.training import sae_loop
+  _export(tmp_path / "d")
+  ds = td.open_trajectory_dataset(str(tmp_path / "d"))
+  name = "blocks.0.hook_resid_post"
+  whole, view = np.asarray(ds.column(name)), ds.column_view(name)
+  assert view.shape == whole.shape == (18, 4) and view.ndim == 2 and view.dtype == np.float32
+  indices = np.array([17, 0, 5, 5, 11, 4, 12])
+  np.testing.assert_array_equal(view[indices], whole[indices])
+  batches = sae_loop.ArrayBatches(view, 7, seed=1), sae_loop.ArrayBatches(whole, 7, seed=1)
+  for step in range(4):  # past one epoch of 18 rows
+    np.testing.assert_array_equal(batches[0].batch(step), batches[1].batch(step))
+
+
 def test_killed_export_resumes_to_the_same_bytes(tmp_path):
   _export(tmp_path / "whole")
   with pytest.raises(KeyboardInterrupt):

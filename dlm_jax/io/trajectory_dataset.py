@@ -290,6 +290,10 @@ class TrajectoryDataset:
       out[name] = values
     return out
 
+  def column_view(self, name: str) -> "ColumnView":
+    """Column `name` as a `ColumnView`: rows read on indexing, shard by shard (bounded memory)."""
+    return ColumnView(self, self._name(name))
+
   def iter_batches(self, columns: Sequence[str], batch_size: int, shuffle_seed: int | None = None,
                    drop_last: bool = False) -> Iterator[dict[str, np.ndarray]]:
     """Batches of `batch_size` rows ({name: [batch, shape...]}), in order or in the permutation of
@@ -308,6 +312,22 @@ class TrajectoryDataset:
         yield self.rows(columns, np.arange(start, stop))
       else:
         yield self.rows(columns, order[start:stop])
+
+
+class ColumnView:
+  """One column of a dataset seen as an array [num_rows, shape...] without reading it: `shape`, `ndim`,
+  `dtype`, and `view[indices]` for an integer index array (read shard by shard through `rows`), so code that
+  indexes a NumPy array (e.g. `dlm_jax.training.sae_loop.ArrayBatches`) reads only the rows it asks for."""
+
+  def __init__(self, dataset: TrajectoryDataset, name: str):
+    spec = dataset.manifest["columns"][name]
+    self.dataset, self.name = dataset, name
+    self.shape = (dataset.num_rows, *spec["shape"])
+    self.ndim = len(self.shape)
+    self.dtype = np.dtype(spec["dtype"])
+
+  def __getitem__(self, indices: Any) -> np.ndarray:
+    return self.dataset.rows([self.name], np.asarray(indices, np.int64))[self.name]
 
 
 def open_trajectory_dataset(path: str, *, expect_model: Any = None, verify: bool = False,
