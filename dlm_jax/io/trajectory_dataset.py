@@ -52,11 +52,12 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from dlm_jax.io import atomic_write
 
 FORMAT = "dlm_jax.trajectory_dataset"
 VERSION = 1
@@ -87,22 +88,6 @@ def _column_spec(columns: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
   return spec
 
 
-def _write_file_atomic(path: str, write) -> None:
-  """Calls write(file) on a temporary file next to `path`, fsyncs it and renames it over `path`."""
-  directory = os.path.dirname(path)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
-  try:
-    with os.fdopen(fd, "wb") as f:
-      write(f)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
-
-
 class _HashingWriter:
   """A write-only file object that passes bytes on to `file` and counts and hashes them (SHA-256)."""
 
@@ -130,7 +115,7 @@ def _write_npy(path: str, array: np.ndarray) -> dict[str, Any]:
       sink.write(memoryview(array.reshape(-1)).cast("B"))
     out.update(bytes=sink.size, sha256=sink.digest.hexdigest())
 
-  _write_file_atomic(path, write)
+  atomic_write.write(path, write)
   return out
 
 
@@ -430,4 +415,4 @@ class TrajectoryWriter:
     self.manifest["shards"].append({"rows": rows.pop(), "files": files})
     self.manifest["complete"] = self.shards_done == self.manifest["expected_shards"]
     text = (json.dumps(self.manifest, indent=1) + "\n").encode("utf-8")
-    _write_file_atomic(os.path.join(self.path, MANIFEST), lambda f: f.write(text))
+    atomic_write.write(os.path.join(self.path, MANIFEST), lambda f: f.write(text))

@@ -6,31 +6,17 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
-import tempfile
 from typing import Any
 
 import numpy as np
 
+from dlm_jax.io import atomic_write
+
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-  """Writes `data` to a temporary file next to `path`, fsyncs it and renames it over `path`."""
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix="-" + os.path.basename(path))
-  try:
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+  """Writes `data` to a temporary file next to `path`, fsyncs it and renames it over `path`
+  (`dlm_jax.io.atomic_write`)."""
+  atomic_write.write(path, lambda f: f.write(data))
 
 
 def write_text(path: str, text: str) -> None:
