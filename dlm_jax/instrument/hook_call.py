@@ -19,6 +19,7 @@ from flax import struct
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument import sae_hooks, sites
 from dlm_jax.instrument.hook_spec import Hooks
+from dlm_jax.instrument.row_values import row_array
 from dlm_jax.instrument.sae import SAE
 from dlm_jax.instrument.step_schedule import ScheduleValues, schedule_values
 
@@ -84,16 +85,6 @@ EDIT_BATCH_AXES = {"window": 0, "layers": 0, "positions": 0, "heads": 0, "coeffi
                    "feature_value": 0, "feature_add": 0}
 
 
-def _row_array(x, batch: int, shape: tuple[int, ...], dtype, what: str) -> jax.Array:
-  """x broadcast to [B, shape...]: x may be [shape...] (every row) or [B, shape...]."""
-  x = jnp.asarray(x, dtype)
-  if x.shape == shape:
-    return jnp.broadcast_to(x, (batch, *shape))
-  if x.shape != (batch, *shape):
-    raise ValueError(f"{what} must be {list(shape)} or {[batch, *shape]}, got {list(x.shape)}.")
-  return x
-
-
 def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_len: int, *,
                 window: Any = None, layers: Any = None, positions: Any = None, heads: Any = None,
                 coefficient: Any = 1.0, vector: Any = None, values: Any = None, value_steps: Any = None,
@@ -121,23 +112,23 @@ def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_l
     raise ValueError(f"{what} has no StepSchedule; it takes no schedule values.")
   window = (0, NO_STEP_LIMIT) if window is None else window
   out = EditValues(
-      window=_row_array(window, batch, (2,), jnp.int32, f"{what}: window"),
+      window=row_array(window, batch, (2,), jnp.int32, f"{what}: window"),
       layers=jnp.ones((batch, len(resolved)), bool) if layers is None
-      else _row_array(layers, batch, (len(resolved),), bool, f"{what}: layers"),
+      else row_array(layers, batch, (len(resolved),), bool, f"{what}: layers"),
       positions=jnp.ones((batch, seq_len), bool) if positions is None
-      else _row_array(positions, batch, (seq_len,), bool, f"{what}: positions"))
+      else row_array(positions, batch, (seq_len,), bool, f"{what}: positions"))
   if edit.site in sites.HEAD_SITES:
     out = out.replace(heads=jnp.ones((batch, feature[0]), bool) if heads is None
-                      else _row_array(heads, batch, (feature[0],), bool, f"{what}: heads"))
+                      else row_array(heads, batch, (feature[0],), bool, f"{what}: heads"))
   elif heads is not None:
     raise ValueError(f"{what}: heads are chosen at per-head sites ({', '.join(sites.HEAD_SITES)}) only.")
   if edit.op in ("add", "scale"):
-    out = out.replace(coefficient=_row_array(coefficient, batch, (), jnp.float32, f"{what}: coefficient"))
+    out = out.replace(coefficient=row_array(coefficient, batch, (), jnp.float32, f"{what}: coefficient"))
   needs_source = edit.op in ("replace", "add")
   if needs_source and edit.source == "vector":
     if vector is None:
       raise ValueError(f"{what} with source 'vector' needs vector [F...] = {list(feature)} or [B, F...].")
-    out = out.replace(vector=_row_array(vector, batch, feature, jnp.float32, f"{what}: vector"))
+    out = out.replace(vector=row_array(vector, batch, feature, jnp.float32, f"{what}: vector"))
   if needs_source and edit.source == "values":
     if values is None or value_steps is None:
       raise ValueError(f"{what} with source 'values' needs values [M, Le, B, S, F...] and value_steps [M].")
@@ -152,7 +143,7 @@ def edit_values(hooks: Hooks, index: int, config: ModelConfig, batch: int, seq_l
                      f"{edit.source!r}).")
   if edit.schedule is not None:
     out = out.replace(schedule=schedule_values(edit.schedule, batch, what, **(schedule or {})))
-  return out.replace(**sae_hooks.edit_fields(edit, config, resolved, batch, what, _row_array, sae, feature_mask,
+  return out.replace(**sae_hooks.edit_fields(edit, config, resolved, batch, what, row_array, sae, feature_mask,
                                              feature_value, feature_add))
 
 

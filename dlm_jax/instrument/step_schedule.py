@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dlm_jax.instrument.row_values import row_array
+
 GATE_REDUCTIONS = ("project", "norm")
 SCHEDULE_KINDS = ("constant", "window", "table")
 
@@ -162,31 +164,22 @@ def check_steps(schedule: StepSchedule, max_steps: int, what: str) -> None:
                      f"sampler runs at most {max_steps} steps (0..{max_steps - 1}).")
 
 
-def _rows(x, batch: int, shape: tuple[int, ...], dtype, what: str) -> jax.Array:
-  x = jnp.asarray(x, dtype)
-  if x.shape == shape:
-    return jnp.broadcast_to(x, (batch, *shape))
-  if x.shape != (batch, *shape):
-    raise ValueError(f"{what} must be {list(shape)} or {[batch, *shape]}, got {list(x.shape)}.")
-  return x
-
-
 def schedule_values(schedule: StepSchedule, batch: int, what: str, *, table: Any = None, bins: Any = None,
                     gate_scale: Any = 1.0, gate_bias: Any = 0.0) -> ScheduleValues:
   """Traced values for B rows. table: [n] / [B, n] (default: 1 at every step); bins: [n] / [B, n] int in
   [0, n_bins) (default: bin 0); gate_scale, gate_bias: scalar / [B] (gated schedules only)."""
   n = schedule.n_steps
-  table = jnp.ones((batch, n), jnp.float32) if table is None else _rows(table, batch, (n,), jnp.float32,
-                                                                        f"{what}: schedule table")
-  bins = jnp.zeros((batch, n), jnp.int32) if bins is None else _rows(bins, batch, (n,), jnp.int32,
-                                                                     f"{what}: schedule bins")
+  table = jnp.ones((batch, n), jnp.float32) if table is None else row_array(table, batch, (n,), jnp.float32,
+                                                                            f"{what}: schedule table")
+  bins = jnp.zeros((batch, n), jnp.int32) if bins is None else row_array(bins, batch, (n,), jnp.int32,
+                                                                         f"{what}: schedule bins")
   if not isinstance(bins, jax.core.Tracer) and (int(jnp.min(bins)) < 0 or int(jnp.max(bins)) >= schedule.n_bins):
     raise ValueError(f"{what}: schedule bins must lie in [0, {schedule.n_bins}), got {int(jnp.min(bins))}.."
                      f"{int(jnp.max(bins))}.")
   out = ScheduleValues(table=table, bins=bins)
   if schedule.gate is not None:
-    out = out.replace(gate_scale=_rows(gate_scale, batch, (), jnp.float32, f"{what}: gate_scale"),
-                      gate_bias=_rows(gate_bias, batch, (), jnp.float32, f"{what}: gate_bias"))
+    out = out.replace(gate_scale=row_array(gate_scale, batch, (), jnp.float32, f"{what}: gate_scale"),
+                      gate_bias=row_array(gate_bias, batch, (), jnp.float32, f"{what}: gate_bias"))
   return out
 
 
