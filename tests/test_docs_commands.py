@@ -1,7 +1,7 @@
 """Every `python -m experiments.* / converters.* / benchmarks.*` command in README.md, BUILD.md and the guides
 (docs/guides/*.md) parses as written: its module exists, every flag exists and takes its value, no stray
 arguments (shell variables of the same code block are expanded by bash). The quick ones on the embedded
-models run as written."""
+models run as written (after the documented commands that write their inputs, `RUN_BEFORE`)."""
 
 import glob
 import json
@@ -18,6 +18,7 @@ DOCS = ("README.md", "BUILD.md") + tuple(sorted(os.path.relpath(path, ROOT)
 COMMAND = re.compile(r"python -m ((?:experiments|converters|benchmarks)\.\w+)")
 ASSIGNMENT = re.compile(r"^[A-Z_]+=")
 RUN_AS_WRITTEN = ("experiments.generate", "experiments.forward")
+RUN_BEFORE = {"experiments.generate": "experiments.corpus_prior"}  # writes the prior.json a documented generate reads
 POSITIONAL = {"experiments.explore": 1}  # binaries that take positional arguments (`cli.run(main, arguments=N)`)
 NOT_ABSL = {"experiments.lm_eval"}  # lm-eval's own command line (its model_args are tested in test_lm_eval_adapter)
 
@@ -102,11 +103,16 @@ def test_documented_commands_parse():
 @pytest.mark.parametrize("module", RUN_AS_WRITTEN)
 def test_quick_commands_run_as_written(tmp_path, module):
   """The documented commands of `module` on the embedded models, run in a scratch working directory."""
-  commands = [argv for argv in _documented().get(module, []) if any(w.endswith(("=tiny-dlm", "=tiny-arm"))
-                                                                     for w in argv)]
+  documented = _documented()
+
+  def quick(name):
+    return [argv for argv in documented.get(name, []) if any(w.endswith(("=tiny-dlm", "=tiny-arm")) for w in argv)]
+
+  commands = quick(module)
   assert commands, module
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  for argv in commands:
-    done = subprocess.run([sys.executable, "-m", module, *argv], cwd=tmp_path, env=env, capture_output=True,
+  before = [(RUN_BEFORE[module], argv) for argv in quick(RUN_BEFORE[module])] if module in RUN_BEFORE else []
+  for name, argv in before + [(module, argv) for argv in commands]:
+    done = subprocess.run([sys.executable, "-m", name, *argv], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
-    assert done.returncode == 0, (argv, done.stderr[-3000:])
+    assert done.returncode == 0, (name, argv, done.stderr[-3000:])
