@@ -191,7 +191,8 @@ def _table(results: list[dict]) -> list[str]:
     ratio = "–" if r["ratio_to_exact"] is None else f"{r['ratio_to_exact']:.2f}x"
     cost = f"{100 * r['stats_cost']:+.1f}%" if "stats_cost" in r else ""
     lines.append(f"{_short(r['mode']):<26} {'on' if r['statistics'] else 'off':>5} {acc:>8} "
-                 f"{r['mean_row_nfe']:>7.2f} {r['tokens_per_call']:>8.2f} {r['calls_per_batch']:>11.2f} {r['tokens_per_s']:>9.1f} {ratio:>7} {r['ms_per_call']:>8.2f} "
+                 f"{r['mean_row_nfe']:>7.2f} {r['tokens_per_call']:>8.2f} {r['calls_per_batch']:>11.2f} "
+                 f"{r['tokens_per_s']:>9.1f} {ratio:>7} {r['ms_per_call']:>8.2f} "
                  f"{cost:>10}")
   return lines
 

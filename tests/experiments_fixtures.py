@@ -48,8 +48,8 @@ LLAMA3_TEMPLATE = ("{% for message in messages %}{{ '<|start_header_id|>' + mess
 
 def layout_checkpoints(root: str) -> dict[str, str]:
   """tiny-dlm's weights and tokenizer (copied: a checkpoint's files must lie inside it) in three directories, one
-  per default prompt layout of `dlm_jax.io.prompt_layout`: "training" (the embedded model itself: training.json records a prompt width),
-  "chat" (no training.json, a chat template in tokenizer_config.json) and "plain" (neither)."""
+  per default prompt layout of `dlm_jax.io.prompt_layout`: "training" (the embedded model itself: training.json
+  records a prompt width), "chat" (no training.json, a chat template in tokenizer_config.json) and "plain" (neither)."""
   from dlm_jax import default_models  # pylint: disable=import-outside-toplevel
   source = default_models.path("tiny-dlm")
   directories = {"training": source}

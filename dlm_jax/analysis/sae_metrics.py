@@ -26,7 +26,8 @@ from dlm_jax.instrument import sae as sae_lib
 def _sums(sae: sae_lib.SAE, x: jax.Array) -> dict[str, jax.Array]:
   acts = sae_lib.encode(sae, x)
   error = sae_lib.decode(sae, acts, like=x) - x
-  return {"squared_error": jnp.sum(error * error), "active": jnp.sum((acts > 0).astype(jnp.float32)), "fired": jnp.any(acts > 0, axis=0)}
+  return {"squared_error": jnp.sum(error * error), "active": jnp.sum((acts > 0).astype(jnp.float32)),
+          "fired": jnp.any(acts > 0, axis=0)}
 
 
 def reconstruction_metrics(sae: sae_lib.SAE, x: np.ndarray, chunk: int = 8192) -> dict[str, float]:

@@ -189,8 +189,8 @@ class ModelCaller:
                              captures=jax.tree.map(lambda x: x[:batch], output.captures))
     istate = self.intervention.update(istate, self.plan.intervention_output(output), context)
     nonfinite = _nonfinite_rows(cond["logits"], cond["hidden"], uncond["logits"], uncond["hidden"])
-    outputs = StepOutput(stats=self.plan.user_stats(output, self.config.n_experts), top_sinks=self.plan.top_sinks(output, valid_keys),
-                         record=record, nonfinite=nonfinite, captures=output.captures)
+    outputs = StepOutput(stats=self.plan.user_stats(output, self.config.n_experts),
+                         top_sinks=self.plan.top_sinks(output, valid_keys), record=record, nonfinite=nonfinite, captures=output.captures)
     return CallResult(logits=cond["logits"], uncond_logits=uncond["logits"], hidden=cond["hidden"],
                       uncond_hidden=uncond["hidden"], intervention_state=istate, cache=output.cache,
                       outputs=outputs)

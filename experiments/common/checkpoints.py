@@ -99,8 +99,8 @@ class Model:
   """A loaded checkpoint and how it is prompted and decoded.
 
   label: name in tables; directory: the converted directory; record: its training.json ({} if none);
-  sampler: llada | mmada | dream | ar | block_diffusion | diffusion_gemma; prompt_format: training | chat | plain; tokenizer: a
-  `dlm_jax.io.tokenizer.Tokenizer`.
+  sampler: llada | mmada | dream | ar | block_diffusion | diffusion_gemma; prompt_format: training | chat |
+  plain; tokenizer: a `dlm_jax.io.tokenizer.Tokenizer`.
   """
 
   label: str

@@ -1,4 +1,5 @@
-"""--decoding, --threshold, --factor and --dual_cache_forwards (the modes of `experiments.common.decoding_modes`) as a `DecodingMode`."""
+"""--decoding, --threshold, --factor and --dual_cache_forwards (the modes of `experiments.common.decoding_modes`)
+as a `DecodingMode`."""
 
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ def run_models(output, settings: Any, models: Sequence[Any], runtime, task: str,
                run_model: Callable[[Any, Any, Any, run_dir.ResultsLog], Any],
                keys: tuple[str, ...] = ("model", "item")) -> ModelRuns | None:
   """Opens --output_dir (its run.json records `settings` and the checkpoints' identities), then for each model
-  logs its prompt layout and sampler, loads its weights and calls run_model(settings, model, runtime, log) -> meta, every result going to
-  results.jsonl keyed by the fields `keys`. Returns the finished run for the report, its directory created, on
+  logs its prompt layout and sampler, loads its weights and calls run_model(settings, model, runtime, log) ->
+  meta, every result going to results.jsonl keyed by the fields `keys`. Returns the finished run for the report, its directory created, on
   the primary process; None on the others and when --max_items_this_run stopped the run (the next one
   resumes)."""
   out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings),

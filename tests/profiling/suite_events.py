@@ -106,7 +106,8 @@ def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
 
 def record_exit() -> None:
   write({"kind": "exit", "wall": time.time() - _state["start"], "cpu": cpu_seconds(),
-         "first_trace_at": _state["first_trace"], "first_trace_cpu": _state["first_trace_cpu"], "test": _current_test(), "argv": sys.argv[:3]})
+         "first_trace_at": _state["first_trace"], "first_trace_cpu": _state["first_trace_cpu"],
+         "test": _current_test(), "argv": sys.argv[:3]})
 
 
 def start_subprocess_recording() -> None:
