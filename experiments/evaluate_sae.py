@@ -127,7 +127,7 @@ def main(argv):
   values = decoding.model_settings(decode, model)
   settings = {"checkpoint": checkpoints.identity(model.directory), "n": _N.value, "data_seed": _DATA_SEED.value,
               "decode": values, "step_bin": _STEP_BIN.value,
-              "saes": {name: {"path": os.path.abspath(saes[name].path),
+              "saes": {name: {"path": progress.display_path(saes[name].path),
                               "architecture": saes[name].sae.architecture, "d_sae": saes[name].sae.d_sae}
                        for name in names}}
   run = run_dir.RunDir(output.output_dir, settings, overwrite=output.overwrite,

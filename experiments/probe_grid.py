@@ -263,7 +263,7 @@ def write_report(settings: Settings, out: str, sites: tuple[str, ...], records: 
 def main(argv):
   del argv
   output = output_flags.from_flags("probe_grid")
-  settings = Settings(dataset=os.path.abspath(_DATASET.value) if _DATASET.value else "",
+  settings = Settings(dataset=progress.display_path(_DATASET.value) if _DATASET.value else "",
                       targets=tuple(_TARGETS.value), sites=tuple(_SITES.value),
                       position_classes=tuple(_CLASSES.value), step_bin=_STEP_BIN.value,
                       test_fraction=_TEST_FRACTION.value, seed=_SEED.value, l2=_L2.value, ridge_l2=_RIDGE_L2.value,

@@ -133,7 +133,7 @@ def _dataset(model, names: list[str], width: int) -> trajectory_dataset.Trajecto
 
 def _dataset_record(dataset: trajectory_dataset.TrajectoryDataset, names: list[str]) -> dict:
   """What run.json records of the dataset: its path, rows and the SHA-256 of every file of the columns used."""
-  return {"path": dataset.path, "rows": dataset.num_rows,
+  return {"path": progress.display_path(dataset.path), "rows": dataset.num_rows,
           "sha256": {name: [shard["files"][name]["sha256"] for shard in dataset.manifest["shards"]] for name in names}}
 
 

@@ -179,6 +179,21 @@ def _step_inputs(examples: Examples, tc: TrainConfig, step: int, mesh: Mesh | No
           sharding.put_host(np.asarray(jax.random.key_data(key)), sharding.replicated(mesh)))
 
 
+def open_checkpoints(run_dir: str, state: Any, log: Callable[[str], Any], what: str = "") -> tuple[Any, Any, int | None]:
+  """The orbax manager of `run_dir`/checkpoints (two kept, written synchronously) and the training state
+  restored from its latest step: (manager, state, that step or None when nothing was saved yet). `what` names
+  the run in the "resumed ..." log line."""
+  manager = ocp.CheckpointManager(
+      os.path.join(run_dir, "checkpoints"),
+      options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False, create=True))
+  latest = manager.latest_step()
+  if latest is None:
+    return manager, state, None
+  state = manager.restore(latest, args=ocp.args.StandardRestore(state))
+  log(f"resumed {what}from step {int(latest)} in {run_dir}")
+  return manager, state, int(latest)
+
+
 def train(model_config: ModelConfig, train_config: TrainConfig, examples: Examples, *, run_dir: str | None = None,
           stop_after: int | None = None, log: Callable[[str], None] = logging.info,
           mesh: Mesh | None = None) -> TrainResult:
@@ -201,14 +216,7 @@ def train(model_config: ModelConfig, train_config: TrainConfig, examples: Exampl
   if run_dir is not None:
     run_dir = os.path.abspath(run_dir)
     _check_run_record(run_dir, _run_record(model_config, tc, examples), primary)
-    manager = ocp.CheckpointManager(
-        os.path.join(run_dir, "checkpoints"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False, create=True))
-    latest = manager.latest_step()
-    if latest is not None:
-      state = manager.restore(latest, args=ocp.args.StandardRestore(state))
-      resumed_from = int(latest)
-      log(f"resumed from step {resumed_from} in {run_dir}")
+    manager, state, resumed_from = open_checkpoints(run_dir, state, log)
   step = int(state["step"])
   end = tc.steps if stop_after is None else min(tc.steps, stop_after)
   metrics, step_metrics, stopped_early = {}, None, False

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from dlm_jax.instrument import sae as sae_lib
 from dlm_jax.io import json_files
 from dlm_jax.runtime import sharding
+from dlm_jax.training import loop as train_loop
 from dlm_jax.training import sae_objectives as objectives
 
 
@@ -158,14 +159,7 @@ def train_sae(objective: objectives.SAEObjective, config: SAETrainConfig, data: 
   if run_dir is not None:
     run_dir = os.path.abspath(run_dir)
     _check_record(run_dir, _record(objective, config, data))
-    manager = ocp.CheckpointManager(
-        os.path.join(run_dir, "checkpoints"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False, create=True))
-    latest = manager.latest_step()
-    if latest is not None:
-      state = manager.restore(latest, args=ocp.args.StandardRestore(state))
-      resumed_from = int(latest)
-      log(f"resumed SAE training from step {resumed_from} in {run_dir}")
+    manager, state, resumed_from = train_loop.open_checkpoints(run_dir, state, log, "SAE training ")
   step = int(state["step"])
   end = config.steps if stop_after is None else min(config.steps, stop_after)
   metrics: dict[str, float] = {}
