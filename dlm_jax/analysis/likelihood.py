@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 
 from dlm_jax.runtime import sharding
 from dlm_jax.config import ModelConfig, logit_shift
-from dlm_jax.model.attention import NO_BIAS
+from dlm_jax.core.attention_bias import NO_BIAS
 from dlm_jax.model import forward
 from dlm_jax.sampling.schedules import torch_linspace_f32
 

@@ -25,7 +25,7 @@ from dlm_jax.instrument.hook_call import (COMMITTED, DECODED, MASKED, PROMPT, VA
 from dlm_jax.instrument.hook_spec import Hooks
 from dlm_jax.instrument.interventions import CallContext, Intervention
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
-from dlm_jax.model.attention import AttentionBias
+from dlm_jax.core.attention_bias import AttentionBias
 
 
 @struct.dataclass

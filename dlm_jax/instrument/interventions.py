@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dlm_jax.instrument import sink_selection
-from dlm_jax.model.attention import MASK_VALUE, NO_BIAS, AttentionBias
+from dlm_jax.core.attention_bias import MASK_VALUE, NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec, merge_specs
 

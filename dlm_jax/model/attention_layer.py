@@ -11,7 +11,8 @@ from flax import nnx
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.site_hooks import SiteHooks, at
-from dlm_jax.model.attention import MASK_VALUE, attention
+from dlm_jax.core.attention_bias import MASK_VALUE
+from dlm_jax.model.attention import attention
 from dlm_jax.model.primitives import RMSNorm, fused_linear, linear, rms_normalize
 from dlm_jax.model.rope import apply_rope
 

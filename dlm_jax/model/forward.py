@@ -10,7 +10,8 @@ from flax import nnx, struct
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.hook_call import HookCall
 from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
-from dlm_jax.model.attention import NO_BIAS, AttentionBias, AttentionImpl
+from dlm_jax.core.attention_bias import NO_BIAS, AttentionBias
+from dlm_jax.model.attention import AttentionImpl
 from dlm_jax.model.cache import KVCache, cache_shapes
 from dlm_jax.model.params import Params, graphdef
 from dlm_jax.model.transformer import head_logits

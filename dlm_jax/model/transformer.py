@@ -37,11 +37,11 @@ import numpy as np
 from flax import nnx
 
 from dlm_jax.config import ModelConfig
-from dlm_jax.instrument import sites
+from dlm_jax.instrument.forward_sites import ForwardSites
 from dlm_jax.instrument.hook_call import HookCall
-from dlm_jax.instrument.site_hooks import SiteHooks, at, reduce_capture, slot_table
+from dlm_jax.instrument.site_hooks import SiteHooks, at
 from dlm_jax.instrument.stats import STATISTICS, ForwardOutput, StatsSpec
-from dlm_jax.model.attention import MASK_VALUE, AttentionBias
+from dlm_jax.core.attention_bias import MASK_VALUE, AttentionBias
 from dlm_jax.model.block import SelfConditioning, block_stack
 from dlm_jax.model.cache import KVCache
 from dlm_jax.model.primitives import EMBED_INIT, RMSNorm, linear
@@ -127,9 +127,8 @@ class Transformer(nnx.Module):
     c = self.config
     n_keys = tokens.shape[1] if cache is None else cache.keys.shape[2]
     offset = 0 if cache is None else cache_offset
-    model_hooks = None
-    if hooks is not None:
-      model_hooks = SiteHooks(hooks, c, kind=None, layer=None, offset=offset, n_seq=n_keys, readout=self._readout)
+    sites = None if hooks is None else ForwardSites(hooks, c, offset=offset, n_seq=n_keys, readout=self._readout)
+    model_hooks = None if sites is None else sites.model_sites()
     x = self._embed(tokens, decoder, model_hooks)
     per_layer = {name: value for name, value, each in _bias_parts(bias) if each}
     call = _LayerCall(
@@ -140,11 +139,11 @@ class Transformer(nnx.Module):
                               cache_offset=cache_offset, zero_values=bias.zero_values,
                               **{name: value for name, value, each in _bias_parts(bias) if not each}),
         slots=_stat_slots(c, stats_spec), emit_cache=cache is not None and decoder is None,
-        hooks=hooks, readout=self._readout, n_seq=n_keys)
+        sites=sites)
     buffers = {}
     if call.slots is not None:
       buffers = _stat_buffers(c, stats_spec, tokens.shape[0], n_keys, query_weights)
-    capture_buffers = _capture_buffers(call, x)
+    capture_buffers = {} if sites is None else sites.buffers(x)
     x, buffers, capture_buffers, ys, new_cache = self._run_layers(call, x, buffers, capture_buffers, per_layer,
                                                                   _kind_caches(c, cache))
     stats = buffers if call.slots is not None else ys
@@ -162,8 +161,8 @@ class Transformer(nnx.Module):
     head = self.embed.embedding[...].T if c.tied_embeddings else self.lm_head.kernel[...]
     logits, hidden = (None, x) if return_hidden else (head_logits(x, head, c.final_logit_softcap), None)
     captures = {}
-    if hooks is not None:
-      captures = _named_captures(call, capture_buffers, model_hooks.captured)
+    if sites is not None:
+      captures = sites.named(capture_buffers, model_hooks.captured)
     return ForwardOutput(logits=logits, stats=stats, cache=new_cache, hidden=hidden, captures=captures)
 
   def _readout(self, h: jax.Array, normalized: bool = False) -> jax.Array:
@@ -233,9 +232,8 @@ class _LayerCall:
   tables: RoPE (cos, sin) per attention kind; structure: per kind, the decoder call's [1, 1, S] visible-key
   bias or None; attention_kwargs: the attention layer's arguments common to every layer (the biases
   shared by all layers among them); slots: [L] int32 statistics slot of each layer (−1: none) when a layer
-  subset is asked for, else None; emit_cache: the call returns the updated cache; hooks: the call's
-  `HookCall` or None; readout: final norm + LM head (the logit lens); n_seq: S, the sequence positions
-  of captures.
+  subset is asked for, else None; emit_cache: the call returns the updated cache; sites: the call's
+  `ForwardSites` (its hooks and capture buffers) or None.
   """
 
   config: ModelConfig
@@ -245,18 +243,12 @@ class _LayerCall:
   attention_kwargs: dict
   slots: jax.Array | None
   emit_cache: bool
-  hooks: HookCall | None = None
-  readout: Any = None
-  n_seq: int = 0
+  sites: ForwardSites | None = None
 
   def site_hooks(self, kind: str, layer, capture_buffers: dict) -> SiteHooks | None:
     """The `SiteHooks` of layer `layer` (traced int32) of attention kind `kind`, or None without hooks;
     capture_buffers: the captures of the layers run so far (read by the gates of scheduled edits)."""
-    if self.hooks is None:
-      return None
-    return SiteHooks(self.hooks, self.config, kind=kind, layer=layer, offset=self.attention_kwargs["cache_offset"],
-                     n_seq=self.n_seq, readout=self.readout,
-                     earlier=lambda index: _earlier_capture(self, capture_buffers, index))
+    return None if self.sites is None else self.sites.layer_sites(kind, layer, capture_buffers)
 
 
 def _bias_parts(bias: AttentionBias):
@@ -344,87 +336,6 @@ def _scan_layer(call: _LayerCall, kind: str, block_graph, carry, xs):
   return (h, buffers, capture_buffers), ({"cache": kv} if call.emit_cache else {})
 
 
-def _capture_key(index: int, kind: str) -> str:
-  return f"{index}/{kind}"
-
-
-def _capture_layers(call: _LayerCall, index: int, kind: str) -> list[int]:
-  """The layers of attention kind `kind` that capture `index` reads, in its order."""
-  layers = call.hooks.hooks.resolved_layers(call.config, call.hooks.hooks.captures[index])
-  return [l for l in layers if l is not None and sites.layer_kind(call.config, l) == kind]
-
-
-def _capture_buffers(call: _LayerCall, x: jax.Array) -> dict[str, Any]:
-  """Zero buffers [L_k, ...] per (per-layer capture, attention kind): the capture's value at each of its
-  layers of that kind (shapes from the reduction's abstract evaluation on the site's [B, T, *F])."""
-  if call.hooks is None:
-    return {}
-  buffers = {}
-  for index, capture in enumerate(call.hooks.hooks.captures):
-    for kind in ("s", "g"):
-      layers = [] if capture.site in sites.MODEL_SITES else _capture_layers(call, index, kind)
-      if not layers:
-        continue
-      shape = jax.eval_shape(lambda x, index=index, layer=layers[0]: _site_value(call, kind, index, layer, x), x)
-      buffers[_capture_key(index, kind)] = jax.tree.map(lambda s, n=len(layers): jnp.zeros((n, *s.shape), s.dtype),
-                                                        shape)
-  return buffers
-
-
-def _site_value(call: _LayerCall, kind: str, index: int, layer: int, x: jax.Array):
-  """For shapes only: capture `index` of zero site values at `layer` (x [B, T, D] gives B, T and dtype)."""
-  c = call.config
-  capture = call.hooks.hooks.captures[index]
-  b, t = x.shape[:2]
-  if capture.site == "attn.hook_pattern":
-    return jnp.zeros((b, len(capture.positions), c.n_heads, call.n_seq), jnp.float32)
-  dtype = jnp.float32 if capture.site == "mlp.hook_router_logits" else x.dtype
-  value = jnp.zeros((b, t, *sites.feature_shape(c, capture.site, layer)), dtype)
-  return reduce_capture(capture, call.hooks.values.captures[index], value, jnp.ones((b, t), bool), 0, call.n_seq,
-                        call.readout)
-
-
-def _write_captures(call: _LayerCall, kind: str, layer, buffers: dict, captured: dict) -> dict:
-  """The capture buffers with this layer's captured values written at the layer's slot (unchanged at a
-  layer the capture does not read)."""
-  out = dict(buffers)
-  for index, value in captured.items():
-    key = _capture_key(index, kind)
-    slot = jnp.asarray(slot_table(call.config, tuple(_capture_layers(call, index, kind))))[layer]
-    at_slot = jnp.maximum(slot, 0)
-
-    def write(buffer, new, slot=slot, at_slot=at_slot):
-      old = jax.lax.dynamic_index_in_dim(buffer, at_slot, 0, keepdims=False)
-      return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(slot >= 0, new.astype(buffer.dtype), old),
-                                                 at_slot, 0)
-
-    out[key] = jax.tree.map(write, buffers[key], value)
-  return out
-
-
-def _earlier_capture(call: _LayerCall, buffers: dict, index: int):
-  """Capture `index` (of one layer) as written so far in this forward: its value at that layer."""
-  (layer,) = call.hooks.hooks.resolved_layers(call.config, call.hooks.hooks.captures[index])
-  kind = sites.layer_kind(call.config, layer)
-  slot = _capture_layers(call, index, kind).index(layer)
-  return jax.tree.map(lambda a: a[slot], buffers[_capture_key(index, kind)])
-
-
-def _named_captures(call: _LayerCall, buffers: dict, model_captured: dict) -> dict[str, Any]:
-  """{captured array name: value} from the per-layer buffers and the model-level captures."""
-  out = {}
-  for index, capture in enumerate(call.hooks.hooks.captures):
-    if capture.site in sites.MODEL_SITES:
-      out[capture.names((None,))[0]] = model_captured[index]
-      continue
-    layers = call.hooks.hooks.resolved_layers(call.config, capture)
-    for layer, name in zip(layers, capture.names(layers)):
-      kind = sites.layer_kind(call.config, layer)
-      slot = _capture_layers(call, index, kind).index(layer)
-      out[name] = jax.tree.map(lambda a, slot=slot: a[slot], buffers[_capture_key(index, kind)])
-  return out
-
-
 def _routing_stats(config: ModelConfig, routing, query_shape: tuple[int, int], n_keys: int, cache_offset
                    ) -> dict[str, jax.Array]:
   """One layer's routing statistics over the S sequence positions: {"routed_experts": [B, S, k] int32,
@@ -460,3 +371,8 @@ def _stat_buffers(config: ModelConfig, spec: StatsSpec, batch: int, n_keys: int,
            "k": config.experts_per_token}
   return {name: jnp.full(tuple(sizes[a] for a in STATISTICS[name].axes), STATISTICS[name].fill,
                          STATISTICS[name].dtype) for name in spec.names}
+
+
+def _write_captures(call: _LayerCall, kind: str, layer, buffers: dict, captured: dict) -> dict:
+  """The capture buffers after a layer (unchanged without hooks)."""
+  return buffers if call.sites is None else call.sites.write(kind, layer, buffers, captured)

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dlm_jax import model
-from dlm_jax.model.attention import NO_BIAS, AttentionBias
+from dlm_jax.core.attention_bias import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import blocks, decoding_rules, driver, keys, llada_blockwise, llada_rules, padding, parallel, \

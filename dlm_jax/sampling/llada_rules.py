@@ -36,7 +36,7 @@ from flax import struct
 
 from dlm_jax.config import logit_shift
 from dlm_jax.instrument.interventions import NO_INTERVENTION
-from dlm_jax.model.attention import MASK_VALUE, AttentionBias
+from dlm_jax.core.attention_bias import MASK_VALUE, AttentionBias
 from dlm_jax.sampling import decoding_rules as dr
 from dlm_jax.sampling import driver, keys, padding
 from dlm_jax.sampling.schedules import llada_transfer_counts

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dlm_jax.model.attention import NO_BIAS, AttentionBias
+from dlm_jax.core.attention_bias import NO_BIAS, AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.interventions import CallContext, Intervention
 from dlm_jax.instrument.stats import ForwardOutput, query_group_weights

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dlm_jax.model.attention import NO_BIAS, AttentionBias
+from dlm_jax.core.attention_bias import NO_BIAS, AttentionBias
 from dlm_jax.instrument.interventions import padding_bias
 
 PaddingAttention = Literal["visible", "key", "outer"]

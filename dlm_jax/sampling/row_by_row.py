@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from dlm_jax.instrument.hook_call import HookCall, row_slices
-from dlm_jax.model.attention import AttentionBias
+from dlm_jax.core.attention_bias import AttentionBias
 from dlm_jax.model import DecoderCall, KVCache, forward
 from dlm_jax.instrument.stats import ForwardOutput
 

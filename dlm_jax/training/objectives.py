@@ -45,7 +45,7 @@ from jax.sharding import Mesh
 from dlm_jax.runtime import sharding
 from dlm_jax.training import uniform as training_uniform
 from dlm_jax.instrument.interventions import add_sink_token, sink_token_bias, sink_token_index
-from dlm_jax.model.attention import AttentionBias
+from dlm_jax.core.attention_bias import AttentionBias
 from dlm_jax.config import ModelConfig, logit_shift
 from dlm_jax.model import Params, forward, init_params
 from dlm_jax.runtime.sharding import ShardingRules

@@ -1,0 +1,1 @@
+"""Types shared below `dlm_jax.model` and `dlm_jax.instrument` (the attention bias)."""
