@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dlm_jax.instrument import interventions as iv
+from dlm_jax.sampling.call_plan import intervened_forward
 from dlm_jax import model
 from dlm_jax.model.attention import MASK_VALUE, attention
 from dlm_jax.config import preset
@@ -185,9 +186,9 @@ def test_no_nan_under_any_combination_of_masks():
 
   @jax.jit
   def run(state):
-    output, new_state = iv.intervened_forward(params, tokens, combined, state, config=config,
+    output, new_state = intervened_forward(params, tokens, combined, state, config=config,
                                               stats_spec=StatsSpec(incoming_attention=True, value_norms=True))
-    output2, _ = iv.intervened_forward(params, tokens, combined, new_state, config=config)
+    output2, _ = intervened_forward(params, tokens, combined, new_state, config=config)
     return output, output2, new_state
 
   base = combined.init_state(config, B, s)
@@ -327,7 +328,7 @@ def test_intervened_forward_equals_forward_with_the_bias():
   mask_keys = iv.MaskKeys()
   state = iv.MaskKeys.with_positions(mask_keys.init_state(config, B, 7), jnp.array([[1], [4]]))
   spec = StatsSpec(incoming_attention=True)
-  output, new_state = iv.intervened_forward(params, tokens, mask_keys, state, config=config, stats_spec=spec)
+  output, new_state = intervened_forward(params, tokens, mask_keys, state, config=config, stats_spec=spec)
   reference = model.forward(params, tokens, config=config,
                             bias=iv.AttentionBias(keys=jnp.where(state, MASK_VALUE, 0.0)[:, None]), stats_spec=spec)
   np.testing.assert_allclose(output.logits, reference.logits, atol=1e-6)

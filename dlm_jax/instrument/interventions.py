@@ -2,22 +2,22 @@
 
 An `Intervention` is a frozen (hashable) dataclass, so it is part of a compiled program's static key; the
 arrays that vary between conditions or steps (positions, K, ε, validity masks) live in its *state*, a
-pytree carried through the sampler loop, so one compiled program serves every condition. One model call
-of a sampler (or of `intervened_forward`, the plain forward) does:
+pytree carried through the sampler loop, so one compiled program serves every condition. The call plan
+(`dlm_jax.sampling.call_plan`: the samplers' model calls and `intervened_forward`, the plain forward) does, at
+every model call:
 
     context = CallContext(step=i, tokens=sequence)   # KV cache: also query_offset=offset, query_length=T
     record = intervention.record(state)                      # optional: what this call will apply
     bias = intervention.bias(state, context)                 # AttentionBias for this call
     weights = intervention.query_weights(state, context)     # None, or [B, Q, T] (see below)
-    output = forward(params, sequence, bias=bias, query_weights=weights,   # cache=... for KV-cached calls
-                     stats_spec=merge_specs(recorded_spec, intervention.required_stats(config)))
+    output = forward(params, sequence, bias=bias, ...)       # statistics: the StatsPlan's union
     state = intervention.update(state, output, context)      # e.g. remember this call's sinks
 
 Protocol (every method has a do-nothing default in `Intervention`):
   required_stats(config) -> StatsSpec: the statistics `update` reads. If its `query_groups` Q > 0 the
-    sampler must pass `query_weights(state, context)` ([B, Q, T]) to the forward; combine it with the
-    statistics a sampler records itself through `dlm_jax.instrument.stats.merge_specs` (it raises on a conflict).
-    The statistics it receives have the library's one layout ([L', B, Q, N', S], `dlm_jax.instrument.stats`).
+    call plan passes `query_weights(state, context)` ([B, Q, T]) to the forward, beside the groups of the
+    statistics a user asks for (`dlm_jax.sampling.stats_plan.StatsPlan`). The statistics it receives are its
+    own view of the call's, in the library's one layout ([L', B, Q, N', S], `dlm_jax.instrument.stats`).
   init_state(config, batch_size, seq_len) -> pytree: initial state for [batch_size, seq_len] sequences
     (seq_len = the KV-cache length S for cached decoding).
   bias(state, context) -> AttentionBias: additive biases [… T|1, S] for this call, with T =
@@ -27,8 +27,6 @@ Protocol (every method has a do-nothing default in `Intervention`):
     uniform over all keys). Its per-layer flags give every layer its own bias.
   query_weights(state, context) -> [B, Q, T] or None: query-group weights for the statistics.
   update(state, output, context) -> state: called once after every model call with its `ForwardOutput`.
-  hook_call(state, context) -> HookCall or None: activation captures and edits for this call
-    (`dlm_jax.instrument.instrumented.Instrumented`).
   record(state) -> pytree or None: what the next call applies, for a per-step record (the samplers stack
     it into `Trace.intervention_record` when asked). The sink maskers record the keys they mask: the masks
     of call t, computed from the statistics of call t−1.
@@ -125,12 +123,6 @@ class Intervention:
     del state
     return None
 
-  def hook_call(self, state: Any, context: CallContext) -> Any:
-    """The call's activation hooks (`dlm_jax.instrument.hook_call.HookCall`: captures and edits at named
-    sites), or None (`dlm_jax.instrument.instrumented.Instrumented` supplies them)."""
-    del state, context
-    return None
-
   def keep_rows(self, new: Any, old: Any, active: jax.Array) -> Any:
     """The state after a call for the rows that decoded (active [B] bool) and `old` for the rows that
     waited (a sampler whose rows wait for the batch, e.g. threshold decoding), so that a row's state does
@@ -140,26 +132,6 @@ class Intervention:
 
 
 NO_INTERVENTION = Intervention()
-
-
-def intervened_forward(params: Any, tokens: jax.Array, intervention: Intervention, state: Any, *,
-                       config: ModelConfig, step: jax.Array | int = 0, stats_spec: StatsSpec = NO_STATS,
-                       **forward_kwargs: Any) -> tuple[ForwardOutput, Any]:
-  """`dlm_jax.model.forward` under `intervention`: bias → forward → update. Returns (output, new state).
-
-  tokens: [B, S]; stats_spec: statistics wanted besides those the intervention reads (merged); other
-  keyword arguments (positions, attention_impl, …) go to `forward`. `query_weights` given here are used
-  when the intervention supplies none.
-  """
-  from dlm_jax.model import forward
-  context = CallContext(step=jnp.asarray(step, jnp.int32), tokens=tokens)
-  weights = intervention.query_weights(state, context)
-  if weights is None:
-    weights = forward_kwargs.pop("query_weights", None)
-  spec = merge_specs(stats_spec, intervention.required_stats(config))
-  output = forward(params, tokens, config=config, stats_spec=spec, query_weights=weights,
-                   bias=intervention.bias(state, context), **forward_kwargs)
-  return output, intervention.update(state, output, context)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -521,13 +493,6 @@ class Compose(Intervention):
     """The parts' records, in `parts` order (None for a part that records nothing); None if none does."""
     records = tuple(p.record(s) for p, s in zip(self.parts, state))
     return None if all(r is None for r in records) else records
-
-  def hook_call(self, state: tuple[Any, ...], context: CallContext) -> Any:
-    """The activation hooks of the one part that has any (None when none does)."""
-    calls = [c for p, s in zip(self.parts, state) if (c := p.hook_call(s, context)) is not None]
-    if len(calls) > 1:
-      raise ValueError("Compose: more than one part supplies activation hooks; give them to one Hooks.")
-    return calls[0] if calls else None
 
 
 def flat_parts(intervention: Intervention) -> tuple[Intervention, ...]:

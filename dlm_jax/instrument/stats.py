@@ -15,6 +15,7 @@ asked for are not reduced at all. Shapes use the axis letters of `dlm_jax.model.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,6 +41,8 @@ class StatsSpec:
       (selected) layer: the k chosen experts and their weights, [L', B, S, k] (dense layers and positions
       the call did not compute: expert −1, weight 0). The weights are the router's, before any capacity
       drop. Samplers also report the expert load ([L', B, E] tokens per expert; `expert_load`).
+    extra: names of further `STATISTICS` entries to compute (those registered without a switch field of
+      their own, `register_statistic`).
   """
 
   incoming_attention: bool = False
@@ -48,6 +51,7 @@ class StatsSpec:
   query_groups: int = 0
   value_norms: bool = False
   routing: bool = False
+  extra: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.layers is not None:
@@ -59,6 +63,10 @@ class StatsSpec:
         raise ValueError("StatsSpec.layers is empty; use None for every layer or name at least one layer.")
     if not isinstance(self.query_groups, int) or self.query_groups < 0:
       raise ValueError(f"StatsSpec.query_groups must be an integer >= 0, got {self.query_groups!r}.")
+    if not isinstance(self.extra, tuple) or any(STATISTICS.get(n, _SWITCHED).switch is not None for n in self.extra):
+      raise ValueError(f"StatsSpec.extra must be a tuple of registered statistics without a switch field "
+                       f"({', '.join(n for n, s in STATISTICS.items() if s.switch is None) or 'none registered'}), "
+                       f"got {self.extra!r}.")
 
   @property
   def enabled(self) -> bool:
@@ -67,7 +75,26 @@ class StatsSpec:
   @property
   def names(self) -> tuple[str, ...]:
     """The statistics (`STATISTICS` names) this spec asks for."""
-    return tuple(name for name, statistic in STATISTICS.items() if getattr(self, statistic.switch))
+    return tuple(name for name, statistic in STATISTICS.items()
+                 if (name in self.extra if statistic.switch is None else getattr(self, statistic.switch)))
+
+  @property
+  def attention(self) -> bool:
+    """Some statistic asked for is reduced inside attention (needs the attention probabilities)."""
+    return any(STATISTICS[name].attention for name in self.names)
+
+  def asking(self, names) -> StatsSpec:
+    """This spec's options (heads, layers, query groups) asking for exactly the statistics `names`."""
+    switches = {s.switch for n, s in STATISTICS.items() if s.switch is not None and n in names}
+    return dataclasses.replace(self, **{field: field in switches for field in SWITCHES},
+                               extra=tuple(n for n in STATISTICS if n in names and STATISTICS[n].switch is None))
+
+  def check_model(self, config) -> None:
+    """Raises ValueError naming the first statistic asked for that the model (a `ModelConfig`) cannot give."""
+    for name in self.names:
+      reason = STATISTICS[name].unavailable(config)
+      if reason:
+        raise ValueError(reason)
 
   def check_layers(self, n_layers: int) -> None:
     """Raises if a requested layer index does not exist in a model with `n_layers` layers."""
@@ -78,35 +105,121 @@ class StatsSpec:
 NO_STATS = StatsSpec()
 
 
+@struct.dataclass
+class LayerValues:
+  """What one layer of a forward hands the statistics (`Statistic.compute`).
+
+  incoming: [B, Q, N, S] the layer's incoming attention per query group and head (None unless a statistic
+  asked for asks for `attention`); keys, values: [B, S, K, H] the layer's keys and values over the S key
+  positions (after RoPE, the cache written); hidden: [B, T, D] the layer's output (residual stream); routing: the MoE router's (weights [B, T, k], experts [B, T, k])
+  or None in a dense layer; n_queries: T; query_offset: sequence index of the call's first query (traced);
+  per_head: the spec's head choice; k: experts per token.
+  """
+
+  incoming: jax.Array | None
+  keys: jax.Array
+  values: jax.Array
+  hidden: jax.Array
+  routing: Any
+  query_offset: Any
+  n_queries: int = struct.field(pytree_node=False)
+  per_head: bool = struct.field(pytree_node=False)
+  k: int = struct.field(pytree_node=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class Statistic:
-  """One per-call statistic: the `StatsSpec` switch that asks for it and its layout.
+  """One per-call statistic: everything about it, in one entry of `STATISTICS`.
 
+  switch: the `StatsSpec` field that asks for it, or None (asked for by name in `StatsSpec.extra`); switches
+    merge by "or" (`merge_specs`, `dlm_jax.sampling.stats_plan.StatsPlan`).
   axes: the axis letters of its [L', B, ...] array (module docstring): "Q" is the query-group axis and "N"
     the head axis (N' = 1 when head-averaged), which the planner and `squeeze` treat generically.
+  compute: `LayerValues` -> this layer's value [B, ...] (the axes after "L").
+  attention: computed from the attention probabilities (the forward reduces them inside attention).
+  unavailable: config -> the one-line reason the model cannot give it, or None.
+  views: (name, fn(value [L', B, ...], config) -> array) derived for the user (e.g. the expert load).
   dtype, fill: the dtype and fill value of the buffer a layer subset is written into (a layer that computes
     nothing leaves the fill).
   """
 
-  switch: str
+  switch: str | None
   axes: tuple[str, ...]
+  compute: Callable[[LayerValues], jax.Array]
+  attention: bool = False
+  unavailable: Callable[[Any], str | None] = lambda config: None
+  views: tuple[tuple[str, Callable[[jax.Array, Any], jax.Array]], ...] = ()
   dtype: Any = jnp.float32
   fill: float = 0.0
 
 
+def _incoming(layer: LayerValues) -> jax.Array:
+  return layer.incoming if layer.per_head else jnp.mean(layer.incoming, axis=2, keepdims=True)
+
+
+def _value_norms(layer: LayerValues) -> jax.Array:
+  return jnp.linalg.norm(layer.values.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+
+
+def _routing(layer: LayerValues, part: int, fill, dtype) -> jax.Array:
+  """[B, S, k] one part of the router's choice (0: weights, 1: experts) over the S sequence positions: the
+  call's T queries sit at query_offset..query_offset+T−1; other positions, and every position of a dense
+  layer, hold `fill`."""
+  b, n_keys = layer.keys.shape[:2]
+  out = jnp.full((b, n_keys, layer.k), fill, dtype)
+  if layer.routing is None:
+    return out
+  zero = jnp.zeros((), jnp.int32)
+  start = (zero, jnp.asarray(layer.query_offset, jnp.int32), zero)
+  return jax.lax.dynamic_update_slice(out, layer.routing[part].astype(dtype), start)
+
+
+def _no_value_norms(config) -> str | None:
+  if config.layer_pattern is not None:
+    return ("StatsSpec.value_norms is not available for a layer_pattern model (its sliding and global layers "
+            "have different kv heads); ask for incoming_attention only.")
+  return None
+
+
+def _no_routing(config) -> str | None:
+  if not config.is_moe:
+    return (f"StatsSpec.routing asks for routing statistics, but {config.name} is a dense model (n_experts = 0); "
+            "leave routing False.")
+  return None
+
+
+_SWITCHED = Statistic("switched", (), lambda layer: None)
+
 STATISTICS: dict[str, Statistic] = {
     # the sum over queries (per query group) of the softmax probability each query gives each key
-    "incoming_attention": Statistic("incoming_attention", ("L", "B", "Q", "N", "S")),
+    "incoming_attention": Statistic("incoming_attention", ("L", "B", "Q", "N", "S"), _incoming, attention=True),
     # the L2 norm of every key position's value vector per kv head
-    "value_norms": Statistic("value_norms", ("L", "B", "K", "S")),
+    "value_norms": Statistic("value_norms", ("L", "B", "K", "S"), _value_norms, unavailable=_no_value_norms),
     # the k experts each position was sent to (−1 in dense layers and at positions the call did not compute)
-    "routed_experts": Statistic("routing", ("L", "B", "S", "k"), jnp.int32, -1),
+    "routed_experts": Statistic("routing", ("L", "B", "S", "k"), lambda l: _routing(l, 1, -1, jnp.int32),
+                                unavailable=_no_routing,
+                                views=(("expert_load", lambda x, config: expert_load(x, config.n_experts)),),
+                                dtype=jnp.int32, fill=-1),
     # the router's weights of those experts (0 there)
-    "routing_weights": Statistic("routing", ("L", "B", "S", "k")),
+    "routing_weights": Statistic("routing", ("L", "B", "S", "k"), lambda l: _routing(l, 0, 0.0, jnp.float32),
+                                 unavailable=_no_routing),
 }
-"""Every per-call statistic by name. Adding one: an entry here (with a `StatsSpec` switch) and its computation
-in `dlm_jax.model.transformer._run_layer`; the planner, the CFG split, batch-invariant calls and the `Trace`
-treat entries by name and layout."""
+"""Every per-call statistic by name: the only registry. The forward computes an entry at every layer asked for
+(`compute`), the planner merges requests and derives each consumer's view by its layout, the CFG split,
+batch-invariant calls and the `Trace` treat entries by name and layout. Adding one is one entry
+(`register_statistic`)."""
+
+SWITCHES = ("incoming_attention", "value_norms", "routing")
+"""The `StatsSpec` fields that switch statistics on."""
+
+
+def register_statistic(name: str, statistic: Statistic) -> None:
+  """Adds a statistic asked for by name (`StatsSpec(extra=(name,))`); its `switch` must be None. Raises on a
+  name already registered."""
+  if name in STATISTICS or statistic.switch is not None:
+    raise ValueError(f"register_statistic: {name!r} is already registered or has a switch; give a new name and "
+                     "switch=None.")
+  STATISTICS[name] = statistic
 
 
 @struct.dataclass
@@ -183,8 +296,8 @@ def query_group_weights(unresolved: jax.Array, gen_start: int, query_offset: jax
 
 
 def merge_specs(a: StatsSpec, b: StatsSpec) -> StatsSpec:
-  """One StatsSpec giving what both ask for: value norms if either does; incoming attention if either
-  does, in which case the two must agree on per_head, layers and query_groups (else ValueError)."""
+  """One StatsSpec giving every statistic either asks for; with incoming attention on both sides the two must
+  agree on per_head, layers and query_groups (else ValueError)."""
   if not (a.incoming_attention and b.incoming_attention):
     incoming = a if a.incoming_attention else b
   elif (a.per_head, a.layers, a.query_groups) == (b.per_head, b.layers, b.query_groups):
@@ -192,4 +305,4 @@ def merge_specs(a: StatsSpec, b: StatsSpec) -> StatsSpec:
   else:
     raise ValueError(f"Incompatible incoming-attention statistics {a} and {b}: ask for the same per_head, "
                      "layers and query_groups (e.g. record the ones the intervention needs).")
-  return dataclasses.replace(incoming, value_norms=a.value_norms or b.value_norms, routing=a.routing or b.routing)
+  return incoming.asking(set(a.names) | set(b.names))

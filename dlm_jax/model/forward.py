@@ -87,14 +87,9 @@ def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, lo
                                              or self_conditioning_mask.shape != (b,)):
     raise ValueError(f"DecoderCall.self_conditioning_mask must be [B] = {(b,)} and needs self_conditioning_logits; got "
                      f"{getattr(self_conditioning_mask, 'shape', None)}.")
-  if stats_spec.value_norms and config.layer_pattern is not None:
-    raise ValueError("StatsSpec.value_norms is not available for a layer_pattern model (its sliding and global "
-                     "layers have different kv heads); ask for incoming_attention only.")
+  stats_spec.check_model(config)
   bias.check(n_layers=config.n_layers, batch=b, n_heads=config.n_heads, n_queries=t, n_keys=n_keys)
   stats_spec.check_layers(config.n_layers)
-  if stats_spec.routing and not config.is_moe:
-    raise ValueError(f"StatsSpec.routing asks for routing statistics, but {config.name} is a dense model "
-                     "(n_experts = 0); leave routing False.")
   if stats_spec.query_groups and (query_weights is None or query_weights.shape[1] != stats_spec.query_groups):
     got = None if query_weights is None else query_weights.shape
     raise ValueError(f"StatsSpec.query_groups={stats_spec.query_groups} needs query_weights of shape "

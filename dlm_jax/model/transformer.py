@@ -40,7 +40,7 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.forward_sites import ForwardSites
 from dlm_jax.instrument.hook_call import HookCall
 from dlm_jax.instrument.site_hooks import SiteHooks, at
-from dlm_jax.instrument.stats import STATISTICS, ForwardOutput, StatsSpec
+from dlm_jax.instrument.stats import STATISTICS, ForwardOutput, LayerValues, StatsSpec
 from dlm_jax.core.attention_bias import MASK_VALUE, AttentionBias
 from dlm_jax.model.block import SelfConditioning, block_stack
 from dlm_jax.model.cache import KVCache
@@ -295,16 +295,14 @@ def _run_layer(call: _LayerCall, kind: str, block, h, kv_cache, layer_biases, wi
   extra = {} if call.structure[kind] is None else {"structure_key_bias": call.structure[kind], "write_cache": False}
   hooks = call.site_hooks(kind, layer, capture_buffers)
   h, incoming, (keys, values), routing = block(
-      h, cos, sin, hooks=hooks, with_incoming=with_stats and spec.incoming_attention, cache=kv_cache,
+      h, cos, sin, hooks=hooks, with_incoming=with_stats and spec.attention, cache=kv_cache,
       **call.attention_kwargs, **extra, **layer_biases)
   stats = {}
-  if with_stats and spec.incoming_attention:
-    stats["incoming_attention"] = incoming if spec.per_head else jnp.mean(incoming, axis=2, keepdims=True)
-  if with_stats and spec.value_norms:
-    stats["value_norms"] = jnp.linalg.norm(values.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
-  if with_stats and spec.routing:
-    stats.update(_routing_stats(call.config, routing, h.shape[:2], keys.shape[1],
-                                call.attention_kwargs["cache_offset"]))
+  if with_stats:
+    layer_values = LayerValues(incoming=incoming, keys=keys, values=values, hidden=h, routing=routing,
+                               query_offset=call.attention_kwargs["cache_offset"], n_queries=h.shape[1],
+                               per_head=spec.per_head, k=call.config.experts_per_token)
+    stats = {name: STATISTICS[name].compute(layer_values) for name in spec.names}
   return h, (keys, values), stats, {} if hooks is None else hooks.captured
 
 
@@ -334,24 +332,6 @@ def _scan_layer(call: _LayerCall, kind: str, block_graph, carry, xs):
   h, kv, buffers, captured = jax.lax.cond(slot >= 0, with_stats, without_stats, h, buffers)
   capture_buffers = _write_captures(call, kind, layer, capture_buffers, captured)
   return (h, buffers, capture_buffers), ({"cache": kv} if call.emit_cache else {})
-
-
-def _routing_stats(config: ModelConfig, routing, query_shape: tuple[int, int], n_keys: int, cache_offset
-                   ) -> dict[str, jax.Array]:
-  """One layer's routing statistics over the S sequence positions: {"routed_experts": [B, S, k] int32,
-  "routing_weights": [B, S, k] float32}; the call's T queries sit at cache_offset..cache_offset+T−1 (0
-  without a cache, where S = T); other positions, and every position of a dense layer, hold expert −1 and
-  weight 0."""
-  b, t = query_shape
-  k = config.experts_per_token
-  experts = jnp.full((b, n_keys, k), -1, jnp.int32)
-  weights = jnp.zeros((b, n_keys, k), jnp.float32)
-  if routing is not None:
-    zero = jnp.zeros((), jnp.int32)
-    start = (zero, jnp.asarray(cache_offset, jnp.int32), zero)
-    weights = jax.lax.dynamic_update_slice(weights, routing[0].astype(jnp.float32), start)
-    experts = jax.lax.dynamic_update_slice(experts, routing[1], start)
-  return {"routed_experts": experts, "routing_weights": weights}
 
 
 def head_logits(hidden: jax.Array, head: jax.Array, softcap: float | None = None) -> jax.Array:

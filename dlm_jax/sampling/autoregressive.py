@@ -25,6 +25,7 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.interventions import Intervention
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import driver, keys, padding
+from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Readout
 from dlm_jax.sampling.selection import filter_top_k, filter_top_p
 
 
@@ -118,9 +119,9 @@ class ARFamily(driver.Family):
     positions = jax.lax.dynamic_slice_in_dim(consts.positions, offset, length, axis=1)
     written = jnp.arange(sequence.shape[1])[None, :] < offset + length
     query_valid = jax.lax.dynamic_slice_in_dim(consts.valid, offset, length, axis=1)
-    result = run.caller(params, tokens, step, istate, window="last", positions=positions,
-                        valid_keys=consts.valid & written, query_valid=query_valid, base_bias=consts.bias,
-                        cache=carry.cache, cache_offset=offset, sequence=sequence)
+    result = run.caller(params, step, istate, CallInputs(tokens, positions, query_valid, consts.valid & written,
+                                                         consts.bias),
+                        Readout(window="last"), CacheCall(carry.cache, offset, sequence))
     token = _next_token(self.options, result.logits[:, -1], sample_key, run.row_keys)
     finished = carry.finished
     if self.options.stop_at_eos:
@@ -129,7 +130,7 @@ class ARFamily(driver.Family):
     sequence = jax.lax.dynamic_update_slice_in_dim(sequence, token[:, None], offset + length, axis=1)
     carry = ARCarry(tokens=sequence, cache=result.cache, key=key, finished=finished)
     queries = jnp.stack([jnp.asarray(offset, jnp.int32), jnp.asarray(offset + length, jnp.int32)])
-    return carry, result.intervention_state, result.outputs.replace(queries=queries)
+    return carry, result.state, result.outputs.replace(queries=queries)
 
   def open_phase(self, run, params, consts, carry, istate, i, phase):
     """Step 0: the whole prompt (cache positions 0..Lp−1) yields the first new token."""

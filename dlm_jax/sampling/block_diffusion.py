@@ -97,6 +97,7 @@ from dlm_jax.instrument import interventions
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import driver, keys, padding
+from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Readout
 from dlm_jax.sampling.parallel import quota_threshold_transfer, threshold_transfer
 from dlm_jax.sampling.selection import filter_top_k, filter_top_p, update_decode_step
 from dlm_jax.sampling.trace import Trace
@@ -322,13 +323,12 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
     """The prefill: the prompt's complete blocks [0, n) in one call, storing their keys and values."""
     n = self._blocks(run)[0] * self.options.block_length
     x = carry.tokens
-    result = run.caller(params, x[:, :n], i, istate, window=(n - 1, n), positions=layout.positions[:, :n],
-                        valid_keys=layout.valid & (jnp.arange(run.total_length) < n)[None, :],
-                        query_valid=layout.valid[:, :n], base_bias=padding.query_rows(layout.bias, 0, n),
-                        cache=carry.cache, cache_offset=0, sequence=x)
+    inputs = CallInputs(x[:, :n], layout.positions[:, :n], layout.valid[:, :n],
+                        layout.valid & (jnp.arange(run.total_length) < n)[None, :], padding.query_rows(layout.bias, 0, n))
+    result = run.caller(params, i, istate, inputs, Readout(window=(n - 1, n)), CacheCall(carry.cache, 0, x))
     carry = carry.replace(cache=result.cache, committed=jnp.asarray(n // self.options.block_length, jnp.int32))
     outputs = result.outputs.replace(active=jnp.zeros(x.shape[:1], bool), queries=jnp.array([0, n], jnp.int32))
-    return carry, result.intervention_state, outputs
+    return carry, result.state, outputs
 
   def _proposals(self, logits: jax.Array, key: jax.Array, per_row: bool) -> tuple[jax.Array, jax.Array]:
     """(x0 [B, L] int32, p(x0) [B, L] float32) from the block's logits [B, L, V]."""
@@ -368,12 +368,10 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
     else:
       start, queries, window = 0, e, (s, e)
       cache = KVCache.zeros(run.config, x.shape[0], total, params["embed"]["embedding"].dtype)
-    result = run.caller(params, _rows(x, start, queries), i, istate, window=window,
-                        positions=_rows(layout.positions, start, queries),
-                        valid_keys=layout.valid & (jnp.arange(total) < e)[None, :],
-                        query_valid=_rows(layout.valid, start, queries),
-                        base_bias=padding.query_rows(layout.bias, start, queries), cache=cache,
-                        cache_offset=start, sequence=x)
+    inputs = CallInputs(_rows(x, start, queries), _rows(layout.positions, start, queries),
+                        _rows(layout.valid, start, queries), layout.valid & (jnp.arange(total) < e)[None, :],
+                        padding.query_rows(layout.bias, start, queries))
+    result = run.caller(params, i, istate, inputs, Readout(window=window), CacheCall(cache, start, x))
     key, step_key = keys.split(carry.key, 2, run.row_keys)
     x0, confidence = self._proposals(result.logits, step_key, run.row_keys)
     block_tokens = _rows(x, s, length)
@@ -402,7 +400,7 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
       carry = self._advance(run, carry, k)
     outputs = result.outputs.replace(active=decoding, queries=jnp.stack([jnp.asarray(start, jnp.int32),
                                                                          jnp.asarray(e, jnp.int32)]))
-    return carry, result.intervention_state, outputs
+    return carry, result.state, outputs
 
   def _advance(self, run, carry: BlockDiffusionCarry, k) -> BlockDiffusionCarry:
     """The carry after a call of block k (traced) in the one-phase layout: at block k + 1, step 0, when no row

@@ -60,6 +60,7 @@ from dlm_jax.instrument import interventions
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import DecoderCall, KVCache
 from dlm_jax.sampling import driver, keys, padding
+from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Readout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,12 +256,11 @@ class DiffusionGemmaFamily(driver.Family):
     start, stop = (0, lp) if k == 0 else (lp + (k - 1) * c, lp + k * c)
     stopped = self._finished_rows(carry)
     x = carry.tokens
-    result = run.caller(params, x[:, start:stop], i, istate, window=(stop - start - 1, stop - start),
-                        positions=layout.positions[:, start:stop],
-                        valid_keys=layout.valid & (jnp.arange(run.total_length) < stop)[None, :],
-                        query_valid=layout.valid[:, start:stop],
-                        base_bias=padding.query_rows(layout.bias, start, stop - start), cache=carry.cache,
-                        cache_offset=start, sequence=x)
+    inputs = CallInputs(x[:, start:stop], layout.positions[:, start:stop], layout.valid[:, start:stop],
+                        layout.valid & (jnp.arange(run.total_length) < stop)[None, :],
+                        padding.query_rows(layout.bias, start, stop - start))
+    result = run.caller(params, i, istate, inputs, Readout(window=(stop - start - 1, stop - start)),
+                        CacheCall(carry.cache, start, x))
     b = x.shape[0]
     canvas = canvas_draws(carry.key, k, (b, c), run.config.vocab_size, run.row_keys)
     s = lp + k * c
@@ -272,7 +272,7 @@ class DiffusionGemmaFamily(driver.Family):
         block_step=jnp.int32(0), cache=result.cache)
     outputs = result.outputs.replace(active=jnp.zeros((b,), bool), queries=jnp.array([start, stop], jnp.int32),
                                      accepted=jnp.zeros((b, c), bool), canvas=jnp.zeros((b, c), jnp.int32))
-    return carry, result.intervention_state, outputs
+    return carry, result.state, outputs
 
   def step(self, run, params, layout: padding.PaddingLayout, carry: DiffusionGemmaCarry, istate, i, phase):
     """One decoder step of canvas k (module docstring, 1–6)."""
@@ -282,13 +282,12 @@ class DiffusionGemmaFamily(driver.Family):
     b = carry.canvas.shape[0]
     active = ~carry.denoise_done
     sequence = carry.tokens.at[:, s:s + c].set(carry.canvas)
-    result = run.caller(params, carry.canvas, i, istate, window=None, positions=layout.positions[:, s:s + c],
-                        valid_keys=layout.valid & (jnp.arange(run.total_length) < s + c)[None, :],
-                        query_valid=layout.valid[:, s:s + c], base_bias=padding.query_rows(layout.bias, s, c),
-                        cache=carry.cache, cache_offset=s, sequence=sequence,
-                        decoder=DecoderCall(self_conditioning_logits=carry.sc_logits,
-                                            self_conditioning_mask=carry.has_sc),
-                        unresolved=~carry.accepted)
+    inputs = CallInputs(carry.canvas, layout.positions[:, s:s + c], layout.valid[:, s:s + c],
+                        layout.valid & (jnp.arange(run.total_length) < s + c)[None, :],
+                        padding.query_rows(layout.bias, s, c), unresolved=~carry.accepted)
+    decoder = DecoderCall(self_conditioning_logits=carry.sc_logits, self_conditioning_mask=carry.has_sc)
+    result = run.caller(params, i, istate, inputs, Readout(),
+                        CacheCall(carry.cache, s, sequence, mode="decode", decoder=decoder))
     scaled = result.logits / temperature(o, carry.block_step)
     gumbel, renoise = step_draws(carry.key, k, carry.block_step, (b, c), run.config.vocab_size, run.row_keys)
     sample = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
@@ -321,7 +320,7 @@ class DiffusionGemmaFamily(driver.Family):
                           passes=carry.passes + active.astype(jnp.int32))
     outputs = result.outputs.replace(active=active, queries=jnp.array([s, s + c], jnp.int32),
                                      accepted=accepted & active[:, None], canvas=read)
-    return carry, result.intervention_state, outputs
+    return carry, result.state, outputs
 
   def outcome(self, run, carry: DiffusionGemmaCarry) -> tuple[jax.Array, jax.Array]:
     return carry.tokens, carry.decode_step

@@ -52,6 +52,7 @@ from dlm_jax.config import ModelConfig, logit_shift
 from dlm_jax.instrument.interventions import Intervention
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import blocks, decoding_rules, dream_blockwise, driver, keys, llada_rules, padding
+from dlm_jax.sampling.call_inputs import CallInputs, Readout
 from dlm_jax.sampling.parallel import FACTOR_RULES
 from dlm_jax.sampling.schedules import dream_transfer_count, dream_transfer_fractions
 from dlm_jax.sampling.selection import filter_top_k, filter_top_p, select_top_k, update_decode_step
@@ -244,9 +245,8 @@ class DreamFamily(driver.MaskedDiffusionFamily):
     w0 = 0 if self.infill else lp
     x = carry.tokens
     key, sample_key, select_key = keys.split(carry.key, 3, run.row_keys)
-    result = run.caller(params, x, i, istate, window=logit_shift.output_window(w0, run.total_length, shift),
-                        positions=consts.positions, valid_keys=consts.valid, query_valid=consts.valid,
-                        base_bias=consts.bias)
+    result = run.caller(params, i, istate, CallInputs(x, consts.positions, consts.valid, consts.valid, consts.bias),
+                        Readout(window=logit_shift.output_window(w0, run.total_length, shift)))
     logits = logit_shift.target_logits(result.logits, w0, shift)
     x_win = x[:, w0:]
     masked = x_win == mask_id
@@ -266,7 +266,7 @@ class DreamFamily(driver.MaskedDiffusionFamily):
     new_x = x.at[:, w0:].set(x_win)
     decode_step = update_decode_step(carry.decode_step, x[:, lp:], new_x[:, lp:], mask_id, i)
     carry = DreamCarry(tokens=new_x, key=key, decode_step=decode_step)
-    return carry, result.intervention_state, result.outputs
+    return carry, result.state, result.outputs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,6 +73,7 @@ import jax
 import jax.numpy as jnp
 
 from dlm_jax.sampling import blocks, driver, keys, padding
+from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Readout
 from dlm_jax.sampling.parallel import factor_transfer, threshold_transfer
 from dlm_jax.sampling.schedules import dream_transfer_count, dream_transfer_fractions
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
@@ -124,11 +125,11 @@ def _model_call(family, run, params, consts: padding.PaddingLayout, carry, istat
   start: int or traced), logits of the call's positions window = [w0, w1) moved by logits_offset (int or
   traced). Returns the `CallResult`."""
   x, cached = carry.tokens, family.options.cache != "none"
-  return run.caller(params, _rows(x, start, length), i, istate, window=window, logits_offset=logits_offset,
-                    positions=_rows(consts.positions, start, length), valid_keys=consts.valid,
-                    query_valid=_rows(consts.valid, start, length),
-                    base_bias=padding.query_rows(consts.bias, start, length),
-                    cache=carry.cache if cached else None, cache_offset=start, sequence=x if cached else None)
+  inputs = CallInputs(_rows(x, start, length), _rows(consts.positions, start, length),
+                      _rows(consts.valid, start, length), consts.valid,
+                      padding.query_rows(consts.bias, start, length))
+  return run.caller(params, i, istate, inputs, Readout(window=window, offset=logits_offset),
+                    CacheCall(carry.cache, start, x) if cached else None)
 
 
 def open_block(family, run, params, consts: padding.PaddingLayout, carry, istate, i, block):
@@ -145,7 +146,7 @@ def open_block(family, run, params, consts: padding.PaddingLayout, carry, istate
   carry = carry.replace(tokens=new_x, key=key, decode_step=decode_step, block=jnp.asarray(block, jnp.int32),
                         block_step=jnp.int32(1), cache=carry.cache if result.cache is None else result.cache)
   outputs = result.outputs.replace(active=jnp.ones(x.shape[:1], bool), queries=jnp.array([0, total], jnp.int32))
-  return carry, result.intervention_state, outputs
+  return carry, result.state, outputs
 
 
 def _quota(family, confidence, candidates, block_step, select_key, per_row: bool) -> jax.Array:
@@ -210,4 +211,4 @@ def _block_step(family, run, params, consts: padding.PaddingLayout, carry, istat
   carry = carry.replace(tokens=new_x, key=key, decode_step=decode_step, block_step=carry.block_step + 1, cache=cache)
   queries = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(start + length, jnp.int32)])
   outputs = result.outputs.replace(active=active, queries=queries)
-  return carry, result.intervention_state, outputs
+  return carry, result.state, outputs

@@ -28,9 +28,9 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument import step_schedule
 from dlm_jax.instrument.hook_call import HookValues
 from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks
-from dlm_jax.instrument.instrumented import Instrumented
 from dlm_jax.instrument.interventions import NO_INTERVENTION, Intervention
 from dlm_jax.sampling import capture_steps, keys, padding, row_by_row
+from dlm_jax.sampling.call_plan import CallPlan
 from dlm_jax.sampling.model_call import ModelCaller, StepOutput
 from dlm_jax.sampling.trace import Trace
 from dlm_jax.instrument.stats import NO_STATS, StatsSpec
@@ -219,7 +219,7 @@ def _start(run: Run, params, sequence, prompt_mask, key):
 def _trace(run: Run, carry, outputs: StepOutput, n_steps, captured: capture_steps.CaptureBuffers | None) -> Trace:
   """The users' `Trace`: statistics squeezed to their shapes (the one place that does it)."""
   tokens, decode_step = run.family.outcome(run, carry)
-  plan = run.caller.plan
+  plan = run.caller.plan.stats
   bad = outputs.nonfinite  # [max_steps, B]; steps not run are False
   first_nonfinite = jnp.where(jnp.any(bad, axis=0), jnp.argmax(bad, axis=0), -1).astype(jnp.int32)
   return Trace(tokens=tokens, decode_step=decode_step, nfe=jnp.asarray(n_steps, jnp.int32),
@@ -306,9 +306,9 @@ def _program(params, sequence, prompt_mask, key, istate, run: Run) -> Trace:
 
 
 def _keep_waiting_rows(run: Run, new_istate, old_istate, active: jax.Array):
-  """The intervention state after a step: `old_istate` for the rows that waited (not `active` [B]), unless the
-  call decoded no row at all (a cache commit, an encoder call), which updates every row's state."""
-  return run.caller.intervention.keep_rows(new_istate, old_istate, active | ~jnp.any(active))
+  """The call state after a step: `old_istate` for the rows that waited (not `active` [B]), unless the call
+  decoded no row at all (a cache commit, an encoder call), which updates every row's state."""
+  return run.caller.plan.keep_rows(new_istate, old_istate, active | ~jnp.any(active))
 
 
 def _keep_captures(run: Run, captured: capture_steps.CaptureBuffers, captures, before, after, count, ran,
@@ -440,39 +440,34 @@ def run_family(
     raise ValueError(f"hooks must be a dlm_jax.instrument.hook_spec.Hooks, got {type(hooks).__name__}.")
   if hook_values is not None and not hooks.enabled:
     raise ValueError("hook_values were given without hooks; pass hooks=Hooks(captures=..., edits=...).")
-  caller = ModelCaller(config=config, plan=plan,
-                       intervention=intervention, mask_id=family.query_mask_id, gen_start=lp,
-                       attention_impl=attention_impl, query_chunk=query_chunk,
-                       record_intervention=record_intervention, batch_invariant=batch_invariant)
-  key, row_keys = keys.as_run_key(key, b)
-  run = Run(family=family, config=config, caller=caller, prompt_length=lp, total_length=total, row_keys=row_keys)
+  max_steps = _max_steps(family.phases(Run(family=family, config=config, caller=None, prompt_length=lp,
+                                           total_length=total)))
   if hooks.enabled:
     hooks.check(config)
     for index, edit in enumerate(hooks.edits):
       if edit.schedule is not None:
-        step_schedule.check_steps(edit.schedule, _max_steps(family.phases(run)), f"Edit {index} ({edit.site})")
-    instrumented = Instrumented(inner=intervention, hooks=hooks, max_steps=_max_steps(family.phases(run)))
-    if intervention_state is None:
-      intervention_state = intervention.init_state(config, b, total)
-    intervention_state = instrumented.init_state(config, b, total, hook_values, intervention_state, gen_start=lp)
-    intervention = instrumented
-    run = dataclasses.replace(run, caller=dataclasses.replace(caller, intervention=instrumented))
+        step_schedule.check_steps(edit.schedule, max_steps, f"Edit {index} ({edit.site})")
+  call_plan = CallPlan(config, stats=plan, intervention=intervention, hooks=hooks,
+                       max_steps=max_steps if hooks.enabled else 0, record_intervention=record_intervention)
+  caller = ModelCaller(plan=call_plan, mask_id=family.query_mask_id, gen_start=lp, attention_impl=attention_impl,
+                       query_chunk=query_chunk, batch_invariant=batch_invariant)
+  key, row_keys = keys.as_run_key(key, b)
+  run = Run(family=family, config=config, caller=caller, prompt_length=lp, total_length=total, row_keys=row_keys)
   if hooks.captures:
     layout = capture_steps.CaptureLayout(
         steps=tuple((name, hooks.captures[i].steps) for name, i in hooks.capture_names(config).items()),
-        max_steps=_max_steps(family.phases(run)), n_blocks=family.n_blocks(run), prompt_length=lp)
+        max_steps=max_steps, n_blocks=family.n_blocks(run), prompt_length=lp)
     capture_steps.check_layout(layout)
     run = dataclasses.replace(run, captures=layout)
   sequence = jnp.concatenate([prompt, jnp.full((b, family.gen_length), family.fill_id, jnp.int32)], axis=1)
-  if intervention_state is None:
-    intervention_state = intervention.init_state(config, b, total)
+  state = call_plan.init_state(b, total, lp, intervention_state, hook_values)
   if loop == "python":
     runner = _python_loop
   elif batch_invariant and jax.default_backend() == "cpu" and not _abstract_runs:
     runner = _compiled_batch_invariant
   else:
     runner = _compiled
-  return runner(params, sequence, prompt_mask, key, intervention_state, run=run)
+  return runner(params, sequence, prompt_mask, key, state, run=run)
 
 
 def public_sampler(build_family: Callable[[ModelConfig, Any, Any], Family], default_options: Any, doc: str):

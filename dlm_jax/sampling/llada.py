@@ -69,6 +69,7 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache
 from dlm_jax.sampling import blocks, decoding_rules, driver, keys, llada_blockwise, llada_rules, padding, parallel, \
     row_by_row
+from dlm_jax.sampling.call_inputs import CallInputs, Guidance, Readout
 from dlm_jax.sampling.schedules import llada_transfer_counts
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
 
@@ -368,13 +369,13 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
                 jax.lax.dynamic_update_slice_in_dim(full_p, x0_p, start, axis=1))
       return propose
 
-    result = run.caller(params, x, i, istate, window=None, return_hidden=True, positions=consts.layout.positions,
-                        valid_keys=consts.layout.valid, query_valid=consts.layout.valid,
-                        base_bias=consts.layout.bias, uncond_tokens=uncond, uncond_base_bias=consts.uncond_bias)
+    inputs = CallInputs(x, consts.layout.positions, consts.layout.valid, consts.layout.valid, consts.layout.bias)
+    result = run.caller(params, i, istate, inputs, Readout(hidden=True),
+                        guidance=None if uncond is None else Guidance(uncond, consts.uncond_bias))
     earlier_mask = jnp.any((x == mask_id) & (jnp.arange(x.shape[1]) < block_start)[None, :])
     x0, x0_p = jax.lax.cond(earlier_mask, proposals(result, True), proposals(result, False), None)
     new_x = self._transfer(x, x0, x0_p, block_start + o.block, schedule[:, s])
-    istate, outputs = result.intervention_state, result.outputs
+    istate, outputs = result.state, result.outputs
     decode_step = update_decode_step(carry.decode_step, x[:, lp:], new_x[:, lp:], mask_id, i)
     carry = carry.replace(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step)
     return carry, istate, outputs

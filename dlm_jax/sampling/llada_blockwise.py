@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from dlm_jax.sampling import blocks, driver, keys, padding
+from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Guidance, Readout
 from dlm_jax.sampling.parallel import factor_transfer, threshold_transfer
 from dlm_jax.sampling.schedules import llada_transfer_counts
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
@@ -121,14 +122,13 @@ def _model_call(family, run, params, consts, carry, istate, i, s, call: Call, st
   cache = None if call == "full" else carry.cache
   whole = call in ("full", "refresh")
   sequence_logits = call == "refresh" and _capped(o)
-  result = run.caller(params, x if whole else _rows(x, start, length), i, istate,
-                      window=(0, total) if sequence_logits else (0, o.block),
-                      logits_offset=s if whole and not sequence_logits else 0,
-                      positions=_rows(layout.positions, start, length),
-                      valid_keys=layout.valid, query_valid=_rows(layout.valid, start, length),
-                      base_bias=padding.query_rows(layout.bias, start, length), uncond_tokens=uncond,
-                      uncond_base_bias=consts.uncond_bias, cache=cache, cache_offset=start,
-                      sequence=None if cache is None else x)
+  inputs = CallInputs(x if whole else _rows(x, start, length), _rows(layout.positions, start, length),
+                      _rows(layout.valid, start, length), layout.valid,
+                      padding.query_rows(layout.bias, start, length))
+  readout = Readout(window=(0, total) if sequence_logits else (0, o.block),
+                    offset=s if whole and not sequence_logits else 0)
+  result = run.caller(params, i, istate, inputs, readout, None if cache is None else CacheCall(cache, start, x),
+                      None if uncond is None else Guidance(uncond, consts.uncond_bias))
   queries = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(start + length, jnp.int32)])
   return result, queries
 
@@ -173,7 +173,7 @@ def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, c
   carry = carry.replace(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step, block_step=block_step,
                         block=block, cache=result.cache if result.cache is not None else carry.cache)
   outputs = result.outputs.replace(active=active, queries=queries)
-  return carry, result.intervention_state, outputs
+  return carry, result.state, outputs
 
 
 def _capped_dual_step(family, run, params, consts, carry, istate, i, s, schedule, block_step, fresh, key, step_key):
@@ -211,4 +211,4 @@ def _capped_dual_step(family, run, params, consts, carry, istate, i, s, schedule
                         block_step=jnp.where(block_over, 0, block_step),
                         block=carry.block + block_over.astype(jnp.int32), cache=result.cache)
   outputs = result.outputs.replace(active=active, queries=queries)
-  return carry, result.intervention_state, outputs
+  return carry, result.state, outputs

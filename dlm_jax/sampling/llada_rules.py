@@ -38,6 +38,7 @@ from dlm_jax.config import logit_shift
 from dlm_jax.instrument.interventions import NO_INTERVENTION
 from dlm_jax.core.attention_bias import MASK_VALUE, AttentionBias
 from dlm_jax.sampling import decoding_rules as dr
+from dlm_jax.sampling.call_inputs import CallInputs, Readout
 from dlm_jax.sampling import driver, keys, padding
 from dlm_jax.sampling.schedules import llada_transfer_counts
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
@@ -129,12 +130,11 @@ def _call(family, run, params, consts, x, istate, i, s):
   o, lp, total, layout = family.options, run.prompt_length, run.total_length, consts.layout
   if not isinstance(o.rule, dr.WINO):
     shift = run.config.logit_shift
-    result = run.caller(params, x, i, istate, window=logit_shift.output_window(lp, total, shift),
-                        positions=layout.positions, valid_keys=layout.valid, query_valid=layout.valid,
-                        base_bias=layout.bias)
+    result = run.caller(params, i, istate, CallInputs(x, layout.positions, layout.valid, layout.valid, layout.bias),
+                        Readout(window=logit_shift.output_window(lp, total, shift)))
     result = result.replace(logits=logit_shift.target_logits(result.logits, lp, shift))
     return result, jnp.array([0, total], jnp.int32)
-  if run.caller.intervention != NO_INTERVENTION:
+  if run.caller.plan.intervention != NO_INTERVENTION:
     raise ValueError("decoding rule wino runs its calls on the sequence plus a verification copy of the block; "
                      "interventions and hooks are not supported with it (statistics are).")
   b = x.shape[0]
@@ -142,9 +142,9 @@ def _call(family, run, params, consts, x, istate, i, s):
   positions = jnp.concatenate([layout.positions, _rows(layout.positions, s, o.block)], axis=1)
   valid = jnp.concatenate([layout.valid, _rows(layout.valid, s, o.block)], axis=1)
   sequence_keys = jnp.concatenate([layout.valid, jnp.zeros((b, o.block), bool)], axis=1)
-  result = run.caller(params, tokens, i, istate, window=(lp, total + o.block), positions=positions,
-                      valid_keys=sequence_keys, query_valid=valid,
-                      base_bias=_wino_bias(layout.bias, total, o.block, s))
+  result = run.caller(params, i, istate, CallInputs(tokens, positions, valid, sequence_keys,
+                                                    _wino_bias(layout.bias, total, o.block, s)),
+                      Readout(window=(lp, total + o.block)))
   outputs = result.outputs.replace(stats=_sequence_stats(result.outputs.stats, total, o.block))
   return result.replace(outputs=outputs), jnp.array([0, total + o.block], jnp.int32)
 
@@ -233,7 +233,7 @@ def step(family, run, params, consts, carry: RuleCarry, istate, i):
                         block=carry.block + block_over.astype(jnp.int32),
                         block_step=jnp.where(block_over, 0, block_step), **updates)
   outputs = result.outputs.replace(active=active, queries=queries, committed=chosen, revoked=revoked, canvas=gen)
-  return carry, result.intervention_state, outputs
+  return carry, result.state, outputs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,14 @@
-"""One model evaluation of a sampler step: padding bias + intervention → forward → statistics per plan.
+"""One model evaluation of a sampler step: the call plan's decisions (`dlm_jax.sampling.call_plan`) → forward →
+statistics per plan → the next call state.
+
+A family describes a call with a few small structs (`dlm_jax.sampling.call_inputs`): its inputs (`CallInputs`),
+what it reads out (`Readout`), its KV-cache use (`CacheCall`, the mode explicit) and classifier-free guidance
+(`Guidance`).
 
 CFG. With classifier-free guidance the conditional and unconditional sequences run as one 2B batch (one
-model evaluation: `nfe` counts forward calls). Statistics, top sinks and the intervention's `update`
-see the conditional half only; the intervention's bias is applied to both halves.
+model evaluation: `nfe` counts forward calls). Statistics, top sinks and the call state's update see the
+conditional half only; the intervention's bias and the hooks' edits apply to both halves. This is the one place
+that doubles a batch for guidance.
 """
 
 from __future__ import annotations
@@ -14,13 +20,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dlm_jax.core.attention_bias import NO_BIAS, AttentionBias
-from dlm_jax.config import ModelConfig
-from dlm_jax.instrument.interventions import CallContext, Intervention
+from dlm_jax.instrument.interventions import CallContext
 from dlm_jax.instrument.stats import ForwardOutput, query_group_weights
-from dlm_jax.model import DecoderCall, KVCache, forward
+from dlm_jax.model import KVCache, forward
 from dlm_jax.sampling import row_by_row
-from dlm_jax.sampling.stats_plan import StatsPlan
+from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Guidance, Readout
+from dlm_jax.sampling.call_plan import CallPlan, CallState
 
 
 @struct.dataclass
@@ -80,15 +85,15 @@ class CallResult:
   logits: [B, W, V] float32 of the conditional sequence; uncond_logits: the same for the unconditional one
   (CFG) or None. With `return_hidden` both are None and hidden / uncond_hidden hold the final-normed
   hidden states [B, W, D] instead (`dlm_jax.model.lm_head` turns a slice into logits).
-  intervention_state: the state after `update`; cache: the updated `KVCache` or None; outputs: the
-  step's `StepOutput`.
+  state: the `CallState` after the call; cache: the updated `KVCache` or None; outputs: the step's
+  `StepOutput`.
   """
 
   logits: jax.Array | None
   uncond_logits: jax.Array | None
   hidden: jax.Array | None
   uncond_hidden: jax.Array | None
-  intervention_state: Any
+  state: CallState
   cache: KVCache | None
   outputs: StepOutput
 
@@ -98,99 +103,82 @@ def _split_rows(tree, batch: int):
   return jax.tree.map(lambda x: x[:, :batch], tree)
 
 
+def _double(x: jax.Array, axis: int) -> jax.Array:
+  return jnp.concatenate([x, x], axis=axis)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelCaller:
   """The model call of a sampler run (static: part of the compiled program's key).
 
   Attributes:
-    config: model config.
-    plan: the statistics plan (`dlm_jax.sampling.stats_plan.StatsPlan`).
-    intervention: the attention-bias intervention.
+    plan: the `CallPlan` (model config, statistics plan, intervention, hooks).
     mask_id: mask token id for the sampler's query groups (None for models without one).
     gen_start: first generated position (for the query groups).
     attention_impl, query_chunk: passed to `forward`.
-    record_intervention: also return the intervention's per-call record.
     batch_invariant: run the model one row at a time (`dlm_jax.sampling.row_by_row`), so that every row's
       logits and statistics are bitwise those of a batch of one.
   """
 
-  config: ModelConfig
-  plan: StatsPlan
-  intervention: Intervention
+  plan: CallPlan
   mask_id: int | None
   gen_start: int
   attention_impl: str = "chunked"
   query_chunk: int = 128
-  record_intervention: bool = False
   batch_invariant: bool = False
 
-  def __call__(self, params, tokens: jax.Array, step, istate, *, window: tuple[int, int] | str | None,
-               positions: jax.Array, valid_keys: jax.Array, query_valid: jax.Array,
-               base_bias: AttentionBias = NO_BIAS,
-               uncond_tokens: jax.Array | None = None, uncond_base_bias: AttentionBias = NO_BIAS,
-               cache: KVCache | None = None, cache_offset: jax.Array | int = 0, sequence: jax.Array | None = None,
-               logits_offset: jax.Array | int = 0, return_hidden: bool = False,
-               decoder: DecoderCall | None = None, unresolved: jax.Array | None = None) -> CallResult:
-    """Runs the model on tokens [B, T] (with the unconditional sequence [B, T] as a 2B batch when given).
+  @property
+  def config(self):
+    return self.plan.config
 
-    window: (start, stop) positions whose logits are computed, "last" (the last position) or None (all);
-    logits_offset shifts it by a traced amount (see `dlm_jax.model.forward`); return_hidden: return the
-    window's hidden states instead of its logits.
-    positions: [B, T] RoPE positions; valid_keys: [B, S] keys the top sinks may be chosen among;
-    query_valid: [B, T] the real (not padding) queries, the ones the statistics sum over.
-    base_bias / uncond_base_bias: the padding biases of the two halves.
-    cache: a `KVCache`: the call writes it at `cache_offset`, the keys are its S positions and `sequence`
-    [B, S] is the whole sequence the intervention sees (`CallContext.tokens`).
-    decoder: a `DecoderCall` for a DiffusionGemma decoder call (reads the cache, writes nothing; see
-    `dlm_jax.model.forward`).
-    unresolved: [B, T] bool, the queries of the masked query group (`dlm_jax.instrument.stats.QUERY_GROUP_NAMES`);
-    default: those holding the mask token (none without a mask id).
+  def __call__(self, params, step, state: CallState, inputs: CallInputs, readout: Readout = Readout(),
+               cache: CacheCall | None = None, guidance: Guidance | None = None) -> CallResult:
+    """Runs the model on inputs.tokens [B, T] (with guidance's unconditional tokens as a 2B batch).
+
+    step: the driver's step index (traced int32); state: the run's `CallState`; inputs, readout, cache,
+    guidance: `dlm_jax.sampling.call_inputs`. Without a cache the T queries are the whole sequence the
+    intervention sees; with one they sit at `cache.offset` of `cache.sequence` [B, S].
     """
+    tokens = inputs.tokens
     batch, length = tokens.shape
+    unresolved = inputs.unresolved
     if unresolved is None:
       unresolved = tokens == (-1 if self.mask_id is None else self.mask_id)
-    known = dict(unresolved=unresolved, query_valid=query_valid, gen_start=self.gen_start)
+    known = dict(unresolved=unresolved, query_valid=inputs.query_valid, gen_start=self.gen_start)
+    offset = 0 if cache is None else cache.offset
     if cache is None:
       context = CallContext(step=jnp.asarray(step, jnp.int32), tokens=tokens, **known)
     else:
-      context = CallContext(step=jnp.asarray(step, jnp.int32), tokens=sequence, query_offset=cache_offset,
+      context = CallContext(step=jnp.asarray(step, jnp.int32), tokens=cache.sequence, query_offset=cache.offset,
                             query_length=length, **known)
-    record = self.intervention.record(istate) if self.record_intervention else None
-    intervention_bias = self.intervention.bias(istate, context)
-    hooks = self.intervention.hook_call(istate, context)
-    bias = base_bias + intervention_bias
-    spec = self.plan.forward_spec
-    weights = None
-    if spec.query_groups:
-      weights = self.plan.query_weights(
-          lambda: query_group_weights(unresolved, self.gen_start, cache_offset),
-          lambda: self.intervention.query_weights(istate, context), query_valid)
-    model_tokens = tokens
-    if uncond_tokens is not None:
-      bias = bias.concat_batch(uncond_base_bias + intervention_bias, batch)
-      model_tokens = jnp.concatenate([tokens, uncond_tokens], axis=0)
-      positions = jnp.concatenate([positions, positions], axis=0)
-      if weights is not None:
-        weights = jnp.concatenate([weights, weights], axis=0)
-      if hooks is not None:  # the unconditional rows get the same edits at the same positions
-        hooks = hooks.map_rows(lambda x, axis: jnp.concatenate([x, x], axis=axis))
-    if window == "last":
-      window = (length - 1, length)
-    call = row_by_row.forward_rows if self.batch_invariant else forward
-    output = call(params, model_tokens, config=self.config, bias=bias, positions=positions,
-                  query_weights=weights, stats_spec=spec, logits_window=window, logits_offset=logits_offset,
-                  attention_impl=self.attention_impl, query_chunk=self.query_chunk, cache=cache,
-                  cache_offset=cache_offset, return_hidden=return_hidden, decoder=decoder, hooks=hooks)
+    call = self.plan.prepare(state, context, lambda: query_group_weights(unresolved, self.gen_start, offset),
+                             inputs.query_valid)
+    bias, weights, hooks = inputs.bias + call.bias, call.query_weights, call.hooks
+    model_tokens, positions = tokens, inputs.positions
+    if guidance is not None:
+      bias = bias.concat_batch(guidance.bias + call.bias, batch)
+      model_tokens = jnp.concatenate([tokens, guidance.tokens], axis=0)
+      positions = _double(positions, 0)
+      weights = None if weights is None else _double(weights, 0)
+      hooks = None if hooks is None else hooks.map_rows(_double)
+    window = (length - 1, length) if readout.window == "last" else readout.window
+    run = row_by_row.forward_rows if self.batch_invariant else forward
+    output = run(params, model_tokens, config=self.config, bias=bias, positions=positions, query_weights=weights,
+                 stats_spec=self.plan.stats.forward_spec, logits_window=window, logits_offset=readout.offset,
+                 attention_impl=self.attention_impl, query_chunk=self.query_chunk,
+                 cache=None if cache is None else cache.cache, cache_offset=offset, return_hidden=readout.hidden,
+                 decoder=None if cache is None else cache.decoder, hooks=hooks)
     halves = {"logits": output.logits, "hidden": output.hidden}
     cond = {name: None if x is None else x[:batch] for name, x in halves.items()}
-    uncond = {name: None if x is None or uncond_tokens is None else x[batch:] for name, x in halves.items()}
-    if uncond_tokens is not None:
+    uncond = {name: None if x is None or guidance is None else x[batch:] for name, x in halves.items()}
+    if guidance is not None:
       output = ForwardOutput(logits=cond["logits"], stats=_split_rows(output.stats, batch), cache=output.cache,
                              captures=jax.tree.map(lambda x: x[:batch], output.captures))
-    istate = self.intervention.update(istate, self.plan.intervention_output(output), context)
+    state = self.plan.update(state, output, context)
+    stats = self.plan.stats
     nonfinite = _nonfinite_rows(cond["logits"], cond["hidden"], uncond["logits"], uncond["hidden"])
-    outputs = StepOutput(stats=self.plan.user_stats(output, self.config.n_experts),
-                         top_sinks=self.plan.top_sinks(output, valid_keys), record=record, nonfinite=nonfinite, captures=output.captures)
+    outputs = StepOutput(stats=stats.user_stats(output, self.config),
+                         top_sinks=stats.top_sinks(output, inputs.key_valid), record=call.record,
+                         nonfinite=nonfinite, captures=output.captures)
     return CallResult(logits=cond["logits"], uncond_logits=uncond["logits"], hidden=cond["hidden"],
-                      uncond_hidden=uncond["hidden"], intervention_state=istate, cache=output.cache,
-                      outputs=outputs)
+                      uncond_hidden=uncond["hidden"], state=state, cache=output.cache, outputs=outputs)

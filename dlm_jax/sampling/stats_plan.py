@@ -10,8 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dlm_jax.instrument.stats import (NO_STATS, QUERY_GROUP_NAMES, STATISTICS, ForwardOutput, StatsSpec, expert_load,
-                                      squeeze)
+from dlm_jax.instrument.stats import NO_STATS, QUERY_GROUP_NAMES, STATISTICS, ForwardOutput, StatsSpec, squeeze
 
 
 def _union_layers(specs: list[StatsSpec]) -> tuple[int, ...] | None:
@@ -37,6 +36,8 @@ class StatsPlan:
       intervention sum over the real queries only (pad queries are not part of any sequence; with them a
       row's statistics would depend on how much it is padded). An intervention's own query groups are
       used as it gives them.
+    own_groups: the user's query groups are the caller's own (a plain forward given query weights, any
+      number of groups) instead of a sampler's `QUERY_GROUP_NAMES`.
 
   The forward's query groups come in spans: "sampler" (the 3 groups, when the user asks for them),
   "all" (one group of every real query, when someone needs the sum over all queries and no sampler
@@ -48,9 +49,10 @@ class StatsPlan:
   intervention: StatsSpec = NO_STATS
   sink_top_k: int = 0
   padded: bool = False
+  own_groups: bool = False
 
   def __post_init__(self):
-    if self.user.query_groups not in (0, len(QUERY_GROUP_NAMES)):
+    if not self.own_groups and self.user.query_groups not in (0, len(QUERY_GROUP_NAMES)):
       raise ValueError(f"Samplers support StatsSpec.query_groups 0 or {len(QUERY_GROUP_NAMES)} "
                        f"({', '.join(QUERY_GROUP_NAMES)}), got {self.user.query_groups}.")
     if isinstance(self.sink_top_k, bool) or not isinstance(self.sink_top_k, int) or self.sink_top_k < 0:
@@ -71,10 +73,10 @@ class StatsPlan:
     consumers = [s for s in (self.user, self.intervention, self.sinks_spec) if s.incoming_attention]
     spans = []
     if self.user.incoming_attention and self.user.query_groups:
-      spans.append(("sampler", len(QUERY_GROUP_NAMES)))
+      spans.append(("sampler", self.user.query_groups))
     if self.intervention.incoming_attention and self.intervention.query_groups:
       spans.append(("intervention", self.intervention.query_groups))
-    if ((spans or self.padded) and (not spans or spans[0][0] != "sampler")
+    if ((spans or self.padded) and (not spans or spans[0][0] != "sampler" or self.own_groups)
         and any(not s.query_groups for s in consumers)):
       spans.insert(0, ("all", 1))
     return tuple(spans)
@@ -90,17 +92,13 @@ class StatsPlan:
   @property
   def forward_spec(self) -> StatsSpec:
     """The one spec the forward pass is run with."""
-    incoming = [s for s in (self.user, self.intervention, self.sinks_spec) if s.incoming_attention]
-    values = [s for s in (self.user, self.intervention) if s.value_norms]
-    routing = [s for s in (self.user, self.intervention) if s.routing]
-    if not incoming and not values and not routing:
+    consumers = [s for s in (self.user, self.intervention, self.sinks_spec) if s.enabled]
+    if not consumers:
       return NO_STATS
-    return StatsSpec(
-        incoming_attention=bool(incoming),
-        per_head=any(s.per_head for s in incoming) if incoming else True,
-        layers=_union_layers(incoming + values + routing),
-        query_groups=sum(size for _, size in self.group_spans),
-        value_norms=bool(values), routing=bool(routing))
+    incoming = [s for s in consumers if s.incoming_attention]
+    spec = StatsSpec(per_head=any(s.per_head for s in incoming) if incoming else True,
+                     layers=_union_layers(consumers), query_groups=sum(size for _, size in self.group_spans))
+    return spec.asking(set().union(*(s.names for s in consumers)))
 
   def check(self, n_layers: int) -> None:
     self.forward_spec.check_layers(n_layers)
@@ -150,18 +148,20 @@ class StatsPlan:
     take = lambda span: jax.lax.slice_in_dim(x, span.start, span.stop, axis=axis)  # noqa: E731
     if target.query_groups:
       return take(self._span("sampler" if role == "user" else "intervention"))
-    if self.group_spans[0][0] == "sampler":
+    if self.group_spans[0][0] == "sampler" and not self.own_groups:
       return jnp.sum(take(self._span("sampler")), axis=axis, keepdims=True)
     return take(self._span("all"))
 
-  def user_stats(self, output: ForwardOutput, n_experts: int = 0) -> dict[str, jax.Array] | None:
-    """The user's statistics of one call by name, canonical layout (`STATISTICS`), plus "expert_load"
-    ([L', B, E], from `n_experts`) with routing; None when the user asked for none."""
+  def user_stats(self, output: ForwardOutput, config: Any = None) -> dict[str, jax.Array] | None:
+    """The user's statistics of one call by name, canonical layout (`STATISTICS`), plus their derived views
+    (`Statistic.views`, e.g. "expert_load" [L', B, E] with routing; config: the `ModelConfig`); None when the
+    user asked for none."""
     if not self.user.enabled:
       return None
     stats = dict(self.derive(output, self.user).stats)
-    if self.user.routing:
-      stats["expert_load"] = expert_load(stats["routed_experts"], n_experts)
+    for name in self.user.names:
+      for view, fn in STATISTICS[name].views:
+        stats[view] = fn(stats[name], config)
     return stats
 
   def intervention_output(self, output: ForwardOutput) -> ForwardOutput:

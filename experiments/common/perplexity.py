@@ -9,7 +9,7 @@ not change the real tokens' predictions) and only real next-token targets are sc
                  the unmasked pass removed from every query but themselves (the static analogue of the
                  paper's top-K masking; one compiled program serves every K).
 
-Candidate could move to `dlm_jax.analysis.likelihood`; it only composes `interventions.intervened_forward`,
+Candidate could move to `dlm_jax.analysis.likelihood`; it only composes `call_plan.intervened_forward`,
 `sink_selection.top_k_sinks` and `training.token_cross_entropy`.
 """
 
@@ -23,6 +23,7 @@ import numpy as np
 
 from dlm_jax.instrument import sink_selection
 from dlm_jax.instrument import interventions
+from dlm_jax.sampling.call_plan import intervened_forward
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.training import token_cross_entropy
@@ -41,7 +42,7 @@ def _nll(logits: jax.Array, tokens: jax.Array, real: jax.Array) -> jax.Array:
 def unmasked_pass(params, tokens, real, *, config: ModelConfig, attention_impl: str = "chunked"):
   """(nll [B], incoming [L, B, N, S] from the real queries) of the plain forward."""
   spec = StatsSpec(incoming_attention=True, per_head=True, query_groups=1)
-  output, _ = interventions.intervened_forward(
+  output, _ = intervened_forward(
       params, tokens, interventions.NO_INTERVENTION, (), config=config, stats_spec=spec,
       query_weights=real[:, None, :].astype(jnp.float32), attention_impl=attention_impl)
   return _nll(output.logits, tokens, real), output.incoming_attention[:, :, 0]
@@ -52,7 +53,7 @@ def masked_pass(params, tokens, real, masked, *, config: ModelConfig, per_head: 
                 attention_impl: str = "chunked"):
   """nll [B] with the keys `masked` ([B, S], or [L, B, N, S] when per_head) hidden from other queries."""
   intervention = _PER_HEAD if per_head else _FIRST
-  output, _ = interventions.intervened_forward(params, tokens, intervention, masked, config=config,
+  output, _ = intervened_forward(params, tokens, intervention, masked, config=config,
                                                attention_impl=attention_impl)
   return _nll(output.logits, tokens, real)
 
