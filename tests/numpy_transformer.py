@@ -84,3 +84,53 @@ def _flat(tree, prefix=""):
     else:
       out[name] = value
   return out
+
+
+def cached_kv(params, tokens, config):
+  """Per layer, the post-RoPE keys and values [B, S, K, H] (float64) of a full forward of tokens [B, S]."""
+  _, sites = forward_sites(params, tokens, config)
+  positions = np.arange(tokens.shape[1], dtype=np.float64)
+  return [(_rope(sites[f"blocks.{l}.attn.hook_k"], positions, config.rope_theta), sites[f"blocks.{l}.attn.hook_v"])
+          for l in range(config.n_layers)]
+
+
+def subset_forward(params, tokens, config, cache, queries, keys=None):
+  """Logits [B, T, V] (float64) of a call that computes only the sequence positions queries [B, T] (entries
+  equal to S: padding) of tokens [B, S], every other position's keys and values read from `cache` (per layer
+  (keys, values) [B, S, K, H], `cached_kv`); keys: None, or per layer [L][B, m] the only cached positions the
+  queries read besides their own (entries equal to S: none)."""
+  c = config
+  p = {k: np.asarray(v, np.float64) for k, v in _flat(params).items()}
+  b, s = tokens.shape
+  t = queries.shape[1]
+  real = queries < s
+  at = np.minimum(queries, s - 1)
+  x = p["embed.embedding"][np.take_along_axis(np.asarray(tokens), at, axis=1)]
+  group = c.n_heads // c.n_kv_heads
+  for layer in range(c.n_layers):
+    w = lambda name: p[f"blocks.{name}"][layer]  # noqa: E731
+    h = _rms(x, w("attn_norm.weight"), c.norm_eps)
+    out = np.zeros((b, t, c.n_heads, c.head_dim))
+    for row in range(b):
+      pos = at[row].astype(np.float64)
+      q = _rope((h[row:row + 1] @ w("attn.q.kernel")).reshape(1, t, c.n_heads, c.head_dim), pos, c.rope_theta)[0]
+      k_new = _rope((h[row:row + 1] @ w("attn.k.kernel")).reshape(1, t, c.n_kv_heads, c.head_dim), pos,
+                    c.rope_theta)[0]
+      v_new = (h[row] @ w("attn.v.kernel")).reshape(t, c.n_kv_heads, c.head_dim)
+      k_all, v_all = np.array(cache[layer][0][row]), np.array(cache[layer][1][row])
+      for i in range(t):
+        if real[row, i]:
+          k_all[queries[row, i]], v_all[queries[row, i]] = k_new[i], v_new[i]
+      if keys is None:
+        read = list(range(s))
+      else:
+        read = sorted({int(j) for j in keys[layer][row] if j < s} | {int(j) for j in queries[row] if j < s})
+      kk, vv = np.repeat(k_all[read], group, axis=1), np.repeat(v_all[read], group, axis=1)
+      scores = np.einsum("qnh,knh->nqk", q, kk) / np.sqrt(c.head_dim)
+      probs = np.exp(scores - scores.max(-1, keepdims=True))
+      probs = probs / probs.sum(-1, keepdims=True)
+      out[row] = np.einsum("nqk,knh->qnh", probs, vv)
+    x = x + out.reshape(b, t, -1) @ w("attn.o.kernel")
+    h = _rms(x, w("mlp_norm.weight"), c.norm_eps)
+    x = x + (_silu(h @ w("mlp.gate.kernel")) * (h @ w("mlp.up.kernel"))) @ w("mlp.down.kernel")
+  return _rms(x, p["final_norm.weight"], c.norm_eps) @ p["lm_head.kernel"]

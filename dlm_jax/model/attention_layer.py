@@ -13,6 +13,7 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.site_hooks import SiteHooks, at
 from dlm_jax.core.attention_bias import MASK_VALUE
 from dlm_jax.model.attention import attention
+from dlm_jax.model.compute_subset import ComputeSubset, gather_rows, scatter_rows
 from dlm_jax.model.primitives import RMSNorm, fused_linear, linear, rms_normalize
 from dlm_jax.model.rope import apply_rope
 
@@ -40,7 +41,7 @@ class Attention(nnx.Module):
 
   def __call__(self, x, cos, sin, *, pairwise_bias, key_bias, query_weights, with_incoming, impl, query_chunk,
                cache=None, cache_offset=0, zero_values=None, structure_key_bias=None, write_cache=True,
-               hooks: SiteHooks | None = None):
+               hooks: SiteHooks | None = None, subset: ComputeSubset | None = None, key_index=None):
     """x [B, T, D] -> (out [B, T, D], incoming [B, Q, N, S] or None, (keys, values) [B, S, K, H] each).
 
     With `cache` = (keys, values) [B, S, K, H], this call's keys and values are written at sequence
@@ -50,6 +51,10 @@ class Attention(nnx.Module):
     structure_key_bias: [1, 1, S] or None, added to key_bias (the decoder's visible key range).
     write_cache: False for a decoder call: the layer attends as if written, but the returned (keys,
     values) are the cache as given.
+    subset: a `ComputeSubset` (with `cache`): the T queries sit at the sequence positions subset.queries
+      [B, T] (a compute policy's query subset); their keys and values are written there, and, with
+      key_index [B, m] (this layer's row of subset.keys), the queries read only the cached positions
+      key_index and their own; the incoming attention is still over the S sequence positions.
     hooks: the layer's `SiteHooks` (attn.hook_q / k / v after the projection and QK norm, before RoPE;
     attn.hook_z before the output projection; attn.hook_pattern), or None.
     """
@@ -68,7 +73,9 @@ class Attention(nnx.Module):
     q = apply_rope(q, cos, sin, fp32=c.rope_fp32)
     k = apply_rope(k, cos, sin, fp32=c.rope_fp32)
     given_cache = cache
-    if cache is not None:
+    if subset is not None:
+      k, v = scatter_rows(cache[0], subset.queries, k), scatter_rows(cache[1], subset.queries, v)
+    elif cache is not None:
       zero = jnp.zeros((), jnp.int32)
       start = (zero, jnp.asarray(cache_offset, jnp.int32), zero, zero)
       k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)
@@ -83,7 +90,10 @@ class Attention(nnx.Module):
     common = dict(scale=scale, causal=c.causal and not decoder, block_size=c.attention_block_size, window=window,
                   pairwise_bias=pairwise_bias, key_bias=key_bias, query_offset=cache_offset, impl=impl,
                   query_chunk=query_chunk)
-    out, incoming = attention(q, k, v, query_weights=query_weights, with_incoming=with_incoming, **common)
+    if subset is not None and key_index is not None:
+      out, incoming = self._key_subset(q, k, v, key_index, subset, query_weights, with_incoming, common)
+    else:
+      out, incoming = attention(q, k, v, query_weights=query_weights, with_incoming=with_incoming, **common)
     if hooks is not None and hooks.wants("attn.hook_pattern"):
       hooks.pattern(lambda weights: attention(q, k, v, query_weights=jnp.broadcast_to(weights, (b, *weights.shape)),
                                               with_incoming=True, **common)[1], t)
@@ -91,6 +101,27 @@ class Attention(nnx.Module):
     if decoder:
       k, v = given_cache
     return self.o(out.reshape(b, t, c.n_heads * h)), incoming, (k, v)
+
+  @staticmethod
+  def _key_subset(q, k, v, key_index, subset, query_weights, with_incoming, common):
+    """Attention of the queries over the cached positions key_index [B, m] and their own (subset.queries):
+    the keys are gathered (padded entries masked), the key bias with them, and the incoming attention is
+    scattered back onto the S positions. Returns (out, incoming [B, Q, N, S] or None)."""
+    n_seq = k.shape[1]
+    positions = jnp.concatenate([key_index, subset.queries], axis=1)  # [B, m + T]
+    padded = jnp.where(positions >= n_seq, MASK_VALUE, 0.0).astype(jnp.float32)[:, None, :]
+    key_bias = common["key_bias"]
+    key_bias = padded if key_bias is None else jnp.maximum(
+        jnp.take_along_axis(jnp.broadcast_to(key_bias, (positions.shape[0], key_bias.shape[1], n_seq)),
+                            jnp.minimum(positions, n_seq - 1)[:, None, :], axis=2) + padded, MASK_VALUE)
+    out, incoming = attention(q, gather_rows(k, positions), gather_rows(v, positions), query_weights=query_weights,
+                              with_incoming=with_incoming, **{**common, "key_bias": key_bias})
+    if incoming is not None:
+      rows = jnp.arange(positions.shape[0])[:, None]
+      moved = jnp.moveaxis(incoming, -1, 1)  # [B, m + T, Q, N]
+      incoming = jnp.moveaxis(jnp.zeros((positions.shape[0], n_seq, *moved.shape[2:]), incoming.dtype)
+                              .at[rows, positions].add(moved, mode="drop"), 1, -1)
+    return out, incoming
 
   def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, D] -> q [B, T, N·H], k, v [B, T, K·H]: three matmuls, or one with

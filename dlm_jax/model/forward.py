@@ -13,6 +13,7 @@ from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
 from dlm_jax.core.attention_bias import NO_BIAS, AttentionBias
 from dlm_jax.model.attention import AttentionImpl
 from dlm_jax.model.cache import KVCache, cache_shapes
+from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.params import Params, graphdef
 from dlm_jax.model.transformer import head_logits
 
@@ -49,6 +50,28 @@ def _check_hooks(config: ModelConfig, hooks: HookCall | None, shape: tuple[int, 
   if len(hooks.values.captures) != len(hooks.hooks.captures) or len(hooks.values.edits) != len(hooks.hooks.edits):
     raise ValueError("HookCall.values must hold one CaptureValues per capture and one EditValues per edit "
                      "(build them with dlm_jax.instrument.hook_call.hook_values).")
+
+
+def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tuple[int, int], cache, hooks,
+                  stats_spec: StatsSpec) -> None:
+  if subset is None:
+    return
+  if not isinstance(subset, ComputeSubset):
+    raise ValueError(f"subset must be None or a ComputeSubset, got {type(subset).__name__}.")
+  if cache is None:
+    raise ValueError("forward(subset=...) reads and writes a KVCache; pass cache=KVCache.zeros(config, B, S) "
+                     "(filled by a full call).")
+  if config.causal or config.attention_block_size is not None or config.layer_pattern is not None:
+    raise ValueError(f"forward(subset=...) needs bidirectional attention; {config.name} is causal, block-causal "
+                     "or has sliding-window layers.")
+  if tuple(subset.queries.shape) != shape:
+    raise ValueError(f"ComputeSubset.queries must be [B, T] = {list(shape)}, got {list(subset.queries.shape)}.")
+  if subset.keys is not None and (subset.keys.ndim != 3 or subset.keys.shape[:2] != (config.n_layers, shape[0])):
+    raise ValueError(f"ComputeSubset.keys must be [L, B, m] with L={config.n_layers}, B={shape[0]}, got "
+                     f"{list(subset.keys.shape)}.")
+  if hooks is not None or stats_spec.routing:
+    raise ValueError("forward(subset=...) does not run hooks or routing statistics (their positions are "
+                     "contiguous); leave them off.")
 
 
 def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache,
@@ -121,6 +144,7 @@ def forward(
     return_hidden: bool = False,
     decoder: DecoderCall | None = None,
     hooks: HookCall | None = None,
+    subset: ComputeSubset | None = None,
 ) -> ForwardOutput:
   """Pure forward pass of the Transformer described by `config`: full, windowed or KV-cached.
 
@@ -166,6 +190,10 @@ def forward(
       inside the compiled loop).
     decoder: a `DecoderCall` makes this a DiffusionGemma decoder call (see above; needs `cache`) and
       carries its self-conditioning inputs; None (the default) is an ordinary call.
+    subset: a `ComputeSubset` (a compute policy's decision; needs `cache`): the T tokens are the sequence
+      positions subset.queries [B, T] (their keys and values are written there; `positions` default to
+      them), each layer reads all S cache positions or its key subset; bidirectional models only, without
+      hooks or routing statistics.
     hooks: a `dlm_jax.instrument.hook_call.HookCall`: captures and edits at the named sites
       (`dlm_jax.instrument.sites`), in sequence coordinates of the S keys (a cached call's queries sit at
       cache_offset); None adds nothing to the program.
@@ -177,6 +205,9 @@ def forward(
   """
   _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder)
   _check_hooks(config, hooks, tuple(tokens.shape))
+  _check_subset(config, subset, tuple(tokens.shape), cache, hooks, stats_spec)
+  if positions is None and subset is not None:
+    positions = jnp.minimum(subset.queries, cache.keys.shape[2] - 1)
   if positions is None:
     start = 0 if cache is None else cache_offset
     positions = jnp.broadcast_to(start + jnp.arange(tokens.shape[1]), tokens.shape)
@@ -184,4 +215,4 @@ def forward(
   return model(tokens, positions, bias=bias, query_weights=query_weights, stats_spec=stats_spec,
                logits_window=logits_window, logits_offset=logits_offset, impl=attention_impl,
                query_chunk=query_chunk, cache=cache, cache_offset=0 if cache is None else cache_offset,
-               return_hidden=return_hidden, decoder=decoder, hooks=hooks)
+               return_hidden=return_hidden, decoder=decoder, hooks=hooks, subset=subset)

@@ -44,6 +44,7 @@ from dlm_jax.instrument.stats import STATISTICS, ForwardOutput, LayerValues, Sta
 from dlm_jax.core.attention_bias import MASK_VALUE, AttentionBias
 from dlm_jax.model.block import SelfConditioning, block_stack
 from dlm_jax.model.cache import KVCache
+from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.primitives import EMBED_INIT, RMSNorm, linear
 from dlm_jax.model.rope import proportional_rope_tables, rope_tables
 
@@ -121,7 +122,8 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens, positions, *, bias: AttentionBias, query_weights, stats_spec: StatsSpec,
                logits_window, logits_offset, impl, query_chunk, cache: KVCache | None,
-               cache_offset, return_hidden: bool, decoder=None, hooks: HookCall | None = None) -> ForwardOutput:
+               cache_offset, return_hidden: bool, decoder=None, hooks: HookCall | None = None,
+               subset: ComputeSubset | None = None) -> ForwardOutput:
     """See `forward`. Statistics are computed only in the layers `stats_spec` asks for; sites only where
     `hooks` name them."""
     c = self.config
@@ -131,12 +133,14 @@ class Transformer(nnx.Module):
     model_hooks = None if sites is None else sites.model_sites()
     x = self._embed(tokens, decoder, model_hooks)
     per_layer = {name: value for name, value, each in _bias_parts(bias) if each}
+    if subset is not None and subset.keys is not None:
+      per_layer["key_index"] = subset.keys
     call = _LayerCall(
         config=c, stats_spec=stats_spec, tables=self._rope_tables(positions),
         structure=({"s": None, "g": None} if decoder is None
                    else _decoder_key_bias(c, n_keys, cache_offset, tokens.shape[1])),
         attention_kwargs=dict(query_weights=query_weights, impl=impl, query_chunk=query_chunk,
-                              cache_offset=cache_offset, zero_values=bias.zero_values,
+                              cache_offset=cache_offset, zero_values=bias.zero_values, subset=subset,
                               **{name: value for name, value, each in _bias_parts(bias) if not each}),
         slots=_stat_slots(c, stats_spec), emit_cache=cache is not None and decoder is None,
         sites=sites)

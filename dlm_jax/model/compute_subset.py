@@ -1,0 +1,37 @@
+"""A call that computes part of the sequence (a compute policy's decision, `dlm_jax.policy`): which query
+positions run through the layers and which cached positions each layer's queries read.
+
+The model only applies it: the queries' keys and values are scattered into the KV cache at their positions,
+attention reads the cache (all S positions, or each layer's key subset and the queries' own positions), and
+statistics stay in sequence coordinates. Index arrays are padded with S (an entry that reads position S − 1,
+writes nothing and is hidden as a key). Valid for bidirectional attention only (no causal, block-causal or
+sliding-window pattern: their masks are built from contiguous query indices).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class ComputeSubset:
+  """queries: [B, T] int32 sequence positions of the call's T queries (ascending, padded with S); keys:
+  [L, B, m] int32 cached positions each layer reads besides the queries' own (disjoint from them, padded with
+  S), or None for all S."""
+
+  queries: jax.Array
+  keys: jax.Array | None = None
+
+
+def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+  """x [B, S, ...] at index [B, n] -> [B, n, ...]; padded entries (index S) read position S − 1."""
+  index = jnp.minimum(index, x.shape[1] - 1)
+  return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def scatter_rows(base: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
+  """base [B, S, ...] with values [B, n, ...] written at index [B, n]; padded entries (index S) write nothing."""
+  rows = jnp.arange(base.shape[0])[:, None]
+  return base.at[rows, index].set(values.astype(base.dtype), mode="drop")

@@ -1,0 +1,87 @@
+"""The compute-policy protocol: statistics of model call t decide what call t+1 computes (DESIGN decision 13).
+
+A `ComputePolicy` is a frozen (hashable) dataclass — part of the compiled program's key — with traced state
+carried from call to call, like an `Intervention`. The call plan (`dlm_jax.sampling.call_plan`) asks it, before
+every model call of a run, for a `Decision`, and the model caller applies it with fixed shapes:
+
+  * full (traced bool): compute every query of the call (a refresh: warm-up steps, block starts, reload
+    intervals, drift triggers) and rewrite the policy's KV cache;
+  * queries [B, n] (static n, traced positions; an entry equal to S is padding): otherwise compute only these
+    sequence positions — every other position's keys and values are read from the policy's KV cache;
+  * keys [L, B, m] (static m): otherwise each layer reads only these cached positions besides the call's own
+    queries (a key subset; None reads all S).
+
+After the call, `update` sees the call's statistics (its `required_stats`, in sequence coordinates) and the
+decision it took. Protocol (every method has a do-nothing default here):
+
+  required_stats(config) -> StatsSpec: the statistics `update` reads.
+  check(config, family_name) -> None: raises ValueError (one line) when the policy cannot run there.
+  init_state(config, batch, seq_len, gen_start) -> pytree.
+  decide(state, context) -> Decision: `context` is the call's `CallContext` (step, tokens [B, S], the
+    unresolved positions, gen_start).
+  update(state, output, context, decision) -> state: once after every model call.
+
+A policy never changes what statistics and captures mean: they stay in sequence coordinates, and the caller
+reports which positions a call computed (`StepOutput.computed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
+
+
+@struct.dataclass
+class Decision:
+  """What one model call computes (module docstring).
+
+  full: scalar bool, compute every query; queries: [B, n] int32 sequence positions computed when not full
+  (None: the policy never takes a query subset), ascending, padded with S (a padded entry computes nothing
+  that is kept and writes nothing); keys: [L, B, m] int32 cached positions each layer reads besides the call's
+  queries when not full, padded with S, or None (all S).
+  """
+
+  full: jax.Array
+  queries: jax.Array | None = None
+  keys: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputePolicy:
+  """Base class: compute everything, no state (the policy `none`)."""
+
+  NAME: ClassVar[str] = "none"
+
+  def required_stats(self, config: ModelConfig) -> StatsSpec:
+    del config
+    return NO_STATS
+
+  def check(self, config: ModelConfig, family_name: str) -> None:
+    del config, family_name
+
+  def init_state(self, config: ModelConfig, batch: int, seq_len: int, gen_start: int) -> Any:
+    del config, batch, seq_len, gen_start
+    return ()
+
+  def decide(self, state: Any, context: Any) -> Decision:
+    del state, context
+    return Decision(full=jnp.ones((), bool))
+
+  def update(self, state: Any, output: ForwardOutput, context: Any, decision: Decision) -> Any:
+    del output, context, decision
+    return state
+
+  @property
+  def enabled(self) -> bool:
+    """The policy can skip work (anything but `none`)."""
+    return type(self) is not ComputePolicy
+
+
+NO_POLICY = ComputePolicy()
