@@ -110,12 +110,16 @@ class Attention(nnx.Module):
     n_seq = k.shape[1]
     positions = jnp.concatenate([key_index, subset.queries], axis=1)  # [B, m + T]
     padded = jnp.where(positions >= n_seq, MASK_VALUE, 0.0).astype(jnp.float32)[:, None, :]
-    key_bias = common["key_bias"]
+    at = jnp.minimum(positions, n_seq - 1)
+    key_bias, pairwise = common["key_bias"], common["pairwise_bias"]
     key_bias = padded if key_bias is None else jnp.maximum(
-        jnp.take_along_axis(jnp.broadcast_to(key_bias, (positions.shape[0], key_bias.shape[1], n_seq)),
-                            jnp.minimum(positions, n_seq - 1)[:, None, :], axis=2) + padded, MASK_VALUE)
+        jnp.take_along_axis(jnp.broadcast_to(key_bias, (at.shape[0], key_bias.shape[1], n_seq)), at[:, None, :],
+                            axis=2) + padded, MASK_VALUE)
+    if pairwise is not None:
+      pairwise = jnp.broadcast_to(pairwise, (at.shape[0], *pairwise.shape[1:]))
+      pairwise = jnp.take_along_axis(pairwise, at[:, None, None, :], axis=3)
     out, incoming = attention(q, gather_rows(k, positions), gather_rows(v, positions), query_weights=query_weights,
-                              with_incoming=with_incoming, **{**common, "key_bias": key_bias})
+                              with_incoming=with_incoming, **{**common, "key_bias": key_bias, "pairwise_bias": pairwise})
     if incoming is not None:
       rows = jnp.arange(positions.shape[0])[:, None]
       moved = jnp.moveaxis(incoming, -1, 1)  # [B, m + T, Q, N]

@@ -16,7 +16,9 @@ decision it took. Protocol (every method has a do-nothing default here):
 
   required_stats(config) -> StatsSpec: the statistics `update` reads.
   check(config, family_name) -> None: raises ValueError (one line) when the policy cannot run there.
-  init_state(config, batch, seq_len, gen_start) -> pytree.
+  bind(layout) -> ComputePolicy: the policy with the run's static `RunLayout` (sequence length, generation
+    start, block length, steps per block); the driver binds it before anything else.
+  init_state(config, batch) -> pytree, every array with the batch as its leading axis.
   decide(state, context) -> Decision: `context` is the call's `CallContext` (step, tokens [B, S], the
     unresolved positions, gen_start).
   update(state, output, context, decision) -> state: once after every model call.
@@ -54,10 +56,30 @@ class Decision:
 
 
 @dataclasses.dataclass(frozen=True)
+class RunLayout:
+  """Static facts of the run a policy decides in (`ComputePolicy.bind`).
+
+  seq_len: S; gen_start: the first generated position; block_length: the sampler's semi-autoregressive block
+  (the generation length without blocks); steps_per_block: model calls per block.
+  """
+
+  seq_len: int
+  gen_start: int
+  block_length: int
+  steps_per_block: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ComputePolicy:
-  """Base class: compute everything, no state (the policy `none`)."""
+  """Base class: compute everything, no state (the policy `none`). layout: the run's `RunLayout`, set by
+  `bind` when a run starts (None before)."""
 
   NAME: ClassVar[str] = "none"
+  layout: RunLayout | None = None
+
+  def bind(self, layout: RunLayout) -> ComputePolicy:
+    """This policy for a run with `layout` (static)."""
+    return dataclasses.replace(self, layout=layout)
 
   def required_stats(self, config: ModelConfig) -> StatsSpec:
     del config
@@ -66,8 +88,9 @@ class ComputePolicy:
   def check(self, config: ModelConfig, family_name: str) -> None:
     del config, family_name
 
-  def init_state(self, config: ModelConfig, batch: int, seq_len: int, gen_start: int) -> Any:
-    del config, batch, seq_len, gen_start
+  def init_state(self, config: ModelConfig, batch: int) -> Any:
+    """The traced state for a batch of B rows (the run's facts are in `layout`)."""
+    del config, batch
     return ()
 
   def decide(self, state: Any, context: Any) -> Decision:

@@ -35,7 +35,8 @@ from dlm_jax.instrument.hook_call import COMMITTED, DECODED, MASKED, PROMPT, VAL
 from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks
 from dlm_jax.instrument.interventions import NO_INTERVENTION, CallContext, Intervention
 from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
-from dlm_jax.model import forward
+from dlm_jax.model import KVCache, forward
+from dlm_jax.policy.base import NO_POLICY, ComputePolicy, Decision
 from dlm_jax.sampling.stats_plan import StatsPlan
 
 
@@ -49,15 +50,25 @@ class HookState:
 
 
 @struct.dataclass
+class PolicyState:
+  """state: the compute policy's own state (batch-leading arrays); cache: the `KVCache` [L, B, S, K, H] its
+  query and key subsets read (every position's keys and values as last computed)."""
+
+  state: Any
+  cache: KVCache
+
+
+@struct.dataclass
 class CallState:
   """The traced state a run carries from one model call to the next.
 
   intervention: the intervention's state (`Intervention.init_state`); hooks: the `HookState`, None without
-  hooks.
+  hooks; policy: the `PolicyState`, None without a compute policy.
   """
 
   intervention: Any
   hooks: HookState | None = None
+  policy: PolicyState | None = None
 
 
 @struct.dataclass
@@ -95,7 +106,8 @@ class CallPlan:
   config: the model config; stats: the `StatsPlan` (who reads which statistics); intervention: the
   attention-bias intervention; hooks: captures and edits at named sites (`dlm_jax.instrument.hook_spec`);
   max_steps: the run's step bound, for the captures' kept steps (0: every capture keeps every call);
-  record_intervention: also return the intervention's per-call record.
+  record_intervention: also return the intervention's per-call record; policy: the compute policy
+  (`dlm_jax.policy`, bound to the run), which decides what each call computes (applied by the model caller).
   """
 
   config: ModelConfig
@@ -104,11 +116,12 @@ class CallPlan:
   hooks: Hooks = NO_HOOKS
   max_steps: int = 0
   record_intervention: bool = False
+  policy: ComputePolicy = NO_POLICY
 
   def init_state(self, batch: int, seq_len: int, gen_start: int = 0, intervention_state: Any = None,
-                 values: HookValues | None = None) -> CallState:
+                 values: HookValues | None = None, dtype: Any = jnp.float32) -> CallState:
     """The `CallState` for [B, S] sequences whose generation starts at `gen_start`; the intervention's state
-    defaults to its `init_state`, the hook values to `hook_values`' defaults."""
+    defaults to its `init_state`, the hook values to `hook_values`' defaults; dtype: the policy cache's."""
     if intervention_state is None:
       intervention_state = self.intervention.init_state(self.config, batch, seq_len)
     hooks = None
@@ -117,7 +130,11 @@ class CallPlan:
         values = hook_values(self.hooks, self.config, batch, seq_len)
       was = jnp.broadcast_to(jnp.arange(seq_len)[None, :] >= gen_start, (batch, seq_len))
       hooks = HookState(values=values, was_unresolved=was)
-    return CallState(intervention=intervention_state, hooks=hooks)
+    policy = None
+    if self.policy.enabled:
+      policy = PolicyState(state=self.policy.init_state(self.config, batch),
+                           cache=KVCache.zeros(self.config, batch, seq_len, dtype))
+    return CallState(intervention=intervention_state, hooks=hooks, policy=policy)
 
   def prepare(self, state: CallState, context: CallContext, sampler_weights: Callable[[], jax.Array] | None,
               query_valid: jax.Array) -> PreparedCall:
@@ -150,8 +167,10 @@ class CallPlan:
         table[i] = np.asarray(capture.steps.slots(self.max_steps)) >= 0
     return jnp.asarray(table)[:, jnp.clip(step, 0, self.max_steps - 1)]
 
-  def update(self, state: CallState, output: ForwardOutput, context: CallContext) -> CallState:
-    """The state after the call (`output`: the forward's output, conditional half under CFG)."""
+  def update(self, state: CallState, output: ForwardOutput, context: CallContext,
+             decision: Decision | None = None) -> CallState:
+    """The state after the call (`output`: the forward's output, conditional half under CFG, with the policy's
+    new cache; decision: the policy's `Decision` for the call)."""
     istate = self.intervention.update(state.intervention, self.stats.intervention_output(output), context)
     hooks = state.hooks
     if hooks is not None:
@@ -161,7 +180,11 @@ class CallPlan:
         unresolved = jnp.zeros((hooks.was_unresolved.shape[0], context.n_queries), bool)
       hooks = hooks.replace(was_unresolved=jax.lax.dynamic_update_slice_in_dim(hooks.was_unresolved, unresolved,
                                                                                offset, axis=1))
-    return CallState(intervention=istate, hooks=hooks)
+    policy = state.policy
+    if policy is not None:
+      policy = PolicyState(state=self.policy.update(policy.state, self.stats.policy_output(output), context, decision),
+                           cache=output.cache)
+    return CallState(intervention=istate, hooks=hooks, policy=policy)
 
   def keep_rows(self, new: CallState, old: CallState, active: jax.Array) -> CallState:
     """`new` for the rows that decoded (active [B] bool), `old` for the rows that waited."""
@@ -169,8 +192,14 @@ class CallPlan:
     if hooks is not None:
       hooks = hooks.replace(was_unresolved=jnp.where(active[:, None], new.hooks.was_unresolved,
                                                      old.hooks.was_unresolved))
+    policy = new.policy
+    if policy is not None:
+      pick = lambda axis: lambda n, o: jnp.where(active.reshape((1,) * axis + (-1,) + (1,) * (n.ndim - axis - 1)),
+                                                 n, o)  # noqa: E731
+      policy = PolicyState(state=jax.tree.map(pick(0), new.policy.state, old.policy.state),
+                           cache=jax.tree.map(pick(1), new.policy.cache, old.policy.cache))
     return CallState(intervention=self.intervention.keep_rows(new.intervention, old.intervention, active),
-                     hooks=hooks)
+                     hooks=hooks, policy=policy)
 
 
 def intervened_forward(params: Any, tokens: jax.Array, intervention: Intervention, state: Any, *,

@@ -29,6 +29,7 @@ from dlm_jax.instrument import step_schedule
 from dlm_jax.instrument.hook_call import HookValues
 from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks
 from dlm_jax.instrument.interventions import NO_INTERVENTION, Intervention
+from dlm_jax.policy.base import NO_POLICY, ComputePolicy, RunLayout
 from dlm_jax.sampling import capture_steps, keys, padding, row_by_row
 from dlm_jax.sampling.call_plan import CallPlan
 from dlm_jax.sampling.model_call import ModelCaller, StepOutput
@@ -227,7 +228,7 @@ def _trace(run: Run, carry, outputs: StepOutput, n_steps, captured: capture_step
                active_rows=outputs.active, computed_queries=outputs.queries, stats=plan.squeeze_user(outputs.stats),
                top_sinks=plan.squeeze_sinks(outputs.top_sinks), intervention_record=outputs.record,
                accepted=outputs.accepted, canvases=outputs.canvas, committed=outputs.committed,
-               revoked=outputs.revoked, prompt_length=run.prompt_length,
+               revoked=outputs.revoked, computed_positions=outputs.computed, prompt_length=run.prompt_length,
                captures=None if captured is None else captured.values,
                capture_steps=None if captured is None else captured.steps)
 
@@ -393,6 +394,7 @@ def run_family(
     batch_invariant: bool = False,
     hooks: Hooks = NO_HOOKS,
     hook_values: HookValues | None = None,
+    policy: ComputePolicy = NO_POLICY,
 ) -> Trace:
   """Runs `family` on a [B, Lp] prompt and returns the `Trace` (see the family's public wrapper).
 
@@ -418,6 +420,8 @@ def run_family(
       `dlm_jax.instrument.hook_spec.Hooks`); the captures come back in `Trace.captures`.
     hook_values: their traced values (`dlm_jax.instrument.hook_call.hook_values` for [B, Lp + G]); default:
       the defaults of `hook_values` (edits everywhere with coefficient 1; raises if one needs a source).
+    policy: a compute policy (`dlm_jax.policy`, static): statistics of each call decide what the next one
+      computes; `Trace.computed_positions` says what each step computed.
   """
   prompt = jnp.asarray(prompt)
   if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
@@ -435,7 +439,8 @@ def run_family(
   family.check(config, intervention)
   b, lp = prompt.shape
   total = lp + family.gen_length
-  plan = make_plan(config, stats_spec, intervention, sink_top_k, padded=prompt_mask is not None)
+  policy = _bind_policy(policy, family, config, lp, total, batch_invariant, hooks)
+  plan = make_plan(config, stats_spec, intervention, sink_top_k, padded=prompt_mask is not None, policy=policy)
   if not isinstance(hooks, Hooks):
     raise ValueError(f"hooks must be a dlm_jax.instrument.hook_spec.Hooks, got {type(hooks).__name__}.")
   if hook_values is not None and not hooks.enabled:
@@ -448,7 +453,8 @@ def run_family(
       if edit.schedule is not None:
         step_schedule.check_steps(edit.schedule, max_steps, f"Edit {index} ({edit.site})")
   call_plan = CallPlan(config, stats=plan, intervention=intervention, hooks=hooks,
-                       max_steps=max_steps if hooks.enabled else 0, record_intervention=record_intervention)
+                       max_steps=max_steps if hooks.enabled else 0, record_intervention=record_intervention,
+                       policy=policy)
   caller = ModelCaller(plan=call_plan, mask_id=family.query_mask_id, gen_start=lp, attention_impl=attention_impl,
                        query_chunk=query_chunk, batch_invariant=batch_invariant)
   key, row_keys = keys.as_run_key(key, b)
@@ -460,7 +466,7 @@ def run_family(
     capture_steps.check_layout(layout)
     run = dataclasses.replace(run, captures=layout)
   sequence = jnp.concatenate([prompt, jnp.full((b, family.gen_length), family.fill_id, jnp.int32)], axis=1)
-  state = call_plan.init_state(b, total, lp, intervention_state, hook_values)
+  state = call_plan.init_state(b, total, lp, intervention_state, hook_values, dtype=params["embed"]["embedding"].dtype)
   if loop == "python":
     runner = _python_loop
   elif batch_invariant and jax.default_backend() == "cpu" and not _abstract_runs:
@@ -468,6 +474,31 @@ def run_family(
   else:
     runner = _compiled
   return runner(params, sequence, prompt_mask, key, state, run=run)
+
+
+POLICY_FAMILIES = ("llada", "dream")
+"""The families a compute policy runs with: the ones whose every call reads the whole sequence (no KV cache of
+their own)."""
+
+
+def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp: int, total: int,
+                 batch_invariant: bool, hooks: Hooks) -> ComputePolicy:
+  """The policy bound to this run's `RunLayout`, after refusing (one line) what it cannot run with."""
+  if not isinstance(policy, ComputePolicy):
+    raise ValueError(f"policy must be a dlm_jax.policy ComputePolicy, got {type(policy).__name__}.")
+  if not policy.enabled:
+    return policy
+  name = policy.NAME
+  if family.name not in POLICY_FAMILIES:
+    raise ValueError(f"policy {name!r} runs with the samplers that read the whole sequence at every call "
+                     f"({', '.join(POLICY_FAMILIES)}, exact decoding), not with {family.name}.")
+  if batch_invariant or hooks.enabled:
+    raise ValueError(f"policy {name!r} does not run with batch_invariant=True or hooks yet; leave them off.")
+  policy.check(config, family.name)
+  gen = family.gen_length
+  block = getattr(family.options, "block_length", gen) or gen
+  steps_per_block = max(family.n_steps // max(gen // block, 1), 1)
+  return policy.bind(RunLayout(seq_len=total, gen_start=lp, block_length=block, steps_per_block=steps_per_block))
 
 
 def public_sampler(build_family: Callable[[ModelConfig, Any, Any], Family], default_options: Any, doc: str):
@@ -483,12 +514,13 @@ def public_sampler(build_family: Callable[[ModelConfig, Any, Any], Family], defa
              stats_spec: StatsSpec = NO_STATS, intervention: Intervention = NO_INTERVENTION,
              intervention_state: Any = None, sink_top_k: int = 0, attention_impl: str = "chunked",
              query_chunk: int = 128, loop: Loop = "scan", record_intervention: bool = False,
-             batch_invariant: bool = False, hooks: Hooks = NO_HOOKS, hook_values: HookValues | None = None) -> Trace:
+             batch_invariant: bool = False, hooks: Hooks = NO_HOOKS, hook_values: HookValues | None = None,
+             policy: ComputePolicy = NO_POLICY) -> Trace:
     return run_family(build_family(config, options, prompt), params, prompt, config=config, key=key,
                prompt_mask=prompt_mask, stats_spec=stats_spec, intervention=intervention,
                intervention_state=intervention_state, sink_top_k=sink_top_k, attention_impl=attention_impl,
                query_chunk=query_chunk, loop=loop, record_intervention=record_intervention,
-               batch_invariant=batch_invariant, hooks=hooks, hook_values=hook_values)
+               batch_invariant=batch_invariant, hooks=hooks, hook_values=hook_values, policy=policy)
 
   sample.__doc__ = doc
   sample.__module__ = build_family.__module__

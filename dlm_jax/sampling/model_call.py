@@ -14,6 +14,7 @@ that doubles a batch for guidance.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -26,6 +27,7 @@ from dlm_jax.model import KVCache, forward
 from dlm_jax.sampling import row_by_row
 from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Guidance, Readout
 from dlm_jax.sampling.call_plan import CallPlan, CallState
+from dlm_jax.sampling.policy_call import computed_positions, policy_forward
 
 
 @struct.dataclass
@@ -52,6 +54,8 @@ class StepOutput:
   committed: [B, G] bool, the generated positions the step committed a token to (the decoding rules of
     `dlm_jax.sampling.llada_rules`; None for the other samplers).
   revoked: [B, G] bool, the generated positions the step re-masked (WINO; all False for the other rules).
+  computed: [B, S] bool, the sequence positions whose queries the call computed under a compute policy
+    (`dlm_jax.policy`); None without one.
   """
 
   stats: dict[str, jax.Array] | None = None
@@ -65,6 +69,7 @@ class StepOutput:
   captures: dict[str, Any] | None = None
   committed: jax.Array | None = None
   revoked: jax.Array | None = None
+  computed: jax.Array | None = None
 
 
 def _nonfinite_rows(*arrays: jax.Array | None) -> jax.Array:
@@ -162,23 +167,34 @@ class ModelCaller:
       weights = None if weights is None else _double(weights, 0)
       hooks = None if hooks is None else hooks.map_rows(_double)
     window = (length - 1, length) if readout.window == "last" else readout.window
-    run = row_by_row.forward_rows if self.batch_invariant else forward
-    output = run(params, model_tokens, config=self.config, bias=bias, positions=positions, query_weights=weights,
-                 stats_spec=self.plan.stats.forward_spec, logits_window=window, logits_offset=readout.offset,
-                 attention_impl=self.attention_impl, query_chunk=self.query_chunk,
-                 cache=None if cache is None else cache.cache, cache_offset=offset, return_hidden=readout.hidden,
-                 decoder=None if cache is None else cache.decoder, hooks=hooks)
+    run = functools.partial(row_by_row.forward_rows if self.batch_invariant else forward, config=self.config,
+                            stats_spec=self.plan.stats.forward_spec, attention_impl=self.attention_impl,
+                            query_chunk=self.query_chunk)
+    decision = None
+    if state.policy is not None and guidance is not None:
+      raise ValueError(f"policy {self.plan.policy.NAME!r} does not run with classifier-free guidance yet; set "
+                       "cfg_scale=0.")
+    if state.policy is not None:
+      decision = self.plan.policy.decide(state.policy.state, context)
+      output = policy_forward(run, params, state.policy, decision, model_tokens, positions, bias, weights,
+                              readout.replace(window=window))
+    else:
+      output = run(params, model_tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
+                   logits_offset=readout.offset, cache=None if cache is None else cache.cache, cache_offset=offset,
+                   return_hidden=readout.hidden, decoder=None if cache is None else cache.decoder, hooks=hooks)
     halves = {"logits": output.logits, "hidden": output.hidden}
     cond = {name: None if x is None else x[:batch] for name, x in halves.items()}
     uncond = {name: None if x is None or guidance is None else x[batch:] for name, x in halves.items()}
     if guidance is not None:
       output = ForwardOutput(logits=cond["logits"], stats=_split_rows(output.stats, batch), cache=output.cache,
                              captures=jax.tree.map(lambda x: x[:batch], output.captures))
-    state = self.plan.update(state, output, context)
+    state = self.plan.update(state, output, context, decision)
     stats = self.plan.stats
     nonfinite = _nonfinite_rows(cond["logits"], cond["hidden"], uncond["logits"], uncond["hidden"])
     outputs = StepOutput(stats=stats.user_stats(output, self.config),
                          top_sinks=stats.top_sinks(output, inputs.key_valid), record=call.record,
-                         nonfinite=nonfinite, captures=output.captures)
+                         nonfinite=nonfinite, captures=output.captures,
+                         computed=None if decision is None else computed_positions(decision, batch, length))
     return CallResult(logits=cond["logits"], uncond_logits=uncond["logits"], hidden=cond["hidden"],
-                      uncond_hidden=uncond["hidden"], state=state, cache=output.cache, outputs=outputs)
+                      uncond_hidden=uncond["hidden"], state=state,
+                      cache=None if decision is not None else output.cache, outputs=outputs)

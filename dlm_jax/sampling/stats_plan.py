@@ -31,6 +31,7 @@ class StatsPlan:
   Attributes:
     user: the caller's spec (query_groups 0 or 3, `QUERY_GROUP_NAMES`).
     intervention: the intervention's `required_stats`.
+    policy: the compute policy's `required_stats` (ungrouped: the sum over all queries the call computed).
     sink_top_k: k of the per-step top-k sinks (0 = off).
     padded: the batch is left-padded: the statistics of the user, the top sinks and an ungrouped
       intervention sum over the real queries only (pad queries are not part of any sequence; with them a
@@ -50,8 +51,11 @@ class StatsPlan:
   sink_top_k: int = 0
   padded: bool = False
   own_groups: bool = False
+  policy: StatsSpec = NO_STATS
 
   def __post_init__(self):
+    if self.policy.query_groups:
+      raise ValueError("A compute policy's required_stats must be ungrouped (query_groups 0).")
     if not self.own_groups and self.user.query_groups not in (0, len(QUERY_GROUP_NAMES)):
       raise ValueError(f"Samplers support StatsSpec.query_groups 0 or {len(QUERY_GROUP_NAMES)} "
                        f"({', '.join(QUERY_GROUP_NAMES)}), got {self.user.query_groups}.")
@@ -68,9 +72,13 @@ class StatsPlan:
     return StatsSpec(incoming_attention=True, per_head=True)
 
   @property
+  def _consumers(self) -> tuple[StatsSpec, ...]:
+    return (self.user, self.intervention, self.sinks_spec, self.policy)
+
+  @property
   def group_spans(self) -> tuple[tuple[str, int], ...]:
     """((name, size), ...) of the forward's query-group spans; () = ungrouped."""
-    consumers = [s for s in (self.user, self.intervention, self.sinks_spec) if s.incoming_attention]
+    consumers = [s for s in self._consumers if s.incoming_attention]
     spans = []
     if self.user.incoming_attention and self.user.query_groups:
       spans.append(("sampler", self.user.query_groups))
@@ -92,7 +100,7 @@ class StatsPlan:
   @property
   def forward_spec(self) -> StatsSpec:
     """The one spec the forward pass is run with."""
-    consumers = [s for s in (self.user, self.intervention, self.sinks_spec) if s.enabled]
+    consumers = [s for s in self._consumers if s.enabled]
     if not consumers:
       return NO_STATS
     incoming = [s for s in consumers if s.incoming_attention]
@@ -167,6 +175,9 @@ class StatsPlan:
   def intervention_output(self, output: ForwardOutput) -> ForwardOutput:
     return self.derive(output, self.intervention, role="intervention")
 
+  def policy_output(self, output: ForwardOutput) -> ForwardOutput:
+    return self.derive(output, self.policy, role="policy")
+
   def top_sinks(self, output: ForwardOutput, valid_keys: jax.Array) -> jax.Array | None:
     """Indices of the k keys with the most incoming attention over all queries: [L', B, N', k] int32.
 
@@ -193,10 +204,11 @@ class StatsPlan:
     return top_sinks[..., 0, :]
 
 
-def make_plan(config: Any, stats_spec: StatsSpec, intervention: Any, sink_top_k: int, padded: bool = False
-              ) -> StatsPlan:
-  """Validates the specs against `config` (a `ModelConfig`) and returns the static plan."""
+def make_plan(config: Any, stats_spec: StatsSpec, intervention: Any, sink_top_k: int, padded: bool = False,
+              policy: Any = None) -> StatsPlan:
+  """Validates the specs against `config` (a `ModelConfig`) and returns the static plan (policy: the run's
+  `dlm_jax.policy.ComputePolicy`, or None)."""
   plan = StatsPlan(user=stats_spec, intervention=intervention.required_stats(config), sink_top_k=sink_top_k,
-                   padded=padded)
+                   padded=padded, policy=NO_STATS if policy is None else policy.required_stats(config))
   plan.check(config.n_layers)
   return plan

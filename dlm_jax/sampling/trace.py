@@ -63,6 +63,8 @@ class Trace:
       in between.
     revoked: None, or [max_steps, B, G] bool (with `committed`): the generated positions each step re-masked
       (WINO's narrow-out; never for the other rules). `first_commit_step` and `revocations` read them per position.
+    computed_positions: None, or [max_steps, B, S] bool (a run under a compute policy, `dlm_jax.policy`): the
+      sequence positions whose queries each step computed (every position at a full call).
     prompt_length: Lp, the number of prompt positions (static).
   """
 
@@ -81,6 +83,7 @@ class Trace:
   capture_steps: dict[str, jax.Array] | None = None
   committed: jax.Array | None = None
   revoked: jax.Array | None = None
+  computed_positions: jax.Array | None = None
   prompt_length: int = struct.field(pytree_node=False, default=0)
 
   @property
