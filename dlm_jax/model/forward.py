@@ -192,8 +192,8 @@ def forward(
       carries its self-conditioning inputs; None (the default) is an ordinary call.
     subset: a `ComputeSubset` (a compute policy's decision; needs `cache`): the T tokens are the sequence
       positions subset.queries [B, T] (their keys and values are written there; `positions` default to
-      them), each layer reads all S cache positions or its key subset; bidirectional models only, without
-      hooks or routing statistics.
+      them), each layer reads all S cache positions or its key subset, and the statistics sum over the real
+      (not padded) queries; bidirectional models only, without hooks or routing statistics.
     hooks: a `dlm_jax.instrument.hook_call.HookCall`: captures and edits at the named sites
       (`dlm_jax.instrument.sites`), in sequence coordinates of the S keys (a cached call's queries sit at
       cache_offset); None adds nothing to the program.
@@ -206,8 +206,11 @@ def forward(
   _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder)
   _check_hooks(config, hooks, tuple(tokens.shape))
   _check_subset(config, subset, tuple(tokens.shape), cache, hooks, stats_spec)
-  if positions is None and subset is not None:
-    positions = jnp.minimum(subset.queries, cache.keys.shape[2] - 1)
+  if subset is not None:
+    real = subset.queries < cache.keys.shape[2]  # padded entries are no query of the statistics
+    query_weights = real[:, None, :].astype(jnp.float32) if query_weights is None else query_weights * real[:, None, :]
+    if positions is None:
+      positions = jnp.minimum(subset.queries, cache.keys.shape[2] - 1)
   if positions is None:
     start = 0 if cache is None else cache_offset
     positions = jnp.broadcast_to(start + jnp.arange(tokens.shape[1]), tokens.shape)

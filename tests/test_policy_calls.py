@@ -1,0 +1,119 @@
+"""Compute policies applied by the model caller (issue 36 items 1, 3, 4): a decision that recomputes every
+position gives the exact sampler's tokens, `Trace.computed_positions` is what the policy decided, the skipped
+work leaves XLA's FLOP count, statistics stay in sequence coordinates, and runs a policy cannot take are
+refused in one line before any compilation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dlm_jax.config import preset
+from dlm_jax.instrument.hook_spec import Capture, Hooks
+from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.model import KVCache, forward, init_params
+from dlm_jax.model.compute_subset import ComputeSubset
+from dlm_jax.policy.base import ComputePolicy, Decision
+from dlm_jax.sampling import autoregressive, llada
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+CONFIG = preset("tiny-llada")
+OPTIONS = llada.LLaDAOptions(gen_length=8, steps=8, block_length=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recent(ComputePolicy):
+  """A test policy: full calls at the first two steps of a block and every `every` steps; otherwise the
+  generated positions that were masked at the previous call (padded with S), or with `everything` every
+  position."""
+
+  NAME = "recent"
+  every: int = 3
+  everything: bool = False
+
+  def init_state(self, config, batch):
+    return jnp.ones((batch, self.layout.seq_len), bool)
+
+  def decide(self, state, context):
+    s, g0 = self.layout.seq_len, self.layout.gen_start
+    index = jnp.arange(s)[None]
+    if self.everything:
+      return Decision(full=jnp.zeros((), bool), queries=jnp.broadcast_to(index, state.shape).astype(jnp.int32))
+    want = state & (index >= g0)
+    queries = jnp.sort(jnp.where(want, index, s), axis=1)[:, :s - g0].astype(jnp.int32)
+    full = (context.step % self.layout.steps_per_block <= 1) | (context.step % self.every == 0)
+    return Decision(full=full, queries=queries)
+
+  def update(self, state, output, context, decision):
+    return context.unresolved
+
+
+def _setup():
+  params = init_params(CONFIG, jax.random.key(0))
+  return params, jax.random.randint(jax.random.key(1), (2, 6), 0, 200)
+
+
+def test_recomputing_everything_is_the_exact_sampler():
+  params, prompt = _setup()
+  spec = StatsSpec(incoming_attention=True, per_head=False)
+  exact = llada.generate(params, prompt, config=CONFIG, options=OPTIONS, stats_spec=spec)
+  policy = llada.generate(params, prompt, config=CONFIG, options=OPTIONS, stats_spec=spec,
+                          policy=Recent(everything=True))
+  np.testing.assert_array_equal(policy.tokens, exact.tokens)
+  np.testing.assert_array_equal(policy.decode_step, exact.decode_step)
+  np.testing.assert_allclose(policy.stats["incoming_attention"], exact.stats["incoming_attention"], atol=2e-5)
+  assert np.all(np.asarray(policy.computed_positions))
+
+
+def test_computed_positions_are_the_decisions():
+  params, prompt = _setup()
+  trace = llada.generate(params, prompt, config=CONFIG, options=OPTIONS, policy=Recent(),
+                         stats_spec=StatsSpec(incoming_attention=True))
+  computed = np.asarray(trace.computed_positions)  # [steps, B, S]
+  lp = prompt.shape[1]
+  decoded_at = np.asarray(trace.decode_step)  # [B, G], the step whose call decoded each position
+  for step in range(8):
+    full = step == 0 or step % 4 <= 1 or step % 3 == 0
+    masked_at_previous_call = np.concatenate([np.zeros((2, lp), bool), decoded_at >= step - 1], axis=1)
+    expected = np.ones_like(masked_at_previous_call) if full else masked_at_previous_call
+    np.testing.assert_array_equal(computed[step], expected, err_msg=f"step {step}")
+  incoming = np.asarray(trace.stats["incoming_attention"])  # [steps, L, B, N, S]
+  queries = computed.sum(-1)  # every computed query's row of probabilities sums to 1
+  np.testing.assert_allclose(incoming.sum(-1), np.broadcast_to(queries[:, None, :, None], incoming.shape[:-1]),
+                             rtol=1e-5)
+
+
+def test_the_skipped_work_leaves_the_flop_count():
+  params, _ = _setup()
+  s, n = 64, 16
+  tokens = jnp.zeros((1, s), jnp.int32)
+  cache = KVCache.zeros(CONFIG, 1, s)
+
+  def flops(fn, *args):
+    return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+  full = flops(lambda p, t, c: forward(p, t, config=CONFIG, cache=c).logits, params, tokens, cache)
+  queries = jnp.arange(n, dtype=jnp.int32)[None]
+  part = flops(lambda p, t, c: forward(p, t[:, :n], config=CONFIG, cache=c, subset=ComputeSubset(queries)).logits,
+               params, tokens, cache)
+  assert part < full * (n / s) * 1.3, (part, full)
+
+
+@pytest.mark.parametrize("run, message", [
+    (lambda p, x: autoregressive.generate(p, x, config=preset("tiny-llama"), policy=Recent()),
+     "runs with the samplers that read the whole sequence"),
+    (lambda p, x: llada.generate(p, x, config=CONFIG, options=OPTIONS, policy=Recent(), batch_invariant=True),
+     "does not run with batch_invariant=True or hooks"),
+    (lambda p, x: llada.generate(p, x, config=CONFIG, options=OPTIONS, policy=Recent(),
+                                 hooks=Hooks(captures=(Capture("hook_resid_post"),))),
+     "does not run with batch_invariant=True or hooks"),
+    (lambda p, x: llada.generate(p, x, config=CONFIG, options=dataclasses.replace(OPTIONS, cfg_scale=1.0),
+                                 policy=Recent()), "classifier-free guidance"),
+])
+def test_runs_a_policy_cannot_take_are_refused(run, message):
+  params, prompt = _setup()
+  with pytest.raises(ValueError, match=message):
+    run(params, prompt)
