@@ -97,7 +97,8 @@ class D2CacheSettings:
     if not isinstance(self.current_k, int) or isinstance(self.current_k, bool) or self.current_k < 1:
       raise ValueError(f"d2cache current_k must be an int >= 1, got {self.current_k!r}.")
     if not isinstance(self.sigma, (int, float)) or isinstance(self.sigma, bool) or not self.sigma > 0.0:
-      raise ValueError(f"d2cache sigma must be a number > 0 (the official density asserts it), got {self.sigma!r}.")
+      raise ValueError(f"d2cache sigma must be a number > 0 (the official density asserts it), "
+                       f"got {self.sigma!r}.")
     if not isinstance(self.inflate_w, int) or isinstance(self.inflate_w, bool) or self.inflate_w < 0:
       raise ValueError(f"d2cache inflate_w must be an int >= 0 (0 = no inflation), got {self.inflate_w!r}.")
     for name in ("frozen_confidence", "batch_max_bonus", "top_up"):
