@@ -108,7 +108,7 @@ class DLLMCacheSettings:
 def value_similarity(fresh: jax.Array, cached: jax.Array) -> jax.Array:
   """Cosine similarity per response position of fresh and cached values, both [B, G, ...] (v_proj output of
   the layer's attention input, pre-RoPE, every KV head: [B, G, K·H] or [B, G, K, H]), over all trailing axes:
-  x·y / max(|x|·|y|, 1e-8). -> [B, G] float32."""
+  x·y / max(norm(x)·norm(y), 1e-8). -> [B, G] float32."""
   x = fresh.reshape(fresh.shape[:2] + (-1,)).astype(jnp.float32)
   y = cached.reshape(cached.shape[:2] + (-1,)).astype(jnp.float32)
   dot = jnp.sum(x * y, axis=-1)
