@@ -142,8 +142,8 @@ def drift_similarity(previous: jax.Array, current: jax.Array, row_valid: jax.Arr
                      key_valid: jax.Array | None = None) -> jax.Array:
   """Elastic-Cache's similarity of the tracked tokens' previous and current attention rows, both [B, N, T, S]
   (`attention_rows`): cosine over the head axis N (x·y / max(norm(x)·norm(y), 1e-8)), then the mean over
-  valid rows row_valid [B, T] and valid keys key_valid [B, S] (None: all). A row with no valid tracked token gets 1 (no
-  drift). -> [B] float32."""
+  valid rows row_valid [B, T] and valid keys key_valid [B, S] (None: all). A row with no valid tracked token
+  gets 1 (no drift). -> [B] float32."""
   dot = jnp.sum(previous * current, axis=1)
   norms = jnp.sqrt(jnp.sum(previous * previous, axis=1)) * jnp.sqrt(jnp.sum(current * current, axis=1))
   cosine = dot / jnp.maximum(norms, 1e-8)
