@@ -73,13 +73,13 @@ def replay_density(decoded, sigma):
   return weighted[:, g:2 * g] / np.maximum(total[:, g:2 * g], 1e-8)
 
 
-def replay_query_mask(settings, remaining, block_mask, decoded, conf, importance, shifted):
-  """on_step_end's query set, in its order, with loops."""
+def replay_query_mask(settings, remaining, block_mask, decoded, conf, importance, shifted, active):
+  """on_step_end's query set, in its order, with loops (the official arrays hold the active rows only)."""
   b, g = remaining.shape
   t = importance.shape[1]
   p = t - g
   scores = conf * replay_density(~remaining, settings.sigma)
-  bonus = scores.max() if settings.batch_max_bonus else scores.max(-1, keepdims=True)
+  bonus = scores[active].max() if settings.batch_max_bonus else scores.max(-1, keepdims=True)
   scores = np.where(block_mask, scores + bonus, scores)
   selected = np.zeros((b, g), bool)
   for row in range(b):
@@ -150,12 +150,16 @@ def test_query_mask_matches_replay(settings, shifted):
   rng = np.random.default_rng(1 + settings.current_k + shifted)
   for block, block_index in ((4, 1), (12, 0)):
     state = canvas(rng, 3, 5, 12, block, block_index)
-    got_q, got_scores = query_fn(settings, shifted)(
-        remaining=jnp.asarray(state[0]), block_mask=jnp.asarray(state[1]), decoded=jnp.asarray(state[2]),
-        conf_cache=jnp.asarray(state[3], jnp.float32), importance=jnp.asarray(state[4], jnp.float32))
-    want_q, want_scores = replay_query_mask(settings, *state, shifted)
-    np.testing.assert_allclose(np.asarray(got_scores), want_scores, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(got_q), want_q)
+    state[3][1] *= 3.0                          # row 1 holds the batch's largest score
+    for active in (np.array([True, True, True]), np.array([True, False, True])):
+      got_q, got_scores = query_fn(settings, shifted)(
+          remaining=jnp.asarray(state[0]), block_mask=jnp.asarray(state[1]), decoded=jnp.asarray(state[2]),
+          conf_cache=jnp.asarray(state[3], jnp.float32), importance=jnp.asarray(state[4], jnp.float32),
+          active=jnp.asarray(active))
+      want_q, want_scores = replay_query_mask(settings, *state, shifted, active)
+      # inactive rows are not part of the official arrays: compared on the active rows
+      np.testing.assert_allclose(np.asarray(got_scores)[active], want_scores[active], rtol=1e-5, atol=1e-6)
+      np.testing.assert_array_equal(np.asarray(got_q)[active], want_q[active])
 
 
 def replay_top_up(q, importance, density, active):

@@ -157,12 +157,16 @@ def update_confidence_cache(conf_cache: jax.Array, confidence: jax.Array, logits
 
 
 def certainty_scores(conf_cache: jax.Array, remaining: jax.Array, block_mask: jax.Array, sigma: float,
-                     batch_max_bonus: bool) -> jax.Array:
+                     batch_max_bonus: bool, active: jax.Array | None = None) -> jax.Array:
   """Cached confidence × certainty density of the decoded positions, plus the max score on the current
-  block. conf_cache, remaining (still masked after the step), block_mask (current block): [B, G].
-  -> [B, G] float32 (the official `_density_score`)."""
+  block. conf_cache, remaining (still masked after the step), block_mask (the block of the step): [B, G];
+  active [B] bool: the rows still generating (None: all), over which batch_max_bonus takes the max (the
+  official arrays hold only those rows). -> [B, G] float32 (the official `_density_score`)."""
   scores = conf_cache.astype(jnp.float32) * certainty_density(~remaining, sigma)
-  bonus = jnp.max(scores) if batch_max_bonus else jnp.max(scores, axis=-1, keepdims=True)
+  if batch_max_bonus:
+    bonus = jnp.max(scores if active is None else jnp.where(active[:, None], scores, -jnp.inf))
+  else:
+    bonus = jnp.max(scores, axis=-1, keepdims=True)
   return jnp.where(block_mask, scores + bonus, scores)
 
 
@@ -205,16 +209,18 @@ def inflate(selected: jax.Array, width: int) -> jax.Array:
 
 
 def query_mask(settings: D2CacheSettings, *, remaining: jax.Array, block_mask: jax.Array, decoded: jax.Array,
-               conf_cache: jax.Array, importance: jax.Array, shifted: bool) -> tuple[jax.Array, jax.Array]:
+               conf_cache: jax.Array, importance: jax.Array, shifted: bool,
+               active: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """d2Cache's decision at the end of step t: the positions step t+1 runs (before the batch top-up).
 
-  remaining [B, G] bool: generated positions still masked after step t; block_mask [B, G] bool: the current
-  block; decoded [B, G] bool: positions decoded at step t; conf_cache [B, G]: the cached confidence;
-  importance [B, T]: `rollout_importance` of step t (T = P + G, prompt first); shifted: the family's logits
-  are AR-shifted (Dream). -> (q_mask [B, T] bool, density_score [B, G] float32 for `top_up`)."""
+  remaining [B, G] bool: generated positions still masked after step t; block_mask [B, G] bool: the block
+  step t decoded in; decoded [B, G] bool: positions decoded at step t; conf_cache [B, G]: the cached
+  confidence; importance [B, T]: `rollout_importance` of step t (T = P + G, prompt first); shifted: the
+  family's logits are AR-shifted (Dream); active [B] bool: rows still generating (None: all).
+  -> (q_mask [B, T] bool, density_score [B, G] float32 for `top_up`)."""
   b, g = remaining.shape
   prompt = importance.shape[-1] - g
-  scores = certainty_scores(conf_cache, remaining, block_mask, settings.sigma, settings.batch_max_bonus)
+  scores = certainty_scores(conf_cache, remaining, block_mask, settings.sigma, settings.batch_max_bonus, active)
   selected = select_masked(scores, remaining, block_mask, settings.current_k)
   response = jnp.concatenate([selected[:, 1:], jnp.zeros((b, 1), bool)], axis=-1) if shifted else selected
   q = jnp.concatenate([jnp.zeros((b, prompt), bool), response | decoded], axis=-1)
