@@ -98,6 +98,19 @@ def test_query_set_and_window_match_replay(block_caching):
   np.testing.assert_array_equal(np.nonzero(np.asarray(window[0]))[0], window_position)
 
 
+def test_query_budget_is_the_largest_query_set():
+  """Worst case with block caching: every layer tracks different tokens, the whole window was decoded."""
+  settings = ElasticCacheSettings(window_length=3, track_num=2)
+  n_layers, s = 4, 40
+  assert settings.query_budget(n_layers, s) == 14 and settings.query_budget(n_layers, 10) == 10
+  assert ElasticCacheSettings(block_caching=False).query_budget(n_layers, s) == s
+  tracked = jnp.zeros((1, s), bool).at[0, :8].set(True)
+  decoded = jnp.zeros((1, s), bool).at[0, 20:23].set(True)
+  pending = jnp.zeros((1, s), bool).at[0, 23:].set(True)
+  queries, _ = query_fn(settings)(tracked, decoded, pending)
+  assert int(queries.sum()) == settings.query_budget(n_layers, s)
+
+
 def replay_decode(settings, probabilities, window_position):
   """get_decoded_token_confident / get_decoded_token_topk on the window's top probabilities."""
   x0_p = probabilities[window_position]

@@ -91,6 +91,14 @@ class ElasticCacheSettings:
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"elastic_cache {name} must be True or False, got {getattr(self, name)!r}.")
 
+  def query_budget(self, n_layers: int, seq_len: int) -> int:
+    """A static number of query rows that every call after the first fits exactly: with block caching at most
+    n_layers · track_num tracked tokens + window_length decoded at the previous call (decoding only reads the
+    window) + window_length window positions, capped at seq_len; without block caching, seq_len."""
+    if not self.block_caching:
+      return seq_len
+    return min(seq_len, n_layers * self.track_num + 2 * self.window_length)
+
   @classmethod
   def published(cls, family: str, task: str = "gsm8k") -> "ElasticCacheSettings":
     """Official values for family "llada" (tasks gsm8k, humaneval, minerva_math, mbpp: window 16 as the
