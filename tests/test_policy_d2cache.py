@@ -41,7 +41,15 @@ def replay_rollout(rows, positions, valid):
 
 @functools.lru_cache(maxsize=None)
 def rollout_fn():
-  return jax.jit(d2cache.rollout_importance)
+  """Both exact forms: top-down on vectors from the stacked rows, and bottom-up with the [B, Tq, S] carry."""
+  def both(rows, positions, valid):
+    def layer(carry, a):
+      return d2cache.rollout_rows_step(carry, a, positions, valid), None
+    init = d2cache.rollout_rows_init(positions, valid, rows.shape[-1])
+    carry, _ = jax.lax.scan(layer, init, rows)
+    return (d2cache.rollout_importance(rows, positions, valid),
+            d2cache.rollout_rows_importance(carry, positions, valid))
+  return jax.jit(both)
 
 
 def test_rollout_importance_matches_explicit_product():
@@ -50,14 +58,14 @@ def test_rollout_importance_matches_explicit_product():
   rows = softmax_rows(rng, (n_layers, b, tq, s))
   positions = np.array([[1, 4, 5, 8], [0, 2, 7, 7]], np.int32)
   valid = np.array([[True, True, True, True], [True, True, True, False]])
-  got = rollout_fn()(jnp.asarray(rows, jnp.float32), jnp.asarray(positions), jnp.asarray(valid))
-  np.testing.assert_allclose(np.asarray(got), replay_rollout(rows, positions, valid), rtol=2e-5, atol=2e-6)
+  want = replay_rollout(rows, positions, valid)
+  for got in rollout_fn()(jnp.asarray(rows, jnp.float32), jnp.asarray(positions), jnp.asarray(valid)):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
   full = softmax_rows(rng, (n_layers, b, s, s))
   every = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
-  got_full = rollout_fn()(jnp.asarray(full, jnp.float32), jnp.asarray(every),
-                                                 jnp.ones((b, s), bool))
-  np.testing.assert_allclose(np.asarray(got_full), replay_rollout(full, every, np.ones((b, s), bool)),
-                             rtol=2e-5, atol=2e-6)
+  want_full = replay_rollout(full, every, np.ones((b, s), bool))
+  for got in rollout_fn()(jnp.asarray(full, jnp.float32), jnp.asarray(every), jnp.ones((b, s), bool)):
+    np.testing.assert_allclose(np.asarray(got), want_full, rtol=2e-5, atol=2e-6)
 
 
 def replay_density(decoded, sigma):

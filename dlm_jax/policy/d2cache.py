@@ -14,9 +14,13 @@ What the official code does (each point read in the file and function named):
   every row divided by its sum, and the product accumulated as R <- A_l · R from layer 0 up, R = I before
   layer 0: the final rollout is A_{L-1} ··· A_0. Importance of position j = Σ_i R[i, j] (`on_step_end`:
   `_attn_rollout.sum(dim=1)`). Because the last layer's factor is on the left, the column sum is
-  1ᵀ A_{L-1} ··· A_0: a vector that must start at the LAST layer, so it cannot be accumulated bottom-up during
-  the forward. `rollout_importance` therefore takes the per-layer head-mean rows of the computed queries
-  [L, B, Tq, S] and runs the product top-down on vectors after the forward — O(L·Tq·S), no S×S map.
+  1ᵀ A_{L-1} ··· A_0: a vector that must start at the LAST layer, so it cannot be accumulated bottom-up as one
+  weighted column sum per layer. Two exact forms instead, neither with an S×S map: `rollout_importance`
+  takes the per-layer head-mean rows of the computed queries [L, B, Tq, S] after the forward and runs the
+  product top-down on vectors, O(L·Tq·S); `rollout_rows_init` / `rollout_rows_step` /
+  `rollout_rows_importance` run bottom-up inside the layer loop with a [B, Tq, S] carry (the rollout's rows
+  at the computed positions — the others stay identity rows because a step computes the same positions at
+  every layer), O(L·Tq²·S).
 * Certainty (`on_step_end`, `certainty_density`): score = cached confidence × Gaussian density (σ = `sigma`)
   of the decoded indicator over the generated positions (left boundary decoded; right boundary decoded only
   when the last position is; normaliser the kernel summed over 6G offsets); then the current block's
@@ -143,6 +147,40 @@ def rollout_importance(rows: jax.Array, query_positions: jax.Array, query_valid:
 
   importance, _ = jax.lax.scan(layer, jnp.ones((b, s), jnp.float32), rows, reverse=True)
   return importance
+
+
+def rollout_rows_init(query_positions: jax.Array, query_valid: jax.Array, seq_len: int) -> jax.Array:
+  """The bottom-up form's carry before layer 0: the rollout's rows at the computed queries, R = I.
+  query_positions [B, Tq] int32, query_valid [B, Tq] bool. -> [B, Tq, S] float32."""
+  return jax.nn.one_hot(query_positions, seq_len, dtype=jnp.float32) * query_valid[..., None]
+
+
+def rollout_rows_step(carry: jax.Array, rows: jax.Array, query_positions: jax.Array,
+                      query_valid: jax.Array) -> jax.Array:
+  """One layer of the bottom-up form, inside the layer loop: R <- A_l · R keeps identity rows at uncomputed
+  positions (the computed set is the same at every layer of a step), so only the Tq computed rows are carried.
+  carry [B, Tq, S] (`rollout_rows_init`, then this function's output); rows [B, Tq, S]: this layer's head-mean
+  attention probabilities of the computed queries. Row i becomes (a_i masked to uncomputed columns +
+  Σ_t a_i[pos_t] · carry_t + carry_i) / (1 + Σ a_i). O(Tq²·S) per layer. -> [B, Tq, S] float32."""
+  b, _, s = carry.shape
+  rows = rows.astype(jnp.float32)
+  computed = jnp.zeros((b, s), jnp.float32).at[jnp.arange(b)[:, None], query_positions].add(
+      query_valid.astype(jnp.float32)) > 0
+  at_queries = jnp.take_along_axis(rows, jnp.broadcast_to(query_positions[:, None, :], rows.shape[:2] +
+                                                          query_positions.shape[-1:]), axis=-1)
+  at_queries = at_queries * query_valid[:, None, :]
+  mixed = jnp.einsum("bit,bts->bis", at_queries, carry, precision=jax.lax.Precision.HIGHEST)
+  new = (jnp.where(computed[:, None, :], 0.0, rows) + mixed + carry) / (1.0 + jnp.sum(rows, axis=-1))[..., None]
+  return new * query_valid[..., None]
+
+
+def rollout_rows_importance(carry: jax.Array, query_positions: jax.Array, query_valid: jax.Array) -> jax.Array:
+  """Column sums of the rollout from the bottom-up carry [B, Tq, S] after the last layer: the carried rows
+  plus 1 at every uncomputed position (its identity row). Equal to `rollout_importance`. -> [B, S]."""
+  b, _, s = carry.shape
+  computed = jnp.zeros((b, s), jnp.float32).at[jnp.arange(b)[:, None], query_positions].add(
+      query_valid.astype(jnp.float32)) > 0
+  return jnp.where(computed, 0.0, 1.0) + jnp.sum(carry * query_valid[..., None], axis=1)
 
 
 def update_confidence_cache(conf_cache: jax.Array, confidence: jax.Array, logits_computed: jax.Array,
