@@ -69,32 +69,35 @@ def test_tracking_drift_and_refresh_start_match_replay():
     assert int(start[row]) == start_reset
 
 
-def replay_call(settings, track_position, new_decoded_position, masked_position):
-  """The official query_position and decoding window of a call after the first."""
+def replay_call(settings, track_position, new_decoded_position, masked_position, shifted):
+  """The official query_position and decoding window of a call after the first (LLaDA's generate; Dream's
+  _sample queries masked_position − 1)."""
   query_masked_position = masked_position[:settings.window_length] if settings.block_caching else masked_position
+  if shifted:
+    query_masked_position = query_masked_position - 1
   query_position = np.concatenate([track_position, new_decoded_position, query_masked_position])
   return query_position, masked_position[:settings.window_length]
 
 
 @functools.lru_cache(maxsize=None)
-def query_fn(settings):
-  return jax.jit(functools.partial(ec.query_mask, settings))
+def query_fn(settings, shifted=False):
+  return jax.jit(functools.partial(ec.query_mask, settings, shifted=shifted))
 
 
-@pytest.mark.parametrize("block_caching", [True, False])
-def test_query_set_and_window_match_replay(block_caching):
+@pytest.mark.parametrize("block_caching, shifted", [(True, False), (False, False), (True, True)])
+def test_query_set_and_window_match_replay(block_caching, shifted):
   settings = ElasticCacheSettings(window_length=3, block_caching=block_caching)
   s = 14
   masked_position = np.array([6, 7, 9, 10, 12, 13])
   track_position = np.array([1, 4])
   new_decoded_position = np.array([8, 11])
-  queries, window = query_fn(settings)(
+  queries, window = query_fn(settings, shifted)(
       jnp.zeros((1, s), bool).at[0, track_position].set(True),
       jnp.zeros((1, s), bool).at[0, new_decoded_position].set(True),
       jnp.zeros((1, s), bool).at[0, masked_position].set(True))
-  query_position, window_position = replay_call(settings, track_position, new_decoded_position, masked_position)
-  assert len(set(query_position.tolist())) == len(query_position)     # the official concatenation has no repeats
-  np.testing.assert_array_equal(np.nonzero(np.asarray(queries[0]))[0], np.sort(query_position))
+  query_position, window_position = replay_call(settings, track_position, new_decoded_position, masked_position,
+                                                shifted)
+  np.testing.assert_array_equal(np.nonzero(np.asarray(queries[0]))[0], np.unique(query_position))
   np.testing.assert_array_equal(np.nonzero(np.asarray(window[0]))[0], window_position)
 
 

@@ -37,9 +37,13 @@ with gamma 0.98).
 
 Batched, each row decides alone here (the official sums the tracked-token scores and means the drift over
 the batch too, with batch 1). Keys of padding (key_valid False) are left out of the drift mean (the official
-has none). UNVERIFIED: float64 vs float32 probabilities at the threshold boundary; torch.topk tie order; GQA
-(the official computes q_prev · K_prevᵀ with LLaDA's equal head counts; here a query head reads key head
-n // (N / K), as repeat_interleave).
+has none). UNVERIFIED: float64 vs float32 probabilities at the threshold boundary; torch.topk tie order.
+
+Dream (`dream/model/generation_utils_elastic.py` `_sample`, `dream/model/modeling_dream.py`
+`DreamSdpaAttention.forward`): the same rules with the AR shift — the masked queries are the positions before
+the window's masked positions (their rows are the tracked-token statistic's rows; the still-masked positions,
+unshifted, are zeroed), decoded positions are the window's; the caches hold K/V after `repeat_kv`, so a query
+head n reads key head n // (N / K), as here; its attention applies no padding mask.
 """
 
 from __future__ import annotations
@@ -187,13 +191,16 @@ def update_eos_cut(eos_cut: jax.Array, committed: jax.Array, is_eos: jax.Array) 
 
 
 def query_mask(settings: ElasticCacheSettings, tracked: jax.Array, decoded_last: jax.Array,
-               pending: jax.Array) -> tuple[jax.Array, jax.Array]:
+               pending: jax.Array, shifted: bool = False) -> tuple[jax.Array, jax.Array]:
   """The positions a call after the first runs, and its decoding window. tracked [B, S] bool
   (`tracked_mask` of the previous call), decoded_last [B, S] bool (committed at the previous call), pending
-  [B, S] bool (`pending_mask` now). -> (queries [B, S] bool, window [B, S] bool: the first window_length
-  pending positions, whose logits decide)."""
+  [B, S] bool (`pending_mask` now); shifted: AR-shifted logits (Dream: `dream/model/generation_utils_elastic.py`
+  queries the position before each masked one, and those rows feed `track_tokens`). -> (queries [B, S] bool,
+  window [B, S] bool: the first window_length pending positions, the ones decoded)."""
   window = pending & (jnp.cumsum(pending.astype(jnp.int32), axis=-1) <= settings.window_length)
   masked_queries = window if settings.block_caching else pending
+  if shifted:
+    masked_queries = jnp.concatenate([masked_queries[:, 1:], jnp.zeros_like(masked_queries[:, :1])], axis=-1)
   return tracked | decoded_last | masked_queries, window
 
 
