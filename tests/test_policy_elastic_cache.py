@@ -110,7 +110,7 @@ def test_query_budget_is_the_largest_query_set():
   tracked = jnp.zeros((1, s), bool).at[0, :8].set(True)
   decoded = jnp.zeros((1, s), bool).at[0, 20:23].set(True)
   pending = jnp.zeros((1, s), bool).at[0, 23:].set(True)
-  queries, _ = query_fn(settings)(tracked, decoded, pending)
+  queries, _ = query_fn(ElasticCacheSettings(window_length=3), False)(tracked, decoded, pending)  # no track_num
   assert int(queries.sum()) == settings.query_budget(n_layers, s)
 
 
