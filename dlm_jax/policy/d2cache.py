@@ -44,6 +44,10 @@ What the official code does (each point read in the file and function named):
   (`frozen_confidence=True`, the default; False updates the positions whose logits the step computed and
   that were still masked before it).
 
+The official sampler keeps those zero-filled positions as commit candidates (`src/generation/vanilla.py`
+`generate_step`: its `transfer_index_mask[can_generate].logical_and_(valid_mask)` acts on a copy); the
+sampler, not this module, must mirror that.
+
 UNVERIFIED (not executed, only read): float rounding of the FFT density and of bf16 rollout products;
 torch.topk's order among equal scores (ties are rare with real or random weights; we break them by the lowest
 index). When fewer than `current_k` candidates are in the search window the official top-k pads with −inf
