@@ -2,8 +2,9 @@
 call recomputes, from two refresh intervals and the cosine similarity of fresh and cached values. Rules as read
 in maomaocun/dLLM-cache: `dllm_cache/hooks/cache_hook_LLaDA.py` (`cache_hook_feature`, `refresh_index`),
 `dllm_cache/hooks/cache_hook_Dream.py` (the same branches for Dream) and the `dLLMCache` class (`update_step`,
-`refresh_gen`, `refresh_prompt`, `current_step`); per-task intervals from Kamichanw/d2Cache
-`configs/gen_args.py`. Facts only; no code of theirs is copied.
+`refresh_gen`, `refresh_prompt`, `current_step`; read in copies of `dllm_cache/cache/Cache.py`, which is not in
+our index); per-task intervals from Kamichanw/d2Cache `configs/gen_args.py`. Facts only; no code of theirs is
+copied.
 
 What the official code does:
 
@@ -30,7 +31,7 @@ What the official code does:
 * A refreshed prompt without a refreshed response: prompt Q/K/V/attention/FFN recomputed, plus the adaptive
   response set as above, in one attention call.
 
-UNVERIFIED: the official `scripts/` folder is not in our index; per-task intervals come from d2Cache's
+UNVERIFIED: the official `scripts/` folder and `Cache.py` are not in our index; per-task intervals come from d2Cache's
 table (`configs/gen_args.py`, which matches the values the reference note quotes from `scripts/` for LLaDA
 GSM8K and HumanEval) and the ratio 0.25 from the note, the demos (`demo_LLaDA.py`: 100 / 7 / 0.25) and
 d2Cache's `dLLMCache(rou=0.25)`. Whether the Dream hook at e289751 also forces layer 0 was not read.
