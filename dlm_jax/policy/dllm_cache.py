@@ -31,9 +31,9 @@ What the official code does:
 * A refreshed prompt without a refreshed response: prompt Q/K/V/attention/FFN recomputed, plus the adaptive
   response set as above, in one attention call.
 
-UNVERIFIED: the official `scripts/` folder and `Cache.py` are not in our index; per-task intervals come from d2Cache's
-table (`configs/gen_args.py`, which matches the values the reference note quotes from `scripts/` for LLaDA
-GSM8K and HumanEval) and the ratio 0.25 from the note, the demos (`demo_LLaDA.py`: 100 / 7 / 0.25) and
+UNVERIFIED: the official `scripts/` folder and `Cache.py` are not in our index; per-task intervals come from
+d2Cache's table (`configs/gen_args.py`, which matches the values the reference note quotes from `scripts/` for
+LLaDA GSM8K and HumanEval) and the ratio 0.25 from the note, the demos (`demo_LLaDA.py`: 100 / 7 / 0.25) and
 d2Cache's `dLLMCache(rou=0.25)`. Whether the Dream hook at e289751 also forces layer 0 was not read.
 Similarities are computed in float32 here (bf16 in the official runs).
 """
