@@ -17,11 +17,11 @@ What the official code does:
 * Layer 0 (`cache_hook_feature`): `refresh_gen = … or layer_id == 0` and the same for the prompt, so layer 0
   is fully recomputed at every call (`refresh_layer0=True`, the default). Missing from the paper
   (maomaocun/dLLM-cache issue #6, filed by d2Cache's author, pointing at commit e289751 lines 156-157); the
-  same two lines are in copies of the hook at that commit. The older revision stored in our index (5aa31dd)
+  same two lines are in copies of the hook at that commit. The revision stored in our index (5aa31dd)
   does not have them — set False for that behaviour.
 * Adaptive refresh at a layer whose response is not fully refreshed, when 0 < transfer_ratio <= 1 and
-  ⌊G · transfer_ratio⌋ > 0 (the newer hook; the older one only checks the ratio): V = v_proj(attn_norm(x)) for
-  every response position; cosine similarity with the cached response V over the whole projected vector
+  ⌊G · transfer_ratio⌋ > 0 (in the copies with the layer-0 lines; 5aa31dd checks the ratio only):
+  V = v_proj(attn_norm(x)) for every response position; cosine similarity with the cached response V over the whole projected vector
   (all KV heads flattened, pre-RoPE; `torch.nn.functional.cosine_similarity`, eps 1e-8); the
   ⌊G · transfer_ratio⌋ LOWEST positions (`torch.topk(largest=False)`, G the whole response length) get Q, K,
   attention output (after the output projection) and FFN output recomputed; the cached response V is
