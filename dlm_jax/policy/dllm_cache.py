@@ -21,9 +21,9 @@ What the official code does:
   does not have them — set False for that behaviour.
 * Adaptive refresh at a layer whose response is not fully refreshed, when 0 < transfer_ratio <= 1 and
   ⌊G · transfer_ratio⌋ > 0 (in the copies with the layer-0 lines; 5aa31dd checks the ratio only):
-  V = v_proj(attn_norm(x)) for every response position; cosine similarity with the cached response V over the whole projected vector
-  (all KV heads flattened, pre-RoPE; `torch.nn.functional.cosine_similarity`, eps 1e-8); the
-  ⌊G · transfer_ratio⌋ LOWEST positions (`torch.topk(largest=False)`, G the whole response length) get Q, K,
+  V = v_proj(attn_norm(x)) for every response position; cosine similarity with the cached response V over
+  the whole projected vector (all KV heads flattened, pre-RoPE; `torch.nn.functional.cosine_similarity`,
+  eps 1e-8); the ⌊G · transfer_ratio⌋ LOWEST positions (`torch.topk(largest=False)`, G the whole response length) get Q, K,
   attention output (after the output projection) and FFN output recomputed; the cached response V is
   replaced for ALL response positions; every other response position reuses its cached K, attention output
   and FFN output (the residual stream still adds them to the fresh input). The prompt, when not refreshed,
