@@ -23,11 +23,11 @@ What the official code does:
   ⌊G · transfer_ratio⌋ > 0 (in the copies with the layer-0 lines; 5aa31dd checks the ratio only):
   V = v_proj(attn_norm(x)) for every response position; cosine similarity with the cached response V over
   the whole projected vector (all KV heads flattened, pre-RoPE; `torch.nn.functional.cosine_similarity`,
-  eps 1e-8); the ⌊G · transfer_ratio⌋ LOWEST positions (`torch.topk(largest=False)`, G the whole response length) get Q, K,
-  attention output (after the output projection) and FFN output recomputed; the cached response V is
-  replaced for ALL response positions; every other response position reuses its cached K, attention output
-  and FFN output (the residual stream still adds them to the fresh input). The prompt, when not refreshed,
-  reuses K, V, attention output and FFN output.
+  eps 1e-8); the ⌊G · transfer_ratio⌋ LOWEST positions (`torch.topk(largest=False)`, G the whole response
+  length) get Q, K, attention output (after the output projection) and FFN output recomputed; the cached
+  response V is replaced for ALL response positions; every other response position reuses its cached K,
+  attention output and FFN output (the residual stream still adds them to the fresh input). The prompt, when
+  not refreshed, reuses K, V, attention output and FFN output.
 * A refreshed prompt without a refreshed response: prompt Q/K/V/attention/FFN recomputed, plus the adaptive
   response set as above, in one attention call.
 
