@@ -1,0 +1,1 @@
+"""Compute policies: statistics of one denoising step decide what the next step computes (issue 36)."""
