@@ -46,7 +46,7 @@ def test_a_statistic_added_in_one_place_reaches_the_trace(key_norms, layers):
 
 def test_unknown_or_switched_names_are_refused_in_one_line(key_norms):
   with pytest.raises(ValueError, match="StatsSpec.extra must be a tuple of registered statistics without a switch "
-                                       "field \\(key_norms\\), got \\('value_norms',\\)"):
+                                       "field \\(.*key_norms\\), got \\('value_norms',\\)"):
     StatsSpec(extra=("value_norms",))
   with pytest.raises(ValueError, match="already registered"):
     register_statistic(key_norms, STATISTICS[key_norms])

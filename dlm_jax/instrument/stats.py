@@ -111,7 +111,9 @@ class LayerValues:
 
   incoming: [B, Q, N, S] the layer's incoming attention per query group and head (None unless a statistic
   asked for asks for `attention`); keys, values: [B, S, K, H] the layer's keys and values over the S key
-  positions (after RoPE, the cache written); hidden: [B, T, D] the layer's output (residual stream); routing: the MoE router's (weights [B, T, k], experts [B, T, k])
+  positions (after RoPE, the cache written); hidden: [B, T, D] the layer's output (residual stream); queries:
+  [B, T, N, H] the call's queries after RoPE; query_weights: [B, Q, T] the forward's query-group weights or
+  None (one group of every query); routing: the MoE router's (weights [B, T, k], experts [B, T, k])
   or None in a dense layer; n_queries: T; query_offset: sequence index of the call's first query (traced);
   per_head: the spec's head choice; k: experts per token.
   """
@@ -120,6 +122,8 @@ class LayerValues:
   keys: jax.Array
   values: jax.Array
   hidden: jax.Array
+  queries: jax.Array
+  query_weights: jax.Array | None
   routing: Any
   query_offset: Any
   n_queries: int = struct.field(pytree_node=False)
@@ -174,6 +178,19 @@ def _routing(layer: LayerValues, part: int, fill, dtype) -> jax.Array:
   return jax.lax.dynamic_update_slice(out, layer.routing[part].astype(dtype), start)
 
 
+def _query_key_scores(layer: LayerValues) -> jax.Array:
+  """[B, Q, S]: per query group, the head mean of (Σ_t w_t q_t) · k_s — the weighted query sum against every
+  key, raw (no scale, no softmax; GQA: query head n reads key head n // (N / K))."""
+  q = layer.queries.astype(jnp.float32)
+  b, t, n, h = q.shape
+  weights = jnp.ones((b, 1, t), jnp.float32) if layer.query_weights is None else layer.query_weights
+  summed = jnp.einsum("bqt,btnh->bqnh", weights.astype(jnp.float32), q)
+  kv = layer.keys.shape[2]
+  grouped = summed.reshape(b, summed.shape[1], kv, n // kv, h)
+  per_head = jnp.einsum("bqkgh,bskh->bqkgs", grouped, layer.keys.astype(jnp.float32))
+  return jnp.mean(per_head.reshape(b, summed.shape[1], n, -1), axis=2)
+
+
 def _no_value_norms(config) -> str | None:
   if config.layer_pattern is not None:
     return ("StatsSpec.value_norms is not available for a layer_pattern model (its sliding and global layers "
@@ -203,6 +220,9 @@ STATISTICS: dict[str, Statistic] = {
     # the router's weights of those experts (0 there)
     "routing_weights": Statistic("routing", ("L", "B", "S", "k"), lambda l: _routing(l, 0, 0.0, jnp.float32),
                                  unavailable=_no_routing),
+    # per query group, the head mean of the weighted sum of the queries against every key (raw q·k; the
+    # score Sparse-dLLM keeps keys by, `dlm_jax.policy.sparse_dllm`); asked for by name (StatsSpec.extra)
+    "query_key_scores": Statistic(None, ("L", "B", "Q", "S"), _query_key_scores),
 }
 """Every per-call statistic by name: the only registry. The forward computes an entry at every layer asked for
 (`compute`), the planner merges requests and derives each consumer's view by its layout, the CFG split,

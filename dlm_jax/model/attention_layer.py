@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,17 @@ from dlm_jax.model.attention import attention
 from dlm_jax.model.compute_subset import ComputeSubset, gather_rows, scatter_rows
 from dlm_jax.model.primitives import RMSNorm, fused_linear, linear, rms_normalize
 from dlm_jax.model.rope import apply_rope
+
+
+class AttentionReadings(NamedTuple):
+  """What one attention layer hands the statistics besides its output: incoming [B, Q, N, S] or None; keys,
+  values [B, S, K, H] (after RoPE, the cache written; a decoder call's: the cache as given); queries
+  [B, T, N, H] after RoPE."""
+
+  incoming: jax.Array | None
+  keys: jax.Array
+  values: jax.Array
+  queries: jax.Array
 
 
 class Attention(nnx.Module):
@@ -42,7 +53,8 @@ class Attention(nnx.Module):
   def __call__(self, x, cos, sin, *, pairwise_bias, key_bias, query_weights, with_incoming, impl, query_chunk,
                cache=None, cache_offset=0, zero_values=None, structure_key_bias=None, write_cache=True,
                hooks: SiteHooks | None = None, subset: ComputeSubset | None = None, key_index=None):
-    """x [B, T, D] -> (out [B, T, D], incoming [B, Q, N, S] or None, (keys, values) [B, S, K, H] each).
+    """x [B, T, D] -> (out [B, T, D], `AttentionReadings`: incoming [B, Q, N, S] or None, keys and values
+    [B, S, K, H], the queries [B, T, N, H] after RoPE).
 
     With `cache` = (keys, values) [B, S, K, H], this call's keys and values are written at sequence
     positions cache_offset..cache_offset+T-1 and the queries attend to the whole cache (S keys).
@@ -100,7 +112,7 @@ class Attention(nnx.Module):
     out = at(hooks, "attn.hook_z", out)
     if decoder:
       k, v = given_cache
-    return self.o(out.reshape(b, t, c.n_heads * h)), incoming, (k, v)
+    return self.o(out.reshape(b, t, c.n_heads * h)), AttentionReadings(incoming, k, v, q)
 
   @staticmethod
   def _key_subset(q, k, v, key_index, subset, query_weights, with_incoming, common):

@@ -44,12 +44,12 @@ class Block(nnx.Module):
       self.layer_scalar = nnx.Param(jnp.ones((1,), dtype))
 
   def __call__(self, x, cos, sin, hooks: SiteHooks | None = None, **attention_kwargs):
-    """x [B, T, D] -> (x [B, T, D], incoming [B, Q, N, S] or None, (keys, values) [B, S, K, H], routing):
+    """x [B, T, D] -> (x [B, T, D], the attention's `AttentionReadings`, routing):
     routing is the MoE router's (weights [B, T, k] float32, experts [B, T, k] int32), or None in a dense
     block. `hooks`: the layer's `SiteHooks` (`dlm_jax.instrument.sites`) or None."""
     c = self.config
     x = at(hooks, "hook_resid_pre", x)
-    attn_out, incoming, kv = self.attn(self.attn_norm(x), cos, sin, hooks=hooks, **attention_kwargs)
+    attn_out, readings = self.attn(self.attn_norm(x), cos, sin, hooks=hooks, **attention_kwargs)
     if c.sandwich_norms:
       attn_out = self.post_attn_norm(attn_out)
     x = at(hooks, "hook_resid_mid", x + at(hooks, "hook_attn_out", attn_out))
@@ -66,7 +66,7 @@ class Block(nnx.Module):
     x = x + at(hooks, "hook_mlp_out", ffn)
     if c.layer_scalar:
       x = x * self.layer_scalar[...]
-    return at(hooks, "hook_resid_post", x), incoming, kv, routing
+    return at(hooks, "hook_resid_post", x), readings, routing
 
 
 def block_stack(config: ModelConfig, n: int, moe: bool, rngs: nnx.Rngs, dtype: Any, kind: str = "s") -> Block:

@@ -298,16 +298,17 @@ def _run_layer(call: _LayerCall, kind: str, block, h, kv_cache, layer_biases, wi
   cos, sin = call.tables[kind]
   extra = {} if call.structure[kind] is None else {"structure_key_bias": call.structure[kind], "write_cache": False}
   hooks = call.site_hooks(kind, layer, capture_buffers)
-  h, incoming, (keys, values), routing = block(
+  h, readings, routing = block(
       h, cos, sin, hooks=hooks, with_incoming=with_stats and spec.attention, cache=kv_cache,
       **call.attention_kwargs, **extra, **layer_biases)
   stats = {}
   if with_stats:
-    layer_values = LayerValues(incoming=incoming, keys=keys, values=values, hidden=h, routing=routing,
-                               query_offset=call.attention_kwargs["cache_offset"], n_queries=h.shape[1],
-                               per_head=spec.per_head, k=call.config.experts_per_token)
+    layer_values = LayerValues(incoming=readings.incoming, keys=readings.keys, values=readings.values, hidden=h,
+                               queries=readings.queries, query_weights=call.attention_kwargs["query_weights"],
+                               routing=routing, query_offset=call.attention_kwargs["cache_offset"],
+                               n_queries=h.shape[1], per_head=spec.per_head, k=call.config.experts_per_token)
     stats = {name: STATISTICS[name].compute(layer_values) for name in spec.names}
-  return h, (keys, values), stats, {} if hooks is None else hooks.captured
+  return h, (readings.keys, readings.values), stats, {} if hooks is None else hooks.captured
 
 
 def _scan_layer(call: _LayerCall, kind: str, block_graph, carry, xs):

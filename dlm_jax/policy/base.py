@@ -21,6 +21,8 @@ decision it took. Protocol (every method has a do-nothing default here):
   init_state(config, batch) -> pytree, every array with the batch as its leading axis.
   decide(state, context) -> Decision: `context` is the call's `CallContext` (step, tokens [B, S], the
     unresolved positions, gen_start).
+  query_weights(state, context) -> [B, Q, T]: the weights of its own query groups (when its required_stats
+    has query_groups Q > 0; e.g. the current block's queries for Sparse-dLLM's score).
   update(state, output, context, decision) -> state: once after every model call.
 
 A policy never changes what statistics and captures mean: they stay in sequence coordinates, and the caller
@@ -92,6 +94,14 @@ class ComputePolicy:
     """The traced state for a batch of B rows (the run's facts are in `layout`)."""
     del config, batch
     return ()
+
+  def query_weights(self, state: Any, context: Any) -> jax.Array | None:
+    """[B, Q, T] weights of the policy's own query groups when its required_stats has query_groups Q > 0."""
+    del state, context
+    return None
+
+  def check_knobs(self) -> None:
+    """Raises ValueError (one line naming the knob) for a knob out of range."""
 
   def decide(self, state: Any, context: Any) -> Decision:
     del state, context

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from dlm_jax.policy.base import NO_POLICY, ComputePolicy
-from dlm_jax.policy.policies import POLICIES
+from dlm_jax.policy.policies import NOT_RUNNABLE, POLICIES
 
 
 def policy_names() -> tuple[str, ...]:
@@ -36,14 +36,21 @@ def _value(name: str, knob: str, text: str, default: Any) -> Any:
     raise ValueError(f"policy {name}: knob {knob}={text!r} is not a {kind.__name__}.") from None
 
 
+def _refuse_unknown(name: str) -> None:
+  if name in NOT_RUNNABLE:
+    raise ValueError(f"policy {name} has its rules (dlm_jax.policy.{name}) but does not run as a policy yet; choose "
+                     f"one of {', '.join(policy_names())}.")
+  if name != "none" and name not in POLICIES:
+    raise ValueError(f"Unknown policy {name!r}; choose one of {', '.join(policy_names())}.")
+
+
 def make_policy(name: str, **knobs: Any) -> ComputePolicy:
   """The policy `name` with its published defaults, `knobs` overriding them (checked: `check_knobs`)."""
+  _refuse_unknown(name)
   if name == "none":
     if knobs:
       raise ValueError(f"policy none takes no knobs, got {', '.join(sorted(knobs))}.")
     return NO_POLICY
-  if name not in POLICIES:
-    raise ValueError(f"Unknown policy {name!r}; choose one of {', '.join(policy_names())}.")
   cls = POLICIES[name]
   fields = _knobs(cls)
   unknown = sorted(set(knobs) - set(fields))
@@ -59,8 +66,7 @@ def parse_policy(text: str) -> ComputePolicy:
   if not isinstance(text, str) or not text.strip():
     raise ValueError(f"policy must be NAME or NAME:knob=value,...; choose NAME from {', '.join(policy_names())}.")
   name, _, rest = text.strip().partition(":")
-  if name != "none" and name not in POLICIES:
-    raise ValueError(f"Unknown policy {name!r}; choose one of {', '.join(policy_names())}.")
+  _refuse_unknown(name)
   knobs = {}
   fields = {} if name == "none" else _knobs(POLICIES[name])
   for part in filter(None, (p.strip() for p in rest.split(","))):

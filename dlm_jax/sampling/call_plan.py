@@ -146,7 +146,8 @@ class CallPlan:
     weights = None
     if self.stats.forward_spec.query_groups:
       weights = self.stats.query_weights(sampler_weights,
-                                         lambda: self.intervention.query_weights(istate, context), query_valid)
+                                         lambda: self.intervention.query_weights(istate, context), query_valid,
+                                         lambda: self.policy.query_weights(state.policy.state, context))
     return PreparedCall(bias=self.intervention.bias(istate, context), query_weights=weights,
                         hooks=self._hook_call(state.hooks, context), record=record)
 

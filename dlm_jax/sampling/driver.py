@@ -494,11 +494,12 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
                      f"({', '.join(POLICY_FAMILIES)}, exact decoding), not with {family.name}.")
   if batch_invariant or hooks.enabled:
     raise ValueError(f"policy {name!r} does not run with batch_invariant=True or hooks yet; leave them off.")
-  policy.check(config, family.name)
   gen = family.gen_length
   block = getattr(family.options, "block_length", gen) or gen
   steps_per_block = max(family.n_steps // max(gen // block, 1), 1)
-  return policy.bind(RunLayout(seq_len=total, gen_start=lp, block_length=block, steps_per_block=steps_per_block))
+  bound = policy.bind(RunLayout(seq_len=total, gen_start=lp, block_length=block, steps_per_block=steps_per_block))
+  bound.check(config, family.name)
+  return bound
 
 
 def public_sampler(build_family: Callable[[ModelConfig, Any, Any], Family], default_options: Any, doc: str):

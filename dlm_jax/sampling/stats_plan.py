@@ -13,6 +13,11 @@ import jax.numpy as jnp
 from dlm_jax.instrument.stats import NO_STATS, QUERY_GROUP_NAMES, STATISTICS, ForwardOutput, StatsSpec, squeeze
 
 
+def _per_group(spec: StatsSpec) -> bool:
+  """The spec asks for a statistic with a query-group axis ("Q")."""
+  return any("Q" in STATISTICS[name].axes for name in spec.names)
+
+
 def _union_layers(specs: list[StatsSpec]) -> tuple[int, ...] | None:
   if any(s.layers is None for s in specs):
     return None
@@ -31,7 +36,8 @@ class StatsPlan:
   Attributes:
     user: the caller's spec (query_groups 0 or 3, `QUERY_GROUP_NAMES`).
     intervention: the intervention's `required_stats`.
-    policy: the compute policy's `required_stats` (ungrouped: the sum over all queries the call computed).
+    policy: the compute policy's `required_stats` (with its own query groups when it asks for them, like the
+      intervention's).
     sink_top_k: k of the per-step top-k sinks (0 = off).
     padded: the batch is left-padded: the statistics of the user, the top sinks and an ungrouped
       intervention sum over the real queries only (pad queries are not part of any sequence; with them a
@@ -54,8 +60,6 @@ class StatsPlan:
   policy: StatsSpec = NO_STATS
 
   def __post_init__(self):
-    if self.policy.query_groups:
-      raise ValueError("A compute policy's required_stats must be ungrouped (query_groups 0).")
     if not self.own_groups and self.user.query_groups not in (0, len(QUERY_GROUP_NAMES)):
       raise ValueError(f"Samplers support StatsSpec.query_groups 0 or {len(QUERY_GROUP_NAMES)} "
                        f"({', '.join(QUERY_GROUP_NAMES)}), got {self.user.query_groups}.")
@@ -78,12 +82,14 @@ class StatsPlan:
   @property
   def group_spans(self) -> tuple[tuple[str, int], ...]:
     """((name, size), ...) of the forward's query-group spans; () = ungrouped."""
-    consumers = [s for s in self._consumers if s.incoming_attention]
+    consumers = [s for s in self._consumers if _per_group(s)]
     spans = []
-    if self.user.incoming_attention and self.user.query_groups:
+    if _per_group(self.user) and self.user.query_groups:
       spans.append(("sampler", self.user.query_groups))
-    if self.intervention.incoming_attention and self.intervention.query_groups:
+    if _per_group(self.intervention) and self.intervention.query_groups:
       spans.append(("intervention", self.intervention.query_groups))
+    if _per_group(self.policy) and self.policy.query_groups:
+      spans.append(("policy", self.policy.query_groups))
     if ((spans or self.padded) and (not spans or spans[0][0] != "sampler" or self.own_groups)
         and any(not s.query_groups for s in consumers)):
       spans.insert(0, ("all", 1))
@@ -111,9 +117,11 @@ class StatsPlan:
   def check(self, n_layers: int) -> None:
     self.forward_spec.check_layers(n_layers)
 
-  def query_weights(self, sampler_weights, intervention_weights, query_valid: jax.Array) -> jax.Array | None:
-    """[B, Q, T] weights of the forward's groups, from zero-argument callables giving the sampler's and the
-    intervention's spans; query_valid: [B, T] bool, the real queries (all True without padding)."""
+  def query_weights(self, sampler_weights, intervention_weights, query_valid: jax.Array,
+                    policy_weights=None) -> jax.Array | None:
+    """[B, Q, T] weights of the forward's groups, from zero-argument callables giving the sampler's, the
+    intervention's and the policy's spans; query_valid: [B, T] bool, the real queries (all True without
+    padding)."""
     parts = []
     real = query_valid.astype(jnp.float32)[:, None, :]
     for name, _ in self.group_spans:
@@ -125,6 +133,8 @@ class StatsPlan:
           raise ValueError("The intervention's required_stats has query groups but its query_weights "
                            "returned None.")
         parts.append(weights.astype(jnp.float32))
+      elif name == "policy":
+        parts.append(policy_weights().astype(jnp.float32) * real)
       else:
         parts.append(real)
     return jnp.concatenate(parts, axis=1) if parts else None
@@ -132,7 +142,7 @@ class StatsPlan:
   def derive(self, output: ForwardOutput, target: StatsSpec, role: str = "user") -> ForwardOutput:
     """The `ForwardOutput` a forward run with `target` would have returned (same logits, no cache).
 
-    role: "user" or "intervention": whose query groups a grouped target reads. Every statistic is sliced
+    role: "user", "intervention" or "policy": whose query groups a grouped target reads. Every statistic is sliced
     to the target's layers; its "Q" axis (`STATISTICS` layout) to the target's query groups (or summed to
     all queries), its "N" axis averaged when the target is head-averaged.
     """
@@ -155,7 +165,7 @@ class StatsPlan:
     """The target's query groups of x along `axis`: its own span, or one group summing all queries."""
     take = lambda span: jax.lax.slice_in_dim(x, span.start, span.stop, axis=axis)  # noqa: E731
     if target.query_groups:
-      return take(self._span("sampler" if role == "user" else "intervention"))
+      return take(self._span({"user": "sampler"}.get(role, role)))
     if self.group_spans[0][0] == "sampler" and not self.own_groups:
       return jnp.sum(take(self._span("sampler")), axis=axis, keepdims=True)
     return take(self._span("all"))

@@ -1,0 +1,117 @@
+"""The published methods that run as compute policies: each is its settings dataclass (published defaults,
+official-code quirks as knobs; `dlm_jax.policy.<method>`) and the protocol of `dlm_jax.policy.base`, its
+decisions made by the method's rule functions.
+
+Runnable here: `dkv_cache` (queries: the positions masked at the previous call; full at a block's first two
+steps and every `cache_reloading_step`), `sparse_dllm` (at a block's steps >= 2 the block's queries only, each
+layer reading the keys kept at step 1 by the block-mean query score). The rules of `d2cache`, `dllm_cache`,
+`elastic_cache` and `sparsed` are written and tested (`dlm_jax.policy.<method>`) but their model-side
+mechanisms (rollout rows, per-layer reuse of attention and feed-forward outputs, layer-range refresh,
+block-sparse attention) are not: they are not selectable yet (`NOT_RUNNABLE`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
+from dlm_jax.policy import dkv_cache, sparse_dllm
+from dlm_jax.policy.base import ComputePolicy, Decision
+
+NOT_RUNNABLE = ("d2cache", "dllm_cache", "elastic_cache", "sparsed")
+"""Methods whose rules exist (`dlm_jax.policy.<name>`) but which cannot run as policies yet."""
+
+
+def _step_in_block(policy: ComputePolicy, context: Any) -> jax.Array:
+  return jnp.asarray(context.step, jnp.int32) % policy.layout.steps_per_block
+
+
+def _block_start(policy: ComputePolicy, context: Any) -> jax.Array:
+  """The current block's first sequence position (the sampler's block of this step)."""
+  layout = policy.layout
+  return layout.gen_start + (jnp.asarray(context.step, jnp.int32) // layout.steps_per_block) * layout.block_length
+
+
+@dataclasses.dataclass(frozen=True)
+class DKVCache(dkv_cache.DKVCacheSettings, ComputePolicy):
+  """dKV-Cache (decode variant) as a policy: state [B, S] bool, the positions masked in the previous call's
+  input (`dkv_cache.DecodeEvents`)."""
+
+  def check_knobs(self) -> None:
+    dkv_cache.DKVCacheSettings.check(self)
+
+  def check(self, config: ModelConfig | None = None, family_name: str | None = None) -> None:
+    """The knobs (the settings' check, also run at construction) and, for a run, the family."""
+    dkv_cache.DKVCacheSettings.check(self)
+    if family_name is not None and family_name not in dkv_cache.FAMILIES:
+      raise ValueError(f"policy dkv_cache has its decode rule for the {', '.join(dkv_cache.FAMILIES)} sampler, not "
+                       f"{family_name}.")
+
+  def init_state(self, config: ModelConfig, batch: int) -> jax.Array:
+    return dkv_cache.start(batch, self.layout.seq_len).was_masked
+
+  def decide(self, state: jax.Array, context: Any) -> Decision:
+    full = dkv_cache.is_full_step(_step_in_block(self, context), self)
+    index, valid = dkv_cache.query_positions(dkv_cache.DecodeEvents(state), self.layout.gen_start)
+    return Decision(full=full, queries=jnp.where(valid, index, self.layout.seq_len).astype(jnp.int32))
+
+  def update(self, state: jax.Array, output: ForwardOutput, context: Any, decision: Decision) -> jax.Array:
+    del state, output, decision
+    return context.unresolved
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
+  """Sparse-dLLM as a policy: state [L, B, n_keep] int32, each layer's kept keys chosen at step 1 of the
+  current block from the score of the block's mean query against every key (`query_key_scores`)."""
+
+  def check_knobs(self) -> None:
+    sparse_dllm.SparseDLLMSettings.check(self)
+
+  def check(self, config: ModelConfig | None = None, family_name: str | None = None) -> None:
+    """The knobs (the settings' check, also run at construction) and, for a run, the block layout."""
+    sparse_dllm.SparseDLLMSettings.check(self)
+    if self.layout is not None and self.layout.block_length >= self.layout.seq_len:
+      raise ValueError("policy sparse_dllm keeps keys outside the current block; the block covers the whole "
+                       "sequence here.")
+
+  def required_stats(self, config: ModelConfig) -> StatsSpec:
+    del config
+    return StatsSpec(extra=("query_key_scores",), query_groups=1)
+
+  def _n_keep(self) -> int:
+    layout = self.layout
+    return sparse_dllm.keep_count(layout.seq_len, layout.block_length, self.keep_ratio)
+
+  def init_state(self, config: ModelConfig, batch: int) -> jax.Array:
+    return jnp.full((config.n_layers, batch, self._n_keep()), self.layout.seq_len, jnp.int32)
+
+  def query_weights(self, state: jax.Array, context: Any) -> jax.Array:
+    """[B, 1, T]: 1 / block_length on the current block's queries (their mean), 0 elsewhere."""
+    start = _block_start(self, context)
+    index = context.query_index
+    in_block = (index >= start) & (index < start + self.layout.block_length)
+    weights = in_block.astype(jnp.float32) / self.layout.block_length
+    return jnp.broadcast_to(weights[None, None, :], (context.tokens.shape[0], 1, index.shape[0]))
+
+  def decide(self, state: jax.Array, context: Any) -> Decision:
+    start = _block_start(self, context)
+    block = start + jnp.arange(self.layout.block_length, dtype=jnp.int32)
+    queries = jnp.broadcast_to(block[None, :], (context.tokens.shape[0], self.layout.block_length))
+    return Decision(full=sparse_dllm.is_full_step(_step_in_block(self, context)), queries=queries, keys=state)
+
+  def update(self, state: jax.Array, output: ForwardOutput, context: Any, decision: Decision) -> jax.Array:
+    scores = output.stats["query_key_scores"][:, :, 0]  # [L, B, S]
+    start = _block_start(self, context)
+    chosen = jax.vmap(lambda layer_scores: sparse_dllm.keep_positions(
+        layer_scores, start, self.layout.block_length, self))(scores)
+    return jnp.where(sparse_dllm.is_selection_step(_step_in_block(self, context)), chosen, state)
+
+
+POLICIES: dict[str, type[ComputePolicy]] = {"dkv_cache": DKVCache, "sparse_dllm": SparseDLLM}
+"""The runnable policies by name (`dlm_jax.policy.registry`)."""
