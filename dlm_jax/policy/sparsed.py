@@ -142,17 +142,24 @@ def generation_block(seq_len: int, boundary_length: int, block_size: int) -> int
   return n_blocks - 1
 
 
+def _scores(q: jax.Array, k: jax.Array, scale: float) -> jax.Array:
+  """q.k^T x scale with KV heads repeated: q [B, T, N, H], k [B, S, K, H] -> [B, N, T, S] float32."""
+  keys = jnp.repeat(k.astype(jnp.float32), q.shape[2] // k.shape[2], axis=2)
+  return jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), keys) * scale
+
+
+def _softmax_from(scores: jax.Array, key_start: int) -> jax.Array:
+  """Softmax over the last axis restricted to keys >= key_start (the others get probability 0)."""
+  return jax.nn.softmax(jnp.where(jnp.arange(scores.shape[-1]) >= key_start, scores, -jnp.inf), axis=-1)
+
+
 def attention_probabilities(q: jax.Array, k: jax.Array, scale: float, key_start: int = 0) -> jax.Array:
   """softmax(q k^T x scale) over the keys from key_start on (earlier keys get probability 0).
 
   q: [B, T, N, H]; k: [B, S, K, H] (query head h reads key head h // (N / K)). Returns [B, N, T, S]
   float32.
   """
-  groups = q.shape[2] // k.shape[2]
-  keys = jnp.repeat(k.astype(jnp.float32), groups, axis=2)
-  logits = jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), keys) * scale
-  logits = jnp.where(jnp.arange(k.shape[1]) >= key_start, logits, -jnp.inf)
-  return jax.nn.softmax(logits, axis=-1)
+  return _softmax_from(_scores(q, k, scale), key_start)
 
 
 def block_pool(probabilities: jax.Array, block_size: int) -> jax.Array:
@@ -183,8 +190,9 @@ def pooled_statistics(q: jax.Array, k: jax.Array, settings: SparseDSettings, sca
   def one_block(inputs):
     q_block, valid = inputs
     keep = valid[None, None, :, None]
-    full = jnp.where(keep, attention_probabilities(q_block, k, scale), 0.0)
-    tail = jnp.where(keep, attention_probabilities(q_block, k, scale, generation * bs), 0.0)
+    scores = _scores(q_block, k, scale)
+    full = jnp.where(keep, _softmax_from(scores, 0), 0.0)
+    tail = jnp.where(keep, _softmax_from(scores, generation * bs), 0.0)
     return block_pool(full, bs)[:, :, 0], block_pool(tail, bs)[:, :, 0]
 
   pooled_all, pooled_generation = jax.lax.map(one_block, (jnp.moveaxis(q_blocks, 1, 0), row_valid))
