@@ -8,7 +8,7 @@ Rule, as read in the official code (`models/LLaDA/modeling_llada.py` `LLaDABlock
   E = int(total_steps x skip) + 1 (`warmup_end`); steps 0 .. E are dense attention (`is_full_step`);
 * at step E, per layer, from that step's post-RoPE q and k (all S queries, all S keys): for each query
   block of `block_size` rows, softmax(q k^T x scale) over all keys, block-pooled as
-  sum |p| / block_size^2 per (head, query block, key block) — a mean over the zero-padded block, so
+  sum abs(p) / block_size^2 per (head, query block, key block) — a mean over the zero-padded block, so
   a partial last block is divided by the full block_size^2 (`block_pool`, `pooled_statistics`);
 * per head and query block, keep the top int(n x select) + 1 key blocks of that pooled map, then clear
   every key block from the generation block g on (`generation_block`); a second pass takes the softmax
@@ -163,7 +163,7 @@ def attention_probabilities(q: jax.Array, k: jax.Array, scale: float, key_start:
 
 
 def block_pool(probabilities: jax.Array, block_size: int) -> jax.Array:
-  """Block-pooled |p|: [B, N, T, S] -> [B, N, ceil(T / bs), ceil(S / bs)], each entry the sum over its
+  """Block-pooled abs(p): [B, N, T, S] -> [B, N, ceil(T / bs), ceil(S / bs)], each entry the sum over its
   block divided by bs^2 (the official mean over a zero-padded block)."""
   batch, heads, rows, cols = probabilities.shape
   n_q, n_k = -(-rows // block_size), -(-cols // block_size)
