@@ -1,5 +1,5 @@
-"""Static-size position sets shared by the compute policies: a boolean choice over positions turned into
-ascending indices of a fixed budget plus a validity mask, and per-row validation of knob ranges."""
+"""Shared by the compute policies: a boolean choice over positions turned into ascending indices of a
+fixed budget plus a validity mask, and the number checks of their settings."""
 
 from __future__ import annotations
 

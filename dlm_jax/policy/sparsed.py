@@ -200,7 +200,7 @@ def pooled_statistics(q: jax.Array, k: jax.Array, settings: SparseDSettings, sca
 
 
 def _keep_count(n_blocks: int, select: float) -> int:
-  """int(n x select) + 1, at least 1 and at most n (the official clamp)."""
+  """int(n x select) + 1, at least 1, clamped to n (as one copy of the official helper does)."""
   return min(max(1, int(n_blocks * select) + 1), n_blocks)
 
 
