@@ -1,6 +1,7 @@
 """Sparse-dLLM's rule against a NumPy replay of the official `CustomCache.filter_cache` (operations in the
 official order: cut the block out of the keys, repeat KV heads, mean the block's queries, dot, head mean,
-max-pool with -inf padding, int(n x ratio) top keys), both pooling conventions, schedule and knobs."""
+max-pool with -inf padding, int(n x ratio) top keys by torch.topk itself), both pooling conventions, both
+tie rules, schedule and knobs."""
 
 import functools
 
@@ -8,14 +9,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 from dlm_jax.policy import sparse_dllm
 from dlm_jax.policy.sparse_dllm import SparseDLLMSettings
 
-B, S, L, N, K, H = 2, 26, 6, 4, 2, 8
+B, S, L, N, K, H = 3, 70, 6, 4, 2, 8
 
 
-def _official_kept(q_block, k, block_start, keep_ratio, kernel_size):
+def _torch_top(values, count):
+  return torch.topk(torch.tensor(values, dtype=torch.float32), count).indices.numpy()
+
+
+def _lowest_first_top(values, count):
+  return np.argsort(-values, kind="stable")[:count]
+
+
+def _official_kept(q_block, k, block_start, keep_ratio, kernel_size, top=_torch_top):
   """filter_cache for one row: q_block [L, N, H], k [S, K, H] -> sorted kept sequence positions."""
   outside = np.concatenate([k[:block_start], k[block_start + L:]], axis=0)
   outside = np.repeat(outside, N // K, axis=1)
@@ -27,11 +37,11 @@ def _official_kept(q_block, k, block_start, keep_ratio, kernel_size):
     padded = np.concatenate([np.full(half, -np.inf), importance, np.full(half, -np.inf)])
     importance = np.array([padded[j:j + kernel_size].max() for j in range(len(importance))])
   keep_num = int(importance.shape[-1] * keep_ratio)
-  top = np.argsort(-importance, kind="stable")[:keep_num]
-  return np.sort(np.where(top >= block_start, top + L, top))
+  chosen = top(importance, keep_num)
+  return np.sort(np.where(chosen >= block_start, chosen + L, chosen))
 
 
-def _clean_kept(q_block, k, block_start, keep_ratio, kernel_size):
+def _clean_kept(q_block, k, block_start, keep_ratio, kernel_size, top=_lowest_first_top):
   """The clean rule: pooling in sequence coordinates, the block's positions scored -inf."""
   avg_q = q_block.mean(axis=0)
   scores = np.einsum("nh,snh->ns", avg_q, np.repeat(k, N // K, axis=1)).mean(axis=0)
@@ -41,8 +51,7 @@ def _clean_kept(q_block, k, block_start, keep_ratio, kernel_size):
   padded = np.concatenate([np.full(half, -np.inf), scores, np.full(half, -np.inf)])
   pooled = np.array([padded[j:j + kernel_size].max() for j in range(S)])
   pooled = np.where(in_block, -np.inf, pooled)
-  keep_num = int((S - L) * keep_ratio)
-  return np.sort(np.argsort(-pooled, kind="stable")[:keep_num])
+  return np.sort(top(pooled, int((S - L) * keep_ratio)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,33 +63,42 @@ def _compiled(settings):
   return jax.jit(run)
 
 
-@pytest.mark.parametrize("keep_ratio,kernel_size,pool_across_block_gap", [
-    (0.5, 3, True), (0.5, 3, False), (0.3, 5, True), (0.7, 1, False)])
-def test_kept_keys_match_the_replay(keep_ratio, kernel_size, pool_across_block_gap):
+@pytest.mark.parametrize("keep_ratio,kernel_size,pool_across_block_gap,tie_break", [
+    (0.5, 3, True, "torch_cpu"), (0.5, 3, False, "lowest_position"), (0.3, 5, True, "lowest_position"),
+    (0.7, 1, False, "lowest_position")])
+def test_kept_keys_match_the_replay(keep_ratio, kernel_size, pool_across_block_gap, tie_break):
   rng = np.random.default_rng(int(keep_ratio * 10) + kernel_size)
   settings = SparseDLLMSettings(keep_ratio=keep_ratio, kernel_size=kernel_size,
-                                pool_across_block_gap=pool_across_block_gap)
+                                pool_across_block_gap=pool_across_block_gap, tie_break=tie_break)
   replay = _official_kept if pool_across_block_gap else _clean_kept
-  for starts in ([0, 12], [20, 7]):
-    q_block = rng.standard_normal((B, L, N, H)).astype(np.float32)
-    k = rng.standard_normal((B, S, K, H)).astype(np.float32)
+  top = _torch_top if tie_break == "torch_cpu" else _lowest_first_top
+  ties_decided = 0
+  for starts in ([0, 30, 64], [20, 7, 50]):
+    # float16-valued scores: the head-mean dot products tie more often, as in the official bfloat16.
+    q_block = rng.standard_normal((B, L, N, H)).astype(np.float16).astype(np.float32)
+    k = rng.standard_normal((B, S, K, H)).astype(np.float16).astype(np.float32)
     kept, keys = _compiled(settings)(q_block, k, jnp.asarray(starts, jnp.int32))
     assert kept.shape == (B, sparse_dllm.keep_count(S, L, keep_ratio))
     for b, start in enumerate(starts):
-      expected = replay(q_block[b].astype(np.float64), k[b].astype(np.float64), start, keep_ratio, kernel_size)
+      args = (q_block[b].astype(np.float64), k[b].astype(np.float64), start, keep_ratio, kernel_size)
+      expected = replay(*args, top=top)
       np.testing.assert_array_equal(np.asarray(kept[b]), expected)
       np.testing.assert_array_equal(np.asarray(keys[b]), np.concatenate([expected, np.arange(start, start + L)]))
+      other = _lowest_first_top if tie_break == "torch_cpu" else _torch_top
+      ties_decided += not np.array_equal(replay(*args, top=other), expected)
+  if tie_break == "torch_cpu":
+    assert ties_decided > 0  # the case does exercise ties at the cut that the two rules decide differently
 
 
 def test_the_two_pooling_conventions_differ_where_the_block_joins_its_neighbours():
   # Block [10, 16); one high key at 9, every other key -1. Laid end to end, the first suffix key (16)
   # is 9's pooling neighbour and ties with it; in sequence coordinates its neighbours are the block (-inf)
   # and 17, so the third kept key is the lowest of the -1 ties, position 0.
-  scores = np.full((1, S), -1.0, np.float32)
+  scores = np.full((1, 26), -1.0, np.float32)
   scores[0, 9] = 5.0
-  settings = SparseDLLMSettings(keep_ratio=0.15)
-  assert sparse_dllm.keep_count(S, L, 0.15) == 3
-  clean_settings = SparseDLLMSettings(keep_ratio=0.15, pool_across_block_gap=False)
+  settings = SparseDLLMSettings(keep_ratio=0.15, tie_break="lowest_position")
+  assert sparse_dllm.keep_count(26, L, 0.15) == 3
+  clean_settings = SparseDLLMSettings(keep_ratio=0.15, pool_across_block_gap=False, tie_break="lowest_position")
   official, clean = jax.jit(lambda s: (sparse_dllm.keep_positions(s, 10, L, settings),
                                        sparse_dllm.keep_positions(s, 10, L, clean_settings)))(scores)
   np.testing.assert_array_equal(np.asarray(official[0]), [8, 9, 16])
@@ -101,7 +119,7 @@ def test_published_and_bad_knobs():
     SparseDLLMSettings.published("mmada")
   for knobs, message in [({"keep_ratio": 0.0}, "keep_ratio"), ({"keep_ratio": 1.5}, "keep_ratio"),
                          ({"kernel_size": 2}, "kernel_size must be an odd"), ({"kernel_size": 0}, "kernel_size"),
-                         ({"pool_across_block_gap": 1}, "pool_across_block_gap")]:
+                         ({"pool_across_block_gap": 1}, "pool_across_block_gap"), ({"tie_break": "x"}, "tie_break")]:
     with pytest.raises(ValueError, match=message) as error:
       SparseDLLMSettings(**knobs)
     assert "\n" not in str(error.value)

@@ -23,12 +23,13 @@ queries of the block's L positions; `k` [B, S, K, H], the post-RoPE keys of all 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
 
-from dlm_jax.policy.positions import is_integer, is_number
+from dlm_jax.policy.positions import ascending_positions, is_integer, is_number
+from dlm_jax.policy.torch_topk import torch_cpu_top_k
 
 FAMILIES = ("llada", "dream")
 """Model families the official evaluation scripts run (LLaDA-8B-Instruct, LLaDA-1.5, Dream-v0 Base and
@@ -43,7 +44,10 @@ class SparseDLLMSettings:
   max-pool kernel, odd >= 1 (1 = no pooling, as the official wrapper's `kernel_size=None`);
   pool_across_block_gap: True (the official code) pools the outside scores laid end to end, so the keys
   on either side of the block are pooling neighbours; False pools in sequence coordinates, the block's
-  positions counting as -inf.
+  positions counting as -inf; tie_break: which of the keys tied at the cut are kept — "torch_cpu" (the
+  set `torch.topk` returns on CPU, `dlm_jax.policy.torch_topk`; ties at the cut are routine after the
+  max-pool, so parity with the official code on CPU needs it) or "lowest_position" (one `lax.top_k`,
+  cheaper).
   """
 
   NAME: ClassVar[str] = "sparse_dllm"
@@ -51,6 +55,7 @@ class SparseDLLMSettings:
   keep_ratio: float = 0.5
   kernel_size: int = 3
   pool_across_block_gap: bool = True
+  tie_break: Literal["torch_cpu", "lowest_position"] = "torch_cpu"
 
   def __post_init__(self):
     self.check()
@@ -64,6 +69,8 @@ class SparseDLLMSettings:
                        f"got {self.kernel_size!r}.")
     if not isinstance(self.pool_across_block_gap, bool):
       raise ValueError(f"sparse_dllm pool_across_block_gap must be a bool, got {self.pool_across_block_gap!r}.")
+    if self.tie_break not in ("torch_cpu", "lowest_position"):
+      raise ValueError(f"sparse_dllm tie_break must be 'torch_cpu' or 'lowest_position', got {self.tie_break!r}.")
 
   @classmethod
   def published(cls, family: str, task: str = "gsm8k") -> "SparseDLLMSettings":
@@ -117,13 +124,20 @@ def _max_pool(values: jax.Array, kernel_size: int) -> jax.Array:
   return jnp.max(jnp.stack([padded[:, j:j + width] for j in range(kernel_size)]), axis=0)
 
 
+def _top(scores: jax.Array, count: int, tie_break: str) -> jax.Array:
+  """The chosen entries of each row as ascending indices: scores [B, W] -> [B, count] int32."""
+  if tie_break == "torch_cpu":
+    return ascending_positions(torch_cpu_top_k(scores, count), count)[0]
+  return jnp.sort(jax.lax.top_k(scores, count)[1], axis=-1).astype(jnp.int32)
+
+
 def keep_positions(scores: jax.Array, block_start: jax.Array, block_length: int,
                    settings: SparseDLLMSettings) -> jax.Array:
   """The kept keys of one layer: [B, n_keep] int32 sequence positions, ascending.
 
   scores: [B, S] from `block_query_key_scores`; block_start: the block's first position (traced int,
   scalar or [B]); block_length: L (static). n_keep = `keep_count(S, L, keep_ratio)`, the same for every
-  row (no validity mask needed). Ties go to the lower position (the official torch.topk leaves them open).
+  row (no validity mask needed). Keys tied at the cut are chosen as `settings.tie_break` says.
   """
   batch, seq_len = scores.shape
   n_outside = seq_len - block_length
@@ -134,13 +148,12 @@ def keep_positions(scores: jax.Array, block_start: jax.Array, block_length: int,
     compact = jnp.arange(n_outside, dtype=jnp.int32)[None, :]
     outside_position = compact + block_length * (compact >= start)
     pooled = _max_pool(jnp.take_along_axis(scores, outside_position, axis=1), settings.kernel_size)
-    _, chosen = jax.lax.top_k(pooled, n_keep)
-    return jnp.take_along_axis(outside_position, jnp.sort(chosen, axis=-1), axis=1)
+    return jnp.take_along_axis(outside_position, _top(pooled, n_keep, settings.tie_break), axis=1)
   position = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
   in_block = (position >= start) & (position < start + block_length)
   pooled = _max_pool(jnp.where(in_block, -jnp.inf, scores), settings.kernel_size)
-  _, chosen = jax.lax.top_k(jnp.where(in_block, -jnp.inf, pooled), n_keep)
-  return jnp.sort(chosen, axis=-1).astype(jnp.int32)
+  return _top(jnp.where(in_block, -jnp.inf, pooled), n_keep, settings.tie_break)
+
 
 def attended_keys(kept: jax.Array, block_start: jax.Array, block_length: int) -> jax.Array:
   """The keys a query of the block reads at steps >= 2: the kept keys then the block's positions,
