@@ -71,7 +71,7 @@ def test_rule_matches_the_official_loop(gen_length, block_length, steps, reload)
 def test_budget_padding_and_start():
   was_masked = np.zeros((1, 9), bool)
   was_masked[0, [4, 7]] = True
-  indices, valid = dkv_cache.query_positions(dkv_cache.DecodeEvents(jnp.asarray(was_masked)), 3)
+  indices, valid = jax.jit(lambda m: dkv_cache.query_positions(dkv_cache.DecodeEvents(m), 3))(was_masked)
   np.testing.assert_array_equal(np.asarray(indices[0]), [4, 7, 3, 5, 6, 8])
   np.testing.assert_array_equal(np.asarray(valid[0]), [1, 1, 0, 0, 0, 0])
   assert bool(dkv_cache.start(2, 5).was_masked.all())
