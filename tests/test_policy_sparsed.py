@@ -101,6 +101,8 @@ def test_probabilities_pool_and_boundary():
   assert sparsed.generation_block(22, 12, 4) == 3
   assert sparsed.generation_block(20, 12, 4) == 2
   assert sparsed.generation_block(20, 2, 8) == 2
+  assert sparsed.boundary_length(SparseDSettings(), 12, 24) == 12
+  assert sparsed.boundary_length(SparseDSettings(boundary_from="steps"), 12, 24) == 24
 
 
 def test_schedule():

@@ -131,6 +131,12 @@ def score_scale(settings: SparseDSettings, num_heads: int, head_dim: int) -> flo
   return 1.0 / math.sqrt(num_heads if settings.score_scale == "num_heads" else head_dim)
 
 
+def boundary_length(settings: SparseDSettings, gen_length: int, total_steps: int) -> int:
+  """The length `generation_block` measures from the end: gen_length or the step count, as
+  `settings.boundary_from` says."""
+  return gen_length if settings.boundary_from == "gen_length" else total_steps
+
+
 def generation_block(seq_len: int, boundary_length: int, block_size: int) -> int:
   """g, the first key block of the generation region: the first query block index i with
   seq_len - i x block_size <= boundary_length, or the last block when none is (official rule; with a

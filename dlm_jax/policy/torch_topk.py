@@ -7,7 +7,8 @@ when k * 64 <= n and `std::nth_element` at k - 1 otherwise, comparing values onl
 y.first`). This module replays those two algorithms step by step (introselect: median-of-three pivot,
 unguarded partition, depth limit 2 * floor(log2 n) then heap select, insertion sort of the last <= 3
 elements; heap select: make_heap, then replace the heap top by every later element that beats it), so the
-chosen set equals torch's on CPU; the test checks it against `torch.topk` itself. The sort torch applies
+chosen set equals torch's on CPU with libstdc++ (Linux builds); the tests check it against `torch.topk`
+itself. The sort torch applies
 afterwards (`sorted=True`) only orders the set. CUDA's top-k is a different algorithm (not replayed).
 
 Costs: a sequential loop of O(n) expected scalar steps per row (rows run one after the other), meant for
