@@ -1,1 +1,2 @@
-"""Compute policies: statistics of one denoising step decide what the next step computes (issue 36)."""
+"""Compute policies: statistics of one denoising step decide which keys, queries and layers the next model
+call computes (issue 36; DESIGN decision 13)."""
