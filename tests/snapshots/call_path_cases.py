@@ -136,7 +136,8 @@ CASES: tuple[Case, ...] = (
     Case("bd_editing", "tiny-llada2", "block_diffusion", _BD, dict(editing_threshold=0.5, max_post_steps=2)),
     Case("bd_capture_mask_sinks", "tiny-llada2", "block_diffusion", _BD, intervention="mask_sinks", hooks="capture"),
     # DiffusionGemma on the embedded tiny-uniform-dlm (one canvas, or two), and its MoE on the random preset.
-    Case("dg_default", "tiny-uniform-dlm", "diffusion_gemma", _DG_TWO_CANVASES, stats="groups", sink_top_k=2, key="rows"),
+    Case("dg_default", "tiny-uniform-dlm", "diffusion_gemma", _DG_TWO_CANVASES, stats="groups", sink_top_k=2,
+         key="rows"),
     Case("dg_mask_sinks", "tiny-uniform-dlm", "diffusion_gemma", _DG, stats="groups", intervention="mask_sinks"),
     Case("dg_capture_edit", "tiny-uniform-dlm", "diffusion_gemma", _DG, hooks="edit"),
     Case("dg_moe_routing", "tiny-diffusiongemma", "diffusion_gemma", _DG_SMALL, stats="routing_no_norms"),

@@ -101,6 +101,7 @@ def sampler_key(case: Case, batch: int) -> jax.Array:
 
 
 def _pc_prior(config):
+  """PC-Sampler's corpus prior from a fixed Zipf-distributed corpus of token ids."""
   vocab = {f"t{i}": i for i in range(config.vocab_size)}
   corpus = [np.random.default_rng(5).zipf(1.3, size=40) % config.vocab_size for _ in range(4)]
   return corpus_prior.from_document(corpus_prior.count(corpus, vocab))
