@@ -286,8 +286,11 @@ def _refusal(case: Case, recorded: dict | None) -> str | None:
     return "MISSING from the snapshot (a case added since it was written)"
   if recorded["error"]:
     return f"SNAPSHOT ERROR: the snapshot recorded {recorded['error']}"
-  if recorded["setup"] != setup_row(case):
-    return f"SETUP CHANGED since the snapshot: {recorded['setup']} -> {setup_row(case)}"
+  now = setup_row(case)
+  if recorded["setup"] != now:
+    changed = {k: [recorded["setup"].get(k), now.get(k)] for k in sorted(set(recorded["setup"]) | set(now))
+               if recorded["setup"].get(k) != now.get(k)}
+    return f"SETUP CHANGED since the snapshot (field: [snapshot, now]): {json.dumps(changed)}"
   return None
 
 
