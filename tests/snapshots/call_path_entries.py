@@ -10,7 +10,7 @@ Only public entry points are called, the ones the guides and the binaries use:
                 intervention, intervention_state, record_intervention, batch_invariant, hooks, hook_values)
                 -> Trace (the call `experiments.generate` and `experiments.common.decoding` make)
   plain calls   dlm_jax.model.forward(params, tokens, *, config, stats_spec, query_weights);
-                dlm_jax.instrument.interventions.intervened_forward(params, tokens, intervention, state, *,
+                dlm_jax.sampling.call_plan.intervened_forward(params, tokens, intervention, state, *,
                 config, step, stats_spec, hooks=HookCall(hooks=..., values=...))
   specs         dlm_jax.instrument.stats.StatsSpec; interventions MaskPreviousSinks(AR), MaskKeys, SinkToken,
                 Compose (+ init_state, MaskKeys.with_positions); hook_spec Capture / Edit / Hooks / Steps;
@@ -35,6 +35,7 @@ import numpy as np
 from dlm_jax import default_models, model
 from dlm_jax.config import preset
 from dlm_jax.instrument import interventions as iv
+from dlm_jax.sampling import call_plan
 from dlm_jax.instrument.hook_call import CaptureValues, HookCall, hook_values
 from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks, Steps
 from dlm_jax.instrument.stats import StatsSpec
@@ -315,7 +316,7 @@ def run_intervened_forward(case: Case, config, params) -> dict[str, np.ndarray]:
     kwargs["hooks"] = HookCall(hooks=spec, values=values)
   out = {}
   for step in (0, 1):
-    output, state = iv.intervened_forward(params, tokens, made, state, config=config, step=step, **kwargs)
+    output, state = call_plan.intervened_forward(params, tokens, made, state, config=config, step=step, **kwargs)
     out.update(_forward_arrays(f"call{step}/", output))
   out.update(_arrays("state", state))
   return out
