@@ -108,9 +108,9 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
   def update(self, state: jax.Array, output: ForwardOutput, context: Any, decision: Decision) -> jax.Array:
     scores = output.stats["query_key_scores"][:, :, 0]  # [L, B, S]
     start = _block_start(self, context)
-    chosen = jax.vmap(lambda layer_scores: sparse_dllm.keep_positions(
-        layer_scores, start, self.layout.block_length, self))(scores)
-    return jnp.where(sparse_dllm.is_selection_step(_step_in_block(self, context)), chosen, state)
+    choose = lambda: jnp.stack([sparse_dllm.keep_positions(layer_scores, start, self.layout.block_length, self)
+                                for layer_scores in scores])  # one layer at a time: the torch top-k replay
+    return jax.lax.cond(sparse_dllm.is_selection_step(_step_in_block(self, context)), choose, lambda: state)
 
 
 POLICIES: dict[str, type[ComputePolicy]] = {"dkv_cache": DKVCache, "sparse_dllm": SparseDLLM}

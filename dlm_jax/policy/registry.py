@@ -33,7 +33,7 @@ def _value(name: str, knob: str, text: str, default: Any) -> Any:
       return text.lower() in ("true", "1")
     return kind(text)
   except ValueError:
-    raise ValueError(f"policy {name}: knob {knob}={text!r} is not a {kind.__name__}.") from None
+    raise ValueError(f"policy {name}: knob {knob}={text!r} is not of type {kind.__name__}.") from None
 
 
 def _refuse_unknown(name: str) -> None:
