@@ -16,6 +16,7 @@ from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.model import KVCache, forward, init_params
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.policy.base import ComputePolicy, Decision
+from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import autoregressive, llada
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -117,3 +118,38 @@ def test_runs_a_policy_cannot_take_are_refused(run, message):
   params, prompt = _setup()
   with pytest.raises(ValueError, match=message):
     run(params, prompt)
+
+
+def test_dkv_cache_and_sparse_dllm_compute_what_their_rules_say():
+  params, prompt = _setup()
+  lp = prompt.shape[1]
+  dkv = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
+                       policy=parse_policy("dkv_cache:cache_reloading_step=3"))
+  decoded_at = np.asarray(dkv.decode_step)
+  for step, computed in enumerate(np.asarray(dkv.computed_positions)):
+    in_block = step % 4  # 8 steps over 2 blocks of 4
+    if in_block <= 1 or in_block % 3 == 0:
+      assert computed.all(), step
+    else:  # the positions the previous call's input held [MASK] at
+      np.testing.assert_array_equal(computed[:, lp:], decoded_at >= step - 1, err_msg=f"step {step}")
+      assert not computed[:, :lp].any()
+  sparse = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
+                          policy=parse_policy("sparse_dllm:keep_ratio=0.5,tie_break=lowest_position"))
+  for step, computed in enumerate(np.asarray(sparse.computed_positions)):
+    block = lp + (step // 4) * 4 + np.arange(4)
+    expected = np.ones_like(computed) if step % 4 <= 1 else np.isin(np.arange(lp + 8), block)[None].repeat(2, 0)
+    np.testing.assert_array_equal(computed, expected, err_msg=f"step {step}")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sparse_dllm:keep_ratio=0", r"sparse_dllm keep_ratio must be a number in \(0, 1\], got 0.0"),
+    ("fast", "Unknown policy 'fast'; choose one of none, dkv_cache, sparse_dllm"),
+    ("d2cache", "policy d2cache has its rules"),
+    ("dkv_cache:reload=2", "policy dkv_cache has no knob 'reload'; its knobs: cache_reloading_step"),
+    ("dkv_cache:cache_reloading_step=two", "is not of type int"),
+    ("dkv_cache:cache_reloading_step", "is not knob=value"),
+    ("none:x=1", "policy none has no knob 'x'"),
+])
+def test_policy_texts_are_checked_in_one_line(text, message):
+  with pytest.raises(ValueError, match=message):
+    parse_policy(text)
