@@ -34,7 +34,7 @@ from dlm_jax.core.attention_bias import AttentionBias
 from dlm_jax.instrument.hook_call import COMMITTED, DECODED, MASKED, PROMPT, VALID, HookCall, HookValues, hook_values
 from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks
 from dlm_jax.instrument.interventions import NO_INTERVENTION, CallContext, Intervention
-from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
+from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec, merge_specs
 from dlm_jax.model import KVCache, forward
 from dlm_jax.policy.base import NO_POLICY, ComputePolicy, Decision
 from dlm_jax.sampling.stats_plan import StatsPlan
@@ -209,8 +209,9 @@ def intervened_forward(params: Any, tokens: jax.Array, intervention: Interventio
   """`dlm_jax.model.forward` under `intervention`, through the call plan: bias → forward → update. Returns
   (output, the intervention's new state).
 
-  tokens: [B, S]; stats_spec: the statistics wanted (the output holds exactly these, in their layout; the
-  forward also computes those the intervention reads, side by side, `StatsPlan`); `query_weights` [B, Q, T]
+  tokens: [B, S]; stats_spec: the statistics wanted (the output holds these and those the intervention reads,
+  one spec when they agree on heads, layers and query groups — `merge_specs` —, else these alone; the forward
+  computes both side by side, `StatsPlan`); `query_weights` [B, Q, T]
   given here are the weights of stats_spec's query groups; `hooks` (a `HookCall`) are the call's hooks; other
   keyword arguments (positions, attention_impl, …) go to `forward`.
   """
@@ -229,4 +230,17 @@ def intervened_forward(params: Any, tokens: jax.Array, intervention: Interventio
   output = forward(params, tokens, config=config, stats_spec=plan.stats.forward_spec, query_weights=call.query_weights,
                    bias=call.bias, hooks=hooks, **forward_kwargs)
   new_state = plan.update(CallState(intervention=state), output, context).intervention
-  return output.replace(stats=plan.stats.derive(output, stats_spec).stats), new_state
+  return output.replace(stats=_returned_stats(plan.stats, output, stats_spec)), new_state
+
+
+def _returned_stats(plan: StatsPlan, output: ForwardOutput, wanted: StatsSpec) -> dict:
+  """What `intervened_forward` returns: the statistics asked for together with those the intervention reads
+  (`merge_specs`), or, where the two cannot share one spec (different heads, layers or query groups), those
+  asked for alone; the intervention's own when none were asked for."""
+  if not wanted.enabled:
+    return plan.intervention_output(output).stats
+  try:
+    target = merge_specs(wanted, plan.intervention)
+  except ValueError:
+    target = wanted
+  return plan.derive(output, target).stats
