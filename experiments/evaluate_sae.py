@@ -39,6 +39,7 @@ from dlm_jax.instrument.hook_call import CaptureValues, hook_values
 from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
 from dlm_jax.io import saelens
 from dlm_jax.runtime import distributed
+from dlm_jax.session import decode_settings
 from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
                                 numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags, sae_runs,
                                 scoring)
@@ -123,8 +124,9 @@ def main(argv):
   model = checkpoints.prepare(_CHECKPOINT.value, "auto", "training")
   saes = _load_saes(model.config)
   names = sorted(saes, key=lambda n: (sites.parse(n)[1], n))
-  decode = decoding.DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value, block_length=_GEN_LENGTH.value)
-  values = decoding.model_settings(decode, model)
+  decode = decode_settings.DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value,
+                                          block_length=_GEN_LENGTH.value)
+  values = decode_settings.model_settings(decode, model)
   settings = {"checkpoint": checkpoints.identity(model.directory), "n": _N.value, "data_seed": _DATA_SEED.value,
               "decode": values, "step_bin": _STEP_BIN.value,
               "saes": {name: {"path": progress.display_path(saes[name].path),

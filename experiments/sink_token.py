@@ -41,11 +41,12 @@ from dlm_jax.runtime import distributed
 from dlm_jax.training import data as training_data, loop as train_loop
 from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.tasks import synthetic
+from dlm_jax.session import decode_settings, size_limits
+from dlm_jax.session.decode_settings import DecodeSettings
 from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
                                 numerics_flags, output_flags, progress, prompts, results_file, run_dir, runtime_flags,
-                                scoring, size_limits, train_flags)
+                                scoring, train_flags)
 from experiments.reports import plots, summary_files
-from experiments.common.decoding import DecodeSettings
 from experiments.common.numerics import Numerics
 
 train_flags.define(train_steps=500, train_batch_size=32, lr=3e-3, warmup=50, log_every=25, checkpoint_every=125,
@@ -158,7 +159,7 @@ def evaluate_variant(settings: Settings, variant: str, model_dir: str, runtime, 
                                    settings.numerics)
   todo = items.load_items("synthetic", settings.n_eval, settings.data_seed)
   prompt_set = prompts.encode(model, todo)
-  decode_values = decoding.model_settings(settings.decode, model)
+  decode_values = decode_settings.model_settings(settings.decode, model)
   spec = StatsSpec(incoming_attention=True, per_head=False, value_norms=True)
   has_sink = model.sink_token == "front"
   correct, mass_sink, mass_top, mass_first, v_sink, v_ep, v_normal = [], [], [], [], [], [], []

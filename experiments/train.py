@@ -31,7 +31,8 @@ from dlm_jax import config as config_lib
 from dlm_jax.io import json_files, output_dir
 from dlm_jax.training import data as training_data, loop as train_loop
 from dlm_jax.tasks import gsm8k, synthetic
-from experiments.common import cli, devices, flag_checks, progress, run_dir, runtime_flags, size_limits, train_flags
+from dlm_jax.session import size_limits
+from experiments.common import cli, devices, flag_checks, progress, run_dir, runtime_flags, train_flags
 
 train_flags.define(train_steps=1000, train_batch_size=32, lr=1e-3, warmup=100, log_every=50, checkpoint_every=250,
                    preset=None)

@@ -37,8 +37,9 @@ from dlm_jax.instrument import sites
 from dlm_jax.io import saelens, trajectory_dataset
 from dlm_jax.training import sae_loop
 from dlm_jax.training import sae_objectives as objectives
-from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, numerics_flags,
-                                output_flags, progress, prompts, run_dir, runtime_flags, sae_runs)
+from dlm_jax.session import decode_settings
+from experiments.common import (atomic_files, checkpoints, cli, devices, flag_checks, numerics_flags, output_flags,
+                                progress, prompts, run_dir, runtime_flags, sae_runs)
 from experiments.reports import sae_figures
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, "
@@ -152,8 +153,9 @@ def main(argv):
     raise cli.UserError(f"--checkpoint_every={_CHECKPOINT_EVERY.value}: expected >= 0")
   config = sae_loop.SAETrainConfig(steps=_TRAIN_STEPS.value, batch_size=_TRAIN_BATCH_SIZE.value, lr=_LR.value,
                                    seed=_SEED.value, checkpoint_every=_CHECKPOINT_EVERY.value)
-  decode = decoding.DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value, block_length=_GEN_LENGTH.value)
-  values = decoding.model_settings(decode, model)
+  decode = decode_settings.DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value,
+                                          block_length=_GEN_LENGTH.value)
+  values = decode_settings.model_settings(decode, model)
   settings = Settings(checkpoint=checkpoints.identity(model.directory),
                       dataset=None if dataset is None else _dataset_record(dataset, names),
                       site=_SITE.value, layers=layers,

@@ -7,8 +7,9 @@ import dataclasses
 
 from absl import flags
 
+from dlm_jax.session import checkpoint_bundle
+from dlm_jax.session.decode_settings import DecodeSettings
 from experiments.common import checkpoints, decode_flags, output_flags, runtime_flags
-from experiments.common.decoding import DecodeSettings
 from experiments.common.devices import RuntimeSettings
 from experiments.common.items import TaskSettings
 from experiments.common.output_flags import OutputSettings
@@ -24,7 +25,7 @@ class AnalysisFlags:
   output: OutputSettings
   checkpoints: tuple[str, ...]
 
-  def prepare_models(self) -> list[checkpoints.Model]:
+  def prepare_models(self) -> list[checkpoint_bundle.Model]:
     """The --checkpoints entries with their samplers and prompt format (`checkpoints.prepare_all`; no weights
     read yet)."""
     return checkpoints.prepare_all(self.checkpoints, self.task.samplers_for(self.checkpoints),

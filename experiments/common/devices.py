@@ -13,7 +13,7 @@ import numpy as np
 from absl import logging
 
 from dlm_jax.runtime import distributed, sharding, xla_cpu
-from experiments.common import size_limits
+from dlm_jax.session import size_limits
 from experiments.common.cli import UserError
 
 

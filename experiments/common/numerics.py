@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from experiments.common import size_limits
+from dlm_jax.session import size_limits
 from experiments.common.cli import UserError
 
 DTYPES = ("float32", "bfloat16", "float16")
