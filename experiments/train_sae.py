@@ -38,8 +38,8 @@ from dlm_jax.io import saelens, trajectory_dataset
 from dlm_jax.training import sae_loop
 from dlm_jax.training import sae_objectives as objectives
 from dlm_jax.session import decode_settings
-from experiments.common import (atomic_files, checkpoints, cli, devices, flag_checks, numerics_flags, output_flags,
-                                progress, prompts, run_dir, runtime_flags, sae_runs)
+from experiments.common import (atomic_files, checkpoints, cli, devices, flag_checks, numerics, output_flags, progress,
+                                prompts, run_dir, sae_runs)
 from experiments.reports import sae_figures
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, "
@@ -140,7 +140,7 @@ def _dataset_record(dataset: trajectory_dataset.TrajectoryDataset, names: list[s
 
 def main(argv):
   del argv
-  runtime_settings = runtime_flags.from_flags()
+  runtime_settings = devices.from_flags()
   output = output_flags.from_flags("train_sae")
   model = checkpoints.prepare(_CHECKPOINT.value, "auto", "training")
   layers = _layers(model.config)
@@ -169,8 +169,8 @@ def main(argv):
   if runtime.mesh is not None and config.batch_size % runtime.batch_shards:
     raise cli.UserError(f"--train_batch_size={config.batch_size}: expected a multiple of the mesh's "
                         f"{runtime.batch_shards} batch shards")
-  numerics = numerics_flags.from_flags(runtime_settings)
-  model = checkpoints.load_weights(model, runtime, numerics)
+  numeric_settings = numerics.from_flags(runtime_settings)
+  model = checkpoints.load_weights(model, runtime, numeric_settings)
   progress.quiet_orbax()
   log = run_dir.ResultsLog(run, "layers.jsonl", ("site",))
   data_file = run.file("activations.npz")
@@ -181,7 +181,7 @@ def main(argv):
       data = dict(np.load(data_file))
     else:
       problems = sae_runs.synthetic_items("train", _N_TRAIN.value, _DATA_SEED.value)
-      collected = sae_runs.collect(model, values, prompts.encode(model, problems), problems, runtime, numerics,
+      collected = sae_runs.collect(model, values, prompts.encode(model, problems), problems, runtime, numeric_settings,
                                    _SITE.value, layers, _BATCH_SIZE.value, decode.seed, model.label)
       data = {**collected.values, "step": collected.step, "masked": collected.masked}
       run.write_npz("activations.npz", **data)

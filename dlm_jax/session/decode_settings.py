@@ -60,7 +60,7 @@ DEFAULT_GEN_LENGTH = 64
 @dataclasses.dataclass(frozen=True)
 class DecodeSettings:
   """The decoding settings of a session (None = the per-model default, module docstring); the binaries' flags
-  of the same names (`experiments.common.decode_flags`), lm-eval's model_args and generation kwargs."""
+  of the same names (`experiments.common.analysis_flags`), lm-eval's model_args and generation kwargs."""
 
   gen_length: int | None = None
   steps: int | None = None
