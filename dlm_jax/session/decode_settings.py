@@ -149,7 +149,7 @@ def model_settings(decode: DecodeSettings, model: Model, mode: DecodingMode = De
   values.update({field: defaults[field] for field in sampler.schedule_fields})
   if "stop_at_eos" in sampler.fields:
     values["stop_at_eos"] = True
-  sampler_options.check_values(values, model.config, model.label, decode.cfg_scale)
+  sampler_options.check_values(values, mode, model.config, model.label, decode.cfg_scale)
   return values
 
 
