@@ -165,8 +165,7 @@ def _stats_spec(settings: Settings, model: checkpoint_bundle.Model) -> StatsSpec
 
 
 def analyse_row(settings: Settings, model: checkpoint_bundle.Model, item: items.Item, batch: prompts.Prompts, host,
-                row: int,
-                layers: list[int], edges: np.ndarray) -> tuple[dict, dict]:
+                row: int, layers: list[int], edges: np.ndarray) -> tuple[dict, dict]:
   """Per-item summaries (a JSON-able record) and the per-step arrays kept for the figure item."""
   lp = batch.ids.shape[1]
   tokens, decode_step = host["tokens"][row], host["decode_step"][row]
