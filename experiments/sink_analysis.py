@@ -15,8 +15,8 @@ bidirectional map; an ARM step's single query row over n written keys is scaled 
 sink when its score exceeds the mean of the others by ε (Eq. 3, ε = 3 by default).
 
 Tasks and prompts: `experiments.common.items`, `experiments.common.prompts`; decoding defaults (they differ from
-`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.common.decoding`. An
-item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
+`experiments.generate`'s official ones) and --padding: `dlm_jax.session.decode_settings`; per-item PRNG keys:
+`experiments.common.decoding`. An item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
 settings (a resume with other settings is refused); nothing is written before the first result.
 
 Decoding modes: --decoding=exact|threshold|factor|prefix_cache|dual_cache|threshold_prefix_cache|

@@ -35,8 +35,8 @@ finished (model, condition, item) is one line of results.jsonl, so an interrupte
 (--max_items_this_run stops early on purpose). Standard errors are binomial: sqrt(p(1 − p)/n).
 
 Tasks and prompts: `experiments.common.items`, `experiments.common.prompts`; decoding defaults (they differ from
-`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.common.decoding`. An
-item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
+`experiments.generate`'s official ones) and --padding: `dlm_jax.session.decode_settings`; per-item PRNG keys:
+`experiments.common.decoding`. An item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
 settings (a resume with other settings is refused); nothing is written before the first result.
 
 Outputs in --output_dir (default results/sink_masking_eval): results.jsonl, table.md, table.json,

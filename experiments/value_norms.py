@@ -13,8 +13,8 @@ norm of the kv head that query head reads (`sinks.value_norm_samples`). Up to --
 each class are kept per prompt (a seeded subsample) together with exact per-layer means.
 
 Tasks and prompts: `experiments.common.items`, `experiments.common.prompts`; decoding defaults (they differ from
-`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.common.decoding`. An
-item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
+`experiments.generate`'s official ones) and --padding: `dlm_jax.session.decode_settings`; per-item PRNG keys:
+`experiments.common.decoding`. An item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
 settings (a resume with other settings is refused); nothing is written before the first result.
 
 Outputs in --output_dir (default results/value_norms): results.jsonl (one line per model and prompt),

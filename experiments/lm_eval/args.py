@@ -9,7 +9,7 @@ resolved per task with a preset (`experiments.lm_eval.presets`).
                   klass_conf_threshold, klass_kl_threshold, klass_kl_history_length, wino_wide_in,
                   wino_narrow_out, pc_prior (a prior file), pc_lambda, pc_alpha, pc_variant, certainty_sigma
   gen_length, steps, block_length, temperature, remasking, alg, alg_temp, top_p, top_k
-                  generation (`experiments.common.decoding`; unset = that module's per-model defaults, gen_length
+                  generation (`dlm_jax.session.decode_settings`; unset = its per-model defaults, gen_length
                   then the request's max_gen_toks)
   cfg             guidance weight for generation and likelihood (0 = none)
   mask_sinks      K >= 0: mask the previous step's top-K sinks while generating (0 = off)

@@ -5,7 +5,7 @@ through the compiled samplers (`experiments.common.decoding.generate`), cut at t
 Per request: the task's preset values (`EvalArgs.for_task`), then the request's generation kwargs —
 `until` (a string or a list), `max_gen_toks` (the generation length when model_args and the preset give
 none), `temperature`, `do_sample` (False = temperature 0), `top_p`, `top_k`; other kwargs are ignored
-with a warning. Prompts of a batch are left-padded to a multiple of 32 (`experiments.common.decoding`'s
+with a warning. Prompts of a batch are left-padded to a multiple of 32 (`dlm_jax.session.decode_settings`'
 invariant padding: pad keys hidden, positions shifted) and every row's PRNG key derives from the seed
 and the request (`decoding.batch_key`), so a request's text does not depend on the batch it lands in
 beyond float32 reduction order. mask_sinks = K > 0 runs the sampler under `MaskPreviousSinks(K)`
