@@ -3,7 +3,7 @@ model_args of the same names) and how a mode becomes sampler options: exact deco
 parallel decoding and approximate KV caches (`reference/decoding_modes.md` §2–§5; the library side is
 `dlm_jax.sampling.llada_blockwise`).
 
-  --decoding              transfer rule at a step (in the current block)      model calls of a block
+  mode (--decoding)       transfer rule at a step (in the current block)      model calls of a block
   exact                   the sampler's own (LLaDA: a quota of steps/blocks)  the whole sequence at every step
   threshold               confidence >= --threshold, at least the best one    the whole sequence at every step
   factor                  Fast-dLLM's factor rule with --factor (NVlabs')     the whole sequence at every step
@@ -158,7 +158,7 @@ class DecodingMode:
 
   @property
   def spec(self) -> str:
-    """`name` or `name:value` (the rule's parameter), as `from_spec` reads it."""
+    """The mode as `from_spec` reads it: its name, or its name, a colon and the rule's parameter."""
     value = self.threshold if self.threshold is not None else self.factor
     return self.decoding if value is None else f"{self.decoding}:{value:g}"
 
