@@ -12,7 +12,7 @@ no accuracy — random weights are rarely confident, so the threshold rule commi
 call and the run measures the cost of each mode's model calls).
 
 For each mode of --modes (`name`, `name:τ`, or a decoding rule `name:knob=value,...`, e.g. `eb:gamma=0.01`,
-`pc:prior=FILE`; `experiments.common.decoding_modes`) it decodes the --n prompts in
+`pc:prior=FILE`; `dlm_jax.session.decoding_mode`) it decodes the --n prompts in
 batches of --batch_size (default 1, as Fast-dLLM measures) with statistics off, then with per-head incoming
 attention of every layer on (`StatsSpec(incoming_attention=True, per_head=True)`), and reports:
 
@@ -142,8 +142,8 @@ def measure(mode_spec: str, setup: dict) -> list[dict]:
   import numpy as np
   from dlm_jax.sampling import llada
   from dlm_jax.instrument.stats import NO_STATS, StatsSpec
-  from experiments.common import decoding_modes
-  mode = decoding_modes.from_spec(mode_spec)
+  from dlm_jax.session import decoding_mode
+  mode = decoding_mode.from_spec(mode_spec)
   gen, block, steps = setup["lengths"]
   options = llada.LLaDAOptions(gen_length=gen, steps=steps, block_length=block, **mode.option_fields("llada"))
   specs = (NO_STATS, StatsSpec(incoming_attention=True, per_head=True))
@@ -251,14 +251,13 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   import jax
   import jax.numpy as jnp
-  from experiments.common import decoding_modes
-  from experiments.common.cli import UserError
+  from dlm_jax.session import SessionError, decoding_mode
   if _N.value < 1 or _BATCH_SIZE.value < 1 or _REPEATS.value < 1:
     raise app.UsageError("--n, --batch_size and --repeats must be positive")
   try:
     for spec in _MODES.value:
-      decoding_modes.from_spec(spec)
-  except UserError as e:
+      decoding_mode.from_spec(spec)
+  except SessionError as e:
     raise app.UsageError(f"--modes: {e}") from None
   machine = {"cpu": cpu_model(), "jax_device": f"{jax.devices()[0].platform}: {jax.devices()[0].device_kind}",
              "jax_version": jax.__version__}

@@ -34,9 +34,10 @@ import numpy as np
 from absl import app, flags
 
 from dlm_jax.io.trajectory_dataset import TrajectoryWriter
+from dlm_jax.session import decode_settings
+from dlm_jax.session.decode_settings import DecodeSettings
 from experiments import export_trajectories as ex
 from experiments.common import checkpoints, decoding, devices, item_batches, items, prompts
-from experiments.common.decoding import DecodeSettings
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 
@@ -77,7 +78,7 @@ def main(argv):
   model = checkpoints.prepare(flag.checkpoints[0], "auto", "auto")
   settings.check_model(model)
   model = checkpoints.load_weights(model, runtime, settings.numerics)
-  values = decoding.model_settings(settings.decode, model)
+  values = decode_settings.model_settings(settings.decode, model)
   todo = items.load_items(items.task_name(settings.task.task, model.record), n_prompts, settings.task.data_seed)
   item_index = {item.id: i for i, item in enumerate(todo)}
   batches = list(item_batches.batches(todo, prompts.encode(model, todo), settings.batch_size, settings.decode.seed,

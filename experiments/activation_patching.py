@@ -43,9 +43,10 @@ from absl import flags
 
 from dlm_jax.instrument import sites
 from dlm_jax.sampling import registry
-from experiments.common import (analysis_flags, capture_budget, checkpoints, cli, decoding, devices, flag_checks,
-                                model_runs, numerics_flags, patching_pairs, progress, run_dir, size_limits)
-from experiments.common.decoding import DecodeSettings
+from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
+from dlm_jax.session.decode_settings import DecodeSettings
+from experiments.common import (analysis_flags, capture_budget, checkpoints, cli, devices, flag_checks, model_runs,
+                                numerics, patching_pairs, progress, run_dir)
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 from experiments.common.patching_runs import PatchRunner
@@ -116,7 +117,7 @@ class Settings:
     if self.decode.cfg_scale != 0:
       raise cli.UserError("--cfg_scale: activation_patching runs without guidance")
 
-  def check_model(self, model: checkpoints.Model) -> dict:
+  def check_model(self, model: checkpoint_bundle.Model) -> dict:
     """The model's decoding values (one block of the whole generation for LLaDA / MMaDA unless
     --block_length is given, so every step computes the answer position's logits); refuses a sampler
     other than llada, mmada, dream, ar, a prompt format other than the training layout, and patch steps
@@ -129,9 +130,9 @@ class Settings:
                           "layout; use a model trained here (--prompt_format=training)")
     decode = self.decode
     if decode.block_length is None and model.decoder.blocks == "divide":
-      length = decoding.model_settings(decode, model)["gen_length"]
+      length = decode_settings.model_settings(decode, model)["gen_length"]
       decode = dataclasses.replace(decode, block_length=length)
-    values = decoding.model_settings(decode, model)
+    values = decode_settings.model_settings(decode, model)
     n_steps = values["steps"] if model.diffusion else values["gen_length"]
     if self.patch_steps is not None and max(self.patch_steps) >= n_steps:
       raise cli.UserError(f"--patch_steps={','.join(map(str, self.patch_steps))}: {model.label} decodes in "
@@ -141,7 +142,7 @@ class Settings:
     return values
 
 
-def run_model(runners: dict[str, PatchRunner], settings: Settings, model: checkpoints.Model,
+def run_model(runners: dict[str, PatchRunner], settings: Settings, model: checkpoint_bundle.Model,
               runtime: devices.Runtime, log: run_dir.ResultsLog) -> dict:
   """Patches every pair of the model not done yet with its runner (built before any weights were read), now on
   the model's loaded weights; returns its metadata for the report."""
@@ -162,7 +163,7 @@ def main(argv):
   settings = Settings(checkpoints=shared.checkpoints, n_pairs=_N_PAIRS.value, pairs_per_call=_PAIRS_PER_CALL.value,
                       sites=tuple(s.strip() for s in _SITES.value), patch_steps=steps, head_window=_HEAD_WINDOW.value,
                       attribution=_ATTRIBUTION.value, task=shared.task, decode=shared.decode,
-                      numerics=numerics_flags.from_flags(shared.runtime))
+                      numerics=numerics.from_flags(shared.runtime))
   runners = {}
   for model in models:
     values = settings.check_model(model)

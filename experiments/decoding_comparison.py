@@ -34,9 +34,9 @@ import numpy as np
 from absl import flags
 
 from dlm_jax.io import json_files
+from dlm_jax.session.decoding_mode import MODES, DecodingMode
 from experiments.common import atomic_files, cli, progress, results_file, run_dir
 from experiments.reports import plots
-from experiments.common.decoding_modes import MODES, DecodingMode
 
 _RUNS = flags.DEFINE_list("runs", None, "Run directories (each with sink_analysis/ and/or sink_masking_eval/); the "
                           "first is the reference.", required=True)

@@ -39,9 +39,9 @@ from dlm_jax.instrument.hook_call import CaptureValues, hook_values
 from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
 from dlm_jax.io import saelens
 from dlm_jax.runtime import distributed
+from dlm_jax.session import decode_settings
 from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
-                                numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags, sae_runs,
-                                scoring)
+                                numerics, output_flags, progress, prompts, run_dir, sae_runs, scoring)
 from experiments.reports import sae_figures
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, ...")
@@ -116,15 +116,16 @@ def _reconstruction(saes, clean: sae_runs.Activations, bins) -> dict[str, dict]:
 
 def main(argv):
   del argv
-  runtime_settings = runtime_flags.from_flags()
+  runtime_settings = devices.from_flags()
   output = output_flags.from_flags("evaluate_sae")
   flag_checks.positive(n=_N.value, batch_size=_BATCH_SIZE.value, gen_length=_GEN_LENGTH.value,
                        step_bin=_STEP_BIN.value)
   model = checkpoints.prepare(_CHECKPOINT.value, "auto", "training")
   saes = _load_saes(model.config)
   names = sorted(saes, key=lambda n: (sites.parse(n)[1], n))
-  decode = decoding.DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value, block_length=_GEN_LENGTH.value)
-  values = decoding.model_settings(decode, model)
+  decode = decode_settings.DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value,
+                                          block_length=_GEN_LENGTH.value)
+  values = decode_settings.model_settings(decode, model)
   settings = {"checkpoint": checkpoints.identity(model.directory), "n": _N.value, "data_seed": _DATA_SEED.value,
               "decode": values, "step_bin": _STEP_BIN.value,
               "saes": {name: {"path": progress.display_path(saes[name].path),
@@ -133,15 +134,15 @@ def main(argv):
   run = run_dir.RunDir(output.output_dir, settings, overwrite=output.overwrite,
                        inputs=[model.directory, *(saes[n].path for n in names)])
   runtime = devices.init_runtime(runtime_settings)
-  numerics = numerics_flags.from_flags(runtime_settings)
-  model = checkpoints.load_weights(model, runtime, numerics)
+  numeric_settings = numerics.from_flags(runtime_settings)
+  model = checkpoints.load_weights(model, runtime, numeric_settings)
   problems = items.load_items("synthetic", _N.value, _DATA_SEED.value)
   prompt_set = prompts.encode(model, problems)
   by_kind: dict[str, list[int]] = {}
   for name in names:
     kind, layer = sites.parse(name)
     by_kind.setdefault(kind, []).append(layer)
-  clean_parts = [sae_runs.collect(model, values, prompt_set, problems, runtime, numerics, kind, tuple(layers),
+  clean_parts = [sae_runs.collect(model, values, prompt_set, problems, runtime, numeric_settings, kind, tuple(layers),
                                   _BATCH_SIZE.value, decode.seed, f"{model.label} clean")
                  for kind, layers in by_kind.items()]
   clean = dataclasses.replace(clean_parts[0], values={k: v for part in clean_parts for k, v in part.values.items()})
@@ -165,7 +166,7 @@ def main(argv):
         edits = {i: dict(sae=saes[name].sae, window=window if name == site else (0, 0)) for i, name in enumerate(names)}
         hv = hook_values(hooks, model.config, rows, target.shape[1],
                          captures={0: CaptureValues(targets=jnp.asarray(target, jnp.int32))}, edits=edits)
-        trace = decoding.generate(model, values, batch.prompts, runtime, numerics, key=batch.key, hooks=hooks,
+        trace = decoding.generate(model, values, batch.prompts, runtime, numeric_settings, key=batch.key, hooks=hooks,
                                   hook_values=hv)
         n = len(batch.items)
         generated = distributed.to_host(trace.generated)[:n]

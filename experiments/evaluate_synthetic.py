@@ -23,8 +23,9 @@ from absl import flags, logging
 
 from dlm_jax.runtime import distributed
 from dlm_jax.tasks import gsm8k
+from dlm_jax.session import decode_settings, size_limits
 from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
-                                numerics_flags, progress, prompts, run_dir, runtime_flags, size_limits)
+                                numerics, progress, prompts, run_dir)
 from experiments.common.numerics import Numerics
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, tiny-arm, tiny-moe-dlm, "
@@ -48,7 +49,7 @@ class Settings:
   n: int
   data_seed: int
   batch_size: int
-  decode: decoding.DecodeSettings
+  decode: decode_settings.DecodeSettings
   numerics: Numerics
 
   def __post_init__(self):
@@ -60,7 +61,7 @@ class Settings:
 
 def main(argv):
   del argv
-  runtime_settings = runtime_flags.from_flags()
+  runtime_settings = devices.from_flags()
   if _OUTPUT.value:
     run_dir.check_output_file(_OUTPUT.value, "output")
   model = checkpoints.prepare(_CHECKPOINT.value, "auto", "training")
@@ -68,12 +69,12 @@ def main(argv):
     raise cli.UserError(f"{model.label}: expected a LLaDA-style diffusion model, a DiffusionGemma-style model or a "
                         f"causal model, got a {model.sampler} model")
   gen_length = _GEN_LENGTH.value
-  decode = decoding.DecodeSettings(gen_length=gen_length, steps=_STEPS.value,
+  decode = decode_settings.DecodeSettings(gen_length=gen_length, steps=_STEPS.value,
                                    block_length=_BLOCK_LENGTH.value if _BLOCK_LENGTH.value is not None else gen_length)
   runtime = devices.init_runtime(runtime_settings)
   settings = Settings(model.directory, _N.value, _DATA_SEED.value, _BATCH_SIZE.value, decode,
-                      numerics_flags.from_flags(runtime_settings))
-  values = decoding.model_settings(decode, model)
+                      numerics.from_flags(runtime_settings))
+  values = decode_settings.model_settings(decode, model)
   problems = items.load_items("synthetic", settings.n, settings.data_seed)
   prompt_set = prompts.encode(model, problems)
   model = checkpoints.load_weights(model, runtime, settings.numerics)

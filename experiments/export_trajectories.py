@@ -41,9 +41,10 @@ from dlm_jax.instrument.hook_spec import Steps
 from dlm_jax.io import output_dir
 from dlm_jax.io.trajectory_dataset import TrajectoryDatasetError, TrajectoryWriter
 from dlm_jax.model import init_params
+from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
+from dlm_jax.session.decode_settings import DecodeSettings
 from experiments.common import (analysis_flags, capture_budget, checkpoints, cli, decoding, devices, flag_checks,
-                                item_batches, items, numerics_flags, progress, prompts, scoring, size_limits)
-from experiments.common.decoding import DecodeSettings
+                                item_batches, items, numerics, progress, prompts, scoring)
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 
@@ -115,7 +116,7 @@ class Settings:
   def hooks(self):
     return trajectories.trajectory_hooks(self.sites, self.steps)
 
-  def check_model(self, model: checkpoints.Model) -> None:
+  def check_model(self, model: checkpoint_bundle.Model) -> None:
     if model.sampler not in SAMPLERS:
       raise cli.UserError(f"{model.label}: sampler {model.sampler}; trajectory exports run the masked-diffusion "
                           f"samplers {', '.join(SAMPLERS)}")
@@ -125,7 +126,7 @@ class Settings:
       raise cli.UserError(f"--sites: {model.label}: {error}") from None
 
 
-def site_columns(settings: Settings, model: checkpoints.Model) -> dict[str, tuple[str, tuple[int, ...]]]:
+def site_columns(settings: Settings, model: checkpoint_bundle.Model) -> dict[str, tuple[str, tuple[int, ...]]]:
   """{captured site name: ("float32", feature shape)} of the exported sites, in capture order."""
   hooks, config = settings.hooks(), model.config
   out = {}
@@ -138,7 +139,7 @@ def site_columns(settings: Settings, model: checkpoints.Model) -> dict[str, tupl
   return out
 
 
-def _plan_check(settings: Settings, model: checkpoints.Model, values: dict, batch: item_batches.Batch,
+def _plan_check(settings: Settings, model: checkpoint_bundle.Model, values: dict, batch: item_batches.Batch,
                 runtime: devices.Runtime) -> None:
   """Prints the capture bytes of one sampler call and refuses a plan over the budget or one that keeps no
   step of this run; abstract (the weights are not read)."""
@@ -158,14 +159,14 @@ def _plan_check(settings: Settings, model: checkpoints.Model, values: dict, batc
     raise cli.UserError(f"--export_steps={settings.export_steps}: {model.label}: {error}") from None
 
 
-def score_answers(model: checkpoints.Model, batch_items: list, generated: np.ndarray) -> np.ndarray:
+def score_answers(model: checkpoint_bundle.Model, batch_items: list, generated: np.ndarray) -> np.ndarray:
   """[b] int8: 1 when the item's completion is scored correct, else 0."""
   chat = model.prompt_format == "chat"
   return np.asarray([int(scoring.score(item, prompts.completion(model, generated[r])[1], chat)["correct"])
                      for r, item in enumerate(batch_items)], np.int8)
 
 
-def launch_batch(settings: Settings, model: checkpoints.Model, values: dict, batch: item_batches.Batch,
+def launch_batch(settings: Settings, model: checkpoint_bundle.Model, values: dict, batch: item_batches.Batch,
                  runtime: devices.Runtime) -> tuple:
   """Starts one batch's sampling with the captures and its readout (JAX dispatches both asynchronously, so the
   host can write the previous shard meanwhile); returns what `batch_shard` needs."""
@@ -175,7 +176,7 @@ def launch_batch(settings: Settings, model: checkpoints.Model, values: dict, bat
   return batch, trace, readout
 
 
-def batch_shard(settings: Settings, model: checkpoints.Model, launched: tuple,
+def batch_shard(settings: Settings, model: checkpoint_bundle.Model, launched: tuple,
                 item_index: dict[str, int]) -> dict[str, np.ndarray]:
   """The rows of a launched batch (`launch_batch`; `trajectories.batch_rows`), its answers scored."""
   batch, trace, readout = launched
@@ -195,16 +196,16 @@ def batch_shard(settings: Settings, model: checkpoints.Model, launched: tuple,
       correct=score_answers(model, batch.items, tokens[:len(batch.items), lp:]))
 
 
-def columns(settings: Settings, model: checkpoints.Model) -> dict:
+def columns(settings: Settings, model: checkpoint_bundle.Model) -> dict:
   """The dataset's columns: the row columns, then the sites."""
   return {**trajectories.ROW_COLUMNS, **site_columns(settings, model)}
 
 
-def export_model(settings: Settings, model: checkpoints.Model, runtime: devices.Runtime, path: str,
+def export_model(settings: Settings, model: checkpoint_bundle.Model, runtime: devices.Runtime, path: str,
                  max_shards: int = 0) -> TrajectoryWriter:
   """Writes (or resumes) the model's dataset at `path`; stops after `max_shards` new shards (0: no limit;
   --max_items_this_run counts shards here)."""
-  values = decoding.model_settings(settings.decode, model)
+  values = decode_settings.model_settings(settings.decode, model)
   todo = items.load_items(items.task_name(settings.task.task, model.record), settings.n_prompts,
                           settings.task.data_seed)
   item_index = {item.id: i for i, item in enumerate(todo)}
@@ -243,7 +244,7 @@ def main(argv):
   settings = Settings(checkpoints=shared.checkpoints, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
                       sites=tuple(_SITES.value), export_steps=_EXPORT_STEPS.value,
                       position_classes=tuple(_CLASSES.value), task=shared.task, decode=shared.decode,
-                      numerics=numerics_flags.from_flags(shared.runtime))
+                      numerics=numerics.from_flags(shared.runtime))
   out = shared.output.output_dir
   if os.path.exists(out) and not os.path.isdir(out):
     raise cli.UserError(f"--output_dir={out} is a file; expected a directory")
@@ -253,7 +254,7 @@ def main(argv):
     raise cli.UserError(f"--output_dir={out}: {error}") from None
   for model in models:
     settings.check_model(model)
-    values = decoding.model_settings(shared.decode, model)
+    values = decode_settings.model_settings(shared.decode, model)
     todo = items.load_items(items.task_name(settings.task.task, model.record), settings.n_prompts,
                             settings.task.data_seed)
     first = next(item_batches.batches(todo, prompts.encode(model, todo), settings.batch_size, settings.decode.seed,

@@ -45,7 +45,7 @@ The experiment binaries (sink_analysis, ...) use other defaults, said in their -
 the registry's common settings a sampler reads and its own fields) given for a sampler that does not have it is
 ignored with a warning.
 
---decoding (LLaDA / MMaDA; `experiments.common.decoding_modes`): exact (default), Fast-dLLM's confidence-threshold
+--decoding (LLaDA / MMaDA; `dlm_jax.session.decoding_mode`): exact (default), Fast-dLLM's confidence-threshold
 (--threshold, default 0.9) or factor (--factor, default 1.0) parallel decoding, the prefix or dual KV cache
 (refreshed at every block start), or threshold decoding with a cache. Dream's modes decode in blocks of
 --block_length (required there; Dream's exact decoding has no blocks); for ar the flag is ignored with a
@@ -72,7 +72,7 @@ also routed_experts / routing_weights [nfe, L, S, k] (row 0's router choice per 
 expert -1 / weight 0 in dense layers and at positions the step did not compute).
 --mask_sinks=K > 0 masks, at every step, the top-K sinks of the previous step
 (`dlm_jax.instrument.interventions.MaskPreviousSinks(top_k=K)`; `MaskPreviousSinksAR` for --sampler=ar).
-Runtime flags (`experiments.common.runtime_flags`): --mesh (parameters sharded over fsdp/tensor; the one prompt
+Runtime flags (`experiments.common.devices`): --mesh (parameters sharded over fsdp/tensor; the one prompt
 is replicated), --distributed, --cpu_devices, --matmul_precision; numerics: --dtype (default float32 on
 CPU, stored dtype on accelerators), --attention_impl, --query_chunk.
 """
@@ -90,10 +90,11 @@ from absl import flags, logging
 from dlm_jax.io import prompt_layout
 from dlm_jax.runtime import distributed
 from dlm_jax.sampling import registry
-from experiments.common import (atomic_files, chat, checkpoints, cli, decoding_flags, decoding_modes, devices,
-                                flag_checks, items, numerics_flags, prompts, run_dir, runtime_flags, size_limits)
-from experiments.common.decoding import check_finite
-from experiments.common.decoding_modes import DecodingMode
+from dlm_jax.session import (SessionError, checkpoint_bundle, decode_settings, sampler_options, size_limits,
+                             training_record)
+from dlm_jax.session.decoding_mode import DecodingMode
+from experiments.common import (atomic_files, chat, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
+                                items, numerics, prompts, run_dir)
 from experiments.common.numerics import Numerics
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory, or "
@@ -110,7 +111,7 @@ _STOP_AT_EOS = flags.DEFINE_bool("stop_at_eos", True, "End the reply at the firs
 _TEMPLATE = flags.DEFINE_enum("template", None, list(chat.TEMPLATES), "Chat template (default: the one recorded "
                               "in the checkpoint, else llada, mmada, dream or llama3 by --sampler).")
 _PROMPT_IDS = flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids.")
-_SAMPLER = flags.DEFINE_enum("sampler", "auto", list(checkpoints.SAMPLERS),
+_SAMPLER = flags.DEFINE_enum("sampler", "auto", list(checkpoint_bundle.SAMPLERS),
                              "Sampler (auto: diffusion_gemma for DiffusionGemma-style models, ar for other causal "
                              "models, block_diffusion for block-causal ones, dream for shifted DLMs, llada otherwise).")
 _GEN_LENGTH = flags.DEFINE_integer("gen_length", None, "Generated positions (default 128; Dream 512, its "
@@ -119,14 +120,14 @@ _STEPS = flags.DEFINE_integer("steps", None, "Denoising steps (default: LLaDA/MM
 _BLOCK_LENGTH = flags.DEFINE_integer("block_length", None, "LLaDA/MMaDA block length (default 128, as LLaDA's "
                                      "generate; must divide gen_length); Dream's --decoding modes' blocks.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = argmax).")
-_REMASKING = flags.DEFINE_enum("remasking", "low_confidence", ["low_confidence", "random"], "LLaDA/MMaDA "
+_REMASKING = flags.DEFINE_enum("remasking", "low_confidence", list(decode_settings.REMASKING), "LLaDA/MMaDA "
                                "remasking.")
 _CFG_SCALE = flags.DEFINE_float("cfg_scale", 0.0, "LLaDA/MMaDA classifier-free guidance weight.")
 _LOGITS_EOS_INF = flags.DEFINE_bool("logits_eos_inf", False, "LLaDA: EOS is never sampled.")
 _CONF_EOS_EOT_INF = flags.DEFINE_bool("confidence_eos_eot_inf", False, "LLaDA: the official EOS/EoT confidence "
                                       "rule.")
 _STOP_AT_EOT = flags.DEFINE_bool("stop_at_eot", False, "MMaDA mmu_generate_fast: stop when a block ends in EoT.")
-_ALG = flags.DEFINE_enum("alg", "origin", ["origin", "maskgit_plus", "topk_margin", "entropy"], "Dream alg "
+_ALG = flags.DEFINE_enum("alg", "origin", list(decode_settings.DREAM_ALGS), "Dream alg "
                          "(default origin, Dream's generation config).")
 _ALG_TEMP = flags.DEFINE_float("alg_temp", None, "Dream alg_temp (None/0 = deterministic positions).")
 _TOP_P = flags.DEFINE_float("top_p", None, "Top-p filtering in (0, 1] (Dream, ar).")
@@ -222,44 +223,21 @@ class Settings:
     if "confidence_threshold" in knobs(sampler) and self.confidence_threshold < 0:
       raise cli.UserError(f"--confidence_threshold={self.confidence_threshold}: expected >= 0 (0 = no adaptive "
                           "stopping)")
-    if sampler.blocks not in ("divide", "modes"):  # steps per attention block; canvases: checked by `options`
-      return
-    if self.block_length is not None and self.gen_length % self.block_length:
-      raise cli.UserError(f"--gen_length={self.gen_length} must be a multiple of block_length ({self.block_length});"
-                          " change --gen_length or --block_length")
-    if self.block_length is not None and self.steps % (self.gen_length // self.block_length):
-      raise cli.UserError(f"--steps={self.steps} must be a multiple of the number of blocks gen_length / "
-                          f"block_length = {self.gen_length // self.block_length}")
-    if "cfg_scale" in sampler.common_fields:
-      self.decoding.check_guidance(self.cfg_scale)
+    sampler_options.check_fit("", self.sampler, self.decoding, gen_length=self.gen_length, steps=self.steps,
+                              block_length=self.block_length, cfg_scale=self.cfg_scale)
 
   def options(self, config):
-    """The library options of these settings (`dlm_jax.sampling.registry`; a one-line error for a decoding
-    mode the sampler lacks)."""
+    """The library options of these settings (`dlm_jax.session.sampler_options.options`: the decoding mode's
+    fields, the block length of the sampler's block rule, the autoregressive end ids; a one-line error for a
+    decoding mode the sampler lacks), with its own variant and schedule fields (`knobs`)."""
     common = registry.CommonSettings(
         gen_length=self.gen_length, steps=self.steps, block_length=self.block_length, temperature=self.temperature,
         top_p=self.top_p, top_k=self.top_k, cfg_scale=self.cfg_scale, remasking=self.remasking, alg=self.alg,
         alg_temp=self.alg_temp, eps=self.eps)
-    return registry.get(self.sampler).options(common, **self._own_fields(config))
-
-  def _own_fields(self, config) -> dict:
-    """The options fields of this sampler that are not common settings: the decoding mode's, its own variant
-    and schedule fields (`knobs`), the block length its block rule sets and the autoregressive end ids."""
     sampler = registry.get(self.sampler)
-    fields = self.decoding.option_fields(self.sampler)
-    own = sampler.variant_fields + sampler.schedule_fields
-    fields.update({field: self._own_value(field, config) for field in own})
-    if sampler.blocks == "modes" and self.decoding.exact:
-      fields["block_length"] = None  # exact decoding has no blocks
-    if sampler.blocks == "attention":
-      if self.block_length not in (None, config.attention_block_size):
-        raise cli.UserError(f"--block_length={self.block_length} must be the model's attention block "
-                            f"({config.attention_block_size}) for {self.sampler}; leave it unset")
-      fields["block_length"] = self.block_length or config.attention_block_size
-    if "eos_token_ids" in sampler.fields:
-      ends = end_ids(config, self.end_of_turn_id)
-      fields.update(stop_at_eos=self.stop_at_eos, eos_token_ids=tuple(sorted(ends)) if self.stop_at_eos else None)
-    return fields
+    own = {field: self._own_value(field, config) for field in sampler.variant_fields + sampler.schedule_fields}
+    return sampler_options.options(self.sampler, common, self.decoding, own, config=config,
+                                   end_ids=tuple(end_ids(config, self.end_of_turn_id)), stop_at_eos=self.stop_at_eos)
 
   def _own_value(self, field: str, config):
     """One own options field's value: its flag's, except stop_token_id (--stop_at_eot: the config's EoT id, else
@@ -390,19 +368,19 @@ def main(argv):
   from dlm_jax.io import checkpoint  # pylint: disable=import-outside-toplevel
   from dlm_jax.instrument.stats import NO_STATS, StatsSpec  # pylint: disable=import-outside-toplevel
   from dlm_jax.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
-  runtime_settings = runtime_flags.from_flags()
+  runtime_settings = devices.from_flags()
   if _JSON_OUT.value:
     run_dir.check_output_file(_JSON_OUT.value, "json_out")
   if _STATS_OUT.value:
     run_dir.check_output_file(_STATS_OUT.value, "stats_out")
   label, directory = checkpoints.resolve(_CHECKPOINT.value)
   config = checkpoint.read_config(directory)
-  record = checkpoints.training_record(directory)
-  sampler = checkpoints.default_sampler(config) if _SAMPLER.value == "auto" else _SAMPLER.value
-  checkpoints.check_sampler(_CHECKPOINT.value, sampler, config)
+  record = training_record.read(directory)
+  sampler = checkpoint_bundle.default_sampler(config) if _SAMPLER.value == "auto" else _SAMPLER.value
+  checkpoint_bundle.check_sampler(_CHECKPOINT.value, sampler, config)
   _warn_unused_knobs(sampler)
   mode = decoding_flags.from_flags()
-  decoding_modes.warn_if_unused(mode, sampler, _CHECKPOINT.value)
+  decoding.warn_if_unused(mode, sampler, _CHECKPOINT.value)
   tokenizer = Tokenizer.from_dir(directory, config) if Tokenizer.exists_in(directory) else None
   mode.check_tokenizer(tokenizer)
   layout = "ids" if _PROMPT_IDS.value is not None else prompt_format(directory, record)
@@ -423,24 +401,26 @@ def main(argv):
       stop_at_eot=_STOP_AT_EOT.value, alg=_ALG.value, alg_temp=_ALG_TEMP.value, top_p=_TOP_P.value,
       top_k=_TOP_K.value, eps=_EPS.value, seed=_SEED.value, mask_sinks=_MASK_SINKS.value,
       end_of_turn_id=end_of_turn, editing_threshold=_EDITING_THRESHOLD.value, max_post_steps=_MAX_POST_STEPS.value,
-      numerics=numerics_flags.from_flags(runtime_settings),
+      numerics=numerics.from_flags(runtime_settings),
       decoding=mode if decoder.has_modes else DecodingMode(),
       entropy_bound=_ENTROPY_BOUND.value, t_min=_T_MIN.value, t_max=_T_MAX.value,
       confidence_threshold=_CONFIDENCE_THRESHOLD.value, stability_threshold=_STABILITY_THRESHOLD.value,
       stop_at_eos=_STOP_AT_EOS.value)
   try:
     settings.options(config)
+  except SessionError:
+    raise
   except ValueError as e:
     raise cli.UserError(str(e)) from None
   size_limits.check_sequence(len(ids), settings.gen_length, config.vocab_size, 2 if settings.cfg_scale > 0 else 1)
-  config, params = checkpoints.load_params(directory, runtime, settings.numerics.weight_dtype)
+  config, params = checkpoint_bundle.load_params(directory, runtime.mesh, settings.numerics.weight_dtype)
   stats_spec = (StatsSpec(incoming_attention=True, per_head=True, routing=config.is_moe) if _STATS_OUT.value
                 else NO_STATS)
   prompt = devices.replicate(np.asarray([ids], np.int32), runtime)
   start = time.perf_counter()
   trace = distributed.to_host(_generate(params, config, settings, prompt, stats_spec))
   wall_s = time.perf_counter() - start
-  check_finite(trace, ["the prompt"])
+  decoding.check_finite(trace, ["the prompt"])
   if not runtime.primary:
     return
   tokens = [int(t) for t in np.asarray(trace.tokens)[0]]

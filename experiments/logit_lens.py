@@ -48,10 +48,10 @@ from dlm_jax.analysis import logit_lens
 from dlm_jax.instrument.hook_call import CaptureValues, hook_values
 from dlm_jax.instrument.hook_spec import Steps
 from dlm_jax.model import init_params
+from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
+from dlm_jax.session.decode_settings import DecodeSettings
 from experiments.common import (analysis_flags, atomic_files, capture_budget, checkpoints, cli, decoding, devices,
-                                flag_checks, item_batches, items, model_runs, numerics_flags, progress, prompts,
-                                run_dir, size_limits)
-from experiments.common.decoding import DecodeSettings
+                                flag_checks, item_batches, items, model_runs, numerics, progress, prompts, run_dir)
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 from experiments.reports import figure_axes, lens_plots, summary_files
@@ -111,12 +111,12 @@ class Settings:
   def steps(self) -> Steps:
     return parse_steps(self.lens_steps)
 
-  def check_model(self, model: checkpoints.Model) -> None:
+  def check_model(self, model: checkpoint_bundle.Model) -> None:
     if self.lens_top_k > model.config.vocab_size:
       raise cli.UserError(f"--lens_top_k={self.lens_top_k}: {model.label} has {model.config.vocab_size} tokens")
 
 
-def _plan_check(settings: Settings, model: checkpoints.Model, values: dict, batch: item_batches.Batch,
+def _plan_check(settings: Settings, model: checkpoint_bundle.Model, values: dict, batch: item_batches.Batch,
                 runtime: devices.Runtime) -> None:
   """Prints the bytes the lens captures of one sampler call take and refuses a plan over the budget or one
   that keeps no step of this run; abstract (the weights are not read, nothing is computed)."""
@@ -139,14 +139,14 @@ def _plan_check(settings: Settings, model: checkpoints.Model, values: dict, batc
     raise cli.UserError(f"--lens_steps={settings.lens_steps}: {model.label}: {error}") from None
 
 
-def _batches(settings: Settings, model: checkpoints.Model, runtime: devices.Runtime, done):
+def _batches(settings: Settings, model: checkpoint_bundle.Model, runtime: devices.Runtime, done):
   todo = items.load_items(items.task_name(settings.task.task, model.record), settings.n_prompts,
                           settings.task.data_seed)
   prompt_set = prompts.encode(model, todo)
   return todo, item_batches.batches(todo, prompt_set, settings.batch_size, settings.decode.seed, runtime, done)
 
 
-def answer_positions(model: checkpoints.Model, generated: np.ndarray) -> np.ndarray:
+def answer_positions(model: checkpoint_bundle.Model, generated: np.ndarray) -> np.ndarray:
   """[B, G] bool: the generated positions up to and including the first stop id of each row."""
   stops = np.isin(generated, list(prompts.stop_ids(model)))
   first = np.where(stops.any(1), np.argmax(stops, axis=1), generated.shape[1] - 1)
@@ -166,7 +166,7 @@ def top_tokens_read(lens: logit_lens.LogitLens, row: int) -> tuple[np.ndarray, n
   return tuple(np.where(never, -1, tokens[at, :, positions]) for at in (first, last))
 
 
-def analyse_row(model: checkpoints.Model, item, lens: logit_lens.LogitLens, row: int) -> dict:
+def analyse_row(model: checkpoint_bundle.Model, item, lens: logit_lens.LogitLens, row: int) -> dict:
   """One prompt's lens: per kept step the count read and per row the sums of p, rank and top-1; the first
   row with the final token top-1 at every (step, position); the top tokens at each position's first and
   last step read."""
@@ -188,7 +188,7 @@ def analyse_row(model: checkpoints.Model, item, lens: logit_lens.LogitLens, row:
 
 def run_model(settings: Settings, model, runtime: devices.Runtime, log: run_dir.ResultsLog) -> dict:
   """Decodes and reads the lens of the model's prompts not done yet; returns its metadata for the report."""
-  values = decoding.model_settings(settings.decode, model)
+  values = decode_settings.model_settings(settings.decode, model)
   done = lambda item: log.done(model=model.label, item=item.id)
   todo, batches = _batches(settings, model, runtime, done)
   meter = progress.Progress(f"{model.label} prompts", len(todo), sum(map(done, todo)))
@@ -339,10 +339,10 @@ def main(argv):
   runtime = devices.init_runtime(shared.runtime)  # before anything touches a JAX backend (the numerics)
   settings = Settings(checkpoints=shared.checkpoints, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
                       lens_steps=_LENS_STEPS.value, lens_top_k=_LENS_TOP_K.value, task=shared.task,
-                      decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime))
+                      decode=shared.decode, numerics=numerics.from_flags(shared.runtime))
   for model in models:
     settings.check_model(model)
-    values = decoding.model_settings(shared.decode, model)
+    values = decode_settings.model_settings(shared.decode, model)
     _, batches = _batches(settings, model, runtime, lambda item: False)
     _plan_check(settings, model, values, next(batches), runtime)
   runs = model_runs.run_models(shared.output, settings, models, runtime, shared.task.task, run_model)

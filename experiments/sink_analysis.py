@@ -15,12 +15,12 @@ bidirectional map; an ARM step's single query row over n written keys is scaled 
 sink when its score exceeds the mean of the others by ε (Eq. 3, ε = 3 by default).
 
 Tasks and prompts: `experiments.common.items`, `experiments.common.prompts`; decoding defaults (they differ from
-`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.common.decoding`. An
-item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
+`experiments.generate`'s official ones) and --padding: `dlm_jax.session.decode_settings`; per-item PRNG keys:
+`experiments.common.decoding`. An item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
 settings (a resume with other settings is refused); nothing is written before the first result.
 
 Decoding modes: --decoding=exact|threshold|factor|prefix_cache|dual_cache|threshold_prefix_cache|
-threshold_dual_cache with --threshold / --factor (`experiments.common.decoding_modes`; DLMs only). Every measure
+threshold_dual_cache with --threshold / --factor (`dlm_jax.session.decoding_mode`; DLMs only). Every measure
 reads only the steps a generation decoded at — the first `nfe` steps of the trace, less those its row waited
 through while other rows of the batch finished a block (`validity.decoded_steps`) — so its NFE is its own.
 Under a KV cache a step's statistics are the incoming attention of the queries the step computed (the
@@ -78,12 +78,13 @@ from absl import flags
 from dlm_jax.analysis import routing, sinks
 from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
-from experiments.common import (analysis_flags, checkpoints, cli, decoding, decoding_flags, decoding_modes, devices,
-                                flag_checks, item_batches, items, model_runs, numerics_flags, progress, prompts,
-                                run_dir, scoring, size_limits, validity)
+from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
+from dlm_jax.session.decode_settings import DecodeSettings
+from dlm_jax.session.decoding_mode import DecodingMode
+from experiments.common import (analysis_flags, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
+                                item_batches, items, model_runs, numerics, progress, prompts, run_dir, scoring,
+                                validity)
 from experiments.reports import sink_report
-from experiments.common.decoding import DecodeSettings
-from experiments.common.decoding_modes import DecodingMode
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 from dlm_jax.instrument import sink_selection
@@ -146,7 +147,7 @@ class Settings:
       if not sep or not layer.isdigit() or not head.isdigit():
         raise cli.UserError(f"--track_heads entry {entry!r}: expected LAYER:HEAD with non-negative integers")
 
-  def check_model(self, model: checkpoints.Model) -> None:
+  def check_model(self, model: checkpoint_bundle.Model) -> None:
     """Refuses layers and heads the model does not have."""
     config = model.config
     flag_checks.layers_of_model(self.layers, model.label, config.n_layers)
@@ -157,14 +158,14 @@ class Settings:
                             f"{config.n_heads} heads")
 
 
-def _stats_spec(settings: Settings, model: checkpoints.Model) -> StatsSpec:
+def _stats_spec(settings: Settings, model: checkpoint_bundle.Model) -> StatsSpec:
   grouped = model.diffusion and settings.split_queries
   return StatsSpec(incoming_attention=True, per_head=True, layers=settings.layers, query_groups=3 if grouped else 0,
                    routing=model.config.is_moe)
 
 
-def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, batch: prompts.Prompts, host, row: int,
-                layers: list[int], edges: np.ndarray) -> tuple[dict, dict]:
+def analyse_row(settings: Settings, model: checkpoint_bundle.Model, item: items.Item, batch: prompts.Prompts, host,
+                row: int, layers: list[int], edges: np.ndarray) -> tuple[dict, dict]:
   """Per-item summaries (a JSON-able record) and the per-step arrays kept for the figure item."""
   lp = batch.ids.shape[1]
   tokens, decode_step = host["tokens"][row], host["decode_step"][row]
@@ -266,7 +267,8 @@ def analyse_row(settings: Settings, model: checkpoints.Model, item: items.Item, 
   return record, arrays
 
 
-def run_model(settings: Settings, model: checkpoints.Model, runtime: devices.Runtime, log: run_dir.ResultsLog) -> dict:
+def run_model(settings: Settings, model: checkpoint_bundle.Model, runtime: devices.Runtime,
+              log: run_dir.ResultsLog) -> dict:
   """Generates and analyses the model's prompts not done yet; returns its metadata for the report."""
   config = model.config
   spec = _stats_spec(settings, model)
@@ -274,7 +276,7 @@ def run_model(settings: Settings, model: checkpoints.Model, runtime: devices.Run
   task = items.task_name(settings.task.task, model.record)
   todo = items.load_items(task, settings.n_prompts, settings.task.data_seed)
   prompt_set = prompts.encode(model, todo)
-  values = decoding.model_settings(settings.decode, model, settings.decoding)
+  values = decode_settings.model_settings(settings.decode, model, settings.decoding)
   edges = edges_of(settings)
   done = lambda item: log.done(model=model.label, item=item.id)
   meter = progress.Progress(f"{model.label} prompts", len(todo), sum(map(done, todo)))
@@ -316,12 +318,12 @@ def main(argv):
                       epsilon=_EPSILON.value, layers=cli.int_list(_LAYERS.value, "layers") or None,
                       split_queries=_SPLIT_QUERIES.value, track_heads=tuple(_TRACK_HEADS.value),
                       figure_item=_FIGURE_ITEM.value, histogram_max=_HISTOGRAM_MAX.value, top_tokens=_TOP_TOKENS.value,
-                      task=shared.task, decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime),
+                      task=shared.task, decode=shared.decode, numerics=numerics.from_flags(shared.runtime),
                       decoding=mode)
   for model in models:
     settings.check_model(model)
-    decoding.model_settings(shared.decode, model, mode)
-    decoding_modes.warn_if_unused(mode, model.sampler, model.label)
+    decode_settings.model_settings(shared.decode, model, mode)
+    decoding.warn_if_unused(mode, model.sampler, model.label)
   runs = model_runs.run_models(shared.output, settings, models, runtime, shared.task.task, run_model)
   if runs is not None:
     text = sink_report.write_report(runs.out.path, runs.metas, runs.log.records, EPSILON_GRID, settings.epsilon,
@@ -332,7 +334,7 @@ def main(argv):
     progress.summary_banner(runs.out.path, text)
 
 
-def _masked_queries(model: checkpoints.Model, sequences: np.ndarray, host, decoded: np.ndarray,
+def _masked_queries(model: checkpoint_bundle.Model, sequences: np.ndarray, host, decoded: np.ndarray,
                     row: int) -> np.ndarray:
   """[steps, S] bool: the positions of the "masked" query group at each decoded step — the mask token, or for
   DiffusionGemma the canvas positions the previous call did not accept (`dlm_jax.instrument.stats.QUERY_GROUP_NAMES`;

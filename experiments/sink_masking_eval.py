@@ -16,13 +16,13 @@ previous iteration's last query row (--ar_last_row; otherwise that call's column
 (`MaskPreviousSinks.with_top_k`), so one compiled program serves every condition; every condition of a
 batch uses the same PRNG key.
 
-For causal models it also reports teacher-forced perplexity (`experiments.common.perplexity`) of a text set
+For causal models it also reports teacher-forced perplexity (`dlm_jax.analysis.perplexity`) of a text set
 (--perplexity_text; default: the synthetic test problems for a model trained on them, else
 experiments/data/paragraphs.txt) with no masking, the first token masked, and the top-K static sinks
 masked.
 
 Decoding modes: --decoding=exact|threshold|factor|prefix_cache|dual_cache|threshold_prefix_cache|
-threshold_dual_cache with --threshold / --factor (`experiments.common.decoding_modes`; DLMs only). Under a KV cache
+threshold_dual_cache with --threshold / --factor (`dlm_jax.session.decoding_mode`; DLMs only). Under a KV cache
 the sinks of a step come from the incoming attention of the queries it computed (the whole sequence at a
 block's refresh step, then the block and every later position with the prefix cache, the block alone with
 the dual cache) over all keys, cached ones included. With a threshold or factor rule the rows of a batch
@@ -35,8 +35,8 @@ finished (model, condition, item) is one line of results.jsonl, so an interrupte
 (--max_items_this_run stops early on purpose). Standard errors are binomial: sqrt(p(1 − p)/n).
 
 Tasks and prompts: `experiments.common.items`, `experiments.common.prompts`; decoding defaults (they differ from
-`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.common.decoding`. An
-item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
+`experiments.generate`'s official ones) and --padding: `dlm_jax.session.decode_settings`; per-item PRNG keys:
+`experiments.common.decoding`. An item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
 settings (a resume with other settings is refused); nothing is written before the first result.
 
 Outputs in --output_dir (default results/sink_masking_eval): results.jsonl, table.md, table.json,
@@ -54,12 +54,12 @@ from absl import flags, logging
 
 from dlm_jax.instrument import interventions
 from dlm_jax.runtime import distributed
-from experiments.common import (analysis_flags, checkpoints, cli, decoding, decoding_flags, decoding_modes, devices,
-                                flag_checks, item_batches, items, model_runs, numerics_flags, progress, prompts,
-                                scoring, size_limits)
+from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
+from dlm_jax.session.decode_settings import DecodeSettings
+from dlm_jax.session.decoding_mode import DecodingMode
+from experiments.common import (analysis_flags, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
+                                item_batches, items, model_runs, numerics, progress, prompts, scoring)
 from experiments.reports import masking_report
-from experiments.common.decoding import DecodeSettings
-from experiments.common.decoding_modes import DecodingMode
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 from experiments.reports import explorer_page
@@ -133,7 +133,7 @@ class Settings:
       raise cli.UserError(f"--perplexity_text={self.perplexity_text}: no such file")
 
 
-def _masker(settings: Settings, model: checkpoints.Model):
+def _masker(settings: Settings, model: checkpoint_bundle.Model):
   per_head = settings.mask_scope == "head"
   if model.diffusion:
     return interventions.MaskPreviousSinks(top_k=1, per_head=per_head, epsilon=settings.sink_epsilon)
@@ -145,7 +145,7 @@ def run_accuracy(settings: Settings, model, runtime, log) -> int:
   todo = items.load_items(items.task_name(settings.task.task, model.record), settings.n_items,
                           settings.task.data_seed)
   prompt_set = prompts.encode(model, todo)
-  values = decoding.model_settings(settings.decode, model, settings.decoding)
+  values = decode_settings.model_settings(settings.decode, model, settings.decoding)
   masker = _masker(settings, model)
   intervention = decoding.combined_intervention(model, masker)
   chat = model.prompt_format == "chat"
@@ -198,7 +198,7 @@ def _perplexity_texts(settings: Settings, model) -> list[list[int]]:
 
 def run_perplexity(settings: Settings, model, runtime, log) -> None:
   """Teacher-forced perplexity of every text under every condition not finished yet."""
-  from experiments.common import perplexity  # pylint: disable=import-outside-toplevel
+  from dlm_jax.analysis import perplexity  # pylint: disable=import-outside-toplevel
   ks = list(settings.mask_top_k)
   names = perplexity.condition_names(ks)
   texts = _perplexity_texts(settings, model)
@@ -233,7 +233,7 @@ def run_model(settings: Settings, model, runtime, log) -> dict:
   return {"label": model.label, "directory": progress.display_path(model.directory),
           "task": items.task_name(settings.task.task, model.record), "prompt_format": model.prompt_format,
           "n_items": n_items, "diffusion": model.diffusion,
-          "settings": decoding.model_settings(settings.decode, model, settings.decoding)}
+          "settings": decode_settings.model_settings(settings.decode, model, settings.decoding)}
 
 
 def main(argv):
@@ -247,11 +247,11 @@ def main(argv):
                       batch_size=_BATCH_SIZE.value, mask_scope=_MASK_SCOPE.value, sink_epsilon=_SINK_EPSILON.value,
                       ar_last_row=_AR_LAST_ROW.value, perplexity=_PERPLEXITY.value,
                       perplexity_text=_PERPLEXITY_TEXT.value, perplexity_items=_PERPLEXITY_ITEMS.value,
-                      task=shared.task, decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime),
+                      task=shared.task, decode=shared.decode, numerics=numerics.from_flags(shared.runtime),
                       decoding=mode)
   for model in models:
-    decoding.model_settings(shared.decode, model, mode)
-    decoding_modes.warn_if_unused(mode, model.sampler, model.label)
+    decode_settings.model_settings(shared.decode, model, mode)
+    decoding.warn_if_unused(mode, model.sampler, model.label)
   runs = model_runs.run_models(shared.output, settings, models, runtime, shared.task.task, run_model, RESULT_KEYS)
   if runs is not None:
     text = masking_report.write_report(runs.out.path, runs.metas, runs.log.records, list(ks), PAPER_TABLE1,

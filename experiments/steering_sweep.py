@@ -50,9 +50,10 @@ from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
 from dlm_jax.instrument.step_schedule import CoefficientSchedule, Gate, StepSchedule
 from dlm_jax.model import init_params
 from dlm_jax.sampling import driver
+from dlm_jax.session import checkpoint_bundle, decode_settings
+from dlm_jax.session.decode_settings import DecodeSettings
 from experiments.common import (analysis_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks,
-                                item_batches, items, model_runs, numerics_flags, progress, prompts, run_dir, scoring)
-from experiments.common.decoding import DecodeSettings
+                                item_batches, items, model_runs, numerics, progress, prompts, run_dir, scoring)
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 from experiments.reports import steering_plots, summary_files
@@ -140,7 +141,7 @@ class Settings:
       raise cli.UserError(f"--layer={self.layer}: expected a layer >= 0 (>= 1 with the gated schedule, whose probe "
                           "reads layer --layer − 1)")
 
-  def check_model(self, model: checkpoints.Model, n_steps: int) -> None:
+  def check_model(self, model: checkpoint_bundle.Model, n_steps: int) -> None:
     """One-line refusals for this model and its run of n_steps steps, before any model work."""
     if model.config.mask_token_id is None or model.config.logit_shift:
       raise cli.UserError(f"{model.label}: steering_sweep reads masked diffusion models (a mask token, no logit "
@@ -174,7 +175,7 @@ def calibration_hooks(settings: Settings) -> Hooks:
   return Hooks(captures=(Capture("hook_resid_post", layers=layers, reduce="mean", positions="masked"),))
 
 
-def run_steps(model: checkpoints.Model, values: dict, batch: item_batches.Batch, runtime, numerics) -> int:
+def run_steps(model: checkpoint_bundle.Model, values: dict, batch: item_batches.Batch, runtime, numerics) -> int:
   """The most model calls the model's sampler makes on this batch, from its abstract evaluation."""
   def run():
     params = init_params(model.config, jax.random.key(0), numerics.weight_dtype)
@@ -184,7 +185,7 @@ def run_steps(model: checkpoints.Model, values: dict, batch: item_batches.Batch,
   return int(driver.abstract_trace(run).active_rows.shape[0])
 
 
-def _prompts(settings: Settings, model: checkpoints.Model) -> tuple[list, prompts.PromptSet]:
+def _prompts(settings: Settings, model: checkpoint_bundle.Model) -> tuple[list, prompts.PromptSet]:
   """The model's items and their encoded prompts."""
   todo = items.load_items(items.task_name(settings.task.task, model.record), settings.n_prompts,
                           settings.task.data_seed)
@@ -246,7 +247,7 @@ def steering_vectors(settings: Settings, clock_vectors: np.ndarray) -> np.ndarra
 
 def run_model(settings: Settings, model, runtime: devices.Runtime, log: run_dir.ResultsLog) -> dict:
   """Calibrates the clock, then decodes every (schedule, coefficient) not done yet; returns the model's meta."""
-  values = decoding.model_settings(settings.decode, model)
+  values = decode_settings.model_settings(settings.decode, model)
   todo, prompt_set = _prompts(settings, model)
   n_steps = run_steps(model, values, _first_batch(settings, todo, prompt_set, runtime), runtime, settings.numerics)
   clock = calibrate(settings, model, values, todo, prompt_set, runtime, n_steps)
@@ -389,9 +390,9 @@ def main(argv):
                       coefficients=coefficients, schedules=tuple(_SCHEDULES.value), layer=_LAYER.value,
                       scope=_SCOPE.value, n_bins=_N_BINS.value, clock_target=_CLOCK_TARGET.value,
                       direction=_DIRECTION.value, task=shared.task,
-                      decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime))
+                      decode=shared.decode, numerics=numerics.from_flags(shared.runtime))
   for model in models:
-    values = decoding.model_settings(shared.decode, model)
+    values = decode_settings.model_settings(shared.decode, model)
     todo, prompt_set = _prompts(settings, model)
     settings.check_model(model, run_steps(model, values, _first_batch(settings, todo, prompt_set, runtime), runtime,
                                           settings.numerics))

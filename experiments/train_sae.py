@@ -37,8 +37,9 @@ from dlm_jax.instrument import sites
 from dlm_jax.io import saelens, trajectory_dataset
 from dlm_jax.training import sae_loop
 from dlm_jax.training import sae_objectives as objectives
-from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, numerics_flags,
-                                output_flags, progress, prompts, run_dir, runtime_flags, sae_runs)
+from dlm_jax.session import decode_settings
+from experiments.common import (atomic_files, checkpoints, cli, devices, flag_checks, numerics, output_flags, progress,
+                                prompts, run_dir, sae_runs)
 from experiments.reports import sae_figures
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, "
@@ -139,7 +140,7 @@ def _dataset_record(dataset: trajectory_dataset.TrajectoryDataset, names: list[s
 
 def main(argv):
   del argv
-  runtime_settings = runtime_flags.from_flags()
+  runtime_settings = devices.from_flags()
   output = output_flags.from_flags("train_sae")
   model = checkpoints.prepare(_CHECKPOINT.value, "auto", "training")
   layers = _layers(model.config)
@@ -152,8 +153,9 @@ def main(argv):
     raise cli.UserError(f"--checkpoint_every={_CHECKPOINT_EVERY.value}: expected >= 0")
   config = sae_loop.SAETrainConfig(steps=_TRAIN_STEPS.value, batch_size=_TRAIN_BATCH_SIZE.value, lr=_LR.value,
                                    seed=_SEED.value, checkpoint_every=_CHECKPOINT_EVERY.value)
-  decode = decoding.DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value, block_length=_GEN_LENGTH.value)
-  values = decoding.model_settings(decode, model)
+  decode = decode_settings.DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value,
+                                          block_length=_GEN_LENGTH.value)
+  values = decode_settings.model_settings(decode, model)
   settings = Settings(checkpoint=checkpoints.identity(model.directory),
                       dataset=None if dataset is None else _dataset_record(dataset, names),
                       site=_SITE.value, layers=layers,
@@ -167,8 +169,8 @@ def main(argv):
   if runtime.mesh is not None and config.batch_size % runtime.batch_shards:
     raise cli.UserError(f"--train_batch_size={config.batch_size}: expected a multiple of the mesh's "
                         f"{runtime.batch_shards} batch shards")
-  numerics = numerics_flags.from_flags(runtime_settings)
-  model = checkpoints.load_weights(model, runtime, numerics)
+  numeric_settings = numerics.from_flags(runtime_settings)
+  model = checkpoints.load_weights(model, runtime, numeric_settings)
   progress.quiet_orbax()
   log = run_dir.ResultsLog(run, "layers.jsonl", ("site",))
   data_file = run.file("activations.npz")
@@ -179,7 +181,7 @@ def main(argv):
       data = dict(np.load(data_file))
     else:
       problems = sae_runs.synthetic_items("train", _N_TRAIN.value, _DATA_SEED.value)
-      collected = sae_runs.collect(model, values, prompts.encode(model, problems), problems, runtime, numerics,
+      collected = sae_runs.collect(model, values, prompts.encode(model, problems), problems, runtime, numeric_settings,
                                    _SITE.value, layers, _BATCH_SIZE.value, decode.seed, model.label)
       data = {**collected.values, "step": collected.step, "masked": collected.masked}
       run.write_npz("activations.npz", **data)

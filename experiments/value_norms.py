@@ -13,8 +13,8 @@ norm of the kv head that query head reads (`sinks.value_norm_samples`). Up to --
 each class are kept per prompt (a seeded subsample) together with exact per-layer means.
 
 Tasks and prompts: `experiments.common.items`, `experiments.common.prompts`; decoding defaults (they differ from
-`experiments.generate`'s official ones), --padding and per-item PRNG keys: `experiments.common.decoding`. An
-item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
+`experiments.generate`'s official ones) and --padding: `dlm_jax.session.decode_settings`; per-item PRNG keys:
+`experiments.common.decoding`. An item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
 settings (a resume with other settings is refused); nothing is written before the first result.
 
 Outputs in --output_dir (default results/value_norms): results.jsonl (one line per model and prompt),
@@ -33,11 +33,11 @@ from absl import flags
 from dlm_jax.analysis import sinks
 from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
+from dlm_jax.session.decode_settings import DecodeSettings
 from experiments.common import (analysis_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks,
-                                item_batches, items, model_runs, numerics_flags, progress, prompts, run_dir,
-                                size_limits, validity)
+                                item_batches, items, model_runs, numerics, progress, prompts, run_dir, validity)
 from experiments.reports import plots, summary_files
-from experiments.common.decoding import DecodeSettings
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 from dlm_jax.instrument import sink_selection
@@ -80,7 +80,7 @@ class Settings:
     flag_checks.above_zero(epsilon=self.epsilon)
     flag_checks.layer_indices(self.layers)
 
-  def check_model(self, model: checkpoints.Model) -> None:
+  def check_model(self, model: checkpoint_bundle.Model) -> None:
     """Refuses layers the model does not have, and models with sliding and global layers (DiffusionGemma),
     whose value norms the library does not return (their kv heads differ by layer kind)."""
     if model.config.layer_pattern is not None:
@@ -126,7 +126,7 @@ def run_model(settings: Settings, model, runtime: devices.Runtime, log: run_dir.
   todo = items.load_items(items.task_name(settings.task.task, model.record), settings.n_prompts,
                           settings.task.data_seed)
   prompt_set = prompts.encode(model, todo)
-  values = decoding.model_settings(settings.decode, model)
+  values = decode_settings.model_settings(settings.decode, model)
   done = lambda item: log.done(model=model.label, item=item.id)
   meter = progress.Progress(f"{model.label} prompts", len(todo), sum(map(done, todo)))
   for batch in item_batches.batches(todo, prompt_set, settings.batch_size, settings.decode.seed, runtime,
@@ -204,10 +204,10 @@ def main(argv):
   settings = Settings(checkpoints=shared.checkpoints, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
                       epsilon=_EPSILON.value, layers=layers, samples_per_item=_SAMPLES_PER_ITEM.value,
                       max_points=_MAX_POINTS.value, task=shared.task, decode=shared.decode,
-                      numerics=numerics_flags.from_flags(shared.runtime))
+                      numerics=numerics.from_flags(shared.runtime))
   for model in models:
     settings.check_model(model)
-    decoding.model_settings(shared.decode, model)
+    decode_settings.model_settings(shared.decode, model)
   runs = model_runs.run_models(shared.output, settings, models, runtime, shared.task.task, run_model)
   if runs is not None:
     progress.summary_banner(runs.out.path, write_report(settings, runs.out.path, runs.metas, runs.log.records,

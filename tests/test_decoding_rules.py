@@ -17,6 +17,7 @@ from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.model.attention import MASK_VALUE, AttentionBias
 from dlm_jax.sampling import corpus_prior, decoding_rules as dr, dream, llada
+from dlm_jax.session import SessionError, decoding_mode
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -389,26 +390,24 @@ def test_prior_file_checks(tmp_path):
 
 
 def test_binary_modes_build_the_rules(tmp_path):
-  from experiments.common import decoding_modes
-  from experiments.common.cli import UserError
-  mode = decoding_modes.from_spec("eb:gamma=0.1")
+  mode = decoding_mode.from_spec("eb:gamma=0.1")
   assert mode.record() == {"decoding": "eb", "knobs": {"gamma": 0.1}}
-  assert decoding_modes.DecodingMode.from_record(mode.record()) == mode
+  assert decoding_mode.DecodingMode.from_record(mode.record()) == mode
   assert mode.option_fields("llada") == {"rule": dr.EBSampler(gamma=0.1)}
-  assert decoding_modes.from_values("klass", knobs=(("kl_history_length", 3),)).option_fields("mmada") == {
+  assert decoding_mode.from_values("klass", knobs=(("kl_history_length", 3),)).option_fields("mmada") == {
       "rule": dr.KLASS(kl_history_length=3)}
-  with pytest.raises(UserError, match="the block_diffusion sampler has no wino decoding yet"):
-    decoding_modes.from_values("wino").option_fields("block_diffusion")
+  with pytest.raises(SessionError, match="the block_diffusion sampler has no wino decoding yet"):
+    decoding_mode.from_values("wino").option_fields("block_diffusion")
   with pytest.raises(ValueError, match="decoding rule wino is LLaDA's"):
-    dream.DreamOptions(gen_length=16, steps=16, **decoding_modes.from_values("wino").option_fields("dream"))
-  with pytest.raises(UserError, match=r"--decoding=wino: wino narrow_out must be a probability"):
-    decoding_modes.from_spec("wino:narrow_out=1.5")
-  with pytest.raises(UserError, match="--decoding=eb: decoding rule eb has no knob sigma"):
-    decoding_modes.from_spec("eb:sigma=1")
+    dream.DreamOptions(gen_length=16, steps=16, **decoding_mode.from_values("wino").option_fields("dream"))
+  with pytest.raises(SessionError, match=r"--decoding=wino: wino narrow_out must be a probability"):
+    decoding_mode.from_spec("wino:narrow_out=1.5")
+  with pytest.raises(SessionError, match="--decoding=eb: decoding rule eb has no knob sigma"):
+    decoding_mode.from_spec("eb:sigma=1")
   vocab = {f"t{i}": i for i in range(CONFIG.vocab_size)}
   path = str(tmp_path / "prior.json")
   corpus_prior.save(corpus_prior.count([[4, 5]], vocab), path)
-  mode = decoding_modes.from_spec(f"pc:prior={path}")
+  mode = decoding_mode.from_spec(f"pc:prior={path}")
   assert mode.option_fields("llada")["rule"].prior.num_tokens == 2
 
   class Other:
@@ -418,7 +417,7 @@ def test_binary_modes_build_the_rules(tmp_path):
         del with_added_tokens
         return {f"u{i}": i for i in range(CONFIG.vocab_size)}
 
-  with pytest.raises(UserError, match="--decoding=pc: pc prior .* made for another tokenizer") as info:
+  with pytest.raises(SessionError, match="--decoding=pc: pc prior .* made for another tokenizer") as info:
     mode.check_tokenizer(Other())
   assert "\n" not in str(info.value)
 

@@ -13,9 +13,9 @@ import pytest
 
 from dlm_jax.io import checkpoint
 from dlm_jax.sampling import llada
-from experiments.common import decoding_modes, validity
-from experiments.common.cli import UserError
-from experiments.common.decoding_modes import DecodingMode
+from dlm_jax.session import SessionError, decoding_mode
+from dlm_jax.session.decoding_mode import DecodingMode
+from experiments.common import validity
 
 try:
   from tests import experiments_fixtures as fx
@@ -27,35 +27,35 @@ FAST = ["--decoding=threshold_dual_cache", "--threshold=0.1"]  # rows of the ran
 
 
 def test_modes_map_to_sampler_options():
-  mode = decoding_modes.from_values("threshold_dual_cache", threshold=0.8, factor=2.0)
+  mode = decoding_mode.from_values("threshold_dual_cache", threshold=0.8, factor=2.0)
   assert mode == DecodingMode("threshold_dual_cache", threshold=0.8)
   assert mode.option_fields("llada") == {"threshold": 0.8, "factor": None, "cache": "dual"}
   assert mode.record() == {"decoding": "threshold_dual_cache", "threshold": 0.8}
   assert DecodingMode.from_record(mode.record()) == mode and mode.spec == "threshold_dual_cache:0.8"
-  assert decoding_modes.from_values("factor").option_fields("mmada") == {"threshold": None, "factor": 1.0,
+  assert decoding_mode.from_values("factor").option_fields("mmada") == {"threshold": None, "factor": 1.0,
                                                                           "cache": "none"}
-  assert decoding_modes.from_values("prefix_cache").option_fields("llada")["cache"] == "prefix"
-  assert decoding_modes.from_values("exact", threshold=0.5) == DecodingMode()
+  assert decoding_mode.from_values("prefix_cache").option_fields("llada")["cache"] == "prefix"
+  assert decoding_mode.from_values("exact", threshold=0.5) == DecodingMode()
   assert mode.option_fields("dream") == {"threshold": 0.8, "factor": None, "cache": "dual"}
   assert mode.option_fields("ar") == {}
-  assert decoding_modes.from_spec("threshold:0.7") == DecodingMode("threshold", threshold=0.7)
-  assert decoding_modes.from_spec("dual_cache") == DecodingMode("dual_cache")
-  for name in decoding_modes.MODES:
+  assert decoding_mode.from_spec("threshold:0.7") == DecodingMode("threshold", threshold=0.7)
+  assert decoding_mode.from_spec("dual_cache") == DecodingMode("dual_cache")
+  for name in decoding_mode.MODES:
     options = llada.LLaDAOptions(gen_length=8, steps=8, block_length=4,
-                                 **decoding_modes.from_values(name).option_fields("llada"))
+                                 **decoding_mode.from_values(name).option_fields("llada"))
     assert options.blockwise == (name != "exact")
 
 
 @pytest.mark.parametrize("call, words", [
-    (lambda: decoding_modes.from_values("fast"), ["--decoding=fast", "threshold_dual_cache"]),
-    (lambda: decoding_modes.from_values("threshold", threshold=1.5), ["--threshold=1.5", "[0, 1]"]),
-    (lambda: decoding_modes.from_values("exact", threshold=-0.1), ["--threshold=-0.1"]),
-    (lambda: decoding_modes.from_values("factor", factor=0.0), ["--factor=0.0"]),
-    (lambda: decoding_modes.from_values("dual_cache").check_guidance(1.0), ["--cfg_scale=1"]),
-    (lambda: decoding_modes.from_spec("exact:0.5"), ["exact:0.5"]),
+    (lambda: decoding_mode.from_values("fast"), ["--decoding=fast", "threshold_dual_cache"]),
+    (lambda: decoding_mode.from_values("threshold", threshold=1.5), ["--threshold=1.5", "[0, 1]"]),
+    (lambda: decoding_mode.from_values("exact", threshold=-0.1), ["--threshold=-0.1"]),
+    (lambda: decoding_mode.from_values("factor", factor=0.0), ["--factor=0.0"]),
+    (lambda: decoding_mode.from_values("dual_cache").check_guidance(1.0), ["--cfg_scale=1"]),
+    (lambda: decoding_mode.from_spec("exact:0.5"), ["exact:0.5"]),
 ])
 def test_bad_values_are_one_line_errors_naming_the_flag(call, words):
-  with pytest.raises(UserError) as error:
+  with pytest.raises(SessionError) as error:
     call()
   assert "\n" not in str(error.value) and all(w in str(error.value) for w in words), str(error.value)
 
@@ -163,18 +163,18 @@ def test_benchmark_tiny_configuration(checkpoints, tmp_path):
 def test_nvlabs_variants_map_to_sampler_options():
   """--decoding=factor is NVlabs' rule (the samplers' default), factor_dllm dllm's; --dual_cache_forwards
   reaches LLaDA's options with a dual cache only, and is recorded."""
-  assert decoding_modes.from_values("factor").option_fields("llada") == {"threshold": None, "factor": 1.0,
+  assert decoding_mode.from_values("factor").option_fields("llada") == {"threshold": None, "factor": 1.0,
                                                                           "cache": "none"}
   assert llada.LLaDAOptions(factor=1.0).factor_rule == "fast_dllm"
-  dllm = decoding_modes.from_values("factor_dllm", factor=2.0)
+  dllm = decoding_mode.from_values("factor_dllm", factor=2.0)
   assert dllm.option_fields("llada")["factor_rule"] == "dllm" and dllm.option_fields("dream")["factor_rule"] == "dllm"
   assert DecodingMode.from_record(dllm.record()) == dllm
-  capped = decoding_modes.from_values("threshold_dual_cache", dual_cache_forwards="steps_per_block")
+  capped = decoding_mode.from_values("threshold_dual_cache", dual_cache_forwards="steps_per_block")
   assert capped.record()["dual_cache_forwards"] == "steps_per_block"
   assert DecodingMode.from_record(capped.record()) == capped
   options = llada.LLaDAOptions(gen_length=8, steps=4, block_length=4, **capped.option_fields("llada"))
   assert options.dual_cache_forwards == "steps_per_block"
-  with pytest.raises(UserError, match="--dual_cache_forwards=steps_per_block applies to the dual-cache modes"):
-    decoding_modes.from_values("prefix_cache", dual_cache_forwards="steps_per_block")
-  with pytest.raises(UserError, match="--dual_cache_forwards=some"):
-    decoding_modes.from_values("dual_cache", dual_cache_forwards="some")
+  with pytest.raises(SessionError, match="--dual_cache_forwards=steps_per_block applies to the dual-cache modes"):
+    decoding_mode.from_values("prefix_cache", dual_cache_forwards="steps_per_block")
+  with pytest.raises(SessionError, match="--dual_cache_forwards=some"):
+    decoding_mode.from_values("dual_cache", dual_cache_forwards="some")

@@ -170,7 +170,7 @@ def test_perplexity_conditions_against_plain_forward():
   import jax.numpy as jnp
   from dlm_jax import model
   from dlm_jax.config import preset
-  from experiments.common import perplexity
+  from dlm_jax.analysis import perplexity
   config = preset("tiny-llama")
   params = model.init_params(config, jax.random.key(7))
   rng = np.random.default_rng(0)

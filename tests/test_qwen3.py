@@ -17,7 +17,7 @@ from converters.hf_convert import convert
 from dlm_jax.io import checkpoint
 from dlm_jax.config import ConfigError
 from dlm_jax.model import forward
-from experiments.common import checkpoints
+from dlm_jax.session import checkpoint_bundle
 
 try:
   from tests import qwen3_fixtures as qf
@@ -68,7 +68,7 @@ def test_variant_config_matches_its_hub_declaration(converted, variant):
   assert config.attention_block_size == block and config.tied_embeddings == tied
   assert config.qk_norm and not config.qkv_bias and config.head_dim == 16 and config.rope_theta == 1e6
   assert ("lm_head" in params) == (not tied)
-  assert checkpoints.default_sampler(config) == sampler
+  assert checkpoint_bundle.default_sampler(config) == sampler
   del arch
 
 

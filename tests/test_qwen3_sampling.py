@@ -14,7 +14,7 @@ from dlm_jax.io import checkpoint
 from dlm_jax.instrument import interventions as iv
 from dlm_jax.sampling import block_diffusion, llada
 from dlm_jax.instrument.stats import StatsSpec
-from experiments.common import checkpoints, decoding_modes
+from dlm_jax.session import checkpoint_bundle, decoding_mode
 
 try:
   from tests import qwen3_fixtures as qf
@@ -100,7 +100,7 @@ def _block_options(config, threshold):
 
 
 def test_the_binaries_pick_each_variants_sampler(models):
-  assert [checkpoints.default_sampler(models[v][0]) for v in BLOCKS] == ["llada", "block_diffusion",
+  assert [checkpoint_bundle.default_sampler(models[v][0]) for v in BLOCKS] == ["llada", "block_diffusion",
                                                                           "block_diffusion"]
 
 
@@ -116,7 +116,7 @@ def test_mdlm_exact_decoding_matches_a_loop_on_transformers(models):
 def test_mdlm_decodes_in_every_decoding_mode(models, decoding):
   """Each rule and each cache (the threshold + cache modes combine them; tests/test_llada_modes.py)."""
   config, params, _ = models["mdlm"]
-  mode = decoding_modes.from_values(decoding)
+  mode = decoding_mode.from_values(decoding)
   options = llada.LLaDAOptions(gen_length=G, steps=G, block_length=4, **mode.option_fields("llada"))
   trace = _generate(config, params, options)
   generated = np.asarray(trace.generated)

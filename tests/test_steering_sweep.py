@@ -10,7 +10,7 @@ import pytest
 from dlm_jax.analysis import clock_steering
 from dlm_jax.config import preset
 from dlm_jax.model import init_params
-from experiments.common import cli, steering
+from dlm_jax.session import SessionError, steering_file
 
 try:
   from tests import experiments_fixtures as fx
@@ -66,7 +66,7 @@ def test_steering_files_with_schedules_and_old_files(tmp_path):
   d = CONFIG.d_model
   old = _write(tmp_path / "old.json", {"blocks.1.hook_resid_post": {"vector": [0.5] * d, "coefficient": 2,
                                                                    "steps": [1, 3]}})
-  hooks, values = steering.steering(old, CONFIG, 2, 12)
+  hooks, values = steering_file.steering(old, CONFIG, 2, 12)
   assert hooks.edits[0].schedule is None and not hooks.captures
   assert np.asarray(values.edits[0].window).tolist() == [[1, 3], [1, 3]]
   np.save(tmp_path / "vectors.npy", np.arange(2 * d, dtype=np.float32).reshape(2, d))
@@ -74,7 +74,7 @@ def test_steering_files_with_schedules_and_old_files(tmp_path):
       "vector": "vectors.npy", "coefficient": 1.5, "schedule": [0, 1, 1, 0.5], "bins": [0, 0, 1, 1],
       "positions": "committed",
       "gate": {"site": "blocks.0.hook_resid_post", "direction": [1.0] * d, "scale": 2, "bias": -1}}})
-  hooks, values = steering.steering(new, CONFIG, 2, 12)
+  hooks, values = steering_file.steering(new, CONFIG, 2, 12)
   edit = hooks.edits[0]
   assert edit.positions == "committed" and edit.schedule.n_steps == 4 and edit.schedule.n_bins == 2
   assert hooks.captures[0].layers == (0,) and hooks.captures[0].reduce == "project"
@@ -86,7 +86,7 @@ def test_steering_files_with_schedules_and_old_files(tmp_path):
   assert float(v.schedule.gate_scale[0]) == 2.0 and float(v.schedule.gate_bias[0]) == -1.0
   window = _write(tmp_path / "window.json", {"blocks.1.hook_resid_post": {
       "vector": [1.0] * d, "steps": [2, 4], "gate": {"site": "blocks.0.hook_resid_post", "reduce": "norm"}}})
-  hooks, values = steering.steering(window, CONFIG, 1, 12)
+  hooks, values = steering_file.steering(window, CONFIG, 1, 12)
   assert np.asarray(values.edits[0].schedule.table).tolist() == [[0, 0, 1, 1]]
   assert hooks.captures[0].reduce == "norm"
 
@@ -103,8 +103,8 @@ def test_steering_files_with_schedules_and_old_files(tmp_path):
          ({"vector": [[1.0] * d], "bins": [0, 0], "steps": [0, 3]}, "names step 2, but the sampler runs at most 2")]
   for i, (entry, words) in enumerate(bad):
     path = _write(tmp_path / f"bad{i}.json", {"blocks.1.hook_resid_post": entry})
-    with pytest.raises(cli.UserError) as error:
-      steering.steering(path, CONFIG, 1, 12)
+    with pytest.raises(SessionError) as error:
+      steering_file.steering(path, CONFIG, 1, 12)
     assert words in str(error.value) and "\n" not in str(error.value), (entry, str(error.value))
 
 

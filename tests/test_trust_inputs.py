@@ -21,7 +21,8 @@ from dlm_jax import model
 from dlm_jax.io import checkpoint
 from dlm_jax.config import ConfigError, ModelConfig, preset
 from dlm_jax.io.errors import CheckpointError
-from experiments.common import checkpoints, decoding, items, run_dir, size_limits
+from dlm_jax.session import SessionError, decode_settings, size_limits, training_record
+from experiments.common import items, run_dir
 from experiments.common.cli import UserError
 from experiments.forward import forward_with_attention, nonfinite_message
 
@@ -151,14 +152,14 @@ def test_parameter_estimate_matches_the_model_for_a_dense_config():
 
 def test_flag_sizes_refused():
   for name, value in (("gen_length", 10**9), ("steps", 10**9), ("batch_size", 10**6), ("n_items", 10**9)):
-    with pytest.raises(UserError, match=f"--{name}={value}: above the limit"):
+    with pytest.raises(SessionError, match=f"--{name}={value}: above the limit"):
       size_limits.check(**{name: value})
   size_limits.check(gen_length=size_limits.MAX_SEQUENCE, steps=None)
-  with pytest.raises(UserError, match="--gen_length=1000000000"):
-    decoding.DecodeSettings(gen_length=10**9)
-  with pytest.raises(UserError, match="positions, above the limit"):
+  with pytest.raises(SessionError, match="--gen_length=1000000000"):
+    decode_settings.DecodeSettings(gen_length=10**9)
+  with pytest.raises(SessionError, match="positions, above the limit"):
     size_limits.check_sequence(100, size_limits.MAX_SEQUENCE, 50)
-  with pytest.raises(UserError, match="logits is above the limit"):
+  with pytest.raises(SessionError, match="logits is above the limit"):
     size_limits.check_sequence(10, 100_000, 126464, batch=2)
 
 
@@ -243,8 +244,8 @@ def test_json_files_named_in_errors(tiny, tmp_path, content, message):
   with pytest.raises(UserError, match=f"run.json {message}"):
     run_dir.RunDir(str(run), {"a": 1})
   (tmp_path / "ckpt" / "training.json").write_bytes(content)
-  with pytest.raises(UserError, match=f"training.json {message}"):
-    checkpoints.training_record(directory)
+  with pytest.raises(SessionError, match=f"training.json {message}"):
+    training_record.read(directory)
 
 
 def test_wrong_field_types_refused(tiny, tmp_path):

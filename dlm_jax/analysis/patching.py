@@ -23,13 +23,20 @@ def patch_values(trace: Trace, names: list[str]) -> tuple[jnp.ndarray, jnp.ndarr
   order (e.g. "blocks.0.hook_resid_pre", "blocks.1.hook_resid_pre", …), each [M, B, S, F...] over the same
   kept steps. Returns (values [M, Le, B, S, F...], value_steps [M] int32: the step of each slot, −1 for a
   slot the run never filled, which matches no step)."""
-  missing = [n for n in names if trace.captures is None or n not in trace.captures]
+  return captured_patch_values(trace.captures, trace.capture_steps, names)
+
+
+def captured_patch_values(captures: dict | None, capture_steps: dict | None,
+                          names: list[str]) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """`patch_values` of a run's `Trace.captures` and `Trace.capture_steps` alone (e.g. brought to the host
+  without the rest of the `Trace`)."""
+  missing = [n for n in names if captures is None or n not in captures]
   if missing:
     raise ValueError(f"the run captured no {missing[0]!r}; capture it with Capture(..., reduce='none').")
-  steps = [np.asarray(trace.capture_steps[n]) for n in names]
+  steps = [np.asarray(capture_steps[n]) for n in names]
   if any(not np.array_equal(s, steps[0]) for s in steps[1:]):
     raise ValueError(f"the captures {names} were kept at different steps; capture them with one Capture.")
-  return jnp.stack([trace.captures[n] for n in names], axis=1), jnp.asarray(steps[0], jnp.int32)
+  return jnp.stack([captures[n] for n in names], axis=1), jnp.asarray(steps[0], jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)

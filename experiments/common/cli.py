@@ -5,9 +5,10 @@ that cannot be used, a malformed task file — is reported as one line on stderr
 
   experiments.<binary>: error: <what is wrong and what was expected>
 
-with exit code 1 and no traceback (`--verbose` prints the traceback too). Usage errors (`UsageError`:
-a combination of flags that does not make sense) add a pointer to `--helpfull` instead of printing the
-module docstring and every flag. Errors in flag parsing itself (an unknown flag, a bad value, a missing
+with exit code 1 and no traceback (`--verbose` prints the traceback too). The library's decoding-session errors
+(`dlm_jax.session.SessionError`) are reported the same way. Usage errors (`UsageError`: a combination of flags
+that does not make sense; the library's `CombinationError`) add a pointer to `--helpfull` instead of printing
+the module docstring and every flag. Errors in flag parsing itself (an unknown flag, a bad value, a missing
 required flag) take the same one-line form instead of absl's `FATAL Flags parsing error`.
 
 Ctrl-C (KeyboardInterrupt) ends any binary with one line saying how to go on, exit code 130:
@@ -33,6 +34,7 @@ from dlm_jax.extras import MissingExtra
 from dlm_jax.runtime import backend_probe
 from dlm_jax.io.checkpoint import CheckpointError
 from dlm_jax.config import ConfigError
+from dlm_jax.session.errors import CombinationError, SessionError
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "On an error, also print the Python traceback.")
 
@@ -45,10 +47,10 @@ class UsageError(UserError):
   """A flag combination that does not make sense (the message is followed by a pointer to --helpfull)."""
 
 
-USER_ERRORS = (UserError, app.UsageError, CheckpointError, ConfigError, FileNotFoundError, NotADirectoryError,
-               IsADirectoryError, PermissionError, MissingExtra)
-"""Exceptions `run` reports as one line: ours, the library's errors about checkpoints, configs and files, and a
-missing extra (`dlm_jax.extras`)."""
+USER_ERRORS = (UserError, app.UsageError, CheckpointError, ConfigError, SessionError, FileNotFoundError,
+               NotADirectoryError, IsADirectoryError, PermissionError, MissingExtra)
+"""Exceptions `run` reports as one line: ours, the library's errors about checkpoints, configs, decoding
+settings (`dlm_jax.session`) and files, and a missing extra (`dlm_jax.extras`)."""
 
 
 DEFAULT_RESUME_HINT = "nothing was written; run the same command again"
@@ -76,7 +78,7 @@ def report(error: BaseException) -> NoReturn:
   if flags.FLAGS.is_parsed() and _VERBOSE.value:
     traceback.print_exception(error, file=sys.stderr)
   message = " ".join(str(error).split()) or type(error).__name__
-  if isinstance(error, (UsageError, app.UsageError)):
+  if isinstance(error, (UsageError, app.UsageError, CombinationError)):
     message += " (see --helpfull)"
   print(f"{program_name()}: error: {message}", file=sys.stderr)
   sys.exit(1)

@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from dlm_jax.io import json_files
-from experiments.common.checkpoints import SAMPLERS
+from dlm_jax.session.checkpoint_bundle import SAMPLERS
 from experiments.common.cli import UserError
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # experiments/data

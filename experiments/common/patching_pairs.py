@@ -8,8 +8,8 @@ import dataclasses
 import random
 
 from dlm_jax.tasks import synthetic, synthetic_pairs
+from dlm_jax.session.checkpoint_bundle import Model
 from experiments.common import decoding, prompts
-from experiments.common.checkpoints import Model
 from experiments.common.items import Item
 
 

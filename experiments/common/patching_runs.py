@@ -7,7 +7,6 @@ Shapes: P pairs of a chunk, n steps of a run, Le layers, R rows of a call, S seq
 from __future__ import annotations
 
 import functools
-import types
 from typing import Any
 
 import jax
@@ -15,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dlm_jax.analysis import attribution, patching_grid
-from dlm_jax.analysis.patching import patch_values
+from dlm_jax.analysis.patching import captured_patch_values
 from dlm_jax.instrument import sites
 from dlm_jax.instrument.hook_call import hook_values
 from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks, Steps
@@ -247,8 +246,8 @@ def _gradient_fn(config, site: str, attention_impl: str, query_chunk: int):
 
 def _patch_values(host: dict, site: str, n_layers: int) -> np.ndarray:
   """[n, Le, B, S, *F] a capture run's values of `site` at every step (slot i holds step i)."""
-  values, steps = patch_values(types.SimpleNamespace(captures=host["captures"], capture_steps=host["capture_steps"]),
-                               [sites.full_name(site, l) for l in range(n_layers)])
+  values, steps = captured_patch_values(host["captures"], host["capture_steps"],
+                                       [sites.full_name(site, l) for l in range(n_layers)])
   if not np.array_equal(np.asarray(steps), np.arange(len(steps))):
     raise RuntimeError(f"the capture run kept {site} at steps {np.asarray(steps).tolist()}, not at every step")
   return np.asarray(values)

@@ -18,8 +18,8 @@ import dataclasses
 
 import numpy as np
 
+from dlm_jax.session.checkpoint_bundle import Model
 from experiments.common import chat
-from experiments.common.checkpoints import Model
 from experiments.common.cli import UserError
 from experiments.common.items import Item
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dlm_jax.session.checkpoint_bundle import Model
 from experiments.common import prompts
-from experiments.common.checkpoints import Model
 
 
 def decoded_steps(nfe: int, active_rows: np.ndarray, row: int) -> np.ndarray:

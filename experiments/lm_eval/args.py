@@ -4,17 +4,17 @@ resolved per task with a preset (`experiments.lm_eval.presets`).
   checkpoint      converted directory or tiny-dlm | tiny-arm | tiny-moe-dlm | tiny-uniform-dlm | smollm2 (required)
   sampler         auto | llada | mmada | dream | ar | block_diffusion | diffusion_gemma (auto: by the model)
   decoding        exact | threshold | factor | prefix_cache | dual_cache | threshold_prefix_cache |
-                  threshold_dual_cache, with threshold / factor (`experiments.common.decoding_modes`), or a
+                  threshold_dual_cache, with threshold / factor (`dlm_jax.session.decoding_mode`), or a
                   decoding rule eb | klass | wino | pc | certainty_prior with its knobs eb_gamma,
                   klass_conf_threshold, klass_kl_threshold, klass_kl_history_length, wino_wide_in,
                   wino_narrow_out, pc_prior (a prior file), pc_lambda, pc_alpha, pc_variant, certainty_sigma
   gen_length, steps, block_length, temperature, remasking, alg, alg_temp, top_p, top_k
-                  generation (`experiments.common.decoding`; unset = that module's per-model defaults, gen_length
+                  generation (`dlm_jax.session.decode_settings`; unset = its per-model defaults, gen_length
                   then the request's max_gen_toks)
   cfg             guidance weight for generation and likelihood (0 = none)
   mask_sinks      K >= 0: mask the previous step's top-K sinks while generating (0 = off)
   sink_token      auto | none: the checkpoint's extra sink token (auto: as trained) or none
-  steer           a steering file (JSON; `experiments.common.steering`): activation additions at named sites
+  steer           a steering file (JSON; `dlm_jax.session.steering_file`): activation additions at named sites
                   while generating (empty = none)
   prompt_format   auto | plain (BOS + text) | training (a diffusion model trained here: [PAD … BOS text] padded
                   with visible pads to its training prompt width, as `experiments.common.prompts`' training
@@ -42,8 +42,9 @@ import math
 from typing import Any
 
 from dlm_jax.sampling import decoding_rules
-from experiments.common import decoding, decoding_modes, numerics, steering
-from experiments.common.checkpoints import SAMPLERS
+from dlm_jax.session import SessionError, decode_settings, decoding_mode, steering_file
+from dlm_jax.session.checkpoint_bundle import SAMPLERS
+from experiments.common import numerics
 from experiments.common.cli import UserError
 from experiments.lm_eval import presets
 
@@ -59,8 +60,8 @@ class EvalArgs:
   checkpoint: str
   sampler: str = "auto"
   decoding: str = "exact"
-  threshold: float = decoding_modes.DEFAULT_THRESHOLD
-  factor: float = decoding_modes.DEFAULT_FACTOR
+  threshold: float = decoding_mode.DEFAULT_THRESHOLD
+  factor: float = decoding_mode.DEFAULT_FACTOR
   eb_gamma: float = decoding_rules.EBSampler.gamma
   klass_conf_threshold: float = decoding_rules.KLASS.conf_threshold
   klass_kl_threshold: float = decoding_rules.KLASS.kl_threshold
@@ -102,9 +103,9 @@ class EvalArgs:
 
   def __post_init__(self):
     _choice("sampler", self.sampler, SAMPLERS)
-    _choice("decoding", self.decoding, tuple(decoding_modes.ALL_MODES))
-    _choice("remasking", self.remasking, decoding.REMASKING)
-    _choice("alg", self.alg, decoding.DREAM_ALGS)
+    _choice("decoding", self.decoding, tuple(decoding_mode.ALL_MODES))
+    _choice("remasking", self.remasking, decode_settings.REMASKING)
+    _choice("alg", self.alg, decode_settings.DREAM_ALGS)
     _choice("sink_token", self.sink_token, SINK_TOKENS)
     _choice("prompt_format", self.prompt_format, PROMPT_FORMATS)
     _choice("estimator", self.estimator, ESTIMATORS)
@@ -126,18 +127,18 @@ class EvalArgs:
       raise UserError(f"model_args eps={self.eps}: expected a value in (0, 1)")
     try:
       self.mode  # pylint: disable=pointless-statement
-    except (UserError, ValueError) as e:
+    except ValueError as e:
       raise UserError(f"model_args decoding={self.decoding}: {e}") from None
     if self.steer:
       try:
-        steering.read(self.steer)
-      except UserError as e:
+        steering_file.read(self.steer)
+      except SessionError as e:
         raise UserError(f"model_args steer={self.steer}: {e}") from None
 
   @property
-  def mode(self) -> decoding_modes.DecodingMode:
-    knobs = decoding_modes.rule_knobs(self.decoding, {name: getattr(self, name) for name in decoding_modes.RULE_ARGS})
-    return decoding_modes.from_values(self.decoding, self.threshold, self.factor, knobs=knobs)
+  def mode(self) -> decoding_mode.DecodingMode:
+    knobs = decoding_mode.rule_knobs(self.decoding, {name: getattr(self, name) for name in decoding_mode.RULE_ARGS})
+    return decoding_mode.from_values(self.decoding, self.threshold, self.factor, knobs=knobs)
 
   @property
   def runtime_mesh(self) -> str:

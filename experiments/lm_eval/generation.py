@@ -5,12 +5,12 @@ through the compiled samplers (`experiments.common.decoding.generate`), cut at t
 Per request: the task's preset values (`EvalArgs.for_task`), then the request's generation kwargs —
 `until` (a string or a list), `max_gen_toks` (the generation length when model_args and the preset give
 none), `temperature`, `do_sample` (False = temperature 0), `top_p`, `top_k`; other kwargs are ignored
-with a warning. Prompts of a batch are left-padded to a multiple of 32 (`experiments.common.decoding`'s
+with a warning. Prompts of a batch are left-padded to a multiple of 32 (`dlm_jax.session.decode_settings`'
 invariant padding: pad keys hidden, positions shifted) and every row's PRNG key derives from the seed
 and the request (`decoding.batch_key`), so a request's text does not depend on the batch it lands in
 beyond float32 reduction order. mask_sinks = K > 0 runs the sampler under `MaskPreviousSinks(K)`
 (`MaskPreviousSinksAR` for causal models) composed after the checkpoint's own sink token; steer = FILE adds
-the steering file's vectors at their sites inside the sampler (`experiments.common.steering`).
+the steering file's vectors at their sites inside the sampler (`dlm_jax.session.steering_file`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ import numpy as np
 
 from dlm_jax.instrument import interventions
 from dlm_jax.runtime import distributed
-from experiments.common import decoding, prompts, steering
+from dlm_jax import session
+from dlm_jax.session import SessionError, steering_file
+from dlm_jax.session.decode_settings import DecodeSettings
+from experiments.common import decoding, prompts
 from experiments.common.cli import UserError
-from experiments.common.decoding import DecodeSettings
 from experiments.lm_eval.args import EvalArgs
 
 LOG = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ def decode_settings(args: EvalArgs, gen_kwargs: dict[str, Any]) -> DecodeSetting
                           temperature=temperature, cfg_scale=args.cfg, remasking=args.remasking, alg=args.alg,
                           alg_temp=args.alg_temp, top_p=gen_kwargs.get("top_p", args.top_p),
                           top_k=None if top_k is None else int(top_k), padding="invariant", seed=args.seed)
-  except UserError as e:
+  except SessionError as e:
     raise UserError(f"generation kwargs {gen_kwargs}: {e}") from None
 
 
@@ -94,7 +96,10 @@ def run_batch(model, values: dict[str, Any], ids: list[list[int]], item_ids: lis
     state = decoding.masker_state(model, intervention, masker, rows, total, args.mask_sinks, valid)
   hooks, hook_values = None, None
   if args.steer:
-    hooks, hook_values = steering.steering(args.steer, model.config, rows, width + values["gen_length"])
+    try:
+      hooks, hook_values = steering_file.steering(args.steer, model.config, rows, width + values["gen_length"])
+    except SessionError as e:
+      raise UserError(str(e)) from None
   trace = decoding.generate(model, values, batch, runtime, numerics, key=key, intervention=intervention,
                             intervention_state=state, hooks=hooks, hook_values=hook_values)
   generated = np.asarray(distributed.to_host(trace.generated))
@@ -113,7 +118,10 @@ def generate_until(lm, requests) -> list[str]:
   for index, request in enumerate(requests):
     context, gen_kwargs = request.args
     args = lm.args.for_task(request.task_name)
-    values = decoding.model_settings(decode_settings(args, dict(gen_kwargs)), lm.model, args.mode)
+    try:
+      values = session.model_settings(decode_settings(args, dict(gen_kwargs)), lm.model, args.mode)
+    except SessionError as e:
+      raise UserError(str(e)) from None
     ids = lm.context_ids(context, reserve=values["gen_length"])
     resolved[index] = (args, values, ids, stop_strings(gen_kwargs))
     groups.setdefault(json.dumps([dataclasses.asdict(args) | {"given": None}, values], sort_keys=True,

@@ -22,6 +22,7 @@ from lm_eval.api.registry import register_model
 
 from dlm_jax.io import prompt_layout
 from dlm_jax.io.tokenizer import chat_text
+from dlm_jax.session import SessionError, checkpoint_bundle
 from experiments.common import chat, checkpoints, devices
 from experiments.common import prompts as prompts_lib
 from experiments.common.cli import UserError
@@ -30,7 +31,7 @@ from experiments.lm_eval import generation, scoring
 from experiments.common.numerics import Numerics
 
 
-def resolve_prompt_format(requested: str, model: checkpoints.Model) -> str:
+def resolve_prompt_format(requested: str, model: checkpoint_bundle.Model) -> str:
   """model_args prompt_format with auto resolved by the checkpoint (`dlm_jax.io.prompt_layout`; its chat default
   is plain here: lm-eval's --apply_chat_template applies the template); training needs a recorded width."""
   chosen = prompt_layout.resolve(requested, model.directory, model.record)
@@ -41,7 +42,7 @@ def resolve_prompt_format(requested: str, model: checkpoints.Model) -> str:
 
 @register_model("dlm_jax")
 class DlmJaxLM(LM):
-  """lm-eval `LM` over a dlm_jax checkpoint. Attributes: args (`EvalArgs`), model (`checkpoints.Model`
+  """lm-eval `LM` over a dlm_jax checkpoint. Attributes: args (`EvalArgs`), model (`checkpoint_bundle.Model`
   with weights), runtime, numerics, prompt_format (plain or training: model_args prompt_format resolved)."""
 
   def __init__(self, **kwargs):
@@ -53,7 +54,10 @@ class DlmJaxLM(LM):
       raise UserError(f"model_args mesh={self.args.mesh}: {str(e).partition(': ')[2]}") from None
     self.runtime = devices.init_runtime(runtime_settings)
     self.numerics = Numerics(dtype=self.args.dtype)
-    model = checkpoints.prepare(self.args.checkpoint, self.args.sampler, "plain")
+    try:
+      model = checkpoints.prepare(self.args.checkpoint, self.args.sampler, "plain")
+    except SessionError as e:
+      raise UserError(str(e)) from None
     if self.args.sink_token == "none" and model.sink_token != "none":
       record = dict(model.record, train_config=dict(model.record.get("train_config", {}), sink="none"))
       model = dataclasses.replace(model, record=record)

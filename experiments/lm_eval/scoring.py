@@ -21,9 +21,9 @@ import logging
 import numpy as np
 
 from dlm_jax.analysis import likelihood_batch
-from experiments.common import decoding
+from dlm_jax.session import decode_settings
+from dlm_jax.session.decode_settings import DecodeSettings
 from experiments.common.cli import UserError
-from experiments.common.decoding import DecodeSettings
 from experiments.lm_eval import generation
 
 LOG = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def _greedy(lm, args, pairs: list[tuple[list[int], list[int]]]) -> list[bool]:
   for length, members in by_length.items():
     settings = DecodeSettings(gen_length=length, steps=length, block_length=length, temperature=0.0,
                               cfg_scale=args.cfg, alg=args.alg, padding="invariant", seed=args.seed)
-    values = decoding.model_settings(settings, lm.model)
+    values = decode_settings.model_settings(settings, lm.model)
     for start in range(0, len(members), args.batch_size):
       chunk = members[start:start + args.batch_size]
       rows = generation.run_batch(lm.model, values, [pairs[i][0] for i in chunk], [str(pairs[i]) for i in chunk],

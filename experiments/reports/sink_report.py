@@ -12,10 +12,10 @@ import numpy as np
 
 from dlm_jax.analysis import routing
 from dlm_jax.sampling import registry
+from dlm_jax.session.decoding_mode import MODES
 from experiments.reports import figure_axes
 from experiments.common import atomic_files
 from experiments.reports import plots, summary_files
-from experiments.common.decoding_modes import MODES
 
 PAPER_TABLE2 = {
     "LLaDA-8B": [("Ċ", 0.368), ("<|mdm_mask|>", 0.366), (".", 0.050), ("<|start_header_id|>", 0.008),

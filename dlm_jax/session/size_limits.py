@@ -1,4 +1,5 @@
-"""Ceilings on the sizes the binaries take from flags, checked before anything is allocated.
+"""Ceilings on the sizes a session takes from its settings (the binaries' flags), checked before anything is
+allocated.
 
 `--gen_length=10**9` must be a one-line error, not an allocation that runs for minutes. Two rules:
 
@@ -11,7 +12,7 @@
 
 from __future__ import annotations
 
-from experiments.common.cli import UserError
+from dlm_jax.session.errors import SessionError
 
 MAX_SEQUENCE = 131072
 MAX_STEPS = 131072
@@ -30,19 +31,19 @@ CEILINGS = {"gen_length": MAX_SEQUENCE, "block_length": MAX_SEQUENCE, "seq_len":
 
 
 def check(**values: int | None) -> None:
-  """Raises UserError naming the first flag whose value is above its ceiling (None: unset, accepted)."""
+  """Raises SessionError naming the first flag whose value is above its ceiling (None: unset, accepted)."""
   for name, value in values.items():
     limit = CEILINGS[name]
     if value is not None and value > limit:
-      raise UserError(f"--{name}={value}: above the limit {limit}; nothing was allocated")
+      raise SessionError(f"--{name}={value}: above the limit {limit}; nothing was allocated")
 
 
 def check_sequence(prompt_length: int, gen_length: int, vocab_size: int, batch: int = 1) -> None:
   """Refuses a sampler call whose sequence or logits would be larger than the ceilings (module docstring)."""
   length = prompt_length + gen_length
   if length > MAX_SEQUENCE:
-    raise UserError(f"prompt ({prompt_length}) + --gen_length ({gen_length}) = {length} positions, above the limit "
-                    f"{MAX_SEQUENCE}; nothing was allocated")
+    raise SessionError(f"prompt ({prompt_length}) + --gen_length ({gen_length}) = {length} positions, above the "
+                       f"limit {MAX_SEQUENCE}; nothing was allocated")
   if batch * length * vocab_size > MAX_LOGITS:
-    raise UserError(f"{batch} × {length} positions × vocabulary {vocab_size} logits is above the limit of "
-                    f"{MAX_LOGITS} ({MAX_LOGITS * 4 // 2**30} GiB of float32); use a smaller --gen_length or batch")
+    raise SessionError(f"{batch} × {length} positions × vocabulary {vocab_size} logits is above the limit of "
+                       f"{MAX_LOGITS} ({MAX_LOGITS * 4 // 2**30} GiB of float32); use a smaller --gen_length or batch")

@@ -1,8 +1,9 @@
-"""The decoding modes of the binaries (--decoding, --threshold, --factor) and how a mode becomes sampler
-options: exact decoding, or Fast-dLLM's parallel decoding and approximate KV caches
-(`reference/decoding_modes.md` §2–§5; the library side is `dlm_jax.sampling.llada_blockwise`).
+"""The decoding modes of a decoding session (the binaries' --decoding, --threshold, --factor; lm-eval's
+model_args of the same names) and how a mode becomes sampler options: exact decoding, or Fast-dLLM's
+parallel decoding and approximate KV caches (`reference/decoding_modes.md` §2–§5; the library side is
+`dlm_jax.sampling.llada_blockwise`).
 
-  --decoding              transfer rule at a step (in the current block)      model calls of a block
+  mode (--decoding)       transfer rule at a step (in the current block)      model calls of a block
   exact                   the sampler's own (LLaDA: a quota of steps/blocks)  the whole sequence at every step
   threshold               confidence >= --threshold, at least the best one    the whole sequence at every step
   factor                  Fast-dLLM's factor rule with --factor (NVlabs')     the whole sequence at every step
@@ -28,7 +29,7 @@ the refresh included; masks a block leaves compete at later blocks' refreshes an
 mask ids); LLaDA and MMaDA only.
 
 Decoding rules. eb, klass, wino, pc and certainty_prior run the rules of `dlm_jax.sampling.decoding_rules`
-(EB-Sampler, KLASS, WINO, PC-Sampler, d2Cache's certainty prior) with their knobs (`experiments.common.rule_flags`:
+(EB-Sampler, KLASS, WINO, PC-Sampler, d2Cache's certainty prior) with their knobs (`experiments.common.decoding_flags`:
 --eb_gamma, --klass_*, --wino_*, --pc_prior / --pc_lambda / --pc_alpha / --pc_variant, --certainty_sigma;
 recorded as "knobs"); LLaDA, MMaDA and Dream (WINO: LLaDA and MMaDA), no cache.
 
@@ -38,7 +39,8 @@ and MMaDA take every mode (`LLaDAOptions.threshold / factor / cache`), Dream too
 the binaries' block length; its quota caches need --alg other than origin, which reveals at random). The
 autoregressive
 sampler already decodes with an exact KV cache, one token per call: the modes do not apply to it (the
-binaries warn and decode it as usual). Block diffusion (LLaDA2.x, block-causal models) always decodes with
+binaries warn and decode it as usual, `experiments.common.decoding.warn_if_unused`). Block diffusion (LLaDA2.x,
+block-causal models) always decodes with
 its exact KV cache: exact is LLaDA2's own rule, threshold Fast-dLLM's; the cache and factor modes are
 refused. The DiffusionGemma sampler (uniform-state models) has its own acceptance rule (entropy bound) and
 an exact prompt cache: like the autoregressive one it is decoded as usual, with a warning.
@@ -50,10 +52,8 @@ import dataclasses
 import math
 from typing import Any
 
-from absl import logging
-
 from dlm_jax.sampling import corpus_prior, decoding_rules, registry
-from experiments.common.cli import UsageError, UserError
+from dlm_jax.session.errors import CombinationError, SessionError
 
 MODES: dict[str, tuple[str, str]] = {
     "exact": ("quota", "none"),
@@ -112,20 +112,20 @@ class DecodingMode:
 
   def __post_init__(self):
     if self.decoding not in ALL_MODES:
-      raise UserError(f"--decoding={self.decoding}: expected one of {', '.join(ALL_MODES)}")
+      raise SessionError(f"--decoding={self.decoding}: expected one of {', '.join(ALL_MODES)}")
     _check_threshold(self.threshold)
     _check_factor(self.factor)
     for name, used in (("threshold", self.rule == "threshold"), ("factor", self.rule == "factor")):
       if (getattr(self, name) is not None) != used:
-        raise UserError(f"--decoding={self.decoding} {'needs' if used else 'takes no'} a {name} value")
+        raise SessionError(f"--decoding={self.decoding} {'needs' if used else 'takes no'} a {name} value")
     if self.dual_cache_forwards not in DUAL_CACHE_FORWARDS:
-      raise UserError(f"--dual_cache_forwards={self.dual_cache_forwards}: expected one of "
-                      f"{', '.join(DUAL_CACHE_FORWARDS)}")
+      raise SessionError(f"--dual_cache_forwards={self.dual_cache_forwards}: expected one of "
+                         f"{', '.join(DUAL_CACHE_FORWARDS)}")
     if self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0] and self.cache != "dual":
-      raise UserError(f"--dual_cache_forwards={self.dual_cache_forwards} applies to the dual-cache modes "
-                      f"(dual_cache, threshold_dual_cache), not --decoding={self.decoding}")
+      raise SessionError(f"--dual_cache_forwards={self.dual_cache_forwards} applies to the dual-cache modes "
+                         f"(dual_cache, threshold_dual_cache), not --decoding={self.decoding}")
     if self.knobs and self.rule not in decoding_rules.RULE_NAMES:
-      raise UserError(f"--decoding={self.decoding} takes no rule knobs ({', '.join(k for k, _ in self.knobs)})")
+      raise SessionError(f"--decoding={self.decoding} takes no rule knobs ({', '.join(k for k, _ in self.knobs)})")
     if self.rule in decoding_rules.RULE_NAMES:
       self.decoding_rule()
 
@@ -134,7 +134,7 @@ class DecodingMode:
     try:
       return decoding_rules.rule_from_name(self.decoding, **dict(self.knobs))
     except ValueError as e:
-      raise UserError(f"--decoding={self.decoding}: {e}") from None
+      raise SessionError(f"--decoding={self.decoding}: {e}") from None
 
   @property
   def factor_rule(self) -> str:
@@ -158,7 +158,7 @@ class DecodingMode:
 
   @property
   def spec(self) -> str:
-    """`name` or `name:value` (the rule's parameter), as `from_spec` reads it."""
+    """The mode as `from_spec` reads it: its name, or its name, a colon and the rule's parameter."""
     value = self.threshold if self.threshold is not None else self.factor
     return self.decoding if value is None else f"{self.decoding}:{value:g}"
 
@@ -193,8 +193,8 @@ class DecodingMode:
       return {}
     if self.rule in decoding_rules.RULE_NAMES:
       if "rule" not in supported:
-        raise UsageError(f"--decoding={self.decoding}: the {sampler} sampler has no {self.decoding} decoding yet; "
-                         "use --decoding=exact, threshold or factor")
+        raise CombinationError(f"--decoding={self.decoding}: the {sampler} sampler has no {self.decoding} decoding "
+                               "yet; use --decoding=exact, threshold or factor")
       return {"rule": self.decoding_rule()}
     if "transfer" in supported:
       return self._transfer_fields(sampler)
@@ -205,8 +205,8 @@ class DecodingMode:
       fields["dual_cache_forwards"] = self.dual_cache_forwards
     missing = sorted(k for k, v in fields.items() if v not in (None, "none") and k not in supported)
     if missing:
-      raise UsageError(f"--decoding={self.decoding}: the {sampler} sampler has no {' / '.join(missing)} decoding "
-                       "yet; use --decoding=exact")
+      raise CombinationError(f"--decoding={self.decoding}: the {sampler} sampler has no {' / '.join(missing)} "
+                             "decoding yet; use --decoding=exact")
     return {k: v for k, v in fields.items() if k in supported}
 
   def _transfer_fields(self, sampler: str) -> dict[str, Any]:
@@ -214,8 +214,8 @@ class DecodingMode:
     cache always: exact = its own rule (LLaDA2's: a quota, or every proposal above τ = 0.95), threshold =
     Fast-dLLM's rule at --threshold."""
     if self.cache != "none" or self.rule == "factor":
-      raise UsageError(f"--decoding={self.decoding}: the {sampler} sampler always decodes with its exact "
-                       "KV cache and has no factor rule; use --decoding=exact (LLaDA2's rule) or threshold")
+      raise CombinationError(f"--decoding={self.decoding}: the {sampler} sampler always decodes with its exact "
+                             "KV cache and has no factor rule; use --decoding=exact (LLaDA2's rule) or threshold")
     if self.rule == "threshold":
       return {"transfer": "fast_dllm", "threshold": self.threshold}
     return {}
@@ -229,23 +229,24 @@ class DecodingMode:
     try:
       corpus_prior.load(prior, vocab=tokenizer.backend.get_vocab(with_added_tokens=True))
     except ValueError as e:
-      raise UserError(f"--decoding=pc: {e}") from None
+      raise SessionError(f"--decoding=pc: {e}") from None
 
   def check_guidance(self, cfg_scale: float) -> None:
     """Refuses a KV cache together with classifier-free guidance (the unconditional sequence has no cache)."""
     if self.cache != "none" and cfg_scale > 0:
-      raise UsageError(f"--decoding={self.decoding} keeps a KV cache, which classifier-free guidance "
-                       f"(--cfg_scale={cfg_scale:g}) does not support; use --cfg_scale=0 or a mode without a cache")
+      raise CombinationError(f"--decoding={self.decoding} keeps a KV cache, which classifier-free guidance "
+                             f"(--cfg_scale={cfg_scale:g}) does not support; use --cfg_scale=0 or a mode without a "
+                             "cache")
 
 
 def _check_threshold(value: float | None) -> None:
   if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
-    raise UserError(f"--threshold={value}: expected a confidence in [0, 1]")
+    raise SessionError(f"--threshold={value}: expected a confidence in [0, 1]")
 
 
 def _check_factor(value: float | None) -> None:
   if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-    raise UserError(f"--factor={value}: expected a finite value > 0")
+    raise SessionError(f"--factor={value}: expected a finite value > 0")
 
 
 def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: float = DEFAULT_FACTOR,
@@ -256,7 +257,7 @@ def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: flo
   _check_threshold(threshold)
   _check_factor(factor)
   if decoding not in ALL_MODES:
-    raise UserError(f"--decoding={decoding}: expected one of {', '.join(ALL_MODES)}")
+    raise SessionError(f"--decoding={decoding}: expected one of {', '.join(ALL_MODES)}")
   rule = ALL_MODES[decoding][0]
   return DecodingMode(decoding, threshold if rule == "threshold" else None, factor if rule == "factor" else None,
                       dual_cache_forwards, knobs if rule in decoding_rules.RULE_NAMES else ())
@@ -271,11 +272,11 @@ def from_spec(spec: str) -> DecodingMode:
   if name in decoding_rules.RULE_NAMES:
     return from_values(name, knobs=_rule_knobs(spec, value))
   if name not in MODES or MODES[name][0] == "quota":
-    raise UserError(f"decoding mode {spec!r}: only modes with a threshold or factor take ':value'")
+    raise SessionError(f"decoding mode {spec!r}: only modes with a threshold or factor take ':value'")
   try:
     number = float(value)
   except ValueError:
-    raise UserError(f"decoding mode {spec!r}: expected name:number") from None
+    raise SessionError(f"decoding mode {spec!r}: expected name:number") from None
   return from_values(name, threshold=number) if MODES[name][0] == "threshold" else from_values(name, factor=number)
 
 
@@ -285,7 +286,7 @@ def _rule_knobs(spec: str, text: str) -> tuple[tuple[str, Any], ...]:
   for item in text.split(","):
     key, eq, raw = item.partition("=")
     if not eq or not key:
-      raise UserError(f"decoding mode {spec!r}: expected name:knob=value[,knob=value...]")
+      raise SessionError(f"decoding mode {spec!r}: expected name:knob=value[,knob=value...]")
     try:
       knobs[key] = int(raw)
     except ValueError:
@@ -295,14 +296,3 @@ def _rule_knobs(spec: str, text: str) -> tuple[tuple[str, Any], ...]:
         knobs[key] = raw
   return tuple(sorted(knobs.items()))
 
-
-def warn_if_unused(mode: DecodingMode, sampler: str, label: str) -> None:
-  """Logs that a non-exact mode does not apply to a sampler without modes, the autoregressive or the
-  DiffusionGemma one (decoded as usual)."""
-  if mode.exact or registry.get(sampler).has_modes:
-    return
-  if registry.get(sampler).kind == "causal":
-    usual = "the autoregressive sampler decodes as usual (one token per call, exact KV cache)"
-  else:
-    usual = f"the {sampler} sampler decodes as usual (entropy-bound acceptance, exact prompt cache)"
-  logging.warning("%s: --decoding=%s applies to the masked diffusion samplers; %s", label, mode.decoding, usual)

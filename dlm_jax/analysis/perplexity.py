@@ -9,8 +9,8 @@ not change the real tokens' predictions) and only real next-token targets are sc
                  the unmasked pass removed from every query but themselves (the static analogue of the
                  paper's top-K masking; one compiled program serves every K).
 
-Candidate could move to `dlm_jax.analysis.likelihood`; it only composes `call_plan.intervened_forward`,
-`sink_selection.top_k_sinks` and `training.token_cross_entropy`.
+It composes `call_plan.intervened_forward`, `sink_selection.top_k_sinks` and `training.token_cross_entropy`;
+`experiments.sink_masking_eval` reports it beside the decoding results.
 """
 
 from __future__ import annotations

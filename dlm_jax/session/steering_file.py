@@ -40,22 +40,22 @@ from dlm_jax.instrument import step_schedule
 from dlm_jax.instrument.hook_call import CaptureValues, HookValues, hook_values
 from dlm_jax.instrument.hook_spec import POSITION_CLASSES, Capture, Edit, Hooks
 from dlm_jax.instrument.step_schedule import GATE_REDUCTIONS
-from experiments.common.cli import UserError
+from dlm_jax.session.errors import SessionError
 
 ENTRY_KEYS = ("vector", "coefficient", "positions", "steps", "schedule", "bins", "gate")
 GATE_KEYS = ("site", "reduce", "direction", "scale", "bias")
 
 
 def read(path: str) -> list[tuple[str, dict]]:
-  """The file's entries [(site, entry)], checked for their form (not yet against a model); UserError names
+  """The file's entries [(site, entry)], checked for their form (not yet against a model); SessionError names
   the file and the entry."""
   try:
     with open(path, encoding="utf-8") as f:
       spec = json.load(f)
   except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise UserError(f"steering file {path}: cannot read it as JSON ({e})") from None
+    raise SessionError(f"steering file {path}: cannot read it as JSON ({e})") from None
   if not isinstance(spec, dict) or not spec:
-    raise UserError(f"steering file {path}: expected a non-empty JSON object {{site: entry}}")
+    raise SessionError(f"steering file {path}: expected a non-empty JSON object {{site: entry}}")
   entries = []
   for site, entry in spec.items():
     where = f"steering file {path}, {site!r}"
@@ -63,17 +63,17 @@ def read(path: str) -> list[tuple[str, dict]]:
       kind, layer = sites.parse(site)
       Edit(site, "add")
     except ValueError as e:
-      raise UserError(f"{where}: {e}") from None
+      raise SessionError(f"{where}: {e}") from None
     if not isinstance(entry, dict) or "vector" not in entry or set(entry) - set(ENTRY_KEYS):
-      raise UserError(f"{where}: expected an object with \"vector\" and optionally {', '.join(ENTRY_KEYS[1:])}")
+      raise SessionError(f"{where}: expected an object with \"vector\" and optionally {', '.join(ENTRY_KEYS[1:])}")
     if isinstance(entry.get("coefficient", 1.0), bool) or not isinstance(entry.get("coefficient", 1.0), (int, float)):
-      raise UserError(f"{where}: coefficient must be a number")
+      raise SessionError(f"{where}: coefficient must be a number")
     if entry.get("positions", "masked") not in POSITION_CLASSES:
-      raise UserError(f"{where}: positions must be one of {', '.join(POSITION_CLASSES)}")
+      raise SessionError(f"{where}: positions must be one of {', '.join(POSITION_CLASSES)}")
     steps = entry.get("steps")
     if steps is not None and not (isinstance(steps, list) and len(steps) == 2 and all(
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps) and steps[0] < steps[1]):
-      raise UserError(f"{where}: steps must be [start, stop) with 0 <= start < stop")
+      raise SessionError(f"{where}: steps must be [start, stop) with 0 <= start < stop")
     _check_schedule(where, layer, entry)
     entries.append((site, entry))
   return entries
@@ -88,34 +88,34 @@ def _check_schedule(where: str, layer: int | None, entry: dict) -> None:
   """The form of an entry's "schedule", "bins" and "gate" (module docstring)."""
   table, bins, gate = entry.get("schedule"), entry.get("bins"), entry.get("gate")
   if table is not None and not _numbers(table):
-    raise UserError(f"{where}: schedule must be a non-empty list of finite numbers, one per step")
+    raise SessionError(f"{where}: schedule must be a non-empty list of finite numbers, one per step")
   if table is not None and "steps" in entry:
-    raise UserError(f"{where}: give either steps (a window) or schedule (a per-step table), not both")
+    raise SessionError(f"{where}: give either steps (a window) or schedule (a per-step table), not both")
   if bins is not None and not (isinstance(bins, list) and bins and all(
       isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in bins)):
-    raise UserError(f"{where}: bins must be a non-empty list of step bins >= 0, one per step")
+    raise SessionError(f"{where}: bins must be a non-empty list of step bins >= 0, one per step")
   if bins is not None and table is not None and len(bins) != len(table):
-    raise UserError(f"{where}: bins has {len(bins)} steps but schedule has {len(table)}; give one of each per step")
+    raise SessionError(f"{where}: bins has {len(bins)} steps but schedule has {len(table)}; give one of each per step")
   if gate is None:
     return
   if not isinstance(gate, dict) or "site" not in gate or set(gate) - set(GATE_KEYS):
-    raise UserError(f"{where}: gate must be an object with \"site\" and optionally {', '.join(GATE_KEYS[1:])}")
+    raise SessionError(f"{where}: gate must be an object with \"site\" and optionally {', '.join(GATE_KEYS[1:])}")
   if table is None and "steps" not in entry and bins is None:
-    raise UserError(f"{where}: a gate needs schedule, bins or steps (the steps it may act at)")
+    raise SessionError(f"{where}: a gate needs schedule, bins or steps (the steps it may act at)")
   try:
     gate_kind, gate_layer = sites.parse(gate["site"])
   except ValueError as e:
-    raise UserError(f"{where}: gate: {e}") from None
+    raise SessionError(f"{where}: gate: {e}") from None
   if gate_layer is None or layer is None or gate_layer >= layer:
-    raise UserError(f"{where}: gate site {gate['site']!r} must be a per-layer site before layer {layer}")
+    raise SessionError(f"{where}: gate site {gate['site']!r} must be a per-layer site before layer {layer}")
   if gate.get("reduce", "project") not in GATE_REDUCTIONS:
-    raise UserError(f"{where}: gate reduce must be one of {', '.join(GATE_REDUCTIONS)}")
+    raise SessionError(f"{where}: gate reduce must be one of {', '.join(GATE_REDUCTIONS)}")
   if (gate.get("reduce", "project") == "project") != ("direction" in gate):
-    raise UserError(f"{where}: a gate with reduce 'project' needs a direction, and only such a gate takes one")
+    raise SessionError(f"{where}: a gate with reduce 'project' needs a direction, and only such a gate takes one")
   for name in ("scale", "bias"):
     value = gate.get(name, 0.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
-      raise UserError(f"{where}: gate {name} must be a finite number")
+      raise SessionError(f"{where}: gate {name} must be a finite number")
 
 
 def _n_steps(entry: dict) -> int:
@@ -139,19 +139,19 @@ def _vector(path: str, site: str, entry: dict, shape: tuple[int, ...], key: str 
     try:
       vector = np.load(file, allow_pickle=False)
     except (OSError, ValueError) as e:
-      raise UserError(f"{where}: cannot read the vector file {file} ({e})") from None
+      raise SessionError(f"{where}: cannot read the vector file {file} ({e})") from None
   try:
     vector = np.asarray(vector, np.float32)
   except (TypeError, ValueError):
-    raise UserError(f"{where}: vector must be numbers") from None
+    raise SessionError(f"{where}: vector must be numbers") from None
   if vector.shape != shape or not np.all(np.isfinite(vector)):
-    raise UserError(f"{where}: {key} must be {list(shape)} finite numbers for this model, got shape "
-                    f"{list(vector.shape)}")
+    raise SessionError(f"{where}: {key} must be {list(shape)} finite numbers for this model, got shape "
+                       f"{list(vector.shape)}")
   return vector
 
 
 def steering(path: str, config: ModelConfig, batch: int, seq_len: int) -> tuple[Hooks, HookValues]:
-  """The hooks and traced values of steering file `path` for a model and [B, S] sequences; UserError (one
+  """The hooks and traced values of steering file `path` for a model and [B, S] sequences; SessionError (one
   line) for a site the model lacks or a vector of another shape."""
   entries = read(path)
   edits, captures, values, capture_values = [], [], {}, {}
@@ -160,7 +160,7 @@ def steering(path: str, config: ModelConfig, batch: int, seq_len: int) -> tuple[
     for name in (site, entry.get("gate", {}).get("site")):
       why = None if name is None else sites.unavailable(config, *sites.parse(name))
       if why is not None:
-        raise UserError(f"steering file {path}, {site!r}: {why}")
+        raise SessionError(f"steering file {path}, {site!r}: {why}")
     feature = sites.feature_shape(config, kind, layer)
     schedule, value = None, dict(coefficient=float(entry.get("coefficient", 1.0)))
     if _scheduled(entry):
@@ -183,7 +183,7 @@ def steering(path: str, config: ModelConfig, batch: int, seq_len: int) -> tuple[
         try:
           table = step_schedule.CoefficientSchedule("window", 1.0, *entry["steps"]).table(n_steps)
         except ValueError as e:
-          raise UserError(f"steering file {path}, {site!r}: steps {entry['steps']} against bins: {e}") from None
+          raise SessionError(f"steering file {path}, {site!r}: steps {entry['steps']} against bins: {e}") from None
       gate_values = {} if gate is None else dict(gate_scale=float(entry["gate"].get("scale", 1.0)),
                                                  gate_bias=float(entry["gate"].get("bias", 0.0)))
       value["schedule"] = dict(table=table, bins=bins, **gate_values)
@@ -200,4 +200,4 @@ def steering(path: str, config: ModelConfig, batch: int, seq_len: int) -> tuple[
     hooks.check(config)
     return hooks, hook_values(hooks, config, batch, seq_len, captures=capture_values, edits=values)
   except ValueError as e:
-    raise UserError(f"steering file {path}: {e}") from None
+    raise SessionError(f"steering file {path}: {e}") from None
