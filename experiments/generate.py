@@ -90,8 +90,8 @@ from absl import flags, logging
 from dlm_jax.io import prompt_layout
 from dlm_jax.runtime import distributed
 from dlm_jax.sampling import registry
-from dlm_jax.session import (SessionError, checkpoint_bundle, decode_settings, sampler_options, size_limits,
-                             training_record)
+from dlm_jax.session import (CombinationError, SessionError, checkpoint_bundle, decode_settings, sampler_options,
+                             size_limits, training_record)
 from dlm_jax.session.decoding_mode import DecodingMode
 from experiments.common import (atomic_files, chat, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
                                 items, numerics, prompts, run_dir)
@@ -354,7 +354,7 @@ def _generate(params, config, settings: Settings, prompt, stats_spec):
       params, prompt, config=config, options=settings.options(config), key=jax.random.key(settings.seed),
       stats_spec=stats_spec, intervention=_intervention(settings.sampler, settings.mask_sinks),
       attention_impl=settings.numerics.attention_impl, query_chunk=settings.numerics.query_chunk,
-      batch_invariant=settings.numerics.batch_invariant)
+      batch_invariant=settings.numerics.batch_invariant, policy=settings.decoding.compute_policy())
 
 
 def reply_text(tokenizer, generated: list[int], end_ids: set[int]) -> str:
@@ -393,6 +393,9 @@ def main(argv):
   values = {k: v if v is not None and k in applies else defaults.get(k, getattr(decoder.defaults, k))
             for k, v in given.items()}
   check_training_width(label, record, len(ids), values["gen_length"])
+  if mode.policy != "none" and not decoder.has_modes:
+    raise CombinationError(f"--policy={mode.policy} runs with the masked diffusion samplers (LLaDA, MMaDA, Dream), "
+                           f"not the {sampler} sampler")
   settings = Settings(
       checkpoint=directory, sampler=sampler, prompt_ids=tuple(ids),
       gen_length=values["gen_length"], steps=values["steps"], block_length=values["block_length"],

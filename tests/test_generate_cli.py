@@ -16,6 +16,7 @@ from dlm_jax.io import checkpoint
 from dlm_jax.instrument import interventions as iv
 from dlm_jax.config import preset
 from dlm_jax.sampling import autoregressive, dream, llada
+from dlm_jax.policy.registry import parse_policy
 from dlm_jax.instrument.stats import StatsSpec
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -124,6 +125,22 @@ def test_ar_and_mmada_with_sink_masking(tmp_path, checkpoints):
                          intervention=iv.MaskPreviousSinks(top_k=2))
   assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
   assert result["decode_step"] == np.asarray(trace.decode_step)[0].tolist()
+
+
+def test_a_compute_policy_from_the_flags_matches_the_library(tmp_path, checkpoints):
+  directory, config, params = checkpoints["tiny-llada"]
+  text = "dkv_cache:cache_reloading_step=2"
+  result = run_cli(tmp_path, directory, "--sampler=llada", "--prompt_ids=" + ",".join(map(str, PROMPT_IDS)),
+                   "--gen_length=8", "--steps=8", "--block_length=4", f"--policy={text}")
+  trace = llada.generate(params, np.asarray([PROMPT_IDS]), config=config, policy=parse_policy(text),
+                         options=llada.LLaDAOptions(gen_length=8, steps=8, block_length=4))
+  assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
+  assert result["decode_step"] == np.asarray(trace.decode_step)[0].tolist()
+  for flags, message in ((("--policy=sparse_dllm", "--decoding=threshold"), "runs with --decoding=exact for now"),
+                         (("--policy=dkv_cache:every=2",), "policy dkv_cache has no knob 'every'")):
+    refused = run_cli(tmp_path, directory, "--sampler=llada", "--prompt_ids=5,6", "--gen_length=8",
+                      "--block_length=4", *flags, expect_ok=False)
+    assert refused.returncode == 1 and message in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_errors_are_reported(tmp_path, checkpoints):

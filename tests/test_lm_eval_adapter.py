@@ -54,6 +54,7 @@ def _request(kind, arguments, task="t"):
     (dict(top_p=2.0), "top_p"), (dict(is_check_greedy="maybe"), "is_check_greedy"), (dict(colour=1), "colour"),
     (dict(sink_token="back"), "sink_token"), (dict(threshold=2.0, decoding="threshold"), "decoding"),
     (dict(temperature="nan"), "temperature"), (dict(cfg="inf"), "cfg"), (dict(prompt_format="chat"), "prompt_format"),
+    (dict(policy="sparse_dllm:keep_ratio=2"), "policy"), (dict(policy="fastest"), "policy"),
 ])
 def test_bad_model_args_name_the_argument(kwargs, name):
   with pytest.raises(cli.UserError, match=rf"^model_args {name}\b"):

@@ -106,11 +106,9 @@ def test_the_skipped_work_leaves_the_flop_count():
 @pytest.mark.parametrize("run, message", [
     (lambda p, x: autoregressive.generate(p, x, config=preset("tiny-llama"), policy=Recent()),
      "runs with the samplers that read the whole sequence"),
-    (lambda p, x: llada.generate(p, x, config=CONFIG, options=OPTIONS, policy=Recent(), batch_invariant=True),
-     "does not run with batch_invariant=True or hooks"),
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=OPTIONS, policy=Recent(),
                                  hooks=Hooks(captures=(Capture("hook_resid_post"),))),
-     "does not run with batch_invariant=True or hooks"),
+     "does not run with activation hooks"),
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=dataclasses.replace(OPTIONS, cfg_scale=1.0),
                                  policy=Recent()), "classifier-free guidance"),
 ])
@@ -153,3 +151,15 @@ def test_dkv_cache_and_sparse_dllm_compute_what_their_rules_say():
 def test_policy_texts_are_checked_in_one_line(text, message):
   with pytest.raises(ValueError, match=message):
     parse_policy(text)
+
+
+def test_a_row_decodes_alone_as_in_its_batch_under_a_policy():
+  params, prompt = _setup()
+  policy = parse_policy("dkv_cache:cache_reloading_step=3")
+  keys = jax.random.split(jax.random.key(5), 2)
+  both = llada.generate(params, prompt, config=CONFIG, options=OPTIONS, policy=policy, batch_invariant=True, key=keys)
+  for row in range(2):
+    alone = llada.generate(params, prompt[row:row + 1], config=CONFIG, options=OPTIONS, policy=policy,
+                           batch_invariant=True, key=keys[row:row + 1])
+    np.testing.assert_array_equal(alone.tokens[0], both.tokens[row])
+    np.testing.assert_array_equal(alone.computed_positions[:, 0], both.computed_positions[:, row])

@@ -439,7 +439,7 @@ def run_family(
   family.check(config, intervention)
   b, lp = prompt.shape
   total = lp + family.gen_length
-  policy = _bind_policy(policy, family, config, lp, total, batch_invariant, hooks)
+  policy = _bind_policy(policy, family, config, lp, total, hooks)
   plan = make_plan(config, stats_spec, intervention, sink_top_k, padded=prompt_mask is not None, policy=policy)
   if not isinstance(hooks, Hooks):
     raise ValueError(f"hooks must be a dlm_jax.instrument.hook_spec.Hooks, got {type(hooks).__name__}.")
@@ -482,7 +482,7 @@ their own)."""
 
 
 def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp: int, total: int,
-                 batch_invariant: bool, hooks: Hooks) -> ComputePolicy:
+                 hooks: Hooks) -> ComputePolicy:
   """The policy bound to this run's `RunLayout`, after refusing (one line) what it cannot run with."""
   if not isinstance(policy, ComputePolicy):
     raise ValueError(f"policy must be a dlm_jax.policy ComputePolicy, got {type(policy).__name__}.")
@@ -492,8 +492,8 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
   if family.name not in POLICY_FAMILIES:
     raise ValueError(f"policy {name!r} runs with the samplers that read the whole sequence at every call "
                      f"({', '.join(POLICY_FAMILIES)}, exact decoding), not with {family.name}.")
-  if batch_invariant or hooks.enabled:
-    raise ValueError(f"policy {name!r} does not run with batch_invariant=True or hooks yet; leave them off.")
+  if hooks.enabled:
+    raise ValueError(f"policy {name!r} does not run with activation hooks yet; leave them off.")
   gen = family.gen_length
   block = getattr(family.options, "block_length", gen) or gen
   steps_per_block = max(family.n_steps // max(gen // block, 1), 1)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from dlm_jax.instrument.hook_call import HookCall, row_slices
 from dlm_jax.core.attention_bias import AttentionBias
+from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model import DecoderCall, KVCache, forward
 from dlm_jax.instrument.stats import ForwardOutput
 
@@ -66,12 +67,13 @@ def _bias_axes(bias: AttentionBias) -> dict[str, int]:
 
 
 def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: jax.Array,
-                 query_weights: jax.Array | None, cache: KVCache | None, decoder: DecoderCall | None,
-                 hooks: HookCall | None = None, **static: Any) -> ForwardOutput:
+                 query_weights: jax.Array | None, cache: KVCache | None = None, decoder: DecoderCall | None = None,
+                 hooks: HookCall | None = None, subset: ComputeSubset | None = None, **static: Any) -> ForwardOutput:
   """`dlm_jax.model.forward(params, tokens, ...)` for tokens [B, T], one row at a time (module docstring).
 
   Arrays with a batch axis (tokens, positions [B, T], query_weights [B, Q, T], the bias's [B, ...] or
-  [L, B, ...] arrays, the cache's [L, B, S, K, H], the `DecoderCall`'s self-conditioning inputs) are split by
+  [L, B, ...] arrays, the cache's [L, B, S, K, H], the `DecoderCall`'s self-conditioning inputs, a compute
+  policy's `ComputeSubset` — queries [B, T], keys [L, B, m]) are split by
   row; a bias array broadcast over the batch (size 1) is shared. `static` holds forward's other keyword
   arguments (config, stats_spec, logits_window, logits_offset, attention_impl, query_chunk, cache_offset,
   return_hidden), the same for every row. Returns the `ForwardOutput` of the whole batch: logits and hidden
@@ -92,6 +94,8 @@ def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: j
       shared_bias[name] = x
   if cache is not None:
     rows["cache"] = jax.tree.map(lambda a: _split(a, 1), cache)
+  if subset is not None:
+    rows["subset"] = ComputeSubset(_split(subset.queries, 0), None if subset.keys is None else _split(subset.keys, 1))
   rebuild_hooks = None
   if hooks is not None:
     rows["hooks"], rebuild_hooks = row_slices(hooks)
@@ -101,7 +105,8 @@ def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: j
                                               if "bias_" + name in row})
     return forward(params, row["tokens"], bias=row_bias, positions=row["positions"],
                    query_weights=row.get("query_weights"), cache=row.get("cache"), decoder=row.get("decoder"),
-                   hooks=None if rebuild_hooks is None else rebuild_hooks(row["hooks"]), **static)
+                   hooks=None if rebuild_hooks is None else rebuild_hooks(row["hooks"]), subset=row.get("subset"),
+                   **static)
 
   out = _map_rows(one_row, rows, shared_bias)
   join = lambda x, axis: None if x is None else _join(x, axis)  # noqa: E731

@@ -53,6 +53,8 @@ import math
 from typing import Any
 
 from dlm_jax.sampling import corpus_prior, decoding_rules, registry
+from dlm_jax.policy.base import ComputePolicy
+from dlm_jax.policy.registry import parse_policy
 from dlm_jax.session.errors import CombinationError, SessionError
 
 MODES: dict[str, tuple[str, str]] = {
@@ -101,7 +103,8 @@ class DecodingMode:
   factor: f of the factor rule, likewise; dual_cache_forwards: a `DUAL_CACHE_FORWARDS` value (not the
   default only with the dual cache); knobs: the decoding rule's knobs as sorted (name, value) pairs (the rule
   modes eb, klass, wino, pc, certainty_prior; `dlm_jax.sampling.decoding_rules`; pc's "prior" is the prior
-  file's path).
+  file's path); policy: the compute policy as `dlm_jax.policy.registry.parse_policy` reads it ("none": compute
+  everything), recorded only when it is not "none" (so records written before policies resume unchanged).
   """
 
   decoding: str = "exact"
@@ -109,6 +112,7 @@ class DecodingMode:
   factor: float | None = None
   dual_cache_forwards: str = DUAL_CACHE_FORWARDS[0]
   knobs: tuple[tuple[str, Any], ...] = ()
+  policy: str = "none"
 
   def __post_init__(self):
     if self.decoding not in ALL_MODES:
@@ -128,6 +132,17 @@ class DecodingMode:
       raise SessionError(f"--decoding={self.decoding} takes no rule knobs ({', '.join(k for k, _ in self.knobs)})")
     if self.rule in decoding_rules.RULE_NAMES:
       self.decoding_rule()
+    self.compute_policy()
+    if self.policy != "none" and not self.exact:
+      raise CombinationError(f"--policy={self.policy} runs with --decoding=exact for now, not "
+                             f"--decoding={self.decoding}")
+
+  def compute_policy(self) -> ComputePolicy:
+    """The compute policy (`dlm_jax.policy`); a one-line error on a bad name or knob."""
+    try:
+      return parse_policy(self.policy)
+    except ValueError as e:
+      raise SessionError(f"--policy={self.policy}: {e}") from None
 
   def decoding_rule(self) -> decoding_rules.Rule:
     """The rule of a rule mode (the pc prior loaded from its file); a one-line error on a bad knob."""
@@ -173,6 +188,8 @@ class DecodingMode:
       values["dual_cache_forwards"] = self.dual_cache_forwards
     if self.knobs:
       values["knobs"] = dict(self.knobs)
+    if self.policy != "none":
+      values["policy"] = self.policy
     return values
 
   @classmethod
@@ -180,7 +197,7 @@ class DecodingMode:
     """The mode of a `record()` (missing "decoding" = exact; other keys of `values` are ignored)."""
     return cls(values.get("decoding", "exact"), values.get("threshold"), values.get("factor"),
                values.get("dual_cache_forwards", DUAL_CACHE_FORWARDS[0]),
-               tuple(sorted(values.get("knobs", {}).items())))
+               tuple(sorted(values.get("knobs", {}).items())), values.get("policy", "none"))
 
   def option_fields(self, sampler: str) -> dict[str, Any]:
     """The fields of `sampler`'s options that this mode sets (every field the sampler has; {} for a sampler
@@ -251,7 +268,7 @@ def _check_factor(value: float | None) -> None:
 
 def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: float = DEFAULT_FACTOR,
                 dual_cache_forwards: str = DUAL_CACHE_FORWARDS[0],
-                knobs: tuple[tuple[str, Any], ...] = ()) -> DecodingMode:
+                knobs: tuple[tuple[str, Any], ...] = (), policy: str = "none") -> DecodingMode:
   """The mode of the flag values: each is checked (a one-line error naming its flag), and the threshold and
   factor are kept only when the mode uses them."""
   _check_threshold(threshold)
@@ -260,7 +277,7 @@ def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: flo
     raise SessionError(f"--decoding={decoding}: expected one of {', '.join(ALL_MODES)}")
   rule = ALL_MODES[decoding][0]
   return DecodingMode(decoding, threshold if rule == "threshold" else None, factor if rule == "factor" else None,
-                      dual_cache_forwards, knobs if rule in decoding_rules.RULE_NAMES else ())
+                      dual_cache_forwards, knobs if rule in decoding_rules.RULE_NAMES else (), policy)
 
 
 def from_spec(spec: str) -> DecodingMode:

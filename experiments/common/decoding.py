@@ -114,6 +114,9 @@ def sampler(model: Model, values: dict[str, Any], prompts: Prompts, runtime: dev
                 intervention=intervention, intervention_state=intervention_state,
                 attention_impl=numerics.attention_impl, query_chunk=numerics.query_chunk,
                 batch_invariant=numerics.batch_invariant)
+  policy = DecodingMode.from_record(values).compute_policy()
+  if policy.enabled:
+    kwargs["policy"] = policy
   return functools.partial(model.decoder.generate, model.params if params is None else params, prompt, **kwargs)
 
 

@@ -1,6 +1,6 @@
-"""The decoding-mode flags: --decoding, --threshold, --factor, --dual_cache_forwards and the decoding rules'
+"""The decoding-mode flags: --decoding, --threshold, --factor, --dual_cache_forwards, the decoding rules'
 knobs (--decoding=eb|klass|wino|pc|certainty_prior; `dlm_jax.sampling.decoding_rules`, defaults those of each
-rule's original code), as a `dlm_jax.session.DecodingMode`."""
+rule's original code) and the compute policy (--policy; `dlm_jax.policy`), as a `dlm_jax.session.DecodingMode`."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ _PC_LAMBDA = flags.DEFINE_float("pc_lambda", dr.PCSampler.lam, "PC-Sampler: posi
 _PC_ALPHA = flags.DEFINE_float("pc_alpha", dr.PCSampler.alpha, "PC-Sampler: clip alpha > 0 of the calibration.")
 _PC_VARIANT = flags.DEFINE_enum("pc_variant", "pc_sampler", list(dr.PC_VARIANTS),
                                 "PC-Sampler: the original rule, or Research dLLM's debias (no position term).")
+_POLICY = flags.DEFINE_string("policy", "none", "Compute policy: NAME or NAME:knob=value,... — none, dkv_cache, "
+                              "sparse_dllm (statistics of one step decide what the next computes; "
+                              "docs/guides/compute_policies.md; with --decoding=exact).")
 _CERTAINTY_SIGMA = flags.DEFINE_float("certainty_sigma", dr.CertaintyPrior.sigma,
                                       "Certainty prior: the Gaussian's sigma in positions (> 0).")
 
@@ -56,7 +59,7 @@ def from_flags() -> decoding_mode.DecodingMode:
   """The decoding flags as a mode (every value checked); warns about --threshold / --factor given for a mode
   that does not use them."""
   mode = decoding_mode.from_values(_DECODING.value, _THRESHOLD.value, _FACTOR.value, _DUAL_CACHE_FORWARDS.value,
-                                   rule_knobs(_DECODING.value))
+                                   rule_knobs(_DECODING.value), _POLICY.value)
   for name, used in (("threshold", mode.threshold is not None), ("factor", mode.factor is not None)):
     if flags.FLAGS[name].present and not used:
       logging.warning("--%s applies to the modes with a %s rule only; ignored for --decoding=%s", name, name,

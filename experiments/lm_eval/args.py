@@ -8,6 +8,8 @@ resolved per task with a preset (`experiments.lm_eval.presets`).
                   decoding rule eb | klass | wino | pc | certainty_prior with its knobs eb_gamma,
                   klass_conf_threshold, klass_kl_threshold, klass_kl_history_length, wino_wide_in,
                   wino_narrow_out, pc_prior (a prior file), pc_lambda, pc_alpha, pc_variant, certainty_sigma
+  policy          a compute policy while generating (`dlm_jax.policy`): none | dkv_cache | sparse_dllm, knobs after
+                  a colon and "+" between them (lm-eval splits on commas): sparse_dllm:keep_ratio=0.25+kernel_size=3
   gen_length, steps, block_length, temperature, remasking, alg, alg_temp, top_p, top_k
                   generation (`dlm_jax.session.decode_settings`; unset = its per-model defaults, gen_length
                   then the request's max_gen_toks)
@@ -41,6 +43,7 @@ import dataclasses
 import math
 from typing import Any
 
+from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import decoding_rules
 from dlm_jax.session import SessionError, decode_settings, decoding_mode, steering_file
 from dlm_jax.session.checkpoint_bundle import SAMPLERS
@@ -73,6 +76,7 @@ class EvalArgs:
   pc_alpha: float = decoding_rules.PCSampler.alpha
   pc_variant: str = "pc_sampler"
   certainty_sigma: float = decoding_rules.CertaintyPrior.sigma
+  policy: str = "none"
   gen_length: int | None = None
   steps: int | None = None
   block_length: int | None = None
@@ -126,6 +130,10 @@ class EvalArgs:
     if not 0 < self.eps < 1:
       raise UserError(f"model_args eps={self.eps}: expected a value in (0, 1)")
     try:
+      parse_policy(str(self.policy).replace("+", ","))
+    except ValueError as e:
+      raise UserError(f"model_args policy={self.policy}: {e}") from None
+    try:
       self.mode  # pylint: disable=pointless-statement
     except ValueError as e:
       raise UserError(f"model_args decoding={self.decoding}: {e}") from None
@@ -138,7 +146,8 @@ class EvalArgs:
   @property
   def mode(self) -> decoding_mode.DecodingMode:
     knobs = decoding_mode.rule_knobs(self.decoding, {name: getattr(self, name) for name in decoding_mode.RULE_ARGS})
-    return decoding_mode.from_values(self.decoding, self.threshold, self.factor, knobs=knobs)
+    return decoding_mode.from_values(self.decoding, self.threshold, self.factor, knobs=knobs,
+                                     policy=str(self.policy).replace("+", ","))
 
   @property
   def runtime_mesh(self) -> str:
