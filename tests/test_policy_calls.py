@@ -163,3 +163,14 @@ def test_a_row_decodes_alone_as_in_its_batch_under_a_policy():
                            batch_invariant=True, key=keys[row:row + 1])
     np.testing.assert_array_equal(alone.tokens[0], both.tokens[row])
     np.testing.assert_array_equal(alone.computed_positions[:, 0], both.computed_positions[:, row])
+
+
+def test_keeping_the_sinks_adds_nothing_when_every_key_is_kept():
+  params, prompt = _setup()
+  runs = [llada.generate(params, prompt, config=CONFIG, options=OPTIONS, stats_spec=StatsSpec(incoming_attention=True),
+                         policy=parse_policy(f"sparse_dllm:keep_ratio=1.0,tie_break=lowest_position{extra}"))
+          for extra in ("", ",keep_sinks=3")]
+  np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
+  np.testing.assert_allclose(runs[0].stats["incoming_attention"], runs[1].stats["incoming_attention"], atol=1e-6)
+  with pytest.raises(ValueError, match="keep_sinks=99 is more than the 10 keys outside the block"):
+    llada.generate(params, prompt, config=CONFIG, options=OPTIONS, policy=parse_policy("sparse_dllm:keep_sinks=99"))

@@ -67,37 +67,61 @@ class DKVCache(dkv_cache.DKVCacheSettings, ComputePolicy):
 
 @dataclasses.dataclass(frozen=True)
 class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
-  """Sparse-dLLM as a policy: state [L, B, n_keep] int32, each layer's kept keys chosen at step 1 of the
-  current block from the score of the block's mean query against every key (`query_key_scores`)."""
+  """Sparse-dLLM as a policy: state [L, B, n_keep + keep_sinks] int32, each layer's kept keys chosen at step 1
+  of the current block from the score of the block's mean query against every key (`query_key_scores`).
+
+  keep_sinks (ours, not the paper's: "sinks in the loop"): also keep, per layer, the keys among the K with the
+  most incoming attention at that step (summed over every query, head mean: the attention-sinks papers'
+  metric) that the score did not keep and that lie outside the block (0: the official rule).
+  """
+
+  keep_sinks: int = 0
 
   def check_knobs(self) -> None:
     sparse_dllm.SparseDLLMSettings.check(self)
+    if isinstance(self.keep_sinks, bool) or not isinstance(self.keep_sinks, int) or self.keep_sinks < 0:
+      raise ValueError(f"sparse_dllm keep_sinks must be an integer >= 0, got {self.keep_sinks!r}.")
 
   def check(self, config: ModelConfig | None = None, family_name: str | None = None) -> None:
     """The knobs (the settings' check, also run at construction) and, for a run, the block layout."""
-    sparse_dllm.SparseDLLMSettings.check(self)
+    self.check_knobs()
+    if self.layout is not None and self.keep_sinks > self.layout.seq_len - self.layout.block_length:
+      raise ValueError(f"sparse_dllm keep_sinks={self.keep_sinks} is more than the "
+                       f"{self.layout.seq_len - self.layout.block_length} keys outside the block.")
     if self.layout is not None and self.layout.block_length >= self.layout.seq_len:
       raise ValueError("policy sparse_dllm keeps keys outside the current block; the block covers the whole "
                        "sequence here.")
 
   def required_stats(self, config: ModelConfig) -> StatsSpec:
+    """Group 0: every query (the sinks' incoming attention, with keep_sinks); group 1: the block's mean."""
     del config
-    return StatsSpec(extra=("query_key_scores",), query_groups=1)
+    return StatsSpec(extra=("query_key_scores",), incoming_attention=self.keep_sinks > 0, per_head=False,
+                     query_groups=2)
 
   def _n_keep(self) -> int:
     layout = self.layout
     return sparse_dllm.keep_count(layout.seq_len, layout.block_length, self.keep_ratio)
 
   def init_state(self, config: ModelConfig, batch: int) -> jax.Array:
-    return jnp.full((config.n_layers, batch, self._n_keep()), self.layout.seq_len, jnp.int32)
+    return jnp.full((config.n_layers, batch, self._n_keep() + self.keep_sinks), self.layout.seq_len, jnp.int32)
 
   def query_weights(self, state: jax.Array, context: Any) -> jax.Array:
-    """[B, 1, T]: 1 / block_length on the current block's queries (their mean), 0 elsewhere."""
+    """[B, 2, T]: 1 on every query; 1 / block_length on the current block's queries (their mean), 0 elsewhere."""
     start = _block_start(self, context)
     index = context.query_index
     in_block = (index >= start) & (index < start + self.layout.block_length)
-    weights = in_block.astype(jnp.float32) / self.layout.block_length
-    return jnp.broadcast_to(weights[None, None, :], (context.tokens.shape[0], 1, index.shape[0]))
+    weights = jnp.stack([jnp.ones(index.shape, jnp.float32), in_block.astype(jnp.float32) / self.layout.block_length])
+    return jnp.broadcast_to(weights[None], (context.tokens.shape[0], 2, index.shape[0]))
+
+  def _sinks(self, output: ForwardOutput, kept: jax.Array, start: jax.Array) -> jax.Array:
+    """[L, B, keep_sinks] int32: per layer the top keep_sinks keys by incoming attention, S where the score kept
+    one already or it lies in the block."""
+    s = self.layout.seq_len
+    incoming = output.stats["incoming_attention"][:, :, 0, 0]  # [L, B, S]
+    sinks = jax.lax.top_k(incoming, self.keep_sinks)[1].astype(jnp.int32)
+    in_block = (sinks >= start) & (sinks < start + self.layout.block_length)
+    taken = jnp.any(sinks[..., :, None] == kept[..., None, :], axis=-1)
+    return jnp.where(in_block | taken, s, sinks)
 
   def decide(self, state: jax.Array, context: Any) -> Decision:
     start = _block_start(self, context)
@@ -106,10 +130,14 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
     return Decision(full=sparse_dllm.is_full_step(_step_in_block(self, context)), queries=queries, keys=state)
 
   def update(self, state: jax.Array, output: ForwardOutput, context: Any, decision: Decision) -> jax.Array:
-    scores = output.stats["query_key_scores"][:, :, 0]  # [L, B, S]
+    scores = output.stats["query_key_scores"][:, :, 1]  # [L, B, S]
     start = _block_start(self, context)
-    choose = lambda: jnp.stack([sparse_dllm.keep_positions(layer_scores, start, self.layout.block_length, self)
-                                for layer_scores in scores])  # one layer at a time: the torch top-k replay
+
+    def choose():
+      kept = jnp.stack([sparse_dllm.keep_positions(layer_scores, start, self.layout.block_length, self)
+                        for layer_scores in scores])  # one layer at a time: the torch top-k replay
+      return jnp.concatenate([kept, self._sinks(output, kept, start)], axis=-1) if self.keep_sinks else kept
+
     return jax.lax.cond(sparse_dllm.is_selection_step(_step_in_block(self, context)), choose, lambda: state)
 
 
