@@ -20,10 +20,12 @@ model calls; the benchmark compiles each call once and times it (the median of -
 A method's step cost is its schedule's mean over the 32 steps of a block (Sparse-dLLM: 2 full + 30 subset;
 dKV-Cache, cache_reloading_step 8: steps 0, 1, 8, 16, 24 full, 27 subset; dual cache: 1 full + 31 subset). With
 one token per step, tokens/s = 1 / step time; with Fast-dLLM's threshold rule every policy commits the same
-tokens per step as the threshold sampler it runs with, so the ratios between columns carry over. FLOPs come
-from XLA's cost analysis of each compiled call and are printed beside the analytic count (2 × weights × rows +
-4 × rows × keys × width per layer, + 2 × rows × width × vocabulary for the LM head). The CPU model is printed;
-results go to --json_out.
+tokens per step as the threshold sampler it runs with, so the ratios between columns carry over. FLOPs: the
+analytic count of each call (2 × weights × rows + 4 × rows × keys × width per layer, + 2 × rows × width ×
+vocabulary for the LM head), checked against XLA's cost analysis of the same call compiled for one layer with
+dense attention (XLA counts the body of a loop once, so the scans over layers and query chunks of the timed
+program would be undercounted; one layer with dense attention has no loop). The CPU model is printed; results
+go to --json_out.
 """
 
 from __future__ import annotations
@@ -93,49 +95,61 @@ def main(argv: list[str]) -> None:
 
   def timed(fn, *args):
     compiled = jax.jit(fn).lower(*args).compile()
-    flops = compiled.cost_analysis()["flops"]
     jax.block_until_ready(compiled(*args))
     runs = []
     for _ in range(_REPEATS.value):
       start = time.perf_counter()
       jax.block_until_ready(compiled(*args))
       runs.append(time.perf_counter() - start)
-    return statistics.median(runs), flops
+    return statistics.median(runs)
 
+  def make_calls(cfg, attention_impl, p, tokens, cache, prompt_length):
+    """{call: (fn, args, (rows, keys, LM-head rows))} of the model `cfg` (module docstring)."""
+    s = tokens.shape[1]
+    impl = dict(config=cfg, attention_impl=attention_impl)
+    start = prompt_length + 3 * block  # a block in the middle of the generation
+    n_keep = sparse_dllm.keep_count(s, block, _KEEP.value)
+    kept = jnp.broadcast_to(jnp.arange(n_keep, dtype=jnp.int32)[None, None], (cfg.n_layers, 1, n_keep))
+    block_queries = (start + jnp.arange(block, dtype=jnp.int32))[None]
+    generated = (prompt_length + jnp.arange(g, dtype=jnp.int32))[None]
+
+    def dkv_subset(p, t, c):
+      hidden = forward(p, t[:, prompt_length:], cache=c, return_hidden=True, subset=ComputeSubset(generated),
+                       **impl).hidden
+      return lm_head(p, hidden[:, 3 * block:4 * block], config=cfg)
+
+    return {
+        "exact": (lambda p, t: forward(p, t, logits_window=(start, start + block), **impl).logits, (p, tokens),
+                  (s, s, block)),
+        "full": (lambda p, t, c: forward(p, t, cache=c, logits_window=(start, start + block), **impl).logits,
+                 (p, tokens, cache), (s, s, block)),
+        "dkv_subset": (dkv_subset, (p, tokens, cache), (g, s, block)),
+        "sparse_subset": (lambda p, t, c: forward(p, t[:, start:start + block], cache=c,
+                                                  subset=ComputeSubset(block_queries, kept), **impl).logits,
+                          (p, tokens, cache), (block, n_keep + block, block)),
+        "dual_cache": (lambda p, t, c: forward(p, t[:, start:start + block], cache=c, cache_offset=start,
+                                               **impl).logits, (p, tokens, cache), (block, s, block)),
+    }
+
+  one = dataclasses.replace(config, n_layers=1)
+  one_params = jax.eval_shape(lambda: jax.tree.map(lambda a: a.astype(dtype), init_params(one, jax.random.key(0))))
   for prompt_length in (int(p) for p in _PROMPTS.value):
     s = prompt_length + g
     tokens = jax.random.randint(jax.random.key(1), (1, s), 0, config.vocab_size)
     cache = jax.tree.map(lambda a: a.astype(dtype), KVCache.zeros(config, 1, s))
-    start = prompt_length + 3 * block  # a block in the middle of the generation
-    n_keep = sparse_dllm.keep_count(s, block, _KEEP.value)
-    kept = jnp.broadcast_to(jnp.arange(n_keep, dtype=jnp.int32)[None, None], (config.n_layers, 1, n_keep))
-    block_queries = (start + jnp.arange(block, dtype=jnp.int32))[None]
-    generated = (prompt_length + jnp.arange(g, dtype=jnp.int32))[None]
-
-    def head_on_block(p, hidden, offset):
-      return lm_head(p, jax.lax.dynamic_slice_in_dim(hidden, offset, block, axis=1), config=config)
-
-    calls = {
-        "exact": (lambda p, t: forward(p, t, logits_window=(start, start + block), **impl).logits, (params, tokens),
-                  (s, s, block)),
-        "full": (lambda p, t, c: forward(p, t, cache=c, logits_window=(start, start + block), **impl).logits,
-                 (params, tokens, cache), (s, s, block)),
-        "dkv_subset": (lambda p, t, c: head_on_block(p, forward(p, t[:, prompt_length:], cache=c, return_hidden=True,
-                                                                subset=ComputeSubset(generated), **impl).hidden,
-                                                     3 * block), (params, tokens, cache), (g, s, block)),
-        "sparse_subset": (lambda p, t, c: forward(p, t[:, start:start + block], cache=c,
-                                                  subset=ComputeSubset(block_queries, kept), **impl).logits,
-                          (params, tokens, cache), (block, n_keep + block, block)),
-        "dual_cache": (lambda p, t, c: forward(p, t[:, start:start + block], cache=c, cache_offset=start,
-                                               **impl).logits, (params, tokens, cache), (block, s, block)),
-    }
+    one_cache = jax.eval_shape(lambda: jax.tree.map(lambda a: a.astype(dtype), KVCache.zeros(one, 1, s)))
+    check = make_calls(one, "dense", one_params, tokens, one_cache, prompt_length)
     measured = {}
-    for name, (fn, args, (rows, keys, head_rows)) in calls.items():
-      seconds, flops = timed(fn, *args)
-      measured[name] = {"ms": seconds * 1e3, "flops": flops, "analytic_flops": analytic_flops(config, rows, keys,
-                                                                                              head_rows)}
-      print(f"  S={s} {name:14s} {seconds * 1e3:10.1f} ms  {flops / 1e9:9.1f} GFLOP (XLA)  "
-            f"{measured[name]['analytic_flops'] / 1e9:9.1f} GFLOP (analytic)", flush=True)
+    for name, (fn, args, (rows, keys, head_rows)) in make_calls(config, _IMPL.value, params, tokens, cache,
+                                                                prompt_length).items():
+      seconds = timed(fn, *args)
+      one_fn, one_args, _ = check[name]
+      xla = jax.jit(one_fn).lower(*one_args).compile().cost_analysis()["flops"]
+      flops, analytic_one = analytic_flops(config, rows, keys, head_rows), analytic_flops(one, rows, keys, head_rows)
+      measured[name] = {"ms": seconds * 1e3, "flops": flops, "xla_flops_1_layer": xla,
+                        "analytic_flops_1_layer": analytic_one}
+      print(f"  S={s} {name:14s} {seconds * 1e3:10.1f} ms  {flops / 1e9:9.1f} GFLOP (analytic)  one layer: XLA "
+            f"{xla / 1e9:.2f} vs analytic {analytic_one / 1e9:.2f} GFLOP ({xla / analytic_one - 1:+.1%})", flush=True)
 
     def step(schedule):
       """Mean ms and FLOPs of a step over a block's `schedule` {call: count}."""
