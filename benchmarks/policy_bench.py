@@ -39,6 +39,8 @@ import time
 
 from absl import app, flags
 
+from dlm_jax.policy import cost
+
 _PRESET = flags.DEFINE_string("preset", "llada-8b", "The `dlm_jax.config` preset whose shape is measured.")
 _LAYERS = flags.DEFINE_integer("layers", 2, "Transformer layers of that shape.")
 _PROMPTS = flags.DEFINE_list("prompt_lengths", ["512", "1024"], "Prompt lengths.")
@@ -64,12 +66,9 @@ def cpu_model() -> str:
   return f"{name} ({os.cpu_count()} logical CPUs)"
 
 
-def analytic_flops(config, rows: int, keys: int, head_rows: int) -> int:
+def analytic_flops(config, rows: int, keys: int, head_rows: int) -> float:
   """Matmul FLOPs of a call: `rows` queries through every layer reading `keys` keys, the LM head on `head_rows`."""
-  d, heads, h, kv, f = config.d_model, config.n_heads, config.head_dim, config.n_kv_heads, config.mlp_hidden
-  weights = d * heads * h + 2 * d * kv * h + heads * h * d + 3 * d * f
-  per_layer = 2 * weights * rows + 4 * rows * keys * heads * h
-  return config.n_layers * per_layer + 2 * head_rows * d * config.vocab_size
+  return cost.trunk_flops(config, rows, keys) + cost.head_flops(config, head_rows)
 
 
 def main(argv: list[str]) -> None:

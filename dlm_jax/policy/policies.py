@@ -67,7 +67,7 @@ class DKVCache(dkv_cache.DKVCacheSettings, ComputePolicy):
 
 @dataclasses.dataclass(frozen=True)
 class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
-  """Sparse-dLLM as a policy: state [L, B, n_keep + keep_sinks] int32, each layer's kept keys chosen at step 1
+  """Sparse-dLLM as a policy: state [B, L, n_keep + keep_sinks] int32, each layer's kept keys chosen at step 1
   of the current block from the score of the block's mean query against every key (`query_key_scores`).
 
   keep_sinks (ours, not the paper's: "sinks in the loop"): also keep, per layer, the keys among the K with the
@@ -103,7 +103,7 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
     return sparse_dllm.keep_count(layout.seq_len, layout.block_length, self.keep_ratio)
 
   def init_state(self, config: ModelConfig, batch: int) -> jax.Array:
-    return jnp.full((config.n_layers, batch, self._n_keep() + self.keep_sinks), self.layout.seq_len, jnp.int32)
+    return jnp.full((batch, config.n_layers, self._n_keep() + self.keep_sinks), self.layout.seq_len, jnp.int32)
 
   def query_weights(self, state: jax.Array, context: Any) -> jax.Array:
     """[B, 2, T]: 1 on every query; 1 / block_length on the current block's queries (their mean), 0 elsewhere."""
@@ -127,7 +127,8 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
     start = _block_start(self, context)
     block = start + jnp.arange(self.layout.block_length, dtype=jnp.int32)
     queries = jnp.broadcast_to(block[None, :], (context.tokens.shape[0], self.layout.block_length))
-    return Decision(full=sparse_dllm.is_full_step(_step_in_block(self, context)), queries=queries, keys=state)
+    return Decision(full=sparse_dllm.is_full_step(_step_in_block(self, context)), queries=queries,
+                    keys=jnp.swapaxes(state, 0, 1))
 
   def update(self, state: jax.Array, output: ForwardOutput, context: Any, decision: Decision) -> jax.Array:
     scores = output.stats["query_key_scores"][:, :, 1]  # [L, B, S]
@@ -136,7 +137,9 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
     def choose():
       kept = jnp.stack([sparse_dllm.keep_positions(layer_scores, start, self.layout.block_length, self)
                         for layer_scores in scores])  # one layer at a time: the torch top-k replay
-      return jnp.concatenate([kept, self._sinks(output, kept, start)], axis=-1) if self.keep_sinks else kept
+      if self.keep_sinks:
+        kept = jnp.concatenate([kept, self._sinks(output, kept, start)], axis=-1)
+      return jnp.swapaxes(kept, 0, 1)
 
     return jax.lax.cond(sparse_dllm.is_selection_step(_step_in_block(self, context)), choose, lambda: state)
 

@@ -228,7 +228,8 @@ def _trace(run: Run, carry, outputs: StepOutput, n_steps, captured: capture_step
                active_rows=outputs.active, computed_queries=outputs.queries, stats=plan.squeeze_user(outputs.stats),
                top_sinks=plan.squeeze_sinks(outputs.top_sinks), intervention_record=outputs.record,
                accepted=outputs.accepted, canvases=outputs.canvas, committed=outputs.committed,
-               revoked=outputs.revoked, computed_positions=outputs.computed, prompt_length=run.prompt_length,
+               revoked=outputs.revoked, computed_positions=outputs.computed, keys_read=outputs.keys_read,
+               prompt_length=run.prompt_length,
                captures=None if captured is None else captured.values,
                capture_steps=None if captured is None else captured.steps)
 

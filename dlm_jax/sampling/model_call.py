@@ -27,7 +27,7 @@ from dlm_jax.model import KVCache, forward
 from dlm_jax.sampling import row_by_row
 from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Guidance, Readout
 from dlm_jax.sampling.call_plan import CallPlan, CallState
-from dlm_jax.sampling.policy_call import computed_positions, policy_forward
+from dlm_jax.sampling.policy_call import computed_positions, keys_read, policy_forward
 
 
 @struct.dataclass
@@ -56,6 +56,8 @@ class StepOutput:
   revoked: [B, G] bool, the generated positions the step re-masked (WINO; all False for the other rules).
   computed: [B, S] bool, the sequence positions whose queries the call computed under a compute policy
     (`dlm_jax.policy`); None without one.
+  keys_read: [B] float32, the keys each computed query read under a compute policy (mean over the layers);
+    None without one.
   """
 
   stats: dict[str, jax.Array] | None = None
@@ -70,6 +72,7 @@ class StepOutput:
   committed: jax.Array | None = None
   revoked: jax.Array | None = None
   computed: jax.Array | None = None
+  keys_read: jax.Array | None = None
 
 
 def _nonfinite_rows(*arrays: jax.Array | None) -> jax.Array:
@@ -194,7 +197,9 @@ class ModelCaller:
     outputs = StepOutput(stats=stats.user_stats(output, self.config),
                          top_sinks=stats.top_sinks(output, inputs.key_valid), record=call.record,
                          nonfinite=nonfinite, captures=output.captures,
-                         computed=None if decision is None else computed_positions(decision, batch, length))
+                         computed=None if decision is None else computed_positions(decision, batch, length),
+                         keys_read=None if decision is None else jnp.broadcast_to(keys_read(decision, length),
+                                                                                  (batch,)))
     return CallResult(logits=cond["logits"], uncond_logits=uncond["logits"], hidden=cond["hidden"],
                       uncond_hidden=uncond["hidden"], state=state,
                       cache=None if decision is not None else output.cache, outputs=outputs)

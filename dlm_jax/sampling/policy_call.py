@@ -30,6 +30,18 @@ def computed_positions(decision: Decision, batch: int, n_seq: int) -> jax.Array:
   return jnp.where(decision.full, True, subset)
 
 
+def keys_read(decision: Decision, n_seq: int) -> jax.Array:
+  """[B] float32: the keys each computed query read at the call, averaged over the layers (S at a full call or
+  without a key subset; else each layer's valid kept keys plus the valid queries)."""
+  batch = decision.queries.shape[0] if decision.queries is not None else 1
+  everything = jnp.full((batch,), n_seq, jnp.float32)
+  if decision.keys is None:
+    return everything
+  own = jnp.sum(decision.queries < n_seq, axis=-1).astype(jnp.float32)
+  subset = jnp.mean(jnp.sum(decision.keys < n_seq, axis=-1).astype(jnp.float32), axis=0) + own
+  return jnp.where(decision.full, everything, subset)
+
+
 def _window(x: jax.Array, readout: Readout) -> jax.Array:
   """The readout window's rows of x [B, S, ...] (with its traced offset)."""
   if readout.window is None:

@@ -65,6 +65,8 @@ class Trace:
       (WINO's narrow-out; never for the other rules). `first_commit_step` and `revocations` read them per position.
     computed_positions: None, or [max_steps, B, S] bool (a run under a compute policy, `dlm_jax.policy`): the
       sequence positions whose queries each step computed (every position at a full call).
+    keys_read: None, or [max_steps, B] float32 (with `computed_positions`): the keys each computed query read
+      at each step, averaged over the layers (S at a full call).
     prompt_length: Lp, the number of prompt positions (static).
   """
 
@@ -84,6 +86,7 @@ class Trace:
   committed: jax.Array | None = None
   revoked: jax.Array | None = None
   computed_positions: jax.Array | None = None
+  keys_read: jax.Array | None = None
   prompt_length: int = struct.field(pytree_node=False, default=0)
 
   @property
