@@ -131,7 +131,7 @@ def run_model(settings: Settings, model, runtime, log) -> dict:
         if done(item, condition):
           continue
         _, text = prompts.completion(model, generated[row])
-        record = {"model": model.label, "policy": condition, "item": item.id, "nfe": n_steps,
+        record = {"model": model.label, "policy": condition, "item": item.id, "nfe": n_steps, "seq_len": s,
                   "flops": item_flops(model.config, computed, keys, row), "gen_length": values["gen_length"],
                   "seconds": seconds / len(batch.items), "completion": text,
                   "correct": scoring.score(item, text, model.prompt_format == "chat")["correct"]}
