@@ -169,12 +169,15 @@ def pareto_figure(label: str, per: dict[str, dict]):
   x = np.asarray([per[n]["flops_per_token"] / 1e6 for n in names])
   y = np.asarray([per[n]["accuracy"] for n in names])
   colours = {"none": "black", "dkv_cache": "tab:blue", "sparse_dllm": "tab:orange"}
+  seen: dict[tuple, int] = {}
   for name, xi, yi in zip(names, x, y):
     method = name.split(":")[0]
     marker = "s" if "keep_sinks=0" not in name and method == "sparse_dllm" else "o"
     axis.scatter(xi, yi, color=colours.get(method, "grey"), marker=marker, s=40, zorder=3)
+    place = (round(float(xi), 0), round(float(yi), 2))  # labels of (nearly) coincident points stacked
+    seen[place] = seen.get(place, -1) + 1
     axis.annotate(name.replace("cache_reloading_step", "reload").replace("keep_ratio", "keep"), (xi, yi),
-                  fontsize=7, xytext=(4, 3), textcoords="offset points")
+                  fontsize=7, xytext=(4, 3 - 9 * seen[place]), textcoords="offset points")
   order = np.argsort(x)
   front, best = [], -1.0
   for i in order:
