@@ -218,6 +218,7 @@ class DreamFamily(driver.MaskedDiffusionFamily):
   infill: bool
 
   name = "dream"
+  runs_policies = True
   min_prompt_length = 1
   padding_attention = "outer"
   shift_positions = True
@@ -275,6 +276,7 @@ class DreamBlockwiseFamily(DreamFamily):
   proposals, its own phases, carry (current block, its steps, the KV cache), early finish and model calls."""
 
   name = "dream_blockwise"
+  runs_policies = False
   can_finish_early = True
 
   def phases(self, run) -> tuple[driver.Phase, ...]:
@@ -306,6 +308,7 @@ class DreamRuleFamily(llada_rules.RuleFamilyMixin, DreamFamily):
   logits and `sample_tokens` proposals: temperature, top-p and top-k as the options say)."""
 
   name = "dream_rules"
+  runs_policies = False
   can_finish_early = True
 
   def check(self, config: ModelConfig, intervention: Intervention) -> None:

@@ -71,6 +71,8 @@ class Family:
     min_prompt_length: shortest prompt accepted.
     padding_attention, shift_positions: the padding policy (`dlm_jax.sampling.padding`).
     can_finish_early: `finished` may be true (the driver then guards every call with a `lax.cond`).
+    runs_policies: every call of the family reads the whole sequence with no KV cache of its own, so a compute
+      policy (`dlm_jax.policy`) can decide what it computes.
 
   Every call of `open_phase` or `step` is one model evaluation ("step"); the driver numbers the steps it
   runs 0, 1, … (the `i` handed to the family) and writes step i's `StepOutput` at index i of the
@@ -105,6 +107,7 @@ class Family:
   padding_attention: ClassVar[padding.PaddingAttention] = "key"
   shift_positions: ClassVar[bool] = False
   can_finish_early: ClassVar[bool] = False
+  runs_policies: ClassVar[bool] = False
 
   @property
   def gen_length(self) -> int:
@@ -440,12 +443,12 @@ def run_family(
   family.check(config, intervention)
   b, lp = prompt.shape
   total = lp + family.gen_length
-  policy = _bind_policy(policy, family, config, lp, total, hooks)
-  plan = make_plan(config, stats_spec, intervention, sink_top_k, padded=prompt_mask is not None, policy=policy)
   if not isinstance(hooks, Hooks):
     raise ValueError(f"hooks must be a dlm_jax.instrument.hook_spec.Hooks, got {type(hooks).__name__}.")
   if hook_values is not None and not hooks.enabled:
     raise ValueError("hook_values were given without hooks; pass hooks=Hooks(captures=..., edits=...).")
+  policy = _bind_policy(policy, family, config, lp, total, hooks)
+  plan = make_plan(config, stats_spec, intervention, sink_top_k, padded=prompt_mask is not None, policy=policy)
   max_steps = _max_steps(family.phases(Run(family=family, config=config, caller=None, prompt_length=lp,
                                            total_length=total)))
   if hooks.enabled:
@@ -477,11 +480,6 @@ def run_family(
   return runner(params, sequence, prompt_mask, key, state, run=run)
 
 
-POLICY_FAMILIES = ("llada", "dream")
-"""The families a compute policy runs with: the ones whose every call reads the whole sequence (no KV cache of
-their own)."""
-
-
 def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp: int, total: int,
                  hooks: Hooks) -> ComputePolicy:
   """The policy bound to this run's `RunLayout`, after refusing (one line) what it cannot run with."""
@@ -490,9 +488,9 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
   if not policy.enabled:
     return policy
   name = policy.NAME
-  if family.name not in POLICY_FAMILIES:
-    raise ValueError(f"policy {name!r} runs with the samplers that read the whole sequence at every call "
-                     f"({', '.join(POLICY_FAMILIES)}, exact decoding), not with {family.name}.")
+  if not family.runs_policies:
+    raise ValueError(f"policy {name!r} runs with the samplers whose every call reads the whole sequence (LLaDA, "
+                     f"MMaDA and Dream with exact decoding), not with {family.name}.")
   if hooks.enabled:
     raise ValueError(f"policy {name!r} does not run with activation hooks yet; leave them off.")
   gen = family.gen_length

@@ -252,6 +252,7 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
   eot_id: int | None
 
   name = "llada"
+  runs_policies = True
 
   @property
   def padding_attention(self) -> padding.PaddingAttention:
@@ -388,6 +389,7 @@ class LLaDABlockwiseFamily(LLaDAFamily):
   finish and model calls."""
 
   name = "llada_blockwise"
+  runs_policies = False
   can_finish_early = True
 
   def phases(self, run) -> tuple[driver.Phase, ...]:
@@ -416,6 +418,7 @@ class LLaDARuleFamily(llada_rules.RuleFamilyMixin, LLaDAFamily):
   """LLaDA / MMaDA under a decoding rule (`LLaDAOptions.rule`; `dlm_jax.sampling.llada_rules`)."""
 
   name = "llada_rules"
+  runs_policies = False
   can_finish_early = True
 
   def check(self, config, intervention) -> None:
