@@ -18,6 +18,36 @@ from dlm_jax.model.primitives import RMSNorm, fused_linear, linear, rms_normaliz
 from dlm_jax.model.rope import apply_rope
 
 
+class AttentionCall(NamedTuple):
+  """What one attention layer is given besides its input and cache (shared by the layers of a call, with each
+  layer's own biases and key subset set by the model).
+
+  impl, query_chunk: the attention path (`dlm_jax.model.attention`); query_weights: [B, Q, T] or None;
+  with_incoming: also return the incoming attention; pairwise_bias: [B|1, N|1, T|1, S] or None; key_bias:
+  [B|1, N|1, S] or None; zero_values: [B|1, S] bool or None, key positions that contribute a zero value vector
+  (their keys, hence their attention weights, unchanged; the returned values carry the zeros too);
+  cache_offset: sequence index of the first query with a cache; structure_key_bias: [1, 1, S] or None, added to
+  key_bias (a decoder call's visible key range); mode: "write" (the cache, if any, is written) or "decode" (a
+  DiffusionGemma decoder call: read, never written, no causal mask, no sliding window); subset: a
+  `ComputeSubset` (with a cache: the T queries sit at subset.queries [B, T], their keys and values written
+  there); key_index: [B, m] this layer's row of subset.keys (the queries read only those cached positions and
+  their own; the incoming attention is still over the S positions), or None.
+  """
+
+  impl: str
+  query_chunk: int
+  query_weights: Any = None
+  with_incoming: bool = False
+  pairwise_bias: Any = None
+  key_bias: Any = None
+  zero_values: Any = None
+  cache_offset: Any = 0
+  structure_key_bias: Any = None
+  mode: str = "write"
+  subset: Any = None
+  key_index: Any = None
+
+
 class AttentionReadings(NamedTuple):
   """What one attention layer hands the statistics besides its output: incoming [B, Q, N, S] or None; keys,
   values [B, S, K, H] (after RoPE, the cache written; a decoder call's: the cache as given); queries
@@ -50,25 +80,15 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(h, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
       self.k_norm = RMSNorm(h, c.norm_eps, dtype=dtype, fp32_weight=c.norm_fp32_weight)
 
-  def __call__(self, x, cos, sin, *, pairwise_bias, key_bias, query_weights, with_incoming, impl, query_chunk,
-               cache=None, cache_offset=0, zero_values=None, structure_key_bias=None, write_cache=True,
-               hooks: SiteHooks | None = None, subset: ComputeSubset | None = None, key_index=None):
+  def __call__(self, x, cos, sin, call: AttentionCall, cache=None, hooks: SiteHooks | None = None):
     """x [B, T, D] -> (out [B, T, D], `AttentionReadings`: incoming [B, Q, N, S] or None, keys and values
     [B, S, K, H], the queries [B, T, N, H] after RoPE).
 
-    With `cache` = (keys, values) [B, S, K, H], this call's keys and values are written at sequence
-    positions cache_offset..cache_offset+T-1 and the queries attend to the whole cache (S keys).
-    zero_values: [B|1, S] bool or None; those key positions contribute a zero value vector (their
-    keys, hence their attention weights, are unchanged) — the returned values carry the zeros too.
-    structure_key_bias: [1, 1, S] or None, added to key_bias (the decoder's visible key range).
-    write_cache: False for a decoder call: the layer attends as if written, but the returned (keys,
-    values) are the cache as given.
-    subset: a `ComputeSubset` (with `cache`): the T queries sit at the sequence positions subset.queries
-      [B, T] (a compute policy's query subset); their keys and values are written there, and, with
-      key_index [B, m] (this layer's row of subset.keys), the queries read only the cached positions
-      key_index and their own; the incoming attention is still over the S sequence positions.
-    hooks: the layer's `SiteHooks` (attn.hook_q / k / v after the projection and QK norm, before RoPE;
-    attn.hook_z before the output projection; attn.hook_pattern), or None.
+    call: the layer's `AttentionCall`. With `cache` = (keys, values) [B, S, K, H], this call's keys and values
+    are written at sequence positions call.cache_offset..+T-1 (mode "write") and the queries attend to the
+    whole cache (S keys); a "decode" call attends as if written, but the returned (keys, values) are the cache
+    as given. hooks: the layer's `SiteHooks` (attn.hook_q / k / v after the projection and QK norm, before
+    RoPE; attn.hook_z before the output projection; attn.hook_pattern), or None.
     """
     c = self.config
     b, t, _ = x.shape
@@ -85,27 +105,32 @@ class Attention(nnx.Module):
     q = apply_rope(q, cos, sin, fp32=c.rope_fp32)
     k = apply_rope(k, cos, sin, fp32=c.rope_fp32)
     given_cache = cache
+    subset = call.subset
     if subset is not None:
       k, v = scatter_rows(cache[0], subset.queries, k), scatter_rows(cache[1], subset.queries, v)
     elif cache is not None:
       zero = jnp.zeros((), jnp.int32)
-      start = (zero, jnp.asarray(cache_offset, jnp.int32), zero, zero)
+      start = (zero, jnp.asarray(call.cache_offset, jnp.int32), zero, zero)
       k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), start)
       v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), start)
-    if zero_values is not None:
-      v = jnp.where(zero_values[:, :, None, None], jnp.zeros((), v.dtype), v)
-    if structure_key_bias is not None:
-      key_bias = structure_key_bias if key_bias is None else jnp.maximum(key_bias + structure_key_bias, MASK_VALUE)
-    decoder = not write_cache
+    if call.zero_values is not None:
+      v = jnp.where(call.zero_values[:, :, None, None], jnp.zeros((), v.dtype), v)
+    key_bias = call.key_bias
+    if call.structure_key_bias is not None:
+      key_bias = call.structure_key_bias if key_bias is None else jnp.maximum(key_bias + call.structure_key_bias,
+                                                                              MASK_VALUE)
+    decoder = call.mode == "decode"
     window = c.sliding_window if self.kind == "s" and c.layer_pattern is not None and not decoder else None
     scale = 1.0 / math.sqrt(h) if c.attention_scale is None else c.attention_scale
     common = dict(scale=scale, causal=c.causal and not decoder, block_size=c.attention_block_size, window=window,
-                  pairwise_bias=pairwise_bias, key_bias=key_bias, query_offset=cache_offset, impl=impl,
-                  query_chunk=query_chunk)
-    if subset is not None and key_index is not None:
-      out, incoming = self._key_subset(q, k, v, key_index, subset, query_weights, with_incoming, common)
+                  pairwise_bias=call.pairwise_bias, key_bias=key_bias, query_offset=call.cache_offset,
+                  impl=call.impl, query_chunk=call.query_chunk)
+    if subset is not None and call.key_index is not None:
+      out, incoming = self._key_subset(q, k, v, call.key_index, subset, call.query_weights, call.with_incoming,
+                                       common)
     else:
-      out, incoming = attention(q, k, v, query_weights=query_weights, with_incoming=with_incoming, **common)
+      out, incoming = attention(q, k, v, query_weights=call.query_weights, with_incoming=call.with_incoming,
+                                **common)
     if hooks is not None and hooks.wants("attn.hook_pattern"):
       hooks.pattern(lambda weights: attention(q, k, v, query_weights=jnp.broadcast_to(weights, (b, *weights.shape)),
                                               with_incoming=True, **common)[1], t)
@@ -131,7 +156,8 @@ class Attention(nnx.Module):
       pairwise = jnp.broadcast_to(pairwise, (at.shape[0], *pairwise.shape[1:]))
       pairwise = jnp.take_along_axis(pairwise, at[:, None, None, :], axis=3)
     out, incoming = attention(q, gather_rows(k, positions), gather_rows(v, positions), query_weights=query_weights,
-                              with_incoming=with_incoming, **{**common, "key_bias": key_bias, "pairwise_bias": pairwise})
+                              with_incoming=with_incoming,
+                              **{**common, "key_bias": key_bias, "pairwise_bias": pairwise})
     if incoming is not None:
       rows = jnp.arange(positions.shape[0])[:, None]
       moved = jnp.moveaxis(incoming, -1, 1)  # [B, m + T, Q, N]

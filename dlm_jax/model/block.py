@@ -10,7 +10,7 @@ from flax import nnx
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.site_hooks import SiteHooks, at
-from dlm_jax.model.attention_layer import Attention
+from dlm_jax.model.attention_layer import Attention, AttentionCall
 from dlm_jax.model.primitives import RMSNorm, SwiGLU, rms_normalize
 from dlm_jax.model.moe import MoE
 
@@ -43,13 +43,14 @@ class Block(nnx.Module):
     if c.layer_scalar:
       self.layer_scalar = nnx.Param(jnp.ones((1,), dtype))
 
-  def __call__(self, x, cos, sin, hooks: SiteHooks | None = None, **attention_kwargs):
+  def __call__(self, x, cos, sin, call: AttentionCall, cache=None, hooks: SiteHooks | None = None):
     """x [B, T, D] -> (x [B, T, D], the attention's `AttentionReadings`, routing):
     routing is the MoE router's (weights [B, T, k] float32, experts [B, T, k] int32), or None in a dense
-    block. `hooks`: the layer's `SiteHooks` (`dlm_jax.instrument.sites`) or None."""
+    block. call: the attention layer's `AttentionCall`; cache: its (keys, values) or None; `hooks`: the layer's
+    `SiteHooks` (`dlm_jax.instrument.sites`) or None."""
     c = self.config
     x = at(hooks, "hook_resid_pre", x)
-    attn_out, readings = self.attn(self.attn_norm(x), cos, sin, hooks=hooks, **attention_kwargs)
+    attn_out, readings = self.attn(self.attn_norm(x), cos, sin, call, cache, hooks)
     if c.sandwich_norms:
       attn_out = self.post_attn_norm(attn_out)
     x = at(hooks, "hook_resid_mid", x + at(hooks, "hook_attn_out", attn_out))

@@ -15,7 +15,7 @@ from dlm_jax.model.attention import AttentionImpl
 from dlm_jax.model.cache import KVCache, cache_shapes
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.params import Params, graphdef
-from dlm_jax.model.transformer import head_logits
+from dlm_jax.model.transformer import ModelCall, head_logits
 
 
 @struct.dataclass
@@ -215,7 +215,8 @@ def forward(
     start = 0 if cache is None else cache_offset
     positions = jnp.broadcast_to(start + jnp.arange(tokens.shape[1]), tokens.shape)
   model = nnx.merge(graphdef(config), params)
-  return model(tokens, positions, bias=bias, query_weights=query_weights, stats_spec=stats_spec,
-               logits_window=logits_window, logits_offset=logits_offset, impl=attention_impl,
-               query_chunk=query_chunk, cache=cache, cache_offset=0 if cache is None else cache_offset,
-               return_hidden=return_hidden, decoder=decoder, hooks=hooks, subset=subset)
+  return model(tokens, positions, ModelCall(
+      bias=bias, query_weights=query_weights, stats_spec=stats_spec, logits_window=logits_window,
+      logits_offset=logits_offset, impl=attention_impl, query_chunk=query_chunk, cache=cache,
+      cache_offset=0 if cache is None else cache_offset, return_hidden=return_hidden, decoder=decoder, hooks=hooks,
+      subset=subset))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,7 @@ from dlm_jax.instrument.hook_call import HookCall
 from dlm_jax.instrument.site_hooks import SiteHooks, at
 from dlm_jax.instrument.stats import STATISTICS, ForwardOutput, LayerValues, StatsSpec
 from dlm_jax.core.attention_bias import MASK_VALUE, AttentionBias
+from dlm_jax.model.attention_layer import AttentionCall
 from dlm_jax.model.block import SelfConditioning, block_stack
 from dlm_jax.model.cache import KVCache
 from dlm_jax.model.compute_subset import ComputeSubset
@@ -98,6 +99,24 @@ def _concatenate(parts: list):
   return parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
 
 
+class ModelCall(NamedTuple):
+  """What `forward` hands the `Transformer` besides tokens and positions (its arguments, checked; see there)."""
+
+  bias: AttentionBias
+  query_weights: Any
+  stats_spec: StatsSpec
+  logits_window: tuple[int, int] | None
+  logits_offset: Any
+  impl: str
+  query_chunk: int
+  cache: KVCache | None
+  cache_offset: Any
+  return_hidden: bool
+  decoder: Any = None
+  hooks: HookCall | None = None
+  subset: ComputeSubset | None = None
+
+
 class Transformer(nnx.Module):
   """Embedding, stacked blocks (`blocks`, and `dense_blocks` for an MoE model's leading dense layers, or
   `blocks` for the sliding and `global_blocks` for the global layers of a `layer_pattern` model), final
@@ -120,13 +139,13 @@ class Transformer(nnx.Module):
     if not config.tied_embeddings:
       self.lm_head = linear(config.d_model, config.vocab_size, False, rngs, dtype)
 
-  def __call__(self, tokens, positions, *, bias: AttentionBias, query_weights, stats_spec: StatsSpec,
-               logits_window, logits_offset, impl, query_chunk, cache: KVCache | None,
-               cache_offset, return_hidden: bool, decoder=None, hooks: HookCall | None = None,
-               subset: ComputeSubset | None = None) -> ForwardOutput:
-    """See `forward`. Statistics are computed only in the layers `stats_spec` asks for; sites only where
-    `hooks` name them."""
-    c = self.config
+  def __call__(self, tokens, positions, call: ModelCall) -> ForwardOutput:
+    """tokens, positions [B, T]; call: the rest of `forward`'s arguments, checked. Statistics are computed only in
+    the layers the spec asks for; sites only where the hooks name them."""
+    c, model_call = self.config, call
+    bias, query_weights, stats_spec, cache, cache_offset = (call.bias, call.query_weights, call.stats_spec,
+                                                            call.cache, call.cache_offset)
+    decoder, hooks, subset = call.decoder, call.hooks, call.subset
     n_keys = tokens.shape[1] if cache is None else cache.keys.shape[2]
     offset = 0 if cache is None else cache_offset
     sites = None if hooks is None else ForwardSites(hooks, c, offset=offset, n_seq=n_keys, readout=self._readout)
@@ -139,9 +158,10 @@ class Transformer(nnx.Module):
         config=c, stats_spec=stats_spec, tables=self._rope_tables(positions),
         structure=({"s": None, "g": None} if decoder is None
                    else _decoder_key_bias(c, n_keys, cache_offset, tokens.shape[1])),
-        attention_kwargs=dict(query_weights=query_weights, impl=impl, query_chunk=query_chunk,
-                              cache_offset=cache_offset, zero_values=bias.zero_values, subset=subset,
-                              **{name: value for name, value, each in _bias_parts(bias) if not each}),
+        attention=AttentionCall(impl=model_call.impl, query_chunk=model_call.query_chunk,
+                                query_weights=query_weights,
+                                cache_offset=cache_offset, zero_values=bias.zero_values, subset=subset,
+                                **{name: value for name, value, each in _bias_parts(bias) if not each}),
         slots=_stat_slots(c, stats_spec), emit_cache=cache is not None and decoder is None,
         sites=sites)
     buffers = {}
@@ -151,19 +171,19 @@ class Transformer(nnx.Module):
     x, buffers, capture_buffers, ys, new_cache = self._run_layers(call, x, buffers, capture_buffers, per_layer,
                                                                   _kind_caches(c, cache))
     stats = buffers if call.slots is not None else ys
-    window_start = 0
-    if logits_window is not None:
-      start, stop = logits_window
-      if isinstance(logits_offset, int) and logits_offset == 0:
+    window_start, offset = 0, model_call.logits_offset
+    if model_call.logits_window is not None:
+      start, stop = model_call.logits_window
+      if isinstance(offset, int) and offset == 0:
         x, window_start = x[:, start:stop], start
       else:
-        x = jax.lax.dynamic_slice_in_dim(x, start + logits_offset, stop - start, axis=1)
-        window_start = jnp.clip(start + logits_offset, 0, tokens.shape[1] - (stop - start))
+        x = jax.lax.dynamic_slice_in_dim(x, start + offset, stop - start, axis=1)
+        window_start = jnp.clip(start + offset, 0, tokens.shape[1] - (stop - start))
     x = self.final_norm(x)
     if model_hooks is not None:
       x = model_hooks("ln_final.hook_normalized", x, start=window_start)
     head = self.embed.embedding[...].T if c.tied_embeddings else self.lm_head.kernel[...]
-    logits, hidden = (None, x) if return_hidden else (head_logits(x, head, c.final_logit_softcap), None)
+    logits, hidden = (None, x) if model_call.return_hidden else (head_logits(x, head, c.final_logit_softcap), None)
     captures = {}
     if sites is not None:
       captures = sites.named(capture_buffers, model_hooks.captured)
@@ -234,8 +254,8 @@ class _LayerCall:
   """What every layer of one forward call shares (traced arrays inside one trace; never a jit argument).
 
   tables: RoPE (cos, sin) per attention kind; structure: per kind, the decoder call's [1, 1, S] visible-key
-  bias or None; attention_kwargs: the attention layer's arguments common to every layer (the biases
-  shared by all layers among them); slots: [L] int32 statistics slot of each layer (−1: none) when a layer
+  bias or None; attention: the `AttentionCall` common to every layer (the biases shared by all layers among
+  them; each layer sets its own biases, key subset and statistics switch); slots: [L] int32 statistics slot of each layer (−1: none) when a layer
   subset is asked for, else None; emit_cache: the call returns the updated cache; sites: the call's
   `ForwardSites` (its hooks and capture buffers) or None.
   """
@@ -244,7 +264,7 @@ class _LayerCall:
   stats_spec: StatsSpec
   tables: dict
   structure: dict
-  attention_kwargs: dict
+  attention: AttentionCall
   slots: jax.Array | None
   emit_cache: bool
   sites: ForwardSites | None = None
@@ -296,16 +316,15 @@ def _run_layer(call: _LayerCall, kind: str, block, h, kv_cache, layer_biases, wi
   {capture index: this layer's captured value}); capture_buffers: the captures of the earlier layers."""
   spec = call.stats_spec
   cos, sin = call.tables[kind]
-  extra = {} if call.structure[kind] is None else {"structure_key_bias": call.structure[kind], "write_cache": False}
+  extra = {} if call.structure[kind] is None else {"structure_key_bias": call.structure[kind], "mode": "decode"}
   hooks = call.site_hooks(kind, layer, capture_buffers)
-  h, readings, routing = block(
-      h, cos, sin, hooks=hooks, with_incoming=with_stats and spec.attention, cache=kv_cache,
-      **call.attention_kwargs, **extra, **layer_biases)
+  attention = call.attention._replace(with_incoming=with_stats and spec.attention, **extra, **layer_biases)
+  h, readings, routing = block(h, cos, sin, attention, kv_cache, hooks)
   stats = {}
   if with_stats:
     layer_values = LayerValues(incoming=readings.incoming, keys=readings.keys, values=readings.values, hidden=h,
-                               queries=readings.queries, query_weights=call.attention_kwargs["query_weights"],
-                               routing=routing, query_offset=call.attention_kwargs["cache_offset"],
+                               queries=readings.queries, query_weights=call.attention.query_weights,
+                               routing=routing, query_offset=call.attention.cache_offset,
                                n_queries=h.shape[1], per_head=spec.per_head, k=call.config.experts_per_token)
     stats = {name: STATISTICS[name].compute(layer_values) for name in spec.names}
   return h, (readings.keys, readings.values), stats, {} if hooks is None else hooks.captured

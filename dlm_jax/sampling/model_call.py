@@ -120,7 +120,7 @@ class ModelCaller:
   """The model call of a sampler run (static: part of the compiled program's key).
 
   Attributes:
-    plan: the `CallPlan` (model config, statistics plan, intervention, hooks).
+    plan: the `CallPlan` (model config, statistics plan, intervention, hooks, compute policy).
     mask_id: mask token id for the sampler's query groups (None for models without one).
     gen_start: first generated position (for the query groups).
     attention_impl, query_chunk: passed to `forward`.
