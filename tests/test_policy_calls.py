@@ -17,7 +17,7 @@ from dlm_jax.model import KVCache, forward, init_params
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.policy.base import ComputePolicy, Decision
 from dlm_jax.policy.registry import parse_policy
-from dlm_jax.sampling import autoregressive, llada
+from dlm_jax.sampling import autoregressive, dream, llada
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -111,6 +111,10 @@ def test_the_skipped_work_leaves_the_flop_count():
      "does not run with activation hooks"),
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=dataclasses.replace(OPTIONS, cfg_scale=1.0),
                                  policy=Recent()), "classifier-free guidance"),
+    (lambda p, x: dream.diffusion_generate(p, x, config=preset("tiny-dream"), policy=parse_policy("sparse_dllm")),
+     "does not run on a logit-shifted model"),
+    (lambda p, x: dream.diffusion_generate(p, x, config=preset("tiny-dream"), policy=parse_policy("dkv_cache")),
+     "has its decode rule for the llada sampler, not dream"),
 ])
 def test_runs_a_policy_cannot_take_are_refused(run, message):
   params, prompt = _setup()

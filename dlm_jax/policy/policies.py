@@ -85,6 +85,10 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
   def check(self, config: ModelConfig | None = None, family_name: str | None = None) -> None:
     """The knobs (the settings' check, also run at construction) and, for a run, the block layout."""
     self.check_knobs()
+    if config is not None and config.logit_shift:
+      raise ValueError("policy sparse_dllm does not run on a logit-shifted model (Dream) yet: the block's first "
+                       "position is read from the position before the block, which its calls do not compute "
+                       "(how the official Dream code gets it is UNVERIFIED).")
     if self.layout is not None and self.keep_sinks > self.layout.seq_len - self.layout.block_length:
       raise ValueError(f"sparse_dllm keep_sinks={self.keep_sinks} is more than the "
                        f"{self.layout.seq_len - self.layout.block_length} keys outside the block.")
