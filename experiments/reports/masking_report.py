@@ -110,7 +110,8 @@ def _recompute_note(metas: list[dict]) -> str:
            "For a DLM, `python -m experiments.generate --checkpoint=DIR --prompt_ids=<prompt_ids> "
            "--sampler=llada --gen_length=G --steps=T --block_length=B --mask_sinks=K --json_out=x.json` decodes "
            "the same tokens (same `MaskPreviousSinks(top_k=K)`, per (layer, head), first step unmasked); add "
-           "`--decoding=... --threshold=τ` (or `--factor=f`) when the settings below name a decoding mode."]
+           "`--decoding=... --threshold=τ` (or `--factor=f`) when the settings below name a decoding mode, and "
+           "`--policy=...` when they name a compute policy."]
   if any(not m["diffusion"] for m in metas):
     lines.append("For an ARM the sinks of an iteration are the top-K keys of the previous iteration's last query "
                  "row (`MaskPreviousSinksAR(last_row_weights=True)`, exact at the prefill too); "
