@@ -45,7 +45,7 @@ from dlm_jax.instrument import sites
 from dlm_jax.sampling import registry
 from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
 from dlm_jax.session.decode_settings import DecodeSettings
-from experiments.common import (analysis_flags, capture_budget, checkpoints, cli, devices, flag_checks, model_runs,
+from experiments.common import (numerics_flags, analysis_flags, capture_budget, checkpoints, cli, devices, flag_checks, model_runs,
                                 numerics, patching_pairs, progress, run_dir)
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
@@ -163,7 +163,7 @@ def main(argv):
   settings = Settings(checkpoints=shared.checkpoints, n_pairs=_N_PAIRS.value, pairs_per_call=_PAIRS_PER_CALL.value,
                       sites=tuple(s.strip() for s in _SITES.value), patch_steps=steps, head_window=_HEAD_WINDOW.value,
                       attribution=_ATTRIBUTION.value, task=shared.task, decode=shared.decode,
-                      numerics=numerics.from_flags(shared.runtime))
+                      numerics=numerics_flags.from_flags(shared.runtime))
   runners = {}
   for model in models:
     values = settings.check_model(model)

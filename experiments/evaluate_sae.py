@@ -40,7 +40,7 @@ from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
 from dlm_jax.io import saelens
 from dlm_jax.runtime import distributed
 from dlm_jax.session import decode_settings
-from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
+from experiments.common import (numerics_flags, runtime_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
                                 numerics, output_flags, progress, prompts, run_dir, sae_runs, scoring)
 from experiments.reports import sae_figures
 
@@ -116,7 +116,7 @@ def _reconstruction(saes, clean: sae_runs.Activations, bins) -> dict[str, dict]:
 
 def main(argv):
   del argv
-  runtime_settings = devices.from_flags()
+  runtime_settings = runtime_flags.from_flags()
   output = output_flags.from_flags("evaluate_sae")
   flag_checks.positive(n=_N.value, batch_size=_BATCH_SIZE.value, gen_length=_GEN_LENGTH.value,
                        step_bin=_STEP_BIN.value)
@@ -134,7 +134,7 @@ def main(argv):
   run = run_dir.RunDir(output.output_dir, settings, overwrite=output.overwrite,
                        inputs=[model.directory, *(saes[n].path for n in names)])
   runtime = devices.init_runtime(runtime_settings)
-  numeric_settings = numerics.from_flags(runtime_settings)
+  numeric_settings = numerics_flags.from_flags(runtime_settings)
   model = checkpoints.load_weights(model, runtime, numeric_settings)
   problems = items.load_items("synthetic", _N.value, _DATA_SEED.value)
   prompt_set = prompts.encode(model, problems)

@@ -24,7 +24,7 @@ from absl import flags, logging
 from dlm_jax.runtime import distributed
 from dlm_jax.tasks import gsm8k
 from dlm_jax.session import decode_settings, size_limits
-from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
+from experiments.common import (numerics_flags, runtime_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
                                 numerics, progress, prompts, run_dir)
 from experiments.common.numerics import Numerics
 
@@ -61,7 +61,7 @@ class Settings:
 
 def main(argv):
   del argv
-  runtime_settings = devices.from_flags()
+  runtime_settings = runtime_flags.from_flags()
   if _OUTPUT.value:
     run_dir.check_output_file(_OUTPUT.value, "output")
   model = checkpoints.prepare(_CHECKPOINT.value, "auto", "training")
@@ -73,7 +73,7 @@ def main(argv):
                                    block_length=_BLOCK_LENGTH.value if _BLOCK_LENGTH.value is not None else gen_length)
   runtime = devices.init_runtime(runtime_settings)
   settings = Settings(model.directory, _N.value, _DATA_SEED.value, _BATCH_SIZE.value, decode,
-                      numerics.from_flags(runtime_settings))
+                      numerics_flags.from_flags(runtime_settings))
   values = decode_settings.model_settings(decode, model)
   problems = items.load_items("synthetic", settings.n, settings.data_seed)
   prompt_set = prompts.encode(model, problems)

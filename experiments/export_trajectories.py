@@ -43,7 +43,7 @@ from dlm_jax.io.trajectory_dataset import TrajectoryDatasetError, TrajectoryWrit
 from dlm_jax.model import init_params
 from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
 from dlm_jax.session.decode_settings import DecodeSettings
-from experiments.common import (analysis_flags, capture_budget, checkpoints, cli, decoding, devices, flag_checks,
+from experiments.common import (numerics_flags, analysis_flags, capture_budget, checkpoints, cli, decoding, devices, flag_checks,
                                 item_batches, items, numerics, progress, prompts, scoring)
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
@@ -244,7 +244,7 @@ def main(argv):
   settings = Settings(checkpoints=shared.checkpoints, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
                       sites=tuple(_SITES.value), export_steps=_EXPORT_STEPS.value,
                       position_classes=tuple(_CLASSES.value), task=shared.task, decode=shared.decode,
-                      numerics=numerics.from_flags(shared.runtime))
+                      numerics=numerics_flags.from_flags(shared.runtime))
   out = shared.output.output_dir
   if os.path.exists(out) and not os.path.isdir(out):
     raise cli.UserError(f"--output_dir={out} is a file; expected a directory")

@@ -93,7 +93,7 @@ from dlm_jax.sampling import registry
 from dlm_jax.session import (CombinationError, SessionError, checkpoint_bundle, decode_settings, sampler_options,
                              size_limits, training_record)
 from dlm_jax.session.decoding_mode import DecodingMode
-from experiments.common import (atomic_files, chat, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
+from experiments.common import (numerics_flags, runtime_flags, atomic_files, chat, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
                                 items, numerics, prompts, run_dir)
 from experiments.common.numerics import Numerics
 
@@ -368,7 +368,7 @@ def main(argv):
   from dlm_jax.io import checkpoint  # pylint: disable=import-outside-toplevel
   from dlm_jax.instrument.stats import NO_STATS, StatsSpec  # pylint: disable=import-outside-toplevel
   from dlm_jax.io.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
-  runtime_settings = devices.from_flags()
+  runtime_settings = runtime_flags.from_flags()
   if _JSON_OUT.value:
     run_dir.check_output_file(_JSON_OUT.value, "json_out")
   if _STATS_OUT.value:
@@ -404,7 +404,7 @@ def main(argv):
       stop_at_eot=_STOP_AT_EOT.value, alg=_ALG.value, alg_temp=_ALG_TEMP.value, top_p=_TOP_P.value,
       top_k=_TOP_K.value, eps=_EPS.value, seed=_SEED.value, mask_sinks=_MASK_SINKS.value,
       end_of_turn_id=end_of_turn, editing_threshold=_EDITING_THRESHOLD.value, max_post_steps=_MAX_POST_STEPS.value,
-      numerics=numerics.from_flags(runtime_settings),
+      numerics=numerics_flags.from_flags(runtime_settings),
       decoding=mode if decoder.has_modes else DecodingMode(),
       entropy_bound=_ENTROPY_BOUND.value, t_min=_T_MIN.value, t_max=_T_MAX.value,
       confidence_threshold=_CONFIDENCE_THRESHOLD.value, stability_threshold=_STABILITY_THRESHOLD.value,

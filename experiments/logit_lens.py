@@ -50,7 +50,7 @@ from dlm_jax.instrument.hook_spec import Steps
 from dlm_jax.model import init_params
 from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
 from dlm_jax.session.decode_settings import DecodeSettings
-from experiments.common import (analysis_flags, atomic_files, capture_budget, checkpoints, cli, decoding, devices,
+from experiments.common import (numerics_flags, analysis_flags, atomic_files, capture_budget, checkpoints, cli, decoding, devices,
                                 flag_checks, item_batches, items, model_runs, numerics, progress, prompts, run_dir)
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
@@ -339,7 +339,7 @@ def main(argv):
   runtime = devices.init_runtime(shared.runtime)  # before anything touches a JAX backend (the numerics)
   settings = Settings(checkpoints=shared.checkpoints, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
                       lens_steps=_LENS_STEPS.value, lens_top_k=_LENS_TOP_K.value, task=shared.task,
-                      decode=shared.decode, numerics=numerics.from_flags(shared.runtime))
+                      decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime))
   for model in models:
     settings.check_model(model)
     values = decode_settings.model_settings(shared.decode, model)

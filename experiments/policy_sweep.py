@@ -31,7 +31,7 @@ from dlm_jax.runtime import distributed
 from dlm_jax.session import decode_settings
 from dlm_jax.session.decode_settings import DecodeSettings
 from dlm_jax.session.decoding_mode import DecodingMode
-from experiments.common import (analysis_flags, atomic_files, cli, decoding, devices, flag_checks, item_batches,
+from experiments.common import (numerics_flags, analysis_flags, atomic_files, cli, decoding, devices, flag_checks, item_batches,
                                 items, model_runs, numerics, progress, prompts, scoring)
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
@@ -229,7 +229,7 @@ def main(argv):
       conditions=conditions(tuple(_POLICIES.value), _numbers("keep_ratios", _KEEP_RATIOS.value, float),
                             _numbers("keep_sinks", _KEEP_SINKS.value, int),
                             _numbers("reload_steps", _RELOAD_STEPS.value, int)),
-      task=shared.task, decode=shared.decode, numerics=numerics.from_flags(shared.runtime))
+      task=shared.task, decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime))
   for model in models:
     if model.sampler not in ("llada", "mmada", "dream"):
       raise cli.UserError(f"{model.label}: policy_sweep decodes masked diffusion models (llada, mmada, dream "

@@ -81,7 +81,7 @@ from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
 from dlm_jax.session.decode_settings import DecodeSettings
 from dlm_jax.session.decoding_mode import DecodingMode
-from experiments.common import (analysis_flags, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
+from experiments.common import (numerics_flags, analysis_flags, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
                                 item_batches, items, model_runs, numerics, progress, prompts, run_dir, scoring,
                                 validity)
 from experiments.reports import sink_report
@@ -318,7 +318,7 @@ def main(argv):
                       epsilon=_EPSILON.value, layers=cli.int_list(_LAYERS.value, "layers") or None,
                       split_queries=_SPLIT_QUERIES.value, track_heads=tuple(_TRACK_HEADS.value),
                       figure_item=_FIGURE_ITEM.value, histogram_max=_HISTOGRAM_MAX.value, top_tokens=_TOP_TOKENS.value,
-                      task=shared.task, decode=shared.decode, numerics=numerics.from_flags(shared.runtime),
+                      task=shared.task, decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime),
                       decoding=mode)
   for model in models:
     settings.check_model(model)

@@ -57,7 +57,7 @@ from dlm_jax.runtime import distributed
 from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
 from dlm_jax.session.decode_settings import DecodeSettings
 from dlm_jax.session.decoding_mode import DecodingMode
-from experiments.common import (analysis_flags, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
+from experiments.common import (numerics_flags, analysis_flags, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
                                 item_batches, items, model_runs, numerics, progress, prompts, scoring)
 from experiments.reports import masking_report
 from experiments.common.items import TaskSettings
@@ -247,7 +247,7 @@ def main(argv):
                       batch_size=_BATCH_SIZE.value, mask_scope=_MASK_SCOPE.value, sink_epsilon=_SINK_EPSILON.value,
                       ar_last_row=_AR_LAST_ROW.value, perplexity=_PERPLEXITY.value,
                       perplexity_text=_PERPLEXITY_TEXT.value, perplexity_items=_PERPLEXITY_ITEMS.value,
-                      task=shared.task, decode=shared.decode, numerics=numerics.from_flags(shared.runtime),
+                      task=shared.task, decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime),
                       decoding=mode)
   for model in models:
     decode_settings.model_settings(shared.decode, model, mode)

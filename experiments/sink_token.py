@@ -43,7 +43,7 @@ from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.tasks import synthetic
 from dlm_jax.session import decode_settings, size_limits
 from dlm_jax.session.decode_settings import DecodeSettings
-from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
+from experiments.common import (numerics_flags, runtime_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
                                 numerics, output_flags, progress, prompts, results_file, run_dir, scoring, train_flags)
 from experiments.reports import plots, summary_files
 from experiments.common.numerics import Numerics
@@ -263,7 +263,7 @@ def write_report(settings: Settings, out: str, records: list[dict], wall_s: floa
 def main(argv):
   del argv
   progress.quiet_orbax()
-  runtime_settings = devices.from_flags()
+  runtime_settings = runtime_flags.from_flags()
   output = output_flags.from_flags("sink_token")
   decode = DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value, block_length=_BLOCK_LENGTH.value,
                           seed=_SEED.value)
@@ -275,7 +275,7 @@ def main(argv):
                       overrides=tuple(flags.FLAGS.override), train=train, train_size=_TRAIN_SIZE.value,
                       seq_len=_SEQ_LEN.value, prompt_len=_PROMPT_LEN.value, n_eval=_N_EVAL.value,
                       batch_size=_BATCH_SIZE.value, epsilon=_EPSILON.value, data_seed=_DATA_SEED.value,
-                      decode=decode, numerics=numerics.from_flags(runtime_settings))
+                      decode=decode, numerics=numerics_flags.from_flags(runtime_settings))
   _model_config(settings, tokenizer)  # refuses a bad preset or override before anything is written
   out = run_dir.RunDir(output.output_dir, {"settings": dataclasses.asdict(settings)}, overwrite=output.overwrite,
                        primary=runtime.primary)

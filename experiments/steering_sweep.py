@@ -52,7 +52,7 @@ from dlm_jax.model import init_params
 from dlm_jax.sampling import driver
 from dlm_jax.session import checkpoint_bundle, decode_settings
 from dlm_jax.session.decode_settings import DecodeSettings
-from experiments.common import (analysis_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks,
+from experiments.common import (numerics_flags, analysis_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks,
                                 item_batches, items, model_runs, numerics, progress, prompts, run_dir, scoring)
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
@@ -390,7 +390,7 @@ def main(argv):
                       coefficients=coefficients, schedules=tuple(_SCHEDULES.value), layer=_LAYER.value,
                       scope=_SCOPE.value, n_bins=_N_BINS.value, clock_target=_CLOCK_TARGET.value,
                       direction=_DIRECTION.value, task=shared.task,
-                      decode=shared.decode, numerics=numerics.from_flags(shared.runtime))
+                      decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime))
   for model in models:
     values = decode_settings.model_settings(shared.decode, model)
     todo, prompt_set = _prompts(settings, model)

@@ -32,7 +32,7 @@ from dlm_jax.io import json_files, output_dir
 from dlm_jax.training import data as training_data, loop as train_loop
 from dlm_jax.tasks import gsm8k, synthetic
 from dlm_jax.session import size_limits
-from experiments.common import cli, devices, flag_checks, progress, run_dir, train_flags
+from experiments.common import runtime_flags, cli, devices, flag_checks, progress, run_dir, train_flags
 
 train_flags.define(train_steps=1000, train_batch_size=32, lr=1e-3, warmup=100, log_every=50, checkpoint_every=250,
                    preset=None)
@@ -154,7 +154,7 @@ def _pairs(data: DataSettings, split: str) -> list[tuple[str, str]]:
 def main(argv):
   del argv
   progress.quiet_orbax()
-  runtime_settings = devices.from_flags()
+  runtime_settings = runtime_flags.from_flags()
   layout = {"sft": "sft", "uniform": "sft", "pretrain": "document", "ar": "ar"}[_OBJECTIVE.value]
   data = DataSettings(data=_DATA.value, train_size=_TRAIN_SIZE.value, eval_size=_EVAL_SIZE.value,
                       data_seed=_DATA_SEED.value, tokenizer=_TOKENIZER.value, seq_len=_SEQ_LEN.value,

@@ -38,7 +38,7 @@ from dlm_jax.io import saelens, trajectory_dataset
 from dlm_jax.training import sae_loop
 from dlm_jax.training import sae_objectives as objectives
 from dlm_jax.session import decode_settings
-from experiments.common import (atomic_files, checkpoints, cli, devices, flag_checks, numerics, output_flags, progress,
+from experiments.common import (numerics_flags, runtime_flags, atomic_files, checkpoints, cli, devices, flag_checks, numerics, output_flags, progress,
                                 prompts, run_dir, sae_runs)
 from experiments.reports import sae_figures
 
@@ -140,7 +140,7 @@ def _dataset_record(dataset: trajectory_dataset.TrajectoryDataset, names: list[s
 
 def main(argv):
   del argv
-  runtime_settings = devices.from_flags()
+  runtime_settings = runtime_flags.from_flags()
   output = output_flags.from_flags("train_sae")
   model = checkpoints.prepare(_CHECKPOINT.value, "auto", "training")
   layers = _layers(model.config)
@@ -169,7 +169,7 @@ def main(argv):
   if runtime.mesh is not None and config.batch_size % runtime.batch_shards:
     raise cli.UserError(f"--train_batch_size={config.batch_size}: expected a multiple of the mesh's "
                         f"{runtime.batch_shards} batch shards")
-  numeric_settings = numerics.from_flags(runtime_settings)
+  numeric_settings = numerics_flags.from_flags(runtime_settings)
   model = checkpoints.load_weights(model, runtime, numeric_settings)
   progress.quiet_orbax()
   log = run_dir.ResultsLog(run, "layers.jsonl", ("site",))

@@ -35,7 +35,7 @@ from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
 from dlm_jax.session.decode_settings import DecodeSettings
-from experiments.common import (analysis_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks,
+from experiments.common import (numerics_flags, analysis_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks,
                                 item_batches, items, model_runs, numerics, progress, prompts, run_dir, validity)
 from experiments.reports import plots, summary_files
 from experiments.common.items import TaskSettings
@@ -204,7 +204,7 @@ def main(argv):
   settings = Settings(checkpoints=shared.checkpoints, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
                       epsilon=_EPSILON.value, layers=layers, samples_per_item=_SAMPLES_PER_ITEM.value,
                       max_points=_MAX_POINTS.value, task=shared.task, decode=shared.decode,
-                      numerics=numerics.from_flags(shared.runtime))
+                      numerics=numerics_flags.from_flags(shared.runtime))
   for model in models:
     settings.check_model(model)
     decode_settings.model_settings(shared.decode, model)

@@ -58,8 +58,8 @@ class ForwardSites:
     return [l for l in layers if l is not None and sites.layer_kind(self.config, l) == kind]
 
   def buffers(self, x: jax.Array) -> dict[str, Any]:
-    """Zero buffers [L_k, ...] per (per-layer capture, attention kind): the capture's value at each of its
-    layers of that kind (shapes from the reduction's abstract evaluation on the site's [B, T, *F]); x: the
+    """Zero buffers ``[L_k, ...]`` per (per-layer capture, attention kind): the capture's value at each of its
+    layers of that kind (shapes from the reduction's abstract evaluation on the site's ``[B, T, *F]``); x: the
     embeddings [B, T, D] (B, T and dtype)."""
     out = {}
     for index, capture in enumerate(self.hooks.hooks.captures):

@@ -69,7 +69,7 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
                    tokens: jax.Array, positions: jax.Array, bias: AttentionBias, weights: jax.Array | None,
                    readout: Readout) -> ForwardOutput:
   """The call's `ForwardOutput` (logits or hidden states of the readout window, statistics over the S
-  positions, the policy's new cache) under `decision`. run(params, tokens, **kwargs) is the forward (with
+  positions, the policy's new cache) under `decision`. ``run(params, tokens, **kwargs)`` is the forward (with
   config, stats_spec and the attention path bound); tokens, positions: [B, S]; bias: the call's bias over the S
   queries (a pairwise part's rows are taken at the subset's queries); weights: [B, Q, S] query-group weights or
   None."""

@@ -13,7 +13,7 @@ from absl import flags
 
 from dlm_jax.session import checkpoint_bundle, decode_settings
 from dlm_jax.session.decode_settings import DecodeSettings
-from experiments.common import checkpoints, devices, items, output_flags
+from experiments.common import runtime_flags, checkpoints, devices, items, output_flags
 from experiments.common.devices import RuntimeSettings
 from experiments.common.items import TaskSettings
 from experiments.common.output_flags import OutputSettings
@@ -77,7 +77,7 @@ def from_flags(binary: str, checkpoints_flag: flags.FlagHolder) -> AnalysisFlags
   """The shared flags, read in this order: runtime (which also applies --xla_cpu_options, the earliest point
   of the binary), task, decoding, output (--output_dir defaults to results/<binary>), then the binary's
   --checkpoints list flag."""
-  runtime = devices.from_flags()
+  runtime = runtime_flags.from_flags()
   task = items.TaskSettings(samplers=tuple(_SAMPLERS.value), task=_TASK.value, data_seed=_DATA_SEED.value,
                             prompt_format=_PROMPT_FORMAT.value)
   decode = DecodeSettings(gen_length=_GEN_LENGTH.value, steps=_STEPS.value, block_length=_BLOCK_LENGTH.value,

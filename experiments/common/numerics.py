@@ -1,15 +1,12 @@
 """How a model is computed — weight dtype, matmul precision, attention path, query chunk and batch-invariant
-execution — as one frozen record, and its flags (--dtype, --attention_impl, --query_chunk, --batch_invariant;
---matmul_precision is a runtime flag, `devices`). Every field changes results, so every binary records it with
-its results."""
+execution — as one frozen record (its flags are `numerics_flags`; importing the record defines no flag). Every
+field changes results, so every binary records it with its results."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-import jax
-from absl import flags
 
 from dlm_jax.session import size_limits
 from experiments.common.cli import UserError
@@ -53,20 +50,3 @@ def resolve_dtype(flag: str | None, backend: str) -> str:
   if flag:
     return flag
   return "float32" if backend == "cpu" else "stored"
-
-
-_DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES),
-                           "Weight dtype (default: float32 on CPU, the stored dtype on accelerators).")
-_ATTENTION_IMPL = flags.DEFINE_enum("attention_impl", "chunked", list(ATTENTION_IMPLS), "Attention path.")
-_QUERY_CHUNK = flags.DEFINE_integer("query_chunk", 128, "Queries per block of the chunked attention path.")
-_BATCH_INVARIANT = flags.DEFINE_bool("batch_invariant", True, "Run the model one row at a time, so that an item's "
-                                     "tokens and statistics are bitwise the same at any --batch_size and with any "
-                                     "neighbours (--nobatch_invariant: one batched call, faster, last-bit "
-                                     "differences that can flip a decoding choice).")
-
-
-def from_flags(runtime: RuntimeSettings) -> Numerics:
-  """The numerics flags; call after `devices.init_runtime` (the default dtype depends on the backend)."""
-  return Numerics(dtype=resolve_dtype(_DTYPE.value, jax.default_backend()),
-                  matmul_precision=runtime.matmul_precision, attention_impl=_ATTENTION_IMPL.value,
-                  query_chunk=_QUERY_CHUNK.value, batch_invariant=_BATCH_INVARIANT.value)
