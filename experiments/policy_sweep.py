@@ -25,6 +25,8 @@ import time
 import numpy as np
 from absl import flags
 
+from dlm_jax.analysis import policy_metrics
+from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.policy import cost
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.runtime import distributed
@@ -116,7 +118,8 @@ def run_model(settings: Settings, model, runtime, log) -> dict:
     for batch in item_batches.batches(todo, prompt_set, settings.batch_size, settings.decode.seed, runtime,
                                       lambda item: done(item, condition)):
       start = time.time()
-      trace = decoding.generate(model, values, batch.prompts, runtime, settings.numerics, key=batch.key)
+      trace = decoding.generate(model, values, batch.prompts, runtime, settings.numerics, key=batch.key,
+                                stats_spec=StatsSpec(incoming_attention=True, per_head=False))
       generated = distributed.to_host(trace.generated)
       seconds = time.time() - start
       n_steps = int(trace.nfe)
@@ -127,6 +130,10 @@ def run_model(settings: Settings, model, runtime, log) -> dict:
       else:
         computed = np.asarray(trace.computed_positions)[:n_steps]
         keys = np.asarray(trace.keys_read)[:n_steps]
+      kept_keys = None if trace.policy_record is None else np.asarray(trace.policy_record)[:n_steps]
+      incoming = np.asarray(trace.stats["incoming_attention"])[:n_steps]
+      block = values["block_length"]
+      per_block = values["steps"] // max(values["gen_length"] // block, 1)
       for row, item in enumerate(batch.items):
         if done(item, condition):
           continue
@@ -134,6 +141,8 @@ def run_model(settings: Settings, model, runtime, log) -> dict:
         record = {"model": model.label, "policy": condition, "item": item.id, "nfe": n_steps, "seq_len": s,
                   "flops": item_flops(model.config, computed, keys, row), "gen_length": values["gen_length"],
                   "seconds": seconds / len(batch.items), "completion": text,
+                  "dropped_attention": policy_metrics.dropped_attention(incoming, kept_keys, row,
+                                                                        s - values["gen_length"], block, per_block),
                   "correct": scoring.score(item, text, model.prompt_format == "chat")["correct"]}
         meter.update(int(log.append(record)))
   return {"label": model.label, "sampler": model.sampler, "settings": decode_settings.model_settings(settings.decode,
@@ -151,6 +160,9 @@ def aggregate(records: list[dict], conditions: tuple[str, ...]) -> dict[str, dic
                         "flops_per_token": float(np.mean([r["flops"] / r["gen_length"] for r in rows])),
                         "nfe": float(np.mean([r["nfe"] for r in rows])),
                         "seconds": float(np.mean([r["seconds"] for r in rows]))}
+      dropped = [r["dropped_attention"] for r in rows if r.get("dropped_attention") is not None]
+      if dropped:
+        per[condition]["dropped_attention"] = float(np.mean(dropped))
   base = per.get("none")
   for value in per.values():
     if base:
@@ -198,8 +210,11 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
            f"{settings.n_prompts or 'all'} prompts per model, exact decoding, the sampler settings of each model "
            f"in run.json. Wall time {wall_s:.0f}s. FLOPs: the trunk's matmuls over the calls each policy computed "
            "(`dlm_jax.policy.cost`), per generated token.", "",
-           "| model | policy | items | accuracy | Δ vs none | MFLOPs / token | × none | calls | s / item |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "Dropped attention (Sparse-dLLM): at each block's selection step, the share of the incoming attention (every "
+           "query, head mean) on the keys outside the block that falls on the keys the policy then drops.", "",
+           "| model | policy | items | accuracy | Δ vs none | MFLOPs / token | × none | calls | s / item | dropped "
+           "attention |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   summary, links = {}, [""]
   for meta in metas:
     rows = [r for r in records if r["model"] == meta["label"]]
@@ -208,9 +223,10 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
     per = aggregate(rows, settings.conditions)
     summary[meta["label"]] = per
     for name, v in per.items():
+      dropped = f"{v['dropped_attention']:.3f}" if "dropped_attention" in v else "–"
       lines.append(f"| {meta['label']} | `{name}` | {v['items']} | {v['accuracy']:.3f} | "
                    f"{v.get('accuracy_change', float('nan')):+.3f} | {v['flops_per_token'] / 1e6:.2f} | "
-                   f"{v.get('flops_ratio', float('nan')):.2f} | {v['nfe']:.0f} | {v['seconds']:.2f} |")
+                   f"{v.get('flops_ratio', float('nan')):.2f} | {v['nfe']:.0f} | {v['seconds']:.2f} | {dropped} |")
     model_dir = os.path.join(out, meta["label"])
     os.makedirs(model_dir, exist_ok=True)
     atomic_files.save_figure(pareto_figure(meta["label"], per), os.path.join(model_dir, "pareto.png"))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dlm_jax.analysis import policy_metrics
 from dlm_jax.config import preset
 from dlm_jax.instrument.hook_spec import Capture, Hooks
 from dlm_jax.instrument.stats import StatsSpec
@@ -178,3 +179,21 @@ def test_keeping_the_sinks_adds_nothing_when_every_key_is_kept():
   np.testing.assert_allclose(runs[0].stats["incoming_attention"], runs[1].stats["incoming_attention"], atol=1e-6)
   with pytest.raises(ValueError, match="keep_sinks=99 is more than the 10 keys outside the block"):
     llada.generate(params, prompt, config=CONFIG, options=OPTIONS, policy=parse_policy("sparse_dllm:keep_sinks=99"))
+
+
+def test_dropped_attention_is_the_share_of_the_mass_outside_the_block_on_dropped_keys():
+  rng = np.random.default_rng(0)
+  steps, layers, s, block, per_block, width = 8, 2, 10, 2, 4, 4  # blocks at 4..5 and 6..7, selection steps 1, 5
+  incoming = rng.random((steps, layers, 2, s))
+  kept = np.full((steps, 2, layers, 3), s)
+  kept[1, 1] = [[0, 2, s], [1, 8, 9]]
+  kept[5, 1] = [[0, 1, 2], [3, 4, s]]
+  got = policy_metrics.dropped_attention(incoming, kept, 1, width, block, per_block)
+  expected = []
+  for step, start in ((1, 4), (5, 6)):
+    for layer in range(layers):
+      outside = [j for j in range(s) if not start <= j < start + block]
+      dropped = [j for j in outside if j not in kept[step, 1, layer]]
+      expected.append(incoming[step, layer, 1, dropped].sum() / incoming[step, layer, 1, outside].sum())
+  np.testing.assert_allclose(got, np.mean(expected))
+  assert policy_metrics.dropped_attention(incoming, None, 1, width, block, per_block) is None

@@ -48,6 +48,11 @@ def test_the_sweep_records_what_each_policy_computed(tmp_path):
       expected = sum(_call_flops(config, s, s) if i % per_block <= 1 else _call_flops(config, block, keep + block)
                      for i in range(r["nfe"]))
     np.testing.assert_allclose(r["flops"], expected, rtol=1e-6)
+  for r in records:  # the share of attention outside the block that the kept keys leave out (analysis/policy_metrics)
+    if r["policy"] == "none":
+      assert r["dropped_attention"] is None
+    else:
+      assert 0 < r["dropped_attention"] < 1
   per = summary["summary"]["tiny-dlm"]
   none = [r for r in records if r["policy"] == "none"]
   np.testing.assert_allclose(per["none"]["flops_per_token"], np.mean([r["flops"] / r["gen_length"] for r in none]))

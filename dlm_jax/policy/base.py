@@ -24,6 +24,8 @@ decision it took. Protocol (every method has a do-nothing default here):
   query_weights(state, context) -> [B, Q, T]: the weights of its own query groups (when its required_stats
     has query_groups Q > 0; e.g. the current block's queries for Sparse-dLLM's score).
   update(state, output, context, decision) -> state: once after every model call.
+  record(state) -> pytree or None: what the policy decided, read from its state after each call
+    (`Trace.policy_record`; e.g. Sparse-dLLM's kept keys).
 
 A policy never changes what statistics and captures mean: they stay in sequence coordinates, and the caller
 reports which positions a call computed (`StepOutput.computed`).
@@ -102,6 +104,12 @@ class ComputePolicy:
 
   def check_knobs(self) -> None:
     """Raises ValueError (one line naming the knob) for a knob out of range."""
+
+  def record(self, state: Any) -> Any:
+    """What the policy decided, from its state after a call (batch-leading arrays), for `Trace.policy_record`;
+    None for nothing."""
+    del state
+    return None
 
   def decide(self, state: Any, context: Any) -> Decision:
     del state, context

@@ -109,6 +109,10 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
   def init_state(self, config: ModelConfig, batch: int) -> jax.Array:
     return jnp.full((batch, config.n_layers, self._n_keep() + self.keep_sinks), self.layout.seq_len, jnp.int32)
 
+  def record(self, state: jax.Array) -> jax.Array:
+    """[B, L, n_keep + keep_sinks] int32: each layer's kept keys for the current block (S: none)."""
+    return state
+
   def query_weights(self, state: jax.Array, context: Any) -> jax.Array:
     """[B, 2, T]: 1 on every query; 1 / block_length on the current block's queries (their mean), 0 elsewhere."""
     start = _block_start(self, context)

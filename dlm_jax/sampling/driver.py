@@ -232,6 +232,7 @@ def _trace(run: Run, carry, outputs: StepOutput, n_steps, captured: capture_step
                top_sinks=plan.squeeze_sinks(outputs.top_sinks), intervention_record=outputs.record,
                accepted=outputs.accepted, canvases=outputs.canvas, committed=outputs.committed,
                revoked=outputs.revoked, computed_positions=outputs.computed, keys_read=outputs.keys_read,
+               policy_record=outputs.policy_record,
                prompt_length=run.prompt_length,
                captures=None if captured is None else captured.values,
                capture_steps=None if captured is None else captured.steps)

@@ -57,7 +57,7 @@ class StepOutput:
   computed: [B, S] bool, the sequence positions whose queries the call computed under a compute policy
     (`dlm_jax.policy`); None without one.
   keys_read: [B] float32, the keys each computed query read under a compute policy (mean over the layers);
-    None without one.
+    None without one. policy_record: the policy's `record` of its state after the call (None without one).
   """
 
   stats: dict[str, jax.Array] | None = None
@@ -73,6 +73,7 @@ class StepOutput:
   revoked: jax.Array | None = None
   computed: jax.Array | None = None
   keys_read: jax.Array | None = None
+  policy_record: Any = None
 
 
 def _nonfinite_rows(*arrays: jax.Array | None) -> jax.Array:
@@ -198,6 +199,7 @@ class ModelCaller:
                          top_sinks=stats.top_sinks(output, inputs.key_valid), record=call.record,
                          nonfinite=nonfinite, captures=output.captures,
                          computed=None if decision is None else computed_positions(decision, batch, length),
+                         policy_record=None if decision is None else self.plan.policy.record(state.policy.state),
                          keys_read=None if decision is None else jnp.broadcast_to(keys_read(decision, length),
                                                                                   (batch,)))
     return CallResult(logits=cond["logits"], uncond_logits=uncond["logits"], hidden=cond["hidden"],

@@ -67,6 +67,8 @@ class Trace:
       sequence positions whose queries each step computed (every position at a full call).
     keys_read: None, or [max_steps, B] float32 (with `computed_positions`): the keys each computed query read
       at each step, averaged over the layers (S at a full call).
+    policy_record: None, or the policy's per-step record stacked [max_steps, ...] (`ComputePolicy.record`, read
+      after each call; Sparse-dLLM: [max_steps, B, L, n] the kept keys of each layer).
     prompt_length: Lp, the number of prompt positions (static).
   """
 
@@ -87,6 +89,7 @@ class Trace:
   revoked: jax.Array | None = None
   computed_positions: jax.Array | None = None
   keys_read: jax.Array | None = None
+  policy_record: Any = None
   prompt_length: int = struct.field(pytree_node=False, default=0)
 
   @property
