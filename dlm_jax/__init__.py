@@ -17,8 +17,8 @@ The public API, by name (resolved on first use, so `import dlm_jax` stays light)
   scaling out     make_mesh, parse_mesh                      (dlm_jax.runtime.sharding)
 
 Everything else is reached through its package: config, model, instrument, sampling, analysis, training, io,
-runtime, tasks, session (the decoding session the binaries share; BUILD.md, "Layout"). The modules' paths before that layout (dlm_jax.checkpoint, dlm_jax.stats,
-...) still import, with a DeprecationWarning naming the new path (`dlm_jax._moved_modules`, CHANGELOG.md).
+runtime, tasks, session (the decoding session the binaries share; BUILD.md, "Layout"). The modules' paths before
+that layout (dlm_jax.checkpoint, dlm_jax.stats, ...) still import, with a DeprecationWarning naming the new path (`dlm_jax._moved_modules`, CHANGELOG.md).
 """
 
 import importlib

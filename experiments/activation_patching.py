@@ -45,8 +45,8 @@ from dlm_jax.instrument import sites
 from dlm_jax.sampling import registry
 from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
 from dlm_jax.session.decode_settings import DecodeSettings
-from experiments.common import (numerics_flags, analysis_flags, capture_budget, checkpoints, cli, devices, flag_checks, model_runs,
-                                numerics, patching_pairs, progress, run_dir)
+from experiments.common import (analysis_flags, capture_budget, checkpoints, cli, devices, flag_checks, model_runs,
+                                numerics, numerics_flags, patching_pairs, progress, run_dir)
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 from experiments.common.patching_runs import PatchRunner

@@ -40,8 +40,9 @@ from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
 from dlm_jax.io import saelens
 from dlm_jax.runtime import distributed
 from dlm_jax.session import decode_settings
-from experiments.common import (numerics_flags, runtime_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
-                                numerics, output_flags, progress, prompts, run_dir, sae_runs, scoring)
+from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
+                                numerics, numerics_flags, output_flags, progress, prompts, run_dir, runtime_flags,
+                                sae_runs, scoring)
 from experiments.reports import sae_figures
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, ...")

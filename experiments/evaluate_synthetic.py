@@ -24,8 +24,8 @@ from absl import flags, logging
 from dlm_jax.runtime import distributed
 from dlm_jax.tasks import gsm8k
 from dlm_jax.session import decode_settings, size_limits
-from experiments.common import (numerics_flags, runtime_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
-                                numerics, progress, prompts, run_dir)
+from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
+                                numerics, numerics_flags, progress, prompts, run_dir, runtime_flags)
 from experiments.common.numerics import Numerics
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, tiny-arm, tiny-moe-dlm, "

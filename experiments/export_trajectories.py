@@ -43,8 +43,8 @@ from dlm_jax.io.trajectory_dataset import TrajectoryDatasetError, TrajectoryWrit
 from dlm_jax.model import init_params
 from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
 from dlm_jax.session.decode_settings import DecodeSettings
-from experiments.common import (numerics_flags, analysis_flags, capture_budget, checkpoints, cli, decoding, devices, flag_checks,
-                                item_batches, items, numerics, progress, prompts, scoring)
+from experiments.common import (analysis_flags, capture_budget, checkpoints, cli, decoding, devices, flag_checks,
+                                item_batches, items, numerics, numerics_flags, progress, prompts, scoring)
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 

@@ -93,8 +93,8 @@ from dlm_jax.sampling import registry
 from dlm_jax.session import (CombinationError, SessionError, checkpoint_bundle, decode_settings, sampler_options,
                              size_limits, training_record)
 from dlm_jax.session.decoding_mode import DecodingMode
-from experiments.common import (numerics_flags, runtime_flags, atomic_files, chat, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
-                                items, numerics, prompts, run_dir)
+from experiments.common import (atomic_files, chat, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
+                                items, numerics, numerics_flags, prompts, run_dir, runtime_flags)
 from experiments.common.numerics import Numerics
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory, or "

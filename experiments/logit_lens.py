@@ -50,8 +50,9 @@ from dlm_jax.instrument.hook_spec import Steps
 from dlm_jax.model import init_params
 from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
 from dlm_jax.session.decode_settings import DecodeSettings
-from experiments.common import (numerics_flags, analysis_flags, atomic_files, capture_budget, checkpoints, cli, decoding, devices,
-                                flag_checks, item_batches, items, model_runs, numerics, progress, prompts, run_dir)
+from experiments.common import (analysis_flags, atomic_files, capture_budget, checkpoints, cli, decoding, devices,
+                                flag_checks, item_batches, items, model_runs, numerics, numerics_flags, progress,
+                                prompts, run_dir)
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 from experiments.reports import figure_axes, lens_plots, summary_files

@@ -33,8 +33,8 @@ from dlm_jax.runtime import distributed
 from dlm_jax.session import decode_settings
 from dlm_jax.session.decode_settings import DecodeSettings
 from dlm_jax.session.decoding_mode import DecodingMode
-from experiments.common import (numerics_flags, analysis_flags, atomic_files, cli, decoding, devices, flag_checks, item_batches,
-                                items, model_runs, numerics, progress, prompts, scoring)
+from experiments.common import (analysis_flags, atomic_files, cli, decoding, devices, flag_checks, item_batches, items,
+                                model_runs, numerics, numerics_flags, progress, prompts, scoring)
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 from experiments.reports import summary_files
@@ -210,8 +210,8 @@ def write_report(settings: Settings, out: str, metas: list[dict], records: list[
            f"{settings.n_prompts or 'all'} prompts per model, exact decoding, the sampler settings of each model "
            f"in run.json. Wall time {wall_s:.0f}s. FLOPs: the trunk's matmuls over the calls each policy computed "
            "(`dlm_jax.policy.cost`), per generated token.", "",
-           "Dropped attention (Sparse-dLLM): at each block's selection step, the share of the incoming attention (every "
-           "query, head mean) on the keys outside the block that falls on the keys the policy then drops.", "",
+           "Dropped attention (Sparse-dLLM): at each block's selection step, the share of the incoming attention "
+           "(every query, head mean) on the keys outside the block that falls on the keys the policy then drops.", "",
            "| model | policy | items | accuracy | Δ vs none | MFLOPs / token | × none | calls | s / item | dropped "
            "attention |",
            "|---|---|---|---|---|---|---|---|---|---|"]

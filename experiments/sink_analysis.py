@@ -16,8 +16,9 @@ sink when its score exceeds the mean of the others by ε (Eq. 3, ε = 3 by defau
 
 Tasks and prompts: `experiments.common.items`, `experiments.common.prompts`; decoding defaults (they differ from
 `experiments.generate`'s official ones) and --padding: `dlm_jax.session.decode_settings`; per-item PRNG keys:
-`experiments.common.decoding`. An item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
-settings (a resume with other settings is refused); nothing is written before the first result.
+`experiments.common.decoding`. An item's results do not depend on --batch_size or on the items sharing its batch.
+run.json records the settings (a resume with other settings is refused); nothing is written before the first
+result.
 
 Decoding modes: --decoding=exact|threshold|factor|prefix_cache|dual_cache|threshold_prefix_cache|
 threshold_dual_cache with --threshold / --factor (`dlm_jax.session.decoding_mode`; DLMs only). Every measure
@@ -81,9 +82,9 @@ from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
 from dlm_jax.session.decode_settings import DecodeSettings
 from dlm_jax.session.decoding_mode import DecodingMode
-from experiments.common import (numerics_flags, analysis_flags, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
-                                item_batches, items, model_runs, numerics, progress, prompts, run_dir, scoring,
-                                validity)
+from experiments.common import (analysis_flags, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
+                                item_batches, items, model_runs, numerics, numerics_flags, progress, prompts, run_dir,
+                                scoring, validity)
 from experiments.reports import sink_report
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics

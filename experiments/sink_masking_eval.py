@@ -36,8 +36,9 @@ finished (model, condition, item) is one line of results.jsonl, so an interrupte
 
 Tasks and prompts: `experiments.common.items`, `experiments.common.prompts`; decoding defaults (they differ from
 `experiments.generate`'s official ones) and --padding: `dlm_jax.session.decode_settings`; per-item PRNG keys:
-`experiments.common.decoding`. An item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
-settings (a resume with other settings is refused); nothing is written before the first result.
+`experiments.common.decoding`. An item's results do not depend on --batch_size or on the items sharing its batch.
+run.json records the settings (a resume with other settings is refused); nothing is written before the first
+result.
 
 Outputs in --output_dir (default results/sink_masking_eval): results.jsonl, table.md, table.json,
 masking_accuracy.png, summary.md (tables set against the paper's Table 1).
@@ -57,8 +58,8 @@ from dlm_jax.runtime import distributed
 from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
 from dlm_jax.session.decode_settings import DecodeSettings
 from dlm_jax.session.decoding_mode import DecodingMode
-from experiments.common import (numerics_flags, analysis_flags, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
-                                item_batches, items, model_runs, numerics, progress, prompts, scoring)
+from experiments.common import (analysis_flags, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
+                                item_batches, items, model_runs, numerics, numerics_flags, progress, prompts, scoring)
 from experiments.reports import masking_report
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics

@@ -43,8 +43,9 @@ from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.tasks import synthetic
 from dlm_jax.session import decode_settings, size_limits
 from dlm_jax.session.decode_settings import DecodeSettings
-from experiments.common import (numerics_flags, runtime_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
-                                numerics, output_flags, progress, prompts, results_file, run_dir, scoring, train_flags)
+from experiments.common import (atomic_files, checkpoints, cli, decoding, devices, flag_checks, item_batches, items,
+                                numerics, numerics_flags, output_flags, progress, prompts, results_file, run_dir,
+                                runtime_flags, scoring, train_flags)
 from experiments.reports import plots, summary_files
 from experiments.common.numerics import Numerics
 

@@ -38,8 +38,8 @@ from dlm_jax.io import saelens, trajectory_dataset
 from dlm_jax.training import sae_loop
 from dlm_jax.training import sae_objectives as objectives
 from dlm_jax.session import decode_settings
-from experiments.common import (numerics_flags, runtime_flags, atomic_files, checkpoints, cli, devices, flag_checks, numerics, output_flags, progress,
-                                prompts, run_dir, sae_runs)
+from experiments.common import (atomic_files, checkpoints, cli, devices, flag_checks, numerics, numerics_flags,
+                                output_flags, progress, prompts, run_dir, runtime_flags, sae_runs)
 from experiments.reports import sae_figures
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted checkpoint directory, or tiny-dlm, "

@@ -14,8 +14,9 @@ each class are kept per prompt (a seeded subsample) together with exact per-laye
 
 Tasks and prompts: `experiments.common.items`, `experiments.common.prompts`; decoding defaults (they differ from
 `experiments.generate`'s official ones) and --padding: `dlm_jax.session.decode_settings`; per-item PRNG keys:
-`experiments.common.decoding`. An item's results do not depend on --batch_size or on the items sharing its batch. run.json records the
-settings (a resume with other settings is refused); nothing is written before the first result.
+`experiments.common.decoding`. An item's results do not depend on --batch_size or on the items sharing its batch.
+run.json records the settings (a resume with other settings is refused); nothing is written before the first
+result.
 
 Outputs in --output_dir (default results/value_norms): results.jsonl (one line per model and prompt),
 <model>/fig1_value_norms.png (histograms of sink and normal norms), <model>/value_norms_per_layer.png,
@@ -35,8 +36,9 @@ from dlm_jax.runtime import distributed
 from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.session import checkpoint_bundle, decode_settings, size_limits
 from dlm_jax.session.decode_settings import DecodeSettings
-from experiments.common import (numerics_flags, analysis_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks,
-                                item_batches, items, model_runs, numerics, progress, prompts, run_dir, validity)
+from experiments.common import (analysis_flags, atomic_files, checkpoints, cli, decoding, devices, flag_checks,
+                                item_batches, items, model_runs, numerics, numerics_flags, progress, prompts, run_dir,
+                                validity)
 from experiments.reports import plots, summary_files
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics

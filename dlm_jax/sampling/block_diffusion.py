@@ -324,7 +324,8 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
     n = self._blocks(run)[0] * self.options.block_length
     x = carry.tokens
     inputs = CallInputs(x[:, :n], layout.positions[:, :n], layout.valid[:, :n],
-                        layout.valid & (jnp.arange(run.total_length) < n)[None, :], padding.query_rows(layout.bias, 0, n))
+                        layout.valid & (jnp.arange(run.total_length) < n)[None, :],
+                        padding.query_rows(layout.bias, 0, n))
     result = run.caller(params, i, istate, inputs, Readout(window=(n - 1, n)), CacheCall(carry.cache, 0, x))
     carry = carry.replace(cache=result.cache, committed=jnp.asarray(n // self.options.block_length, jnp.int32))
     outputs = result.outputs.replace(active=jnp.zeros(x.shape[:1], bool), queries=jnp.array([0, n], jnp.int32))
