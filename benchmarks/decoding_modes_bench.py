@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 
 from absl import app, flags
+
+from benchmarks.machine import cpu_model
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted directory, tiny-dlm, or random:<preset> "
                                   "(e.g. random:llada-8b).")
@@ -64,19 +65,6 @@ _FIGURE_OUT = flags.DEFINE_string("figure_out", None, "Optional PNG: accuracy, t
                                   "mode (statistics off).")
 
 TARGET_SPEEDUP, TARGET_ACCURACY_POINTS, TARGET_STATS_COST = 4.0, 2.0, 0.15
-
-
-def cpu_model() -> str:
-  """The CPU's model name (/proc/cpuinfo) and logical CPU count."""
-  name = platform.processor() or "unknown CPU"
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    if names:
-      name = names[0]
-  except OSError:
-    pass
-  return f"{name} ({os.cpu_count()} logical CPUs)"
 
 
 def _workload(checkpoint: str, n: int, seed: int, dtype):

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
+
 
 import numpy as np
 from absl import app, flags
+
+from benchmarks.machine import cpu_model
 
 _REQUESTS = flags.DEFINE_integer("requests", 16, "Requests scored in the speed test.")
 _MC_NUM = flags.DEFINE_integer("mc_num", 32, "Draws per request.")
@@ -43,15 +45,6 @@ _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed repetitions (best kept).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Optional JSON file of the figures.")
 
 CONTEXT, CONTINUATION = 40, 12
-
-
-def cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    return f"{names[0]} ({len(names)} logical CPUs)" if names else platform.processor()
-  except OSError:
-    return platform.processor()
 
 
 def _models():

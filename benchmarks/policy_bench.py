@@ -33,12 +33,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import time
 
 from absl import app, flags
 
+from benchmarks.machine import cpu_model
 from dlm_jax.policy import cost
 
 _PRESET = flags.DEFINE_string("preset", "llada-8b", "The `dlm_jax.config` preset whose shape is measured.")
@@ -52,18 +52,6 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights
 _IMPL = flags.DEFINE_enum("attention_impl", "chunked", ["chunked", "dense", "fused"], "Attention path.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per call after one warm-up; the median is reported.")
 _JSON_OUT = flags.DEFINE_string("json_out", "policy_bench.json", "Where to write the results.")
-
-
-def cpu_model() -> str:
-  """The CPU's model name (/proc/cpuinfo) and logical CPU count."""
-  name = platform.processor() or "unknown CPU"
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    name = names[0] if names else name
-  except OSError:
-    pass
-  return f"{name} ({os.cpu_count()} logical CPUs)"
 
 
 def analytic_flops(config, rows: int, keys: int, head_rows: int) -> float:

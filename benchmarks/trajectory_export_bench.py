@@ -29,10 +29,12 @@ import statistics
 import tempfile
 import time
 
+
 import jax
 import numpy as np
 from absl import app, flags
 
+from benchmarks.machine import cpu_model
 from dlm_jax.io.trajectory_dataset import TrajectoryWriter
 from dlm_jax.session import decode_settings
 from dlm_jax.session.decode_settings import DecodeSettings
@@ -43,16 +45,6 @@ from experiments.common.numerics import Numerics
 
 _QUICK = flags.DEFINE_bool("quick", False, "4 prompts, one round (a smoke test; the figures mean nothing).")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds (the median counts).")
-
-
-def cpu_model() -> str:
-  """The CPU's model name (/proc/cpuinfo) and logical CPU count."""
-  name = "unknown CPU"
-  if os.path.isfile("/proc/cpuinfo"):
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    name = names[0] if names else name
-  return f"{name} ({os.cpu_count()} logical CPUs)"
 
 
 def _clock():
