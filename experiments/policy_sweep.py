@@ -2,12 +2,14 @@
 
   python -m experiments.policy_sweep                                   # tiny-dlm, the synthetic task
   python -m experiments.policy_sweep --checkpoints=tiny-dlm,tiny-moe-dlm --n_prompts=64 \
-      --policies=none,dkv_cache,sparse_dllm --keep_ratios=0.25,0.5,0.75 --keep_sinks=0,2 --reload_steps=2,4,8
+      --policies=none,dkv_cache,sparse_dllm --keep_ratios=0.25,0.5,0.75 --keep_sinks=0,2 --reload_steps=2,4,8 \
+      --condition=sparse_dllm:keep_ratio=0.5,kernel_size=1
 
 Every condition decodes the same prompts with the same sampler settings (the analysis binaries' decoding flags,
 exact decoding) under one compute policy (`dlm_jax.policy`): `none`; `dkv_cache` at each --reload_steps
 (cache_reloading_step); `sparse_dllm` at each --keep_ratios × --keep_sinks (the previous step's top-K sinks kept
-beside the scored keys: `keep_sinks`, ours). Per item it records whether the answer is correct, the model calls,
+beside the scored keys: `keep_sinks`, ours); every other runnable method at its published defaults; and each
+--condition (a whole policy text, repeatable). Per item it records whether the answer is correct, the model calls,
 the trunk FLOPs the calls computed (`dlm_jax.policy.cost.trunk_flops` of each step's computed positions and the
 keys they read, `Trace.computed_positions` / `Trace.keys_read`; the LM head is the same for every policy and
 left out) and the item's share of its batch's wall time. Results: results.jsonl (one line per model, condition
@@ -28,7 +30,7 @@ from absl import flags
 from dlm_jax.analysis import policy_metrics
 from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.policy import cost
-from dlm_jax.policy.registry import parse_policy
+from dlm_jax.policy.registry import parse_policy, policy_names
 from dlm_jax.runtime import distributed
 from dlm_jax.session import decode_settings
 from dlm_jax.session.decode_settings import DecodeSettings
@@ -43,8 +45,11 @@ _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm"], "Converted checkpo
                                  "tiny-moe-dlm (masked diffusion models).")
 _N_PROMPTS = flags.DEFINE_integer("n_prompts", 32, "Prompts per model (0 = the whole task).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Prompts per sampler call (results do not depend on it).")
-_POLICIES = flags.DEFINE_list("policies", ["none", "dkv_cache", "sparse_dllm"], "Methods: none, dkv_cache, "
-                              "sparse_dllm (their other knobs at the published defaults).")
+_POLICIES = flags.DEFINE_list("policies", list(policy_names()), "Methods (default: every runnable one): none, "
+                              "dkv_cache and sparse_dllm over their budget flags, the others at their published "
+                              "defaults.")
+_CONDITIONS = flags.DEFINE_multi_string("condition", [], "A further condition: a whole policy text "
+                                        "NAME:knob=value,... (repeat the flag for more).")
 _KEEP_RATIOS = flags.DEFINE_list("keep_ratios", ["0.25", "0.5", "0.75"], "sparse_dllm budgets, each in (0, 1].")
 _KEEP_SINKS = flags.DEFINE_list("keep_sinks", ["0", "2"], "sparse_dllm: sinks kept beside the scored keys (0: the "
                                 "official rule).")
@@ -52,21 +57,24 @@ _RELOAD_STEPS = flags.DEFINE_list("reload_steps", ["2", "4", "8"], "dkv_cache bu
 
 
 def conditions(policies: tuple[str, ...], keep_ratios: tuple[float, ...], keep_sinks: tuple[int, ...],
-               reload_steps: tuple[int, ...]) -> tuple[str, ...]:
-  """The policy texts of the sweep (`dlm_jax.policy.registry.parse_policy`), `none` first."""
+               reload_steps: tuple[int, ...], extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+  """The policy texts of the sweep (`dlm_jax.policy.registry.parse_policy`), `none` first: dkv_cache at each
+  reload step, sparse_dllm at each keep ratio × sinks kept, any other method at its published defaults, then
+  `extra` (whole policy texts) not already among them."""
   out = []
   for name in policies:
-    if name == "none":
-      out.append("none")
-    elif name == "dkv_cache":
+    if name == "dkv_cache":
       out += [f"dkv_cache:cache_reloading_step={r}" for r in reload_steps]
     elif name == "sparse_dllm":
       out += [f"sparse_dllm:keep_ratio={k:g},keep_sinks={s}" for k in keep_ratios for s in keep_sinks]
+    elif name in policy_names():
+      out.append(name)
     else:
-      raise cli.UserError(f"--policies={','.join(policies)}: {name!r} is not one of none, dkv_cache, sparse_dllm")
+      raise cli.UserError(f"--policies={','.join(policies)}: {name!r} is not one of {', '.join(policy_names())}")
   if "none" not in out:
     raise cli.UserError("--policies: expected none among them (the baseline every condition is compared with)")
-  return tuple(["none"] + [c for c in out if c != "none"])
+  out += list(extra)
+  return tuple(dict.fromkeys(["none"] + [c for c in out if c != "none"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +188,8 @@ def pareto_figure(label: str, per: dict[str, dict]):
   names = list(per)
   x = np.asarray([per[n]["flops_per_token"] / 1e6 for n in names])
   y = np.asarray([per[n]["accuracy"] for n in names])
-  colours = {"none": "black", "dkv_cache": "tab:blue", "sparse_dllm": "tab:orange"}
+  colours = {"none": "black", "dkv_cache": "tab:blue", "sparse_dllm": "tab:orange", "d2cache": "tab:green",
+             "dllm_cache": "tab:red", "elastic_cache": "tab:purple", "sparsed": "tab:brown"}
   seen: dict[tuple, int] = {}
   for name, xi, yi in zip(names, x, y):
     method = name.split(":")[0]
@@ -244,7 +253,7 @@ def main(argv):
       checkpoints=shared.checkpoints, n_prompts=_N_PROMPTS.value, batch_size=_BATCH_SIZE.value,
       conditions=conditions(tuple(_POLICIES.value), _numbers("keep_ratios", _KEEP_RATIOS.value, float),
                             _numbers("keep_sinks", _KEEP_SINKS.value, int),
-                            _numbers("reload_steps", _RELOAD_STEPS.value, int)),
+                            _numbers("reload_steps", _RELOAD_STEPS.value, int), tuple(_CONDITIONS.value)),
       task=shared.task, decode=shared.decode, numerics=numerics_flags.from_flags(shared.runtime))
   for model in models:
     if model.sampler not in ("llada", "mmada", "dream"):

@@ -23,14 +23,15 @@ def _call_flops(c: dict, rows: int, keys: int) -> float:
 def test_the_sweep_records_what_each_policy_computed(tmp_path):
   out = str(tmp_path / "sweep")
   common = ["--n_prompts=2", "--batch_size=2", "--policies=none,sparse_dllm", "--keep_ratios=0.5",
-            "--keep_sinks=0", f"--output_dir={out}"]
+            "--keep_sinks=0", "--condition=sparse_dllm:keep_ratio=0.5,keep_sinks=0", f"--output_dir={out}"]
   results = fx.run_cases("policy_sweep", [common, common, common[:-1] + ["--keep_ratios=2", f"--output_dir={out}x"],
                                           common[:-1] + ["--policies=fast", f"--output_dir={out}y"]])
   assert [code for code, _ in results[:2]] == [0, 0], results[0][1][-3000:]
   for code, err in results[2:]:
     assert code == 1 and len(err.strip().splitlines()) == 1, err
   assert "keep_ratio must be a number in (0, 1]" in results[2][1] and "'fast' is not one of" in results[3][1]
-  records = fx.read_jsonl(os.path.join(out, "results.jsonl"))  # the second run resumed: nothing added
+  # the second run resumed: nothing added; the --condition equal to a grid point is not decoded twice
+  records = fx.read_jsonl(os.path.join(out, "results.jsonl"))
   assert len(records) == 4 and {r["policy"] for r in records} == {"none", "sparse_dllm:keep_ratio=0.5,keep_sinks=0"}
   with open(os.path.join(fx.ROOT, "dlm_jax", "default_models", "tiny-dlm", "config.json"), encoding="utf-8") as f:
     config = json.load(f)

@@ -24,8 +24,15 @@ def _knobs(cls: type) -> dict[str, dataclasses.Field]:
   return {f.name: f for f in dataclasses.fields(cls) if f.init and f.name != "layout"}
 
 
-def _value(name: str, knob: str, text: str, default: Any) -> Any:
-  kind = type(default)
+def _value(name: str, knob: str, text: str, field: dataclasses.Field) -> Any:
+  """The knob's value parsed as its field's type: the default's type, or for a default of None the type the
+  annotation names besides None ("none" gives None)."""
+  kind = type(field.default)
+  if field.default is None:
+    if text.lower() == "none":
+      return None
+    annotation = str(field.type)
+    kind = next((k for k in (int, float, str) if k.__name__ in annotation), str)
   try:
     if kind is bool:
       if text.lower() not in ("true", "false", "1", "0"):
@@ -75,5 +82,5 @@ def parse_policy(text: str) -> ComputePolicy:
       raise ValueError(f"policy {name}: {part!r} is not knob=value.")
     if knob not in fields:
       raise ValueError(f"policy {name} has no knob {knob!r}; its knobs: {', '.join(fields) or 'none'}.")
-    knobs[knob] = _value(name, knob, value, fields[knob].default)
+    knobs[knob] = _value(name, knob, value, fields[knob])
   return make_policy(name, **knobs)
