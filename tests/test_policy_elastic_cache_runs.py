@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 from dlm_jax.config import preset
+from dlm_jax.instrument import interventions
+from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.model import KVCache, forward, init_params
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.layer_refresh import LayerRefresh
 from dlm_jax.policy import cost
-from dlm_jax.policy.base import Decision
 from dlm_jax.policy.elastic_cache_policy import ElasticCache
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import dream, llada
@@ -163,15 +164,23 @@ def test_a_whole_run_replays_the_official_loop(setup, batch_run):
   assert set(starts[starts > 0]) > {CONFIG.n_layers}, starts  # the run refreshes from a layer and skips, both
 
 
-def test_a_row_in_a_batch_decides_alone(setup, batch_run):
+def test_a_row_in_a_batch_is_bitwise_the_row_alone_with_statistics_and_sink_masking(setup, batch_run):
+  """Batch-invariant mode: every row decides alone (its own tracked tokens, drift and refresh start); the
+  statistics and the sink-masking bias keep working through subset and full layers."""
   params, prompt = setup
-  alone = llada.generate(params, prompt[1:], config=CONFIG, options=OPTIONS,
-                         policy=parse_policy(f"elastic_cache:window_length=4,gamma={GAMMA}"))
-  np.testing.assert_array_equal(np.asarray(alone.tokens[0]), np.asarray(batch_run.tokens[1]))
+  run = dict(config=CONFIG, options=OPTIONS, policy=parse_policy(f"elastic_cache:window_length=4,gamma={GAMMA}"),
+             batch_invariant=True, intervention=interventions.MaskPreviousSinks(top_k=1),
+             stats_spec=StatsSpec(incoming_attention=True))
+  batch = llada.generate(params, prompt, **run)
+  alone = llada.generate(params, prompt[1:], **run)
+  np.testing.assert_array_equal(np.asarray(alone.tokens[0]), np.asarray(batch.tokens[1]))
+  np.testing.assert_array_equal(np.asarray(alone.stats["incoming_attention"][:, :, 0]),
+                                np.asarray(batch.stats["incoming_attention"][:, :, 1]))
   np.testing.assert_array_equal(np.asarray(alone.policy_record["refresh_start"][:, 0]),
-                                np.asarray(batch_run.policy_record["refresh_start"][:, 1]))
+                                np.asarray(batch.policy_record["refresh_start"][:, 1]))
   queries = np.asarray(batch_run.policy_record["queries"][:, 1])
   computed = np.asarray(batch_run.computed_positions[:, 1])
+  assert computed[0].all()
   for step in range(1, OPTIONS.steps):
     np.testing.assert_array_equal(np.flatnonzero(computed[step]), queries[step][queries[step] < computed.shape[-1]])
 
@@ -232,7 +241,8 @@ def test_bad_knobs_are_refused_in_one_line(text, message):
 
 
 @pytest.mark.parametrize("run, message", [
-    (lambda p, x: llada.generate(p, x, config=CONFIG, options=OPTIONS, policy=parse_policy("elastic_cache:window_length=3")),
+    (lambda p, x: llada.generate(p, x, config=CONFIG, options=OPTIONS,
+                                 policy=parse_policy("elastic_cache:window_length=3")),
      "window_length=3 is shorter than the sampler's block_length=4"),
     (lambda p, x: dream.diffusion_generate(p, x, config=preset("tiny-dream"), policy=parse_policy("elastic_cache")),
      "runs with the llada sampler"),

@@ -127,8 +127,8 @@ class ElasticCache(ComputePolicy):
     n_layers = state.hidden.shape[1]
     refresh = LayerRefresh(hidden=jnp.swapaxes(state.hidden, 0, 1), tracked=state.tracked,
                            start=jnp.full(state.start.shape, n_layers, jnp.int32), gamma=float(self.gamma))
-    return Decision(full=jnp.asarray(context.step, jnp.int32) == 0, queries=jnp.where(valid, index, s).astype(jnp.int32),
-                    refresh=refresh)
+    return Decision(full=jnp.asarray(context.step, jnp.int32) == 0,
+                    queries=jnp.where(valid, index, s).astype(jnp.int32), refresh=refresh)
 
   def update(self, state: ElasticState, output: ForwardOutput, context: Any, decision: Decision) -> ElasticState:
     s = self.layout.seq_len
