@@ -27,6 +27,7 @@ query rows, no layer subset of statistics, no hooks.
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -126,8 +127,8 @@ def run_layers(model, call, x: jax.Array, per_layer: dict, kind_caches: dict, ru
       return out, h_full, new_kv, scatter_rows(x_cache, queries, h), stats
 
     def full_layer(_):
-      own = (start < layer) | (start == 0)
-      x_in = jnp.where(own[:, None, None], h_full, scatter_rows(x_cache, queries, h))
+      carried = (start < layer) | (start == 0)  # rows whose full-width input is the previous full layer's output
+      x_in = jnp.where(carried[:, None, None], h_full, scatter_rows(x_cache, queries, h))
       out, new_kv, stats, _ = run_layer(full_call, "s", block, x_in, kv, layer_biases, with_stats, layer, {})
       return gather_rows(out, queries), out, new_kv, x_in, stats
 
@@ -146,4 +147,3 @@ def run_layers(model, call, x: jax.Array, per_layer: dict, kind_caches: dict, ru
   (h, _, start), ys = jax.lax.scan(layer_step, (x, h_full, refresh.start.astype(jnp.int32)), xs)
   result = RefreshResult(hidden=ys["hidden"], start=start, similarity=ys["similarity"])
   return h, ys["stats"], KVCache(*ys["cache"]), result
-

@@ -42,10 +42,10 @@ from dlm_jax.instrument.hook_call import HookCall
 from dlm_jax.instrument.site_hooks import SiteHooks, at
 from dlm_jax.instrument.stats import STATISTICS, ForwardOutput, LayerValues, StatsSpec
 from dlm_jax.core.attention_bias import MASK_VALUE, AttentionBias
+from dlm_jax.model import layer_refresh
 from dlm_jax.model.attention_layer import AttentionCall
 from dlm_jax.model.block import SelfConditioning, block_stack
 from dlm_jax.model.cache import KVCache
-from dlm_jax.model import layer_refresh
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.primitives import EMBED_INIT, RMSNorm, linear
 from dlm_jax.model.rope import proportional_rope_tables, rope_tables
