@@ -20,7 +20,8 @@ float rounding: in the batch-invariant mode every row runs alone and the questio
 The tracked tokens' previous attention rows softmax(q_prev · K_prevᵀ/√H) use q_prev recomputed from the
 cached layer input at their positions (the official code keeps a query cache written together with the input
 cache, so the rows are the same) and the key cache before the call; the current rows use the call's input
-and keys. Dense layer stacks only (one run of blocks: LLaDA, MMaDA); no key subsets, no pairwise bias with
+and keys. Keys the call's shared key bias removes (key padding) are left out of both rows and of the mean (the
+official code has no padding). Dense layer stacks only (one run of blocks: LLaDA, MMaDA); no key subsets, no pairwise bias with
 query rows, no layer subset of statistics, no hooks.
 """
 
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from dlm_jax.core.attention_bias import MASK_VALUE
 from dlm_jax.model.cache import KVCache
 from dlm_jax.model.compute_subset import gather_rows, scatter_rows
 from dlm_jax.model.rope import apply_rope
@@ -88,6 +90,14 @@ def _queries(block, config, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax
   return apply_rope(q, cos, sin, fp32=config.rope_fp32)
 
 
+def _valid_keys(key_bias: jax.Array | None, batch: int, n_seq: int) -> jax.Array | None:
+  """[B, S] bool: the keys the call's shared key bias [B|1, N|1, S] leaves to every head (padding removes the
+  others), or None without one. The drift rows and their mean leave the removed keys out."""
+  if key_bias is None:
+    return None
+  return jnp.broadcast_to(jnp.all(key_bias > MASK_VALUE / 2, axis=1), (batch, n_seq))
+
+
 def _spread(weights: jax.Array | None, queries: jax.Array, n_seq: int) -> jax.Array | None:
   """Query-group weights [B, Q, T] of the queries at positions queries [B, T] -> [B, Q, S] (0 elsewhere)."""
   if weights is None:
@@ -114,6 +124,7 @@ def run_layers(model, call, x: jax.Array, per_layer: dict, kind_caches: dict, ru
                                         query_weights=_spread(call.attention.query_weights, queries, n_seq)))
   tracked_cos, tracked_sin = model._rope_tables(gather_rows(refresh.positions, refresh.tracked))["s"]
   tracked_valid = refresh.tracked < n_seq
+  key_valid = _valid_keys(call.attention.key_bias, queries.shape[0], n_seq)
   with_stats = call.stats_spec.enabled
   block_graph, block_state = nnx.split(model.blocks)
 
@@ -134,10 +145,10 @@ def run_layers(model, call, x: jax.Array, per_layer: dict, kind_caches: dict, ru
 
     h, h_full, new_kv, x_in, stats = jax.lax.cond(jnp.any(start <= layer), full_layer, subset_layer, None)
     before = attention_rows(_queries(block, config, gather_rows(x_cache, refresh.tracked), tracked_cos,
-                                     tracked_sin), kv[0])
+                                     tracked_sin), kv[0], key_valid)
     now = attention_rows(_queries(block, config, gather_rows(x_in, refresh.tracked), tracked_cos, tracked_sin),
-                         new_kv[0])
-    similarity = drift_similarity(before, now, tracked_valid)
+                         new_kv[0], key_valid)
+    similarity = drift_similarity(before, now, tracked_valid, key_valid)
     start = jnp.where((start > layer) & (similarity < refresh.gamma), layer + 1, start).astype(jnp.int32)
     return (h, h_full, start), {"cache": new_kv, "hidden": x_in, "similarity": similarity, "stats": stats}
 
