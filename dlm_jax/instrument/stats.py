@@ -256,6 +256,8 @@ class ForwardOutput:
     hidden: with `return_hidden`, the final-normed hidden states [B, W, D] of the window, else None.
     captures: the activations `hooks` captured, by name ("blocks.3.hook_resid_pre", ...; a capture's label
       instead when it has one): [B, S | P, ...] in sequence coordinates (`dlm_jax.instrument.hook_spec`).
+    refresh: a layer-refresh call's `dlm_jax.model.layer_refresh.RefreshResult` (the layer inputs to cache,
+      the first refreshed layer per row), else None.
   """
 
   logits: jax.Array | None
@@ -263,6 +265,7 @@ class ForwardOutput:
   cache: Any = None
   hidden: jax.Array | None = None
   captures: dict[str, Any] = struct.field(default_factory=dict)
+  refresh: Any = None
 
   def __getattr__(self, name: str):
     if name in STATISTICS:

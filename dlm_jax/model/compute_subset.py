@@ -10,6 +10,8 @@ sliding-window pattern: their masks are built from contiguous query indices).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -19,10 +21,12 @@ from flax import struct
 class ComputeSubset:
   """queries: [B, T] int32 sequence positions of the call's T queries (ascending, padded with S); keys:
   [L, B, m] int32 cached positions each layer reads besides the queries' own (disjoint from them, padded with
-  S), or None for all S."""
+  S), or None for all S; refresh: a `dlm_jax.model.layer_refresh.LayerRefresh` (keys None), or None: the layers
+  from each row's first drifted one on recompute every position."""
 
   queries: jax.Array
   keys: jax.Array | None = None
+  refresh: Any = None
 
 
 def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:

@@ -42,6 +42,7 @@ from dlm_jax.instrument.hook_call import HookCall
 from dlm_jax.instrument.site_hooks import SiteHooks, at
 from dlm_jax.instrument.stats import STATISTICS, ForwardOutput, LayerValues, StatsSpec
 from dlm_jax.core.attention_bias import MASK_VALUE, AttentionBias
+from dlm_jax.model import layer_refresh
 from dlm_jax.model.attention_layer import AttentionCall
 from dlm_jax.model.block import SelfConditioning, block_stack
 from dlm_jax.model.cache import KVCache
@@ -168,8 +169,13 @@ class Transformer(nnx.Module):
     if call.slots is not None:
       buffers = _stat_buffers(c, stats_spec, tokens.shape[0], n_keys, query_weights)
     capture_buffers = {} if sites is None else sites.buffers(x)
-    x, buffers, capture_buffers, ys, new_cache = self._run_layers(call, x, buffers, capture_buffers, per_layer,
-                                                                  _kind_caches(c, cache))
+    refreshed = None
+    if subset is not None and subset.refresh is not None:
+      x, ys, new_cache, refreshed = layer_refresh.run_layers(self, call, x, per_layer, _kind_caches(c, cache),
+                                                             _run_layer)
+    else:
+      x, buffers, capture_buffers, ys, new_cache = self._run_layers(call, x, buffers, capture_buffers, per_layer,
+                                                                    _kind_caches(c, cache))
     stats = buffers if call.slots is not None else ys
     window_start, offset = 0, model_call.logits_offset
     if model_call.logits_window is not None:
@@ -187,7 +193,8 @@ class Transformer(nnx.Module):
     captures = {}
     if sites is not None:
       captures = sites.named(capture_buffers, model_hooks.captured)
-    return ForwardOutput(logits=logits, stats=stats, cache=new_cache, hidden=hidden, captures=captures)
+    return ForwardOutput(logits=logits, stats=stats, cache=new_cache, hidden=hidden, captures=captures,
+                         refresh=refreshed)
 
   def _readout(self, h: jax.Array, normalized: bool = False) -> jax.Array:
     """The final norm (unless h is `normalized` already: ln_final.hook_normalized) and the LM head on values

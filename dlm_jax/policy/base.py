@@ -51,12 +51,16 @@ class Decision:
   full: scalar bool, compute every query; queries: [B, n] int32 sequence positions computed when not full
   (None: the policy never takes a query subset), ascending, padded with S (a padded entry computes nothing
   that is kept and writes nothing); keys: [L, B, m] int32 cached positions each layer reads besides the call's
-  queries when not full, padded with S, or None (all S).
+  queries when not full, padded with S, or None (all S); refresh: a `dlm_jax.model.layer_refresh.LayerRefresh`
+  (without tokens and positions, which the caller fills) or None: the call always runs the queries through a
+  layer refresh (full sets every row's start to layer 0) and the forward's `RefreshResult` reaches `update`
+  as `output.refresh`.
   """
 
   full: jax.Array
   queries: jax.Array | None = None
   keys: jax.Array | None = None
+  refresh: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

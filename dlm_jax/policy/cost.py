@@ -25,3 +25,15 @@ def trunk_flops(config: ModelConfig, rows: float, keys: float) -> float:
 def head_flops(config: ModelConfig, rows: float) -> float:
   """FLOPs of the LM head on `rows` positions."""
   return 2 * rows * config.d_model * config.vocab_size
+
+
+def layer_refresh_flops(config: ModelConfig, rows: float, seq_len: int, tracked: float, start: int) -> float:
+  """FLOPs of a layer-refresh call (Elastic-Cache, `dlm_jax.model.layer_refresh`; no LM head): the layers below
+  `start` run `rows` queries over seq_len keys, the others all seq_len positions; every layer tests the drift of
+  `tracked` tokens twice (before and now: their query projections and their attention scores over seq_len
+  keys)."""
+  d, n, h = config.d_model, config.n_heads, config.head_dim
+  per_layer_drift = 2 * (2 * tracked * d * n * h + 2 * tracked * seq_len * n * h)
+  layer = lambda r: 2 * layer_weights(config) * r + 4 * r * seq_len * n * h  # noqa: E731
+  below = min(start, config.n_layers)
+  return below * layer(rows) + (config.n_layers - below) * layer(seq_len) + config.n_layers * per_layer_drift

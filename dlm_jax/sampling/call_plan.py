@@ -183,7 +183,8 @@ class CallPlan:
                                                                                offset, axis=1))
     policy = state.policy
     if policy is not None:
-      policy = PolicyState(state=self.policy.update(policy.state, self.stats.policy_output(output), context, decision),
+      policy_output = self.stats.policy_output(output).replace(refresh=output.refresh)
+      policy = PolicyState(state=self.policy.update(policy.state, policy_output, context, decision),
                            cache=output.cache)
     return CallState(intervention=istate, hooks=hooks, policy=policy)
 

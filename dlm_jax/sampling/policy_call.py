@@ -79,7 +79,7 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
     return run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
                logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden)
 
-  def subset(_):
+  def subset(refresh):
     queries = decision.queries
     real = (queries < tokens.shape[1]).astype(jnp.float32)
     sub_weights = None
@@ -89,7 +89,7 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
     output = run(params, gather_rows(tokens, queries), bias=_query_rows(bias, queries),
                  positions=gather_rows(positions, queries),
                  query_weights=sub_weights, cache=policy.cache, return_hidden=readout.hidden,
-                 subset=ComputeSubset(queries, decision.keys))
+                 subset=ComputeSubset(queries, decision.keys, refresh))
     rows = output.hidden if readout.hidden else output.logits
     placed = _window(scatter_rows(jnp.zeros((rows.shape[0], tokens.shape[1], rows.shape[2]), rows.dtype), queries,
                                   rows), readout)
@@ -97,4 +97,7 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
 
   if decision.queries is None:
     return full(None)
+  if decision.refresh is not None:  # a layer refresh: every call is a subset call, full starts at layer 0
+    return subset(decision.refresh.replace(tokens=tokens, positions=positions,
+                                           start=jnp.where(decision.full, 0, decision.refresh.start)))
   return jax.lax.cond(decision.full, full, subset, None)

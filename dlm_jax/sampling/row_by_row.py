@@ -95,7 +95,13 @@ def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: j
   if cache is not None:
     rows["cache"] = jax.tree.map(lambda a: _split(a, 1), cache)
   if subset is not None:
-    rows["subset"] = ComputeSubset(_split(subset.queries, 0), None if subset.keys is None else _split(subset.keys, 1))
+    refresh = subset.refresh
+    if refresh is not None:
+      refresh = refresh.replace(hidden=_split(refresh.hidden, 1), tracked=_split(refresh.tracked, 0),
+                                start=_split(refresh.start, 0), tokens=_split(refresh.tokens, 0),
+                                positions=_split(refresh.positions, 0))
+    rows["subset"] = ComputeSubset(_split(subset.queries, 0), None if subset.keys is None else _split(subset.keys, 1),
+                                   refresh)
   rebuild_hooks = None
   if hooks is not None:
     rows["hooks"], rebuild_hooks = row_slices(hooks)
@@ -113,7 +119,10 @@ def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: j
   return ForwardOutput(logits=join(out.logits, 0), hidden=join(out.hidden, 0),
                        stats={name: _join(x, 1) for name, x in out.stats.items()},
                        captures=jax.tree.map(lambda x: _join(x, 0), out.captures),
-                       cache=None if out.cache is None else jax.tree.map(lambda a: _join(a, 1), out.cache))
+                       cache=None if out.cache is None else jax.tree.map(lambda a: _join(a, 1), out.cache),
+                       refresh=None if out.refresh is None else out.refresh.replace(
+                           hidden=_join(out.refresh.hidden, 1), start=_join(out.refresh.start, 0),
+                           similarity=_join(out.refresh.similarity, 1)))
 
 
 def lm_head_rows(head, hidden: jax.Array) -> jax.Array:

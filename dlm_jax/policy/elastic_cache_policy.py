@@ -1,0 +1,146 @@
+"""Elastic-Cache (arXiv 2510.14973) as a compute policy: the rule module `dlm_jax.policy.elastic_cache` decides
+the query set, the layer refresh (`dlm_jax.model.layer_refresh`) applies it inside the forward.
+
+Per call after the first: the queries are the tracked tokens (per layer the `track_num` most-attended
+non-masked tokens of the previous call), the positions decoded at the previous call and the first
+`window_length` still-masked positions (every still-masked one without block caching); every layer before a
+row's first drifted one runs only them; from the layer after it every position is recomputed. Call 0 runs
+every position through every layer.
+
+Decoding is the sampler's: the policy decides compute only. The official decoding (threshold 0.9 over the
+window, at least the best token, then EOS truncation; `ElasticCacheSettings.threshold`, `eos_truncation`) is not
+a knob here: run the sampler with a threshold rule for the first, and EOS truncation is not offered. With the
+exact sampler and one block, window_length >= the generation length, the official `threshold=None,
+tokens_per_iter=k` run is replayed (tests/test_policy_elastic_cache_runs.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
+from dlm_jax.model.layer_refresh import LayerRefresh
+from dlm_jax.policy import elastic_cache as ec
+from dlm_jax.policy.base import ComputePolicy, Decision
+from dlm_jax.policy.positions import ascending_positions
+
+FAMILIES = ("llada",)
+"""The sampler families it runs with (LLaDA and MMaDA; Dream's shifted rule is written in the rule module but
+its queries read the position before each masked one, which is not wired here)."""
+
+
+@struct.dataclass
+class ElasticState:
+  """was_unresolved [B, S] bool: the positions unresolved at the previous call; tracked [B, R] int32 (R = L ·
+  track_num): the previous call's tracked tokens, ascending, padded with S; hidden [B, L, S, D] float32: each
+  layer's input as last computed; start [B] int32: the previous call's first refreshed layer (L: none);
+  queries [B, n] int32: the previous call's query set (padded with S)."""
+
+  was_unresolved: jax.Array
+  tracked: jax.Array
+  hidden: jax.Array
+  start: jax.Array
+  queries: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticCache(ComputePolicy):
+  """Elastic-Cache's compute knobs (`ElasticCacheSettings`: window_length 16, gamma 0.9, track_num 1,
+  block_caching True, the official defaults)."""
+
+  NAME = "elastic_cache"
+  window_length: int = 16
+  gamma: float = 0.9
+  track_num: int = 1
+  block_caching: bool = True
+
+  def __post_init__(self):
+    self.check_knobs()
+
+  @property
+  def settings(self) -> ec.ElasticCacheSettings:
+    """The rule module's settings for these knobs (the decoding knobs unused: the sampler decodes)."""
+    return ec.ElasticCacheSettings(window_length=self.window_length, gamma=self.gamma, track_num=self.track_num,
+                                   block_caching=self.block_caching, threshold=None)
+
+  def check_knobs(self) -> None:
+    self.settings.check()
+
+  def check(self, config: ModelConfig | None = None, family_name: str | None = None) -> None:
+    """The knobs and, for a run, the family, the model and the block layout (one line each)."""
+    self.check_knobs()
+    if family_name is not None and family_name not in FAMILIES:
+      raise ValueError(f"policy elastic_cache runs with the {', '.join(FAMILIES)} sampler (LLaDA, MMaDA), not "
+                       f"{family_name}.")
+    if config is not None and (config.logit_shift or config.layer_pattern is not None or config.first_k_dense):
+      raise ValueError(f"policy elastic_cache runs on models with one stack of alike bidirectional layers and "
+                       f"unshifted logits (LLaDA, MMaDA), not {config.name}.")
+    layout = self.layout
+    if layout is not None and self.block_caching and self.window_length < layout.block_length:
+      raise ValueError(f"elastic_cache window_length={self.window_length} is shorter than the sampler's "
+                       f"block_length={layout.block_length}: the block's masked positions would not be computed; "
+                       f"use window_length >= block_length or block_caching=false.")
+
+  def required_stats(self, config: ModelConfig) -> StatsSpec:
+    """Incoming attention (head mean) of one query group: the call's masked query rows."""
+    del config
+    return StatsSpec(incoming_attention=True, per_head=False, query_groups=1)
+
+  def _budget(self, config: ModelConfig) -> int:
+    return self.settings.query_budget(config.n_layers, self.layout.seq_len)
+
+  def init_state(self, config: ModelConfig, batch: int) -> ElasticState:
+    s = self.layout.seq_len
+    return ElasticState(was_unresolved=jnp.ones((batch, s), bool),
+                        tracked=jnp.full((batch, config.n_layers * self.track_num), s, jnp.int32),
+                        hidden=jnp.zeros((batch, config.n_layers, s, config.d_model), jnp.float32),
+                        start=jnp.zeros((batch,), jnp.int32),
+                        queries=jnp.full((batch, self._budget(config)), s, jnp.int32))
+
+  def _pending(self, context: Any) -> jax.Array:
+    """[B, S] bool: the still-masked generated positions of the call."""
+    return context.unresolved & (jnp.arange(self.layout.seq_len)[None, :] >= self.layout.gen_start)
+
+  def _sets(self, state: ElasticState, context: Any) -> tuple[jax.Array, jax.Array]:
+    """(queries [B, S] bool, masked query rows [B, S] bool: the rows whose attention picks the tracked tokens)."""
+    s = self.layout.seq_len
+    pending = self._pending(context)
+    tracked = ec.tracked_mask(jnp.minimum(state.tracked, s)[None], s + 1)[:, :s]
+    decoded_last = state.was_unresolved & ~context.unresolved
+    queries, window = ec.query_mask(self.settings, tracked, decoded_last, pending)
+    return queries, window if self.block_caching else pending
+
+  def query_weights(self, state: ElasticState, context: Any) -> jax.Array:
+    """[B, 1, S]: 1 on the call's masked query rows."""
+    return self._sets(state, context)[1][:, None, :].astype(jnp.float32)
+
+  def decide(self, state: ElasticState, context: Any) -> Decision:
+    s = self.layout.seq_len
+    queries, _ = self._sets(state, context)
+    index, valid = ascending_positions(queries, state.queries.shape[1])
+    n_layers = state.hidden.shape[1]
+    refresh = LayerRefresh(hidden=jnp.swapaxes(state.hidden, 0, 1), tracked=state.tracked,
+                           start=jnp.full(state.start.shape, n_layers, jnp.int32), gamma=float(self.gamma))
+    return Decision(full=jnp.asarray(context.step, jnp.int32) == 0,
+                    queries=jnp.where(valid, index, s).astype(jnp.int32), refresh=refresh)
+
+  def update(self, state: ElasticState, output: ForwardOutput, context: Any, decision: Decision) -> ElasticState:
+    s = self.layout.seq_len
+    incoming = output.stats["incoming_attention"][:, :, 0, 0]  # [L, B, S]
+    pending = self._pending(context)
+    per_layer = jax.vmap(lambda scores: ec.track_tokens(scores, pending, self.track_num))(incoming)
+    tracked, valid = ascending_positions(ec.tracked_mask(per_layer, s), state.tracked.shape[1])
+    return ElasticState(was_unresolved=context.unresolved, tracked=jnp.where(valid, tracked, s).astype(jnp.int32),
+                        hidden=jnp.swapaxes(output.refresh.hidden, 0, 1).astype(state.hidden.dtype),
+                        start=output.refresh.start, queries=decision.queries)
+
+  def record(self, state: ElasticState) -> dict:
+    """{"refresh_start": [B] int32, the call's first layer recomputed for every position (L: none, 0: the
+    whole call), "queries": [B, n] int32, the positions run through every layer (padded with S)}."""
+    return {"refresh_start": state.start, "queries": state.queries}

@@ -1,0 +1,256 @@
+"""Elastic-Cache runs as a compute policy (issue 36): the layer refresh inside the forward against a whole-run
+NumPy replay of the official loop (`generate_with_elastic_cache` and `LLaDABlock.attention` of VILA-Lab/
+Elastic-Cache, read through its mirror yxu-dev/Elastic-Cache): per-layer input, query, key and value caches,
+the tracked tokens, the drift test and the refresh from the layer after the first drifted one — decoded by the
+exact semi-autoregressive LLaDA rule (one token per step, the most confident masked position of the current
+block), the configuration these tests replay: window_length = block_length, block_caching, track_num 1.
+
+The replay keeps the official query cache (the module under test recomputes those rows from the cached layer
+inputs instead) and runs in float64 on the same random weights.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dlm_jax.config import preset
+from dlm_jax.instrument import interventions
+from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.model import KVCache, forward, init_params
+from dlm_jax.model.compute_subset import ComputeSubset
+from dlm_jax.model.layer_refresh import LayerRefresh
+from dlm_jax.policy import cost
+from dlm_jax.policy.elastic_cache_policy import ElasticCache
+from dlm_jax.policy.registry import parse_policy
+from dlm_jax.sampling import dream, llada
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+CONFIG = dataclasses.replace(preset("tiny-llada"), n_layers=3)
+OPTIONS = llada.LLaDAOptions(gen_length=8, steps=8, block_length=4)
+PROMPT_LENGTH = 6
+GAMMA = 0.97
+
+
+@pytest.fixture(scope="module")
+def setup():
+  params = init_params(CONFIG, jax.random.key(0))
+  prompt = jax.random.randint(jax.random.key(1), (2, PROMPT_LENGTH), 3, 200)
+  return params, prompt
+
+
+@pytest.fixture(scope="module")
+def batch_run(setup):
+  params, prompt = setup
+  return llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
+                        policy=parse_policy(f"elastic_cache:window_length=4,gamma={GAMMA}"))
+
+
+def _numpy_params(params):
+  return jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+
+
+def _rms(x, w, eps):
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x, positions, theta):
+  """x [T, N, H] rotated at positions [T] (rotate-half)."""
+  h = x.shape[-1]
+  inv_freq = 1.0 / theta ** (np.arange(0, h, 2) / h)
+  angles = positions[:, None] * inv_freq[None, :]
+  angles = np.concatenate([angles, angles], axis=-1)[:, None, :]
+  rotated = np.concatenate([-x[..., h // 2:], x[..., :h // 2]], axis=-1)
+  return x * np.cos(angles) + rotated * np.sin(angles)
+
+
+def _softmax(x):
+  e = np.exp(x - x.max(axis=-1, keepdims=True))
+  return e / e.sum(axis=-1, keepdims=True)
+
+
+def _replay(p, prompt, gamma, window, track_num=1):
+  """The official loop for one row (module docstring): (tokens [S], decode step per generated position [G],
+  NFE, first refreshed layer per call (0 for call 0, L for none), the smallest distance of a tested drift
+  similarity from gamma)."""
+  c = CONFIG
+  n_layers, n, hd = c.n_layers, c.n_heads, c.head_dim
+  blocks = p["blocks"]
+  lp, gen = len(prompt), OPTIONS.gen_length
+  s = lp + gen
+  x_tokens = np.concatenate([prompt, np.full(gen, c.mask_token_id)])
+  caches = {name: [None] * n_layers for name in ("x", "q", "k", "v")}
+  track, decoded = np.zeros(0, int), np.zeros(0, int)
+  steps_per_block = OPTIONS.steps // (gen // OPTIONS.block_length)
+  decode_step, starts, margins = np.full(gen, -1), [], []
+  for call in range(OPTIONS.steps):
+    pending = np.flatnonzero(x_tokens == c.mask_token_id)
+    pending = pending[pending >= lp]
+    window_pos = pending[:window]
+    if call == 0:
+      query, start = np.arange(s), -1
+    else:
+      query, start = np.concatenate([track, decoded, window_pos]), n_layers
+    x = p["embed"]["embedding"][x_tokens[query]]
+    tracked_per_layer = []
+    for layer in range(n_layers):
+      w = {name: blocks[part][name]["kernel"][layer] for part in ("attn",) for name in ("q", "k", "v", "o")}
+      if layer > start:
+        caches["x"][layer] = x.copy()
+      else:
+        caches["x"][layer][query] = x
+        if layer == start:
+          x = caches["x"][layer].copy()
+      full = layer >= start
+      rows = np.arange(s) if full else query
+      h = _rms(x, blocks["attn_norm"]["weight"][layer], c.norm_eps)
+      q = _rope((h @ w["q"]).reshape(-1, n, hd), rows, c.rope_theta)
+      k = _rope((h @ w["k"]).reshape(-1, n, hd), rows, c.rope_theta)
+      v = (h @ w["v"]).reshape(-1, n, hd)
+      if full:
+        caches["q"][layer], caches["k"][layer], caches["v"][layer] = q, k, v
+      else:
+        past_k = caches["k"][layer].copy()
+        past_q = caches["q"][layer][track].copy()
+        caches["k"][layer][query], caches["v"][layer][query], caches["q"][layer][query] = k, v, q
+      keys, values = caches["k"][layer], caches["v"][layer]
+      probs = _softmax(np.einsum("tnh,snh->nts", q, keys) / np.sqrt(hd))  # [N, T, S]
+      out = np.einsum("nts,snh->tnh", probs, values).reshape(-1, n * hd) @ w["o"]
+      if full:
+        masked_rows = probs[:, window_pos]
+      else:
+        masked_rows = probs[:, -len(window_pos):]
+        before = _softmax(np.einsum("tnh,snh->nts", past_q, past_k) / np.sqrt(hd))
+        now = probs[:, :len(track)]
+        cosine = np.sum(before * now, 0) / np.maximum(np.linalg.norm(before, axis=0) * np.linalg.norm(now, axis=0),
+                                                      1e-8)
+        margins.append(abs(cosine.mean() - gamma))
+        if cosine.mean() < gamma:
+          start = layer + 1
+      score = masked_rows.sum(axis=(0, 1))
+      score[pending] = 0.0
+      tracked_per_layer.append(np.argsort(-score, kind="stable")[:track_num])
+      x = x + out
+      mlp_in = _rms(x, blocks["mlp_norm"]["weight"][layer], c.norm_eps)
+      gate, up = mlp_in @ blocks["mlp"]["gate"]["kernel"][layer], mlp_in @ blocks["mlp"]["up"]["kernel"][layer]
+      x = x + (gate / (1 + np.exp(-gate)) * up) @ blocks["mlp"]["down"]["kernel"][layer]
+    logits = _rms(x, p["final_norm"]["weight"], c.norm_eps) @ p["lm_head"]["kernel"]
+    logits = logits[window_pos] if len(x) == s else logits[-len(window_pos):]
+    starts.append(0 if call == 0 else start)
+    track = np.unique(np.concatenate(tracked_per_layer))
+    block_end = lp + (call // steps_per_block + 1) * OPTIONS.block_length
+    probs = _softmax(logits)
+    confidence = np.where(window_pos < block_end, probs.max(-1), -np.inf)
+    best = int(np.argmax(confidence))
+    decoded = window_pos[best:best + 1]
+    x_tokens[decoded] = int(np.argmax(logits[best]))
+    decode_step[decoded - lp] = call
+  return x_tokens, decode_step, OPTIONS.steps, np.asarray(starts), min(margins)
+
+
+def test_a_whole_run_replays_the_official_loop(setup, batch_run):
+  params, prompt = setup
+  p = _numpy_params(params)
+  starts = []
+  for row in range(prompt.shape[0]):
+    tokens, decode_step, nfe, start, margin = _replay(p, np.asarray(prompt[row]), GAMMA, window=4)
+    assert margin > 1e-5, margin  # no drift decision close enough to gamma for float32 to take it otherwise
+    np.testing.assert_array_equal(np.asarray(batch_run.tokens[row]), tokens)
+    np.testing.assert_array_equal(np.asarray(batch_run.decode_step[row]), decode_step)
+    assert int(batch_run.nfe) == nfe
+    np.testing.assert_array_equal(np.asarray(batch_run.policy_record["refresh_start"][:, row]), start)
+    starts.append(start)
+  starts = np.concatenate(starts)
+  assert set(starts[starts > 0]) > {CONFIG.n_layers}, starts  # the run refreshes from a layer and skips, both
+
+
+def test_a_row_in_a_batch_is_bitwise_the_row_alone_with_statistics_and_sink_masking(setup, batch_run):
+  """Batch-invariant mode: every row decides alone (its own tracked tokens, drift and refresh start); the
+  statistics and the sink-masking bias keep working through subset and full layers."""
+  params, prompt = setup
+  run = dict(config=CONFIG, options=OPTIONS, policy=parse_policy(f"elastic_cache:window_length=4,gamma={GAMMA}"),
+             batch_invariant=True, intervention=interventions.MaskPreviousSinks(top_k=1),
+             stats_spec=StatsSpec(incoming_attention=True))
+  batch = llada.generate(params, prompt, **run)
+  alone = llada.generate(params, prompt[1:], **run)
+  np.testing.assert_array_equal(np.asarray(alone.tokens[0]), np.asarray(batch.tokens[1]))
+  np.testing.assert_array_equal(np.asarray(alone.stats["incoming_attention"][:, :, 0]),
+                                np.asarray(batch.stats["incoming_attention"][:, :, 1]))
+  np.testing.assert_array_equal(np.asarray(alone.policy_record["refresh_start"][:, 0]),
+                                np.asarray(batch.policy_record["refresh_start"][:, 1]))
+  queries = np.asarray(batch_run.policy_record["queries"][:, 1])
+  computed = np.asarray(batch_run.computed_positions[:, 1])
+  assert computed[0].all()
+  for step in range(1, OPTIONS.steps):
+    np.testing.assert_array_equal(np.flatnonzero(computed[step]), queries[step][queries[step] < computed.shape[-1]])
+
+
+def test_a_refresh_from_layer_0_is_the_exact_sampler(setup):
+  params, prompt = setup
+
+  @dataclasses.dataclass(frozen=True)
+  class Always(ElasticCache):
+    def decide(self, state, context):
+      return dataclasses.replace(super().decide(state, context), full=jnp.ones((), bool))
+
+  exact = llada.generate(params, prompt, config=CONFIG, options=OPTIONS)
+  refreshed = llada.generate(params, prompt, config=CONFIG, options=OPTIONS, policy=Always(window_length=4))
+  np.testing.assert_array_equal(np.asarray(refreshed.tokens), np.asarray(exact.tokens))
+  np.testing.assert_array_equal(np.asarray(refreshed.decode_step), np.asarray(exact.decode_step))
+  assert np.all(np.asarray(refreshed.policy_record["refresh_start"]) == 0)
+
+
+def test_a_call_without_refresh_leaves_the_flop_count():
+  """XLA's cost analysis counts a loop body once and a conditional at its costliest branch, so each branch is
+  measured as the benchmark measures calls: a one-layer program whose refresh start is a compile-time
+  constant (XLA then drops the conditional); the rest are arguments."""
+  one = dataclasses.replace(CONFIG, n_layers=1)
+  params = init_params(one, jax.random.key(0))
+  s, t, r = 64, 12, 3
+  args = (params, jnp.zeros((1, s), jnp.int32), KVCache.zeros(one, 1, s), jnp.zeros((1, 1, s, one.d_model)))
+  queries, tracked = jnp.arange(t, dtype=jnp.int32)[None], jnp.arange(r, dtype=jnp.int32)[None]
+  positions = jnp.arange(s, dtype=jnp.int32)[None]
+
+  def flops(fn):
+    return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+  def refresh_call(start):
+    def call(p, x, c, hidden):
+      refresh = LayerRefresh(hidden=hidden, tracked=tracked, start=jnp.full((1,), start), gamma=0.9, tokens=x,
+                             positions=positions)
+      return forward(p, x[:, :t], config=one, cache=c, subset=ComputeSubset(queries, None, refresh)).logits
+    return flops(call)
+
+  full = flops(lambda p, x, c, hidden: forward(p, x, config=one, cache=c).logits)
+  measured = {start: refresh_call(start) for start in (0, 1)}
+  analytic = {start: cost.layer_refresh_flops(one, t, s, r, start) + cost.head_flops(one, t) for start in (0, 1)}
+  for start in (0, 1):
+    assert abs(measured[start] - analytic[start]) < 0.1 * analytic[start], (start, measured, analytic)
+  assert measured[1] < 0.3 * full, (measured, full)  # 12 of 64 queries, plus the drift test
+
+
+@pytest.mark.parametrize("text, message", [
+    ("elastic_cache:gamma=0", "elastic_cache gamma must be a number in"),
+    ("elastic_cache:window_length=0", "elastic_cache window_length must be an int >= 1"),
+    ("elastic_cache:track_num=0", "elastic_cache track_num must be an int >= 1"),
+    ("elastic_cache:threshold=0.9", "policy elastic_cache has no knob 'threshold'"),
+])
+def test_bad_knobs_are_refused_in_one_line(text, message):
+  with pytest.raises(ValueError, match=message):
+    parse_policy(text)
+
+
+@pytest.mark.parametrize("run, message", [
+    (lambda p, x: llada.generate(p, x, config=CONFIG, options=OPTIONS,
+                                 policy=parse_policy("elastic_cache:window_length=3")),
+     "window_length=3 is shorter than the sampler's block_length=4"),
+    (lambda p, x: dream.diffusion_generate(p, x, config=preset("tiny-dream"), policy=parse_policy("elastic_cache")),
+     "runs with the llada sampler"),
+])
+def test_runs_it_cannot_take_are_refused_before_compiling(setup, run, message):
+  params, prompt = setup
+  with pytest.raises(ValueError, match=message):
+    run(params, prompt)
