@@ -42,6 +42,7 @@ from flax import struct
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
+from dlm_jax.model.block_sparse_attention import KeyBlocks
 
 
 @struct.dataclass
@@ -51,12 +52,16 @@ class Decision:
   full: scalar bool, compute every query; queries: [B, n] int32 sequence positions computed when not full
   (None: the policy never takes a query subset), ascending, padded with S (a padded entry computes nothing
   that is kept and writes nothing); keys: [L, B, m] int32 cached positions each layer reads besides the call's
-  queries when not full, padded with S, or None (all S).
+  queries when not full, padded with S, or None (all S); key_blocks: a `KeyBlocks`
+  (`dlm_jax.model.block_sparse_attention`, [L, B, N, nQb, m] kept key blocks per layer, head and query block,
+  padded with nKb) each query block reads when not full — every query is computed, only the dropped blocks'
+  QK^T and PV are skipped (SparseD) — or None.
   """
 
   full: jax.Array
   queries: jax.Array | None = None
   keys: jax.Array | None = None
+  key_blocks: KeyBlocks | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,3 +25,12 @@ def trunk_flops(config: ModelConfig, rows: float, keys: float) -> float:
 def head_flops(config: ModelConfig, rows: float) -> float:
   """FLOPs of the LM head on `rows` positions."""
   return 2 * rows * config.d_model * config.vocab_size
+
+
+def block_sparse_flops(config: ModelConfig, seq_len: int, block_size: int, kept_blocks: int) -> float:
+  """FLOPs of a block-sparse call (SparseD, `dlm_jax.model.block_sparse_attention`; no LM head): every position
+  through every layer, each query block of `block_size` rows (the last one padded to a whole block) reading
+  `kept_blocks` key blocks (the static count m, padded slots included)."""
+  rows = -(-seq_len // block_size) * block_size
+  attention = 4 * rows * kept_blocks * block_size * config.n_heads * config.head_dim
+  return config.n_layers * (2 * layer_weights(config) * seq_len + attention)

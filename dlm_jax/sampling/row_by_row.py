@@ -95,7 +95,10 @@ def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: j
   if cache is not None:
     rows["cache"] = jax.tree.map(lambda a: _split(a, 1), cache)
   if subset is not None:
-    rows["subset"] = ComputeSubset(_split(subset.queries, 0), None if subset.keys is None else _split(subset.keys, 1))
+    rows["subset"] = ComputeSubset(None if subset.queries is None else _split(subset.queries, 0),
+                                   None if subset.keys is None else _split(subset.keys, 1),
+                                   None if subset.key_blocks is None else jax.tree.map(lambda a: _split(a, 1),
+                                                                                       subset.key_blocks))
   rebuild_hooks = None
   if hooks is not None:
     rows["hooks"], rebuild_hooks = row_slices(hooks)
