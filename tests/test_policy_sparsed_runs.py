@@ -1,0 +1,208 @@
+"""SparseD runs (issue 36): its block-pooled statistic against NumPy, block-sparse attention against dense attention
+with the equivalent mask, whole runs at temperature 0 against a replay of the official loop written here (a NumPy
+model with a dense token mask per layer, the official step-E rule in NumPy), batch invariance, the skipped work in
+XLA's FLOP count, and bad knobs."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dlm_jax.config import preset
+from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.model import forward, init_params
+from dlm_jax.model.attention import MASK_VALUE, attention
+from dlm_jax.model.block_sparse_attention import KeyBlocks, block_sparse_attention
+from dlm_jax.model.compute_subset import ComputeSubset
+from dlm_jax.policy import cost
+from dlm_jax.policy.registry import parse_policy
+from dlm_jax.policy.sparsed import SparseDSettings
+from dlm_jax.policy.sparsed_policy import pooled_attention_statistic
+from dlm_jax.sampling import dream, llada
+
+try:
+  from tests import numpy_transformer as ref
+except ImportError:  # run from inside tests/
+  import numpy_transformer as ref
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+LP, GEN, STEPS, BLOCK = 6, 8, 8, 4  # S = 14: blocks of 3 leave a partial last block
+SETTINGS = "skip=0.2,select=0.3,block_size=3"
+
+
+def _params(name):
+  """Random weights; Dream's q/k/v biases made nonzero so the NumPy model's biases are exercised."""
+  params = init_params(preset(name), jax.random.key(0))
+  if preset(name).qkv_bias:
+    attn = params["blocks"]["attn"]
+    for i, part in enumerate("qkv"):
+      bias = attn[part]["bias"]
+      attn[part]["bias"] = 0.3 * jax.random.normal(jax.random.key(10 + i), bias.shape, bias.dtype)
+  return params
+
+
+def _np_forward(params, tokens, config, masks=None):
+  """NumPy float64 forward of tiny-llada / tiny-dream: logits [B, S, V] and per layer the post-RoPE (q [B, S, N, H],
+  k [B, S, N, H] with kv heads repeated); masks: None or per layer [B, N, S, S] bool, the keys each query sees."""
+  c = config
+  p = {name: np.asarray(v, np.float64) for name, v in ref._flat(params).items()}
+  b, s = tokens.shape
+  x = p["embed.embedding"][np.asarray(tokens)]
+  positions = np.arange(s, dtype=np.float64)
+  group, qk = c.n_heads // c.n_kv_heads, []
+  for layer in range(c.n_layers):
+    w = lambda name: p[f"blocks.{name}"][layer]  # noqa: E731
+    bias = lambda part: w(f"attn.{part}.bias") if c.qkv_bias else 0.0  # noqa: E731
+    h = ref._rms(x, w("attn_norm.weight"), c.norm_eps)
+    q = (h @ w("attn.q.kernel") + bias("q")).reshape(b, s, c.n_heads, c.head_dim)
+    k = (h @ w("attn.k.kernel") + bias("k")).reshape(b, s, c.n_kv_heads, c.head_dim)
+    v = (h @ w("attn.v.kernel") + bias("v")).reshape(b, s, c.n_kv_heads, c.head_dim)
+    q, k = ref._rope(q, positions, c.rope_theta), ref._rope(k, positions, c.rope_theta)
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    qk.append((q, k))
+    scores = np.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(c.head_dim)
+    if masks is not None:
+      scores = np.where(masks[layer], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs = probs / probs.sum(-1, keepdims=True)
+    x = x + np.einsum("bnqk,bknh->bqnh", probs, v).reshape(b, s, -1) @ w("attn.o.kernel")
+    h = ref._rms(x, w("mlp_norm.weight"), c.norm_eps)
+    x = x + (ref._silu(h @ w("mlp.gate.kernel")) * (h @ w("mlp.up.kernel"))) @ w("mlp.down.kernel")
+  return ref._rms(x, p["final_norm.weight"], c.norm_eps) @ p["lm_head.kernel"], qk
+
+
+def _softmax(x):
+  e = np.exp(x - x.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def _pooled(weights, bs):
+  """create_attention_block_mask's score: weights [B, N, rows, cols] -> mean |w| per zero-padded block."""
+  b, n, rows, cols = weights.shape
+  n_q, n_k = -(-rows // bs), -(-cols // bs)
+  padded = np.zeros((b, n, n_q * bs, n_k * bs))
+  padded[:, :, :rows, :cols] = weights
+  return np.abs(padded).reshape(b, n, n_q, bs, n_k, bs).mean(axis=(3, 5))
+
+
+def _top(importance, select):
+  """The top int(n x select) + 1 blocks of the last axis (ties to the lower block) as a bool mask."""
+  n = importance.shape[-1]
+  keep = min(max(1, int(n * select) + 1), n)
+  order = np.argsort(-importance, axis=-1, kind="stable")[..., :keep]
+  mask = np.zeros(importance.shape, bool)
+  np.put_along_axis(mask, order, True, axis=-1)
+  return mask
+
+
+def _official_blocks(q, k, bs, select, new_generation, divisor):
+  """The step-E branch of the official attention: q, k [B, S, N, H] -> fine_mask [B, N, nQb, nKb]."""
+  q, k = np.moveaxis(q, 2, 1), np.moveaxis(k, 2, 1)
+  s = q.shape[2]
+  n_blocks = -(-s // bs)
+  fine = np.zeros((q.shape[0], q.shape[1], n_blocks, n_blocks), bool)
+  last = None
+  for idx in range(n_blocks):
+    if (s - idx * bs <= new_generation or idx == n_blocks - 1) and last is None:
+      last = idx
+    weights = _softmax(np.einsum("bnqh,bnkh->bnqk", q[:, :, idx * bs:(idx + 1) * bs], k) / np.sqrt(divisor))
+    fine[:, :, idx] = _top(_pooled(weights, bs), select)[:, :, 0]
+  fine[:, :, :, last:] = False
+  for idx in range(n_blocks):
+    weights = _softmax(np.einsum("bnqh,bnkh->bnqk", q[:, :, idx * bs:(idx + 1) * bs], k[:, :, last * bs:])
+                       / np.sqrt(divisor))
+    fine[:, :, idx, last:] |= _top(_pooled(weights, bs), select)[:, :, 0]
+  return fine
+
+
+def _token_mask(fine, s, bs):
+  """customize_mask: key j visible to query i iff fine[b, h, i // bs, j // bs]."""
+  index = np.arange(s) // bs
+  return fine[:, :, index][:, :, :, index]
+
+
+def _replay(params, config, prompt, family, scale, counts):
+  """The official loop at temperature 0 with SparseD (skip 0.2, select 0.3, block_size 3): (tokens [B, S],
+  decode step [B, GEN], the chosen blocks per layer [L, B, N, nQb, nKb]). counts: [STEPS] positions decoded per
+  step (LLaDA: per block, base + remainder; Dream: read from the exact sampler, whose schedule depends only
+  on the masked count)."""
+  mask_id, bs, select = config.mask_token_id, 3, 0.3
+  x = np.concatenate([np.asarray(prompt), np.full((prompt.shape[0], GEN), mask_id)], axis=1)
+  s = x.shape[1]
+  end = int(STEPS * 0.2) + 1
+  divisor = config.n_heads if scale == "num_heads" else config.head_dim
+  decoded, masks, fine = np.full((x.shape[0], GEN), -1), None, None
+  for step in range(STEPS):
+    logits, qk = _np_forward(params, x, config, masks)
+    if step == end:
+      fine = [_official_blocks(q, k, bs, select, STEPS, divisor) for q, k in qk]
+      masks = [_token_mask(f, s, bs) for f in fine]
+    if family == "dream":
+      logits = np.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
+    probs = _softmax(logits)
+    x0, p0 = probs.argmax(-1), probs.max(-1)
+    masked = x == mask_id
+    if family == "llada":
+      p0 = np.where(np.arange(s) >= LP + (step // (STEPS * BLOCK // GEN) + 1) * BLOCK, -np.inf, p0)
+    confidence = np.where(masked, p0, -np.inf)
+    for row in range(x.shape[0]):
+      chosen = np.argsort(-confidence[row], kind="stable")[:counts[step]]
+      x[row, chosen] = x0[row, chosen]
+      decoded[row, chosen - LP] = step
+  return x, decoded, np.stack(fine)
+
+
+@functools.lru_cache(maxsize=None)
+def _prompt():
+  return np.asarray(jax.random.randint(jax.random.key(1), (2, LP), 3, 200))
+
+
+def _run(family, scale, prompt, batch_invariant=False):
+  name = "tiny-llada" if family == "llada" else "tiny-dream"
+  config, params = preset(name), _params(name)
+  policy = parse_policy(f"sparsed:{SETTINGS},score_scale={scale}")
+  if family == "llada":
+    options = llada.LLaDAOptions(gen_length=GEN, steps=STEPS, block_length=BLOCK)
+    return llada.generate(params, prompt, config=config, options=options, policy=policy,
+                          batch_invariant=batch_invariant)
+  options = dream.DreamOptions(gen_length=GEN, steps=STEPS, alg="maskgit_plus")
+  return dream.diffusion_generate(params, prompt, config=config, options=options, policy=policy,
+                                  batch_invariant=batch_invariant)
+
+
+def _dream_counts(prompt):
+  config = preset("tiny-dream")
+  exact = dream.diffusion_generate(_params("tiny-dream"), prompt, config=config,
+                                   options=dream.DreamOptions(gen_length=GEN, steps=STEPS, alg="maskgit_plus"))
+  steps = np.asarray(exact.decode_step)[0]
+  return [int(np.sum(steps == i)) for i in range(STEPS)]
+
+
+@pytest.mark.parametrize("family, scale", [("llada", "num_heads"), ("llada", "head_dim"), ("dream", "head_dim")])
+def test_a_run_is_the_official_loop(family, scale):
+  prompt = _prompt()
+  name = "tiny-llada" if family == "llada" else "tiny-dream"
+  config = preset(name)
+  per_block = STEPS * BLOCK // GEN
+  counts = [BLOCK // per_block + (i % per_block < BLOCK % per_block) for i in range(STEPS)]
+  if family == "dream":
+    counts = _dream_counts(prompt)
+  tokens, decoded, fine = _replay(_params(name), config, prompt, family, scale, counts)
+  trace = _run(family, scale, prompt)
+  np.testing.assert_array_equal(np.asarray(trace.tokens), tokens)
+  np.testing.assert_array_equal(np.asarray(trace.decode_step), decoded)
+  assert int(trace.nfe) == STEPS
+  record = np.asarray(trace.policy_record)  # [steps, B, L, N, nQb, m]
+  n_blocks = fine.shape[-1]
+  for step in range(STEPS):
+    kept = np.zeros(record.shape[1:-1] + (n_blocks + 1,), bool)
+    np.put_along_axis(kept, record[step], True, axis=-1)
+    expected = np.zeros_like(kept[..., :-1]) if step < 2 else np.moveaxis(fine, 0, 1)
+    np.testing.assert_array_equal(kept[..., :-1], expected, err_msg=f"step {step}")
+  keys = np.asarray(trace.keys_read)  # [steps, B]
+  np.testing.assert_array_equal(keys[:3], 14.0)
+  assert (keys[3:] < 14.0).all()
