@@ -192,7 +192,7 @@ def test_a_run_is_the_official_loop(family, scale):
   if family == "dream":
     counts = _dream_counts(prompt)
   tokens, decoded, fine = _replay(_params(name), config, prompt, family, scale, counts)
-  trace = _run(family, scale, prompt)
+  trace = _run(family, scale, prompt, batch_invariant=scale == "head_dim")
   np.testing.assert_array_equal(np.asarray(trace.tokens), tokens)
   np.testing.assert_array_equal(np.asarray(trace.decode_step), decoded)
   assert int(trace.nfe) == STEPS
@@ -206,3 +206,98 @@ def test_a_run_is_the_official_loop(family, scale):
   keys = np.asarray(trace.keys_read)  # [steps, B]
   np.testing.assert_array_equal(keys[:3], 14.0)
   assert (keys[3:] < 14.0).all()
+
+
+def test_a_row_decodes_alone_as_in_its_batch():
+  prompt = _prompt()
+  both = _run("llada", "head_dim", prompt, batch_invariant=True)  # the replay test's program
+  for row in range(2):
+    alone = _run("llada", "head_dim", prompt[row:row + 1], batch_invariant=True)
+    np.testing.assert_array_equal(alone.tokens[0], both.tokens[row])
+    np.testing.assert_array_equal(alone.policy_record[:, 0], both.policy_record[:, row])
+
+
+def test_the_pooled_statistic_is_the_numpy_one():
+  config, params = preset("tiny-llada"), _params("tiny-llada")
+  tokens = jnp.asarray(np.concatenate([_prompt(), np.full((2, GEN), config.mask_token_id)], axis=1))
+  settings = SparseDSettings(select=0.3, block_size=3)
+  name = pooled_attention_statistic(settings, 2)
+  weights = np.zeros((2, 2, 14), np.float32)
+  weights[:, 0] = np.random.default_rng(0).random((2, 14))
+  output = jax.jit(lambda p, t, w: forward(p, t, config=config, stats_spec=StatsSpec(extra=(name,), query_groups=2),
+                                           query_weights=w))(params, tokens, jnp.asarray(weights))
+  got = np.asarray(output.stats[name])  # [L, B, Q, 2, N, nQb, nKb]
+  _, qk = _np_forward(params, tokens, config)
+  for layer, (q, k) in enumerate(qk):
+    scores = np.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(config.n_heads)
+    row = weights[:, 0][:, None, :, None]
+    tail = np.where(np.arange(14) >= 6, scores, -np.inf)
+    np.testing.assert_allclose(got[layer, :, 0, 0], _pooled(row * _softmax(scores), 3), rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(got[layer, :, 0, 1], _pooled(row * _softmax(tail), 3), rtol=2e-5, atol=1e-7)
+  assert not got[:, :, 1].any()  # a group without weight computes nothing
+
+
+@pytest.mark.parametrize("impl", ["dense", "chunked"])
+def test_block_sparse_attention_is_dense_attention_under_the_mask(impl):
+  rng = np.random.default_rng(0)
+  b, s, n, kv, h, bs = 2, 18, 4, 2, 8, 5
+  q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((b, s, n, h), (b, s, kv, h), (b, s, kv, h)))
+  fine = rng.random((b, n, 4, 4)) < 0.5
+  fine[..., 3] |= ~fine.any(-1)  # the partial last block (positions 15..17) is kept where nothing else is
+  m = int(fine.sum(-1).max())
+  index = np.sort(np.where(fine, np.arange(4), 4), axis=-1)[..., :m].astype(np.int32)
+  key_bias = np.where(rng.random((b, 1, s)) < 0.2, MASK_VALUE, 0.0).astype(np.float32)
+  pairwise = rng.standard_normal((b, n, s, s)).astype(np.float32)
+  weights = rng.random((b, 3, s)).astype(np.float32)
+  masked = pairwise + np.where(_token_mask(fine, s, bs), 0.0, MASK_VALUE).astype(np.float32)
+  expected = attention(q, k, v, scale=0.3, key_bias=key_bias, pairwise_bias=masked, query_weights=weights,
+                       with_incoming=True, impl=impl, query_chunk=4)
+  got = jax.jit(lambda q, k, v, i: block_sparse_attention(q, k, v, KeyBlocks(i, bs), scale=0.3, key_bias=key_bias,
+                                                          pairwise_bias=pairwise, query_weights=weights,
+                                                          with_incoming=True))(q, k, v, index)
+  np.testing.assert_allclose(got[0], expected[0], atol=2e-6)
+  np.testing.assert_allclose(got[1], expected[1], atol=4e-6)
+
+
+def test_the_skipped_blocks_leave_the_flop_count():
+  """One layer, dense attention paths: XLA's cost analysis counts a loop body once, so neither program loops."""
+  config = dataclasses.replace(preset("tiny-llada"), n_layers=1)
+  params = init_params(config, jax.random.key(0))
+  s, bs, m = 128, 16, 2
+  tokens = jnp.zeros((1, s), jnp.int32)
+  index = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (1, 1, config.n_heads, s // bs, m))
+
+  def flops(fn, *args):
+    return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+  dense = dict(config=config, return_hidden=True, attention_impl="dense")
+  full = flops(lambda p, t: forward(p, t, **dense).hidden, params, tokens)
+  sparse = flops(lambda p, t, i: forward(p, t, subset=ComputeSubset(None, key_blocks=KeyBlocks(i, bs)),
+                                         **dense).hidden, params, tokens, index)
+  analytic_full, analytic_sparse = cost.trunk_flops(config, s, s), cost.block_sparse_flops(config, s, bs, m)
+  assert abs(full / analytic_full - 1) < 0.1 and abs(sparse / analytic_sparse - 1) < 0.1, (full, sparse)
+  skipped = analytic_full - analytic_sparse  # 3/4 of the attention matmuls; the rest is the softmax's elementwise work
+  assert abs((full - sparse) - skipped) < 0.15 * skipped, (full, sparse, skipped)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sparsed:select=0", r"sparsed select must be a number in \(0, 1\], got 0.0"),
+    ("sparsed:select=1.5", r"sparsed select must be a number in \(0, 1\], got 1.5"),
+    ("sparsed:block_size=0", "sparsed block_size must be an integer >= 1, got 0"),
+    ("sparsed:skip=1.0", r"sparsed skip must be a number in \[0, 1\), got 1.0"),
+    ("sparsed:skip=-0.5", r"sparsed skip must be a number in \[0, 1\), got -0.5"),
+    ("sparsed:score_scale=sqrt", "sparsed score_scale must be 'num_heads' or 'head_dim'"),
+])
+def test_bad_knobs_are_refused_in_one_line(text, message):
+  with pytest.raises(ValueError, match=message) as error:
+    parse_policy(text)
+  assert "\n" not in str(error.value)
+
+
+def test_runs_sparsed_cannot_take_are_refused():
+  params = init_params(preset("tiny-llama"), jax.random.key(0))
+  from dlm_jax.sampling import autoregressive
+  with pytest.raises(ValueError, match="runs with the samplers whose every call reads the whole sequence"):
+    autoregressive.generate(params, _prompt(), config=preset("tiny-llama"), policy=parse_policy("sparsed"))
+  with pytest.raises(ValueError, match="policy sparsed runs with the llada, dream samplers"):
+    parse_policy("sparsed").check(None, "block_diffusion")

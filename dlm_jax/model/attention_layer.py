@@ -134,7 +134,7 @@ class Attention(nnx.Module):
     elif call.key_blocks is not None:
       out, incoming = block_sparse_attention(q, k, v, call.key_blocks, scale=scale, key_bias=key_bias,
                                              pairwise_bias=call.pairwise_bias, query_weights=call.query_weights,
-                                             with_incoming=call.with_incoming)
+                                             with_incoming=call.with_incoming, impl=call.impl)
     else:
       out, incoming = attention(q, k, v, query_weights=call.query_weights, with_incoming=call.with_incoming,
                                 **common)

@@ -50,14 +50,16 @@ def _key_bias_blocks(key_bias, batch: int, heads: int, seq_len: int, block_size:
 
 def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: KeyBlocks, *, scale: float,
                            key_bias: jax.Array | None = None, pairwise_bias: jax.Array | None = None,
-                           query_weights: jax.Array | None = None,
-                           with_incoming: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                           query_weights: jax.Array | None = None, with_incoming: bool = False,
+                           impl: str = "chunked") -> tuple[jax.Array, jax.Array | None]:
   """Attention of every query over its head's kept key blocks (module docstring).
 
   q: [B, T, N, H] with T = S (every position is a query); k, v: [B, S, K, H] (query head n reads key head
   n // (N / K)); blocks: one layer's `KeyBlocks` ([B, N, nQb, m]); scale: multiplier of q·k; key_bias:
   [B|1, N|1, S] or None; pairwise_bias: [B|1, N|1, T|1, S] or None; query_weights: [B, Q, T] or None (one
-  group of every query); with_incoming: also return the incoming attention.
+  group of every query); with_incoming: also return the incoming attention; impl: "dense" computes every query
+  block at once (no loop: XLA's cost analysis counts it whole), "chunked" or "fused" one query block after the
+  other (`lax.scan`, memory O(B·N·bs·m·bs)).
 
   Returns out [B, T, N, H] in v's dtype and incoming [B, Q, N, S] float32 (Σ_t w[b, q, t]·P[b, n, t, s]) or None.
   """
@@ -91,7 +93,8 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: Key
     picked = jnp.take_along_axis(x, flat.reshape(flat.shape + (1,) * (x.ndim - 3)), axis=2)
     return picked.reshape(b, kv, g, m, *x.shape[3:])
 
-  def body(incoming, chunk):
+  def one_block(chunk):
+    """One query block: (its incoming attention [B, K, G, nKb, Q, bs] or None, out [B, bs, K, G, H])."""
     index = chunk["index"]  # [B, K, G, m]
     valid = index < n_k
     at = jnp.minimum(index, n_k - 1)
@@ -107,16 +110,23 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: Key
     scores = jnp.maximum(scores + bias, MASK_VALUE)
     probs = jax.nn.softmax(scores.reshape(*scores.shape[:4], m * bs), axis=-1).reshape(scores.shape)
     out = jnp.einsum("bkgtms,bkgmsh->btkgh", probs.astype(v.dtype), values)
-    if incoming is not None:
-      summed = jnp.einsum("bqt,bkgtms->bqkgms", chunk["weights"], probs)
-      rows, key_heads, group = jnp.arange(b)[:, None, None, None], jnp.arange(kv)[:, None, None], jnp.arange(g)[:, None]
-      incoming = incoming.at[rows, key_heads, group, index].add(jnp.moveaxis(summed, 1, 4), mode="drop")
-    return incoming, out
+    if query_weights is None:
+      return None, out
+    summed = jnp.einsum("bqt,bkgtms->bqkgms", chunk["weights"], probs)
+    rows, key_heads, group = jnp.arange(b)[:, None, None, None], jnp.arange(kv)[:, None, None], jnp.arange(g)[:, None]
+    placed = jnp.zeros((b, kv, g, n_k, query_weights.shape[1], bs), jnp.float32)
+    return placed.at[rows, key_heads, group, index].add(jnp.moveaxis(summed, 1, 4), mode="drop"), out
 
-  init = None
-  if query_weights is not None:
-    init = jnp.zeros((b, kv, g, n_k, query_weights.shape[1], bs), jnp.float32)
-  incoming, outs = jax.lax.scan(body, init, xs)
+  if impl == "dense":
+    incoming, outs = jax.vmap(one_block)(xs)
+    incoming = None if incoming is None else jnp.sum(incoming, axis=0)
+  else:
+    def body(total, chunk):
+      incoming, out = one_block(chunk)
+      return (None if total is None else total + incoming), out
+
+    init = None if query_weights is None else jnp.zeros((b, kv, g, n_k, query_weights.shape[1], bs), jnp.float32)
+    incoming, outs = jax.lax.scan(body, init, xs)
   out = jnp.moveaxis(outs, 0, 1).reshape(b, n_q * bs, n, h)[:, :t]
   if incoming is not None:
     incoming = jnp.moveaxis(incoming, 4, 1).reshape(b, query_weights.shape[1], n, n_k * bs)[..., :s]
