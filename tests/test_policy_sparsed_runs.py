@@ -218,19 +218,21 @@ def test_the_pooled_statistic_is_the_numpy_one():
   tokens = jnp.asarray(np.concatenate([_prompt(), np.full((2, GEN), config.mask_token_id)], axis=1))
   settings = SparseDSettings(select=0.3, block_size=3)
   name = pooled_attention_statistic(settings, 2)
-  weights = np.zeros((2, 2, 14), np.float32)
-  weights[:, 0] = np.random.default_rng(0).random((2, 14))
-  output = jax.jit(lambda p, t, w: forward(p, t, config=config, stats_spec=StatsSpec(extra=(name,), query_groups=2),
-                                           query_weights=w))(params, tokens, jnp.asarray(weights))
-  got = np.asarray(output.stats[name])  # [L, B, Q, 2, N, nQb, nKb]
+  weights = np.ones((2, 2, 14), np.float32)  # group 0 is not the statistic's (it reads the last group)
+  weights[:, 1] = np.random.default_rng(0).random((2, 14))
+  run = jax.jit(lambda p, t, w: forward(p, t, config=config, stats_spec=StatsSpec(extra=(name,), query_groups=2),
+                                        query_weights=w).stats[name])
+  got = np.asarray(run(params, tokens, jnp.asarray(weights)))  # [L, B, Q, 2, N, nQb, nKb]
   _, qk = _np_forward(params, tokens, config)
   for layer, (q, k) in enumerate(qk):
     scores = np.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(config.n_heads)
-    row = weights[:, 0][:, None, :, None]
+    row = weights[:, 1][:, None, :, None]
     tail = np.where(np.arange(14) >= 6, scores, -np.inf)
-    np.testing.assert_allclose(got[layer, :, 0, 0], _pooled(row * _softmax(scores), 3), rtol=2e-5, atol=1e-7)
-    np.testing.assert_allclose(got[layer, :, 0, 1], _pooled(row * _softmax(tail), 3), rtol=2e-5, atol=1e-7)
-  assert not got[:, :, 1].any()  # a group without weight computes nothing
+    np.testing.assert_allclose(got[layer, :, 1, 0], _pooled(row * _softmax(scores), 3), rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(got[layer, :, 1, 1], _pooled(row * _softmax(tail), 3), rtol=2e-5, atol=1e-7)
+  assert not got[:, :, 0].any()
+  weights[:, 1] = 0.0  # a last group without weight computes nothing
+  assert not np.asarray(run(params, tokens, jnp.asarray(weights))).any()
 
 
 @pytest.mark.parametrize("impl", ["dense", "chunked"])

@@ -41,14 +41,15 @@ class SparseDState:
 
 
 def pooled_attention_statistic(settings: sparsed.SparseDSettings, generation: int) -> str:
-  """The name of the `STATISTICS` entry (registered on first use) that gives, per query group, SparseD's two
-  block-pooled maps of a layer.
+  """The name of the `STATISTICS` entry (registered on first use) that gives SparseD's two block-pooled maps of a
+  layer for the call's last query group — the policy's own span, which the statistics plan always puts last
+  (`StatsPlan.group_spans`).
 
-  Value per layer [B, Q, 2, N, nQb, nKb] float32: for query group q with weights w [B, T], index 0 the mean over
-  each (query block, key block) of w_t · softmax(q_t k^T x scale) (all keys), index 1 the same with the softmax
-  over the keys from generation x block_size on (`sparsed.pooled_statistics`; scale `settings.score_scale` of
-  the layer's heads and head size). A group whose weights are all zero gives zeros without computing anything,
-  so a policy asks for it by its own query group's weights at the one step it needs it.
+  Value per layer [B, Q, 2, N, nQb, nKb] float32, zero in groups 0 .. Q − 2: with w [B, T] the last group's
+  weights, index 0 the mean over each (query block, key block) of w_t · softmax(q_t k^T x scale) (all keys),
+  index 1 the same with the softmax over the keys from generation x block_size on (`sparsed.pooled_statistics`;
+  scale `settings.score_scale` of the layer's heads and head size). Weights that are all zero give zeros without
+  computing anything, so a policy pays for it only at the step it weighs.
   """
   name = (f"sparsed_pooled_attention(block_size={settings.block_size},score_scale={settings.score_scale},"
           f"generation_block={generation})")
@@ -57,19 +58,16 @@ def pooled_attention_statistic(settings: sparsed.SparseDSettings, generation: in
 
   def compute(layer: LayerValues) -> jax.Array:
     b, t, n, h = layer.queries.shape
-    n_blocks = -(-t // settings.block_size)
-    n_keys = -(-layer.keys.shape[1] // settings.block_size)
+    shape = (b, 2, n, -(-t // settings.block_size), -(-layer.keys.shape[1] // settings.block_size))
+    weights = jnp.ones((b, 1, t), jnp.float32) if layer.query_weights is None else layer.query_weights
     scale = sparsed.score_scale(settings, n, h)
 
-    def group(weights):
-      def pooled():
-        maps = sparsed.pooled_statistics(layer.queries, layer.keys, settings, scale, generation, weights)
-        return jnp.stack(maps, axis=1)
-      return jax.lax.cond(jnp.any(weights != 0), pooled,
-                          lambda: jnp.zeros((b, 2, n, n_blocks, n_keys), jnp.float32))
+    def pooled():
+      maps = sparsed.pooled_statistics(layer.queries, layer.keys, settings, scale, generation, weights[:, -1])
+      return jnp.stack(maps, axis=1)
 
-    weights = jnp.ones((b, 1, t), jnp.float32) if layer.query_weights is None else layer.query_weights
-    return jnp.moveaxis(jax.lax.map(group, jnp.moveaxis(weights, 1, 0)), 0, 1)
+    last = jax.lax.cond(jnp.any(weights[:, -1] != 0), pooled, lambda: jnp.zeros(shape, jnp.float32))
+    return jnp.concatenate([jnp.zeros((b, weights.shape[1] - 1, *shape[1:]), jnp.float32), last[:, None]], axis=1)
 
   register_statistic(name, Statistic(None, ("L", "B", "Q", "P", "N", "I", "J"), compute))
   return name

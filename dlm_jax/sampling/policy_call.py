@@ -1,9 +1,11 @@
 """A model call under a compute policy's `Decision` (`dlm_jax.policy`), applied by the model caller with fixed
 shapes: one `lax.cond` between the full call (every query, the policy's KV cache rewritten) and the subset call
 (the decision's query positions through every layer, the other positions' keys and values read from the cache,
-each layer's key subset when the decision has one). The subset call's rows come back in sequence coordinates:
-hidden states or logits of the positions it did not compute are zeros (d2Cache's convention for logits: a
-sampler ranking confidences sees 1/V there), and its statistics are over the S sequence positions.
+each layer's key subset when the decision has one), or, with key blocks, between the full call and the
+block-sparse call (every query, each head's query block over its kept key blocks only). The subset call's rows
+come back in sequence coordinates: hidden states or logits of the positions it did not compute are zeros
+(d2Cache's convention for logits: a sampler ranking confidences sees 1/V there), and its statistics are over the
+S sequence positions.
 """
 
 from __future__ import annotations
