@@ -33,6 +33,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 LP, GEN, STEPS, BLOCK = 6, 8, 8, 4  # S = 14: blocks of 3 leave a partial last block
 SETTINGS = "skip=0.2,select=0.3,block_size=3"
+END = int(STEPS * 0.2) + 1  # E: the step that chooses the blocks
 
 
 def _params(name):
@@ -134,7 +135,6 @@ def _replay(params, config, prompt, family, scale):
   mask_id, bs, select = config.mask_token_id, 3, 0.3
   x = np.concatenate([np.asarray(prompt), np.full((prompt.shape[0], GEN), mask_id)], axis=1)
   s = x.shape[1]
-  end = int(STEPS * 0.2) + 1
   divisor = config.n_heads if scale == "num_heads" else config.head_dim
   decoded, masks, fine = np.full((x.shape[0], GEN), -1), None, None
   per_block, fractions = STEPS * BLOCK // GEN, dream_transfer_fractions(STEPS, 1e-3)
@@ -145,7 +145,7 @@ def _replay(params, config, prompt, family, scale):
       mean = np.float32(np.sum(x == mask_id) / x.shape[0])
       count = int(np.floor(mean if step == STEPS - 1 else np.float32(mean * fractions[step])))
     logits, qk = _np_forward(params, x, config, masks)
-    if step == end:
+    if step == END:
       fine = [_official_blocks(q, k, bs, select, STEPS, divisor) for q, k in qk]
       masks = [_token_mask(f, s, bs) for f in fine]
     if family == "dream":
@@ -171,7 +171,8 @@ def _prompt():
 def _run(family, scale, prompt, batch_invariant=False):
   name = "tiny-llada" if family == "llada" else "tiny-dream"
   config, params = preset(name), _params(name)
-  policy = parse_policy(f"sparsed:{SETTINGS},score_scale={scale}")
+  boundary = "gen_length" if family == "llada" else "steps"  # the official scripts' (equal here: GEN = STEPS)
+  policy = parse_policy(f"sparsed:{SETTINGS},score_scale={scale},boundary_from={boundary}")
   if family == "llada":
     options = llada.LLaDAOptions(gen_length=GEN, steps=STEPS, block_length=BLOCK)
     return llada.generate(params, prompt, config=config, options=options, policy=policy,
@@ -197,11 +198,13 @@ def test_a_run_is_the_official_loop(family, scale):
   for step in range(STEPS):
     kept = np.zeros(record.shape[1:-1] + (n_blocks + 1,), bool)
     np.put_along_axis(kept, record[step], True, axis=-1)
-    expected = np.zeros_like(kept[..., :-1]) if step < 2 else np.moveaxis(fine, 0, 1)
+    expected = np.zeros_like(kept[..., :-1]) if step < END else np.moveaxis(fine, 0, 1)
     np.testing.assert_array_equal(kept[..., :-1], expected, err_msg=f"step {step}")
-  keys = np.asarray(trace.keys_read)  # [steps, B]
-  np.testing.assert_array_equal(keys[:3], 14.0)
-  assert (keys[3:] < 14.0).all()
+  keys = np.asarray(trace.keys_read)  # [steps, B]: keys per query, mean over layers, heads and queries
+  visible = np.stack([_token_mask(f, LP + GEN, 3) for f in fine]).sum(-1).mean(axis=(0, 2, 3))  # [B]
+  np.testing.assert_array_equal(keys[:END + 1], LP + GEN)
+  np.testing.assert_allclose(keys[END + 1:], np.broadcast_to(visible, keys[END + 1:].shape), rtol=1e-6)
+  assert (visible < LP + GEN).all()
 
 
 def test_a_row_decodes_alone_as_in_its_batch():
@@ -218,8 +221,8 @@ def test_the_pooled_statistic_is_the_numpy_one():
   tokens = jnp.asarray(np.concatenate([_prompt(), np.full((2, GEN), config.mask_token_id)], axis=1))
   settings = SparseDSettings(select=0.3, block_size=3)
   name = pooled_attention_statistic(settings, 2)
-  weights = np.ones((2, 2, 14), np.float32)  # group 0 is not the statistic's (it reads the last group)
-  weights[:, 1] = np.random.default_rng(0).random((2, 14))
+  weights = np.ones((2, 2, LP + GEN), np.float32)  # group 0 is not the statistic's (it reads the last group)
+  weights[:, 1] = np.random.default_rng(0).random((2, LP + GEN))
   run = jax.jit(lambda p, t, w: forward(p, t, config=config, stats_spec=StatsSpec(extra=(name,), query_groups=2),
                                         query_weights=w).stats[name])
   got = np.asarray(run(params, tokens, jnp.asarray(weights)))  # [L, B, Q, 2, N, nQb, nKb]
@@ -227,7 +230,7 @@ def test_the_pooled_statistic_is_the_numpy_one():
   for layer, (q, k) in enumerate(qk):
     scores = np.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(config.n_heads)
     row = weights[:, 1][:, None, :, None]
-    tail = np.where(np.arange(14) >= 6, scores, -np.inf)
+    tail = np.where(np.arange(LP + GEN) >= 2 * 3, scores, -np.inf)  # keys from block g = 2 on
     np.testing.assert_allclose(got[layer, :, 1, 0], _pooled(row * _softmax(scores), 3), rtol=2e-5, atol=1e-7)
     np.testing.assert_allclose(got[layer, :, 1, 1], _pooled(row * _softmax(tail), 3), rtol=2e-5, atol=1e-7)
   assert not got[:, :, 0].any()

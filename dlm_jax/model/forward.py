@@ -60,6 +60,9 @@ def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tupl
     raise ValueError(f"subset must be None or a ComputeSubset, got {type(subset).__name__}.")
   _check_key_blocks(config, subset, shape)
   if subset.queries is None:
+    if hooks is not None:
+      raise ValueError("forward(subset=ComputeSubset(key_blocks=...)) does not run hooks (their attention pattern "
+                       "would be the dense one); leave them off.")
     return
   if cache is None:
     raise ValueError("forward(subset=...) reads and writes a KVCache; pass cache=KVCache.zeros(config, B, S) "
