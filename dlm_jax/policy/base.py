@@ -9,7 +9,9 @@ every model call of a run, for a `Decision`, and the model caller applies it wit
   * queries [B, n] (static n, traced positions; an entry equal to S is padding): otherwise compute only these
     sequence positions — every other position's keys and values are read from the policy's KV cache;
   * keys [L, B, m] (static m): otherwise each layer reads only these cached positions besides the call's own
-    queries (a key subset; None reads all S).
+    queries (a key subset; None reads all S);
+  * key_blocks (a `KeyBlocks` [L, B, N, nQb, m], static m; instead of queries and keys): otherwise every query is
+    computed and each head's query block reads only these key blocks (block-sparse attention, SparseD).
 
 After the call, `update` sees the call's statistics (its `required_stats`, in sequence coordinates) and the
 decision it took. Protocol (every method has a do-nothing default here):
