@@ -138,7 +138,8 @@ def run_model(settings: Settings, model, runtime, log) -> dict:
       else:
         computed = np.asarray(trace.computed_positions)[:n_steps]
         keys = np.asarray(trace.keys_read)[:n_steps]
-      kept_keys = None if trace.policy_record is None else np.asarray(trace.policy_record)[:n_steps]
+      sparse_dllm_record = trace.policy_record is not None and condition.startswith("sparse_dllm")  # kept keys
+      kept_keys = np.asarray(trace.policy_record)[:n_steps] if sparse_dllm_record else None
       incoming = np.asarray(trace.stats["incoming_attention"])[:n_steps]
       block = values["block_length"]
       per_block = values["steps"] // max(values["gen_length"] // block, 1)

@@ -13,6 +13,7 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.site_hooks import SiteHooks, at
 from dlm_jax.core.attention_bias import MASK_VALUE
 from dlm_jax.model.attention import attention
+from dlm_jax.model.block_sparse_attention import block_sparse_attention
 from dlm_jax.model.compute_subset import ComputeSubset, gather_rows, scatter_rows
 from dlm_jax.model.primitives import RMSNorm, fused_linear, linear, rms_normalize
 from dlm_jax.model.rope import apply_rope
@@ -31,7 +32,8 @@ class AttentionCall(NamedTuple):
   DiffusionGemma decoder call: read, never written, no causal mask, no sliding window); subset: a
   `ComputeSubset` (with a cache: the T queries sit at subset.queries [B, T], their keys and values written
   there); key_index: [B, m] this layer's row of subset.keys (the queries read only those cached positions and
-  their own; the incoming attention is still over the S positions), or None.
+  their own; the incoming attention is still over the S positions), or None; key_blocks: this layer's
+  `KeyBlocks` (subset.key_blocks at the layer: block-sparse attention over every position), or None.
   """
 
   impl: str
@@ -46,6 +48,7 @@ class AttentionCall(NamedTuple):
   mode: str = "write"
   subset: Any = None
   key_index: Any = None
+  key_blocks: Any = None
 
 
 class AttentionReadings(NamedTuple):
@@ -106,7 +109,7 @@ class Attention(nnx.Module):
     k = apply_rope(k, cos, sin, fp32=c.rope_fp32)
     given_cache = cache
     subset = call.subset
-    if subset is not None:
+    if subset is not None and subset.queries is not None:
       k, v = scatter_rows(cache[0], subset.queries, k), scatter_rows(cache[1], subset.queries, v)
     elif cache is not None:
       zero = jnp.zeros((), jnp.int32)
@@ -128,6 +131,10 @@ class Attention(nnx.Module):
     if subset is not None and call.key_index is not None:
       out, incoming = self._key_subset(q, k, v, call.key_index, subset, call.query_weights, call.with_incoming,
                                        common)
+    elif call.key_blocks is not None:
+      out, incoming = block_sparse_attention(q, k, v, call.key_blocks, scale=scale, key_bias=key_bias,
+                                             pairwise_bias=call.pairwise_bias, query_weights=call.query_weights,
+                                             with_incoming=call.with_incoming, impl=call.impl)
     else:
       out, incoming = attention(q, k, v, query_weights=call.query_weights, with_incoming=call.with_incoming,
                                 **common)

@@ -16,17 +16,22 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dlm_jax.model.block_sparse_attention import KeyBlocks
+
 
 @struct.dataclass
 class ComputeSubset:
-  """queries: [B, T] int32 sequence positions of the call's T queries (ascending, padded with S); keys:
-  [L, B, m] int32 cached positions each layer reads besides the queries' own (disjoint from them, padded with
-  S), or None for all S; refresh: a `dlm_jax.model.layer_refresh.LayerRefresh` (keys None), or None: the layers
-  from each row's first drifted one on recompute every position."""
+  """queries: [B, T] int32 sequence positions of the call's T queries (ascending, padded with S), or None with
+  key_blocks (every position is a query, no cache is read); keys: [L, B, m] int32 cached positions each layer
+  reads besides the queries' own (disjoint from them, padded with S), or None for all S; refresh: a
+  `dlm_jax.model.layer_refresh.LayerRefresh` (keys None), or None: the layers from each row's first drifted one
+  on recompute every position; key_blocks: a `KeyBlocks` ([L, B, N, nQb, m]: each layer's, head's and query
+  block's kept key blocks, SparseD) or None."""
 
-  queries: jax.Array
+  queries: jax.Array | None
   keys: jax.Array | None = None
   refresh: Any = None
+  key_blocks: KeyBlocks | None = None
 
 
 def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:

@@ -58,6 +58,12 @@ def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tupl
     return
   if not isinstance(subset, ComputeSubset):
     raise ValueError(f"subset must be None or a ComputeSubset, got {type(subset).__name__}.")
+  _check_key_blocks(config, subset, shape)
+  if subset.queries is None:
+    if hooks is not None:
+      raise ValueError("forward(subset=ComputeSubset(key_blocks=...)) does not run hooks (their attention pattern "
+                       "would be the dense one); leave them off.")
+    return
   if cache is None:
     raise ValueError("forward(subset=...) reads and writes a KVCache; pass cache=KVCache.zeros(config, B, S) "
                      "(filled by a full call).")
@@ -72,6 +78,24 @@ def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tupl
   if hooks is not None or stats_spec.routing:
     raise ValueError("forward(subset=...) does not run hooks or routing statistics (their positions are "
                      "contiguous); leave them off.")
+
+
+def _check_key_blocks(config: ModelConfig, subset: ComputeSubset, shape: tuple[int, int]) -> None:
+  """A block-sparse call (`ComputeSubset.key_blocks`) computes every position of a bidirectional model."""
+  blocks = subset.key_blocks
+  if blocks is None:
+    if subset.queries is None:
+      raise ValueError("ComputeSubset needs queries, key_blocks or both; got neither.")
+    return
+  if subset.queries is not None or subset.keys is not None:
+    raise ValueError("ComputeSubset.key_blocks computes every position: leave queries and keys None.")
+  if config.causal or config.attention_block_size is not None or config.layer_pattern is not None:
+    raise ValueError(f"ComputeSubset.key_blocks needs bidirectional attention; {config.name} is causal, "
+                     "block-causal or has sliding-window layers.")
+  n_blocks = -(-shape[1] // blocks.block_size)
+  if blocks.index.ndim != 5 or tuple(blocks.index.shape[:4]) != (config.n_layers, shape[0], config.n_heads, n_blocks):
+    raise ValueError(f"ComputeSubset.key_blocks.index must be [L, B, N, nQb, m] with L={config.n_layers}, "
+                     f"B={shape[0]}, N={config.n_heads}, nQb={n_blocks}, got {list(blocks.index.shape)}.")
 
 
 def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache,
@@ -193,7 +217,9 @@ def forward(
     subset: a `ComputeSubset` (a compute policy's decision; needs `cache`): the T tokens are the sequence
       positions subset.queries [B, T] (their keys and values are written there; `positions` default to
       them), each layer reads all S cache positions or its key subset, and the statistics sum over the real
-      (not padded) queries; bidirectional models only, without hooks or routing statistics.
+      (not padded) queries; bidirectional models only, without hooks or routing statistics. With
+      `key_blocks` instead (SparseD, `dlm_jax.model.block_sparse_attention`) every position is a query, no
+      cache is needed, and each layer's heads read only their query block's kept key blocks.
     hooks: a `dlm_jax.instrument.hook_call.HookCall`: captures and edits at the named sites
       (`dlm_jax.instrument.sites`), in sequence coordinates of the S keys (a cached call's queries sit at
       cache_offset); None adds nothing to the program.
@@ -206,7 +232,7 @@ def forward(
   _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder)
   _check_hooks(config, hooks, tuple(tokens.shape))
   _check_subset(config, subset, tuple(tokens.shape), cache, hooks, stats_spec)
-  if subset is not None:
+  if subset is not None and subset.queries is not None:
     real = subset.queries < cache.keys.shape[2]  # padded entries are no query of the statistics
     query_weights = real[:, None, :].astype(jnp.float32) if query_weights is None else query_weights * real[:, None, :]
     if positions is None:

@@ -155,6 +155,8 @@ class Transformer(nnx.Module):
     per_layer = {name: value for name, value, each in _bias_parts(bias) if each}
     if subset is not None and subset.keys is not None:
       per_layer["key_index"] = subset.keys
+    if subset is not None and subset.key_blocks is not None:
+      per_layer["key_blocks"] = subset.key_blocks
     call = _LayerCall(
         config=c, stats_spec=stats_spec, tables=self._rope_tables(positions),
         structure=({"s": None, "g": None} if decoder is None

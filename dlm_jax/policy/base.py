@@ -9,7 +9,9 @@ every model call of a run, for a `Decision`, and the model caller applies it wit
   * queries [B, n] (static n, traced positions; an entry equal to S is padding): otherwise compute only these
     sequence positions — every other position's keys and values are read from the policy's KV cache;
   * keys [L, B, m] (static m): otherwise each layer reads only these cached positions besides the call's own
-    queries (a key subset; None reads all S).
+    queries (a key subset; None reads all S);
+  * key_blocks (a `KeyBlocks` [L, B, N, nQb, m], static m; instead of queries and keys): otherwise every query is
+    computed and each head's query block reads only these key blocks (block-sparse attention, SparseD).
 
 After the call, `update` sees the call's statistics (its `required_stats`, in sequence coordinates) and the
 decision it took. Protocol (every method has a do-nothing default here):
@@ -42,6 +44,7 @@ from flax import struct
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
+from dlm_jax.model.block_sparse_attention import KeyBlocks
 
 
 @struct.dataclass
@@ -54,13 +57,16 @@ class Decision:
   queries when not full, padded with S, or None (all S); refresh: a `dlm_jax.model.layer_refresh.LayerRefresh`
   (without tokens and positions, which the caller fills) or None: the call always runs the queries through a
   layer refresh (full sets every row's start to layer 0) and the forward's `RefreshResult` reaches `update`
-  as `output.refresh`.
+  as `output.refresh`; key_blocks: a `KeyBlocks` (`dlm_jax.model.block_sparse_attention`, [L, B, N, nQb, m] kept
+  key blocks per layer, head and query block, padded with nKb) each query block reads when not full — every query is computed, only the dropped blocks'
+  QK^T and PV are skipped (SparseD) — or None.
   """
 
   full: jax.Array
   queries: jax.Array | None = None
   keys: jax.Array | None = None
   refresh: Any = None
+  key_blocks: KeyBlocks | None = None
 
 
 @dataclasses.dataclass(frozen=True)

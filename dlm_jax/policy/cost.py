@@ -37,3 +37,12 @@ def layer_refresh_flops(config: ModelConfig, rows: float, seq_len: int, tracked:
   layer = lambda r: 2 * layer_weights(config) * r + 4 * r * seq_len * n * h  # noqa: E731
   below = min(start, config.n_layers)
   return below * layer(rows) + (config.n_layers - below) * layer(seq_len) + config.n_layers * per_layer_drift
+
+
+def block_sparse_flops(config: ModelConfig, seq_len: int, block_size: int, kept_blocks: int) -> float:
+  """FLOPs of a block-sparse call (SparseD, `dlm_jax.model.block_sparse_attention`; no LM head): every position
+  through every layer, each query block of `block_size` rows (the last one padded to a whole block) reading
+  `kept_blocks` key blocks (the static count m, padded slots included)."""
+  rows = -(-seq_len // block_size) * block_size
+  attention = 4 * rows * kept_blocks * block_size * config.n_heads * config.head_dim
+  return config.n_layers * (2 * layer_weights(config) * seq_len + attention)

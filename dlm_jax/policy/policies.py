@@ -23,8 +23,9 @@ from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
 from dlm_jax.policy import dkv_cache, sparse_dllm
 from dlm_jax.policy.base import ComputePolicy, Decision
 from dlm_jax.policy.elastic_cache_policy import ElasticCache
+from dlm_jax.policy.sparsed_policy import SparseD
 
-NOT_RUNNABLE = ("d2cache", "dllm_cache", "sparsed")
+NOT_RUNNABLE = ("d2cache", "dllm_cache")
 """Methods whose rules exist (`dlm_jax.policy.<name>`) but which cannot run as policies yet."""
 
 
@@ -154,5 +155,5 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
 
 
 POLICIES: dict[str, type[ComputePolicy]] = {"dkv_cache": DKVCache, "sparse_dllm": SparseDLLM,
-                                             "elastic_cache": ElasticCache}
+                                             "elastic_cache": ElasticCache, "sparsed": SparseD}
 """The runnable policies by name (`dlm_jax.policy.registry`)."""

@@ -180,10 +180,11 @@ def block_pool(probabilities: jax.Array, block_size: int) -> jax.Array:
 
 
 def pooled_statistics(q: jax.Array, k: jax.Array, settings: SparseDSettings, scale: float,
-                      generation: int) -> tuple[jax.Array, jax.Array]:
+                      generation: int, row_weights: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Both pooled maps of step E, one query block at a time: (over all keys, over the generation keys).
 
-  q: [B, T, N, H]; k: [B, S, K, H]; scale: `score_scale(...)`; generation: g from `generation_block`.
+  q: [B, T, N, H]; k: [B, S, K, H]; scale: `score_scale(...)`; generation: g from `generation_block`;
+  row_weights: [B, T] >= 0, each query row's probabilities multiplied by its weight (None: 1, the official).
   Returns two [B, N, nQb, nKb] float32 maps (nQb = ceil(T / bs), nKb = ceil(S / bs)); the second is zero
   in key blocks < g. Padded query rows of a partial last block contribute nothing, as in the official.
   """
@@ -191,14 +192,15 @@ def pooled_statistics(q: jax.Array, k: jax.Array, settings: SparseDSettings, sca
   batch, rows, heads, dim = q.shape
   n_q = -(-rows // bs)
   q_blocks = jnp.pad(q, ((0, 0), (0, n_q * bs - rows), (0, 0), (0, 0))).reshape(batch, n_q, bs, heads, dim)
-  row_valid = (jnp.arange(n_q * bs) < rows).reshape(n_q, bs)
+  weights = jnp.ones((batch, rows), jnp.float32) if row_weights is None else row_weights.astype(jnp.float32)
+  row_valid = jnp.moveaxis(jnp.pad(weights, ((0, 0), (0, n_q * bs - rows))).reshape(batch, n_q, bs), 1, 0)
 
   def one_block(inputs):
     q_block, valid = inputs
-    keep = valid[None, None, :, None]
+    keep = valid[:, None, :, None]
     scores = _scores(q_block, k, scale)
-    full = jnp.where(keep, _softmax_from(scores, 0), 0.0)
-    tail = jnp.where(keep, _softmax_from(scores, generation * bs), 0.0)
+    full = keep * _softmax_from(scores, 0)
+    tail = keep * _softmax_from(scores, generation * bs)
     return block_pool(full, bs)[:, :, 0], block_pool(tail, bs)[:, :, 0]
 
   pooled_all, pooled_generation = jax.lax.map(one_block, (jnp.moveaxis(q_blocks, 1, 0), row_valid))
@@ -208,6 +210,12 @@ def pooled_statistics(q: jax.Array, k: jax.Array, settings: SparseDSettings, sca
 def _keep_count(n_blocks: int, select: float) -> int:
   """int(n x select) + 1, at least 1, clamped to n (as one copy of the official helper does)."""
   return min(max(1, int(n_blocks * select) + 1), n_blocks)
+
+
+def max_kept_blocks(n_blocks: int, generation: int, select: float) -> int:
+  """m: the most key blocks `keep_mask` keeps for one head and query block (pass one keeps at most
+  min(int(n x select) + 1, g) blocks before g, pass two int(n_g x select) + 1 from g on)."""
+  return min(_keep_count(n_blocks, select), generation) + _keep_count(n_blocks - generation, select)
 
 
 def _top_blocks(pooled: jax.Array, keep: int) -> jax.Array:

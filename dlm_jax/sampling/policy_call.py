@@ -1,9 +1,11 @@
 """A model call under a compute policy's `Decision` (`dlm_jax.policy`), applied by the model caller with fixed
 shapes: one `lax.cond` between the full call (every query, the policy's KV cache rewritten) and the subset call
 (the decision's query positions through every layer, the other positions' keys and values read from the cache,
-each layer's key subset when the decision has one). The subset call's rows come back in sequence coordinates:
-hidden states or logits of the positions it did not compute are zeros (d2Cache's convention for logits: a
-sampler ranking confidences sees 1/V there), and its statistics are over the S sequence positions.
+each layer's key subset when the decision has one), or, with key blocks, between the full call and the
+block-sparse call (every query, each head's query block over its kept key blocks only). The subset call's rows
+come back in sequence coordinates: hidden states or logits of the positions it did not compute are zeros
+(d2Cache's convention for logits: a sampler ranking confidences sees 1/V there), and its statistics are over the
+S sequence positions.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 
 from dlm_jax.core.attention_bias import AttentionBias
 from dlm_jax.instrument.stats import ForwardOutput
+from dlm_jax.model.block_sparse_attention import block_keys_read
 from dlm_jax.model.compute_subset import ComputeSubset, gather_rows, scatter_rows
 from dlm_jax.policy.base import Decision
 from dlm_jax.sampling.call_inputs import Readout
@@ -32,9 +35,12 @@ def computed_positions(decision: Decision, batch: int, n_seq: int) -> jax.Array:
 
 def keys_read(decision: Decision, n_seq: int) -> jax.Array:
   """[B] float32: the keys each computed query read at the call, averaged over the layers (S at a full call or
-  without a key subset; else each layer's valid kept keys plus the valid queries)."""
+  without a key subset; else each layer's valid kept keys plus the valid queries; with key blocks the kept
+  blocks' positions, averaged over layers, heads and queries)."""
   batch = decision.queries.shape[0] if decision.queries is not None else 1
   everything = jnp.full((batch,), n_seq, jnp.float32)
+  if decision.key_blocks is not None:
+    return jnp.where(decision.full, n_seq, block_keys_read(decision.key_blocks, n_seq))
   if decision.keys is None:
     return everything
   own = jnp.sum(decision.queries < n_seq, axis=-1).astype(jnp.float32)
@@ -95,6 +101,13 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
                                   rows), readout)
     return output.replace(hidden=placed) if readout.hidden else output.replace(logits=placed)
 
+  def blocks(_):
+    return run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
+               logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden,
+               subset=ComputeSubset(None, key_blocks=decision.key_blocks))
+
+  if decision.key_blocks is not None:
+    return jax.lax.cond(decision.full, full, blocks, None)
   if decision.queries is None:
     return full(None)
   if decision.refresh is not None:  # a layer refresh: every call is a subset call, full starts at layer 0

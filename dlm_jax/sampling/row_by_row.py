@@ -100,8 +100,10 @@ def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: j
       refresh = refresh.replace(hidden=_split(refresh.hidden, 1), tracked=_split(refresh.tracked, 0),
                                 start=_split(refresh.start, 0), tokens=_split(refresh.tokens, 0),
                                 positions=_split(refresh.positions, 0))
-    rows["subset"] = ComputeSubset(_split(subset.queries, 0), None if subset.keys is None else _split(subset.keys, 1),
-                                   refresh)
+    rows["subset"] = ComputeSubset(None if subset.queries is None else _split(subset.queries, 0),
+                                   None if subset.keys is None else _split(subset.keys, 1), refresh,
+                                   None if subset.key_blocks is None else jax.tree.map(lambda a: _split(a, 1),
+                                                                                       subset.key_blocks))
   rebuild_hooks = None
   if hooks is not None:
     rows["hooks"], rebuild_hooks = row_slices(hooks)
