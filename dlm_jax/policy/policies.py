@@ -27,12 +27,30 @@ NOT_RUNNABLE = ("d2cache", "dllm_cache", "elastic_cache", "sparsed")
 """Methods whose rules exist (`dlm_jax.policy.<name>`) but which cannot run as policies yet."""
 
 
+_BLOCK_OPENING_FAMILIES = (None, "dream_blockwise")
+"""Families of a logit-shifted model that sparse_dllm runs in: Dream's block modes commit a block's first
+position at the block's first (full) call, so its later calls read only outputs inside the block."""
+
+
+def _model_family(family_name: str) -> str:
+  """The model family of a sampler family's name ("llada" of "llada_blockwise" and "llada_rules")."""
+  return family_name.partition("_")[0]
+
+
 def _step_in_block(policy: ComputePolicy, context: Any) -> jax.Array:
+  """The calls the current block has had before this one: the sampler's count (`CallContext.block_step`; a block
+  of a threshold or factor mode takes a variable number of calls), or, for a context without block facts (a
+  call made outside a block sampler), the step modulo the layout's steps per block."""
+  if context.block_step is not None:
+    return jnp.asarray(context.block_step, jnp.int32)
   return jnp.asarray(context.step, jnp.int32) % policy.layout.steps_per_block
 
 
 def _block_start(policy: ComputePolicy, context: Any) -> jax.Array:
-  """The current block's first sequence position (the sampler's block of this step)."""
+  """The current block's first sequence position: the sampler's (`CallContext.block_start`), or, for a context
+  without block facts, the block of a fixed steps_per_block calls per block."""
+  if context.block_start is not None:
+    return jnp.asarray(context.block_start, jnp.int32)
   layout = policy.layout
   return layout.gen_start + (jnp.asarray(context.step, jnp.int32) // layout.steps_per_block) * layout.block_length
 
@@ -48,7 +66,7 @@ class DKVCache(dkv_cache.DKVCacheSettings, ComputePolicy):
   def check(self, config: ModelConfig | None = None, family_name: str | None = None) -> None:
     """The knobs (the settings' check, also run at construction) and, for a run, the family."""
     dkv_cache.DKVCacheSettings.check(self)
-    if family_name is not None and family_name not in dkv_cache.FAMILIES:
+    if family_name is not None and _model_family(family_name) not in dkv_cache.FAMILIES:
       raise ValueError(f"policy dkv_cache has its decode rule for the {', '.join(dkv_cache.FAMILIES)} sampler, not "
                        f"{family_name}.")
 
@@ -85,10 +103,11 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
   def check(self, config: ModelConfig | None = None, family_name: str | None = None) -> None:
     """The knobs (the settings' check, also run at construction) and, for a run, the block layout."""
     self.check_knobs()
-    if config is not None and config.logit_shift:
-      raise ValueError("policy sparse_dllm does not run on a logit-shifted model (Dream) yet: the block's first "
-                       "position is read from the position before the block, which its calls do not compute "
-                       "(how the official Dream code gets it is UNVERIFIED).")
+    if config is not None and config.logit_shift and family_name not in _BLOCK_OPENING_FAMILIES:
+      raise ValueError("policy sparse_dllm does not run on a logit-shifted model (Dream) with exact decoding or a "
+                       "decoding rule: the block's first position is read from the position before the block, which "
+                       "its calls do not compute (how the official Dream code gets it is UNVERIFIED); set "
+                       "block_length (Fast-dLLM's block modes open each block with a full call that commits it).")
     if self.layout is not None and self.keep_sinks > self.layout.seq_len - self.layout.block_length:
       raise ValueError(f"sparse_dllm keep_sinks={self.keep_sinks} is more than the "
                        f"{self.layout.seq_len - self.layout.block_length} keys outside the block.")
