@@ -1,0 +1,272 @@
+"""Compute policies with parallel decoding and the decoding rules (issue 36 item 3): the block a policy sees is
+the sampler's (a threshold block takes a variable number of calls), dKV-Cache and Sparse-dLLM under threshold
+decoding against a whole-run replay written here (a Python loop over an independent NumPy forward, the rules
+in NumPy), a policy that recomputes every position gives the plain sampler's tokens, rows decode alone as in
+their batch, and every combination a policy cannot run is refused in one line before any compilation."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dlm_jax import model
+from dlm_jax.config import preset
+from dlm_jax.policy.base import ComputePolicy, Decision
+from dlm_jax.policy.registry import parse_policy
+from dlm_jax.sampling import decoding_rules, dream, driver, llada
+from dlm_jax.session import decoding_mode
+from dlm_jax.session.errors import SessionError
+
+try:
+  from tests import numpy_transformer as ref
+except ImportError:  # run from inside tests/
+  import numpy_transformer as ref
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+CONFIG = preset("tiny-llada")
+MASK = CONFIG.mask_token_id
+LP, GEN, BLOCK, TAU = 5, 16, 8, 0.9
+THRESHOLD = llada.LLaDAOptions(gen_length=GEN, steps=GEN, block_length=BLOCK, threshold=TAU)
+DKV = "dkv_cache:cache_reloading_step=3"
+SPARSE = "sparse_dllm:keep_ratio=0.5,tie_break=lowest_position"
+
+
+@functools.lru_cache(maxsize=None)
+def peaked_params():
+  """Random weights with a scaled LM head: some proposals are confident, so blocks take 3 to 8 calls."""
+  params = model.init_params(CONFIG, jax.random.key(3))
+  params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 6.0
+  return params
+
+
+def prompts():
+  return np.random.default_rng(1).integers(3, 200, size=(2, LP)).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def generate(policy_text, rows, batch_invariant=False):
+  """The threshold sampler under a policy on prompts()[rows] (rows: a tuple of row indices)."""
+  return llada.generate(peaked_params(), prompts()[list(rows)], config=CONFIG, options=THRESHOLD,
+                        policy=parse_policy(policy_text), batch_invariant=batch_invariant)
+
+
+# ---------------------------------------------------------------- the replay
+
+
+def _kept_keys(sites, s):
+  """Sparse-dLLM's kept keys per layer (NumPy): the head mean of the block-mean post-RoPE query . every key, the
+  keys outside [s, s + BLOCK) laid end to end, max-pooled (kernel 3, -inf padding), the top half kept (ties:
+  lowest position first), ascending."""
+  total = LP + GEN
+  positions = np.arange(total, dtype=np.float64)
+  outside = np.array([j for j in range(total) if not s <= j < s + BLOCK])
+  n_keep = int(len(outside) * 0.5)
+  kept = []
+  for layer in range(CONFIG.n_layers):
+    q = ref._rope(sites[f"blocks.{layer}.attn.hook_q"], positions, CONFIG.rope_theta)[0]  # [S, N, H]
+    k = ref._rope(sites[f"blocks.{layer}.attn.hook_k"], positions, CONFIG.rope_theta)[0]  # [S, K, H]
+    group = CONFIG.n_heads // CONFIG.n_kv_heads
+    q_mean = q[s:s + BLOCK].mean(axis=0)
+    scores = np.mean([k[:, h // group] @ q_mean[h] for h in range(CONFIG.n_heads)], axis=0)
+    padded = np.concatenate([[-np.inf], scores[outside], [-np.inf]])
+    pooled = np.max([padded[j:j + len(outside)] for j in range(3)], axis=0)
+    order = sorted(range(len(outside)), key=lambda j: (-pooled[j], j))
+    kept.append(np.sort(outside[order[:n_keep]]))
+  return kept
+
+
+def replay(prompt, method, margins):
+  """One row of Fast-dLLM threshold decoding (τ = TAU, blocks of BLOCK, at most BLOCK calls a block) under
+  `method` ("dkv_cache" with reload interval 3 or "sparse_dllm" at keep ratio 0.5), every call through the
+  NumPy forward: (tokens [S], decode_step [G], nfe, computed [nfe, S] bool, kept {call: [L][n_keep]}).
+
+  A block's calls 0 and 1 (dKV-Cache also every third) run the whole sequence and rewrite the cache; the others
+  run dKV-Cache's positions masked at the previous call's input, or Sparse-dLLM's block over the keys it kept at
+  call 1, every other position's keys and values from the cache. `margins` collects |confidence − τ| of every
+  candidate and the gap between the two most confident."""
+  x = np.concatenate([prompt, np.full(GEN, MASK)]).astype(np.int64)
+  total = len(x)
+  decode_step = np.full(GEN, -1)
+  nfe, computed, kept_at, cache, was_masked, kept = 0, [], {}, None, None, None
+  for start in range(LP, total, BLOCK):
+    step = 0
+    while step < BLOCK and np.any(x[start:start + BLOCK] == MASK):
+      full = step <= 1 or (method == "dkv_cache" and step % 3 == 0)
+      if full:
+        logits, sites = ref.forward_sites(peaked_params(), x[None], CONFIG)
+        cache = ref.cached_kv(peaked_params(), x[None], CONFIG)
+        queries = np.arange(total)
+        if method == "sparse_dllm" and step == 1:
+          kept = _kept_keys(sites, start)
+      else:
+        if method == "dkv_cache":
+          queries = np.flatnonzero(was_masked & (np.arange(total) >= LP))
+          keys = None
+        else:
+          queries = np.arange(start, start + BLOCK)
+          keys = [layer_keys[None] for layer_keys in kept]
+        rows, cache = ref.subset_forward(peaked_params(), x[None], CONFIG, cache, queries[None], keys,
+                                         return_cache=True)
+        logits = np.zeros((1, total, CONFIG.vocab_size))
+        logits[0, queries] = rows[0]
+      if method == "sparse_dllm" and step >= 1:
+        kept_at[nfe] = kept
+      computed.append(np.isin(np.arange(total), queries))
+      was_masked = x == MASK
+      candidates = np.flatnonzero(x[start:start + BLOCK] == MASK) + start
+      assert np.all(np.isin(candidates, queries)), "a candidate's logits were not computed"
+      probs = np.exp(logits[0, candidates] - logits[0, candidates].max(-1, keepdims=True))
+      probs /= probs.sum(-1, keepdims=True)
+      x0, conf = probs.argmax(-1), probs.max(-1)
+      order = sorted(range(len(candidates)), key=lambda j: (-conf[j], j))
+      chosen = order[:1] + [j for j in order[1:] if conf[j] >= TAU]
+      margins.extend(np.abs(conf - TAU))
+      if len(order) > 1:
+        margins.append(conf[order[0]] - conf[order[1]])
+      for j in chosen:
+        x[candidates[j]] = x0[j]
+        decode_step[candidates[j] - LP] = nfe
+      nfe += 1
+      step += 1
+  return x, decode_step, nfe, np.array(computed), kept_at
+
+
+@pytest.mark.parametrize("text, method", [(DKV, "dkv_cache"), (SPARSE, "sparse_dllm")])
+def test_threshold_decoding_under_a_policy_is_the_replay(text, method):
+  margins, lengths = [], set()
+  for row, prompt in enumerate(prompts()):
+    tokens, decode_step, nfe, computed, kept_at = replay(prompt, method, margins)
+    trace = generate(text, (row,))
+    np.testing.assert_array_equal(np.asarray(trace.tokens)[0], tokens, err_msg=f"{method} row {row}")
+    np.testing.assert_array_equal(np.asarray(trace.decode_step)[0], decode_step, err_msg=f"{method} row {row}")
+    assert int(trace.nfe) == nfe
+    np.testing.assert_array_equal(np.asarray(trace.computed_positions)[:nfe, 0], computed)
+    for call, kept in kept_at.items():
+      np.testing.assert_array_equal(np.asarray(trace.policy_record)[call, 0], np.stack(kept), err_msg=f"call {call}")
+    lengths |= {int(decode_step[:BLOCK].max() - decode_step[:BLOCK].min() + 1),
+                int(decode_step[BLOCK:].max() - decode_step[BLOCK:].min() + 1)}
+  assert min(margins) > 1e-4, "a decision of the replay is within rounding of flipping: change the case"
+  assert len(lengths) > 1 and max(lengths) >= 4, f"block lengths {lengths}: variable blocks not exercised"
+  skipped = ~np.asarray(trace.computed_positions)[:int(trace.nfe), 0]
+  assert skipped.any(), "no call skipped a position"
+
+
+def test_a_row_decodes_alone_as_in_its_batch_under_threshold_decoding():
+  both = generate(DKV, (0, 1), batch_invariant=True)
+  active = np.asarray(both.active_rows)[:int(both.nfe)]
+  assert not active.all(), "no row waited for the batch"
+  for row in range(2):
+    alone = generate(DKV, (row,), batch_invariant=True)
+    np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(both.tokens)[row])
+    np.testing.assert_array_equal(np.asarray(alone.computed_positions)[:int(alone.nfe), 0],
+                                  np.asarray(both.computed_positions)[:int(both.nfe), row][active[:, row]])
+    tokens, _, _, _, _ = replay(prompts()[row], "dkv_cache", [])
+    np.testing.assert_array_equal(np.asarray(both.tokens)[row], tokens)
+
+
+# ---------------------------------------------------------------- recomputing everything
+
+
+@dataclasses.dataclass(frozen=True)
+class Everything(ComputePolicy):
+  """A test policy: every call takes the query subset of every position (the subset path, nothing reused)."""
+
+  NAME = "everything"
+
+  def decide(self, state, context):
+    index = jnp.arange(self.layout.seq_len, dtype=jnp.int32)
+    return Decision(full=jnp.zeros((), bool), queries=jnp.broadcast_to(index, context.tokens.shape))
+
+
+SMALL = dict(gen_length=8, steps=8, block_length=4)
+
+
+@pytest.mark.parametrize("sample, options", [
+    (llada.generate, llada.LLaDAOptions(**SMALL, factor=1.0)),
+    (llada.generate, llada.LLaDAOptions(**SMALL, rule=decoding_rules.EBSampler())),
+    (dream.diffusion_generate, dream.DreamOptions(**SMALL, threshold=0.9)),
+])
+def test_recomputing_every_position_gives_the_plain_sampler(sample, options):
+  config = preset("tiny-dream" if sample is dream.diffusion_generate else "tiny-llada")
+  params = model.init_params(config, jax.random.key(3))
+  prompt = prompts()
+  plain = sample(params, prompt, config=config, options=options)
+  policy = sample(params, prompt, config=config, options=options, policy=Everything())
+  np.testing.assert_array_equal(policy.tokens, plain.tokens)
+  np.testing.assert_array_equal(policy.decode_step, plain.decode_step)
+  assert int(policy.nfe) == int(plain.nfe)
+  assert np.asarray(policy.computed_positions)[:int(policy.nfe)].all()
+
+
+def test_sparse_dllm_on_dreams_block_modes_computes_the_block_after_two_calls():
+  config = preset("tiny-dream")
+  params = model.init_params(config, jax.random.key(3))
+  options = dream.DreamOptions(gen_length=8, steps=8, block_length=4, threshold=0.9)
+  trace = dream.diffusion_generate(params, prompts(), config=config, options=options, policy=parse_policy(SPARSE))
+  decoded_at = np.asarray(trace.decode_step)  # [B, G]: the block-start call commits a block's first position
+  starts = sorted(int(decoded_at[0, k]) for k in range(0, 8, 4))
+  for call, computed in enumerate(np.asarray(trace.computed_positions)[:int(trace.nfe)]):
+    block = max(k for k, first in enumerate(starts) if first <= call)
+    if call - starts[block] <= 1:
+      assert computed.all(), call
+    else:
+      expected = np.isin(np.arange(LP + 8), LP + 4 * block + np.arange(4))
+      np.testing.assert_array_equal(computed, np.broadcast_to(expected, computed.shape), err_msg=f"call {call}")
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def _refused_runs():
+  """(model, run(params, prompt), message) of each combination a policy cannot run."""
+  dkv, sparse = parse_policy("dkv_cache"), parse_policy("sparse_dllm")
+  dream_config = preset("tiny-dream")
+  return [
+      ("tiny-llada", lambda p, x: llada.generate(p, x, config=CONFIG, options=llada.LLaDAOptions(**SMALL, cache="dual"),
+                                                 policy=sparse),
+       "policy 'sparse_dllm' does not compose with cache='dual'"),
+      ("tiny-llada", lambda p, x: llada.generate(p, x, config=CONFIG, policy=dkv,
+                                                 options=llada.LLaDAOptions(**SMALL, threshold=0.9, cache="prefix")),
+       "policy 'dkv_cache' does not compose with cache='prefix'"),
+      ("tiny-llada", lambda p, x: llada.generate(p, x, config=CONFIG, policy=dkv,
+                                                 options=llada.LLaDAOptions(**SMALL, rule=decoding_rules.WINO())),
+       "policy 'dkv_cache' does not run with decoding rule wino"),
+      ("tiny-dream", lambda p, x: dream.diffusion_generate(p, x, config=dream_config, policy=dkv,
+                                                           options=dream.DreamOptions(**SMALL, threshold=0.9,
+                                                                                      cache="dual")),
+       "policy 'dkv_cache' does not compose with cache='dual'"),
+      ("tiny-dream", lambda p, x: dream.diffusion_generate(p, x, config=dream_config, policy=dkv,
+                                                           options=dream.DreamOptions(**SMALL, threshold=0.9)),
+       "policy dkv_cache has its decode rule for the llada sampler, not dream_blockwise"),
+      ("tiny-dream", lambda p, x: dream.diffusion_generate(p, x, config=dream_config, policy=sparse,
+                                                           options=dream.DreamOptions(**SMALL,
+                                                                                      rule=decoding_rules.EBSampler())),
+       "policy sparse_dllm does not run on a logit-shifted model"),
+  ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_combinations_a_policy_cannot_run_are_refused_before_compiling(index):
+  name, run, message = _refused_runs()[index]
+  params = model.init_params(preset(name), jax.random.key(0))
+  traced = dict(driver.TRACE_COUNTS)
+  with pytest.raises(ValueError, match=message) as refused:
+    run(params, prompts())
+  assert "\n" not in str(refused.value)
+  assert dict(driver.TRACE_COUNTS) == traced
+
+
+@pytest.mark.parametrize("decoding, message", [
+    ("dual_cache", "--policy=dkv_cache does not compose with --decoding=dual_cache"),
+    ("threshold_prefix_cache", "--policy=dkv_cache does not compose with --decoding=threshold_prefix_cache"),
+    ("wino", "--policy=dkv_cache does not run with --decoding=wino"),
+])
+def test_the_sessions_refuse_a_policy_with_a_cache_mode_or_wino(decoding, message):
+  with pytest.raises(SessionError, match=message):
+    decoding_mode.from_values(decoding, policy="dkv_cache")
+  for allowed in ("exact", "threshold", "factor", "factor_dllm", "eb", "certainty_prior"):
+    assert decoding_mode.from_values(allowed, policy="sparse_dllm").policy == "sparse_dllm"
