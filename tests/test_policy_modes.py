@@ -16,14 +16,16 @@ from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.policy.base import ComputePolicy, Decision
 from dlm_jax.policy.registry import parse_policy
-from dlm_jax.sampling import decoding_rules, dream, driver, llada
+from dlm_jax.sampling import decoding_rules, dream, driver, llada, schedules
 from dlm_jax.session import decoding_mode
 from dlm_jax.session.errors import SessionError
 
 try:
   from tests import numpy_transformer as ref
+  from tests import test_dream_modes as dream_ref
 except ImportError:  # run from inside tests/
   import numpy_transformer as ref
+  import test_dream_modes as dream_ref
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -239,9 +241,9 @@ def _refused_runs():
                                                            options=dream.DreamOptions(**SMALL, threshold=0.9,
                                                                                       cache="dual")),
        "policy 'dkv_cache' does not compose with cache='dual'"),
-      ("tiny-dream", lambda p, x: dream.diffusion_generate(p, x, config=dream_config, policy=dkv,
-                                                           options=dream.DreamOptions(**SMALL, threshold=0.9)),
-       "policy dkv_cache has its decode rule for the llada sampler, not dream_blockwise"),
+      ("tiny-llada", lambda p, x: llada.generate(p, x, config=CONFIG, options=llada.LLaDAOptions(**SMALL),
+                                                 policy=parse_policy("dkv_cache:shift_type=right")),
+       "dkv_cache cache_type and shift_type are the rules of Dream's code"),
       ("tiny-dream", lambda p, x: dream.diffusion_generate(p, x, config=dream_config, policy=sparse,
                                                            options=dream.DreamOptions(**SMALL,
                                                                                       rule=decoding_rules.EBSampler())),
@@ -270,3 +272,72 @@ def test_the_sessions_refuse_a_policy_with_a_cache_mode_or_wino(decoding, messag
     decoding_mode.from_values(decoding, policy="dkv_cache")
   for allowed in ("exact", "threshold", "factor", "factor_dllm", "eb", "certainty_prior"):
     assert decoding_mode.from_values(allowed, policy="sparse_dllm").policy == "sparse_dllm"
+
+
+# ---------------------------------------------------------------- dKV-Cache on Dream
+
+
+def _dream_cached(decoded, shift_type, call):
+  """The official Dream rule as read (NumPy): the positions a cached call reads from the cache."""
+  if call == 1:
+    return np.concatenate([decoded[1:], decoded[-1:]])
+  if shift_type == "un":
+    return np.concatenate([decoded[1:], decoded[:1]])
+  pair = decoded[:-1] & decoded[1:]
+  return np.concatenate([pair, pair[-1:]])
+
+
+def dream_replay(prompt, shift_type, steps=8, gen=8, reload=3):
+  """Dream's `diffusion_generate` (alg maskgit_plus, temperature 0) under dKV-Cache "decoded" for one row, every
+  call through the NumPy Dream forward of tests/test_dream_modes.py: (tokens, decode_step, computed [steps, S])."""
+  x = np.concatenate([prompt, np.full(gen, dream_ref.MASK)]).astype(np.int64)
+  lp, total = len(prompt), len(prompt) + gen
+  positions = np.arange(total)[None]
+  decode_step, computed, cache, previous = np.full(gen, -1), [], None, None
+  fractions = schedules.dream_transfer_fractions(steps, 1e-3)
+  for call in range(steps):
+    if call % reload == 0:
+      logits, cache, _ = dream_ref.np_forward(x[None], positions, np.ones((1, total, total), bool),
+                                              np.ones((1, total), bool))
+      cache, queries = [list(kv) for kv in cache], np.arange(total)
+    else:
+      queries = np.flatnonzero(~_dream_cached(previous != dream_ref.MASK, shift_type, call))
+      assert queries.min() >= lp - 1
+
+      def keys_of(layer, k, v, queries=queries):
+        for index, fresh in enumerate((k, v)):
+          cache[layer][index] = cache[layer][index].copy()
+          cache[layer][index][:, queries] = fresh
+        return cache[layer][0], cache[layer][1], positions
+
+      rows, _, _ = dream_ref.np_forward(x[None, queries], positions[:, queries],
+                                        np.ones((1, len(queries), total), bool), np.ones((1, len(queries)), bool),
+                                        keys_of)
+      logits = np.zeros((1, total, rows.shape[-1]))
+      logits[0, queries] = rows[0]
+    computed.append(np.isin(np.arange(total), queries))
+    previous = x.copy()
+    target = logits[0, lp - 1:total - 1]  # position p reads the output at p - 1
+    masked = np.flatnonzero(x[lp:] == dream_ref.MASK)
+    probs = np.exp(target[masked] - target[masked].max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    k = len(masked) if call == steps - 1 else int(np.floor(np.float32(len(masked)) * fractions[call]))
+    order = sorted(range(len(masked)), key=lambda j: (-probs[j].max(), j))
+    for j in order[:k]:
+      x[lp + masked[j]] = probs[j].argmax()
+      decode_step[masked[j]] = call
+  return x, decode_step, np.array(computed)
+
+
+@pytest.mark.parametrize("shift_type", ["un", "un_right"])
+def test_dkv_cache_on_dream_is_the_replay_of_the_official_rule(shift_type):
+  options = dream.DreamOptions(gen_length=8, steps=8, alg="maskgit_plus")
+  policy = parse_policy(f"dkv_cache:cache_reloading_step=3,shift_type={shift_type}")
+  for row, prompt in enumerate(dream_ref.prompts()):
+    tokens, decode_step, computed = dream_replay(prompt, shift_type)
+    trace = dream.diffusion_generate(dream_ref.params(), prompt[None], config=dream_ref.CONFIG, options=options,
+                                     policy=policy)
+    np.testing.assert_array_equal(np.asarray(trace.tokens)[0], tokens, err_msg=f"{shift_type} row {row}")
+    np.testing.assert_array_equal(np.asarray(trace.decode_step)[0], decode_step, err_msg=f"{shift_type} row {row}")
+    np.testing.assert_array_equal(np.asarray(trace.computed_positions)[:, 0], computed)
+    assert not computed.all()

@@ -20,12 +20,16 @@ import jax.numpy as jnp
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
-from dlm_jax.policy import dkv_cache, sparse_dllm
+from dlm_jax.policy import dkv_cache, dkv_cache_dream, sparse_dllm
 from dlm_jax.policy.base import ComputePolicy, Decision
+from dlm_jax.policy.positions import ascending_positions
 
 NOT_RUNNABLE = ("d2cache", "dllm_cache", "elastic_cache", "sparsed")
 """Methods whose rules exist (`dlm_jax.policy.<name>`) but which cannot run as policies yet."""
 
+
+_DKV_FAMILIES = ("llada", "dream")
+"""The model families dkv_cache has its rules for: LLaDA's decode rule (MMaDA runs LLaDA's sampler), Dream's."""
 
 _BLOCK_OPENING_FAMILIES = (None, "dream_blockwise")
 """Families of a logit-shifted model that sparse_dllm runs in: Dream's block modes commit a block's first
@@ -58,28 +62,61 @@ def _block_start(policy: ComputePolicy, context: Any) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class DKVCache(dkv_cache.DKVCacheSettings, ComputePolicy):
   """dKV-Cache (decode variant) as a policy: state [B, S] bool, the positions masked in the previous call's
-  input (`dkv_cache.DecodeEvents`)."""
+  input (`dkv_cache.DecodeEvents`; with cache_type "prefill" on Dream, in the block's first call's input).
+
+  On a logit-shifted model (Dream) the official Dream rule runs (`dkv_cache_dream`): cache_reloading_step is its
+  cache_steps (the README's Dream value is 16), cache_type "decoded" or "prefill", shift_type "un" (the README's),
+  "un_right" or "right"; those two knobs apply to Dream only.
+  """
+
+  cache_type: str = "decoded"
+  shift_type: str = "un"
 
   def check_knobs(self) -> None:
     dkv_cache.DKVCacheSettings.check(self)
+    if self.cache_type not in dkv_cache_dream.CACHE_TYPES:
+      raise ValueError(f"dkv_cache cache_type must be one of {', '.join(dkv_cache_dream.CACHE_TYPES)}, got "
+                       f"{self.cache_type!r}.")
+    if self.shift_type not in dkv_cache_dream.SHIFT_TYPES:
+      raise ValueError(f"dkv_cache shift_type must be one of {', '.join(dkv_cache_dream.SHIFT_TYPES)}, got "
+                       f"{self.shift_type!r}.")
 
   def check(self, config: ModelConfig | None = None, family_name: str | None = None) -> None:
     """The knobs (the settings' check, also run at construction) and, for a run, the family."""
-    dkv_cache.DKVCacheSettings.check(self)
-    if family_name is not None and _model_family(family_name) not in dkv_cache.FAMILIES:
-      raise ValueError(f"policy dkv_cache has its decode rule for the {', '.join(dkv_cache.FAMILIES)} sampler, not "
+    self.check_knobs()
+    if family_name is not None and _model_family(family_name) not in _DKV_FAMILIES:
+      raise ValueError(f"policy dkv_cache has its decode rule for the {', '.join(_DKV_FAMILIES)} samplers, not "
                        f"{family_name}.")
+    dream_knobs = (self.cache_type, self.shift_type) != ("decoded", "un")
+    if config is not None and not config.logit_shift and dream_knobs:
+      raise ValueError("dkv_cache cache_type and shift_type are the rules of Dream's code (a logit-shifted model); "
+                       "leave them at decoded and un here.")
 
   def init_state(self, config: ModelConfig, batch: int) -> jax.Array:
     return dkv_cache.start(batch, self.layout.seq_len).was_masked
 
   def decide(self, state: jax.Array, context: Any) -> Decision:
+    if self.layout.logit_shift:
+      return self._decide_shifted(state, context)
     full = dkv_cache.is_full_step(_step_in_block(self, context), self)
     index, valid = dkv_cache.query_positions(dkv_cache.DecodeEvents(state), self.layout.gen_start)
     return Decision(full=full, queries=jnp.where(valid, index, self.layout.seq_len).astype(jnp.int32))
 
+  def _decide_shifted(self, state: jax.Array, context: Any) -> Decision:
+    """Dream's rule (`dkv_cache_dream`): the positions not cached, among [gen_start - 1, S) (a cached call never
+    computes an earlier one: the prompt's positions but its last are cached from call 1 on)."""
+    call = _step_in_block(self, context)
+    first = (call == 1) | (self.cache_type == "prefill")
+    cached = dkv_cache_dream.cached_positions(~state, self.shift_type, first)
+    start = self.layout.gen_start - 1
+    index, valid = ascending_positions(~cached[:, start:], self.layout.seq_len - start)
+    return Decision(full=dkv_cache_dream.is_full_call(call, self.cache_type, self.cache_reloading_step),
+                    queries=jnp.where(valid, index + start, self.layout.seq_len).astype(jnp.int32))
+
   def update(self, state: jax.Array, output: ForwardOutput, context: Any, decision: Decision) -> jax.Array:
-    del state, output, decision
+    del output, decision
+    if self.layout.logit_shift and self.cache_type == "prefill":
+      return jnp.where(_step_in_block(self, context) == 0, context.unresolved, state)
     return context.unresolved
 
 

@@ -503,7 +503,8 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
   gen = family.gen_length
   block = getattr(family.options, "block_length", gen) or gen
   steps_per_block = max(family.n_steps // max(gen // block, 1), 1)
-  bound = policy.bind(RunLayout(seq_len=total, gen_start=lp, block_length=block, steps_per_block=steps_per_block))
+  bound = policy.bind(RunLayout(seq_len=total, gen_start=lp, block_length=block, steps_per_block=steps_per_block,
+                                logit_shift=config.logit_shift))
   bound.check(config, family.name)
   return bound
 
