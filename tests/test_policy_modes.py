@@ -14,6 +14,7 @@ import pytest
 
 from dlm_jax import model
 from dlm_jax.config import preset
+from dlm_jax.instrument.hook_spec import Capture, Hooks
 from dlm_jax.policy.base import ComputePolicy, Decision
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import decoding_rules, dream, driver, llada, schedules
@@ -204,7 +205,7 @@ def test_recomputing_every_position_gives_the_plain_sampler(sample, options):
   assert np.asarray(policy.computed_positions)[:int(policy.nfe)].all()
 
 
-def test_sparse_dllm_on_dreams_block_modes_computes_the_block_after_two_calls():
+def test_sparse_dllm_on_dreams_block_modes_computes_the_block_and_the_position_before_after_two_calls():
   config = preset("tiny-dream")
   params = model.init_params(config, jax.random.key(3))
   options = dream.DreamOptions(gen_length=8, steps=8, block_length=4, threshold=0.9)
@@ -216,7 +217,7 @@ def test_sparse_dllm_on_dreams_block_modes_computes_the_block_after_two_calls():
     if call - starts[block] <= 1:
       assert computed.all(), call
     else:
-      expected = np.isin(np.arange(LP + 8), LP + 4 * block + np.arange(4))
+      expected = np.isin(np.arange(LP + 8), LP + 4 * block + np.arange(-1, 4))  # the block and the position before
       np.testing.assert_array_equal(computed, np.broadcast_to(expected, computed.shape), err_msg=f"call {call}")
 
 
@@ -245,9 +246,9 @@ def _refused_runs():
                                                  policy=parse_policy("dkv_cache:shift_type=right")),
        "dkv_cache cache_type and shift_type are the rules of Dream's code"),
       ("tiny-dream", lambda p, x: dream.diffusion_generate(p, x, config=dream_config, policy=sparse,
-                                                           options=dream.DreamOptions(**SMALL,
-                                                                                      rule=decoding_rules.EBSampler())),
-       "policy sparse_dllm does not run on a logit-shifted model"),
+                                                           options=dream.DreamOptions(**SMALL, threshold=0.9),
+                                                           hooks=Hooks(captures=(Capture("hook_resid_post"),))),
+       "policy 'sparse_dllm' does not run with activation hooks"),
   ]
 
 
@@ -287,32 +288,46 @@ def _dream_cached(decoded, shift_type, call):
   return np.concatenate([pair, pair[-1:]])
 
 
-def dream_replay(prompt, shift_type, steps=8, gen=8, reload=3):
-  """Dream's `diffusion_generate` (alg maskgit_plus, temperature 0) under dKV-Cache "decoded" for one row, every
-  call through the NumPy Dream forward of tests/test_dream_modes.py: (tokens, decode_step, computed [steps, S])."""
+def dream_replay(prompt, plan, steps=8, gen=8):
+  """Dream's `diffusion_generate` (alg maskgit_plus, temperature 0) for one row, every call through the NumPy Dream
+  forward of tests/test_dream_modes.py: (tokens, decode_step, computed [steps, S]).
+
+  plan(call, previous) -> None (a full call, which rewrites the cache) or (queries [T] ascending, kept): the call
+  computes only those positions, every other position's keys and values read from the cache (each position's as
+  its last computing call left them), each layer reading the cached keys kept[layer] only (kept None: all);
+  previous: the previous call's input tokens [S]."""
   x = np.concatenate([prompt, np.full(gen, dream_ref.MASK)]).astype(np.int64)
   lp, total = len(prompt), len(prompt) + gen
   positions = np.arange(total)[None]
   decode_step, computed, cache, previous = np.full(gen, -1), [], None, None
   fractions = schedules.dream_transfer_fractions(steps, 1e-3)
   for call in range(steps):
-    if call % reload == 0:
+    decision = plan(call, previous)
+    if decision is None:
       logits, cache, _ = dream_ref.np_forward(x[None], positions, np.ones((1, total, total), bool),
                                               np.ones((1, total), bool))
       cache, queries = [list(kv) for kv in cache], np.arange(total)
     else:
-      queries = np.flatnonzero(~_dream_cached(previous != dream_ref.MASK, shift_type, call))
-      assert queries.min() >= lp - 1
+      queries, kept = decision
+      read = [np.arange(total) if kept is None else np.setdiff1d(kept[layer][kept[layer] < total], queries)
+              for layer in range(dream_ref.CONFIG.n_layers)]
+      width = max(len(r) for r in read) + (0 if kept is None else len(queries))
+      allowed = np.ones((1, len(queries), width), bool)  # set per layer by keys_of: the forward reads it after
 
-      def keys_of(layer, k, v, queries=queries):
+      def keys_of(layer, k, v, queries=queries, read=read, allowed=allowed):
         for index, fresh in enumerate((k, v)):
           cache[layer][index] = cache[layer][index].copy()
           cache[layer][index][:, queries] = fresh
-        return cache[layer][0], cache[layer][1], positions
+        if kept is None:
+          return cache[layer][0], cache[layer][1], positions
+        pad = width - len(queries) - len(read[layer])
+        at = np.concatenate([read[layer], np.zeros(pad, int), queries])
+        allowed[:] = True
+        allowed[:, :, len(read[layer]):len(read[layer]) + pad] = False
+        return cache[layer][0][:, at], cache[layer][1][:, at], at[None]
 
-      rows, _, _ = dream_ref.np_forward(x[None, queries], positions[:, queries],
-                                        np.ones((1, len(queries), total), bool), np.ones((1, len(queries)), bool),
-                                        keys_of)
+      rows, _, _ = dream_ref.np_forward(x[None, queries], positions[:, queries], allowed,
+                                        np.ones((1, len(queries)), bool), keys_of)
       logits = np.zeros((1, total, rows.shape[-1]))
       logits[0, queries] = rows[0]
     computed.append(np.isin(np.arange(total), queries))
@@ -329,15 +344,41 @@ def dream_replay(prompt, shift_type, steps=8, gen=8, reload=3):
   return x, decode_step, np.array(computed)
 
 
+DREAM_EXACT = dream.DreamOptions(gen_length=8, steps=8, alg="maskgit_plus")
+
+
 @pytest.mark.parametrize("shift_type", ["un", "un_right"])
 def test_dkv_cache_on_dream_is_the_replay_of_the_official_rule(shift_type):
-  options = dream.DreamOptions(gen_length=8, steps=8, alg="maskgit_plus")
   policy = parse_policy(f"dkv_cache:cache_reloading_step=3,shift_type={shift_type}")
+
+  def plan(call, previous):
+    if call % 3 == 0:
+      return None
+    return np.flatnonzero(~_dream_cached(previous != dream_ref.MASK, shift_type, call)), None
+
   for row, prompt in enumerate(dream_ref.prompts()):
-    tokens, decode_step, computed = dream_replay(prompt, shift_type)
-    trace = dream.diffusion_generate(dream_ref.params(), prompt[None], config=dream_ref.CONFIG, options=options,
+    tokens, decode_step, computed = dream_replay(prompt, plan)
+    trace = dream.diffusion_generate(dream_ref.params(), prompt[None], config=dream_ref.CONFIG, options=DREAM_EXACT,
                                      policy=policy)
     np.testing.assert_array_equal(np.asarray(trace.tokens)[0], tokens, err_msg=f"{shift_type} row {row}")
     np.testing.assert_array_equal(np.asarray(trace.decode_step)[0], decode_step, err_msg=f"{shift_type} row {row}")
     np.testing.assert_array_equal(np.asarray(trace.computed_positions)[:, 0], computed)
     assert not computed.all()
+
+
+def test_sparse_dllm_on_dream_computes_the_position_before_the_block_and_is_the_replay():
+  """Exact Dream (one block: the generation) under Sparse-dLLM: calls 0 and 1 full, later calls the block and the
+  position before it over each layer's kept keys (the run's, `Trace.policy_record`: their rule is replayed on
+  LLaDA above); tokens, decode order and computed positions against the NumPy replay."""
+  policy = parse_policy(SPARSE)
+  for row, prompt in enumerate(dream_ref.prompts()):
+    trace = dream.diffusion_generate(dream_ref.params(), prompt[None], config=dream_ref.CONFIG, options=DREAM_EXACT,
+                                     policy=policy)
+    record = np.asarray(trace.policy_record)[:, 0]  # [steps, L, n_keep]
+    lp = len(prompt)
+    plan = lambda call, previous: None if call <= 1 else (np.arange(lp - 1, lp + 8), record[call])  # noqa: E731
+    tokens, decode_step, computed = dream_replay(prompt, plan)
+    np.testing.assert_array_equal(np.asarray(trace.tokens)[0], tokens, err_msg=f"row {row}")
+    np.testing.assert_array_equal(np.asarray(trace.decode_step)[0], decode_step, err_msg=f"row {row}")
+    np.testing.assert_array_equal(np.asarray(trace.computed_positions)[:, 0], computed)
+    assert np.all(record[2:] < lp) and not computed.all()

@@ -31,11 +31,6 @@ NOT_RUNNABLE = ("d2cache", "dllm_cache", "elastic_cache", "sparsed")
 _DKV_FAMILIES = ("llada", "dream")
 """The model families dkv_cache has its rules for: LLaDA's decode rule (MMaDA runs LLaDA's sampler), Dream's."""
 
-_BLOCK_OPENING_FAMILIES = (None, "dream_blockwise")
-"""Families of a logit-shifted model that sparse_dllm runs in: Dream's block modes commit a block's first
-position at the block's first (full) call, so its later calls read only outputs inside the block."""
-
-
 def _model_family(family_name: str) -> str:
   """The model family of a sampler family's name ("llada" of "llada_blockwise" and "llada_rules")."""
   return family_name.partition("_")[0]
@@ -140,11 +135,6 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
   def check(self, config: ModelConfig | None = None, family_name: str | None = None) -> None:
     """The knobs (the settings' check, also run at construction) and, for a run, the block layout."""
     self.check_knobs()
-    if config is not None and config.logit_shift and family_name not in _BLOCK_OPENING_FAMILIES:
-      raise ValueError("policy sparse_dllm does not run on a logit-shifted model (Dream) with exact decoding or a "
-                       "decoding rule: the block's first position is read from the position before the block, which "
-                       "its calls do not compute (how the official Dream code gets it is UNVERIFIED); set "
-                       "block_length (Fast-dLLM's block modes open each block with a full call that commits it).")
     if self.layout is not None and self.keep_sinks > self.layout.seq_len - self.layout.block_length:
       raise ValueError(f"sparse_dllm keep_sinks={self.keep_sinks} is more than the "
                        f"{self.layout.seq_len - self.layout.block_length} keys outside the block.")
@@ -188,11 +178,17 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
     return jnp.where(in_block | taken, s, sinks)
 
   def decide(self, state: jax.Array, context: Any) -> Decision:
-    start = _block_start(self, context)
-    block = start + jnp.arange(self.layout.block_length, dtype=jnp.int32)
-    queries = jnp.broadcast_to(block[None, :], (context.tokens.shape[0], self.layout.block_length))
-    return Decision(full=sparse_dllm.is_full_step(_step_in_block(self, context)), queries=queries,
-                    keys=jnp.swapaxes(state, 0, 1))
+    """Steps 0 and 1 of a block full; later the block's queries over the kept keys. On a logit-shifted model
+    (Dream) the position before the block is computed too (its output predicts the block's first position) and
+    left out of the kept keys (UNVERIFIED: the official Dream sampler is not in our index; guide)."""
+    shift = self.layout.logit_shift
+    start = _block_start(self, context) - shift
+    block = start + jnp.arange(self.layout.block_length + shift, dtype=jnp.int32)
+    queries = jnp.broadcast_to(block[None, :], (context.tokens.shape[0], block.shape[0]))
+    keys = jnp.swapaxes(state, 0, 1)
+    if shift:
+      keys = jnp.where(keys == start, self.layout.seq_len, keys)
+    return Decision(full=sparse_dllm.is_full_step(_step_in_block(self, context)), queries=queries, keys=keys)
 
   def update(self, state: jax.Array, output: ForwardOutput, context: Any, decision: Decision) -> jax.Array:
     scores = output.stats["query_key_scores"][:, :, 1]  # [L, B, S]
