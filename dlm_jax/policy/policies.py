@@ -3,8 +3,11 @@ official-code quirks as knobs; `dlm_jax.policy.<method>`) and the protocol of `d
 decisions made by the method's rule functions.
 
 Runnable here: `dkv_cache` (queries: the positions masked at the previous call; full at a block's first two
-steps and every `cache_reloading_step`), `sparse_dllm` (at a block's steps >= 2 the block's queries only, each
-layer reading the keys kept at step 1 by the block-mean query score). The rules of `d2cache`, `dllm_cache`,
+steps and every `cache_reloading_step`; on Dream the official Dream rule, `dkv_cache_dream`), `sparse_dllm` (at a
+block's steps >= 2 the block's queries only — on Dream with the position before the block —, each layer reading
+the keys kept at step 1 by the block-mean query score). "A block's step" is the sampler's count
+(`CallContext.block_step`): under threshold or factor decoding and the decoding rules a block takes a variable
+number of calls. The rules of `d2cache`, `dllm_cache`,
 `elastic_cache` and `sparsed` are written and tested (`dlm_jax.policy.<method>`) but their model-side
 mechanisms (rollout rows, per-layer reuse of attention and feed-forward outputs, layer-range refresh,
 block-sparse attention) are not: they are not selectable yet (`NOT_RUNNABLE`).

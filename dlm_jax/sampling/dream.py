@@ -247,7 +247,8 @@ class DreamFamily(driver.MaskedDiffusionFamily):
     x = carry.tokens
     key, sample_key, select_key = keys.split(carry.key, 3, run.row_keys)
     inputs = CallInputs(x, consts.positions, consts.valid, consts.valid, consts.bias, block_start=lp, block_step=i)
-    result = run.caller(params, i, istate, inputs, Readout(window=logit_shift.output_window(w0, run.total_length, shift)))
+    result = run.caller(params, i, istate, inputs,
+                        Readout(window=logit_shift.output_window(w0, run.total_length, shift)))
     logits = logit_shift.target_logits(result.logits, w0, shift)
     x_win = x[:, w0:]
     masked = x_win == mask_id
