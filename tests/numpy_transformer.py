@@ -94,11 +94,12 @@ def cached_kv(params, tokens, config):
           for l in range(config.n_layers)]
 
 
-def subset_forward(params, tokens, config, cache, queries, keys=None):
+def subset_forward(params, tokens, config, cache, queries, keys=None, return_cache=False):
   """Logits [B, T, V] (float64) of a call that computes only the sequence positions queries [B, T] (entries
   equal to S: padding) of tokens [B, S], every other position's keys and values read from `cache` (per layer
   (keys, values) [B, S, K, H], `cached_kv`); keys: None, or per layer [L][B, m] the only cached positions the
-  queries read besides their own (entries equal to S: none)."""
+  queries read besides their own (entries equal to S: none). return_cache: return (logits, the cache with the
+  queries' fresh keys and values written at their positions)."""
   c = config
   p = {k: np.asarray(v, np.float64) for k, v in _flat(params).items()}
   b, s = tokens.shape
@@ -107,10 +108,12 @@ def subset_forward(params, tokens, config, cache, queries, keys=None):
   at = np.minimum(queries, s - 1)
   x = p["embed.embedding"][np.take_along_axis(np.asarray(tokens), at, axis=1)]
   group = c.n_heads // c.n_kv_heads
+  written = []
   for layer in range(c.n_layers):
     w = lambda name: p[f"blocks.{name}"][layer]  # noqa: E731
     h = _rms(x, w("attn_norm.weight"), c.norm_eps)
     out = np.zeros((b, t, c.n_heads, c.head_dim))
+    written.append((np.array(cache[layer][0]), np.array(cache[layer][1])))
     for row in range(b):
       pos = at[row].astype(np.float64)
       q = _rope((h[row:row + 1] @ w("attn.q.kernel")).reshape(1, t, c.n_heads, c.head_dim), pos, c.rope_theta)[0]
@@ -121,6 +124,7 @@ def subset_forward(params, tokens, config, cache, queries, keys=None):
       for i in range(t):
         if real[row, i]:
           k_all[queries[row, i]], v_all[queries[row, i]] = k_new[i], v_new[i]
+      written[layer][0][row], written[layer][1][row] = k_all, v_all
       if keys is None:
         read = list(range(s))
       else:
@@ -133,4 +137,5 @@ def subset_forward(params, tokens, config, cache, queries, keys=None):
     x = x + out.reshape(b, t, -1) @ w("attn.o.kernel")
     h = _rms(x, w("mlp_norm.weight"), c.norm_eps)
     x = x + (_silu(h @ w("mlp.gate.kernel")) * (h @ w("mlp.up.kernel"))) @ w("mlp.down.kernel")
-  return _rms(x, p["final_norm.weight"], c.norm_eps) @ p["lm_head.kernel"]
+  logits = _rms(x, p["final_norm.weight"], c.norm_eps) @ p["lm_head.kernel"]
+  return (logits, written) if return_cache else logits

@@ -136,7 +136,8 @@ def test_a_compute_policy_from_the_flags_matches_the_library(tmp_path, checkpoin
                          options=llada.LLaDAOptions(gen_length=8, steps=8, block_length=4))
   assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
   assert result["decode_step"] == np.asarray(trace.decode_step)[0].tolist()
-  for flags, message in ((("--policy=sparse_dllm", "--decoding=threshold"), "runs with --decoding=exact for now"),
+  for flags, message in ((("--policy=sparse_dllm", "--decoding=dual_cache"),
+                          "--policy=sparse_dllm does not compose with --decoding=dual_cache"),
                          (("--policy=dkv_cache:every=2",), "policy dkv_cache has no knob 'every'")):
     refused = run_cli(tmp_path, directory, "--sampler=llada", "--prompt_ids=5,6", "--gen_length=8",
                       "--block_length=4", *flags, expect_ok=False)

@@ -112,10 +112,12 @@ def test_the_skipped_work_leaves_the_flop_count():
      "does not run with activation hooks"),
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=dataclasses.replace(OPTIONS, cfg_scale=1.0),
                                  policy=Recent()), "classifier-free guidance"),
-    (lambda p, x: dream.diffusion_generate(p, x, config=preset("tiny-dream"), policy=parse_policy("sparse_dllm")),
-     "does not run on a logit-shifted model"),
-    (lambda p, x: dream.diffusion_generate(p, x, config=preset("tiny-dream"), policy=parse_policy("dkv_cache")),
-     "has its decode rule for the llada sampler, not dream"),
+    (lambda p, x: llada.generate(p, x, config=CONFIG, options=dataclasses.replace(OPTIONS, cache="dual"),
+                                 policy=parse_policy("sparse_dllm")), "does not compose with cache='dual'"),
+    (lambda p, x: dream.diffusion_generate(p, x, config=preset("tiny-dream"), policy=parse_policy("dkv_cache"),
+                                           options=dream.DreamOptions(gen_length=8, steps=8, block_length=4,
+                                                                      alg="maskgit_plus", cache="prefix")),
+     "does not compose with cache='prefix'"),
 ])
 def test_runs_a_policy_cannot_take_are_refused(run, message):
   params, prompt = _setup()

@@ -70,6 +70,9 @@ class CallContext:
   unresolved: [B, T] bool or None, the call's queries playing the mask role (set by the samplers).
   query_valid: [B, T] bool or None, the call's real (not padding) queries (set by the samplers).
   gen_start: static int, the sequence index where generation starts (set by the samplers).
+  block_start: scalar int32 or None, the first sequence position of the sampler's current semi-autoregressive
+    block (set by the block samplers; a block of a threshold or factor mode takes a variable number of calls).
+  block_step: scalar int32 or None, the calls the current block has had before this one (0 at its first).
   """
 
   step: jax.Array
@@ -79,6 +82,8 @@ class CallContext:
   unresolved: jax.Array | None = None
   query_valid: jax.Array | None = None
   gen_start: int = struct.field(pytree_node=False, default=0)
+  block_start: jax.Array | None = None
+  block_step: jax.Array | None = None
 
   @property
   def n_queries(self) -> int:

@@ -74,13 +74,16 @@ class RunLayout:
   """Static facts of the run a policy decides in (`ComputePolicy.bind`).
 
   seq_len: S; gen_start: the first generated position; block_length: the sampler's semi-autoregressive block
-  (the generation length without blocks); steps_per_block: model calls per block.
+  (the generation length without blocks); steps_per_block: model calls per block (the quota's; a threshold or
+  factor block takes a variable number, `CallContext.block_step`); logit_shift: the model predicts position p
+  from its output at p - logit_shift (Dream: 1).
   """
 
   seq_len: int
   gen_start: int
   block_length: int
   steps_per_block: int
+  logit_shift: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ from dlm_jax.policy.positions import ascending_positions, is_integer
 
 FAMILIES = ("llada",)
 """The family whose decode rule is expressed here (the official LLaDA decode scripts); Dream's cache
-types ("prefill" / "decoded" with shift types) are not."""
+types ("prefill" / "decoded" with shift types) are in `dlm_jax.policy.dkv_cache_dream`."""
 
 
 @dataclasses.dataclass(frozen=True)

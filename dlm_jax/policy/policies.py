@@ -3,8 +3,11 @@ official-code quirks as knobs; `dlm_jax.policy.<method>`) and the protocol of `d
 decisions made by the method's rule functions.
 
 Runnable here: `dkv_cache` (queries: the positions masked at the previous call; full at a block's first two
-steps and every `cache_reloading_step`), `sparse_dllm` (at a block's steps >= 2 the block's queries only, each
-layer reading the keys kept at step 1 by the block-mean query score). The rules of `d2cache`, `dllm_cache`,
+steps and every `cache_reloading_step`; on Dream the official Dream rule, `dkv_cache_dream`), `sparse_dllm` (at a
+block's steps >= 2 the block's queries only — on Dream with the position before the block —, each layer reading
+the keys kept at step 1 by the block-mean query score). "A block's step" is the sampler's count
+(`CallContext.block_step`): under threshold or factor decoding and the decoding rules a block takes a variable
+number of calls. The rules of `d2cache`, `dllm_cache`,
 `elastic_cache` and `sparsed` are written and tested (`dlm_jax.policy.<method>`) but their model-side
 mechanisms (rollout rows, per-layer reuse of attention and feed-forward outputs, layer-range refresh,
 block-sparse attention) are not: they are not selectable yet (`NOT_RUNNABLE`).
@@ -20,21 +23,38 @@ import jax.numpy as jnp
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
-from dlm_jax.policy import dkv_cache, sparse_dllm
+from dlm_jax.policy import dkv_cache, dkv_cache_dream, sparse_dllm
 from dlm_jax.policy.base import ComputePolicy, Decision
 from dlm_jax.policy.elastic_cache_policy import ElasticCache
 from dlm_jax.policy.sparsed_policy import SparseD
+from dlm_jax.policy.positions import ascending_positions
 
 NOT_RUNNABLE = ("d2cache", "dllm_cache")
 """Methods whose rules exist (`dlm_jax.policy.<name>`) but which cannot run as policies yet."""
 
 
+_DKV_FAMILIES = ("llada", "dream")
+"""The model families dkv_cache has its rules for: LLaDA's decode rule (MMaDA runs LLaDA's sampler), Dream's."""
+
+def _model_family(family_name: str) -> str:
+  """The model family of a sampler family's name ("llada" of "llada_blockwise" and "llada_rules")."""
+  return family_name.partition("_")[0]
+
+
 def _step_in_block(policy: ComputePolicy, context: Any) -> jax.Array:
+  """The calls the current block has had before this one: the sampler's count (`CallContext.block_step`; a block
+  of a threshold or factor mode takes a variable number of calls), or, for a context without block facts (a
+  call made outside a block sampler), the step modulo the layout's steps per block."""
+  if context.block_step is not None:
+    return jnp.asarray(context.block_step, jnp.int32)
   return jnp.asarray(context.step, jnp.int32) % policy.layout.steps_per_block
 
 
 def _block_start(policy: ComputePolicy, context: Any) -> jax.Array:
-  """The current block's first sequence position (the sampler's block of this step)."""
+  """The current block's first sequence position: the sampler's (`CallContext.block_start`), or, for a context
+  without block facts, the block of a fixed steps_per_block calls per block."""
+  if context.block_start is not None:
+    return jnp.asarray(context.block_start, jnp.int32)
   layout = policy.layout
   return layout.gen_start + (jnp.asarray(context.step, jnp.int32) // layout.steps_per_block) * layout.block_length
 
@@ -42,28 +62,61 @@ def _block_start(policy: ComputePolicy, context: Any) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class DKVCache(dkv_cache.DKVCacheSettings, ComputePolicy):
   """dKV-Cache (decode variant) as a policy: state [B, S] bool, the positions masked in the previous call's
-  input (`dkv_cache.DecodeEvents`)."""
+  input (`dkv_cache.DecodeEvents`; with cache_type "prefill" on Dream, in the block's first call's input).
+
+  On a logit-shifted model (Dream) the official Dream rule runs (`dkv_cache_dream`): cache_reloading_step is its
+  cache_steps (the README's Dream value is 16), cache_type "decoded" or "prefill", shift_type "un" (the README's),
+  "un_right" or "right"; those two knobs apply to Dream only.
+  """
+
+  cache_type: str = "decoded"
+  shift_type: str = "un"
 
   def check_knobs(self) -> None:
     dkv_cache.DKVCacheSettings.check(self)
+    if self.cache_type not in dkv_cache_dream.CACHE_TYPES:
+      raise ValueError(f"dkv_cache cache_type must be one of {', '.join(dkv_cache_dream.CACHE_TYPES)}, got "
+                       f"{self.cache_type!r}.")
+    if self.shift_type not in dkv_cache_dream.SHIFT_TYPES:
+      raise ValueError(f"dkv_cache shift_type must be one of {', '.join(dkv_cache_dream.SHIFT_TYPES)}, got "
+                       f"{self.shift_type!r}.")
 
   def check(self, config: ModelConfig | None = None, family_name: str | None = None) -> None:
     """The knobs (the settings' check, also run at construction) and, for a run, the family."""
-    dkv_cache.DKVCacheSettings.check(self)
-    if family_name is not None and family_name not in dkv_cache.FAMILIES:
-      raise ValueError(f"policy dkv_cache has its decode rule for the {', '.join(dkv_cache.FAMILIES)} sampler, not "
+    self.check_knobs()
+    if family_name is not None and _model_family(family_name) not in _DKV_FAMILIES:
+      raise ValueError(f"policy dkv_cache has its decode rule for the {', '.join(_DKV_FAMILIES)} samplers, not "
                        f"{family_name}.")
+    dream_knobs = (self.cache_type, self.shift_type) != ("decoded", "un")
+    if config is not None and not config.logit_shift and dream_knobs:
+      raise ValueError("dkv_cache cache_type and shift_type are the rules of Dream's code (a logit-shifted model); "
+                       "leave them at decoded and un here.")
 
   def init_state(self, config: ModelConfig, batch: int) -> jax.Array:
     return dkv_cache.start(batch, self.layout.seq_len).was_masked
 
   def decide(self, state: jax.Array, context: Any) -> Decision:
+    if self.layout.logit_shift:
+      return self._decide_shifted(state, context)
     full = dkv_cache.is_full_step(_step_in_block(self, context), self)
     index, valid = dkv_cache.query_positions(dkv_cache.DecodeEvents(state), self.layout.gen_start)
     return Decision(full=full, queries=jnp.where(valid, index, self.layout.seq_len).astype(jnp.int32))
 
+  def _decide_shifted(self, state: jax.Array, context: Any) -> Decision:
+    """Dream's rule (`dkv_cache_dream`): the positions not cached, among [gen_start - 1, S) (a cached call never
+    computes an earlier one: the prompt's positions but its last are cached from call 1 on)."""
+    call = _step_in_block(self, context)
+    first = (call == 1) | (self.cache_type == "prefill")
+    cached = dkv_cache_dream.cached_positions(~state, self.shift_type, first)
+    start = self.layout.gen_start - 1
+    index, valid = ascending_positions(~cached[:, start:], self.layout.seq_len - start)
+    return Decision(full=dkv_cache_dream.is_full_call(call, self.cache_type, self.cache_reloading_step),
+                    queries=jnp.where(valid, index + start, self.layout.seq_len).astype(jnp.int32))
+
   def update(self, state: jax.Array, output: ForwardOutput, context: Any, decision: Decision) -> jax.Array:
-    del state, output, decision
+    del output, decision
+    if self.layout.logit_shift and self.cache_type == "prefill":
+      return jnp.where(_step_in_block(self, context) == 0, context.unresolved, state)
     return context.unresolved
 
 
@@ -87,10 +140,6 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
   def check(self, config: ModelConfig | None = None, family_name: str | None = None) -> None:
     """The knobs (the settings' check, also run at construction) and, for a run, the block layout."""
     self.check_knobs()
-    if config is not None and config.logit_shift:
-      raise ValueError("policy sparse_dllm does not run on a logit-shifted model (Dream) yet: the block's first "
-                       "position is read from the position before the block, which its calls do not compute "
-                       "(how the official Dream code gets it is UNVERIFIED).")
     if self.layout is not None and self.keep_sinks > self.layout.seq_len - self.layout.block_length:
       raise ValueError(f"sparse_dllm keep_sinks={self.keep_sinks} is more than the "
                        f"{self.layout.seq_len - self.layout.block_length} keys outside the block.")
@@ -134,11 +183,17 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
     return jnp.where(in_block | taken, s, sinks)
 
   def decide(self, state: jax.Array, context: Any) -> Decision:
-    start = _block_start(self, context)
-    block = start + jnp.arange(self.layout.block_length, dtype=jnp.int32)
-    queries = jnp.broadcast_to(block[None, :], (context.tokens.shape[0], self.layout.block_length))
-    return Decision(full=sparse_dllm.is_full_step(_step_in_block(self, context)), queries=queries,
-                    keys=jnp.swapaxes(state, 0, 1))
+    """Steps 0 and 1 of a block full; later the block's queries over the kept keys. On a logit-shifted model
+    (Dream) the position before the block is computed too (its output predicts the block's first position) and
+    left out of the kept keys (UNVERIFIED: the official Dream sampler is not in our index; guide)."""
+    shift = self.layout.logit_shift
+    start = _block_start(self, context) - shift
+    block = start + jnp.arange(self.layout.block_length + shift, dtype=jnp.int32)
+    queries = jnp.broadcast_to(block[None, :], (context.tokens.shape[0], block.shape[0]))
+    keys = jnp.swapaxes(state, 0, 1)
+    if shift:
+      keys = jnp.where(keys == start, self.layout.seq_len, keys)
+    return Decision(full=sparse_dllm.is_full_step(_step_in_block(self, context)), queries=queries, keys=keys)
 
   def update(self, state: jax.Array, output: ForwardOutput, context: Any, decision: Decision) -> jax.Array:
     scores = output.stats["query_key_scores"][:, :, 1]  # [L, B, S]

@@ -42,3 +42,14 @@ def init_cache(run, params, batch: int) -> KVCache | None:
   if run.family.options.cache == "none":
     return None
   return KVCache.zeros(run.config, batch, run.total_length, params["embed"]["embedding"].dtype)
+
+
+def check_policy_cache(cache: str, name: str) -> None:
+  """Refuses (one line) compute policy `name` with the prefix or dual cache: the policy keeps its own KV cache of
+  the S positions and decides which queries each call computes, while those caches' calls compute a fixed query
+  window over the family's cache (BUILD.md, "Compute policies with parallel decoding")."""
+  if cache != "none":
+    raise ValueError(f"policy {name!r} does not compose with cache={cache!r}: the policy keeps its own KV cache "
+                     "and chooses each call's queries itself; use cache='none' with it (sparse_dllm's calls after a "
+                     "block's second already compute only the block's queries over cached keys, as the dual cache "
+                     "does).")

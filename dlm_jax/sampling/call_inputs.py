@@ -24,7 +24,9 @@ class CallInputs:
   padding) queries, the ones the statistics sum over; key_valid: [B, S] bool, the keys the top sinks may be
   chosen among (not padding, written); bias: the call's padding `AttentionBias`; unresolved: [B, T] bool, the
   queries of the masked query group (`dlm_jax.instrument.stats.QUERY_GROUP_NAMES`), or None for those holding
-  the mask token (none without a mask id).
+  the mask token (none without a mask id); block_start, block_step: scalar int32, the sampler's current block
+  (its first sequence position) and the calls it has had before this one, for a compute policy
+  (`CallContext.block_start`), or None (a sampler without blocks).
   """
 
   tokens: jax.Array
@@ -33,6 +35,8 @@ class CallInputs:
   key_valid: jax.Array
   bias: AttentionBias = NO_BIAS
   unresolved: jax.Array | None = None
+  block_start: jax.Array | None = None
+  block_step: jax.Array | None = None
 
 
 @struct.dataclass

@@ -246,7 +246,8 @@ class DreamFamily(driver.MaskedDiffusionFamily):
     w0 = 0 if self.infill else lp
     x = carry.tokens
     key, sample_key, select_key = keys.split(carry.key, 3, run.row_keys)
-    result = run.caller(params, i, istate, CallInputs(x, consts.positions, consts.valid, consts.valid, consts.bias),
+    inputs = CallInputs(x, consts.positions, consts.valid, consts.valid, consts.bias, block_start=lp, block_step=i)
+    result = run.caller(params, i, istate, inputs,
                         Readout(window=logit_shift.output_window(w0, run.total_length, shift)))
     logits = logit_shift.target_logits(result.logits, w0, shift)
     x_win = x[:, w0:]
@@ -276,8 +277,12 @@ class DreamBlockwiseFamily(DreamFamily):
   proposals, its own phases, carry (current block, its steps, the KV cache), early finish and model calls."""
 
   name = "dream_blockwise"
-  runs_policies = False
+  runs_policies = True
   can_finish_early = True
+
+  def check_policy(self, name: str) -> None:
+    """Without a cache only (`blocks.check_policy_cache`)."""
+    blocks.check_policy_cache(self.options.cache, name)
 
   def phases(self, run) -> tuple[driver.Phase, ...]:
     return dream_blockwise.phases(self.options)
@@ -308,12 +313,15 @@ class DreamRuleFamily(llada_rules.RuleFamilyMixin, DreamFamily):
   logits and `sample_tokens` proposals: temperature, top-p and top-k as the options say)."""
 
   name = "dream_rules"
-  runs_policies = False
+  runs_policies = True
   can_finish_early = True
 
   def check(self, config: ModelConfig, intervention: Intervention) -> None:
     super().check(config, intervention)
     llada_rules.check(self, config, intervention)
+
+  def check_policy(self, name: str) -> None:
+    llada_rules.check_policy(self, name)
 
   def constants(self, run, sequence, layout):
     return llada_rules.constants(self, super().constants(run, sequence, layout))

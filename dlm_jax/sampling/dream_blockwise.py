@@ -120,14 +120,14 @@ def finished(family, run, carry, phase: driver.Phase) -> jax.Array:
 
 
 def _model_call(family, run, params, consts: padding.PaddingLayout, carry, istate, i, start, length: int,
-                window: tuple[int, int], logits_offset=0):
+                window: tuple[int, int], logits_offset, block):
   """The model on sequence positions [start, start + length) (a cached call when the options have a cache;
   start: int or traced), logits of the call's positions window = [w0, w1) moved by logits_offset (int or
-  traced). Returns the `CallResult`."""
+  traced); block: (first position, calls before this one) of the current block. Returns the `CallResult`."""
   x, cached = carry.tokens, family.options.cache != "none"
   inputs = CallInputs(_rows(x, start, length), _rows(consts.positions, start, length),
                       _rows(consts.valid, start, length), consts.valid,
-                      padding.query_rows(consts.bias, start, length))
+                      padding.query_rows(consts.bias, start, length), block_start=block[0], block_step=block[1])
   return run.caller(params, i, istate, inputs, Readout(window=window, offset=logits_offset),
                     CacheCall(carry.cache, start, x) if cached else None)
 
@@ -139,7 +139,7 @@ def open_block(family, run, params, consts: padding.PaddingLayout, carry, istate
   s = _block_start(run, o, block)
   x = carry.tokens
   key, sample_key = keys.split(carry.key, 2, run.row_keys)
-  result = _model_call(family, run, params, consts, carry, istate, i, 0, total, (lp - 1, lp), s - lp)
+  result = _model_call(family, run, params, consts, carry, istate, i, 0, total, (lp - 1, lp), s - lp, (s, 0))
   _, x0 = family.proposals(run, result.logits, sample_key)
   new_x = jax.lax.dynamic_update_slice_in_dim(x, x0, s, axis=1)
   decode_step = update_decode_step(carry.decode_step, x[:, lp:], new_x[:, lp:], family.mask_id, i)
@@ -195,7 +195,8 @@ def _block_step(family, run, params, consts: padding.PaddingLayout, carry, istat
     start, length, window, offset = s, total - s, (0, o.block - 1), 0
   else:
     start, length, window, offset = s, o.block, (0, o.block - 1), 0
-  result = _model_call(family, run, params, consts, carry, istate, i, start, length, window, offset)
+  result = _model_call(family, run, params, consts, carry, istate, i, start, length, window, offset,
+                       (s, carry.block_step))
   if o.threshold is not None or o.factor is not None:
     confidence, x0 = family.proposals(run, result.logits, sample_key)
     if o.factor is not None:

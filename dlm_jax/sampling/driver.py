@@ -72,7 +72,7 @@ class Family:
     padding_attention, shift_positions: the padding policy (`dlm_jax.sampling.padding`).
     can_finish_early: `finished` may be true (the driver then guards every call with a `lax.cond`).
     runs_policies: every call of the family reads the whole sequence with no KV cache of its own, so a compute
-      policy (`dlm_jax.policy`) can decide what it computes.
+      policy (`dlm_jax.policy`) can decide what it computes; `check_policy` refuses what its options cannot run.
 
   Every call of `open_phase` or `step` is one model evaluation ("step"); the driver numbers the steps it
   runs 0, 1, … (the `i` handed to the family) and writes step i's `StepOutput` at index i of the
@@ -131,6 +131,11 @@ class Family:
 
   def check(self, config: ModelConfig, intervention: Intervention) -> None:
     del config, intervention
+
+  def check_policy(self, name: str) -> None:
+    """Raises ValueError (one line) when compute policy `name` cannot run with this family's options (called
+    only when `runs_policies`)."""
+    del name
 
   def constants(self, run: Run, sequence: jax.Array, layout: padding.PaddingLayout) -> Any:
     del run, sequence
@@ -491,13 +496,15 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
   name = policy.NAME
   if not family.runs_policies:
     raise ValueError(f"policy {name!r} runs with the samplers whose every call reads the whole sequence (LLaDA, "
-                     f"MMaDA and Dream with exact decoding), not with {family.name}.")
+                     f"MMaDA and Dream: exact, threshold or factor decoding, decoding rules), not with {family.name}.")
+  family.check_policy(name)
   if hooks.enabled:
     raise ValueError(f"policy {name!r} does not run with activation hooks yet; leave them off.")
   gen = family.gen_length
   block = getattr(family.options, "block_length", gen) or gen
   steps_per_block = max(family.n_steps // max(gen // block, 1), 1)
-  bound = policy.bind(RunLayout(seq_len=total, gen_start=lp, block_length=block, steps_per_block=steps_per_block))
+  bound = policy.bind(RunLayout(seq_len=total, gen_start=lp, block_length=block, steps_per_block=steps_per_block,
+                                logit_shift=config.logit_shift))
   bound.check(config, family.name)
   return bound
 

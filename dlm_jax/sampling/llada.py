@@ -370,7 +370,8 @@ class LLaDAFamily(driver.MaskedDiffusionFamily):
                 jax.lax.dynamic_update_slice_in_dim(full_p, x0_p, start, axis=1))
       return propose
 
-    inputs = CallInputs(x, consts.layout.positions, consts.layout.valid, consts.layout.valid, consts.layout.bias)
+    inputs = CallInputs(x, consts.layout.positions, consts.layout.valid, consts.layout.valid, consts.layout.bias,
+                        block_start=block_start, block_step=s)
     result = run.caller(params, i, istate, inputs, Readout(hidden=True),
                         guidance=None if uncond is None else Guidance(uncond, consts.uncond_bias))
     earlier_mask = jnp.any((x == mask_id) & (jnp.arange(x.shape[1]) < block_start)[None, :])
@@ -389,8 +390,12 @@ class LLaDABlockwiseFamily(LLaDAFamily):
   finish and model calls."""
 
   name = "llada_blockwise"
-  runs_policies = False
+  runs_policies = True
   can_finish_early = True
+
+  def check_policy(self, name: str) -> None:
+    """Threshold and factor decoding without a cache only (`blocks.check_policy_cache`)."""
+    blocks.check_policy_cache(self.options.cache, name)
 
   def phases(self, run) -> tuple[driver.Phase, ...]:
     return llada_blockwise.phases(self.options)
@@ -418,11 +423,14 @@ class LLaDARuleFamily(llada_rules.RuleFamilyMixin, LLaDAFamily):
   """LLaDA / MMaDA under a decoding rule (`LLaDAOptions.rule`; `dlm_jax.sampling.llada_rules`)."""
 
   name = "llada_rules"
-  runs_policies = False
+  runs_policies = True
   can_finish_early = True
 
   def check(self, config, intervention) -> None:
     llada_rules.check(self, config, intervention)
+
+  def check_policy(self, name: str) -> None:
+    llada_rules.check_policy(self, name)
 
   def constants(self, run, sequence, layout):
     return llada_rules.constants(self, super().constants(run, sequence, layout))

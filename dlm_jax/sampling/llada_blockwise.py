@@ -108,9 +108,9 @@ def _rows(array, start, length):
   return jax.lax.dynamic_slice_in_dim(array, start, length, axis=1)
 
 
-def _model_call(family, run, params, consts, carry, istate, i, s, call: Call, step_key):
+def _model_call(family, run, params, consts, carry, istate, i, s, call: Call, step_key, block_step):
   """The step's model call: (CallResult with the block's logits [B, block, V] — the whole sequence's [B, S, V]
-  at a refresh of the capped dual cache — queries [2])."""
+  at a refresh of the capped dual cache — queries [2]). block_step: the calls block s has had before this one."""
   o, total, x, layout = family.options, run.total_length, carry.tokens, consts.layout
   if call == "prefix":
     start, length = s, total - s
@@ -124,7 +124,7 @@ def _model_call(family, run, params, consts, carry, istate, i, s, call: Call, st
   sequence_logits = call == "refresh" and _capped(o)
   inputs = CallInputs(x if whole else _rows(x, start, length), _rows(layout.positions, start, length),
                       _rows(layout.valid, start, length), layout.valid,
-                      padding.query_rows(layout.bias, start, length))
+                      padding.query_rows(layout.bias, start, length), block_start=s, block_step=block_step)
   readout = Readout(window=(0, total) if sequence_logits else (0, o.block),
                     offset=s if whole and not sequence_logits else 0)
   result = run.caller(params, i, istate, inputs, readout, None if cache is None else CacheCall(cache, start, x),
@@ -156,10 +156,11 @@ def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, c
     key = keys.keep_rows(active, key, carry.key)
   if call == "dual" and phase.arg is None:
     result, queries = jax.lax.cond(
-        fresh, lambda: _model_call(family, run, params, consts, carry, istate, i, s, "refresh", step_key),
-        lambda: _model_call(family, run, params, consts, carry, istate, i, s, "dual", step_key))
+        fresh, lambda: _model_call(family, run, params, consts, carry, istate, i, s, "refresh", step_key,
+                                    block_step),
+        lambda: _model_call(family, run, params, consts, carry, istate, i, s, "dual", step_key, block_step))
   else:
-    result, queries = _model_call(family, run, params, consts, carry, istate, i, s, call, step_key)
+    result, queries = _model_call(family, run, params, consts, carry, istate, i, s, call, step_key, block_step)
   x0, confidence = family._proposals(params, result.logits, result.uncond_logits, step_key, run.row_keys)
   chosen = _transfer(family, confidence, candidates, schedule, block_step)
   new_x = jax.lax.dynamic_update_slice_in_dim(x, jnp.where(chosen, x0, block_tokens), s, axis=1)
@@ -186,7 +187,7 @@ def _capped_dual_step(family, run, params, consts, carry, istate, i, s, schedule
   masked = x == mask_id
 
   def propose(call: Call):
-    result, queries = _model_call(family, run, params, consts, carry, istate, i, s, call, step_key)
+    result, queries = _model_call(family, run, params, consts, carry, istate, i, s, call, step_key, block_step)
     x0, confidence = family._proposals(params, result.logits, None, step_key, run.row_keys)
     if call == "refresh":
       candidates = masked & (position < s + o.block)

@@ -93,6 +93,15 @@ def check(family, config, intervention) -> None:
                      f"{config.vocab_size}; compute one for this tokenizer.")
 
 
+def check_policy(family, name: str) -> None:
+  """Refuses (one line) compute policy `name` under WINO: its calls append the block's verification copy (S + B
+  positions, which the policy's cache of the S positions does not hold) and it re-masks decoded tokens, which a
+  policy that caches decoded positions' keys and values (dkv_cache) would then never recompute."""
+  if isinstance(family.options.rule, dr.WINO):
+    raise ValueError(f"policy {name!r} does not run with decoding rule wino: its calls append a verification copy "
+                     "of the block and it re-masks decoded tokens; use eb, klass, pc or certainty_prior with it.")
+
+
 def bound(options) -> int:
   """The most calls a block takes under options.rule (module docstring)."""
   if isinstance(options.rule, (dr.EBSampler, dr.WINO)):
@@ -123,14 +132,15 @@ def _wino_bias(layout_bias: AttentionBias, total: int, block: int, block_start) 
   return AttentionBias(pairwise=pairwise, keys=keys_bias)
 
 
-def _call(family, run, params, consts, x, istate, i, s):
+def _call(family, run, params, consts, x, istate, i, s, block_step):
   """The step's model call: (CallResult with the generated positions' logits [B, G (+ B for WINO), V] — for a
   model with shifted logits (Dream) the outputs one position earlier, `dlm_jax.config.logit_shift` — and
-  queries [2])."""
+  queries [2]). s: the current block's first position; block_step: the calls it has had before this one."""
   o, lp, total, layout = family.options, run.prompt_length, run.total_length, consts.layout
   if not isinstance(o.rule, dr.WINO):
     shift = run.config.logit_shift
-    result = run.caller(params, i, istate, CallInputs(x, layout.positions, layout.valid, layout.valid, layout.bias),
+    result = run.caller(params, i, istate, CallInputs(x, layout.positions, layout.valid, layout.valid, layout.bias,
+                                                      block_start=s, block_step=block_step),
                         Readout(window=logit_shift.output_window(lp, total, shift)))
     result = result.replace(logits=logit_shift.target_logits(result.logits, lp, shift))
     return result, jnp.array([0, total], jnp.int32)
@@ -183,7 +193,7 @@ def step(family, run, params, consts, carry: RuleCarry, istate, i):
   if run.row_keys:
     key = keys.keep_rows(active, key, carry.key)
 
-  result, queries = _call(family, run, params, consts, x, istate, i, lp + block_start)
+  result, queries = _call(family, run, params, consts, x, istate, i, lp + block_start, carry.block_step)
   logits = result.logits[:, :g]
   revoked = jnp.zeros_like(candidates)
   updates = {}

@@ -107,6 +107,11 @@ class CallResult:
   outputs: StepOutput
 
 
+def _scalar(x) -> jax.Array | None:
+  """x as a scalar int32 array (None stays None)."""
+  return None if x is None else jnp.asarray(x, jnp.int32)
+
+
 def _split_rows(tree, batch: int):
   """Rows [0, batch) of the batch axis (axis 1) of [L', 2B, ...] statistics."""
   return jax.tree.map(lambda x: x[:, :batch], tree)
@@ -153,7 +158,8 @@ class ModelCaller:
     unresolved = inputs.unresolved
     if unresolved is None:
       unresolved = tokens == (-1 if self.mask_id is None else self.mask_id)
-    known = dict(unresolved=unresolved, query_valid=inputs.query_valid, gen_start=self.gen_start)
+    known = dict(unresolved=unresolved, query_valid=inputs.query_valid, gen_start=self.gen_start,
+                 block_start=_scalar(inputs.block_start), block_step=_scalar(inputs.block_step))
     offset = 0 if cache is None else cache.offset
     if cache is None:
       context = CallContext(step=jnp.asarray(step, jnp.int32), tokens=tokens, **known)

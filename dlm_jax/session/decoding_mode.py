@@ -28,6 +28,10 @@ until the block holds no mask) or `steps_per_block` (NVlabs' current code: at mo
 the refresh included; masks a block leaves compete at later blocks' refreshes and the output can end with
 mask ids); LLaDA and MMaDA only.
 
+Compute policies (--policy; `dlm_jax.policy`) run with exact, threshold, factor and factor_dllm decoding and the
+decoding rules but wino, not with the cache modes (the policy keeps its own KV cache and chooses each call's
+queries; docs/guides/compute_policies.md, "Decoding modes and Dream").
+
 Decoding rules. eb, klass, wino, pc and certainty_prior run the rules of `dlm_jax.sampling.decoding_rules`
 (EB-Sampler, KLASS, WINO, PC-Sampler, d2Cache's certainty prior) with their knobs (`experiments.common.decoding_flags`:
 --eb_gamma, --klass_*, --wino_*, --pc_prior / --pc_lambda / --pc_alpha / --pc_variant, --certainty_sigma;
@@ -133,9 +137,14 @@ class DecodingMode:
     if self.rule in decoding_rules.RULE_NAMES:
       self.decoding_rule()
     self.compute_policy()
-    if self.policy != "none" and not self.exact:
-      raise CombinationError(f"--policy={self.policy} runs with --decoding=exact for now, not "
-                             f"--decoding={self.decoding}")
+    if self.policy != "none" and self.cache != "none":
+      raise CombinationError(f"--policy={self.policy} does not compose with --decoding={self.decoding}: the policy "
+                             "keeps its own KV cache and chooses each call's queries; use --decoding=exact, threshold, "
+                             "factor, factor_dllm or a decoding rule")
+    if self.policy != "none" and self.decoding == "wino":
+      raise CombinationError(f"--policy={self.policy} does not run with --decoding=wino (its calls append a "
+                             "verification copy of the block and it re-masks decoded tokens); use eb, klass, pc or "
+                             "certainty_prior")
 
   def compute_policy(self) -> ComputePolicy:
     """The compute policy (`dlm_jax.policy`); a one-line error on a bad name or knob."""

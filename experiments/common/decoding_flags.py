@@ -41,7 +41,8 @@ _PC_VARIANT = flags.DEFINE_enum("pc_variant", "pc_sampler", list(dr.PC_VARIANTS)
                                 "PC-Sampler: the original rule, or Research dLLM's debias (no position term).")
 _POLICY = flags.DEFINE_string("policy", "none", "Compute policy: NAME or NAME:knob=value,... — none, dkv_cache, "
                               "sparse_dllm (statistics of one step decide what the next computes; "
-                              "docs/guides/compute_policies.md; with --decoding=exact).")
+                              "docs/guides/compute_policies.md; with --decoding exact, threshold, factor, "
+                              "factor_dllm or a decoding rule but wino; no cache mode).")
 _CERTAINTY_SIGMA = flags.DEFINE_float("certainty_sigma", dr.CertaintyPrior.sigma,
                                       "Certainty prior: the Gaussian's sigma in positions (> 0).")
 

@@ -9,7 +9,8 @@ resolved per task with a preset (`experiments.lm_eval.presets`).
                   klass_conf_threshold, klass_kl_threshold, klass_kl_history_length, wino_wide_in,
                   wino_narrow_out, pc_prior (a prior file), pc_lambda, pc_alpha, pc_variant, certainty_sigma
   policy          a compute policy while generating (`dlm_jax.policy`): none | dkv_cache | sparse_dllm, knobs after
-                  a colon and "+" between them (lm-eval splits on commas): sparse_dllm:keep_ratio=0.25+kernel_size=3
+                  a colon and "+" between them (lm-eval splits on commas): sparse_dllm:keep_ratio=0.25+kernel_size=3;
+                  with decoding exact, threshold, factor, factor_dllm or a rule but wino (no cache mode)
   gen_length, steps, block_length, temperature, remasking, alg, alg_temp, top_p, top_k
                   generation (`dlm_jax.session.decode_settings`; unset = its per-model defaults, gen_length
                   then the request's max_gen_toks)
