@@ -10,6 +10,8 @@ sliding-window pattern: their masks are built from contiguous query indices).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -19,10 +21,13 @@ from flax import struct
 class ComputeSubset:
   """queries: [B, T] int32 sequence positions of the call's T queries (ascending, padded with S); keys:
   [L, B, m] int32 cached positions each layer reads besides the queries' own (disjoint from them, padded with
-  S), or None for all S."""
+  S), or None for all S; reuse: a `dlm_jax.model.reuse_layers.LayerReuse` (queries then every position, keys
+  None): each layer recomputes its attention and feed-forward outputs at positions it chooses and reuses the
+  cached ones elsewhere (the forward returns a `ReuseCache`), or None."""
 
   queries: jax.Array
   keys: jax.Array | None = None
+  reuse: Any = None
 
 
 def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:

@@ -45,6 +45,7 @@ from dlm_jax.core.attention_bias import MASK_VALUE, AttentionBias
 from dlm_jax.model.attention_layer import AttentionCall
 from dlm_jax.model.block import SelfConditioning, block_stack
 from dlm_jax.model.cache import KVCache
+from dlm_jax.model import reuse_layers
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.primitives import EMBED_INIT, RMSNorm, linear
 from dlm_jax.model.rope import proportional_rope_tables, rope_tables
@@ -168,8 +169,11 @@ class Transformer(nnx.Module):
     if call.slots is not None:
       buffers = _stat_buffers(c, stats_spec, tokens.shape[0], n_keys, query_weights)
     capture_buffers = {} if sites is None else sites.buffers(x)
-    x, buffers, capture_buffers, ys, new_cache = self._run_layers(call, x, buffers, capture_buffers, per_layer,
-                                                                  _kind_caches(c, cache))
+    if subset is not None and subset.reuse is not None:
+      x, ys, new_cache = reuse_layers.run_layers(self, call, subset.reuse, x, per_layer, cache)
+    else:
+      x, buffers, capture_buffers, ys, new_cache = self._run_layers(call, x, buffers, capture_buffers, per_layer,
+                                                                    _kind_caches(c, cache))
     stats = buffers if call.slots is not None else ys
     window_start, offset = 0, model_call.logits_offset
     if model_call.logits_window is not None:

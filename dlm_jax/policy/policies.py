@@ -22,8 +22,9 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
 from dlm_jax.policy import dkv_cache, sparse_dllm
 from dlm_jax.policy.base import ComputePolicy, Decision
+from dlm_jax.policy.dllm_cache_policy import DLLMCache
 
-NOT_RUNNABLE = ("d2cache", "dllm_cache", "elastic_cache", "sparsed")
+NOT_RUNNABLE = ("d2cache", "elastic_cache", "sparsed")
 """Methods whose rules exist (`dlm_jax.policy.<name>`) but which cannot run as policies yet."""
 
 
@@ -153,4 +154,5 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
 
 
 POLICIES: dict[str, type[ComputePolicy]] = {"dkv_cache": DKVCache, "sparse_dllm": SparseDLLM}
+POLICIES["dllm_cache"] = DLLMCache
 """The runnable policies by name (`dlm_jax.policy.registry`)."""

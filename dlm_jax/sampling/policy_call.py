@@ -17,6 +17,7 @@ from dlm_jax.core.attention_bias import AttentionBias
 from dlm_jax.instrument.stats import ForwardOutput
 from dlm_jax.model.compute_subset import ComputeSubset, gather_rows, scatter_rows
 from dlm_jax.policy.base import Decision
+from dlm_jax.sampling import reuse_call
 from dlm_jax.sampling.call_inputs import Readout
 from dlm_jax.sampling.call_plan import PolicyState
 
@@ -95,6 +96,9 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
                                   rows), readout)
     return output.replace(hidden=placed) if readout.hidden else output.replace(logits=placed)
 
+  if decision.reuse is not None:
+    return reuse_call.reuse_forward(run, params, policy.cache, decision.reuse, tokens, positions, bias, weights,
+                                    readout)
   if decision.queries is None:
     return full(None)
   return jax.lax.cond(decision.full, full, subset, None)
