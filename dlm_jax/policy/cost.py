@@ -25,3 +25,11 @@ def trunk_flops(config: ModelConfig, rows: float, keys: float) -> float:
 def head_flops(config: ModelConfig, rows: float) -> float:
   """FLOPs of the LM head on `rows` positions."""
   return 2 * rows * config.d_model * config.vocab_size
+
+
+def reuse_layer_flops(config: ModelConfig, rows: float, keys: float, value_rows: float = 0) -> float:
+  """FLOPs of one layer of a reuse call (`dlm_jax.model.reuse_layers`, dLLM-Cache): `rows` positions
+  recomputed (projections, attention over `keys` keys, feed-forward), and the value projection of
+  `value_rows` further positions for the similarity (the response at an adaptive layer)."""
+  d, h, kv = config.d_model, config.head_dim, config.n_kv_heads
+  return 2 * layer_weights(config) * rows + 4 * rows * keys * config.n_heads * h + 2 * d * kv * h * value_rows
