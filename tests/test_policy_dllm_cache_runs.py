@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from dlm_jax.config import preset
+from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.model import KVCache, forward, init_params
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.reuse_layers import LayerReuse, ReuseCache
@@ -50,7 +51,7 @@ def _run(refresh_layer0: bool, rows: tuple[int, ...] = (0, 1)):
   policy = parse_policy(f"dllm_cache:prompt_interval_steps=3,gen_interval_steps=2,"  # every branch in 8 calls
                         f"transfer_ratio={RATIO[refresh_layer0]},refresh_layer0={refresh_layer0}")
   return llada.generate(params, prompt[list(rows)], config=CONFIG, options=OPTIONS, policy=policy,
-                        batch_invariant=True)
+                        batch_invariant=True, stats_spec=StatsSpec(incoming_attention=True, per_head=False))
 
 
 def _hook_layer(w, layer, x, cache, call, settings, prompt_length):
@@ -152,6 +153,8 @@ def test_a_run_replays_the_official_hooks(refresh_layer0):
   np.testing.assert_array_equal(recomputed[:, 0, 1].sum(-1), counts)
   assert recomputed[3, :, 1, :6].all()
   np.testing.assert_array_equal(recomputed[:, 0, 0].sum(-1), [14] * 8 if refresh_layer0 else counts)
+  incoming = np.asarray(trace.stats["incoming_attention"])  # [steps, L, B, S]: over each layer's recomputed queries
+  np.testing.assert_allclose(incoming.sum(-1), np.swapaxes(recomputed.sum(-1), 1, 2), rtol=1e-5)
 
 
 def test_a_row_alone_decodes_as_in_its_batch():
