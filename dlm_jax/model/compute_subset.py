@@ -26,12 +26,15 @@ class ComputeSubset:
   reads besides the queries' own (disjoint from them, padded with S), or None for all S; refresh: a
   `dlm_jax.model.layer_refresh.LayerRefresh` (keys None), or None: the layers from each row's first drifted one
   on recompute every position; key_blocks: a `KeyBlocks` ([L, B, N, nQb, m]: each layer's, head's and query
-  block's kept key blocks, SparseD) or None."""
+  block's kept key blocks, SparseD) or None; reuse: a `dlm_jax.model.reuse_layers.LayerReuse` (queries then every
+  position, keys None): each layer recomputes its attention and feed-forward outputs at positions it chooses and
+  reuses the cached ones elsewhere (the forward returns a `ReuseCache`), or None."""
 
   queries: jax.Array | None
   keys: jax.Array | None = None
   refresh: Any = None
   key_blocks: KeyBlocks | None = None
+  reuse: Any = None
 
 
 def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:

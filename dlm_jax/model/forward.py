@@ -13,6 +13,7 @@ from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
 from dlm_jax.core.attention_bias import NO_BIAS, AttentionBias
 from dlm_jax.model.attention import AttentionImpl
 from dlm_jax.model.cache import KVCache, cache_shapes
+from dlm_jax.model import reuse_layers
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.params import Params, graphdef
 from dlm_jax.model.transformer import ModelCall, head_logits
@@ -78,6 +79,13 @@ def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tupl
   if hooks is not None or stats_spec.routing:
     raise ValueError("forward(subset=...) does not run hooks or routing statistics (their positions are "
                      "contiguous); leave them off.")
+  if subset.reuse is not None:
+    reason = reuse_layers.check_config(config)
+    if reason is not None:
+      raise ValueError(f"forward(subset=ComputeSubset(reuse=...)): {reason}")
+    if subset.keys is not None or stats_spec.layers is not None:
+      raise ValueError("forward(subset=ComputeSubset(reuse=...)) reads every key at every layer and computes "
+                       "statistics at every layer; leave ComputeSubset.keys and StatsSpec.layers None.")
 
 
 def _check_key_blocks(config: ModelConfig, subset: ComputeSubset, shape: tuple[int, int]) -> None:
@@ -220,6 +228,10 @@ def forward(
       (not padded) queries; bidirectional models only, without hooks or routing statistics. With
       `key_blocks` instead (SparseD, `dlm_jax.model.block_sparse_attention`) every position is a query, no
       cache is needed, and each layer's heads read only their query block's kept key blocks.
+      With subset.reuse
+      (`dlm_jax.model.reuse_layers.LayerReuse`; tokens: the whole sequence, queries: every position) each
+      layer recomputes its attention and feed-forward at the positions it chooses, and the returned cache is
+      a `ReuseCache` (the KV cache, the attention and feed-forward outputs, each layer's recomputed positions).
     hooks: a `dlm_jax.instrument.hook_call.HookCall`: captures and edits at the named sites
       (`dlm_jax.instrument.sites`), in sequence coordinates of the S keys (a cached call's queries sit at
       cache_offset); None adds nothing to the program.

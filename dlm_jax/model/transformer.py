@@ -46,6 +46,7 @@ from dlm_jax.model import layer_refresh
 from dlm_jax.model.attention_layer import AttentionCall
 from dlm_jax.model.block import SelfConditioning, block_stack
 from dlm_jax.model.cache import KVCache
+from dlm_jax.model import reuse_layers
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.primitives import EMBED_INIT, RMSNorm, linear
 from dlm_jax.model.rope import proportional_rope_tables, rope_tables
@@ -175,6 +176,8 @@ class Transformer(nnx.Module):
     if subset is not None and subset.refresh is not None:
       x, ys, new_cache, refreshed = layer_refresh.run_layers(self, call, x, per_layer, _kind_caches(c, cache),
                                                              _run_layer)
+    elif subset is not None and subset.reuse is not None:
+      x, ys, new_cache = reuse_layers.run_layers(self, call, subset.reuse, x, per_layer, cache)
     else:
       x, buffers, capture_buffers, ys, new_cache = self._run_layers(call, x, buffers, capture_buffers, per_layer,
                                                                     _kind_caches(c, cache))

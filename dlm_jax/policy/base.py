@@ -21,11 +21,14 @@ decision it took. Protocol (every method has a do-nothing default here):
   bind(layout) -> ComputePolicy: the policy with the run's static `RunLayout` (sequence length, generation
     start, block length, steps per block); the driver binds it before anything else.
   init_state(config, batch) -> pytree, every array with the batch as its leading axis.
+  init_cache(config, batch, seq_len, dtype) -> the cache the model caller reads and rewrites (a `KVCache`
+    [L, B, S, K, H]; a reuse policy's `ReuseCache`), every array with the batch on axis 1.
   decide(state, context) -> Decision: `context` is the call's `CallContext` (step, tokens [B, S], the
     unresolved positions, gen_start).
   query_weights(state, context) -> [B, Q, T]: the weights of its own query groups (when its required_stats
     has query_groups Q > 0; e.g. the current block's queries for Sparse-dLLM's score).
-  update(state, output, context, decision) -> state: once after every model call.
+  update(state, output, context, decision) -> state: once after every model call (output.cache: the call's
+    new cache).
   record(state) -> pytree or None: what the policy decided, read from its state after each call
     (`Trace.policy_record`; e.g. Sparse-dLLM's kept keys).
 
@@ -45,6 +48,7 @@ from flax import struct
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
 from dlm_jax.model.block_sparse_attention import KeyBlocks
+from dlm_jax.model.cache import KVCache
 
 
 @struct.dataclass
@@ -58,8 +62,11 @@ class Decision:
   (without tokens and positions, which the caller fills) or None: the call always runs the queries through a
   layer refresh (full sets every row's start to layer 0) and the forward's `RefreshResult` reaches `update`
   as `output.refresh`; key_blocks: a `KeyBlocks` (`dlm_jax.model.block_sparse_attention`, [L, B, N, nQb, m] kept
-  key blocks per layer, head and query block, padded with nKb) each query block reads when not full — every query is computed, only the dropped blocks'
-  QK^T and PV are skipped (SparseD) — or None.
+  key blocks per layer, head and query block, padded with nKb) each query block reads when not full — every
+  query is computed, only the dropped blocks' QK^T and PV are skipped (SparseD) — or None; reuse: a
+  `ReuseSchedule` (per-layer reuse of attention and feed-forward outputs, positions chosen inside the forward at
+  each layer; the policy's cache is then a `dlm_jax.model.reuse_layers.ReuseCache`,
+  `ComputePolicy.init_cache`), or None.
   """
 
   full: jax.Array
@@ -67,6 +74,21 @@ class Decision:
   keys: jax.Array | None = None
   refresh: Any = None
   key_blocks: KeyBlocks | None = None
+  reuse: Any = None
+
+
+@struct.dataclass
+class ReuseSchedule:
+  """`Decision.reuse` (`dlm_jax.model.reuse_layers`): prompt, gen: scalar bool, the prompt [0, P) / the
+  response [P, S) recomputed at every layer after the first; prompt_length: P; count: response positions each
+  layer whose response is not recomputed adds by its own statistic; first_layer_full: layer 0 recomputes
+  everything (static)."""
+
+  prompt: jax.Array
+  gen: jax.Array
+  prompt_length: int = struct.field(pytree_node=False)
+  count: int = struct.field(pytree_node=False)
+  first_layer_full: bool = struct.field(pytree_node=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +131,10 @@ class ComputePolicy:
     """The traced state for a batch of B rows (the run's facts are in `layout`)."""
     del config, batch
     return ()
+
+  def init_cache(self, config: ModelConfig, batch: int, seq_len: int, dtype: Any = jnp.float32) -> Any:
+    """The cache of a batch of B rows of S positions: a `KVCache` (a reuse policy: its `ReuseCache`)."""
+    return KVCache.zeros(config, batch, seq_len, dtype)
 
   def query_weights(self, state: Any, context: Any) -> jax.Array | None:
     """[B, Q, T] weights of the policy's own query groups when its required_stats has query_groups Q > 0."""

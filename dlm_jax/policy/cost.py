@@ -46,3 +46,11 @@ def block_sparse_flops(config: ModelConfig, seq_len: int, block_size: int, kept_
   rows = -(-seq_len // block_size) * block_size
   attention = 4 * rows * kept_blocks * block_size * config.n_heads * config.head_dim
   return config.n_layers * (2 * layer_weights(config) * seq_len + attention)
+
+
+def reuse_layer_flops(config: ModelConfig, rows: float, keys: float, value_rows: float = 0) -> float:
+  """FLOPs of one layer of a reuse call (`dlm_jax.model.reuse_layers`, dLLM-Cache): `rows` positions
+  recomputed (projections, attention over `keys` keys, feed-forward), and the value projection of
+  `value_rows` further positions for the similarity (the response at an adaptive layer)."""
+  d, h, kv = config.d_model, config.head_dim, config.n_kv_heads
+  return 2 * layer_weights(config) * rows + 4 * rows * keys * config.n_heads * h + 2 * d * kv * h * value_rows

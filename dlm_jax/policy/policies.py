@@ -25,11 +25,12 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
 from dlm_jax.policy import dkv_cache, dkv_cache_dream, sparse_dllm
 from dlm_jax.policy.base import ComputePolicy, Decision
+from dlm_jax.policy.dllm_cache_policy import DLLMCache
 from dlm_jax.policy.elastic_cache_policy import ElasticCache
-from dlm_jax.policy.sparsed_policy import SparseD
 from dlm_jax.policy.positions import ascending_positions
+from dlm_jax.policy.sparsed_policy import SparseD
 
-NOT_RUNNABLE = ("d2cache", "dllm_cache")
+NOT_RUNNABLE = ("d2cache",)
 """Methods whose rules exist (`dlm_jax.policy.<name>`) but which cannot run as policies yet."""
 
 
@@ -210,5 +211,6 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
 
 
 POLICIES: dict[str, type[ComputePolicy]] = {"dkv_cache": DKVCache, "sparse_dllm": SparseDLLM,
-                                             "elastic_cache": ElasticCache, "sparsed": SparseD}
+                                             "elastic_cache": ElasticCache, "sparsed": SparseD,
+                                             "dllm_cache": DLLMCache}
 """The runnable policies by name (`dlm_jax.policy.registry`)."""

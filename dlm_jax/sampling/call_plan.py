@@ -35,7 +35,7 @@ from dlm_jax.instrument.hook_call import COMMITTED, DECODED, MASKED, PROMPT, VAL
 from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks
 from dlm_jax.instrument.interventions import NO_INTERVENTION, CallContext, Intervention
 from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec, merge_specs
-from dlm_jax.model import KVCache, forward
+from dlm_jax.model import forward
 from dlm_jax.policy.base import NO_POLICY, ComputePolicy, Decision
 from dlm_jax.sampling.stats_plan import StatsPlan
 
@@ -52,10 +52,11 @@ class HookState:
 @struct.dataclass
 class PolicyState:
   """state: the compute policy's own state (batch-leading arrays); cache: the `KVCache` [L, B, S, K, H] its
-  query and key subsets read (every position's keys and values as last computed)."""
+  query and key subsets read (every position's keys and values as last computed), or the policy's own cache
+  (`ComputePolicy.init_cache`; a reuse policy's `ReuseCache`), batch on axis 1."""
 
   state: Any
-  cache: KVCache
+  cache: Any
 
 
 @struct.dataclass
@@ -133,7 +134,7 @@ class CallPlan:
     policy = None
     if self.policy.enabled:
       policy = PolicyState(state=self.policy.init_state(self.config, batch),
-                           cache=KVCache.zeros(self.config, batch, seq_len, dtype))
+                           cache=self.policy.init_cache(self.config, batch, seq_len, dtype))
     return CallState(intervention=intervention_state, hooks=hooks, policy=policy)
 
   def prepare(self, state: CallState, context: CallContext, sampler_weights: Callable[[], jax.Array] | None,
@@ -183,7 +184,7 @@ class CallPlan:
                                                                                offset, axis=1))
     policy = state.policy
     if policy is not None:
-      policy_output = self.stats.policy_output(output).replace(refresh=output.refresh)
+      policy_output = self.stats.policy_output(output).replace(refresh=output.refresh, cache=output.cache)
       policy = PolicyState(state=self.policy.update(policy.state, policy_output, context, decision),
                            cache=output.cache)
     return CallState(intervention=istate, hooks=hooks, policy=policy)

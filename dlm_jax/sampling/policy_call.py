@@ -20,6 +20,7 @@ from dlm_jax.instrument.stats import ForwardOutput
 from dlm_jax.model.block_sparse_attention import block_keys_read
 from dlm_jax.model.compute_subset import ComputeSubset, gather_rows, scatter_rows
 from dlm_jax.policy.base import Decision
+from dlm_jax.sampling import reuse_call
 from dlm_jax.sampling.call_inputs import Readout
 from dlm_jax.sampling.call_plan import PolicyState
 
@@ -106,6 +107,9 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
                logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden,
                subset=ComputeSubset(None, key_blocks=decision.key_blocks))
 
+  if decision.reuse is not None:
+    return reuse_call.reuse_forward(run, params, policy.cache, decision.reuse, tokens, positions, bias, weights,
+                                    readout)
   if decision.key_blocks is not None:
     return jax.lax.cond(decision.full, full, blocks, None)
   if decision.queries is None:

@@ -73,7 +73,7 @@ def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: j
 
   Arrays with a batch axis (tokens, positions [B, T], query_weights [B, Q, T], the bias's [B, ...] or
   [L, B, ...] arrays, the cache's [L, B, S, K, H], the `DecoderCall`'s self-conditioning inputs, a compute
-  policy's `ComputeSubset` — queries [B, T], keys [L, B, m]) are split by
+  policy's `ComputeSubset` — queries [B, T], keys [L, B, m], a reuse's cached outputs [L, B, S, D]) are split by
   row; a bias array broadcast over the batch (size 1) is shared. `static` holds forward's other keyword
   arguments (config, stats_spec, logits_window, logits_offset, attention_impl, query_chunk, cache_offset,
   return_hidden), the same for every row. Returns the `ForwardOutput` of the whole batch: logits and hidden
@@ -101,9 +101,10 @@ def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: j
                                 start=_split(refresh.start, 0), tokens=_split(refresh.tokens, 0),
                                 positions=_split(refresh.positions, 0))
     rows["subset"] = ComputeSubset(None if subset.queries is None else _split(subset.queries, 0),
-                                   None if subset.keys is None else _split(subset.keys, 1), refresh,
-                                   None if subset.key_blocks is None else jax.tree.map(lambda a: _split(a, 1),
-                                                                                       subset.key_blocks))
+                                   None if subset.keys is None else _split(subset.keys, 1), refresh=refresh,
+                                   key_blocks=None if subset.key_blocks is None else jax.tree.map(
+                                       lambda a: _split(a, 1), subset.key_blocks),
+                                   reuse=jax.tree.map(lambda a: _split(a, 1), subset.reuse))
   rebuild_hooks = None
   if hooks is not None:
     rows["hooks"], rebuild_hooks = row_slices(hooks)
