@@ -10,9 +10,9 @@ exact decoding) under one compute policy (`dlm_jax.policy`): `none`; `dkv_cache`
 (cache_reloading_step); `sparse_dllm` at each --keep_ratios × --keep_sinks (the previous step's top-K sinks kept
 beside the scored keys: `keep_sinks`, ours); every other runnable method at its published defaults; and each
 --condition (a whole policy text, repeatable). Per item it records whether the answer is correct, the model calls,
-the trunk FLOPs the calls computed (`dlm_jax.policy.cost.trunk_flops` of each step's computed positions and the
-keys they read, `Trace.computed_positions` / `Trace.keys_read`; the LM head is the same for every policy and
-left out) and the item's share of its batch's wall time. Results: results.jsonl (one line per model, condition
+the trunk FLOPs the calls computed (each policy's analytic count, `ComputePolicy.call_flops`, of each step's
+`Trace.computed_positions`, `Trace.keys_read` and `Trace.policy_record`; the LM head is the same for every
+policy and left out) and the item's share of its batch's wall time. Results: results.jsonl (one line per model, condition
 and item; a killed run resumes), summary.json / summary.md (per condition: accuracy, its change against
 `none`, FLOPs per generated token and their ratio to `none`, calls, seconds), and per model a Pareto figure
 (accuracy against FLOPs, one point per condition, labelled; the non-dominated ones joined).
@@ -24,12 +24,13 @@ import dataclasses
 import os
 import time
 
+import jax
 import numpy as np
 from absl import flags
 
 from dlm_jax.analysis import policy_metrics
 from dlm_jax.instrument.stats import StatsSpec
-from dlm_jax.policy import cost
+from dlm_jax.policy.base import RunLayout
 from dlm_jax.policy.registry import parse_policy, policy_names
 from dlm_jax.runtime import distributed
 from dlm_jax.session import decode_settings
@@ -107,10 +108,15 @@ def _numbers(name: str, values: list[str], kind: type) -> tuple:
     raise cli.UserError(f"--{name}={','.join(values)}: expected {kind.__name__} values") from None
 
 
-def item_flops(config, computed: np.ndarray, keys: np.ndarray, row: int) -> float:
-  """Trunk FLOPs one row's calls computed: computed [steps, B, S] bool, keys [steps, B] (keys per query)."""
-  rows = computed[:, row].sum(axis=-1).astype(np.float64)
-  return float(sum(cost.trunk_flops(config, r, k) for r, k in zip(rows, keys[:, row].astype(np.float64))))
+def item_flops(config, policy, computed: np.ndarray, keys: np.ndarray, records, row: int) -> float:
+  """Trunk FLOPs one row's calls computed, as the (bound) policy counts them (`ComputePolicy.call_flops`):
+  computed [steps, B, S] bool, keys [steps, B] (keys per query), records: `Trace.policy_record` with a leading
+  steps axis, or None."""
+  total = 0.0
+  for step in range(computed.shape[0]):
+    record = None if records is None else jax.tree.map(lambda x: np.asarray(x)[step, row], records)
+    total += policy.call_flops(config, computed[step, row], float(keys[step, row]), record)
+  return total
 
 
 def run_model(settings: Settings, model, runtime, log) -> dict:
@@ -138,17 +144,21 @@ def run_model(settings: Settings, model, runtime, log) -> dict:
       else:
         computed = np.asarray(trace.computed_positions)[:n_steps]
         keys = np.asarray(trace.keys_read)[:n_steps]
-      sparse_dllm_record = trace.policy_record is not None and condition.startswith("sparse_dllm")  # kept keys
-      kept_keys = np.asarray(trace.policy_record)[:n_steps] if sparse_dllm_record else None
+      records = None if trace.policy_record is None else jax.tree.map(lambda x: np.asarray(x)[:n_steps],
+                                                                      trace.policy_record)
+      kept_keys = records if condition.startswith("sparse_dllm") else None  # Sparse-dLLM's record: kept keys
       incoming = np.asarray(trace.stats["incoming_attention"])[:n_steps]
       block = values["block_length"]
       per_block = values["steps"] // max(values["gen_length"] // block, 1)
+      policy = parse_policy(condition).bind(RunLayout(seq_len=s, gen_start=s - values["gen_length"],
+                                                      block_length=block, steps_per_block=per_block,
+                                                      logit_shift=model.config.logit_shift))
       for row, item in enumerate(batch.items):
         if done(item, condition):
           continue
         _, text = prompts.completion(model, generated[row])
         record = {"model": model.label, "policy": condition, "item": item.id, "nfe": n_steps, "seq_len": s,
-                  "flops": item_flops(model.config, computed, keys, row), "gen_length": values["gen_length"],
+                  "flops": item_flops(model.config, policy, computed, keys, records, row), "gen_length": values["gen_length"],
                   "seconds": seconds / len(batch.items), "completion": text,
                   "dropped_attention": policy_metrics.dropped_attention(incoming, kept_keys, row,
                                                                         s - values["gen_length"], block, per_block),

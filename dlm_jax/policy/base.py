@@ -31,6 +31,9 @@ decision it took. Protocol (every method has a do-nothing default here):
     new cache).
   record(state) -> pytree or None: what the policy decided, read from its state after each call
     (`Trace.policy_record`; e.g. Sparse-dLLM's kept keys).
+  call_flops(config, computed, keys, record) -> float: the analytic trunk FLOPs one row's call computed, from
+    its `Trace` entries (host arrays); the default counts the computed positions through every layer, each
+    reading `keys` keys (`dlm_jax.policy.cost.trunk_flops`).
 
 A policy never changes what statistics and captures mean: they stay in sequence coordinates, and the caller
 reports which positions a call computed (`StepOutput.computed`).
@@ -43,12 +46,14 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
 from dlm_jax.model.block_sparse_attention import KeyBlocks
 from dlm_jax.model.cache import KVCache
+from dlm_jax.policy import cost
 
 
 @struct.dataclass
@@ -149,6 +154,13 @@ class ComputePolicy:
     None for nothing."""
     del state
     return None
+
+  def call_flops(self, config: ModelConfig, computed: np.ndarray, keys: float, record: Any) -> float:
+    """Trunk FLOPs (no LM head) of one row's call: computed [S] bool (its `Trace.computed_positions`), keys:
+    the keys each computed query read (`Trace.keys_read`), record: its `Trace.policy_record` at the call, or
+    None."""
+    del record
+    return cost.trunk_flops(config, float(np.sum(computed)), float(keys))
 
   def decide(self, state: Any, context: Any) -> Decision:
     del state, context

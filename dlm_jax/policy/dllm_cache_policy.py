@@ -10,11 +10,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import ForwardOutput
 from dlm_jax.model.reuse_layers import ReuseCache, check_config
-from dlm_jax.policy import dllm_cache
+from dlm_jax.policy import cost, dllm_cache
 from dlm_jax.policy.base import ComputePolicy, Decision, ReuseSchedule
 
 
@@ -40,6 +41,14 @@ class DLLMCache(dllm_cache.DLLMCacheSettings, ComputePolicy):
 
   def init_cache(self, config: ModelConfig, batch: int, seq_len: int, dtype: Any = jnp.float32) -> ReuseCache:
     return ReuseCache.zeros(config, batch, seq_len, dtype)
+
+  def call_flops(self, config: ModelConfig, computed: np.ndarray, keys: float, record: np.ndarray) -> float:
+    """Per layer its recomputed positions (record [L, S]) over all S keys, plus the value projection of the
+    response at a layer that chose its positions (one that did not recompute the whole response)."""
+    del computed, keys
+    s, p = record.shape[-1], self.layout.gen_start
+    return float(sum(cost.reuse_layer_flops(config, float(np.sum(layer)), s,
+                                            value_rows=0 if np.all(layer[p:]) else s - p) for layer in record))
 
   def record(self, state: jax.Array) -> jax.Array:
     """[B, L, S] bool: per layer, the positions whose Q, K, attention and feed-forward outputs the call

@@ -21,11 +21,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
 from dlm_jax.model.layer_refresh import LayerRefresh
+from dlm_jax.policy import cost
 from dlm_jax.policy import elastic_cache as ec
 from dlm_jax.policy.base import ComputePolicy, Decision
 from dlm_jax.policy.positions import ascending_positions
@@ -139,6 +141,14 @@ class ElasticCache(ComputePolicy):
     return ElasticState(was_unresolved=context.unresolved, tracked=jnp.where(valid, tracked, s).astype(jnp.int32),
                         hidden=jnp.swapaxes(output.refresh.hidden, 0, 1).astype(state.hidden.dtype),
                         start=output.refresh.start, queries=decision.queries)
+
+  def call_flops(self, config: ModelConfig, computed: np.ndarray, keys: float, record: dict) -> float:
+    """`cost.layer_refresh_flops`: the call's queries below its refresh start, every position from it on, and
+    the drift test of the tracked slots (L × track_num) at every layer."""
+    del computed, keys
+    s = self.layout.seq_len
+    rows = float(np.sum(np.asarray(record["queries"]) < s))
+    return cost.layer_refresh_flops(config, rows, s, config.n_layers * self.track_num, int(record["refresh_start"]))
 
   def record(self, state: ElasticState) -> dict:
     """{"refresh_start": [B] int32, the call's first layer recomputed for every position (L: none, 0: the
