@@ -5,6 +5,10 @@ import json
 
 import numpy as np
 
+from dlm_jax.policy.registry import parse_policy
+from dlm_jax.session import checkpoint_bundle
+from experiments.common import decoding
+
 try:
   from tests import experiments_fixtures as fx
 except ImportError:
@@ -37,3 +41,9 @@ def test_sink_token_end_to_end(tmp_path):
   assert summary["eval"]["front"]["sink_value_norm_per_layer"][0] > 0
   for name in ("loss_curves.png", "sink_mass_per_layer.png", "value_norms_per_layer.png", "summary.md"):
     assert (out / name).stat().st_size > 0
+  # a key-subset compute policy always keeps the extra sink token of a model trained with one
+  bundles = {v: checkpoint_bundle.describe(v, str(out / "models" / v), "auto", "auto") for v in ("none", "front")}
+  policy = parse_policy("sparse_dllm:keep_ratio=0.25")
+  assert decoding.sink_token_kept(bundles["front"], policy).keep_first == 1
+  assert decoding.sink_token_kept(bundles["none"], policy) == policy
+  assert decoding.sink_token_kept(bundles["front"], parse_policy("dkv_cache")) == parse_policy("dkv_cache")

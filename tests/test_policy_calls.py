@@ -183,6 +183,22 @@ def test_keeping_the_sinks_adds_nothing_when_every_key_is_kept():
     llada.generate(params, prompt, config=CONFIG, options=OPTIONS, policy=parse_policy("sparse_dllm:keep_sinks=99"))
 
 
+def test_the_first_positions_are_kept_beside_the_scored_keys():
+  """keep_first (the extra sink token's position 0): at each selection step every layer keeps positions
+  0 .. keep_first − 1 besides the official scored keys, which are those of the official rule."""
+  params, prompt = _setup()
+  runs = [llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
+                         policy=parse_policy(f"sparse_dllm:keep_ratio=0.2,tie_break=lowest_position{extra}"))
+          for extra in ("", ",keep_first=2")]
+  n_keep = runs[0].policy_record.shape[-1]
+  first = np.asarray(runs[1].policy_record[1])  # step 1: the first block's selection, same canvas in both runs
+  np.testing.assert_array_equal(first[..., :n_keep], np.asarray(runs[0].policy_record[1]))
+  for row in first.reshape(-1, first.shape[-1]):
+    assert {0, 1} <= set(row.tolist()), row
+  with pytest.raises(ValueError, match="keep_first must be an integer >= 0"):
+    parse_policy("sparse_dllm:keep_first=-1")
+
+
 def test_dropped_attention_is_the_share_of_the_mass_outside_the_block_on_dropped_keys():
   rng = np.random.default_rng(0)
   steps, layers, s, block, per_block, width = 8, 2, 10, 2, 4, 4  # blocks at 4..5 and 6..7, selection steps 1, 5

@@ -123,27 +123,35 @@ class DKVCache(dkv_cache.DKVCacheSettings, ComputePolicy):
 
 @dataclasses.dataclass(frozen=True)
 class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
-  """Sparse-dLLM as a policy: state [B, L, n_keep + keep_sinks] int32, each layer's kept keys chosen at step 1
-  of the current block from the score of the block's mean query against every key (`query_key_scores`).
+  """Sparse-dLLM as a policy: state [B, L, n_keep + keep_sinks + keep_first] int32, each layer's kept keys
+  chosen at step 1 of the current block from the score of the block's mean query against every key
+  (`query_key_scores`).
 
   keep_sinks (ours, not the paper's: "sinks in the loop"): also keep, per layer, the keys among the K with the
   most incoming attention at that step (summed over every query, head mean: the attention-sinks papers'
   metric) that the score did not keep and that lie outside the block (0: the official rule).
+  keep_first (ours): also keep the sequence's first keep_first positions (outside the block) — the extra sink
+  token of a model trained with one (paper B) sits at position 0, and the binaries keep it (keep_first >= 1)
+  whenever such a model decodes under this policy (0: the official rule).
   """
 
   keep_sinks: int = 0
+  keep_first: int = 0
 
   def check_knobs(self) -> None:
     sparse_dllm.SparseDLLMSettings.check(self)
-    if isinstance(self.keep_sinks, bool) or not isinstance(self.keep_sinks, int) or self.keep_sinks < 0:
-      raise ValueError(f"sparse_dllm keep_sinks must be an integer >= 0, got {self.keep_sinks!r}.")
+    for name in ("keep_sinks", "keep_first"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"sparse_dllm {name} must be an integer >= 0, got {value!r}.")
 
   def check(self, config: ModelConfig | None = None, family_name: str | None = None) -> None:
     """The knobs (the settings' check, also run at construction) and, for a run, the block layout."""
     self.check_knobs()
-    if self.layout is not None and self.keep_sinks > self.layout.seq_len - self.layout.block_length:
-      raise ValueError(f"sparse_dllm keep_sinks={self.keep_sinks} is more than the "
-                       f"{self.layout.seq_len - self.layout.block_length} keys outside the block.")
+    for name in ("keep_sinks", "keep_first"):
+      if self.layout is not None and getattr(self, name) > self.layout.seq_len - self.layout.block_length:
+        raise ValueError(f"sparse_dllm {name}={getattr(self, name)} is more than the "
+                         f"{self.layout.seq_len - self.layout.block_length} keys outside the block.")
     if self.layout is not None and self.layout.block_length >= self.layout.seq_len:
       raise ValueError("policy sparse_dllm keeps keys outside the current block; the block covers the whole "
                        "sequence here.")
@@ -159,10 +167,11 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
     return sparse_dllm.keep_count(layout.seq_len, layout.block_length, self.keep_ratio)
 
   def init_state(self, config: ModelConfig, batch: int) -> jax.Array:
-    return jnp.full((batch, config.n_layers, self._n_keep() + self.keep_sinks), self.layout.seq_len, jnp.int32)
+    return jnp.full((batch, config.n_layers, self._n_keep() + self.keep_sinks + self.keep_first), self.layout.seq_len,
+                    jnp.int32)
 
   def record(self, state: jax.Array) -> jax.Array:
-    """[B, L, n_keep + keep_sinks] int32: each layer's kept keys for the current block (S: none)."""
+    """[B, L, n_keep + keep_sinks + keep_first] int32: each layer's kept keys for the current block (S: none)."""
     return state
 
   def query_weights(self, state: jax.Array, context: Any) -> jax.Array:
@@ -182,6 +191,13 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
     in_block = (sinks >= start) & (sinks < start + self.layout.block_length)
     taken = jnp.any(sinks[..., :, None] == kept[..., None, :], axis=-1)
     return jnp.where(in_block | taken, s, sinks)
+
+  def _first(self, kept: jax.Array, start: jax.Array) -> jax.Array:
+    """[L, B, keep_first] int32: positions 0 .. keep_first − 1, S where already kept or in the block."""
+    first = jnp.broadcast_to(jnp.arange(self.keep_first, dtype=jnp.int32), kept.shape[:-1] + (self.keep_first,))
+    in_block = (first >= start) & (first < start + self.layout.block_length)
+    taken = jnp.any(first[..., :, None] == kept[..., None, :], axis=-1)
+    return jnp.where(in_block | taken, self.layout.seq_len, first)
 
   def decide(self, state: jax.Array, context: Any) -> Decision:
     """Steps 0 and 1 of a block full; later the block's queries over the kept keys. On a logit-shifted model
@@ -205,6 +221,8 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
                         for layer_scores in scores])  # one layer at a time: the torch top-k replay
       if self.keep_sinks:
         kept = jnp.concatenate([kept, self._sinks(output, kept, start)], axis=-1)
+      if self.keep_first:
+        kept = jnp.concatenate([kept, self._first(kept, start)], axis=-1)
       return jnp.swapaxes(kept, 0, 1)
 
     return jax.lax.cond(sparse_dllm.is_selection_step(_step_in_block(self, context)), choose, lambda: state)

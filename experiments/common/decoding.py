@@ -12,6 +12,7 @@ every sampler call gets one key per row (`batch_key`; `dlm_jax.sampling.keys`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 from typing import Any
@@ -65,6 +66,14 @@ def combined_intervention(model: Model, intervention=None):
   return parts[0] if len(parts) == 1 else interventions.Compose(tuple(parts))
 
 
+def sink_token_kept(model: Model, policy):
+  """The compute policy with the model's extra sink token (position 0) always among a key subset's kept keys:
+  `keep_first` raised to 1 for a model trained with one (a policy without that knob keeps every key)."""
+  if model.sink_token == "none" or not hasattr(policy, "keep_first"):
+    return policy
+  return dataclasses.replace(policy, keep_first=max(policy.keep_first, 1))
+
+
 def check_finite(trace, rows: list[str] | None = None) -> None:
   """Refuses (a one-line `UserError` naming the row and the step) a `Trace` whose logits went NaN or
   infinite at some step (`Trace.first_nonfinite_step`, gathered from every process); rows: names of the
@@ -114,7 +123,7 @@ def sampler(model: Model, values: dict[str, Any], prompts: Prompts, runtime: dev
                 intervention=intervention, intervention_state=intervention_state,
                 attention_impl=numerics.attention_impl, query_chunk=numerics.query_chunk,
                 batch_invariant=numerics.batch_invariant)
-  policy = DecodingMode.from_record(values).compute_policy()
+  policy = sink_token_kept(model, DecodingMode.from_record(values).compute_policy())
   if policy.enabled:
     kwargs["policy"] = policy
   return functools.partial(model.decoder.generate, model.params if params is None else params, prompt, **kwargs)
