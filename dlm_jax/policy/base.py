@@ -56,6 +56,11 @@ from dlm_jax.model.cache import KVCache
 from dlm_jax.policy import cost
 
 
+class PolicyError(ValueError):
+  """A compute policy that cannot run with this run (the model, the sampler and its options, hooks, the
+  layout): one line naming the setting and what is allowed. Raised before anything is compiled."""
+
+
 @struct.dataclass
 class Decision:
   """What one model call computes (module docstring).

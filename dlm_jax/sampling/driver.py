@@ -29,7 +29,7 @@ from dlm_jax.instrument import step_schedule
 from dlm_jax.instrument.hook_call import HookValues
 from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks
 from dlm_jax.instrument.interventions import NO_INTERVENTION, Intervention
-from dlm_jax.policy.base import NO_POLICY, ComputePolicy, RunLayout
+from dlm_jax.policy.base import NO_POLICY, ComputePolicy, PolicyError, RunLayout
 from dlm_jax.sampling import capture_steps, keys, padding, row_by_row
 from dlm_jax.sampling.call_plan import CallPlan
 from dlm_jax.sampling.model_call import ModelCaller, StepOutput
@@ -488,24 +488,31 @@ def run_family(
 
 def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp: int, total: int,
                  hooks: Hooks) -> ComputePolicy:
-  """The policy bound to this run's `RunLayout`, after refusing (one line) what it cannot run with."""
+  """The policy bound to this run's `RunLayout`, after refusing (one line, a `PolicyError`) what it cannot run
+  with."""
   if not isinstance(policy, ComputePolicy):
     raise ValueError(f"policy must be a dlm_jax.policy ComputePolicy, got {type(policy).__name__}.")
   if not policy.enabled:
     return policy
   name = policy.NAME
-  if not family.runs_policies:
-    raise ValueError(f"policy {name!r} runs with the samplers whose every call reads the whole sequence (LLaDA, "
-                     f"MMaDA and Dream: exact, threshold or factor decoding, decoding rules), not with {family.name}.")
-  family.check_policy(name)
-  if hooks.enabled:
-    raise ValueError(f"policy {name!r} does not run with activation hooks yet; leave them off.")
-  gen = family.gen_length
-  block = getattr(family.options, "block_length", gen) or gen
-  steps_per_block = max(family.n_steps // max(gen // block, 1), 1)
-  bound = policy.bind(RunLayout(seq_len=total, gen_start=lp, block_length=block, steps_per_block=steps_per_block,
-                                logit_shift=config.logit_shift))
-  bound.check(config, family.name)
+  try:
+    if not family.runs_policies:
+      raise ValueError(f"policy {name!r} runs with the samplers whose every call reads the whole sequence (LLaDA, "
+                       f"MMaDA and Dream: exact, threshold or factor decoding, decoding rules), not with "
+                       f"{family.name}.")
+    family.check_policy(name)
+    if hooks.enabled:
+      raise ValueError(f"policy {name!r} does not run with activation hooks yet; leave them off.")
+    gen = family.gen_length
+    block = getattr(family.options, "block_length", gen) or gen
+    steps_per_block = max(family.n_steps // max(gen // block, 1), 1)
+    bound = policy.bind(RunLayout(seq_len=total, gen_start=lp, block_length=block, steps_per_block=steps_per_block,
+                                  logit_shift=config.logit_shift))
+    bound.check(config, family.name)
+  except PolicyError:
+    raise
+  except ValueError as error:
+    raise PolicyError(str(error)) from None
   return bound
 
 

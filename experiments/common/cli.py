@@ -34,6 +34,7 @@ from dlm_jax.extras import MissingExtra
 from dlm_jax.runtime import backend_probe
 from dlm_jax.io.checkpoint import CheckpointError
 from dlm_jax.config import ConfigError
+from dlm_jax.policy.base import PolicyError
 from dlm_jax.session.errors import CombinationError, SessionError
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "On an error, also print the Python traceback.")
@@ -47,10 +48,11 @@ class UsageError(UserError):
   """A flag combination that does not make sense (the message is followed by a pointer to --helpfull)."""
 
 
-USER_ERRORS = (UserError, app.UsageError, CheckpointError, ConfigError, SessionError, FileNotFoundError,
+USER_ERRORS = (UserError, app.UsageError, CheckpointError, ConfigError, SessionError, PolicyError, FileNotFoundError,
                NotADirectoryError, IsADirectoryError, PermissionError, MissingExtra)
 """Exceptions `run` reports as one line: ours, the library's errors about checkpoints, configs, decoding
-settings (`dlm_jax.session`) and files, and a missing extra (`dlm_jax.extras`)."""
+settings (`dlm_jax.session`), compute policies a run cannot take (`dlm_jax.policy.base.PolicyError`) and files,
+and a missing extra (`dlm_jax.extras`)."""
 
 
 DEFAULT_RESUME_HINT = "nothing was written; run the same command again"
