@@ -24,6 +24,8 @@ decision it took. Protocol (every method has a do-nothing default here):
   query_weights(state, context) -> [B, Q, T]: the weights of its own query groups (when its required_stats
     has query_groups Q > 0; e.g. the current block's queries for Sparse-dLLM's score).
   update(state, output, context, decision) -> state: once after every model call.
+  reads_max_probability -> "never" | "full" | "every": the calls whose per-position largest softmax
+    probability `update` reads (`ForwardOutput.max_probability`; e.g. d2Cache's confidence cache).
   record(state) -> pytree or None: what the policy decided, read from its state after each call
     (`Trace.policy_record`; e.g. Sparse-dLLM's kept keys).
 
@@ -51,12 +53,16 @@ class Decision:
   full: scalar bool, compute every query; queries: [B, n] int32 sequence positions computed when not full
   (None: the policy never takes a query subset), ascending, padded with S (a padded entry computes nothing
   that is kept and writes nothing); keys: [L, B, m] int32 cached positions each layer reads besides the call's
-  queries when not full, padded with S, or None (all S).
+  queries when not full, padded with S, or None (all S); buckets: static ascending row counts, the last n, at
+  which the subset call may run: the caller runs the smallest that holds every row's real queries (padded
+  entries sort last, so the first columns hold them), so the compute follows the count with static shapes;
+  () runs all n rows.
   """
 
   full: jax.Array
   queries: jax.Array | None = None
   keys: jax.Array | None = None
+  buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +124,12 @@ class ComputePolicy:
   def update(self, state: Any, output: ForwardOutput, context: Any, decision: Decision) -> Any:
     del output, context, decision
     return state
+
+  @property
+  def reads_max_probability(self) -> str:
+    """Which calls' largest softmax probability per position `update` reads (`ForwardOutput.max_probability`,
+    computed by the model caller from the call's logits): "never", "full" (the full calls only) or "every"."""
+    return "never"
 
   @property
   def enabled(self) -> bool:

@@ -22,8 +22,9 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
 from dlm_jax.policy import dkv_cache, sparse_dllm
 from dlm_jax.policy.base import ComputePolicy, Decision
+from dlm_jax.policy.d2cache_policy import D2Cache
 
-NOT_RUNNABLE = ("d2cache", "dllm_cache", "elastic_cache", "sparsed")
+NOT_RUNNABLE = ("dllm_cache", "elastic_cache", "sparsed")
 """Methods whose rules exist (`dlm_jax.policy.<name>`) but which cannot run as policies yet."""
 
 
@@ -152,5 +153,5 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
     return jax.lax.cond(sparse_dllm.is_selection_step(_step_in_block(self, context)), choose, lambda: state)
 
 
-POLICIES: dict[str, type[ComputePolicy]] = {"dkv_cache": DKVCache, "sparse_dllm": SparseDLLM}
+POLICIES: dict[str, type[ComputePolicy]] = {"dkv_cache": DKVCache, "sparse_dllm": SparseDLLM, "d2cache": D2Cache}
 """The runnable policies by name (`dlm_jax.policy.registry`)."""
