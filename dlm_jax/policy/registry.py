@@ -2,7 +2,7 @@
 `NAME:knob=value,knob=value` (e.g. `sparse_dllm:keep_ratio=0.25`, `dkv_cache:cache_reloading_step=4`).
 
 Every knob is a field of the policy's dataclass; its value is parsed as the field's default's type (bool: true /
-false / 1 / 0). Unknown names and knobs, unparsable values and knobs out of range are refused in one line,
+false / 1 / 0; a knob whose default is None, e.g. d2cache's query_budget: an int or none). Unknown names and knobs, unparsable values and knobs out of range are refused in one line,
 before any model work.
 """
 
@@ -25,7 +25,9 @@ def _knobs(cls: type) -> dict[str, dataclasses.Field]:
 
 
 def _value(name: str, knob: str, text: str, default: Any) -> Any:
-  kind = type(default)
+  if default is None and text.lower() == "none":
+    return None
+  kind = int if default is None else type(default)
   try:
     if kind is bool:
       if text.lower() not in ("true", "false", "1", "0"):
