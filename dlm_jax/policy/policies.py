@@ -4,10 +4,11 @@ decisions made by the method's rule functions.
 
 Runnable here: `dkv_cache` (queries: the positions masked at the previous call; full at a block's first two
 steps and every `cache_reloading_step`), `sparse_dllm` (at a block's steps >= 2 the block's queries only, each
-layer reading the keys kept at step 1 by the block-mean query score). The rules of `d2cache`, `dllm_cache`,
-`elastic_cache` and `sparsed` are written and tested (`dlm_jax.policy.<method>`) but their model-side
-mechanisms (rollout rows, per-layer reuse of attention and feed-forward outputs, layer-range refresh,
-block-sparse attention) are not: they are not selectable yet (`NOT_RUNNABLE`).
+layer reading the keys kept at step 1 by the block-mean query score), `d2cache` (`dlm_jax.policy.d2cache_policy`:
+the positions its rollout and certainty rule selected, at the smallest query bucket that holds them). The rules
+of `dllm_cache`, `elastic_cache` and `sparsed` are written and tested (`dlm_jax.policy.<method>`) but their
+model-side mechanisms (per-layer reuse of attention and feed-forward outputs, layer-range refresh, block-sparse
+attention) are not: they are not selectable yet (`NOT_RUNNABLE`).
 """
 
 from __future__ import annotations

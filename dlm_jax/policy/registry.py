@@ -2,8 +2,8 @@
 `NAME:knob=value,knob=value` (e.g. `sparse_dllm:keep_ratio=0.25`, `dkv_cache:cache_reloading_step=4`).
 
 Every knob is a field of the policy's dataclass; its value is parsed as the field's default's type (bool: true /
-false / 1 / 0; a knob whose default is None, e.g. d2cache's query_budget: an int or none). Unknown names and knobs, unparsable values and knobs out of range are refused in one line,
-before any model work.
+false / 1 / 0; a knob whose default is None, e.g. d2cache's query_budget: an int or none). Unknown names and
+knobs, unparsable values and knobs out of range are refused in one line, before any model work.
 """
 
 from __future__ import annotations
