@@ -370,7 +370,7 @@ def head_logits(hidden: jax.Array, head: jax.Array, softcap: float | None = None
 
 
 def _stat_buffers(config: ModelConfig, spec: StatsSpec, batch: int, n_keys: int, query_weights,
-                  n_queries: int = 0) -> dict:
+                  n_queries: int) -> dict:
   """Buffers of the statistics `spec` asks for, in their `STATISTICS` layout with L' = len(spec.layers),
   filled layer by layer when a layer subset is asked for (n_queries: T, the call's queries)."""
   sizes = {"L": len(spec.layers), "B": batch, "Q": 1 if query_weights is None else query_weights.shape[1],
