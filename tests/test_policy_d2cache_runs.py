@@ -209,6 +209,10 @@ def test_a_run_is_the_official_codes_replay(model, knobs, run, request):
   assert computed[1:].sum(-1).max() < PROMPT_LENGTH + GEN  # the later steps skip positions
   np.testing.assert_array_equal(trace.policy_record["count"], computed.sum(-1))
   assert not np.any(trace.policy_record["overflow"])
+  buckets = make_policy("d2cache", **knobs).bind(RunLayout(22, PROMPT_LENGTH, BLOCK, BLOCK)).buckets
+  assert buckets == (6, 11, 22)
+  smallest = [min(n for n in buckets if n >= c) for c in computed.sum(-1).max(-1)]  # the batch's largest count
+  np.testing.assert_array_equal(trace.policy_record["rows"], np.array([22] + smallest[1:])[:, None].repeat(2, 1))
   other = dict(settings, frozen_confidence=not settings["frozen_confidence"])  # the flag decides something
   assert not np.array_equal(replay(params, prompt, other)[3], computed)
 

@@ -64,6 +64,14 @@ class Decision:
   keys: jax.Array | None = None
   buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
+  def bucket_rows(self, n_seq: int) -> tuple[jax.Array, jax.Array]:
+    """(index, size): scalar int32, the smallest of `buckets` (or the queries' n without buckets) holding
+    every row's real queries (entries < n_seq), and its row count — the rows a subset call runs."""
+    sizes = jnp.asarray(self.buckets or (self.queries.shape[1],), jnp.int32)
+    count = jnp.max(jnp.sum(self.queries < n_seq, axis=-1)).astype(jnp.int32)
+    index = jnp.searchsorted(sizes, count, side="left").astype(jnp.int32)
+    return index, sizes[index]
+
 
 @dataclasses.dataclass(frozen=True)
 class RunLayout:

@@ -66,7 +66,8 @@ class D2CacheState:
   float32, the last certainty scores (with the block bonus; `top_up` reads them); queries: [B, S] bool, the
   last decided query set (before the top-up, kept for rows that do not generate); was_unresolved: [B, S] bool,
   the positions unresolved at the last call; count: [B] int32, the official query count of the last call
-  (after the top-up; S at a full call); overflow: [B] bool, that count did not fit `query_budget`."""
+  (after the top-up; S at a full call); overflow: [B] bool, that count did not fit `query_budget`; rows: [B]
+  int32, the query rows the last call ran (its bucket, padding included; S at a full call)."""
 
   conf: jax.Array
   importance: jax.Array
@@ -75,6 +76,7 @@ class D2CacheState:
   was_unresolved: jax.Array
   count: jax.Array
   overflow: jax.Array
+  rows: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +130,13 @@ class D2Cache(d2cache.D2CacheSettings, ComputePolicy):
     return D2CacheState(conf=jnp.zeros((batch, s - g0), jnp.float32), importance=jnp.ones((batch, s), jnp.float32),
                         density=jnp.zeros((batch, s - g0), jnp.float32), queries=jnp.ones((batch, s), bool),
                         was_unresolved=jnp.zeros((batch, s), bool), count=jnp.full((batch,), s, jnp.int32),
-                        overflow=jnp.zeros((batch,), bool))
+                        overflow=jnp.zeros((batch,), bool), rows=jnp.full((batch,), s, jnp.int32))
 
   def record(self, state: D2CacheState) -> dict[str, jax.Array]:
     """{"count": [B] int32 the official query count of the call (S at a full call), "overflow": [B] bool it did
-    not fit query_budget (the call was not the official one)}."""
-    return {"count": state.count, "overflow": state.overflow}
+    not fit query_budget (the call was not the official one), "rows": [B] int32 the query rows the call ran —
+    its bucket, padding rows included (the compute; S at a full call)}."""
+    return {"count": state.count, "overflow": state.overflow, "rows": state.rows}
 
   def _block_mask(self, step: jax.Array) -> jax.Array:
     """[G] bool: the block of sampler step `step`."""
@@ -190,7 +193,8 @@ class D2Cache(d2cache.D2CacheSettings, ComputePolicy):
     conf = jnp.where(full, probability, d2cache.update_confidence_cache(
         state.conf, probability, computed[:, g0:], unresolved[:, g0:], self.frozen_confidence))
     count = jnp.sum(computed_set, axis=-1, dtype=jnp.int32)
+    rows = jnp.broadcast_to(jnp.where(full, s, decision.bucket_rows(s)[1]), (b,))
     return D2CacheState(conf=conf, importance=jnp.where(generating[:, None], importance, state.importance),
                         density=jnp.where(full, state.density, scores),
                         queries=jnp.where(full, state.queries, decided), was_unresolved=unresolved,
-                        count=jnp.where(full, s, count), overflow=~full & (count > self.buckets[-1]))
+                        count=jnp.where(full, s, count), overflow=~full & (count > self.buckets[-1]), rows=rows)

@@ -91,13 +91,6 @@ def _max_probability(rows: jax.Array, head: Callable[[jax.Array], jax.Array] | N
   return jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
 
 
-def bucket_index(queries: jax.Array, buckets: tuple[int, ...], n_seq: int) -> jax.Array:
-  """Scalar int32: the index of the smallest of `buckets` holding every row's real entries of queries [B, n]
-  (entries < n_seq)."""
-  count = jnp.max(jnp.sum(queries < n_seq, axis=-1))
-  return jnp.searchsorted(jnp.asarray(buckets, jnp.int32), count.astype(jnp.int32), side="left").astype(jnp.int32)
-
-
 def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyState, decision: Decision,
                    tokens: jax.Array, positions: jax.Array, bias: AttentionBias, weights: jax.Array | None,
                    readout: Readout, max_probability: str = "never",
@@ -158,5 +151,5 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
     subset = subset_rows(n)
   else:
     branches = [subset_rows(size) for size in buckets]
-    subset = lambda _: jax.lax.switch(bucket_index(decision.queries, buckets, n_seq), branches, None)  # noqa: E731
+    subset = lambda _: jax.lax.switch(decision.bucket_rows(n_seq)[0], branches, None)  # noqa: E731
   return jax.lax.cond(decision.full, full, subset, None)
