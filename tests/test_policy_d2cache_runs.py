@@ -185,7 +185,8 @@ def replay(params, prompt, settings):
 @pytest.fixture(scope="module")
 def official_run(model):
   params, prompt = model
-  return llada.generate(params, prompt, config=CONFIG, options=OPTIONS, policy=make_policy("d2cache", **OFFICIAL))
+  return llada.generate(params, prompt, config=CONFIG, options=OPTIONS, policy=make_policy("d2cache", **OFFICIAL),
+                        stats_spec=StatsSpec(incoming_attention=True, per_head=False, query_groups=3))
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +216,15 @@ def test_a_run_is_the_official_codes_replay(model, knobs, run, request):
   np.testing.assert_array_equal(trace.policy_record["rows"], np.array([22] + smallest[1:])[:, None].repeat(2, 1))
   other = dict(settings, frozen_confidence=not settings["frozen_confidence"])  # the flag decides something
   assert not np.array_equal(replay(params, prompt, other)[3], computed)
+
+
+def test_the_users_statistics_sum_over_the_queries_each_step_computed(official_run):
+  incoming = np.asarray(official_run.stats["incoming_attention"])  # [steps, L, B, 3 groups, S]
+  computed = np.asarray(official_run.computed_positions)  # [steps, B, S]
+  assert incoming.shape == (OPTIONS.steps, CONFIG.n_layers, 2, 3, PROMPT_LENGTH + GEN)
+  np.testing.assert_allclose(incoming.sum((-2, -1)), np.broadcast_to(computed.sum(-1)[:, None], incoming.shape[:3]),
+                             rtol=1e-5)
+  assert "attention_rows" not in official_run.stats  # the policy's statistic is its own
 
 
 def test_rows_decode_alone_as_in_their_batch_without_the_top_up(model, clean_batch):
