@@ -180,6 +180,8 @@ class ModelCaller:
                        "cfg_scale=0.")
     if state.policy is not None:
       decision = self.plan.policy.decide(state.policy.state, context)
+      if self.batch_invariant:  # the bucket is the batch's, and a row's last bits change with the row count
+        decision = decision.replace(buckets=())
       head = functools.partial(lm_head, params, config=self.config)
       output = policy_forward(run, params, state.policy, decision, model_tokens, positions, bias, weights,
                               readout.replace(window=window), self.plan.policy.reads_max_probability,
