@@ -28,14 +28,16 @@ largest probability of softmax(logits) (the temperature-0 confidence), a documen
 Zero-filled logits. Positions a step does not compute get zero logits (`policy_forward`); LLaDA's sampler then
 proposes token 0 there with confidence 1/V and keeps them as commit candidates, as the official sampler does
 (`generate_step`'s `transfer_index_mask[can_generate].logical_and_(valid_mask)` acts on a copy). They lose to
-any computed masked position (whose largest probability is above 1/V) and tie among themselves; our sampler
-breaks ties by the lowest position, torch.topk's order among equal values is UNVERIFIED.
+any computed masked position whose logits are not uniform (its largest probability is at least 1/V) and tie
+among themselves; our sampler breaks ties by the lowest position, torch.topk's order among equal values is
+UNVERIFIED.
 
 Static shapes. The official query count varies per step. The decision's queries are [B, n] with n = S (or
 `query_budget`), padded with S, and `buckets` are n and its halves (`query_buckets` sizes): the caller runs the
 smallest that holds the step's largest row count, so the compute follows the count and every step is exact.
 With `query_budget` < S a step whose set has more positions drops its highest ones and is not the official
-step; `Trace.policy_record` says, per step and row, the official count and whether it overflowed.
+step; `Trace.policy_record` says, per step and row, the official count, whether it overflowed and the rows the
+call ran. Batch-invariant runs drop the buckets (`ModelCaller`: a row's last bits change with the row count).
 
 The rollout reads the statistic "attention_rows" ([L, B, S, S] in sequence coordinates: S×S per layer, as the
 official S×S rollout matrices; zeros at rows a step did not compute) and keeps only the importance [B, S].
@@ -97,7 +99,8 @@ class D2Cache(d2cache.D2CacheSettings, ComputePolicy):
     self.check_knobs()
     if config is not None and config.logit_shift:
       raise ValueError("policy d2cache does not run on a logit-shifted model (Dream) yet: its rule is written "
-                       "(d2cache.query_mask(shifted=True)) but the Dream sampler's readout is not wired to it.")
+                       "(d2cache.query_mask(shifted=True)), but the official code runs Dream through its "
+                       "LLaDA-style vanilla loop, not Dream's sampler, and the shifted confidence is not wired.")
     if family_name is not None and family_name not in FAMILIES:
       raise ValueError(f"policy d2cache runs with the {', '.join(FAMILIES)} sampler (exact decoding), not "
                        f"{family_name}.")
