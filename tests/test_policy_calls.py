@@ -149,7 +149,6 @@ def test_dkv_cache_and_sparse_dllm_compute_what_their_rules_say():
 @pytest.mark.parametrize("text, message", [
     ("sparse_dllm:keep_ratio=0", r"sparse_dllm keep_ratio must be a number in \(0, 1\], got 0.0"),
     ("fast", "Unknown policy 'fast'; choose one of none, dkv_cache, sparse_dllm"),
-    ("d2cache", "policy d2cache has its rules"),
     ("dkv_cache:reload=2", "policy dkv_cache has no knob 'reload'; its knobs: cache_reloading_step"),
     ("dkv_cache:cache_reloading_step=two", "is not of type int"),
     ("dkv_cache:cache_reloading_step", "is not knob=value"),

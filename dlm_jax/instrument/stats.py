@@ -83,6 +83,11 @@ class StatsSpec:
     """Some statistic asked for is reduced inside attention (needs the attention probabilities)."""
     return any(STATISTICS[name].attention for name in self.names)
 
+  @property
+  def rows(self) -> bool:
+    """Some statistic asked for reads the head-mean attention rows of the call's queries (`LayerValues.rows`)."""
+    return any(STATISTICS[name].rows for name in self.names)
+
   def asking(self, names) -> StatsSpec:
     """This spec's options (heads, layers, query groups) asking for exactly the statistics `names`."""
     switches = {s.switch for n, s in STATISTICS.items() if s.switch is not None and n in names}
@@ -115,7 +120,8 @@ class LayerValues:
   [B, T, N, H] the call's queries after RoPE; query_weights: [B, Q, T] the forward's query-group weights or
   None (one group of every query); routing: the MoE router's (weights [B, T, k], experts [B, T, k])
   or None in a dense layer; n_queries: T; query_offset: sequence index of the call's first query (traced);
-  per_head: the spec's head choice; k: experts per token.
+  per_head: the spec's head choice; k: experts per token; rows: [B, T, S] the head-mean softmax probabilities of
+  every query over the S keys after every bias and mask (None unless a statistic asked for asks for `rows`).
   """
 
   incoming: jax.Array | None
@@ -129,6 +135,7 @@ class LayerValues:
   n_queries: int = struct.field(pytree_node=False)
   per_head: bool = struct.field(pytree_node=False)
   k: int = struct.field(pytree_node=False)
+  rows: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +152,8 @@ class Statistic:
   views: (name, fn(value [L', B, ...], config) -> array) derived for the user (e.g. the expert load).
   dtype, fill: the dtype and fill value of the buffer a layer subset is written into (a layer that computes
     nothing leaves the fill).
+  rows: computed from the head-mean attention rows (the forward reduces them inside attention; axis "T" is
+    the call's queries, which a compute policy's subset call puts back in sequence coordinates).
   """
 
   switch: str | None
@@ -155,6 +164,7 @@ class Statistic:
   views: tuple[tuple[str, Callable[[jax.Array, Any], jax.Array]], ...] = ()
   dtype: Any = jnp.float32
   fill: float = 0.0
+  rows: bool = False
 
 
 def _incoming(layer: LayerValues) -> jax.Array:
@@ -223,6 +233,10 @@ STATISTICS: dict[str, Statistic] = {
     # per query group, the head mean of the weighted sum of the queries against every key (raw q·k; the
     # score Sparse-dLLM keeps keys by, `dlm_jax.policy.sparse_dllm`); asked for by name (StatsSpec.extra)
     "query_key_scores": Statistic(None, ("L", "B", "Q", "S"), _query_key_scores),
+    # every query's softmax probabilities over the S keys after every bias and mask, averaged over the query
+    # heads: [L', B, T, S], T×S per layer (d2Cache's attention rollout reads them, `dlm_jax.policy.d2cache`;
+    # reduced inside attention, never [N, T, S]); asked for by name (StatsSpec.extra)
+    "attention_rows": Statistic(None, ("L", "B", "T", "S"), lambda layer: layer.rows, rows=True),
 }
 """Every per-call statistic by name: the only registry. The forward computes an entry at every layer asked for
 (`compute`), the planner merges requests and derives each consumer's view by its layout, the CFG split,
@@ -258,6 +272,9 @@ class ForwardOutput:
       instead when it has one): [B, S | P, ...] in sequence coordinates (`dlm_jax.instrument.hook_spec`).
     refresh: a layer-refresh call's `dlm_jax.model.layer_refresh.RefreshResult` (the layer inputs to cache,
       the first refreshed layer per row), else None.
+    max_probability: [B, S] float32, the largest softmax probability of the call's logits at every position
+      it computed (0 elsewhere), only for a compute policy that reads it (`ComputePolicy.reads_max_probability`,
+      `dlm_jax.sampling.policy_call`), else None.
   """
 
   logits: jax.Array | None
@@ -266,6 +283,7 @@ class ForwardOutput:
   hidden: jax.Array | None = None
   captures: dict[str, Any] = struct.field(default_factory=dict)
   refresh: Any = None
+  max_probability: jax.Array | None = None
 
   def __getattr__(self, name: str):
     if name in STATISTICS:

@@ -80,11 +80,12 @@ def _masked_scores(scores, pairwise_bias, key_bias, causal, block_size, query_in
 
 
 def _attend_chunk(q, k, v, *, scale, causal, block_size, pairwise_bias, key_bias, query_weights, query_index,
-                  window=None):
+                  window=None, with_rows=False):
   """Attention of one chunk of queries against all keys.
 
   q: [B, T, K, G, H]; k, v: [B, S, K, H]; query_weights: [B, Q, T] or None.
-  Returns out [B, T, K, G, H] and incoming [B, Q, K, G, S] (float32) or None.
+  Returns out [B, T, K, G, H], incoming [B, Q, K, G, S] (float32) or None, and with `with_rows` the head-mean
+  probabilities [B, T, S] (float32; `attention`).
   """
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
   key_index = jnp.arange(k.shape[1])
@@ -94,6 +95,8 @@ def _attend_chunk(q, k, v, *, scale, causal, block_size, pairwise_bias, key_bias
   incoming = None
   if query_weights is not None:
     incoming = jnp.einsum("bqt,bkgts->bqkgs", query_weights.astype(jnp.float32), probs)
+  if with_rows:
+    return out, incoming, jnp.mean(probs, axis=(1, 2))
   return out, incoming
 
 
@@ -135,7 +138,8 @@ def attention(
     with_incoming: bool = False,
     impl: AttentionImpl = "chunked",
     query_chunk: int = 128,
-) -> tuple[jax.Array, jax.Array | None]:
+    with_rows: bool = False,
+) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
   """Scaled dot-product attention with additive biases and exact incoming-attention statistics.
 
   Args:
@@ -157,10 +161,15 @@ def attention(
     impl: "dense" (reference), "chunked" (exact, O(N·chunk·S) memory) or "fused" (fused kernel plus a
       chunked log-sum-exp pass for the statistics).
     query_chunk: queries per chunk in the chunked path and in the fused path's statistics pass.
+    with_rows: also return the attention rows: every query's softmax probabilities over the S keys after
+      every bias and mask, averaged over the N query heads (what d2Cache's rollout reads,
+      `dlm_jax.policy.d2cache`). Reduced where the probabilities are formed (dense, each chunk, the fused
+      path's log-sum-exp pass): N·T·S additions besides the attention, a [B, T, S] result.
 
   Returns:
     out: [B, T, N, H] in v's dtype.
     incoming: [B, Q, N, S] float32 — Σ_t weight[b, q, t] · P[b, n, t, s] — or None.
+    rows (only with `with_rows`): [B, T, S] float32 — mean_n P[b, n, t, s].
   """
   _check_shapes(q, k, v, pairwise_bias, key_bias, query_weights)
   if impl not in ("dense", "chunked", "fused"):
@@ -183,19 +192,26 @@ def attention(
   if window is not None:
     common["window"] = window
 
+  rows = None
   if impl == "fused":
     out, lse = _fused(q, k, v, scale, causal, block_size, pairwise, keys, query_offset, window)
     incoming = None
     if query_weights is not None:
       incoming = _incoming_from_lse(q, k, lse, pairwise, query_weights, query_index, query_chunk, common)
+    if with_rows:
+      rows = _rows_from_lse(q, k, lse, pairwise, query_index, query_chunk, common)
   elif impl == "dense" or t <= query_chunk:
-    out, incoming = _attend_chunk(q, k, v, pairwise_bias=pairwise, query_weights=query_weights,
-                                  query_index=query_index, **common)
+    out, incoming, *rest = _attend_chunk(q, k, v, pairwise_bias=pairwise, query_weights=query_weights,
+                                         query_index=query_index, with_rows=with_rows, **common)
+    rows = rest[0] if with_rows else None
   else:
-    out, incoming = _chunked(q, k, v, pairwise, query_weights, query_index, query_chunk, common)
+    out, incoming, *rest = _chunked(q, k, v, pairwise, query_weights, query_index, query_chunk, common, with_rows)
+    rows = rest[0] if with_rows else None
   out = out.reshape(b, t, n, h)
   if incoming is not None:
     incoming = incoming.reshape(b, incoming.shape[1], n, incoming.shape[-1])
+  if with_rows:
+    return out, incoming, rows
   return out, incoming
 
 
@@ -224,28 +240,37 @@ def _query_chunks(chunk: int, q, query_index, pairwise, query_weights, lse=None)
   return xs, n_chunks
 
 
-def _chunked(q, k, v, pairwise, query_weights, query_index, chunk, common):
-  """Query-chunked exact attention; see `attention`. q: [B, T, K, G, H]."""
+def _chunked(q, k, v, pairwise, query_weights, query_index, chunk, common, with_rows=False):
+  """Query-chunked exact attention; see `attention`. q: [B, T, K, G, H]. Returns (out, incoming) and, with
+  `with_rows`, the head-mean rows [B, T, S]."""
   t = q.shape[1]
   xs, n_chunks = _query_chunks(chunk, q, query_index, pairwise, query_weights)
 
   def body(incoming_sum, chunk_xs):
     chunk_bias = chunk_xs.get("pairwise", pairwise)
-    out, incoming = _attend_chunk(chunk_xs["q"], k, v, pairwise_bias=chunk_bias,
-                                  query_weights=chunk_xs.get("weights"), query_index=chunk_xs["query_index"],
-                                  **common)
+    out, incoming, *rows = _attend_chunk(chunk_xs["q"], k, v, pairwise_bias=chunk_bias,
+                                         query_weights=chunk_xs.get("weights"), query_index=chunk_xs["query_index"],
+                                         with_rows=with_rows, **common)
     if incoming is not None:
       incoming_sum = incoming_sum + incoming
-    return incoming_sum, out
+    return incoming_sum, (out, *rows)
 
   init = None
   if query_weights is not None:
     b, kv, g = q.shape[0], q.shape[2], q.shape[3]
     init = jnp.zeros((b, query_weights.shape[1], kv, g, k.shape[1]), jnp.float32)
-  incoming, outs = jax.lax.scan(body, init, xs)
+  incoming, (outs, *rows) = jax.lax.scan(body, init, xs)
   out = jnp.moveaxis(outs, 0, 1)
   out = out.reshape(out.shape[0], n_chunks * chunk, *out.shape[3:])[:, :t]
+  if with_rows:
+    return out, incoming, _unchunk_rows(rows[0], t)
   return out, incoming
+
+
+def _unchunk_rows(rows: jax.Array, t: int) -> jax.Array:
+  """[C, B, chunk, S] rows of the query chunks -> [B, T, S] (the padding queries dropped)."""
+  rows = jnp.moveaxis(rows, 0, 1)
+  return rows.reshape(rows.shape[0], -1, rows.shape[-1])[:, :t]
 
 
 def _fused(q, k, v, scale, causal, block_size, pairwise, keys, query_offset, window=None):
@@ -287,3 +312,18 @@ def _incoming_from_lse(q, k, lse, pairwise, query_weights, query_index, chunk, c
   b, kv, g = q.shape[0], q.shape[2], q.shape[3]
   init = jnp.zeros((b, query_weights.shape[1], kv, g, k.shape[1]), jnp.float32)
   return jax.lax.scan(body, init, xs)[0]
+
+
+def _rows_from_lse(q, k, lse, pairwise, query_index, chunk, common):
+  """mean_n exp(score[t, s] − lse[t]) by chunks of queries: the head-mean rows [B, T, S] float32."""
+  xs, _ = _query_chunks(chunk, q, query_index, pairwise, None, lse)
+  key_index = jnp.arange(k.shape[1])
+
+  def body(_, chunk_xs):
+    scores = jnp.einsum("btkgh,bskh->bkgts", chunk_xs["q"], k, preferred_element_type=jnp.float32)
+    scores = _masked_scores(scores * common["scale"], chunk_xs.get("pairwise", pairwise), common["key_bias"],
+                            common["causal"], common["block_size"], chunk_xs["query_index"], key_index,
+                            common.get("window"))
+    return None, jnp.mean(jnp.exp(scores - chunk_xs["lse"][..., None]), axis=(1, 2))
+
+  return _unchunk_rows(jax.lax.scan(body, None, xs)[1], q.shape[1])

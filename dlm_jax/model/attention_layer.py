@@ -33,7 +33,9 @@ class AttentionCall(NamedTuple):
   `ComputeSubset` (with a cache: the T queries sit at subset.queries [B, T], their keys and values written
   there); key_index: [B, m] this layer's row of subset.keys (the queries read only those cached positions and
   their own; the incoming attention is still over the S positions), or None; key_blocks: this layer's
-  `KeyBlocks` (subset.key_blocks at the layer: block-sparse attention over every position), or None.
+  `KeyBlocks` (subset.key_blocks at the layer: block-sparse attention over every position), or None;
+  with_rows: also return the head-mean attention rows of the queries over the S positions (`attention`'s
+  with_rows; not with key_blocks).
   """
 
   impl: str
@@ -49,17 +51,19 @@ class AttentionCall(NamedTuple):
   subset: Any = None
   key_index: Any = None
   key_blocks: Any = None
+  with_rows: bool = False
 
 
 class AttentionReadings(NamedTuple):
   """What one attention layer hands the statistics besides its output: incoming [B, Q, N, S] or None; keys,
   values [B, S, K, H] (after RoPE, the cache written; a decoder call's: the cache as given); queries
-  [B, T, N, H] after RoPE."""
+  [B, T, N, H] after RoPE; rows [B, T, S] the head-mean attention rows (call.with_rows) or None."""
 
   incoming: jax.Array | None
   keys: jax.Array
   values: jax.Array
   queries: jax.Array
+  rows: jax.Array | None = None
 
 
 class Attention(nnx.Module):
@@ -128,13 +132,17 @@ class Attention(nnx.Module):
     common = dict(scale=scale, causal=c.causal and not decoder, block_size=c.attention_block_size, window=window,
                   pairwise_bias=call.pairwise_bias, key_bias=key_bias, query_offset=call.cache_offset,
                   impl=call.impl, query_chunk=call.query_chunk)
+    rows = None
     if subset is not None and call.key_index is not None:
-      out, incoming = self._key_subset(q, k, v, call.key_index, subset, call.query_weights, call.with_incoming,
-                                       common)
+      out, incoming, rows = self._key_subset(q, k, v, call.key_index, subset, call.query_weights,
+                                             call.with_incoming, common, call.with_rows)
     elif call.key_blocks is not None:
       out, incoming = block_sparse_attention(q, k, v, call.key_blocks, scale=scale, key_bias=key_bias,
                                              pairwise_bias=call.pairwise_bias, query_weights=call.query_weights,
                                              with_incoming=call.with_incoming, impl=call.impl)
+    elif call.with_rows:
+      out, incoming, rows = attention(q, k, v, query_weights=call.query_weights, with_incoming=call.with_incoming,
+                                      with_rows=True, **common)
     else:
       out, incoming = attention(q, k, v, query_weights=call.query_weights, with_incoming=call.with_incoming,
                                 **common)
@@ -144,13 +152,14 @@ class Attention(nnx.Module):
     out = at(hooks, "attn.hook_z", out)
     if decoder:
       k, v = given_cache
-    return self.o(out.reshape(b, t, c.n_heads * h)), AttentionReadings(incoming, k, v, q)
+    return self.o(out.reshape(b, t, c.n_heads * h)), AttentionReadings(incoming, k, v, q, rows)
 
   @staticmethod
-  def _key_subset(q, k, v, key_index, subset, query_weights, with_incoming, common):
+  def _key_subset(q, k, v, key_index, subset, query_weights, with_incoming, common, with_rows=False):
     """Attention of the queries over the cached positions key_index [B, m] and their own (subset.queries):
-    the keys are gathered (padded entries masked), the key bias with them, and the incoming attention is
-    scattered back onto the S positions. Returns (out, incoming [B, Q, N, S] or None)."""
+    the keys are gathered (padded entries masked), the key bias with them, and the incoming attention (and
+    the rows) are scattered back onto the S positions. Returns (out, incoming [B, Q, N, S] or None, rows
+    [B, T, S] or None)."""
     n_seq = k.shape[1]
     positions = jnp.concatenate([key_index, subset.queries], axis=1)  # [B, m + T]
     padded = jnp.where(positions >= n_seq, MASK_VALUE, 0.0).astype(jnp.float32)[:, None, :]
@@ -162,15 +171,20 @@ class Attention(nnx.Module):
     if pairwise is not None:
       pairwise = jnp.broadcast_to(pairwise, (at.shape[0], *pairwise.shape[1:]))
       pairwise = jnp.take_along_axis(pairwise, at[:, None, None, :], axis=3)
-    out, incoming = attention(q, gather_rows(k, positions), gather_rows(v, positions), query_weights=query_weights,
-                              with_incoming=with_incoming,
-                              **{**common, "key_bias": key_bias, "pairwise_bias": pairwise})
+    out, incoming, *rest = attention(q, gather_rows(k, positions), gather_rows(v, positions),
+                                     query_weights=query_weights, with_incoming=with_incoming, with_rows=with_rows,
+                                     **{**common, "key_bias": key_bias, "pairwise_bias": pairwise})
+    batch_rows = jnp.arange(positions.shape[0])[:, None]
     if incoming is not None:
-      rows = jnp.arange(positions.shape[0])[:, None]
       moved = jnp.moveaxis(incoming, -1, 1)  # [B, m + T, Q, N]
       incoming = jnp.moveaxis(jnp.zeros((positions.shape[0], n_seq, *moved.shape[2:]), incoming.dtype)
-                              .at[rows, positions].add(moved, mode="drop"), 1, -1)
-    return out, incoming
+                              .at[batch_rows, positions].add(moved, mode="drop"), 1, -1)
+    rows = None
+    if with_rows:
+      moved = jnp.moveaxis(rest[0], -1, 1)  # [B, m + T, T]
+      rows = jnp.moveaxis(jnp.zeros((positions.shape[0], n_seq, moved.shape[2]), moved.dtype)
+                          .at[batch_rows, positions].add(moved, mode="drop"), 1, -1)
+    return out, incoming, rows
 
   def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, D] -> q [B, T, N·H], k, v [B, T, K·H]: three matmuls, or one with

@@ -170,7 +170,7 @@ class Transformer(nnx.Module):
         sites=sites)
     buffers = {}
     if call.slots is not None:
-      buffers = _stat_buffers(c, stats_spec, tokens.shape[0], n_keys, query_weights)
+      buffers = _stat_buffers(c, stats_spec, tokens.shape[0], n_keys, query_weights, tokens.shape[1])
     capture_buffers = {} if sites is None else sites.buffers(x)
     refreshed = None
     if subset is not None and subset.refresh is not None:
@@ -330,14 +330,16 @@ def _run_layer(call: _LayerCall, kind: str, block, h, kv_cache, layer_biases, wi
   cos, sin = call.tables[kind]
   extra = {} if call.structure[kind] is None else {"structure_key_bias": call.structure[kind], "mode": "decode"}
   hooks = call.site_hooks(kind, layer, capture_buffers)
-  attention = call.attention._replace(with_incoming=with_stats and spec.attention, **extra, **layer_biases)
+  attention = call.attention._replace(with_incoming=with_stats and spec.attention, with_rows=with_stats and spec.rows,
+                                      **extra, **layer_biases)
   h, readings, routing = block(h, cos, sin, attention, kv_cache, hooks)
   stats = {}
   if with_stats:
     layer_values = LayerValues(incoming=readings.incoming, keys=readings.keys, values=readings.values, hidden=h,
                                queries=readings.queries, query_weights=call.attention.query_weights,
                                routing=routing, query_offset=call.attention.cache_offset,
-                               n_queries=h.shape[1], per_head=spec.per_head, k=call.config.experts_per_token)
+                               n_queries=h.shape[1], per_head=spec.per_head, k=call.config.experts_per_token,
+                               rows=readings.rows)
     stats = {name: STATISTICS[name].compute(layer_values) for name in spec.names}
   return h, (readings.keys, readings.values), stats, {} if hooks is None else hooks.captured
 
@@ -379,12 +381,13 @@ def head_logits(hidden: jax.Array, head: jax.Array, softcap: float | None = None
   return logits
 
 
-def _stat_buffers(config: ModelConfig, spec: StatsSpec, batch: int, n_keys: int, query_weights) -> dict:
+def _stat_buffers(config: ModelConfig, spec: StatsSpec, batch: int, n_keys: int, query_weights,
+                  n_queries: int) -> dict:
   """Buffers of the statistics `spec` asks for, in their `STATISTICS` layout with L' = len(spec.layers),
-  filled layer by layer when a layer subset is asked for."""
+  filled layer by layer when a layer subset is asked for (n_queries: T, the call's queries)."""
   sizes = {"L": len(spec.layers), "B": batch, "Q": 1 if query_weights is None else query_weights.shape[1],
            "N": config.n_heads if spec.per_head else 1, "K": config.n_kv_heads, "S": n_keys,
-           "k": config.experts_per_token}
+           "k": config.experts_per_token, "T": n_queries}
   return {name: jnp.full(tuple(sizes[a] for a in STATISTICS[name].axes), STATISTICS[name].fill,
                          STATISTICS[name].dtype) for name in spec.names}
 

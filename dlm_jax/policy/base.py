@@ -29,6 +29,8 @@ decision it took. Protocol (every method has a do-nothing default here):
     has query_groups Q > 0; e.g. the current block's queries for Sparse-dLLM's score).
   update(state, output, context, decision) -> state: once after every model call (output.cache: the call's
     new cache).
+  reads_max_probability -> "never" | "full" | "every": the calls whose per-position largest softmax
+    probability `update` reads (`ForwardOutput.max_probability`; e.g. d2Cache's confidence cache).
   record(state) -> pytree or None: what the policy decided, read from its state after each call
     (`Trace.policy_record`; e.g. Sparse-dLLM's kept keys).
   call_flops(config, computed, keys, record) -> float: the analytic trunk FLOPs one row's call computed, from
@@ -76,7 +78,9 @@ class Decision:
   query is computed, only the dropped blocks' QK^T and PV are skipped (SparseD) — or None; reuse: a
   `ReuseSchedule` (per-layer reuse of attention and feed-forward outputs, positions chosen inside the forward at
   each layer; the policy's cache is then a `dlm_jax.model.reuse_layers.ReuseCache`,
-  `ComputePolicy.init_cache`), or None.
+  `ComputePolicy.init_cache`), or None; buckets: static ascending row counts, the last n, at which the subset
+  call may run: the caller runs the smallest that holds every row's real queries (padded entries sort last, so
+  the first columns hold them), so the compute follows the count with static shapes; () runs all n rows.
   """
 
   full: jax.Array
@@ -85,6 +89,15 @@ class Decision:
   refresh: Any = None
   key_blocks: KeyBlocks | None = None
   reuse: Any = None
+  buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())
+
+  def bucket_rows(self, n_seq: int) -> tuple[jax.Array, jax.Array]:
+    """(index, size): scalar int32, the smallest of `buckets` (or the queries' n without buckets) holding
+    every row's real queries (entries < n_seq), and its row count — the rows a subset call runs."""
+    sizes = jnp.asarray(self.buckets or (self.queries.shape[1],), jnp.int32)
+    count = jnp.max(jnp.sum(self.queries < n_seq, axis=-1)).astype(jnp.int32)
+    index = jnp.searchsorted(sizes, count, side="left").astype(jnp.int32)
+    return index, sizes[index]
 
 
 @struct.dataclass
@@ -174,6 +187,12 @@ class ComputePolicy:
   def update(self, state: Any, output: ForwardOutput, context: Any, decision: Decision) -> Any:
     del output, context, decision
     return state
+
+  @property
+  def reads_max_probability(self) -> str:
+    """Which calls' largest softmax probability per position `update` reads (`ForwardOutput.max_probability`,
+    computed by the model caller from the call's logits): "never", "full" (the full calls only) or "every"."""
+    return "never"
 
   @property
   def enabled(self) -> bool:

@@ -2,15 +2,13 @@
 official-code quirks as knobs; `dlm_jax.policy.<method>`) and the protocol of `dlm_jax.policy.base`, its
 decisions made by the method's rule functions.
 
-Runnable here: `dkv_cache` (queries: the positions masked at the previous call; full at a block's first two
-steps and every `cache_reloading_step`; on Dream the official Dream rule, `dkv_cache_dream`), `sparse_dllm` (at a
-block's steps >= 2 the block's queries only — on Dream with the position before the block —, each layer reading
-the keys kept at step 1 by the block-mean query score). "A block's step" is the sampler's count
-(`CallContext.block_step`): under threshold or factor decoding and the decoding rules a block takes a variable
-number of calls. The rules of `d2cache`, `dllm_cache`,
-`elastic_cache` and `sparsed` are written and tested (`dlm_jax.policy.<method>`) but their model-side
-mechanisms (rollout rows, per-layer reuse of attention and feed-forward outputs, layer-range refresh,
-block-sparse attention) are not: they are not selectable yet (`NOT_RUNNABLE`).
+Each method's policy class: `DKVCache` and `SparseDLLM` here (dKV-Cache: queries the positions masked at the
+previous call, full at a block's first two steps and every `cache_reloading_step`, on Dream the official Dream
+rule, `dkv_cache_dream`; Sparse-dLLM: at a block's steps >= 2 the block's queries only — on Dream with the
+position before the block —, each layer reading the keys kept at step 1 by the block-mean query score), and
+`D2Cache`, `DLLMCache`, `ElasticCache`, `SparseD` in `dlm_jax.policy.<method>_policy`. "A block's step" is the
+sampler's count (`CallContext.block_step`): under threshold or factor decoding and the decoding rules a block
+takes a variable number of calls.
 """
 
 from __future__ import annotations
@@ -25,13 +23,11 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
 from dlm_jax.policy import dkv_cache, dkv_cache_dream, sparse_dllm
 from dlm_jax.policy.base import ComputePolicy, Decision
+from dlm_jax.policy.d2cache_policy import D2Cache
 from dlm_jax.policy.dllm_cache_policy import DLLMCache
 from dlm_jax.policy.elastic_cache_policy import ElasticCache
 from dlm_jax.policy.positions import ascending_positions
 from dlm_jax.policy.sparsed_policy import SparseD
-
-NOT_RUNNABLE = ("d2cache",)
-"""Methods whose rules exist (`dlm_jax.policy.<name>`) but which cannot run as policies yet."""
 
 
 _DKV_FAMILIES = ("llada", "dream")
@@ -228,7 +224,7 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
     return jax.lax.cond(sparse_dllm.is_selection_step(_step_in_block(self, context)), choose, lambda: state)
 
 
-POLICIES: dict[str, type[ComputePolicy]] = {"dkv_cache": DKVCache, "sparse_dllm": SparseDLLM,
-                                             "elastic_cache": ElasticCache, "sparsed": SparseD,
-                                             "dllm_cache": DLLMCache}
+POLICIES: dict[str, type[ComputePolicy]] = {"dkv_cache": DKVCache, "sparse_dllm": SparseDLLM, "d2cache": D2Cache,
+                                             "dllm_cache": DLLMCache, "elastic_cache": ElasticCache,
+                                             "sparsed": SparseD}
 """The runnable policies by name (`dlm_jax.policy.registry`)."""

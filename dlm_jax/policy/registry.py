@@ -2,8 +2,8 @@
 `NAME:knob=value,knob=value` (e.g. `sparse_dllm:keep_ratio=0.25`, `dkv_cache:cache_reloading_step=4`).
 
 Every knob is a field of the policy's dataclass; its value is parsed as the field's default's type (bool: true /
-false / 1 / 0). Unknown names and knobs, unparsable values and knobs out of range are refused in one line,
-before any model work.
+false / 1 / 0; a knob whose default is None, e.g. d2cache's query_budget: an int or none). Unknown names and
+knobs, unparsable values and knobs out of range are refused in one line, before any model work.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from dlm_jax.policy.base import NO_POLICY, ComputePolicy
-from dlm_jax.policy.policies import NOT_RUNNABLE, POLICIES
+from dlm_jax.policy.policies import POLICIES
 
 
 def policy_names() -> tuple[str, ...]:
@@ -44,9 +44,6 @@ def _value(name: str, knob: str, text: str, field: dataclasses.Field) -> Any:
 
 
 def _refuse_unknown(name: str) -> None:
-  if name in NOT_RUNNABLE:
-    raise ValueError(f"policy {name} has its rules (dlm_jax.policy.{name}) but does not run as a policy yet; choose "
-                     f"one of {', '.join(policy_names())}.")
   if name != "none" and name not in POLICIES:
     raise ValueError(f"Unknown policy {name!r}; choose one of {', '.join(policy_names())}.")
 

@@ -23,7 +23,7 @@ from flax import struct
 
 from dlm_jax.instrument.interventions import CallContext
 from dlm_jax.instrument.stats import ForwardOutput, query_group_weights
-from dlm_jax.model import KVCache, forward
+from dlm_jax.model import KVCache, forward, lm_head
 from dlm_jax.sampling import row_by_row
 from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Guidance, Readout
 from dlm_jax.sampling.call_plan import CallPlan, CallState
@@ -186,8 +186,12 @@ class ModelCaller:
                        "cfg_scale=0.")
     if state.policy is not None:
       decision = self.plan.policy.decide(state.policy.state, context)
+      if self.batch_invariant:  # the bucket is the batch's, and a row's last bits change with the row count
+        decision = decision.replace(buckets=())
+      head = functools.partial(lm_head, params, config=self.config)
       output = policy_forward(run, params, state.policy, decision, model_tokens, positions, bias, weights,
-                              readout.replace(window=window))
+                              readout.replace(window=window), self.plan.policy.reads_max_probability,
+                              functools.partial(row_by_row.lm_head_rows, head) if self.batch_invariant else head)
     else:
       output = run(params, model_tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
                    logits_offset=readout.offset, cache=None if cache is None else cache.cache, cache_offset=offset,

@@ -1,11 +1,20 @@
 """A model call under a compute policy's `Decision` (`dlm_jax.policy`), applied by the model caller with fixed
 shapes: one `lax.cond` between the full call (every query, the policy's KV cache rewritten) and the subset call
 (the decision's query positions through every layer, the other positions' keys and values read from the cache,
-each layer's key subset when the decision has one), or, with key blocks, between the full call and the
-block-sparse call (every query, each head's query block over its kept key blocks only). The subset call's rows
-come back in sequence coordinates: hidden states or logits of the positions it did not compute are zeros
-(d2Cache's convention for logits: a sampler ranking confidences sees 1/V there), and its statistics are over the
-S sequence positions.
+each layer's key subset when the decision has one); with key blocks, between the full call and the block-sparse
+call (every query, each head's query block over its kept key blocks only); with a layer refresh, always the
+subset call (from the refresh start on every position); with a reuse schedule, `reuse_call`'s per-layer
+reuse. The subset call's rows come back in sequence coordinates:
+hidden states or logits of the positions it did not compute are zeros (d2Cache's convention for logits: a
+sampler ranking confidences sees 1/V there), and its statistics are over the S sequence positions (a statistic
+with a query axis "T", e.g. "attention_rows", has its rows put at the computed positions, zeros elsewhere).
+
+Buckets (`Decision.buckets`): a subset whose size varies per step runs at the smallest of a few static row
+counts that holds the step's largest real count (`lax.switch` over one subset program per size), so every step
+computes all its queries and no more than the bucket: XLA compiles each size, and a step's FLOPs are those of
+its bucket. For a policy that reads it, the largest softmax probability of the logits at every computed
+position comes back in `ForwardOutput.max_probability` (from the hidden states through the LM head when the
+readout is hidden states: the head on the computed rows only).
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from dlm_jax.core.attention_bias import AttentionBias
-from dlm_jax.instrument.stats import ForwardOutput
+from dlm_jax.instrument.stats import STATISTICS, ForwardOutput
 from dlm_jax.model.block_sparse_attention import block_keys_read
 from dlm_jax.model.compute_subset import ComputeSubset, gather_rows, scatter_rows
 from dlm_jax.policy.base import Decision
@@ -72,35 +81,72 @@ def _query_rows(bias: AttentionBias, queries: jax.Array) -> AttentionBias:
   return bias.replace(pairwise=jnp.take_along_axis(full, index.reshape(shape), axis=axis))
 
 
+def _query_axis_to_sequence(name: str, x: jax.Array, queries: jax.Array, n_seq: int) -> jax.Array:
+  """Statistic `name`'s value with its query axis "T" (size n, at queries [B, n]) put in sequence coordinates
+  (size S, zeros at the positions not computed); other statistics unchanged."""
+  axes = STATISTICS[name].axes
+  if "T" not in axes:
+    return x
+  batch_axis, query_axis = axes.index("B"), axes.index("T")
+  rows = jnp.moveaxis(x, (batch_axis, query_axis), (0, 1))
+  placed = scatter_rows(jnp.zeros((rows.shape[0], n_seq) + rows.shape[2:], rows.dtype), queries, rows)
+  return jnp.moveaxis(placed, (0, 1), (batch_axis, query_axis))
+
+
+def _max_probability(rows: jax.Array, head: Callable[[jax.Array], jax.Array] | None) -> jax.Array:
+  """[B, n] float32 largest softmax probability of logits [B, n, V], or of head(hidden [B, n, D])."""
+  logits = rows if head is None else head(rows)
+  return jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
+
+
 def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyState, decision: Decision,
                    tokens: jax.Array, positions: jax.Array, bias: AttentionBias, weights: jax.Array | None,
-                   readout: Readout) -> ForwardOutput:
+                   readout: Readout, max_probability: str = "never",
+                   head: Callable[[jax.Array], jax.Array] | None = None) -> ForwardOutput:
   """The call's `ForwardOutput` (logits or hidden states of the readout window, statistics over the S
   positions, the policy's new cache) under `decision`. ``run(params, tokens, **kwargs)`` is the forward (with
   config, stats_spec and the attention path bound); tokens, positions: [B, S]; bias: the call's bias over the S
   queries (a pairwise part's rows are taken at the subset's queries); weights: [B, Q, S] query-group weights or
-  None."""
+  None; max_probability: the policy's `reads_max_probability` ("never", "full" or "every"); head: hidden
+  states [B, n, D] -> logits [B, n, V], used for it when the readout is hidden states."""
   window = None if readout.window is None else readout.window
+  n_seq = tokens.shape[1]
+  head = head if readout.hidden else None
 
   def full(_):
-    return run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
-               logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden)
-
-  def subset(refresh):
-    queries = decision.queries
-    real = (queries < tokens.shape[1]).astype(jnp.float32)
-    sub_weights = None
-    if weights is not None:
-      sub_weights = jnp.take_along_axis(weights, jnp.minimum(queries, tokens.shape[1] - 1)[:, None, :],
-                                        axis=2) * real[:, None, :]
-    output = run(params, gather_rows(tokens, queries), bias=_query_rows(bias, queries),
-                 positions=gather_rows(positions, queries),
-                 query_weights=sub_weights, cache=policy.cache, return_hidden=readout.hidden,
-                 subset=ComputeSubset(queries, decision.keys, refresh))
+    output = run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
+                 logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden)
+    if max_probability == "never":
+      return output
     rows = output.hidden if readout.hidden else output.logits
-    placed = _window(scatter_rows(jnp.zeros((rows.shape[0], tokens.shape[1], rows.shape[2]), rows.dtype), queries,
-                                  rows), readout)
-    return output.replace(hidden=placed) if readout.hidden else output.replace(logits=placed)
+    start = 0 if window is None else window[0] + readout.offset
+    placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((rows.shape[0], n_seq), jnp.float32),
+                                                 _max_probability(rows, head), start, axis=1)
+    return output.replace(max_probability=placed)
+
+  def subset_rows(n: int):
+    def subset(refresh):
+      queries = decision.queries[:, :n]
+      real = (queries < n_seq).astype(jnp.float32)
+      sub_weights = None
+      if weights is not None:
+        sub_weights = jnp.take_along_axis(weights, jnp.minimum(queries, n_seq - 1)[:, None, :],
+                                          axis=2) * real[:, None, :]
+      output = run(params, gather_rows(tokens, queries), bias=_query_rows(bias, queries),
+                   positions=gather_rows(positions, queries),
+                   query_weights=sub_weights, cache=policy.cache, return_hidden=readout.hidden,
+                   subset=ComputeSubset(queries, decision.keys, refresh))
+      rows = output.hidden if readout.hidden else output.logits
+      placed = _window(scatter_rows(jnp.zeros((rows.shape[0], n_seq, rows.shape[2]), rows.dtype), queries, rows),
+                       readout)
+      output = output.replace(stats={name: _query_axis_to_sequence(name, x, queries, n_seq)
+                                     for name, x in output.stats.items()})
+      if max_probability != "never":
+        probability = _max_probability(rows, head) if max_probability == "every" else jnp.zeros(queries.shape)
+        output = output.replace(max_probability=scatter_rows(jnp.zeros((rows.shape[0], n_seq), jnp.float32),
+                                                             queries, probability))
+      return output.replace(hidden=placed) if readout.hidden else output.replace(logits=placed)
+    return subset
 
   def blocks(_):
     return run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
@@ -115,6 +161,16 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
   if decision.queries is None:
     return full(None)
   if decision.refresh is not None:  # a layer refresh: every call is a subset call, full starts at layer 0
-    return subset(decision.refresh.replace(tokens=tokens, positions=positions,
-                                           start=jnp.where(decision.full, 0, decision.refresh.start)))
+    return subset_rows(decision.queries.shape[1])(decision.refresh.replace(
+        tokens=tokens, positions=positions, start=jnp.where(decision.full, 0, decision.refresh.start)))
+  n = decision.queries.shape[1]
+  buckets = decision.buckets or (n,)
+  if buckets[-1] != n or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+    raise ValueError(f"Decision.buckets must be ascending distinct sizes >= 1 ending at the queries' {n}, "
+                     f"got {buckets}.")
+  if len(buckets) == 1:
+    subset = subset_rows(n)
+  else:
+    branches = [subset_rows(size) for size in buckets]
+    subset = lambda _: jax.lax.switch(decision.bucket_rows(n_seq)[0], branches, None)  # noqa: E731
   return jax.lax.cond(decision.full, full, subset, None)

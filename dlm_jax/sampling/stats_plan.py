@@ -186,7 +186,7 @@ class StatsPlan:
     return self.derive(output, self.intervention, role="intervention")
 
   def policy_output(self, output: ForwardOutput) -> ForwardOutput:
-    return self.derive(output, self.policy, role="policy")
+    return self.derive(output, self.policy, role="policy").replace(max_probability=output.max_probability)
 
   def top_sinks(self, output: ForwardOutput, valid_keys: jax.Array) -> jax.Array | None:
     """Indices of the k keys with the most incoming attention over all queries: [L', B, N', k] int32.
