@@ -25,7 +25,7 @@ from dlm_jax.model.layer_refresh import LayerRefresh
 from dlm_jax.policy import cost
 from dlm_jax.policy.elastic_cache_policy import ElasticCache
 from dlm_jax.policy.registry import parse_policy
-from dlm_jax.sampling import dream, llada
+from dlm_jax.sampling import dream, llada, sliding_window
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -317,6 +317,14 @@ def test_threshold_decoding_in_blocks_is_the_replay(threshold_setup):
     crossed += row_crossed
   assert min(margins) > 1e-5, min(margins)
   assert len(calls_per_block) > 1 and crossed, (calls_per_block, crossed)  # blocks of different lengths
+
+
+def test_the_eos_cut_is_the_first_eos_of_the_first_call_that_decoded_one():
+  """`sliding_window.eos_cut`: row 0 decodes EOS at position 3 (call 2), then at 1 and 4 (call 3): the cut stays
+  at 3 (the official loop cuts once); row 1 decodes none (G)."""
+  generated = jnp.asarray([[5, EOS, 7, EOS, EOS], [5, 6, 7, 8, 9]])
+  decode_step = jnp.asarray([[0, 3, 1, 2, 3], [0, 1, 2, 3, 4]])
+  np.testing.assert_array_equal(np.asarray(sliding_window.eos_cut(generated, decode_step, EOS)), [3, 5])
 
 
 def test_a_row_in_a_batch_is_bitwise_the_row_alone_with_statistics_and_sink_masking(setup, batch_run):

@@ -38,10 +38,7 @@ def eos_cut(generated: jax.Array, decode_step: jax.Array, eos_id: int) -> jax.Ar
   return jnp.min(jnp.where(at_first, jnp.arange(g)[None, :], g), axis=-1).astype(jnp.int32)
 
 
-def before_cut(generated: jax.Array, decode_step: jax.Array, eos_id: int | None) -> jax.Array:
-  """[B, G] bool: the generated positions still decodable (before `eos_cut`; all of them when eos_id is None,
-  no truncation)."""
-  if eos_id is None:
-    return jnp.ones(generated.shape, bool)
+def before_cut(generated: jax.Array, decode_step: jax.Array, eos_id: int) -> jax.Array:
+  """[B, G] bool: the generated positions still decodable under EOS truncation (before `eos_cut`)."""
   cut = eos_cut(generated, decode_step, eos_id)
   return jnp.arange(generated.shape[-1])[None, :] < cut[:, None]
