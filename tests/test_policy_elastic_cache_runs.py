@@ -221,8 +221,9 @@ def _replay_blocks(p, prompt, gamma, window, threshold, block, margins):
   decoding: what `elastic_cache` does with `LLaDAOptions(threshold=..., block_length=block)`): the window is the
   first `window` still-masked positions from the current block's start on, the candidates the block's masks
   (at least the most confident, then every one >= threshold), a block ends when it holds no mask (at most
-  `block` calls). -> (tokens [S], decode step per generated position [G], NFE, first refreshed layer per call,
-  the calls whose window reached into the next block)."""
+  `block` calls). Appends |confidence − threshold| and the gap of the two most confident to margins.
+  -> (tokens [S], decode step per generated position [G], NFE, first refreshed layer per call, the calls whose
+  window reached into the next block)."""
   c = CONFIG
   lp, gen = len(prompt), THRESHOLD_OPTIONS.gen_length
   x_tokens = np.concatenate([prompt, np.full(gen, c.mask_token_id)])
@@ -245,6 +246,8 @@ def _replay_blocks(p, prompt, gamma, window, threshold, block, margins):
       confidence, x0 = np.where(candidate, probs.max(-1), -np.inf), probs.argmax(-1)
       keep = candidate & ((confidence >= threshold) | (np.arange(len(window_pos)) == np.argmax(confidence)))
       margins.extend(np.abs(confidence[candidate] - threshold))
+      if candidate.sum() > 1:
+        margins.append(np.diff(np.sort(confidence[candidate])[-2:])[0])
       assert not np.any(x0[keep] == c.mask_token_id), "the mask id decoded"
       decoded = window_pos[keep]
       x_tokens[decoded] = x0[keep]
