@@ -121,7 +121,10 @@ class RunLayout:
   seq_len: S; gen_start: the first generated position; block_length: the sampler's semi-autoregressive block
   (the generation length without blocks); steps_per_block: model calls per block (the quota's; a threshold or
   factor block takes a variable number, `CallContext.block_step`); logit_shift: the model predicts position p
-  from its output at p - logit_shift (Dream: 1).
+  from its output at p - logit_shift (Dream: 1); decoding_window: the sampler decodes among the first this many
+  masks of a block (`LLaDAOptions.window`; None: the whole block); eos_cut_id: the sampler's EOS truncation
+  (`LLaDAOptions.eos_truncation`: after the first call that decodes this id, the masks after it are never
+  decoded; None: no truncation).
   """
 
   seq_len: int
@@ -129,6 +132,8 @@ class RunLayout:
   block_length: int
   steps_per_block: int
   logit_shift: int = 0
+  decoding_window: int | None = None
+  eos_cut_id: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

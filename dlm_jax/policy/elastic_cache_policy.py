@@ -7,11 +7,15 @@ non-masked tokens of the previous call), the positions decoded at the previous c
 row's first drifted one runs only them; from the layer after it every position is recomputed. Call 0 runs
 every position through every layer.
 
-Decoding is the sampler's: the policy decides compute only. The official decoding (threshold 0.9 over the
-window, at least the best token, then EOS truncation; `ElasticCacheSettings.threshold`, `eos_truncation`) is not
-a knob here: run the sampler with a threshold rule for the first, and EOS truncation is not offered. With the
-exact sampler and one block, window_length >= the generation length, the official `threshold=None,
-tokens_per_iter=k` run is replayed (tests/test_policy_elastic_cache_runs.py).
+Decoding is the sampler's: the policy decides compute only. It runs with the exact LLaDA sampler and with
+threshold or factor decoding without a KV cache (`llada_blockwise`, cache "none"); the window is the first
+`window_length` still-masked positions from the sampler's current block (`CallContext.block_start`), so it holds
+the block's candidates whenever window_length >= the block (or the sampler's own window). The official decoding
+(`generate_with_elastic_cache`: threshold 0.9 over the sliding window, at least the best token, EOS truncation)
+is `llada.elastic_cache_options()` (`LLaDAOptions.window`, `eos_truncation`); under EOS truncation the policy's
+still-masked set stops at the cut as the official one does (`RunLayout.eos_cut_id`), so masks after the cut
+are neither in the window nor zeroed in the tracked-token score. Replayed against the official loop
+(tests/test_policy_elastic_cache_runs.py): the exact sampler's blocks and the official threshold decoding.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from dlm_jax.policy import elastic_cache as ec
 from dlm_jax.policy.base import ComputePolicy, Decision
 from dlm_jax.policy.positions import ascending_positions
 
-FAMILIES = ("llada",)
-"""The sampler families it runs with (LLaDA and MMaDA; Dream's shifted rule is written in the rule module but
-its queries read the position before each masked one, which is not wired here)."""
+FAMILIES = ("llada", "llada_blockwise")
+"""The sampler families it runs with: LLaDA and MMaDA, exact or threshold / factor decoding (without a KV cache:
+`blocks.check_policy_cache`). Dream's shifted rule is written in the rule module but its queries read the
+position before each masked one, which is not wired here."""
 
 
 @struct.dataclass
@@ -42,13 +47,15 @@ class ElasticState:
   """was_unresolved [B, S] bool: the positions unresolved at the previous call; tracked [B, R] int32 (R = L ·
   track_num): the previous call's tracked tokens, ascending, padded with S; hidden [B, L, S, D] float32: each
   layer's input as last computed; start [B] int32: the previous call's first refreshed layer (L: none);
-  queries [B, n] int32: the previous call's query set (padded with S)."""
+  queries [B, n] int32: the previous call's query set (padded with S); eos_cut [B] int32: the sampler's EOS
+  cut as of the previous call (`ec.update_eos_cut`; S: none)."""
 
   was_unresolved: jax.Array
   tracked: jax.Array
   hidden: jax.Array
   start: jax.Array
   queries: jax.Array
+  eos_cut: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,16 +85,20 @@ class ElasticCache(ComputePolicy):
     """The knobs and, for a run, the family, the model and the block layout (one line each)."""
     self.check_knobs()
     if family_name is not None and family_name not in FAMILIES:
-      raise ValueError(f"policy elastic_cache runs with the {', '.join(FAMILIES)} sampler (LLaDA, MMaDA), not "
-                       f"{family_name}.")
+      raise ValueError(f"policy elastic_cache runs with the {', '.join(FAMILIES)} samplers (LLaDA, MMaDA: exact, "
+                       f"threshold or factor decoding), not {family_name}.")
     if config is not None and (config.logit_shift or config.layer_pattern is not None or config.first_k_dense):
       raise ValueError(f"policy elastic_cache runs on models with one stack of alike bidirectional layers and "
                        f"unshifted logits (LLaDA, MMaDA), not {config.name}.")
     layout = self.layout
-    if layout is not None and self.block_caching and self.window_length < layout.block_length:
-      raise ValueError(f"elastic_cache window_length={self.window_length} is shorter than the sampler's "
-                       f"block_length={layout.block_length}: the block's masked positions would not be computed; "
-                       f"use window_length >= block_length or block_caching=false.")
+    if layout is None or not self.block_caching:
+      return
+    span = min(layout.block_length, layout.decoding_window or layout.block_length)
+    if self.window_length < span:
+      what = (f"block_length={layout.block_length}" if span == layout.block_length
+              else f"decoding window={layout.decoding_window}")
+      raise ValueError(f"elastic_cache window_length={self.window_length} is shorter than the sampler's {what}: "
+                       f"the candidates would not be computed; use window_length >= {span} or block_caching=false.")
 
   def required_stats(self, config: ModelConfig) -> StatsSpec:
     """Incoming attention (head mean) of one query group: the call's masked query rows."""
@@ -103,20 +114,33 @@ class ElasticCache(ComputePolicy):
                         tracked=jnp.full((batch, config.n_layers * self.track_num), s, jnp.int32),
                         hidden=jnp.zeros((batch, config.n_layers, s, config.d_model), jnp.float32),
                         start=jnp.zeros((batch,), jnp.int32),
-                        queries=jnp.full((batch, self._budget(config)), s, jnp.int32))
+                        queries=jnp.full((batch, self._budget(config)), s, jnp.int32),
+                        eos_cut=jnp.full((batch,), s, jnp.int32))
 
-  def _pending(self, context: Any) -> jax.Array:
-    """[B, S] bool: the still-masked generated positions of the call."""
-    return context.unresolved & (jnp.arange(self.layout.seq_len)[None, :] >= self.layout.gen_start)
+  def _pending(self, state: ElasticState, context: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(the official still-masked set of the call [B, S] bool: the masked generated positions, up to the EOS cut
+    under the sampler's truncation; the cut [B] int32 (S: none); decoded_last [B, S] bool: the generated
+    positions decoded at the previous call)."""
+    layout = self.layout
+    generated = jnp.arange(layout.seq_len)[None, :] >= layout.gen_start
+    decoded_last = state.was_unresolved & ~context.unresolved & generated
+    cut = state.eos_cut
+    if layout.eos_cut_id is not None:
+      cut = ec.update_eos_cut(cut, decoded_last, context.tokens == layout.eos_cut_id)
+    return ec.pending_mask(context.unresolved & generated, cut), cut, decoded_last
 
   def _sets(self, state: ElasticState, context: Any) -> tuple[jax.Array, jax.Array]:
-    """(queries [B, S] bool, masked query rows [B, S] bool: the rows whose attention picks the tracked tokens)."""
+    """(queries [B, S] bool, masked query rows [B, S] bool: the rows whose attention picks the tracked tokens).
+    The window is the first window_length still-masked positions from the sampler's current block on."""
     s = self.layout.seq_len
-    pending = self._pending(context)
+    pending, _, decoded_last = self._pending(state, context)
+    block_start = self.layout.gen_start if context.block_start is None else context.block_start
+    from_block = pending & (jnp.arange(s)[None, :] >= block_start)
     tracked = ec.tracked_mask(jnp.minimum(state.tracked, s)[None], s + 1)[:, :s]
-    decoded_last = state.was_unresolved & ~context.unresolved
-    queries, window = ec.query_mask(self.settings, tracked, decoded_last, pending)
-    return queries, window if self.block_caching else pending
+    queries, window = ec.query_mask(self.settings, tracked, decoded_last, from_block)
+    if not self.block_caching:
+      return queries | pending, pending
+    return queries, window
 
   def query_weights(self, state: ElasticState, context: Any) -> jax.Array:
     """[B, 1, S]: 1 on the call's masked query rows."""
@@ -135,12 +159,12 @@ class ElasticCache(ComputePolicy):
   def update(self, state: ElasticState, output: ForwardOutput, context: Any, decision: Decision) -> ElasticState:
     s = self.layout.seq_len
     incoming = output.stats["incoming_attention"][:, :, 0, 0]  # [L, B, S]
-    pending = self._pending(context)
+    pending, cut, _ = self._pending(state, context)
     per_layer = jax.vmap(lambda scores: ec.track_tokens(scores, pending, self.track_num))(incoming)
     tracked, valid = ascending_positions(ec.tracked_mask(per_layer, s), state.tracked.shape[1])
     return ElasticState(was_unresolved=context.unresolved, tracked=jnp.where(valid, tracked, s).astype(jnp.int32),
                         hidden=jnp.swapaxes(output.refresh.hidden, 0, 1).astype(state.hidden.dtype),
-                        start=output.refresh.start, queries=decision.queries)
+                        start=output.refresh.start, queries=decision.queries, eos_cut=cut)
 
   def call_flops(self, config: ModelConfig, computed: np.ndarray, keys: float, record: dict) -> float:
     """`cost.layer_refresh_flops`: the call's queries below its refresh start, every position from it on, and

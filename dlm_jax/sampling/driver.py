@@ -506,8 +506,10 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
     gen = family.gen_length
     block = getattr(family.options, "block_length", gen) or gen
     steps_per_block = max(family.n_steps // max(gen // block, 1), 1)
+    window = getattr(family.options, "window", None)
+    eos_cut_id = getattr(family, "eos_id", None) if getattr(family.options, "eos_truncation", False) else None
     bound = policy.bind(RunLayout(seq_len=total, gen_start=lp, block_length=block, steps_per_block=steps_per_block,
-                                  logit_shift=config.logit_shift))
+                                  logit_shift=config.logit_shift, decoding_window=window, eos_cut_id=eos_cut_id))
     bound.check(config, family.name)
   except PolicyError:
     raise

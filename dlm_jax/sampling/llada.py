@@ -114,6 +114,13 @@ class LLaDAOptions(blocks.BlockLayout):
       June-2025 code, 24cc59e: until the block holds no mask) or "steps_per_block" (NVlabs' current code:
       at most steps / num_blocks calls, the refresh included; masks a block leaves compete with the next
       blocks' candidates at their refresh steps, and the output can end with mask ids).
+    window: Elastic-Cache's sliding window (`dlm_jax.sampling.sliding_window`): a step's candidates are the
+      first `window` masked positions of the block (with block_length None: of the generation, as the official
+      `generate_with_elastic_cache`). None = every masked position of the block.
+    eos_truncation: Elastic-Cache's EOS rule: after the first step that decodes the EOS id (config or
+      eos_token_id), the masks after the first EOS it decoded are never decoded (they stay masks) and the run
+      ends when no row has a candidate left. window and eos_truncation need threshold or factor decoding,
+      cache "none" and no rule; `elastic_cache_options` gives the official configuration.
     Any of threshold, factor or a cache selects the block-by-block modes of `llada_blockwise`; with none
     of them this is the exact sampler above.
     rule: one of the decoding rules of `dlm_jax.sampling.decoding_rules` (`EBSampler`, `KLASS`, `WINO`,
@@ -145,6 +152,8 @@ class LLaDAOptions(blocks.BlockLayout):
   cache: Literal["none", "prefix", "dual"] = "none"
   dual_cache_forwards: Literal["until_done", "steps_per_block"] = "until_done"
   rule: decoding_rules.Rule | None = None
+  window: int | None = None
+  eos_truncation: bool = False
 
   def __post_init__(self):
     if isinstance(self.gen_length, bool) or not isinstance(self.gen_length, int) or self.gen_length <= 0:
@@ -191,6 +200,16 @@ class LLaDAOptions(blocks.BlockLayout):
                        "would need a cache for the unconditional sequence); use cache='none'.")
     if self.rule is not None:
       decoding_rules.check_llada_options(self)
+    if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                    or self.window <= 0):
+      raise ValueError(f"window must be a positive integer or None, got {self.window!r}.")
+    if not isinstance(self.eos_truncation, bool):
+      raise ValueError(f"eos_truncation must be True or False, got {self.eos_truncation!r}.")
+    elastic = self.window is not None or self.eos_truncation
+    if elastic and (self.threshold is None and self.factor is None or self.cache != "none" or self.rule is not None):
+      raise ValueError("window and eos_truncation (Elastic-Cache's decoding) run with threshold or factor decoding, "
+                       f"cache='none' and no rule; got threshold={self.threshold}, factor={self.factor}, "
+                       f"cache={self.cache!r}, rule={type(self.rule).__name__ if self.rule else None}.")
 
   @property
   def blockwise(self) -> bool:
@@ -204,6 +223,19 @@ def mmada_options(**overrides: Any) -> LLaDAOptions:
   padding mask (none under CFG), no EOS knobs. For `mmu_generate_fast` pass stop_token_id=<eot id>."""
   values = dict(padding="outer", cfg_padding=False, confidence_dtype="float64")
   values.update(overrides)
+  return LLaDAOptions(**values)
+
+
+def elastic_cache_options(**overrides: Any) -> LLaDAOptions:
+  """The decoding of Elastic-Cache's `generate_with_elastic_cache` (signature defaults; `llada/generate.py` of
+  VILA-Lab/Elastic-Cache): gen 512 in one block, threshold 0.9 (at least the best token), the sliding window of
+  16 masked positions, EOS truncation. Its LLaDA eval scripts run window 1024 (`eval_llada.py`'s default; they
+  do not pass theirs on): pass window=None (and the policy's window_length >= gen_length) for that. Run with
+  policy `elastic_cache` of the same window_length (`dlm_jax.policy.elastic_cache_policy`)."""
+  values = dict(gen_length=512, steps=512, block_length=None, threshold=0.9, window=16, eos_truncation=True)
+  values.update(overrides)
+  if "gen_length" in overrides and "steps" not in overrides:
+    values["steps"] = values["gen_length"]
   return LLaDAOptions(**values)
 
 
@@ -449,6 +481,8 @@ def _special_ids(config: ModelConfig, options: LLaDAOptions) -> tuple[int, int |
     raise ValueError("LLaDA sampling needs a mask token id: set ModelConfig.mask_token_id or options.mask_token_id.")
   if (options.logits_eos_inf or options.confidence_eos_eot_inf) and eos_id is None:
     raise ValueError("logits_eos_inf / confidence_eos_eot_inf need an EOS id (config or options.eos_token_id).")
+  if options.eos_truncation and eos_id is None:
+    raise ValueError("eos_truncation needs an EOS id (config.eos_token_id or options.eos_token_id).")
   if options.confidence_eos_eot_inf and eot_id is None:
     raise ValueError("confidence_eos_eot_inf needs an EoT id (config.eot_token_id or options.eot_token_id).")
   return mask_id, eos_id, eot_id

@@ -30,6 +30,10 @@ left with its masks. In a batch the rows move to the next block together: a row 
 (unchanged, `Trace.active_rows` False, its key and its intervention state not advanced —
 `Intervention.keep_rows`) while the others finish, so its tokens and `row_nfe` are those it gets alone.
 
+Elastic-Cache's decoding (`LLaDAOptions.window`, `eos_truncation`; `dlm_jax.sampling.sliding_window`): the
+candidates are the first `window` masks of the block, and after the first step that decodes the EOS id the masks
+after that EOS are no longer candidates; the run ends when no row has a candidate left.
+
 Not supported (a clear error): classifier-free guidance with a cache (the unconditional sequence would need
 a cache of its own; Fast-dLLM has no CFG).
 """
@@ -41,7 +45,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from dlm_jax.sampling import blocks, driver, keys, padding
+from dlm_jax.sampling import blocks, driver, keys, padding, sliding_window
 from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Guidance, Readout
 from dlm_jax.sampling.parallel import factor_transfer, threshold_transfer
 from dlm_jax.sampling.schedules import llada_transfer_counts
@@ -84,14 +88,35 @@ def finished(family, run, carry, phase: driver.Phase) -> jax.Array:
   s = run.prompt_length + k * o.block
   if phase.arg is None:
     done = carry.block >= o.num_blocks
+    if o.eos_truncation:
+      after = jnp.arange(run.total_length)[None, :] >= s
+      done = done | ~jnp.any(decodable(family, run, carry.tokens, carry.decode_step) & after)
     at_start = (carry.block_step == 0) & (k > 0)
   else:
-    done = ~jnp.any(carry.tokens[:, s:s + o.block] == family.mask_id)
+    done = ~jnp.any(_rows(decodable(family, run, carry.tokens, carry.decode_step), s, o.block))
     at_start = jnp.asarray(phase.arg > 0)
   if o.stop_token_id is not None:
     previous = jax.lax.dynamic_index_in_dim(carry.tokens, jnp.maximum(s - 1, 0), axis=1, keepdims=False)
     done = done | (at_start & jnp.all(previous == o.stop_token_id))
   return done
+
+
+def decodable(family, run, tokens, decode_step) -> jax.Array:
+  """[B, S] bool: the positions holding the mask token that may still be decoded — all of them, or with
+  `LLaDAOptions.eos_truncation` those before the EOS cut (`sliding_window.eos_cut`)."""
+  masked = tokens == family.mask_id
+  if not family.options.eos_truncation:
+    return masked
+  lp = run.prompt_length
+  keep = sliding_window.before_cut(tokens[:, lp:], decode_step, family.eos_id)
+  return masked & jnp.concatenate([jnp.ones((tokens.shape[0], lp), bool), keep], axis=1)
+
+
+def _candidates(family, run, tokens, decode_step, s) -> jax.Array:
+  """[B, block] bool: the step's candidates, the decodable masks of block s — with `LLaDAOptions.window` the
+  first `window` of them (`dlm_jax.sampling.sliding_window`)."""
+  o = family.options
+  return sliding_window.first_masks(_rows(decodable(family, run, tokens, decode_step), s, o.block), o.window)
 
 
 def _transfer(family, confidence, candidates, schedule, block_step):
@@ -142,7 +167,7 @@ def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, c
   s = lp + k * o.block
   x = carry.tokens
   block_tokens = _rows(x, s, o.block)
-  candidates = block_tokens == mask_id
+  candidates = _candidates(family, run, x, carry.decode_step, s)
   active = jnp.any(candidates, axis=1)
   block_step = jnp.zeros((), jnp.int32) if call == "refresh" else carry.block_step
   fresh = block_step == 0
@@ -168,7 +193,7 @@ def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, c
   block_step = block_step + 1
   block = carry.block
   if phase.arg is None:
-    block_over = ~jnp.any(_rows(new_x, s, o.block) == mask_id) | (block_step >= _bound(o))
+    block_over = ~jnp.any(_rows(decodable(family, run, new_x, decode_step), s, o.block)) | (block_step >= _bound(o))
     block = block + block_over.astype(jnp.int32)
     block_step = jnp.where(block_over, 0, block_step)
   carry = carry.replace(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step, block_step=block_step,
