@@ -271,7 +271,8 @@ def test_a_small_bucket_computes_less_as_the_analytic_count_says(model):
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=OPTIONS, policy=parse_policy("d2cache:query_budget=99")),
      "query_budget=99 is more than the sequence's 22 positions"),
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=dataclasses.replace(OPTIONS, threshold=0.9),
-                                 policy=parse_policy("d2cache")), "runs with the samplers whose every call"),
+                                 policy=parse_policy("d2cache")),
+     r"policy d2cache runs with the llada sampler \(exact decoding\), not llada_blockwise"),
     (lambda p, x: dream.diffusion_generate(p, x, config=preset("tiny-dream"), policy=parse_policy("d2cache")),
      "policy d2cache does not run on a logit-shifted model"),
 ])
