@@ -71,8 +71,8 @@ def _sparse_dllm(policy: ComputePolicy, row: RowTrace, layers: list[int]) -> dic
   n = row.computed.shape[-1]
   kept = _positions_mask(np.asarray(row.record)[:, layers], n) | row.computed[:, None, :]  # [T, L', S]
   keys = np.where(_full(row)[:, None, None], True, kept)[:, :, None, :]
-  notes = ["full call" if f else f"the block's queries over {int(k.sum())} keys (layer {layers[0]})"
-           for f, k in zip(_full(row), keys[:, 0, 0])]
+  notes = ["full call" if f else f"the block's {int(c.sum())} queries over each layer's kept keys"
+           for f, c in zip(_full(row), row.computed)]
   return {"policy_keys": keys, "policy_notes": np.asarray(notes)}
 
 
