@@ -39,7 +39,7 @@ generate, saved = decoding.generate, None
 
 def recording(*args, **kwargs):  # the run's one batch: its Trace's policy entries, as the library made them
   trace = generate(*args, **kwargs)
-  arrays = {"computed": trace.computed_positions, "keys_read": trace.keys_read, "active_rows": trace.active_rows}
+  arrays = {"computed": trace.computed_positions, "keys_read": trace.keys_read}
   if trace.policy_record is not None:
     arrays["record"] = trace.policy_record
   np.savez(saved, **{k: np.asarray(v) for k, v in arrays.items()})
