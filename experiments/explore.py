@@ -10,7 +10,10 @@ item_<figure_item>.npz) or a `sink_masking_eval` run (then the page shows the ma
 and style inline: no network, no CDN, it works from file://. For each model it shows the sequence after every
 decoded step (masked / decoded / committed at that step), a step slider and a play button, the incoming
 attention of a chosen layer and head over the keys at that step (sinks by the run's ε-rule marked, the tokens
-as labels) and over all steps, the decode order, and the sink-masking conditions side by side. The URL
+as labels) and over all steps, the decode order, and the sink-masking conditions side by side; for a run decoded
+under a compute policy (--policy) what each step computed: the policy in the header, the positions whose queries
+the step computed (a row under the attention strip), the keys each layer (and head) read (dropped keys hatched),
+and for per-layer policies the positions each layer recomputed (a layer × position strip). The URL
 fragment chooses what is shown: #model=tiny-dlm&step=3&layer=1&head=2 (head=mean for the head mean).
 
 Data format (`page_data`, JSON inside the page): {"version": 1, "title", "palette": {meaning: colour},
@@ -20,7 +23,15 @@ prompt_length, tokens [S] (final token text), decode_step [S] (−1 in the promp
 of each decoded step shown, the steps that ran), canvas [T][S] (token ids each step read), vocab {id: text},
 attention {"shape": [T, L', N + 1, S] (head N = the head mean), "max": [L' × (N + 1)], "q": base64 of
 uint8 levels, score = (level / 255)² × max}, sinks [T][L'][N + 1] (sink positions; head mean: a sink in any
-head). A panel (for later captures: logit lens, patching grids): {"title", "kind": "grid", "rows", "cols",
+head), and under a compute policy "policy": {"text" (the policy as it ran, `parse_policy` text), "computed": bits
+[T, S] (the positions whose queries each step computed), "keys_read" [T] (keys per computed query, mean over
+layers), "notes" [T] (a line per step), "keys": bits [T, L', H', S] (key-subset policies: the keys each recorded
+layer read; H' = 1, the same for every head, or N + 1 with head N "any head"), "layers": bits [T, L, S]
+(per-layer policies: per model layer the positions recomputed)}, where bits = {"shape", "bits": base64 of the
+packed bools, C order, least significant bit first}; the item's policy_* arrays give it
+(`experiments.reports.policy_view`, one translation of `Trace.computed_positions` / `keys_read` /
+`policy_record` per policy kind); a run without them has no "policy". A panel (for later captures: logit lens,
+patching grids): {"title", "kind": "grid", "rows", "cols",
 "values" [rows][cols], "note"}; every RUN_DIR/captures/*.json holding such a panel (or a list of them) is
 added. Other panel kinds are added to reports/explorer_assets/explorer.js; the page is built by `experiments.reports.explorer_page`.
 """

@@ -42,7 +42,10 @@ Outputs in --output_dir (default results/sink_analysis):
                                head_sinks (the ε-rule's sinks) [steps, L', N, S] bool, canvas
                                [steps, S] the tokens each step read, vocab_ids / vocab_text their strings,
                                and under a decoding rule committed / revoked [steps, S] (the positions each
-                               step committed and re-masked): what `experiments.explore` plays)
+                               step committed and re-masked); under --policy the policy's text and what each
+                               step computed: policy_computed [steps, S], policy_keys_read [steps], and by
+                               policy kind policy_keys / policy_layers, policy_notes
+                               (`experiments.reports.policy_view`): what `experiments.explore` plays)
   <model>/tracks/item_<id>.npz every item's largest sinks [steps, L', N], tokens, decode_step, valid,
                                step_index, vocab
   <model>/fig_moving_sinks.png the largest sink of the heads whose sinks move most against the step, on the
@@ -73,6 +76,7 @@ import dataclasses
 import time
 import warnings
 
+import jax
 import numpy as np
 from absl import flags
 
@@ -89,7 +93,7 @@ from experiments.reports import sink_report
 from experiments.common.items import TaskSettings
 from experiments.common.numerics import Numerics
 from dlm_jax.instrument import sink_selection
-from experiments.reports import explorer_page
+from experiments.reports import explorer_page, policy_view
 
 _CHECKPOINTS = flags.DEFINE_list("checkpoints", ["tiny-dlm", "tiny-moe-dlm", "tiny-uniform-dlm", "tiny-arm"],
                                  f"Checkpoints ([label=]DIR or {', '.join(checkpoints.NAMES)}).")
@@ -252,6 +256,13 @@ def analyse_row(settings: Settings, model: checkpoint_bundle.Model, item: items.
             **{name: np.pad(host[name][decoded, row], ((0, 0), (lp, 0))) for name in ("committed", "revoked")
                if name in host},
             "vocab_text": np.asarray([model.tokenizer.id_to_token(int(i)) or "?" for i in seen], dtype=str)}
+  if "computed" in host:  # a compute policy: what each step computed (`experiments.reports.policy_view`)
+    policy = decoding.sink_token_kept(model, settings.decoding.compute_policy())
+    at_row = lambda x: np.asarray(x)[decoded, row]
+    arrays.update(policy_view.step_view(policy, policy_view.RowTrace(
+        at_row(host["computed"]), at_row(host["keys_read"]),
+        None if host["policy_record"] is None else jax.tree.map(at_row, host["policy_record"]),
+        model.config.n_layers), layers))
   if grouped:
     masked_q = incoming[:, :, 0]
     unmasked_q = incoming[:, :, 1] + incoming[:, :, 2]
@@ -293,7 +304,10 @@ def run_model(settings: Settings, model: checkpoint_bundle.Model, runtime: devic
                                 **({"accepted": trace.accepted, "canvases": trace.canvases}
                                    if model.decoder.self_conditioning else {}),
                                 **({"read": trace.canvases, "committed": trace.committed, "revoked": trace.revoked}
-                                   if trace.revoked is not None else {})})
+                                   if trace.revoked is not None else {}),
+                                **({"computed": trace.computed_positions, "keys_read": trace.keys_read,
+                                    "policy_record": trace.policy_record}
+                                   if trace.computed_positions is not None else {})})
     for row, item in enumerate(batch.items):
       if done(item):
         continue

@@ -1,12 +1,16 @@
 """The decoding explorer in a real headless browser (Debian's chromium): the page of one small sink_analysis run
-(built once for the module, with --html) plus a sink_masking_eval run, checked against the run's own files —
-tokens, step count and each position's state in the DOM, screenshots at two slider positions that differ
-exactly where the trace says the canvas changed, no script errors, no network."""
+under a compute policy (built once for the module, with --html) plus a sink_masking_eval run, checked against the
+run's own files — tokens, step count and each position's state in the DOM, screenshots at two slider positions
+that differ exactly where the trace says the canvas changed, no script errors, no network — and the policy's
+computed queries and kept keys on the page against the `Trace` the run decoded (recorded in the test's process)."""
 
+import base64
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 
 import numpy as np
@@ -23,13 +27,48 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 WINDOW = (1280, 1400)
 
 
+SPARSE_POLICY = "sparse_dllm:keep_ratio=0.25"
+
+_POLICY_RUNS = r"""
+import json, sys
+import numpy as np
+from absl import flags
+from experiments import sink_analysis
+from experiments.common import cli, decoding
+generate, saved = decoding.generate, None
+
+def recording(*args, **kwargs):  # the run's one batch: its Trace's policy entries, as the library made them
+  trace = generate(*args, **kwargs)
+  arrays = {"computed": trace.computed_positions, "keys_read": trace.keys_read}
+  if trace.policy_record is not None:
+    arrays["record"] = trace.policy_record
+  np.savez(saved, **{k: np.asarray(v) for k, v in arrays.items()})
+  return trace
+
+decoding.generate = recording
+for saved, args in json.loads(sys.argv[1]):
+  flags.FLAGS.unparse_flags()
+  cli.call(sink_analysis.main, flags.FLAGS(["experiments.sink_analysis"] + args))
+"""
+
+
+def _policy_runs(runs: list[tuple[str, list[str]]]) -> None:
+  """sink_analysis runs (trace file, flags) in one CPU process, each batch's Trace recorded to its trace file."""
+  done = subprocess.run([sys.executable, "-c", _POLICY_RUNS, json.dumps(runs)], cwd=fx.ROOT, capture_output=True,
+                        text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"), check=False)
+  assert done.returncode == 0, done.stderr[-6000:]
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """One tiny-dlm sink_analysis run (2 prompts, --html) and one sink_masking_eval run of the same items."""
+  """Two tiny-dlm sink_analysis runs of one batch of 2 prompts under compute policies (Sparse-dLLM with --html,
+  dKV-Cache), their Traces, and one sink_masking_eval run of the same items."""
   root = tmp_path_factory.mktemp("explorer")
-  analysis, masking = root / "analysis", root / "masking"
-  fx.run_binary("sink_analysis", "--checkpoints=tiny-dlm", "--n_prompts=2", "--batch_size=2", "--html",
-                f"--output_dir={analysis}")
+  analysis, masking, dkv = root / "analysis", root / "masking", root / "dkv"
+  common = ["--checkpoints=tiny-dlm", "--n_prompts=2", "--batch_size=2"]
+  _policy_runs([(str(root / "sparse_trace.npz"), [*common, "--html", f"--policy={SPARSE_POLICY}",
+                                                  f"--output_dir={analysis}"]),
+                (str(root / "dkv_trace.npz"), [*common, "--policy=dkv_cache", f"--output_dir={dkv}"])])
   fx.run_binary("sink_masking_eval", "--checkpoints=tiny-dlm", "--n_items=2", "--batch_size=2", "--mask_top_k=0,1",
                 f"--output_dir={masking}")
   (analysis / "captures").mkdir()
@@ -40,7 +79,11 @@ def run(tmp_path_factory):
   explorer_page.write_page(str(analysis), str(page), str(masking))
   with np.load(analysis / "tiny-dlm" / "item_0.npz") as npz:
     arrays = {k: npz[k] for k in npz.files}
-  return {"analysis": analysis, "masking": masking, "page": page, "arrays": arrays}
+  traces = {}
+  for name in ("sparse", "dkv"):
+    with np.load(root / f"{name}_trace.npz") as npz:
+      traces[name] = {k: npz[k] for k in npz.files}
+  return {"analysis": analysis, "masking": masking, "page": page, "arrays": arrays, "dkv": dkv, "traces": traces}
 
 
 def _chromium(*args: str) -> subprocess.CompletedProcess:
@@ -82,6 +125,70 @@ def _spans(dom: str) -> list[tuple[str, str]]:
   return [(m.group(1), m.group(2)) for m in re.finditer(r'data-state="(\w+)"[^>]*>([^<]*)</span>', canvas)]
 
 
+def _unpack(entry: dict) -> np.ndarray:
+  """A page's packed bool array {shape, bits} (`explorer_page._bits`) as a numpy array."""
+  n = int(np.prod(entry["shape"]))
+  bits = np.unpackbits(np.frombuffer(base64.b64decode(entry["bits"]), np.uint8), bitorder="little")
+  return bits[:n].reshape(entry["shape"]).astype(bool)
+
+
+def _strip_cells(dom: str) -> list[tuple[int, int]]:
+  """(query computed, key read) of each key of the attention strip, in position order."""
+  return [(int(m.group(1)), int(m.group(2))) for m in
+          re.finditer(r'<div class="cell[^"]*" data-computed="(\d)" data-read="(\d)" data-pos="\d+"', dom)]
+
+
+def test_page_holds_the_sparse_dllm_trace(run):
+  """Sparse-dLLM: the page's computed positions, keys read and kept keys per layer are the Trace's."""
+  model = explorer_page.page_data(str(run["analysis"]))["models"][0]
+  trace, policy, steps = run["traces"]["sparse"], model["policy"], np.asarray(model["steps"])
+  assert policy["text"] == SPARSE_POLICY
+  computed = trace["computed"][steps, 0]  # [T, S]: item 0 is the batch's row 0
+  n = computed.shape[-1]
+  full = computed.all(-1)
+  assert full.any() and (~full).any()  # full calls (a block's steps 0 and 1) and block-only calls
+  assert np.array_equal(_unpack(policy["computed"]), computed)
+  np.testing.assert_array_equal(policy["keys_read"], trace["keys_read"][steps, 0])
+  keys = _unpack(policy["keys"])  # [T, L', 1, S]
+  assert model["layers"] == list(range(trace["record"].shape[2])) and keys.shape == (len(steps), len(model["layers"]), 1, n)
+  record = trace["record"][steps, 0]  # [T, L, m]: each layer's kept keys, S = none
+  for t in range(len(steps)):
+    for layer in model["layers"]:
+      expected = set(range(n)) if full[t] else ({int(p) for p in record[t, layer] if p < n}
+                                                | set(np.flatnonzero(computed[t]).tolist()))
+      assert set(np.flatnonzero(keys[t, layer, 0]).tolist()) == expected, (t, layer)
+  # the library's own count: keys each computed query read, the mean over the layers
+  np.testing.assert_allclose(keys[:, :, 0].sum(-1).mean(-1), trace["keys_read"][steps, 0])
+  assert (keys[:, :, 0].sum(-1) < n).any()
+
+
+def test_page_holds_the_dkv_cache_trace(run):
+  """dKV-Cache: the page's computed positions are the Trace's; no key subset, no per-layer record."""
+  model = explorer_page.page_data(str(run["dkv"]))["models"][0]
+  trace, policy, steps = run["traces"]["dkv"], model["policy"], np.asarray(model["steps"])
+  assert policy["text"] == "dkv_cache" and "keys" not in policy and "layers" not in policy
+  computed = trace["computed"][steps, 0]
+  assert (~computed.all(-1)).any()
+  assert np.array_equal(_unpack(policy["computed"]), computed)
+  np.testing.assert_array_equal(policy["keys_read"], trace["keys_read"][steps, 0])
+  assert len(policy["notes"]) == len(steps)
+
+
+def test_a_run_without_policy_arrays_opens_unchanged(run, tmp_path):
+  """A run written before the policy arrays (or without a policy): the same page data, no policy entry."""
+  old = tmp_path / "old"
+  shutil.copytree(run["analysis"], old)
+  item = old / "tiny-dlm" / "item_0.npz"
+  with np.load(item) as npz:
+    arrays = {k: npz[k] for k in npz.files if not k.startswith("policy")}
+  np.savez(item, **arrays)
+  new, former = explorer_page.page_data(str(run["analysis"])), explorer_page.page_data(str(old))
+  assert "policy" in new["models"][0] and "policy" not in former["models"][0]
+  del new["models"][0]["policy"]
+  assert former["models"] == new["models"] and former["panels"] == new["panels"]
+  assert 'id="policy-meta"' in explorer_page.render(former)
+
+
 def test_page_is_one_self_contained_file(run):
   for page in (run["page"], run["analysis"] / explorer_page.PAGE_FILE):
     text = page.read_text(encoding="utf-8")
@@ -110,8 +217,13 @@ def test_browser_plays_the_trace(run, tmp_path):
   last = steps - 1
   early = _dom(page, "model=tiny-dlm&step=0&layer=1&head=2")
   late = _dom(page, f"model=tiny-dlm&step={last}&layer=1&head=2")
+  policy = explorer_page.page_data(str(run["analysis"]))["models"][0]["policy"]
+  computed, keys = _unpack(policy["computed"]), _unpack(policy["keys"])
+  assert not computed[last].all()  # the last step computed its block only
   for dom, t in ((early, 0), (late, last)):
     assert 'data-ready="1"' in dom and f'data-steps="{steps}"' in dom and f'data-step="{t}"' in dom
+    assert f"compute policy {SPARSE_POLICY}" in dom and f'data-computed="{computed[t].sum()}"' in dom
+    assert _strip_cells(dom) == list(zip(computed[t].astype(int).tolist(), keys[t, 1, 0].astype(int).tolist()))
     assert re.search(r'<pre id="errors">\s*</pre>', dom), dom[dom.index('id="errors"'):][:500]
     spans = _spans(dom)
     assert [s for s, _ in spans] == _expected_states(arrays, t)

@@ -72,9 +72,29 @@ def model_data(run: str, meta: dict, item: str, records: list[dict]) -> dict | N
                     for l in range(sink_mask.shape[1])] for t in range(ran)]}
   if "correct" in record:
     out["correct"] = bool(record["correct"])
+  if "policy" in data:
+    out["policy"] = _policy(data, ran)
   if "revoked" in data:
     out.update(_revisions(data["committed"][:ran], data["revoked"][:ran], decode_step, data["canvas"][:ran],
                           data["step_index"][:ran], vocab))
+  return out
+
+
+def _bits(mask: np.ndarray) -> dict:
+  """{"shape", "bits"}: a bool array as base64 of its bits, C order, least significant bit first."""
+  mask = np.asarray(mask, bool)
+  return {"shape": list(mask.shape), "bits": base64.b64encode(np.packbits(mask.ravel(), bitorder="little")).decode()}
+
+
+def _policy(data: dict, ran: int) -> dict:
+  """A compute policy's entry of a model (module docstring), from the item's policy_* arrays
+  (`experiments.reports.policy_view`) at the steps that ran."""
+  out = {"text": str(data["policy"]), "computed": _bits(data["policy_computed"][:ran]),
+         "keys_read": [float(k) for k in data["policy_keys_read"][:ran]],
+         "notes": [str(n) for n in data["policy_notes"][:ran]]}
+  for name in ("keys", "layers"):
+    if f"policy_{name}" in data:
+      out[name] = _bits(data[f"policy_{name}"][:ran])
   return out
 
 

@@ -18,7 +18,20 @@
     for (var i = 0; i < s.length; i++) out[i] = s.charCodeAt(i);
     return out;
   }
-  DATA.models.forEach(function (m) { if (m.attention) m.attention.bytes = decode(m.attention.q); });
+  DATA.models.forEach(function (m) {
+    if (m.attention) m.attention.bytes = decode(m.attention.q);
+    if (m.policy) ["computed", "keys", "layers"].forEach(function (k) { if (m.policy[k]) m.policy[k].bytes = decode(m.policy[k].bits); });
+  });
+  // Bit `index` (C order) of a packed bool array {shape, bits} (least significant bit first).
+  function bit(mask, index) { return (mask.bytes[index >> 3] >> (index & 7)) & 1; }
+  function computedAt(m, t, p) { return bit(m.policy.computed, t * m.tokens.length + p); }
+  // Whether layer l's (shown layers) head h read key s at step t (true without a key subset).
+  function keyRead(m, t, l, h, s) {
+    var k = m.policy && m.policy.keys;
+    if (!k) return true;
+    var sh = k.shape, hh = sh[2] === 1 ? 0 : h;
+    return bit(k, ((t * sh[1] + l) * sh[2] + hh) * sh[3] + s) === 1;
+  }
 
   function model() { return DATA.models[state.model]; }
   // Score of key s at step t, layer l, head h (head n_heads = the head mean): stored gamma-0.5 encoded bytes.
@@ -86,6 +99,16 @@
     $("model").value = state.model;
     $("meta").textContent = m.label + " · " + m.sampler + " · item " + m.item + (m.correct === undefined ? "" : (m.correct ? " · correct" : " · wrong")) +
       " · " + m.steps.length + " steps shown (of the generation's decoded steps)";
+    var pm = $("policy-meta");
+    pm.hidden = !m.policy;
+    if (m.policy) {
+      var n = 0;
+      for (var p = 0; p < m.tokens.length; p++) n += computedAt(m, state.step, p);
+      pm.textContent = "compute policy " + m.policy.text + " · this step computed " + n + " of " + m.tokens.length +
+        " positions' queries · keys read per computed query " + m.policy.keys_read[state.step].toFixed(1) +
+        " (mean over layers) · " + m.policy.notes[state.step];
+      pm.dataset.computed = n;
+    }
     $("prompt").textContent = m.prompt;
     $("completion").textContent = m.completion;
     var slider = $("slider");
@@ -115,28 +138,66 @@
     var sinks = m.sinks[t][l][h] || [];
     $("attention-title").textContent = "Incoming attention at step " + t + ", layer " + m.layers[l] + ", " +
       (h === m.n_heads ? "head mean (sinks: a sink in any head)" : "head " + h) + " — " + sinks.length + " sinks (ε-rule)";
+    var read = 0;
     for (var s = 0; s < m.tokens.length; s++) {
-      var cell = el("div", "cell" + (sinks.indexOf(s) >= 0 ? " sink" : "") + (s === m.prompt_length ? " promptend" : ""));
+      var kept = keyRead(m, t, l, h, s);
+      read += kept ? 1 : 0;
+      var cell = el("div", "cell" + (sinks.indexOf(s) >= 0 ? " sink" : "") + (s === m.prompt_length ? " promptend" : "") +
+                    (kept ? "" : " dropped"));
       cell.appendChild(el("div", "mark", sinks.indexOf(s) >= 0 ? "▼" : ""));
       var b = el("div", "box"); b.style.background = magma(level(m, t, l, h, s));
-      b.title = "key " + s + " " + textOf(m, t, s) + ": score " + score(m, t, l, h, s).toFixed(2);
+      b.title = "key " + s + " " + textOf(m, t, s) + ": score " + score(m, t, l, h, s).toFixed(2) + (kept ? "" : " (not read: the policy dropped it)");
       cell.appendChild(b);
       cell.appendChild(el("div", "lab", textOf(m, t, s)));
+      if (m.policy) {
+        var c = computedAt(m, t, s), q = el("div", "q" + (c ? " computed" : ""));
+        q.title = c ? "query computed at this step" : "read from the cache at this step";
+        cell.appendChild(q);
+        cell.dataset.computed = c;
+        cell.dataset.read = kept ? 1 : 0;
+      }
       cell.appendChild(el("div", "pos", s % 5 === 0 ? String(s) : ""));
       cell.dataset.pos = s;
       strip.appendChild(cell);
     }
+    if (m.policy && m.policy.keys) $("attention-title").textContent += " — " + read + " of " + m.tokens.length + " keys read (policy)";
+    $("policy-legend").hidden = !m.policy;
+    $("policy-legend-keys").hidden = !(m.policy && m.policy.keys);
+    renderPolicyLayers(m);
     var cv = $("heatmap"), T = m.steps.length, S = m.tokens.length, px = 15, row = Math.max(6, Math.min(24, Math.floor(200 / T)));
     cv.width = S * px; cv.height = T * row;
     var ctx = cv.getContext("2d");
     for (var tt = 0; tt < T; tt++) for (var ss = 0; ss < S; ss++) {
       ctx.fillStyle = magma(level(m, tt, l, h, ss)); ctx.fillRect(ss * px, tt * row, px, row);
     }
+    ctx.fillStyle = "rgba(255,255,255,0.7)";  // keys the policy's layer (and head) did not read at that step
+    if (m.policy && m.policy.keys) for (tt = 0; tt < T; tt++) for (ss = 0; ss < S; ss++) {
+      if (!keyRead(m, tt, l, h, ss)) ctx.fillRect(ss * px, tt * row, px, row);
+    }
     ctx.strokeStyle = DATA.palette.sink; ctx.lineWidth = 1;
     for (tt = 0; tt < T; tt++) (m.sinks[tt][l][h] || []).forEach(function (ss) { ctx.strokeRect(ss * px + 4.5, tt * row + 1.5, px - 9, row - 3); });
     ctx.strokeStyle = DATA.palette.fresh; ctx.lineWidth = 2; ctx.strokeRect(1, t * row + 1, S * px - 2, row - 1);
     ctx.strokeStyle = DATA.palette.promptend; ctx.setLineDash([3, 3]); ctx.beginPath();
     ctx.moveTo(m.prompt_length * px, 0); ctx.lineTo(m.prompt_length * px, T * row); ctx.stroke(); ctx.setLineDash([]);
+  }
+
+  function renderPolicyLayers(m) {  // per-layer policies: layer x position strip of the step's recomputed positions
+    var panel = $("policy-layers-panel"), lay = m.policy && m.policy.layers;
+    panel.hidden = !lay;
+    if (!lay) return;
+    var t = state.step, L = lay.shape[1], S = lay.shape[2], px = 15, row = 10, counts = [];
+    var cv = $("policy-layers"); cv.width = S * px; cv.height = L * row;
+    var ctx = cv.getContext("2d");
+    for (var l = 0; l < L; l++) {
+      var n = 0;
+      for (var s = 0; s < S; s++) {
+        var on = bit(lay, (t * L + l) * S + s);
+        n += on;
+        ctx.fillStyle = on ? "#333" : "#eee"; ctx.fillRect(s * px + 1, l * row + 1, px - 2, row - 2);
+      }
+      counts.push("layer " + l + ": " + n);
+    }
+    $("policy-layer-counts").textContent = "recomputed positions — " + counts.join(" · ");
   }
 
   function renderOrder(m) {
