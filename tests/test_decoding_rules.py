@@ -67,6 +67,17 @@ def logits_of(tokens):
   return np.concatenate([out[:1], out[:-1]])
 
 
+def logits_with_copy(x_block, positions, bias):
+  """The reference's WINO call: [S + B] tokens and positions under the copy's bias -> float64 logits [S + B, V].
+  Dream: the outputs shifted right by one over the whole S + B row (Research dLLM's
+  `prepare_logits_for_generation` on its `wino.py` call), so copy position j reads the output at S + j − 1."""
+  inputs = (jnp.asarray(x_block[None]), jnp.asarray(positions[None]), bias)
+  if not MODEL["dream"]:
+    return np.asarray(_forward(True)(params(), *inputs), np.float64)[0]
+  out = np.asarray(_forward(True, DREAM)(dream_params(), *inputs), np.float64)[0]
+  return np.concatenate([out[:1], out[:-1]])
+
+
 def softmax(z):
   z = z - z.max(-1, keepdims=True)
   e = np.exp(z)
@@ -168,8 +179,7 @@ def wino_original(prompt, rule, block):
       mask_index = np.zeros(s, bool)
       mask_index[lo:hi] = r.x[lo:hi] == MASK
       max_accept = min(max(int(mask_index.sum() * 0.7), 5), 20)
-      logits = np.asarray(_forward(True)(params(), jnp.asarray(x_block[None]), jnp.asarray(positions[None]), bias),
-                          np.float64)[0]
+      logits = logits_with_copy(x_block, positions, bias)
       p = softmax(logits)
       x0 = logits[:s].argmax(-1)
       conf = np.where(mask_index, p[np.arange(s), x0], -np.inf)
@@ -271,8 +281,8 @@ CASES = {
 }
 
 
-DREAM_CASES = ("eb_blocks", "klass", "pc", "certainty_prior")
-"""The cases Dream runs too (WINO is LLaDA's)."""
+DREAM_CASES = ("eb_blocks", "klass", "wino", "pc", "certainty_prior")
+"""The cases Dream runs too (WINO with Research dLLM's shifted read of the copy, `logits_with_copy`)."""
 
 
 def _check_row(trace, row, ref: Replay):
@@ -326,6 +336,10 @@ def test_dream_rule_matches_original_replay(case):
     MODEL["dream"] = False
   for row, ref in enumerate(refs):
     _check_row(trace, row, ref)
+  assert int(trace.nfe) == max(len(ref.committed) for ref in refs)
+  if case == "wino":
+    assert sum(int(np.sum(r)) for ref in refs for r in ref.revoked) > 0, "the Dream WINO case never re-masks"
+    assert max(int(np.sum(c)) for ref in refs for c in ref.committed) > 1, "the Dream WINO case never drafts wide"
 
 
 def test_wino_python_loop_equals_compiled():
@@ -398,8 +412,12 @@ def test_binary_modes_build_the_rules(tmp_path):
       "rule": dr.KLASS(kl_history_length=3)}
   with pytest.raises(SessionError, match="the block_diffusion sampler has no wino decoding yet"):
     decoding_mode.from_values("wino").option_fields("block_diffusion")
-  with pytest.raises(ValueError, match="decoding rule wino is LLaDA's"):
-    dream.DreamOptions(gen_length=16, steps=16, **decoding_mode.from_values("wino").option_fields("dream"))
+  assert dream.DreamOptions(gen_length=16, steps=16, **decoding_mode.from_values("wino").option_fields("dream")
+                            ).rule == dr.WINO()
+  with pytest.raises(ValueError, match="decoding rule wino cannot be combined with temperature > 0"):
+    dream.DreamOptions(gen_length=16, steps=16, rule=dr.WINO(), temperature=0.5)
+  with pytest.raises(ValueError, match="decoding rule wino cannot be combined with top_p or top_k"):
+    dream.DreamOptions(gen_length=16, steps=16, rule=dr.WINO(), top_p=0.9)
   with pytest.raises(SessionError, match=r"--decoding=wino: wino narrow_out must be a probability"):
     decoding_mode.from_spec("wino:narrow_out=1.5")
   with pytest.raises(SessionError, match="--decoding=eb: decoding rule eb has no knob sigma"):

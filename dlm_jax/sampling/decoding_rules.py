@@ -278,7 +278,8 @@ def check_llada_options(options) -> None:
              "cache": options.cache != "none", "cfg_scale": options.cfg_scale > 0,
              "remasking='random'": options.remasking != "low_confidence",
              "stop_token_id": options.stop_token_id is not None,
-             "temperature > 0": options.temperature > 0 and isinstance(rule, (KLASS, WINO))}
+             "temperature > 0": options.temperature > 0 and isinstance(rule, (KLASS, WINO)),
+             "top_p or top_k": isinstance(rule, WINO) and (options.top_p is not None or options.top_k is not None)}
   for name, clash in clashes.items():
     if clash:
       raise ValueError(f"decoding rule {rule.name} cannot be combined with {name}; it runs without it in its "
@@ -310,18 +311,16 @@ def rule_from_name(name: str, **knobs: Any) -> Rule:
 
 
 def check_dream_options(options) -> None:
-  """Refuses, in one line, `DreamOptions` a rule cannot run with (called by its __post_init__): WINO (its
-  verification copy is defined for LLaDA's unshifted logits), threshold, factor, a cache, KLASS at
-  temperature > 0, alg_temp; blocks must divide gen_length and steps fit the blocks."""
+  """Refuses, in one line, `DreamOptions` a rule cannot run with (called by its __post_init__): threshold,
+  factor, a cache, KLASS and WINO at temperature > 0, WINO with top-p / top-k, alg_temp; blocks must divide gen_length and steps fit
+  the blocks."""
   rule = options.rule
   if not isinstance(rule, (EBSampler, KLASS, WINO, PCSampler, CertaintyPrior)):
     raise ValueError(f"rule must be one of EBSampler, KLASS, WINO, PCSampler, CertaintyPrior or None, got {rule!r}.")
-  if isinstance(rule, WINO):
-    raise ValueError("decoding rule wino is LLaDA's (its verification copy assumes unshifted logits); Dream "
-                     "takes eb, klass, pc and certainty_prior.")
   clashes = {"threshold": options.threshold is not None, "factor": options.factor is not None,
              "cache": options.cache != "none", "alg_temp": bool(options.alg_temp),
-             "temperature > 0": options.temperature > 0 and isinstance(rule, KLASS)}
+             "temperature > 0": options.temperature > 0 and isinstance(rule, (KLASS, WINO)),
+             "top_p or top_k": isinstance(rule, WINO) and (options.top_p is not None or options.top_k is not None)}
   for name, clash in clashes.items():
     if clash:
       raise ValueError(f"decoding rule {rule.name} cannot be combined with {name}; it runs without it in its "
