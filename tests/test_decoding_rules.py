@@ -474,6 +474,33 @@ def test_rules_read_probabilities_whatever_the_ranking_and_wino_statistics_cover
   _check_row(trace, 0, original(batch[0]))
 
 
+def test_dream_wino_statistics_and_padding():
+  """Dream WINO with statistics and a left-padded row (Dream's outer padding, extended over the copy): the full
+  row equals its replay, the padded row equals its unpadded prompt alone, statistics cover the S keys."""
+  from dlm_jax.instrument.stats import StatsSpec
+  rule, layout, original = CASES["wino"]
+  batch = prompts(2, seed=5)
+  short = batch[1, 1:].copy()
+  batch[1, 0] = 0
+  options = dream.DreamOptions(gen_length=GEN, rule=rule, **layout)
+  traced = dream.diffusion_generate(dream_params(), batch, config=DREAM, options=options, sink_top_k=2,
+                                    prompt_mask=np.array([[1] * LP, [0] + [1] * (LP - 1)], np.int32),
+                                    stats_spec=StatsSpec(incoming_attention=True))
+  MODEL["dream"] = True
+  try:
+    _check_row(traced, 0, original(batch[0]))
+  finally:
+    MODEL["dream"] = False
+  alone = dream.diffusion_generate(dream_params(), short[None], config=DREAM, options=options)
+  np.testing.assert_array_equal(np.asarray(traced.tokens[1, 1:]), np.asarray(alone.tokens[0]))
+  steps = np.asarray(traced.active_rows[:, 1])
+  for field in ("committed", "revoked"):
+    np.testing.assert_array_equal(np.asarray(getattr(traced, field)[:, 1])[steps],
+                                  np.asarray(getattr(alone, field)[:, 0])[np.asarray(alone.active_rows[:, 0])])
+  assert int(traced.row_nfe[1]) == int(alone.nfe) and int(np.sum(np.asarray(alone.revoked))) > 0
+  assert traced.stats["incoming_attention"].shape[-1] == LP + GEN and int(jnp.max(traced.top_sinks)) < LP + GEN
+
+
 def test_explorer_marks_drafts_revoked_later_and_re_masks():
   """Position 3 drafted 'b' at step 10, re-masked at step 11, committed 'c' at step 12; position 2 kept its
   step-10 token: the explorer data marks 3 as a draft after step 10 and as re-masked at step 11 only."""
