@@ -447,6 +447,8 @@ def test_lm_eval_model_args_take_the_rules():
                      "eb_gamma": "0.5"}).mode
   assert mode.option_fields("llada") == {"rule": dr.KLASS(kl_history_length=3)}
   assert args.parse({"checkpoint": "tiny-dlm", "decoding": "eb", "eb_gamma": "0.5"}).mode.knobs == (("gamma", 0.5),)
+  assert args.parse({"checkpoint": "tiny-dlm", "sampler": "dream", "decoding": "wino", "wino_narrow_out": "0.95"}
+                    ).mode.option_fields("dream") == {"rule": dr.WINO(narrow_out=0.95)}
   with pytest.raises(UserError, match="model_args decoding=wino: --decoding=wino: wino wide_in must be a "
                                       "probability") as info:
     args.parse({"checkpoint": "tiny-dlm", "decoding": "wino", "wino_wide_in": "7"})

@@ -35,6 +35,9 @@ index first, as everywhere in `dlm_jax.sampling`.
   probability at their copy position is < narrow_out, at most (previous step's draft count − 1) of them
   (the least probable; the count starts at 30 in each block). A block ends when it holds no mask; it needs
   at most block_length calls (each call adds at least one token more than the previous one took back).
+  On Dream (no WINO code of the authors' exists for it) the call's S + B outputs are read shifted right by
+  one, as Research dLLM's `wino.py` (`prepare_logits_for_generation`): copy position j reads the output at
+  S + j − 1 (the sequence's last position for j = 0, copy query j − 1 else); the rule is the same.
 * `PCSampler` — position-aware calibration (Huang et al. 2025; NEUIR/PC-Sampler
   `generate_with_pc_sampler`): score = exp(−λ·i) · min(−p(x0)·log(f(x0) + 1e-9), α), i the position in the
   block, f a corpus frequency prior (`dlm_jax.sampling.corpus_prior`); the step's quota of best-scored
