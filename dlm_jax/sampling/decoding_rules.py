@@ -281,8 +281,7 @@ def check_llada_options(options) -> None:
              "cache": options.cache != "none", "cfg_scale": options.cfg_scale > 0,
              "remasking='random'": options.remasking != "low_confidence",
              "stop_token_id": options.stop_token_id is not None,
-             "temperature > 0": options.temperature > 0 and isinstance(rule, (KLASS, WINO)),
-             "top_p or top_k": isinstance(rule, WINO) and (options.top_p is not None or options.top_k is not None)}
+             "temperature > 0": options.temperature > 0 and isinstance(rule, (KLASS, WINO))}
   for name, clash in clashes.items():
     if clash:
       raise ValueError(f"decoding rule {rule.name} cannot be combined with {name}; it runs without it in its "
@@ -315,8 +314,8 @@ def rule_from_name(name: str, **knobs: Any) -> Rule:
 
 def check_dream_options(options) -> None:
   """Refuses, in one line, `DreamOptions` a rule cannot run with (called by its __post_init__): threshold,
-  factor, a cache, KLASS and WINO at temperature > 0, WINO with top-p / top-k, alg_temp; blocks must divide gen_length and steps fit
-  the blocks."""
+  factor, a cache, KLASS and WINO at temperature > 0, WINO with top-p / top-k, alg_temp; blocks must divide
+  gen_length and steps fit the blocks."""
   rule = options.rule
   if not isinstance(rule, (EBSampler, KLASS, WINO, PCSampler, CertaintyPrior)):
     raise ValueError(f"rule must be one of EBSampler, KLASS, WINO, PCSampler, CertaintyPrior or None, got {rule!r}.")
