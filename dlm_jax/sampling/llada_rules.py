@@ -17,9 +17,10 @@ In a batch the rows move to the next block together; a row whose block is done w
 
 Statistics: WINO's calls hold S + B positions (the verification copy after the sequence); its statistics
 are cut to the sequence's S keys (the sequence's queries never see the copy's keys) and its top sinks are
-chosen among them (Dream: the call's outputs are read one position earlier, the copy's included, as Research
-dLLM's `wino.py`: `decoding_rules` module docstring), while the copy's B queries are part of the call and their attention to the sequence is
-in the sums (`Trace.computed_queries` says [0, S + B)); routing keeps the sequence's positions.
+chosen among them, while the copy's B queries are part of the call and their attention to the sequence is
+in the sums (`Trace.computed_queries` says [0, S + B)); routing keeps the sequence's positions. Dream reads
+the call's outputs one position earlier, the copy's included, as Research dLLM's `wino.py` (`decoding_rules`
+module docstring).
 
 Each step reports the positions it committed and (WINO) re-masked (`StepOutput.committed` / `revoked`,
 stacked into `Trace.committed` / `Trace.revoked` [max_steps, B, G]) and the generated tokens it read
