@@ -67,6 +67,17 @@ def logits_of(tokens):
   return np.concatenate([out[:1], out[:-1]])
 
 
+def logits_with_copy(x_block, positions, bias):
+  """The reference's WINO call: [S + B] tokens and positions under the copy's bias -> float64 logits [S + B, V].
+  Dream: the outputs shifted right by one over the whole S + B row (Research dLLM's
+  `prepare_logits_for_generation` on its `wino.py` call), so copy position j reads the output at S + j − 1."""
+  inputs = (jnp.asarray(x_block[None]), jnp.asarray(positions[None]), bias)
+  if not MODEL["dream"]:
+    return np.asarray(_forward(True)(params(), *inputs), np.float64)[0]
+  out = np.asarray(_forward(True, DREAM)(dream_params(), *inputs), np.float64)[0]
+  return np.concatenate([out[:1], out[:-1]])
+
+
 def softmax(z):
   z = z - z.max(-1, keepdims=True)
   e = np.exp(z)
@@ -168,8 +179,7 @@ def wino_original(prompt, rule, block):
       mask_index = np.zeros(s, bool)
       mask_index[lo:hi] = r.x[lo:hi] == MASK
       max_accept = min(max(int(mask_index.sum() * 0.7), 5), 20)
-      logits = np.asarray(_forward(True)(params(), jnp.asarray(x_block[None]), jnp.asarray(positions[None]), bias),
-                          np.float64)[0]
+      logits = logits_with_copy(x_block, positions, bias)
       p = softmax(logits)
       x0 = logits[:s].argmax(-1)
       conf = np.where(mask_index, p[np.arange(s), x0], -np.inf)
@@ -271,8 +281,8 @@ CASES = {
 }
 
 
-DREAM_CASES = ("eb_blocks", "klass", "pc", "certainty_prior")
-"""The cases Dream runs too (WINO is LLaDA's)."""
+DREAM_CASES = ("eb_blocks", "klass", "wino", "pc", "certainty_prior")
+"""The cases Dream runs too (WINO with Research dLLM's shifted read of the copy, `logits_with_copy`)."""
 
 
 def _check_row(trace, row, ref: Replay):
@@ -326,6 +336,10 @@ def test_dream_rule_matches_original_replay(case):
     MODEL["dream"] = False
   for row, ref in enumerate(refs):
     _check_row(trace, row, ref)
+  assert int(trace.nfe) == max(len(ref.committed) for ref in refs)
+  if case == "wino":
+    assert sum(int(np.sum(r)) for ref in refs for r in ref.revoked) > 0, "the Dream WINO case never re-masks"
+    assert max(int(np.sum(c)) for ref in refs for c in ref.committed) > 1, "the Dream WINO case never drafts wide"
 
 
 def test_wino_python_loop_equals_compiled():
@@ -398,8 +412,12 @@ def test_binary_modes_build_the_rules(tmp_path):
       "rule": dr.KLASS(kl_history_length=3)}
   with pytest.raises(SessionError, match="the block_diffusion sampler has no wino decoding yet"):
     decoding_mode.from_values("wino").option_fields("block_diffusion")
-  with pytest.raises(ValueError, match="decoding rule wino is LLaDA's"):
-    dream.DreamOptions(gen_length=16, steps=16, **decoding_mode.from_values("wino").option_fields("dream"))
+  assert dream.DreamOptions(gen_length=16, steps=16, **decoding_mode.from_values("wino").option_fields("dream")
+                            ).rule == dr.WINO()
+  with pytest.raises(ValueError, match="decoding rule wino cannot be combined with temperature > 0"):
+    dream.DreamOptions(gen_length=16, steps=16, rule=dr.WINO(), temperature=0.5)
+  with pytest.raises(ValueError, match="decoding rule wino cannot be combined with top_p or top_k"):
+    dream.DreamOptions(gen_length=16, steps=16, rule=dr.WINO(), top_p=0.9)
   with pytest.raises(SessionError, match=r"--decoding=wino: wino narrow_out must be a probability"):
     decoding_mode.from_spec("wino:narrow_out=1.5")
   with pytest.raises(SessionError, match="--decoding=eb: decoding rule eb has no knob sigma"):
@@ -429,6 +447,8 @@ def test_lm_eval_model_args_take_the_rules():
                      "eb_gamma": "0.5"}).mode
   assert mode.option_fields("llada") == {"rule": dr.KLASS(kl_history_length=3)}
   assert args.parse({"checkpoint": "tiny-dlm", "decoding": "eb", "eb_gamma": "0.5"}).mode.knobs == (("gamma", 0.5),)
+  assert args.parse({"checkpoint": "tiny-dlm", "sampler": "dream", "decoding": "wino", "wino_narrow_out": "0.95"}
+                    ).mode.option_fields("dream") == {"rule": dr.WINO(narrow_out=0.95)}
   with pytest.raises(UserError, match="model_args decoding=wino: --decoding=wino: wino wide_in must be a "
                                       "probability") as info:
     args.parse({"checkpoint": "tiny-dlm", "decoding": "wino", "wino_wide_in": "7"})
@@ -454,6 +474,33 @@ def test_rules_read_probabilities_whatever_the_ranking_and_wino_statistics_cover
   trace = llada.generate(params(), batch, config=CONFIG, options=llada.LLaDAOptions(
       gen_length=GEN, rule=rule, confidence_ranking="log_odds", **layout))
   _check_row(trace, 0, original(batch[0]))
+
+
+def test_dream_wino_statistics_and_padding():
+  """Dream WINO with statistics and a left-padded row (Dream's outer padding, extended over the copy): the full
+  row equals its replay, the padded row equals its unpadded prompt alone, statistics cover the S keys."""
+  from dlm_jax.instrument.stats import StatsSpec
+  rule, layout, original = CASES["wino"]
+  batch = prompts(2, seed=5)
+  short = batch[1, 1:].copy()
+  batch[1, 0] = 0
+  options = dream.DreamOptions(gen_length=GEN, rule=rule, **layout)
+  traced = dream.diffusion_generate(dream_params(), batch, config=DREAM, options=options, sink_top_k=2,
+                                    prompt_mask=np.array([[1] * LP, [0] + [1] * (LP - 1)], np.int32),
+                                    stats_spec=StatsSpec(incoming_attention=True))
+  MODEL["dream"] = True
+  try:
+    _check_row(traced, 0, original(batch[0]))
+  finally:
+    MODEL["dream"] = False
+  alone = dream.diffusion_generate(dream_params(), short[None], config=DREAM, options=options)
+  np.testing.assert_array_equal(np.asarray(traced.tokens[1, 1:]), np.asarray(alone.tokens[0]))
+  steps = np.asarray(traced.active_rows[:, 1])
+  for field in ("committed", "revoked"):
+    np.testing.assert_array_equal(np.asarray(getattr(traced, field)[:, 1])[steps],
+                                  np.asarray(getattr(alone, field)[:, 0])[np.asarray(alone.active_rows[:, 0])])
+  assert int(traced.row_nfe[1]) == int(alone.nfe) and int(np.sum(np.asarray(alone.revoked))) > 0
+  assert traced.stats["incoming_attention"].shape[-1] == LP + GEN and int(jnp.max(traced.top_sinks)) < LP + GEN
 
 
 def test_explorer_marks_drafts_revoked_later_and_re_masks():

@@ -35,6 +35,9 @@ index first, as everywhere in `dlm_jax.sampling`.
   probability at their copy position is < narrow_out, at most (previous step's draft count − 1) of them
   (the least probable; the count starts at 30 in each block). A block ends when it holds no mask; it needs
   at most block_length calls (each call adds at least one token more than the previous one took back).
+  On Dream (no WINO code of the authors' exists for it) the call's S + B outputs are read shifted right by
+  one, as Research dLLM's `wino.py` (`prepare_logits_for_generation`): copy position j reads the output at
+  S + j − 1 (the sequence's last position for j = 0, copy query j − 1 else); the rule is the same.
 * `PCSampler` — position-aware calibration (Huang et al. 2025; NEUIR/PC-Sampler
   `generate_with_pc_sampler`): score = exp(−λ·i) · min(−p(x0)·log(f(x0) + 1e-9), α), i the position in the
   block, f a corpus frequency prior (`dlm_jax.sampling.corpus_prior`); the step's quota of best-scored
@@ -310,18 +313,16 @@ def rule_from_name(name: str, **knobs: Any) -> Rule:
 
 
 def check_dream_options(options) -> None:
-  """Refuses, in one line, `DreamOptions` a rule cannot run with (called by its __post_init__): WINO (its
-  verification copy is defined for LLaDA's unshifted logits), threshold, factor, a cache, KLASS at
-  temperature > 0, alg_temp; blocks must divide gen_length and steps fit the blocks."""
+  """Refuses, in one line, `DreamOptions` a rule cannot run with (called by its __post_init__): threshold,
+  factor, a cache, KLASS and WINO at temperature > 0, WINO with top-p / top-k, alg_temp; blocks must divide
+  gen_length and steps fit the blocks."""
   rule = options.rule
   if not isinstance(rule, (EBSampler, KLASS, WINO, PCSampler, CertaintyPrior)):
     raise ValueError(f"rule must be one of EBSampler, KLASS, WINO, PCSampler, CertaintyPrior or None, got {rule!r}.")
-  if isinstance(rule, WINO):
-    raise ValueError("decoding rule wino is LLaDA's (its verification copy assumes unshifted logits); Dream "
-                     "takes eb, klass, pc and certainty_prior.")
   clashes = {"threshold": options.threshold is not None, "factor": options.factor is not None,
              "cache": options.cache != "none", "alg_temp": bool(options.alg_temp),
-             "temperature > 0": options.temperature > 0 and isinstance(rule, KLASS)}
+             "temperature > 0": options.temperature > 0 and isinstance(rule, (KLASS, WINO)),
+             "top_p or top_k": isinstance(rule, WINO) and (options.top_p is not None or options.top_k is not None)}
   for name, clash in clashes.items():
     if clash:
       raise ValueError(f"decoding rule {rule.name} cannot be combined with {name}; it runs without it in its "

@@ -310,7 +310,8 @@ class DreamBlockwiseFamily(DreamFamily):
 @dataclasses.dataclass(frozen=True)
 class DreamRuleFamily(llada_rules.RuleFamilyMixin, DreamFamily):
   """Dream under a decoding rule (`DreamOptions.rule`; `dlm_jax.sampling.llada_rules`, with Dream's shifted
-  logits and `sample_tokens` proposals: temperature, top-p and top-k as the options say)."""
+  logits — WINO's verification copy included — and `sample_tokens` proposals: temperature, top-p and top-k as
+  the options say, where the rule takes them)."""
 
   name = "dream_rules"
   runs_policies = True

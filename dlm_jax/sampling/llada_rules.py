@@ -18,7 +18,9 @@ In a batch the rows move to the next block together; a row whose block is done w
 Statistics: WINO's calls hold S + B positions (the verification copy after the sequence); its statistics
 are cut to the sequence's S keys (the sequence's queries never see the copy's keys) and its top sinks are
 chosen among them, while the copy's B queries are part of the call and their attention to the sequence is
-in the sums (`Trace.computed_queries` says [0, S + B)); routing keeps the sequence's positions.
+in the sums (`Trace.computed_queries` says [0, S + B)); routing keeps the sequence's positions. Dream reads
+the call's outputs one position earlier, the copy's included, as Research dLLM's `wino.py` (`decoding_rules`
+module docstring).
 
 Each step reports the positions it committed and (WINO) re-masked (`StepOutput.committed` / `revoked`,
 stacked into `Trace.committed` / `Trace.revoked` [max_steps, B, G]) and the generated tokens it read
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dlm_jax.config import logit_shift
-from dlm_jax.instrument.interventions import NO_INTERVENTION
+from dlm_jax.instrument.interventions import NO_INTERVENTION, padding_bias
 from dlm_jax.core.attention_bias import MASK_VALUE, AttentionBias
 from dlm_jax.sampling import decoding_rules as dr
 from dlm_jax.sampling.call_inputs import CallInputs, Readout
@@ -113,23 +115,25 @@ def _rows(array, start, length):
   return jax.lax.dynamic_slice_in_dim(array, start, length, axis=1)
 
 
-def _wino_bias(layout_bias: AttentionBias, total: int, block: int, block_start) -> AttentionBias:
+def _wino_bias(layout: padding.PaddingLayout, total: int, block: int, block_start) -> AttentionBias:
   """The verification call's attention: the S sequence queries see the S sequence keys (not the copy); copy
-  query j sees every sequence key but its twin block_start + j, and every copy key; plus the padding bias's
-  key part (extended with zeros over the copy). -> pairwise [1, 1, S + B, S + B]."""
+  query j sees every sequence key but its twin block_start + j, and every copy key; plus the padding bias:
+  a key bias extended with zeros over the copy, or (Dream's "outer" padding) the outer product of the
+  validity extended with the copy's B always-valid positions. -> pairwise [1 | B, 1, S + B, S + B]."""
   n = total + block
   q = jnp.arange(n)[:, None]
   k = jnp.arange(n)[None, :]
   copy_q, copy_k = q >= total, k >= total
   twin = copy_q & (k == block_start + (q - total))
   allowed = jnp.where(copy_q, ~twin, ~copy_k)
-  pairwise = jnp.where(allowed, 0.0, MASK_VALUE).astype(jnp.float32)[None, None]
-  if layout_bias.pairwise is not None:
-    raise ValueError("decoding rule wino supports padding='visible' or 'key' for padded prompts, not 'outer'.")
-  keys_bias = None
-  if layout_bias.keys is not None:
-    keys_bias = jnp.pad(layout_bias.keys, [(0, 0)] * (layout_bias.keys.ndim - 1) + [(0, block)])
-  return AttentionBias(pairwise=pairwise, keys=keys_bias)
+  bias = AttentionBias(pairwise=jnp.where(allowed, 0.0, MASK_VALUE).astype(jnp.float32)[None, None])
+  if layout.bias.pairwise is not None:
+    valid = jnp.concatenate([layout.valid, jnp.ones((layout.valid.shape[0], block), bool)], axis=1)
+    return bias + padding_bias(valid, outer=True)
+  if layout.bias.keys is not None:
+    keys = layout.bias.keys
+    return bias.replace(keys=jnp.pad(keys, [(0, 0)] * (keys.ndim - 1) + [(0, block)]))
+  return bias
 
 
 def _call(family, run, params, consts, x, istate, i, s, block_step):
@@ -152,9 +156,10 @@ def _call(family, run, params, consts, x, istate, i, s, block_step):
   positions = jnp.concatenate([layout.positions, _rows(layout.positions, s, o.block)], axis=1)
   valid = jnp.concatenate([layout.valid, _rows(layout.valid, s, o.block)], axis=1)
   sequence_keys = jnp.concatenate([layout.valid, jnp.zeros((b, o.block), bool)], axis=1)
+  shift = run.config.logit_shift
   result = run.caller(params, i, istate, CallInputs(tokens, positions, valid, sequence_keys,
-                                                    _wino_bias(layout.bias, total, o.block, s)),
-                      Readout(window=(lp, total + o.block)))
+                                                    _wino_bias(layout, total, o.block, s)),
+                      Readout(window=(lp - shift, total + o.block - shift)))
   outputs = result.outputs.replace(stats=_sequence_stats(result.outputs.stats, total, o.block))
   return result.replace(outputs=outputs), jnp.array([0, total + o.block], jnp.int32)
 

@@ -35,7 +35,7 @@ queries; docs/guides/compute_policies.md, "Decoding modes and Dream").
 Decoding rules. eb, klass, wino, pc and certainty_prior run the rules of `dlm_jax.sampling.decoding_rules`
 (EB-Sampler, KLASS, WINO, PC-Sampler, d2Cache's certainty prior) with their knobs (`experiments.common.decoding_flags`:
 --eb_gamma, --klass_*, --wino_*, --pc_prior / --pc_lambda / --pc_alpha / --pc_variant, --certainty_sigma;
-recorded as "knobs"); LLaDA, MMaDA and Dream (WINO: LLaDA and MMaDA), no cache.
+recorded as "knobs"); LLaDA, MMaDA and Dream, no cache.
 
 Samplers. `dlm_jax.sampling.registry` lists the option fields of each sampler's options that the modes set
 (`Sampler.mode_fields`): LLaDA
