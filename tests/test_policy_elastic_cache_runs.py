@@ -433,3 +433,18 @@ def test_runs_it_cannot_take_are_refused_before_compiling(setup, run, message):
   params, prompt = setup
   with pytest.raises(ValueError, match=message):
     run(params, prompt)
+
+
+def test_the_first_call_reads_the_window_whatever_the_prompt_length(setup):
+  """Call 0 is full; its query set (the rows the sampler reads) is the window alone: only generated positions
+  count as "decoded at the previous call". A prompt longer than the budget's tracked slots plus one window
+  (12 > 3 + 4 here) once counted as decoded and pushed the window out of the budget, so the sampler read zero
+  logits (the sweep's accuracy was 0)."""
+  params = setup[0]
+  prompt = jax.random.randint(jax.random.key(2), (1, 12), 3, 200)
+  exact = llada.generate(params, prompt, config=CONFIG, options=OPTIONS)
+  elastic = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
+                           policy=parse_policy("elastic_cache:window_length=4"))
+  first = np.asarray(exact.decode_step[0]) == 0
+  np.testing.assert_array_equal(np.asarray(elastic.decode_step[0]) == 0, first)
+  np.testing.assert_array_equal(np.asarray(elastic.tokens[0, 12:])[first], np.asarray(exact.tokens[0, 12:])[first])
