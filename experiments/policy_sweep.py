@@ -201,15 +201,19 @@ def pareto_figure(label: str, per: dict[str, dict]):
   y = np.asarray([per[n]["accuracy"] for n in names])
   colours = {"none": "black", "dkv_cache": "tab:blue", "sparse_dllm": "tab:orange", "d2cache": "tab:green",
              "dllm_cache": "tab:red", "elastic_cache": "tab:purple", "sparsed": "tab:brown"}
-  seen: dict[tuple, int] = {}
+  seen: dict[float, int] = {}
+  shown: set[str] = set()
   for name, xi, yi in zip(names, x, y):
     method = name.split(":")[0]
     marker = "s" if "keep_sinks=0" not in name and method == "sparse_dllm" else "o"
-    axis.scatter(xi, yi, color=colours.get(method, "grey"), marker=marker, s=40, zorder=3)
-    place = (round(float(xi), 0), round(float(yi), 2))  # labels of (nearly) coincident points stacked
+    axis.scatter(xi, yi, color=colours.get(method, "grey"), marker=marker, s=40, zorder=3,
+                 label=None if method in shown else method)
+    shown.add(method)
+    place = round(float(yi), 2)  # labels of points at (nearly) the same accuracy stacked
     seen[place] = seen.get(place, -1) + 1
-    axis.annotate(name.replace("cache_reloading_step", "reload").replace("keep_ratio", "keep"), (xi, yi),
-                  fontsize=7, xytext=(4, 3 - 9 * seen[place]), textcoords="offset points")
+    knobs = name.partition(":")[2].replace("cache_reloading_step", "reload").replace("keep_ratio", "keep")
+    axis.annotate(knobs or method, (xi, yi), fontsize=7, xytext=(6, 3 - 10 * seen[place]), textcoords="offset points",
+                  arrowprops=dict(arrowstyle="-", linewidth=0.4, color="grey") if seen[place] else None)
   order = np.argsort(x)
   front, best = [], -1.0
   for i in order:
@@ -220,7 +224,7 @@ def pareto_figure(label: str, per: dict[str, dict]):
   axis.set_xlabel("trunk MFLOPs per generated token (the calls the policy computed)")
   axis.set_ylabel("accuracy (exact match)")
   axis.set_title(f"{label}: accuracy against compute per policy (squares: sinks kept)")
-  axis.legend(loc="lower right")
+  axis.legend(loc="lower right", fontsize=8)
   figure.tight_layout()
   return figure
 
