@@ -33,7 +33,8 @@ packed bools, C order, least significant bit first}; the item's policy_* arrays 
 `policy_record` per policy kind); a run without them has no "policy". A panel (for later captures: logit lens,
 patching grids): {"title", "kind": "grid", "rows", "cols",
 "values" [rows][cols], "note"}; every RUN_DIR/captures/*.json holding such a panel (or a list of them) is
-added. Other panel kinds are added to reports/explorer_assets/explorer.js; the page is built by `experiments.reports.explorer_page`.
+added. Other panel kinds are added to reports/explorer_assets/explorer.js; the page is built by
+`experiments.reports.explorer_page`.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ beside the scored keys: `keep_sinks`, ours); every other runnable method at its 
 --condition (a whole policy text, repeatable). Per item it records whether the answer is correct, the model calls,
 the trunk FLOPs the calls computed (each policy's analytic count, `ComputePolicy.call_flops`, of each step's
 `Trace.computed_positions`, `Trace.keys_read` and `Trace.policy_record`; the LM head is the same for every
-policy and left out) and the item's share of its batch's wall time. Results: results.jsonl (one line per model, condition
-and item; a killed run resumes), summary.json / summary.md (per condition: accuracy, its change against
+policy and left out) and the item's share of its batch's wall time. Results: results.jsonl (one line per model,
+condition and item; a killed run resumes), summary.json / summary.md (per condition: accuracy, its change against
 `none`, FLOPs per generated token and their ratio to `none`, calls, seconds), and per model a Pareto figure
 (accuracy against FLOPs, one point per condition, labelled; the non-dominated ones joined).
 """
@@ -158,7 +158,8 @@ def run_model(settings: Settings, model, runtime, log) -> dict:
           continue
         _, text = prompts.completion(model, generated[row])
         record = {"model": model.label, "policy": condition, "item": item.id, "nfe": n_steps, "seq_len": s,
-                  "flops": item_flops(model.config, policy, computed, keys, records, row), "gen_length": values["gen_length"],
+                  "flops": item_flops(model.config, policy, computed, keys, records, row),
+                  "gen_length": values["gen_length"],
                   "seconds": seconds / len(batch.items), "completion": text,
                   "dropped_attention": policy_metrics.dropped_attention(incoming, kept_keys, row,
                                                                         s - values["gen_length"], block, per_block),

@@ -150,7 +150,8 @@ def test_page_holds_the_sparse_dllm_trace(run):
   assert np.array_equal(_unpack(policy["computed"]), computed)
   np.testing.assert_array_equal(policy["keys_read"], trace["keys_read"][steps, 0])
   keys = _unpack(policy["keys"])  # [T, L', 1, S]
-  assert model["layers"] == list(range(trace["record"].shape[2])) and keys.shape == (len(steps), len(model["layers"]), 1, n)
+  assert model["layers"] == list(range(trace["record"].shape[2]))
+  assert keys.shape == (len(steps), len(model["layers"]), 1, n)
   record = trace["record"][steps, 0]  # [T, L, m]: each layer's kept keys, S = none
   for t in range(len(steps)):
     for layer in model["layers"]:

@@ -116,7 +116,8 @@ def test_ar_and_mmada_with_sink_masking(tmp_path, checkpoints):
   assert result["decode_step"] == list(range(5)) and result["nfe"] == 5
   ignored = run_cli(tmp_path, directory, "--sampler=ar", "--prompt_ids=5,9,7", "--gen_length=5", "--mask_sinks=1",
                     "--steps=3", expect_ok=False)
-  assert ignored.returncode == 0 and "--steps applies to --sampler=llada, mmada, dream, block_diffusion, diffusion_gemma only" in ignored.stderr
+  assert ignored.returncode == 0
+  assert "--steps applies to --sampler=llada, mmada, dream, block_diffusion, diffusion_gemma only" in ignored.stderr
   directory, config, params = checkpoints["tiny-llada"]
   result = run_cli(tmp_path, directory, "--sampler=mmada", "--prompt_ids=5,9,7", "--gen_length=8", "--steps=8",
                    "--block_length=4", "--mask_sinks=2")

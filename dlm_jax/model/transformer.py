@@ -268,8 +268,8 @@ class _LayerCall:
   tables: RoPE (cos, sin) per attention kind; structure: per kind, the decoder call's [1, 1, S] visible-key
   bias or None; attention: the `AttentionCall` common to every layer (the biases shared by all layers among
   them; each layer sets its own biases, key subset and statistics switch); slots: [L] int32 statistics slot of
-  each layer (−1: none) when a layer subset is asked for, else None; emit_cache: the call returns the updated cache; sites: the call's
-  `ForwardSites` (its hooks and capture buffers) or None.
+  each layer (−1: none) when a layer subset is asked for, else None; emit_cache: the call returns the updated
+  cache; sites: the call's `ForwardSites` (its hooks and capture buffers) or None.
   """
 
   config: ModelConfig
