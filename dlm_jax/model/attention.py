@@ -296,17 +296,22 @@ def _fused(q, k, v, scale, causal, block_size, pairwise, keys, query_offset, win
   return out.reshape(b, t, kv, g, h), lse
 
 
+def _chunk_probs_from_lse(chunk_xs, k, pairwise, key_index, common):
+  """One query chunk's probabilities exp(score − lse) [B, K, G, C, S] float32 (the fused path's second pass)."""
+  scores = jnp.einsum("btkgh,bskh->bkgts", chunk_xs["q"], k, preferred_element_type=jnp.float32)
+  scores = _masked_scores(scores * common["scale"], chunk_xs.get("pairwise", pairwise), common["key_bias"],
+                          common["causal"], common["block_size"], chunk_xs["query_index"], key_index,
+                          common.get("window"))
+  return jnp.exp(scores - chunk_xs["lse"][..., None])
+
+
 def _incoming_from_lse(q, k, lse, pairwise, query_weights, query_index, chunk, common):
   """Σ_t w[b, q, t] · exp(score[t, s] − lse[t]) by chunks of queries: [B, Q, K, G, S] float32."""
   xs, _ = _query_chunks(chunk, q, query_index, pairwise, query_weights, lse)
   key_index = jnp.arange(k.shape[1])
 
   def body(total, chunk_xs):
-    scores = jnp.einsum("btkgh,bskh->bkgts", chunk_xs["q"], k, preferred_element_type=jnp.float32)
-    scores = _masked_scores(scores * common["scale"], chunk_xs.get("pairwise", pairwise), common["key_bias"],
-                            common["causal"], common["block_size"], chunk_xs["query_index"], key_index,
-                            common.get("window"))
-    probs = jnp.exp(scores - chunk_xs["lse"][..., None])
+    probs = _chunk_probs_from_lse(chunk_xs, k, pairwise, key_index, common)
     return total + jnp.einsum("bqt,bkgts->bqkgs", chunk_xs["weights"].astype(jnp.float32), probs), None
 
   b, kv, g = q.shape[0], q.shape[2], q.shape[3]
@@ -320,10 +325,6 @@ def _rows_from_lse(q, k, lse, pairwise, query_index, chunk, common):
   key_index = jnp.arange(k.shape[1])
 
   def body(_, chunk_xs):
-    scores = jnp.einsum("btkgh,bskh->bkgts", chunk_xs["q"], k, preferred_element_type=jnp.float32)
-    scores = _masked_scores(scores * common["scale"], chunk_xs.get("pairwise", pairwise), common["key_bias"],
-                            common["causal"], common["block_size"], chunk_xs["query_index"], key_index,
-                            common.get("window"))
-    return None, jnp.mean(jnp.exp(scores - chunk_xs["lse"][..., None]), axis=(1, 2))
+    return None, jnp.mean(_chunk_probs_from_lse(chunk_xs, k, pairwise, key_index, common), axis=(1, 2))
 
   return _unchunk_rows(jax.lax.scan(body, None, xs)[1], q.shape[1])
