@@ -8,8 +8,9 @@ the same step (a batch-wide reduction of the sampler, e.g. LLaDA's "is any posit
 masked") in whatever order its threads reach them, so one device can wait in the row's all-gather while
 another waits in the reduction: measured on 4 and on 2 host devices with dLLM-Cache's four-case switch, every
 run ended in XLA's rendezvous timeout (the process is aborted after 40 s). The row-by-row loop already
-computes every row on every device (a sharded batch is gathered row by row), so placing the batch replicated
-before the program costs nothing it did not already cost and leaves no collective inside a branch. Each row's
+computes every row on every device (in the compiled program the loop carries all the batch's rows on each
+device), so placing the batch replicated before the program costs nothing it did not already cost, and with
+replicated weights (a `data` mesh) it leaves no collective inside a branch. Each row's
 numbers are unchanged (the same batch-1 program runs it); the trace comes back replicated.
 """
 
@@ -17,6 +18,11 @@ from __future__ import annotations
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
+
+
+def _identity(x):
+  """x itself (jitted with the replicated output sharding, it moves x)."""
+  return x
 
 
 def _sharded_mesh(x):
@@ -34,6 +40,6 @@ def replicate_sharded_batch(*arrays):
   for x in arrays:
     mesh = None if x is None else _sharded_mesh(x)
     if mesh is not None:
-      x = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))(x)
+      x = jax.jit(_identity, out_shardings=NamedSharding(mesh, PartitionSpec()))(x)
     out.append(x)
   return tuple(out)
