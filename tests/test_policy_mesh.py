@@ -11,11 +11,14 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 4
+D2CACHE = "current_k=2,rollout_p=0.5"
+"""d2Cache knobs under which its official batch coupling (`top_up`, on by default) changes the run: rows select
+different counts, so a device that topped up its own row only would compute other positions."""
 POLICIES = {"dkv_cache": "dkv_cache:cache_reloading_step=3", "sparse_dllm": "sparse_dllm:keep_ratio=0.5",
-            "d2cache": "d2cache", "dllm_cache": "dllm_cache:prompt_interval_steps=3,gen_interval_steps=2",
+            "d2cache": f"d2cache:{D2CACHE}", "dllm_cache": "dllm_cache:prompt_interval_steps=3,gen_interval_steps=2",
             "elastic_cache": "elastic_cache:window_length=4", "sparsed": "sparsed:skip=0.2,select=0.3,block_size=3"}
-"""Each runnable policy with knobs that make its decisions change within the tiny run (reloads, reuse cases,
-the sparse step), so that every compiled branch runs."""
+"""Each runnable policy, with knobs that make its decisions change within the tiny run (reloads, reuse cases,
+the sparse step)."""
 BATCH_INVARIANT = ("dllm_cache",)
 """Policies also run with `batch_invariant=True` under the mesh (rows mapped one at a time; the batch is
 replicated first, `dlm_jax.sampling.replicated_rows`): dLLM-Cache's four-case switch ended every such run in
@@ -48,12 +51,18 @@ for name, text in policies.items():
     run = dict(config=config, options=options, policy=parse_policy(text), batch_invariant=batch_invariant)
     alone = llada.generate(params, prompt, **run)
     sharded = llada.generate(meshed["params"], meshed["prompt"], **run)
+    if name == "d2cache":
+      alone_d2cache = alone
     results[f"{name} batch_invariant={batch_invariant}"] = {
         "sharding": str(sharded.tokens.sharding.spec),
         "same": {f: bool(np.array_equal(np.asarray(getattr(alone, f)), np.asarray(getattr(sharded, f))))
                  for f in FIELDS},
         "computed": int(np.asarray(sharded.computed_positions).sum()),
         "every": int(np.asarray(sharded.computed_positions).size)}
+uncoupled = llada.generate(params, prompt, config=config, options=options,
+                           policy=parse_policy(policies["d2cache"] + ",top_up=false"))
+results["top_up changes the run"] = not np.array_equal(np.asarray(uncoupled.computed_positions),
+                                                       np.asarray(alone_d2cache.computed_positions))
 binary = {}
 for mesh_flag in ("", f"data:{devices}"):
   json_out = f"{out}/generate-{mesh_flag or 'none'}.json"
@@ -86,4 +95,5 @@ def test_every_policy_gives_the_same_run_under_a_data_mesh(tmp_path):
     assert all(results[case]["same"].values()), (case, results[case])
     if not case.startswith(("dllm_cache", "sparsed")):  # these two compute every position (and skip within)
       assert results[case]["computed"] < results[case]["every"], case  # the policy skipped work under the mesh
+  assert results["top_up changes the run"]  # so d2cache's equality above shows top_up read the whole batch
   assert all(results["generate"].values()), results["generate"]
