@@ -44,6 +44,7 @@ def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def scatter_rows(base: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
-  """base [B, S, ...] with values [B, n, ...] written at index [B, n]; padded entries (index S) write nothing."""
-  rows = jnp.arange(base.shape[0])[:, None]
-  return base.at[rows, index].set(values.astype(base.dtype), mode="drop")
+  """base [B, S, ...] with values [B, n, ...] written at index [B, n]; padded entries (index S) write nothing.
+  One scatter per row (`jax.vmap`: the batch is the scatter's batching dimension), so a batch sharded over a
+  mesh scatters on each device without gathering the other devices' indices."""
+  return jax.vmap(lambda b, i, v: b.at[i].set(v.astype(b.dtype), mode="drop"))(base, index, values)

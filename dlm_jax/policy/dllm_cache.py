@@ -119,8 +119,9 @@ def value_similarity(fresh: jax.Array, cached: jax.Array) -> jax.Array:
 
 def refresh_positions(similarity: jax.Array, count: int) -> jax.Array:
   """The `count` response positions of lowest similarity [B, G], ascending. -> [B, count] int32 (a fixed
-  count: no validity mask)."""
-  _, lowest = jax.lax.top_k(-similarity, count)
+  count: no validity mask). Ties go to the lower position (a stable sort: the order `lax.top_k` of the negated
+  similarity gives, but partitioned row by row on a sharded batch, where XLA gathers every row for a top-k)."""
+  lowest = jnp.argsort(similarity, axis=-1, stable=True)[:, :count]
   return jnp.sort(lowest, axis=-1).astype(jnp.int32)
 
 

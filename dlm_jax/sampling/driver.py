@@ -30,7 +30,7 @@ from dlm_jax.instrument.hook_call import HookValues
 from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks
 from dlm_jax.instrument.interventions import NO_INTERVENTION, Intervention
 from dlm_jax.policy.base import NO_POLICY, ComputePolicy, PolicyError, RunLayout
-from dlm_jax.sampling import capture_steps, keys, padding, row_by_row
+from dlm_jax.sampling import capture_steps, keys, padding, replicated_rows, row_by_row
 from dlm_jax.sampling.call_plan import CallPlan
 from dlm_jax.sampling.model_call import ModelCaller, StepOutput
 from dlm_jax.sampling.trace import Trace
@@ -454,6 +454,8 @@ def run_family(
   if hook_values is not None and not hooks.enabled:
     raise ValueError("hook_values were given without hooks; pass hooks=Hooks(captures=..., edits=...).")
   policy = _bind_policy(policy, family, config, lp, total, hooks)
+  if batch_invariant and policy.enabled:  # no row gathers inside the policy's branches (replicated_rows)
+    prompt, prompt_mask = replicated_rows.replicate_sharded_batch(prompt, prompt_mask)
   plan = make_plan(config, stats_spec, intervention, sink_top_k, padded=prompt_mask is not None, policy=policy)
   max_steps = _max_steps(family.phases(Run(family=family, config=config, caller=None, prompt_length=lp,
                                            total_length=total)))
