@@ -195,6 +195,11 @@ def main(argv: list[str]) -> None:
       print(f"  {method:14s} {step['ms']:10.1f} ms/step  {step['flops'] / 1e9:9.1f} GFLOP/step  "
             f"{1e3 / step['ms']:7.3f} tokens/s  {steps['exact']['ms'] / step['ms']:5.2f}x exact  "
             f"{steps['dual_cache']['ms'] / step['ms']:5.2f}x dual cache   mix {fmt(step['mix'])}", flush=True)
+    worst = max(measured, key=lambda n: abs(measured[n]["xla_flops_check"] / measured[n]["analytic_flops_check"] - 1))
+    gap = measured[worst]["xla_flops_check"] / measured[worst]["analytic_flops_check"] - 1
+    print(f"  Goal: XLA's count within 10% of the analytic one: largest gap {gap:+.1%} ({worst}); sparse_dllm at "
+          f"keep ratio {_KEEP.value}: {steps['exact']['ms'] / steps['sparse_dllm']['ms']:.2f}x exact decoding "
+          "(goal >= 1.5 at prompt 1024)", flush=True)
     results["prompts"][prompt_length] = {"calls": measured, "exact_decoding": steps}
     if mixes is not None:
       results["prompts"][prompt_length]["threshold_decoding"] = threshold_figures(mixes, measured, steps)
