@@ -24,7 +24,7 @@ combined with the per-call times measured here: tokens/s = tokens per call / Σ_
 printed and written. The baselines: the exact sampler's tokens/s (one token per call) and Fast-dLLM's threshold +
 dual cache derived the same way. A policy the threshold sampler refuses is listed with the refusal.
 
-The CPU model is printed; results go to --json_out.
+The CPU model and the load average are printed; results go to --json_out, rewritten after each prompt length.
 """
 
 from __future__ import annotations
@@ -145,8 +145,8 @@ def main(argv: list[str]) -> None:
     results["call_mix"] = mixes
   params = jax.tree.map(lambda a: a.astype(dtype), init_params(config, jax.random.key(0)))
   checks = {n: dataclasses.replace(config, n_layers=n) for n in (1, 2)}
-  check_params = {n: jax.eval_shape(lambda c=c: jax.tree.map(lambda a: a.astype(dtype), init_params(c, jax.random.key(0))))
-                  for n, c in checks.items()}
+  cast = lambda tree: jax.tree.map(lambda a: a.astype(dtype), tree)  # noqa: E731
+  check_params = {n: jax.eval_shape(lambda c=c: cast(init_params(c, jax.random.key(0)))) for n, c in checks.items()}
   compiled = {}
 
   def timed(call):
@@ -203,12 +203,16 @@ def main(argv: list[str]) -> None:
     results["prompts"][prompt_length] = {"calls": measured, "exact_decoding": steps}
     if mixes is not None:
       results["prompts"][prompt_length]["threshold_decoding"] = threshold_figures(mixes, measured, steps)
-  results["load_average_end"] = os.getloadavg()[0]
-  print(f"load average at the end {results['load_average_end']:.1f}")
+    results["load_average_end"] = os.getloadavg()[0]
+    write(results)
+  print(f"load average at the end {results['load_average_end']:.1f}; wrote {_JSON_OUT.value}")
+
+
+def write(results: dict) -> None:
+  """The results so far to --json_out (temp + rename; after each prompt length)."""
   with open(_JSON_OUT.value + ".tmp", "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)
   os.replace(_JSON_OUT.value + ".tmp", _JSON_OUT.value)
-  print(f"wrote {_JSON_OUT.value}")
 
 
 def fmt(mix: dict[str, float]) -> str:
@@ -221,7 +225,8 @@ def measure_mixes(policies) -> dict[str, dict]:
   rule, Fast-dLLM's threshold + dual cache, and Elastic-Cache and d2Cache under exact decoding."""
   from benchmarks import policy_call_mix as mix  # pylint: disable=import-outside-toplevel
   tau = _THRESHOLD.value
-  conditions = {"none threshold": mix.Condition("none", tau), "dual_cache threshold": mix.Condition("none", tau, "dual")}
+  conditions = {"none threshold": mix.Condition("none", tau),
+                "dual_cache threshold": mix.Condition("none", tau, "dual")}
   conditions.update({f"{m} threshold": mix.Condition(policy_texts()[m], tau) for m in policies})
   conditions.update({f"{m} exact": mix.Condition(policy_texts()[m]) for m in ("elastic_cache", "d2cache")})
   print(f"tiny-dlm call mixes ({_MIX_PROMPTS.value} problems, 32 positions in one block of 32):", flush=True)
@@ -230,9 +235,9 @@ def measure_mixes(policies) -> dict[str, dict]:
   for label, condition in conditions.items():
     out[label] = measured[condition]
     row = measured[condition]
-    print(f"  {label:24s} " + (f"refused: {row['refused']}" if "refused" in row else
-                               f"{row['tokens_per_call']:.2f} tokens/call ({row['calls']} calls)  mix {fmt(row['mix'])}"),
-          flush=True)
+    line = (f"refused: {row['refused']}" if "refused" in row else
+            f"{row['tokens_per_call']:.2f} tokens/call ({row['calls']} calls)  mix {fmt(row['mix'])}")
+    print(f"  {label:24s} {line}", flush=True)
   return out
 
 

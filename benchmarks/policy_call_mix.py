@@ -110,6 +110,7 @@ def measure(conditions: list[Condition], n_prompts: int) -> dict[Condition, dict
     tokens = GEN_LENGTH * len(todo)
     results[condition] = {"calls": calls, "tokens": tokens, "tokens_per_call": tokens / calls,
                           "mix": {kind: weight / calls for kind, weight in sorted(mix.items())},
-                          "mix_after_first": {kind: weight / (calls - len(todo)) for kind, weight in sorted(later.items())}}
+                          "mix_after_first": {kind: weight / (calls - len(todo))
+                                              for kind, weight in sorted(later.items())}}
   return results
 

@@ -54,7 +54,8 @@ def test_calls_are_classified_from_the_trace():
       {"reuse_both": 1.0}, {"reuse_prompt": 1.0}, {"reuse_none": 1.0}]
   run = _trace(computed=[everything, some, some], record={"refresh_start": [0, 1, layers], "queries": [[0]] * 3})
   assert [classify("elastic_cache", run, i, s, p, layers) for i in range(3)] == [
-      {"elastic_full_refresh": 1.0, "elastic_no_refresh": 0.0}, {"elastic_full_refresh": 0.75, "elastic_no_refresh": 0.25},
+      {"elastic_full_refresh": 1.0, "elastic_no_refresh": 0.0},
+      {"elastic_full_refresh": 0.75, "elastic_no_refresh": 0.25},
       {"elastic_full_refresh": 0.0, "elastic_no_refresh": 1.0}]
   run = _trace(computed=[everything, some, some], record={"rows": [s, 3, 6], "count": [s, 2, 4],
                                                           "overflow": [False] * 3})
