@@ -19,8 +19,9 @@ layer; LM-head rows):
                    projection; the block;
   elastic          Elastic-Cache: its static query budget n = L · track_num + 2 · window_length through the
                    layers below the refresh start, every position from it on, the drift test of the L · track_num
-                   tracked tokens at every layer; the n query rows. One program, timed at start L (no layer
-                   refreshed: `elastic_no_refresh`) and start 0 (every layer: `elastic_full_refresh`);
+                   tracked tokens at every layer, the incoming attention it tracks tokens by; the n query rows. One
+                   program, timed at start L (no layer refreshed: `elastic_no_refresh`) and start 0 (every layer:
+                   `elastic_full_refresh`);
   d2cache_S/<2^k>  d2Cache after step 0: ceil(S / 2^k) query rows (its static buckets: S and its halves,
                    `D2Cache.buckets`) over all S cached keys, with the statistic its rollout reads
                    ("attention_rows", the head-mean attention rows of the computed queries); the n rows.
@@ -68,7 +69,8 @@ class Methods:
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-  """One call: fn(*args) -> logits; flops: its analytic FLOPs (trunk + LM head)."""
+  """One call: fn(*args) -> logits, or (logits, statistics) for a policy that reads statistics at every call
+  (Elastic-Cache, d2Cache: returned, so that XLA keeps their work); flops: its analytic FLOPs (trunk + LM head)."""
 
   fn: Callable[..., jax.Array]
   args: tuple
@@ -166,11 +168,14 @@ def make_calls(config: ModelConfig, attention_impl: str, params: Any, tokens: ja
   tracked = jnp.full((b, config.n_layers * elastic.track_num), s, jnp.int32)  # none: no drift can move the start
   hidden = make(lambda: jnp.zeros((config.n_layers, b, s, config.d_model), jnp.float32))
   positions = jnp.arange(s, dtype=jnp.int32)[None]
+  incoming = elastic.required_stats(config)  # the incoming attention its tracking reads, every call
 
   def elastic_call(p, t, c, h, first):
     refresh = LayerRefresh(hidden=h, tracked=tracked, start=first, gamma=float(elastic.gamma), tokens=t,
                            positions=positions)
-    return forward(p, t[:, s - n:], cache=c, subset=ComputeSubset(queries, None, refresh), **impl).logits
+    out = forward(p, t[:, s - n:], cache=c, subset=ComputeSubset(queries, None, refresh), stats_spec=incoming,
+                  query_weights=jnp.ones((b, 1, n), jnp.float32), **impl)
+    return out.logits, out.stats
 
   tracked_count = config.n_layers * elastic.track_num
   for name, first in (("elastic_no_refresh", config.n_layers), ("elastic_full_refresh", 0)):
@@ -182,10 +187,15 @@ def make_calls(config: ModelConfig, attention_impl: str, params: Any, tokens: ja
   for k, rows in enumerate(reversed(buckets)):
     subset = (s - rows + jnp.arange(rows, dtype=jnp.int32))[None]
     calls[f"d2cache_S/{2 ** k}"] = Call(
-        lambda p, t, c, q=subset, rows=rows: forward(p, t[:, s - rows:], cache=c, subset=ComputeSubset(q),
-                                                     stats_spec=rollout, **impl).logits,
+        lambda p, t, c, q=subset, rows=rows: _with_stats(forward(p, t[:, s - rows:], cache=c,
+                                                                 subset=ComputeSubset(q), stats_spec=rollout, **impl)),
         (params, tokens, cache), cost.trunk_flops(config, rows, s) + head(rows))
   return calls
+
+
+def _with_stats(output) -> tuple:
+  """(logits, statistics): a call returns the statistics its policy reads, so that XLA keeps their work."""
+  return output.logits, output.stats
 
 
 def check_layers(name: str) -> int:
