@@ -3,7 +3,7 @@ shape, against the exact sampler and Fast-dLLM's dual cache, in one run — with
 Fast-dLLM's threshold decoding (a derived figure, below).
 
     python -m benchmarks.policy_bench                                   # 2 layers, prompts 512 and 1024 + 256
-    python -m benchmarks.policy_bench --layers=32 --dtype=bfloat16 --attention_impl=fused   # a GPU
+    python -m benchmarks.policy_bench --layers=32 --dtype=bfloat16   # a GPU (benchmarks/gpu_bench.sh)
 
 Model: `llada-8b`'s config (d 4096, 32 heads, MLP 12288, vocabulary 126464) with --layers layers and random
 weights, batch 1. Each step of a 256-token generation in blocks of 32 is one of a few model calls
