@@ -23,7 +23,10 @@ python -m benchmarks.denoise_bench --widths=4096 --layers=32 --heads=32 --vocab_
 python -m benchmarks.decoding_modes_bench --checkpoint=random:llada-8b --n=1 --prompt_length=512 --gen_length=256 \
   --block_length=32 --dtype=bfloat16 --attention_impl=fused --json_out="$out/decoding_modes_bench_gpu.json" \
   2>&1 | tee "$out/decoding_modes_bench_gpu.log"
-# Compute policies at the LLaDA-8B shape (32 layers, random weights): one step of each policy against exact decoding
-# and Fast-dLLM's dual cache (ms, analytic FLOPs checked against XLA's count of one layer), prompts 512 and 1024.
-python -m benchmarks.policy_bench --layers=32 --dtype=bfloat16 --attention_impl=fused \
+# Compute policies at the LLaDA-8B shape (32 layers, random weights): every call of every runnable policy (sparse_dllm,
+# dkv_cache, sparsed, dllm_cache, elastic_cache, d2cache) against exact decoding and Fast-dLLM's dual cache (ms,
+# analytic FLOPs checked against XLA's count of one layer), prompts 512 and 1024, each method's step under exact
+# decoding, and the threshold figures derived from tiny-dlm's tokens per call. The chunked attention path: with
+# bfloat16 weights the fused path refuses a call that reads a KV cache (float32 queries, bfloat16 cache).
+python -m benchmarks.policy_bench --layers=32 --dtype=bfloat16 --attention_impl=chunked \
   --json_out="$out/policy_bench_gpu.json" 2>&1 | tee "$out/policy_bench_gpu.log"

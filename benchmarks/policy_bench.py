@@ -1,31 +1,30 @@
-r"""Compute-policy benchmark: what one sampler step of each policy costs at the LLaDA-8B layer shape, against the
-exact sampler and Fast-dLLM's dual cache, in one run.
+r"""Compute-policy benchmark: what one sampler step of every runnable compute policy costs at the LLaDA-8B layer
+shape, against the exact sampler and Fast-dLLM's dual cache, in one run — with exact decoding, and combined with
+Fast-dLLM's threshold decoding (a derived figure, below).
 
     python -m benchmarks.policy_bench                                   # 2 layers, prompts 512 and 1024 + 256
-    python -m benchmarks.policy_bench --layers=32 --dtype=bfloat16 --attention_impl=fused   # a GPU
+    python -m benchmarks.policy_bench --layers=32 --dtype=bfloat16   # a GPU (benchmarks/gpu_bench.sh)
 
 Model: `llada-8b`'s config (d 4096, 32 heads, MLP 12288, vocabulary 126464) with --layers layers and random
-weights. Each step of a 256-token generation in blocks of 32 (256 steps, one token per step) is one of a few
-model calls; the benchmark compiles each call once and times it (the median of --repeats runs after a warm-up):
+weights, batch 1. Each step of a 256-token generation in blocks of 32 is one of a few model calls
+(`benchmarks.policy_calls` lists them: the exact call, the refresh call, each method's skipping calls); the
+benchmark compiles each call once and times it (the median of --repeats runs after a warm-up). FLOPs: the
+analytic count of each call (`dlm_jax.policy.cost`), checked against XLA's cost analysis of the same call
+compiled with dense attention for one layer (XLA counts the body of a loop once, so a scan over layers is counted
+whole only at one layer; dLLM-Cache's calls at two, `policy_calls.check_layers`).
 
-  exact            the whole sequence through the trunk, the LM head on the current block (LLaDA's sampler);
-  full             the same with the policy's KV cache written (a policy's refresh call);
-  dkv_subset       dKV-Cache's cached call: the G generated positions (its static budget) through the trunk
-                   reading all S cached keys, the LM head on the block;
-  sparse_subset    Sparse-dLLM's call at a block's steps >= 2: the block's 32 queries, each layer reading its
-                   int((S − 32) × keep_ratio) kept keys and the block;
-  dual_cache       Fast-dLLM's dual cache: the block's queries reading all S cached keys (its refresh is a
-                   `full` call at each block start).
+Exact decoding (one token per step, 256 steps): a method's step is its schedule's mean over its calls
+(`benchmarks.policy_schedules`: fixed schedules counted at the benchmark's layout; Elastic-Cache's refresh share
+and d2Cache's query-row buckets measured on the embedded tiny-dlm under exact decoding); tokens/s = 1 / step time.
 
-A method's step cost is its schedule's mean over the 32 steps of a block (Sparse-dLLM: 2 full + 30 subset;
-dKV-Cache, cache_reloading_step 8: steps 0, 1, 8, 16, 24 full, 27 subset; dual cache: 1 full + 31 subset). With
-one token per step, tokens/s = 1 / step time; with Fast-dLLM's threshold rule every policy commits the same
-tokens per step as the threshold sampler it runs with, so the ratios between columns carry over. FLOPs: the
-analytic count of each call (2 × weights × rows + 4 × rows × keys × width per layer, + 2 × rows × width ×
-vocabulary for the LM head), checked against XLA's cost analysis of the same call compiled for one layer with
-dense attention (XLA counts the body of a loop once, so the scans over layers and query chunks of the timed
-program would be undercounted; one layer with dense attention has no loop). The CPU model is printed; results
-go to --json_out.
+Threshold decoding (derived): random weights give no meaningful confidences, so the tokens a call commits under
+Fast-dLLM's threshold rule (--threshold) and the mix of each method's calls under it are measured on the embedded
+tiny-dlm (`benchmarks.policy_call_mix`; 32 generated positions in one block of 32, --mix_prompts problems), and
+combined with the per-call times measured here: tokens/s = tokens per call / Σ_call share × ms. Both inputs are
+printed and written. The baselines: the exact sampler's tokens/s (one token per call) and Fast-dLLM's threshold +
+dual cache derived the same way. A policy the threshold sampler refuses is listed with the refusal.
+
+The CPU model and the load average are printed; results go to --json_out, rewritten after each prompt length.
 """
 
 from __future__ import annotations
@@ -34,12 +33,12 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 
 from absl import app, flags
 
 from benchmarks.machine import cpu_model
-from dlm_jax.policy import cost
 
 _PRESET = flags.DEFINE_string("preset", "llada-8b", "The `dlm_jax.config` preset whose shape is measured.")
 _LAYERS = flags.DEFINE_integer("layers", 2, "Transformer layers of that shape.")
@@ -48,116 +47,234 @@ _GEN = flags.DEFINE_integer("gen_length", 256, "Generated positions.")
 _BLOCK = flags.DEFINE_integer("block_length", 32, "Block length.")
 _KEEP = flags.DEFINE_float("keep_ratio", 0.5, "Sparse-dLLM's keep ratio.")
 _RELOAD = flags.DEFINE_integer("cache_reloading_step", 8, "dKV-Cache's refresh interval within a block.")
+_SPARSED = flags.DEFINE_string("sparsed", "sparsed", "SparseD's policy text (published defaults: skip 0.2, select "
+                               "0.3, block_size 128).")
+_DLLM_CACHE = flags.DEFINE_string("dllm_cache", "dllm_cache", "dLLM-Cache's policy text (published defaults: "
+                                  "prompt_interval_steps 50, gen_interval_steps 7, transfer_ratio 0.25).")
+_ELASTIC = flags.DEFINE_string("elastic_cache", "elastic_cache:window_length=32", "Elastic-Cache's policy text "
+                               "(published gamma 0.9, track_num 1; window_length 32, the smallest a block of 32 "
+                               "allows with block caching).")
+_D2CACHE = flags.DEFINE_string("d2cache", "d2cache", "d2Cache's policy text (published defaults).")
+_THRESHOLD = flags.DEFINE_float("threshold", 0.9, "Fast-dLLM's confidence threshold of the derived figures.")
+_MIX_PROMPTS = flags.DEFINE_integer("mix_prompts", 16, "tiny-dlm problems the call mixes and tokens per call are "
+                                    "measured on (0: no derived figures, no Elastic-Cache or d2Cache step).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights and activations dtype.")
 _IMPL = flags.DEFINE_enum("attention_impl", "chunked", ["chunked", "dense", "fused"], "Attention path.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per call after one warm-up; the median is reported.")
 _JSON_OUT = flags.DEFINE_string("json_out", "policy_bench.json", "Where to write the results.")
 
+NAME = "benchmarks.policy_bench"
 
-def analytic_flops(config, rows: int, keys: int, head_rows: int) -> float:
-  """Matmul FLOPs of a call: `rows` queries through every layer reading `keys` keys, the LM head on `head_rows`."""
-  return cost.trunk_flops(config, rows, keys) + cost.head_flops(config, head_rows)
+
+def fail(message: str) -> None:
+  """One line on stderr, exit code 1."""
+  sys.exit(f"{NAME}: error: {message}")
+
+
+def policy_texts() -> dict[str, str]:
+  """{method: policy text} of the measured policies (the flags)."""
+  return {"dkv_cache": f"dkv_cache:cache_reloading_step={_RELOAD.value}",
+          "sparse_dllm": f"sparse_dllm:keep_ratio={_KEEP.value}", "sparsed": _SPARSED.value,
+          "dllm_cache": _DLLM_CACHE.value, "elastic_cache": _ELASTIC.value, "d2cache": _D2CACHE.value}
+
+
+def checked_settings():
+  """(prompt lengths, {method: policy}) with every flag checked, one line per problem, before any model work."""
+  from dlm_jax.policy.registry import parse_policy  # pylint: disable=import-outside-toplevel
+  try:
+    prompts = [int(p) for p in _PROMPTS.value]
+  except ValueError:
+    fail(f"--prompt_lengths={','.join(_PROMPTS.value)}: expected positive integers")
+  for name, value in (("gen_length", _GEN.value), ("block_length", _BLOCK.value), ("layers", _LAYERS.value),
+                      ("repeats", _REPEATS.value)):
+    if value < 1:
+      fail(f"--{name}={value}: expected a positive integer")
+  if not prompts or min(prompts) < 1:
+    fail(f"--prompt_lengths={','.join(_PROMPTS.value)}: expected positive integers")
+  if _GEN.value % _BLOCK.value or _GEN.value < 4 * _BLOCK.value:
+    fail(f"--gen_length={_GEN.value}: expected a multiple of --block_length={_BLOCK.value}, at least 4 blocks (the "
+         "timed calls decode the fourth)")
+  if _MIX_PROMPTS.value < 0:
+    fail(f"--mix_prompts={_MIX_PROMPTS.value}: expected >= 0")
+  if not 0 < _THRESHOLD.value <= 1:
+    fail(f"--threshold={_THRESHOLD.value}: expected a value in (0, 1]")
+  policies = {}
+  for method, text in policy_texts().items():
+    try:
+      policy = parse_policy(text)
+    except ValueError as error:
+      flag = {"dkv_cache": "cache_reloading_step", "sparse_dllm": "keep_ratio"}.get(method, method)
+      fail(f"--{flag}: {text}: {error}")
+    if policy.NAME != method:
+      fail(f"--{method}={text}: expected a {method} policy, got {policy.NAME}")
+    policies[method] = policy
+  from benchmarks.policy_calls import layout  # pylint: disable=import-outside-toplevel
+  for method, policy in policies.items():
+    for prompt_length in prompts:
+      try:
+        policy.bind(layout(prompt_length, _GEN.value, _BLOCK.value)).check(None, None)
+      except ValueError as error:
+        fail(f"{policy_texts()[method]} at prompt {prompt_length} + {_GEN.value} in blocks of {_BLOCK.value}: {error}")
+  return prompts, policies
 
 
 def main(argv: list[str]) -> None:
   del argv
+  prompts, policies = checked_settings()
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
+  from benchmarks import policy_calls, policy_schedules  # pylint: disable=import-outside-toplevel
   from dlm_jax.config import preset  # pylint: disable=import-outside-toplevel
-  from dlm_jax.model import KVCache, forward, init_params, lm_head  # pylint: disable=import-outside-toplevel
-  from dlm_jax.model.compute_subset import ComputeSubset  # pylint: disable=import-outside-toplevel
-  from dlm_jax.policy import sparse_dllm  # pylint: disable=import-outside-toplevel
+  from dlm_jax.model import init_params  # pylint: disable=import-outside-toplevel
 
   dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
   config = dataclasses.replace(preset(_PRESET.value), n_layers=_LAYERS.value)
-  print(f"CPU: {cpu_model()}; device: {jax.devices()[0].platform}; {config.n_layers} layers of {_PRESET.value}, "
-        f"{_DTYPE.value}", flush=True)
-  params = jax.tree.map(lambda a: a.astype(dtype), init_params(config, jax.random.key(0)))
+  methods = policy_calls.Methods(_KEEP.value, policies["sparsed"], policies["dllm_cache"], policies["elastic_cache"],
+                                 policies["d2cache"])
   g, block = _GEN.value, _BLOCK.value
+  print(f"CPU: {cpu_model()}; device: {jax.devices()[0].platform}; {config.n_layers} layers of {_PRESET.value}, "
+        f"{_DTYPE.value}; load average {os.getloadavg()[0]:.1f}", flush=True)
   results = {"cpu": cpu_model(), "device": jax.devices()[0].platform, "preset": _PRESET.value,
-             "layers": config.n_layers,
-             "dtype": _DTYPE.value, "gen_length": g, "block_length": block, "prompts": {}}
-  impl = dict(config=config, attention_impl=_IMPL.value)
+             "layers": config.n_layers, "dtype": _DTYPE.value, "gen_length": g, "block_length": block,
+             "repeats": _REPEATS.value, "policies": policy_texts(), "load_average_start": os.getloadavg()[0],
+             "prompts": {}}
 
-  def timed(fn, *args):
-    compiled = jax.jit(fn).lower(*args).compile()
-    jax.block_until_ready(compiled(*args))
+  mixes = measure_mixes(policies) if _MIX_PROMPTS.value else None
+  if mixes is not None:
+    results["call_mix"] = mixes
+  params = jax.tree.map(lambda a: a.astype(dtype), init_params(config, jax.random.key(0)))
+  checks = {n: dataclasses.replace(config, n_layers=n) for n in (1, 2)}
+  cast = lambda tree: jax.tree.map(lambda a: a.astype(dtype), tree)  # noqa: E731
+  check_params = {n: jax.eval_shape(lambda c=c: cast(init_params(c, jax.random.key(0)))) for n, c in checks.items()}
+  compiled = {}
+
+  def timed(call):
+    if call.fn not in compiled:
+      compiled[call.fn] = jax.jit(call.fn).lower(*call.args).compile()
+    program = compiled[call.fn]
+    jax.block_until_ready(program(*call.args))
     runs = []
     for _ in range(_REPEATS.value):
-      start = time.perf_counter()
-      jax.block_until_ready(compiled(*args))
-      runs.append(time.perf_counter() - start)
+      begin = time.perf_counter()
+      jax.block_until_ready(program(*call.args))
+      runs.append(time.perf_counter() - begin)
     return statistics.median(runs)
 
-  def make_calls(cfg, attention_impl, p, tokens, cache, prompt_length):
-    """{call: (fn, args, (rows, keys, LM-head rows))} of the model `cfg` (module docstring)."""
-    s = tokens.shape[1]
-    impl = dict(config=cfg, attention_impl=attention_impl)
-    start = prompt_length + 3 * block  # a block in the middle of the generation
-    n_keep = sparse_dllm.keep_count(s, block, _KEEP.value)
-    kept = jnp.broadcast_to(jnp.arange(n_keep, dtype=jnp.int32)[None, None], (cfg.n_layers, 1, n_keep))
-    block_queries = (start + jnp.arange(block, dtype=jnp.int32))[None]
-    generated = (prompt_length + jnp.arange(g, dtype=jnp.int32))[None]
-
-    def dkv_subset(p, t, c):
-      hidden = forward(p, t[:, prompt_length:], cache=c, return_hidden=True, subset=ComputeSubset(generated),
-                       **impl).hidden
-      return lm_head(p, hidden[:, 3 * block:4 * block], config=cfg)
-
-    return {
-        "exact": (lambda p, t: forward(p, t, logits_window=(start, start + block), **impl).logits, (p, tokens),
-                  (s, s, block)),
-        "full": (lambda p, t, c: forward(p, t, cache=c, logits_window=(start, start + block), **impl).logits,
-                 (p, tokens, cache), (s, s, block)),
-        "dkv_subset": (dkv_subset, (p, tokens, cache), (g, s, block)),
-        "sparse_subset": (lambda p, t, c: forward(p, t[:, start:start + block], cache=c,
-                                                  subset=ComputeSubset(block_queries, kept), **impl).logits,
-                          (p, tokens, cache), (block, n_keep + block, block)),
-        "dual_cache": (lambda p, t, c: forward(p, t[:, start:start + block], cache=c, cache_offset=start,
-                                               **impl).logits, (p, tokens, cache), (block, s, block)),
-    }
-
-  one = dataclasses.replace(config, n_layers=1)
-  one_params = jax.eval_shape(lambda: jax.tree.map(lambda a: a.astype(dtype), init_params(one, jax.random.key(0))))
-  for prompt_length in (int(p) for p in _PROMPTS.value):
+  for prompt_length in prompts:
     s = prompt_length + g
     tokens = jax.random.randint(jax.random.key(1), (1, s), 0, config.vocab_size)
-    cache = jax.tree.map(lambda a: a.astype(dtype), KVCache.zeros(config, 1, s))
-    one_cache = jax.eval_shape(lambda: jax.tree.map(lambda a: a.astype(dtype), KVCache.zeros(one, 1, s)))
-    check = make_calls(one, "dense", one_params, tokens, one_cache, prompt_length)
-    measured = {}
-    for name, (fn, args, (rows, keys, head_rows)) in make_calls(config, _IMPL.value, params, tokens, cache,
-                                                                prompt_length).items():
-      seconds = timed(fn, *args)
-      one_fn, one_args, _ = check[name]
-      xla = jax.jit(one_fn).lower(*one_args).compile().cost_analysis()["flops"]
-      flops, analytic_one = analytic_flops(config, rows, keys, head_rows), analytic_flops(one, rows, keys, head_rows)
-      measured[name] = {"ms": seconds * 1e3, "flops": flops, "xla_flops_1_layer": xla,
-                        "analytic_flops_1_layer": analytic_one}
-      print(f"  S={s} {name:14s} {seconds * 1e3:10.1f} ms  {flops / 1e9:9.1f} GFLOP (analytic)  one layer: XLA "
-            f"{xla / 1e9:.2f} vs analytic {analytic_one / 1e9:.2f} GFLOP ({xla / analytic_one - 1:+.1%})", flush=True)
+    check = {n: policy_calls.make_calls(checks[n], "dense", check_params[n], tokens, prompt_length, block, methods,
+                                        dtype) for n in checks}
+    measured, xla_counted = {}, {}
+    for name, call in policy_calls.make_calls(config, _IMPL.value, params, tokens, prompt_length, block, methods,
+                                              dtype).items():
+      seconds = timed(call)
+      layers = policy_calls.check_layers(name)
+      counted = check[layers][name]
+      if counted.fn not in xla_counted:
+        xla_counted[counted.fn] = jax.jit(counted.fn).lower(*counted.args).compile().cost_analysis()["flops"]
+      # A lax.cond per layer (Elastic-Cache): XLA counts the larger branch, the full refresh.
+      reference = check[layers]["elastic_full_refresh" if name == "elastic_no_refresh" else name].flops
+      xla = xla_counted[counted.fn]
+      measured[name] = {"ms": seconds * 1e3, "flops": call.flops, "check_layers": layers, "xla_flops_check": xla,
+                        "analytic_flops_check": reference}
+      print(f"  S={s} {name:22s} {seconds * 1e3:10.1f} ms  {call.flops / 1e9:9.1f} GFLOP (analytic)  {layers} "
+            f"layer(s): XLA {xla / 1e9:.2f} vs analytic {reference / 1e9:.2f} GFLOP ({xla / reference - 1:+.1%})"
+            + ("  [the full-refresh branch]" if name == "elastic_no_refresh" else ""), flush=True)
 
-    def step(schedule):
-      """Mean ms and FLOPs of a step over a block's `schedule` {call: count}."""
-      n = sum(schedule.values())
-      return {key: sum(measured[call][key] * count for call, count in schedule.items()) / n for key in ("ms", "flops")}
+    schedules = policy_schedules.exact_decoding(g, block, _RELOAD.value, methods.sparsed, methods.dllm_cache)
+    if mixes is not None:
+      for method, first in (("elastic_cache", "elastic_full_refresh"), ("d2cache", "full")):
+        if "mix" in mixes[f"{method} exact"]:
+          schedules[method] = policy_schedules.measured(first, mixes[f"{method} exact"]["mix_after_first"], g)
+    steps = {method: {"mix": mix, "ms": policy_schedules.mean(mix, measured, "ms"),
+                      "flops": policy_schedules.mean(mix, measured, "flops")} for method, mix in schedules.items()}
+    print(f"prompt {prompt_length} + {g}, exact decoding (one token per step): per step")
+    for method, step in steps.items():
+      print(f"  {method:14s} {step['ms']:10.1f} ms/step  {step['flops'] / 1e9:9.1f} GFLOP/step  "
+            f"{1e3 / step['ms']:7.3f} tokens/s  {steps['exact']['ms'] / step['ms']:5.2f}x exact  "
+            f"{steps['dual_cache']['ms'] / step['ms']:5.2f}x dual cache   mix {fmt(step['mix'])}", flush=True)
+    worst = max(measured, key=lambda n: abs(measured[n]["xla_flops_check"] / measured[n]["analytic_flops_check"] - 1))
+    gap = measured[worst]["xla_flops_check"] / measured[worst]["analytic_flops_check"] - 1
+    print(f"  Goal: XLA's count within 10% of the analytic one: largest gap {gap:+.1%} ({worst}); sparse_dllm at "
+          f"keep ratio {_KEEP.value}: {steps['exact']['ms'] / steps['sparse_dllm']['ms']:.2f}x exact decoding "
+          "(goal >= 1.5 at prompt 1024)", flush=True)
+    results["prompts"][prompt_length] = {"calls": measured, "exact_decoding": steps}
+    if mixes is not None:
+      results["prompts"][prompt_length]["threshold_decoding"] = threshold_figures(mixes, measured, steps)
+    results["load_average_end"] = os.getloadavg()[0]
+    write(results)
+  print(f"load average at the end {results['load_average_end']:.1f}; wrote {_JSON_OUT.value}")
 
-    reload_full = len({0, 1} | set(range(0, block, _RELOAD.value)))
-    methods = {"exact": step({"exact": block}),
-               "dual_cache (Fast-dLLM)": step({"full": 1, "dual_cache": block - 1}),
-               "dkv_cache": step({"full": reload_full, "dkv_subset": block - reload_full}),
-               "sparse_dllm": step({"full": 2, "sparse_subset": block - 2})}
-    print(f"prompt {prompt_length} + {g}: per step (one token per step)")
-    for name, cost in methods.items():
-      print(f"  {name:24s} {cost['ms']:10.1f} ms/step  {cost['flops'] / 1e9:9.1f} GFLOP/step  "
-            f"{1e3 / cost['ms']:7.3f} tokens/s  {methods['exact']['ms'] / cost['ms']:5.2f}x exact  "
-            f"{methods['dual_cache (Fast-dLLM)']['ms'] / cost['ms']:5.2f}x dual cache", flush=True)
-    results["prompts"][prompt_length] = {"calls": measured, "steps": methods}
+
+def write(results: dict) -> None:
+  """The results so far to --json_out (temp + rename; after each prompt length)."""
   with open(_JSON_OUT.value + ".tmp", "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)
   os.replace(_JSON_OUT.value + ".tmp", _JSON_OUT.value)
-  print(f"wrote {_JSON_OUT.value}")
+
+
+def fmt(mix: dict[str, float]) -> str:
+  """A call mix as 'call share, ...'."""
+  return ", ".join(f"{call} {weight:.3f}" for call, weight in mix.items())
+
+
+def measure_mixes(policies) -> dict[str, dict]:
+  """{label: tiny-dlm call mix} (`benchmarks.policy_call_mix`): every method and no policy under the threshold
+  rule, Fast-dLLM's threshold + dual cache, and Elastic-Cache and d2Cache under exact decoding."""
+  from benchmarks import policy_call_mix as mix  # pylint: disable=import-outside-toplevel
+  tau = _THRESHOLD.value
+  conditions = {"none threshold": mix.Condition("none", tau),
+                "dual_cache threshold": mix.Condition("none", tau, "dual")}
+  conditions.update({f"{m} threshold": mix.Condition(policy_texts()[m], tau) for m in policies})
+  conditions.update({f"{m} exact": mix.Condition(policy_texts()[m]) for m in ("elastic_cache", "d2cache")})
+  print(f"tiny-dlm call mixes ({_MIX_PROMPTS.value} problems, 32 positions in one block of 32):", flush=True)
+  measured = mix.measure(list(conditions.values()), _MIX_PROMPTS.value)
+  out = {}
+  for label, condition in conditions.items():
+    out[label] = measured[condition]
+    row = measured[condition]
+    line = (f"refused: {row['refused']}" if "refused" in row else
+            f"{row['tokens_per_call']:.2f} tokens/call ({row['calls']} calls)  mix {fmt(row['mix'])}")
+    print(f"  {label:24s} {line}", flush=True)
+  return out
+
+
+def threshold_figures(mixes: dict[str, dict], measured: dict[str, dict], steps: dict[str, dict]) -> dict[str, dict]:
+  """{method: derived threshold-decoding figures} (module docstring), printed with the Goal's two ratios."""
+  from benchmarks import policy_schedules  # pylint: disable=import-outside-toplevel
+  exact_tps = 1e3 / steps["exact"]["ms"]
+  figures = {}
+  for label, row in mixes.items():
+    if not label.endswith(" threshold"):
+      continue
+    method = label[:-len(" threshold")]
+    if "refused" in row:
+      figures[method] = {"refused": row["refused"]}
+      continue
+    ms = policy_schedules.mean(row["mix"], measured, "ms")
+    figures[method] = {"tokens_per_call": row["tokens_per_call"], "mix": row["mix"], "ms_per_call": ms,
+                       "flops_per_call": policy_schedules.mean(row["mix"], measured, "flops"),
+                       "tokens_per_s": row["tokens_per_call"] * 1e3 / ms}
+  dual = figures["dual_cache"]["tokens_per_s"]
+  print(f"  threshold {_THRESHOLD.value} (derived: tiny-dlm tokens per call and call mix x these per-call times); "
+        f"exact sampler {exact_tps:.3f} tokens/s")
+  for method, figure in figures.items():
+    if "refused" in figure:
+      print(f"  {method:14s} refused: {figure['refused']}")
+      continue
+    figure["x_exact_sampler"] = figure["tokens_per_s"] / exact_tps
+    figure["x_threshold_dual_cache"] = figure["tokens_per_s"] / dual
+    print(f"  {method:14s} {figure['tokens_per_call']:5.2f} tokens/call  {figure['ms_per_call']:10.1f} ms/call  "
+          f"{figure['tokens_per_s']:7.3f} tokens/s  {figure['x_exact_sampler']:5.2f}x exact sampler  "
+          f"{figure['x_threshold_dual_cache']:5.2f}x threshold + dual cache", flush=True)
+  best = max((m for m in figures if "refused" not in figures[m] and m not in ("none", "dual_cache")),
+             key=lambda m: figures[m]["tokens_per_s"], default=None)
+  if best is not None:
+    print(f"  Goal: best policy + threshold ({best}) {figures[best]['x_exact_sampler']:.2f}x the exact sampler "
+          f"(goal >= 10) and {figures[best]['x_threshold_dual_cache']:.2f}x threshold + dual cache (goal >= 2)")
+  return figures
 
 
 if __name__ == "__main__":
