@@ -133,3 +133,15 @@ def test_sliding_window_matches_numpy(causal, impl, chunk):
   ref_out, ref_incoming, _ = numpy_attention(q, k, v, 0.3, False, bias, weights)
   np.testing.assert_allclose(out, ref_out, atol=1e-5)
   np.testing.assert_allclose(incoming, ref_incoming, atol=1e-5)
+
+
+def test_fused_takes_float32_queries_over_a_bfloat16_cache():
+  """RoPE in float32 gives float32 queries while a bfloat16 KV cache holds the keys and values: the fused
+  kernel wants one dtype, so it runs in their common one and returns v's dtype, as the chunked path does."""
+  _, q, k, v = _inputs(3)
+  k, v = jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)
+  fused, fused_in = attention(q, k, v, scale=0.3, impl="fused", with_incoming=True)
+  chunked, chunked_in = attention(q, k, v, scale=0.3, impl="chunked", with_incoming=True)
+  assert fused.dtype == chunked.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(chunked, np.float32), atol=2e-2)
+  np.testing.assert_allclose(fused_in, chunked_in, atol=1e-5)

@@ -274,7 +274,12 @@ def _unchunk_rows(rows: jax.Array, t: int) -> jax.Array:
 
 
 def _fused(q, k, v, scale, causal, block_size, pairwise, keys, query_offset, window=None):
-  """Fused-kernel attention. q: [B, T, K, G, H]. Returns out [B, T, K, G, H] and lse [B, K, G, T]."""
+  """Fused-kernel attention. q: [B, T, K, G, H]. Returns out [B, T, K, G, H] in v's dtype and lse [B, K, G, T].
+  The kernel takes one dtype: q, k and v run in their common one (as the einsums of the other paths promote),
+  e.g. float32 queries (RoPE in float32) over a bfloat16 KV cache."""
+  out_dtype = v.dtype
+  common_dtype = jnp.result_type(q, k, v)
+  q, k, v = q.astype(common_dtype), k.astype(common_dtype), v.astype(common_dtype)
   b, t, kv, g, h = q.shape
   s = k.shape[1]
   bias = None
@@ -293,7 +298,7 @@ def _fused(q, k, v, scale, causal, block_size, pairwise, keys, query_offset, win
   out, lse = jax.nn.dot_product_attention(
       q.reshape(b, t, kv * g, h), k, v, bias=bias, scale=scale, is_causal=static_causal, return_residual=True)
   lse = lse.astype(jnp.float32).reshape(b, t, kv, g).transpose(0, 2, 3, 1)
-  return out.reshape(b, t, kv, g, h), lse
+  return out.reshape(b, t, kv, g, h).astype(out_dtype), lse
 
 
 def _chunk_probs_from_lse(chunk_xs, k, pairwise, key_index, common):
