@@ -98,6 +98,6 @@ def test_a_policy_the_layout_refuses_is_one_line(tmp_path):
   assert done.returncode == 1
   assert done.stderr.strip().splitlines() == [
       "benchmarks.policy_bench: error: elastic_cache:window_length=8 at prompt 16 + 64 in blocks of 16: "
-      "elastic_cache window_length=8 is shorter than the sampler's block_length=16: the block's masked positions "
-      "would not be computed; use window_length >= block_length or block_caching=false."]
+      "elastic_cache window_length=8 is shorter than the sampler's block_length=16: the candidates would not be "
+      "computed; use window_length >= 16 or block_caching=false."]
   assert not (tmp_path / "bench.json").exists()
