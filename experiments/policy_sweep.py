@@ -146,13 +146,13 @@ def run_model(settings: Settings, model, runtime, log) -> dict:
         keys = np.asarray(trace.keys_read)[:n_steps]
       records = None if trace.policy_record is None else jax.tree.map(lambda x: np.asarray(x)[:n_steps],
                                                                       trace.policy_record)
-      kept_keys = records if condition.startswith("sparse_dllm") else None  # Sparse-dLLM's record: kept keys
       incoming = np.asarray(trace.stats["incoming_attention"])[:n_steps]
       block = values["block_length"]
       per_block = values["steps"] // max(values["gen_length"] // block, 1)
       policy = parse_policy(condition).bind(RunLayout(seq_len=s, gen_start=s - values["gen_length"],
                                                       block_length=block, steps_per_block=per_block,
                                                       logit_shift=model.config.logit_shift))
+      kept_keys = records if policy.NAME == "sparse_dllm" else None  # Sparse-dLLM's record: its kept keys
       for row, item in enumerate(batch.items):
         if done(item, condition):
           continue
