@@ -63,12 +63,12 @@ def test_calls_are_classified_from_the_trace():
       {"full": 1.0}, {"d2cache_S/2": 1.0}, {"d2cache_S/1": 1.0}]
 
 
-def _bench(tmp_path, *flags):
+def _bench(tmp_path, *flags, out="bench.json"):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   return subprocess.run([sys.executable, "-m", "benchmarks.policy_bench", "--preset=tiny-llada", "--repeats=1",
                          "--prompt_lengths=16", "--gen_length=64", "--block_length=16", "--mix_prompts=0",
                          "--sparsed=sparsed:block_size=16", "--elastic_cache=elastic_cache:window_length=16",
-                         f"--json_out={tmp_path / 'bench.json'}", *flags],
+                         f"--json_out={tmp_path / out}", *flags],
                         capture_output=True, text=True, check=False, timeout=600, env=env)
 
 
@@ -91,6 +91,21 @@ def test_every_call_is_measured_and_counted(tmp_path):
   steps = results["prompts"]["16"]["exact_decoding"]
   assert set(steps) == {"exact", "dual_cache", "dkv_cache", "sparse_dllm", "sparsed", "dllm_cache"}  # no tiny-dlm mixes
   assert "threshold_decoding" not in results["prompts"]["16"]
+
+  # --calls_from: the same figures from the first run's calls, without timing anything again
+  done = _bench(tmp_path, f"--calls_from={tmp_path / 'bench.json'}", out="again.json")
+  assert done.returncode == 0, done.stderr[-3000:]
+  again = json.loads((tmp_path / "again.json").read_text())
+  assert again["prompts"]["16"]["calls"] == calls
+  assert again["prompts"]["16"]["exact_decoding"] == steps
+  assert again["calls_from"] == {"cpu": results["cpu"], "load_average_start": results["load_average_start"],
+                                 "load_average_end": results["load_average_end"], "path": str(tmp_path / "bench.json")}
+  assert " S=" not in done.stdout  # no call timed
+  done = _bench(tmp_path, f"--calls_from={tmp_path / 'bench.json'}", "--gen_length=128", out="other.json")
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines() == [
+      f"benchmarks.policy_bench: error: --calls_from={tmp_path / 'bench.json'}: its gen_length is 64, this run's 128"]
+  assert not (tmp_path / "other.json").exists()
 
 
 def test_a_policy_the_layout_refuses_is_one_line(tmp_path):
