@@ -8,6 +8,7 @@ from typing import Any
 
 from absl import flags, logging
 
+from dlm_jax.policy.registry import policy_names
 from dlm_jax.sampling import decoding_rules as dr
 from dlm_jax.session import decoding_mode
 
@@ -39,10 +40,9 @@ _PC_LAMBDA = flags.DEFINE_float("pc_lambda", dr.PCSampler.lam, "PC-Sampler: posi
 _PC_ALPHA = flags.DEFINE_float("pc_alpha", dr.PCSampler.alpha, "PC-Sampler: clip alpha > 0 of the calibration.")
 _PC_VARIANT = flags.DEFINE_enum("pc_variant", "pc_sampler", list(dr.PC_VARIANTS),
                                 "PC-Sampler: the original rule, or Research dLLM's debias (no position term).")
-_POLICY = flags.DEFINE_string("policy", "none", "Compute policy: NAME or NAME:knob=value,... — none, dkv_cache, "
-                              "sparse_dllm (statistics of one step decide what the next computes; "
-                              "docs/guides/compute_policies.md; with --decoding exact, threshold, factor, "
-                              "factor_dllm or a decoding rule but wino; no cache mode).")
+_POLICY = flags.DEFINE_string("policy", "none", "Compute policy: NAME or NAME:knob=value,... — "
+                              + ", ".join(policy_names()) + " (statistics of one step decide what the next computes; "
+                              "docs/guides/compute_policies.md says which decoding modes each runs with).")
 _CERTAINTY_SIGMA = flags.DEFINE_float("certainty_sigma", dr.CertaintyPrior.sigma,
                                       "Certainty prior: the Gaussian's sigma in positions (> 0).")
 
