@@ -29,7 +29,8 @@ from benchmarks.machine import cpu_model
 NAME = "benchmarks.policy_stats_bench"
 
 _POLICIES = flags.DEFINE_list("policies", ["none", "dkv_cache", "sparse_dllm", "sparsed", "dllm_cache",
-                                           "elastic_cache", "d2cache"], "Policy texts (parse_policy) to measure.")
+                                           "elastic_cache:window_length=32", "d2cache"],
+                                    "Policy texts (parse_policy) to measure (Elastic-Cache's window at least the block).")
 _WIDTH = flags.DEFINE_integer("width", 512, "Model width D.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers L.")
 _HEADS = flags.DEFINE_integer("heads", 8, "Attention heads (MHA).")
