@@ -30,7 +30,7 @@ NAME = "benchmarks.policy_stats_bench"
 
 _POLICIES = flags.DEFINE_list("policies", ["none", "dkv_cache", "sparse_dllm", "sparsed", "dllm_cache",
                                            "elastic_cache:window_length=32", "d2cache"],
-                                    "Policy texts (parse_policy) to measure (Elastic-Cache's window at least the block).")
+                              "Policy texts (parse_policy) to measure (Elastic-Cache's window: the block length).")
 _WIDTH = flags.DEFINE_integer("width", 512, "Model width D.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers L.")
 _HEADS = flags.DEFINE_integer("heads", 8, "Attention heads (MHA).")
