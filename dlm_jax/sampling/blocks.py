@@ -63,6 +63,6 @@ def check_policy_cache(cache: str, name: str) -> None:
   elastic_cache) or mask every query block over all S keys (sparsed), while those caches' calls compute a fixed
   query window over the cache (BUILD.md, "Compute policies with parallel decoding")."""
   if cache != "none" and name not in CACHE_POLICIES:
-    raise ValueError(f"policy {name!r} does not compose with cache={cache!r}: it chooses each call's queries and "
-                     "keys itself over the S positions, which the cache's fixed query window does not allow; use "
-                     f"cache='none' with it (with a cache: {', '.join(CACHE_POLICIES)}).")
+    raise ValueError(f"policy {name!r} does not compose with cache={cache!r}: it chooses what each call computes "
+                     "over all S positions, which the cache's fixed query window does not leave it; use cache='none' "
+                     f"with it (with a cache: {', '.join(CACHE_POLICIES)}).")

@@ -141,9 +141,9 @@ class DecodingMode:
     self.compute_policy()
     if self.policy != "none" and self.cache != "none" and self.compute_policy().NAME not in CACHE_POLICIES:
       raise CombinationError(f"--policy={self.policy} does not compose with --decoding={self.decoding}: the policy "
-                             "keeps its own KV cache and chooses each call's queries; use --decoding=exact, threshold, "
-                             "factor, factor_dllm or a decoding rule (the cache modes take "
-                             f"{', '.join(CACHE_POLICIES)})")
+                             "chooses what each call computes over all S positions, which the cache's fixed query "
+                             "window does not leave it; use --decoding=exact, threshold, factor, factor_dllm or a "
+                             f"decoding rule (the cache modes take {', '.join(CACHE_POLICIES)})")
     if self.policy != "none" and self.cache == "dual" and self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
       raise CombinationError(f"--policy={self.policy} does not run with --dual_cache_forwards="
                              f"{self.dual_cache_forwards}; use {DUAL_CACHE_FORWARDS[0]}")
