@@ -153,13 +153,12 @@ def test_threshold_decoding_with_a_cache_under_sparse_dllm_is_the_replay(cache):
 
 
 def test_every_key_kept_on_dreams_dual_cache_is_the_plain_dual_cache():
-  """keep_ratio 1 keeps every cached key, so Dream's threshold run with the dual cache under Sparse-dLLM is the
-  plain dual-cache run (the family's own cached calls, not the policy's); the calls after a block's first compute
-  the block only."""
+  """keep_ratio 1 keeps every cached key, so Dream's exact-count run (Fast-dLLM's per-block quota) with the dual
+  cache under Sparse-dLLM is the plain dual-cache run (the family's own cached calls, not the policy's); the calls
+  after a block's first compute the block only."""
   config = preset("tiny-dream")
   params = model.init_params(config, jax.random.key(3))
-  params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 6.0
-  options = dream.DreamOptions(gen_length=8, steps=8, block_length=4, threshold=0.9, cache="dual")
+  options = dream.DreamOptions(gen_length=8, steps=8, block_length=4, alg="entropy", cache="dual")
   plain = dream.diffusion_generate(params, prompts(), config=config, options=options)
   every = dream.diffusion_generate(params, prompts(), config=config, options=options,
                                    policy=parse_policy("sparse_dllm:keep_ratio=1.0,tie_break=lowest_position"))
