@@ -290,6 +290,8 @@ def measure_mixes(policies) -> dict[str, dict]:
   conditions = {"none threshold": mix.Condition("none", tau),
                 "dual_cache threshold": mix.Condition("none", tau, "dual")}
   conditions.update({f"{m} threshold": mix.Condition(policy_texts()[m], tau) for m in policies})
+  if "sparse_dllm" in policies:  # the one policy that composes with the dual cache
+    conditions["sparse_dllm_dual_cache threshold"] = mix.Condition(policy_texts()["sparse_dllm"], tau, "dual")
   conditions.update({f"{m} exact": mix.Condition(policy_texts()[m]) for m in ("elastic_cache", "d2cache")})
   print(f"tiny-dlm call mixes ({_MIX_PROMPTS.value} problems, 32 positions in one block of 32):", flush=True)
   measured = mix.measure(list(conditions.values()), _MIX_PROMPTS.value)

@@ -94,12 +94,13 @@ def cached_kv(params, tokens, config):
           for l in range(config.n_layers)]
 
 
-def subset_forward(params, tokens, config, cache, queries, keys=None, return_cache=False):
+def subset_forward(params, tokens, config, cache, queries, keys=None, return_cache=False, queries_out=None):
   """Logits [B, T, V] (float64) of a call that computes only the sequence positions queries [B, T] (entries
   equal to S: padding) of tokens [B, S], every other position's keys and values read from `cache` (per layer
   (keys, values) [B, S, K, H], `cached_kv`); keys: None, or per layer [L][B, m] the only cached positions the
   queries read besides their own (entries equal to S: none). return_cache: return (logits, the cache with the
-  queries' fresh keys and values written at their positions)."""
+  queries' fresh keys and values written at their positions); queries_out: a list that, if given, gets each layer's
+  post-RoPE queries [B, T, N, H] appended."""
   c = config
   p = {k: np.asarray(v, np.float64) for k, v in _flat(params).items()}
   b, s = tokens.shape
@@ -114,9 +115,11 @@ def subset_forward(params, tokens, config, cache, queries, keys=None, return_cac
     h = _rms(x, w("attn_norm.weight"), c.norm_eps)
     out = np.zeros((b, t, c.n_heads, c.head_dim))
     written.append((np.array(cache[layer][0]), np.array(cache[layer][1])))
+    layer_q = np.zeros((b, t, c.n_heads, c.head_dim))
     for row in range(b):
       pos = at[row].astype(np.float64)
       q = _rope((h[row:row + 1] @ w("attn.q.kernel")).reshape(1, t, c.n_heads, c.head_dim), pos, c.rope_theta)[0]
+      layer_q[row] = q
       k_new = _rope((h[row:row + 1] @ w("attn.k.kernel")).reshape(1, t, c.n_kv_heads, c.head_dim), pos,
                     c.rope_theta)[0]
       v_new = (h[row] @ w("attn.v.kernel")).reshape(t, c.n_kv_heads, c.head_dim)
@@ -134,6 +137,8 @@ def subset_forward(params, tokens, config, cache, queries, keys=None, return_cac
       probs = np.exp(scores - scores.max(-1, keepdims=True))
       probs = probs / probs.sum(-1, keepdims=True)
       out[row] = np.einsum("nqk,knh->qnh", probs, vv)
+    if queries_out is not None:
+      queries_out.append(layer_q)
     x = x + out.reshape(b, t, -1) @ w("attn.o.kernel")
     h = _rms(x, w("mlp_norm.weight"), c.norm_eps)
     x = x + (_silu(h @ w("mlp.gate.kernel")) * (h @ w("mlp.up.kernel"))) @ w("mlp.down.kernel")

@@ -22,6 +22,8 @@ def test_exact_decoding_schedules_at_the_8b_layout():
   assert mixes["dual_cache"] == pytest.approx({"full": 1 / 32, "dual_cache": 31 / 32})
   assert mixes["dkv_cache"] == pytest.approx({"full": 5 / 32, "dkv_subset": 27 / 32})  # steps 0, 1, 8, 16, 24
   assert mixes["sparse_dllm"] == pytest.approx({"full": 2 / 32, "sparse_subset": 30 / 32})
+  assert mixes["sparse_dllm_dual_cache"] == pytest.approx({"full": 1 / 32, "dual_cache": 1 / 32,
+                                                           "sparse_subset": 30 / 32})
   assert mixes["sparsed"] == pytest.approx({"full": 53 / 256, "sparsed_blocks": 203 / 256})  # E = 52: steps 0..52
   # prompt every 50 calls (0, 50, ..., 250), response every 7 (0, 7, ..., 252): both at call 0 only
   assert mixes["dllm_cache"] == pytest.approx({"reuse_both": 1 / 256, "reuse_prompt": 5 / 256, "reuse_gen": 36 / 256,
@@ -44,6 +46,9 @@ def test_calls_are_classified_from_the_trace():
   run = _trace(computed=[everything, some])
   assert [classify("dkv_cache", run, i, s, p, layers) for i in (0, 1)] == [{"full": 1.0}, {"dkv_subset": 1.0}]
   assert classify("sparse_dllm", run, 1, s, p, layers) == {"sparse_subset": 1.0}
+  cached = _trace(computed=[everything, some, some], keys=[s, s, s - 2])  # with the dual cache: call 1 reads all keys
+  assert [classify("sparse_dllm", cached, i, s, p, layers) for i in range(3)] == [
+      {"full": 1.0}, {"dual_cache": 1.0}, {"sparse_subset": 1.0}]
   run = _trace(computed=[everything, everything], keys=[s, s - 2])
   assert [classify("sparsed", run, i, s, p, layers) for i in (0, 1)] == [{"full": 1.0}, {"sparsed_blocks": 1.0}]
   layer0 = np.ones((1, s), bool)

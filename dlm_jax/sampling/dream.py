@@ -281,7 +281,7 @@ class DreamBlockwiseFamily(DreamFamily):
   can_finish_early = True
 
   def check_policy(self, name: str) -> None:
-    """Without a cache only (`blocks.check_policy_cache`)."""
+    """With a cache only the policies that compose with it (`blocks.check_policy_cache`)."""
     blocks.check_policy_cache(self.options.cache, name)
 
   def phases(self, run) -> tuple[driver.Phase, ...]:

@@ -511,7 +511,8 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
     window = getattr(family.options, "window", None)
     eos_cut_id = getattr(family, "eos_id", None) if getattr(family.options, "eos_truncation", False) else None
     bound = policy.bind(RunLayout(seq_len=total, gen_start=lp, block_length=block, steps_per_block=steps_per_block,
-                                  logit_shift=config.logit_shift, decoding_window=window, eos_cut_id=eos_cut_id))
+                                  logit_shift=config.logit_shift, decoding_window=window, eos_cut_id=eos_cut_id,
+                                  cache=getattr(family.options, "cache", "none")))
     bound.check(config, family.name)
   except PolicyError:
     raise

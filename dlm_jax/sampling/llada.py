@@ -426,8 +426,12 @@ class LLaDABlockwiseFamily(LLaDAFamily):
   can_finish_early = True
 
   def check_policy(self, name: str) -> None:
-    """Threshold and factor decoding without a cache only (`blocks.check_policy_cache`)."""
+    """Threshold and factor decoding, with a cache only the policies that compose with it
+    (`blocks.check_policy_cache`), not NVlabs' capped dual cache."""
     blocks.check_policy_cache(self.options.cache, name)
+    if self.options.cache == "dual" and self.options.dual_cache_forwards == "steps_per_block":
+      raise ValueError(f"policy {name!r} does not run with dual_cache_forwards='steps_per_block' (its refresh "
+                       "proposes at every position); use dual_cache_forwards='until_done'.")
 
   def phases(self, run) -> tuple[driver.Phase, ...]:
     return llada_blockwise.phases(self.options)

@@ -1,7 +1,8 @@
 """A model call under a compute policy's `Decision` (`dlm_jax.policy`), applied by the model caller with fixed
 shapes: one `lax.cond` between the full call (every query, the policy's KV cache rewritten) and the subset call
 (the decision's query positions through every layer, the other positions' keys and values read from the cache,
-each layer's key subset when the decision has one); with key blocks, between the full call and the block-sparse
+each layer's key subset when the decision has one, or all S cached positions at a call whose `all_keys` is true);
+with key blocks, between the full call and the block-sparse
 call (every query, each head's query block over its kept key blocks only); with a layer refresh, always the
 subset call (from the refresh start on every position); with a reuse schedule, `reuse_call`'s per-layer
 reuse. The subset call's rows come back in sequence coordinates:
@@ -19,6 +20,7 @@ readout is hidden states: the head on the computed rows only).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -55,7 +57,8 @@ def keys_read(decision: Decision, n_seq: int) -> jax.Array:
     return everything
   own = jnp.sum(decision.queries < n_seq, axis=-1).astype(jnp.float32)
   subset = jnp.mean(jnp.sum(decision.keys < n_seq, axis=-1).astype(jnp.float32), axis=0) + own
-  return jnp.where(decision.full, everything, subset)
+  every = decision.full if decision.all_keys is None else decision.full | decision.all_keys
+  return jnp.where(every, everything, subset)
 
 
 def _window(x: jax.Array, readout: Readout) -> jax.Array:
@@ -132,10 +135,14 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
       if weights is not None:
         sub_weights = jnp.take_along_axis(weights, jnp.minimum(queries, n_seq - 1)[:, None, :],
                                           axis=2) * real[:, None, :]
-      output = run(params, gather_rows(tokens, queries), bias=_query_rows(bias, queries),
-                   positions=gather_rows(positions, queries),
-                   query_weights=sub_weights, cache=policy.cache, return_hidden=readout.hidden,
-                   subset=ComputeSubset(queries, decision.keys, refresh))
+      call = functools.partial(run, params, gather_rows(tokens, queries), bias=_query_rows(bias, queries),
+                               positions=gather_rows(positions, queries), query_weights=sub_weights,
+                               cache=policy.cache, return_hidden=readout.hidden)
+      if decision.all_keys is None or decision.keys is None:
+        output = call(subset=ComputeSubset(queries, decision.keys, refresh))
+      else:  # a Fast-dLLM cache's call before the keys are chosen reads every cached position
+        output = jax.lax.cond(decision.all_keys, lambda: call(subset=ComputeSubset(queries, None, refresh)),
+                              lambda: call(subset=ComputeSubset(queries, decision.keys, refresh)))
       rows = output.hidden if readout.hidden else output.logits
       placed = _window(scatter_rows(jnp.zeros((rows.shape[0], n_seq, rows.shape[2]), rows.dtype), queries, rows),
                        readout)

@@ -30,7 +30,8 @@ mask ids); LLaDA and MMaDA only.
 
 Compute policies (--policy; `dlm_jax.policy`) run with exact, threshold, factor and factor_dllm decoding and the
 decoding rules but wino, not with the cache modes (the policy keeps its own KV cache and chooses each call's
-queries; docs/guides/compute_policies.md, "Decoding modes and Dream").
+queries; docs/guides/compute_policies.md, "Decoding modes and Dream") — but sparse_dllm, which composes with the
+prefix and dual caches (its kept keys are a subset of the cached ones; "Sparse-dLLM with the Fast-dLLM caches").
 
 Decoding rules. eb, klass, wino, pc and certainty_prior run the rules of `dlm_jax.sampling.decoding_rules`
 (EB-Sampler, KLASS, WINO, PC-Sampler, d2Cache's certainty prior) with their knobs (`experiments.common.decoding_flags`:
@@ -59,6 +60,7 @@ from typing import Any
 from dlm_jax.sampling import corpus_prior, decoding_rules, registry
 from dlm_jax.policy.base import ComputePolicy
 from dlm_jax.policy.registry import parse_policy
+from dlm_jax.sampling.blocks import CACHE_POLICIES
 from dlm_jax.session.errors import CombinationError, SessionError
 
 MODES: dict[str, tuple[str, str]] = {
@@ -137,10 +139,14 @@ class DecodingMode:
     if self.rule in decoding_rules.RULE_NAMES:
       self.decoding_rule()
     self.compute_policy()
-    if self.policy != "none" and self.cache != "none":
+    if self.policy != "none" and self.cache != "none" and self.compute_policy().NAME not in CACHE_POLICIES:
       raise CombinationError(f"--policy={self.policy} does not compose with --decoding={self.decoding}: the policy "
-                             "keeps its own KV cache and chooses each call's queries; use --decoding=exact, threshold, "
-                             "factor, factor_dllm or a decoding rule")
+                             "chooses what each call computes over all S positions, which the cache's fixed query "
+                             "window does not leave it; use --decoding=exact, threshold, factor, factor_dllm or a "
+                             f"decoding rule (the cache modes take {', '.join(CACHE_POLICIES)})")
+    if self.policy != "none" and self.cache == "dual" and self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
+      raise CombinationError(f"--policy={self.policy} does not run with --dual_cache_forwards="
+                             f"{self.dual_cache_forwards}; use {DUAL_CACHE_FORWARDS[0]}")
     if self.policy != "none" and self.decoding == "wino":
       raise CombinationError(f"--policy={self.policy} does not run with --decoding=wino (its calls append a "
                              "verification copy of the block and it re-masks decoded tokens); use eb, klass, pc or "
