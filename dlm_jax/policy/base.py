@@ -124,7 +124,8 @@ class RunLayout:
   from its output at p - logit_shift (Dream: 1); decoding_window: the sampler decodes among the first this many
   masks of a block (`LLaDAOptions.window`; None: the whole block); eos_cut_id: the sampler's EOS truncation
   (`LLaDAOptions.eos_truncation`: after the first call that decodes this id, the masks after it are never
-  decoded; None: no truncation).
+  decoded; None: no truncation); decoding_rule: the name of the sampler's decoding rule
+  (`dlm_jax.sampling.decoding_rules`, e.g. "certainty_prior"; None: the sampler's own transfer rule).
   """
 
   seq_len: int
@@ -134,6 +135,7 @@ class RunLayout:
   logit_shift: int = 0
   decoding_window: int | None = None
   eos_cut_id: int | None = None
+  decoding_rule: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
