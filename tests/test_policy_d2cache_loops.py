@@ -3,8 +3,6 @@ rule, and LLaDA's threshold and factor parallel decoding. Each run is compared w
 Research dLLM's `vanilla_generate` + `d2Cache` (Kamichanw/d2Cache `src/generation/vanilla.py`, `src/cache/d2cache.py`)
 written here in float64 NumPy, at temperature 0: tokens, decode order, NFE and every step's computed positions."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,8 +17,9 @@ except ImportError:  # run from inside tests/
 
 from dlm_jax.config import preset
 from dlm_jax.model import init_params
+from dlm_jax.policy.d2cache import D2CacheSettings
 from dlm_jax.policy.registry import make_policy, parse_policy
-from dlm_jax.sampling import dream, llada
+from dlm_jax.sampling import dream, llada, parallel
 from dlm_jax.sampling.decoding_rules import CertaintyPrior, EBSampler
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -70,7 +69,10 @@ def numpy_call(config, params, tokens, cache, computed):
     x = p["embed.embedding"][tokens[row, at]][None]
     for layer in range(c.n_layers):
       w = lambda name: p[f"blocks.{name}"][layer]  # noqa: E731
-      project = lambda h, name: h @ w(f"attn.{name}.kernel") + (w(f"attn.{name}.bias") if c.qkv_bias else 0.0)  # noqa: E731
+
+      def project(h, name):
+        return h @ w(f"attn.{name}.kernel") + (w(f"attn.{name}.bias") if c.qkv_bias else 0.0)
+
       h = ref._rms(x, w("attn_norm.weight"), c.norm_eps)
       shape = (1, len(at), -1, c.head_dim)
       q = ref._rope(project(h, "q").reshape(shape), at.astype(np.float64), c.rope_theta)[0]
@@ -207,10 +209,27 @@ def test_llada_parallel_decoding_is_the_official_run(llada_params, prompt, rule)
   assert expected[2] < GEN  # some calls decode several tokens
 
 
+def test_research_dllms_factor_rule_is_its_loop():
+  rng = np.random.default_rng(3)
+  confidence = np.concatenate([rng.uniform(0.0, 1.0, (40, 8)), 1.0 - rng.uniform(0.0, 0.05, (8, 8))])  # + all pass
+  candidates = rng.random(confidence.shape) < 0.7
+  candidates[:, 0] = True
+  factor = 1.0
+  for scale in ("probability", "log_odds"):
+    score = confidence if scale == "probability" else np.log(confidence) - np.log1p(-confidence)
+    got = np.asarray(parallel.factor_transfer(jnp.asarray(score, jnp.float32), jnp.asarray(candidates), factor,
+                                              "research_dllm", scale))
+    for row in range(len(confidence)):
+      want = np.zeros(8, bool)
+      want[transfer(np.where(candidates[row], confidence[row], -np.inf), candidates[row], 1, None, factor)] = True
+      np.testing.assert_array_equal(got[row], want, err_msg=f"{scale} row {row}")
+  assert D2CacheSettings.published("dream", parallel=True) == D2CacheSettings(inflate_w=4)
+
+
 @pytest.mark.parametrize("run, message", [
     (lambda d, p, x: dream.diffusion_generate(d, x, config=DREAM, options=dream.DreamOptions(
         gen_length=GEN, steps=GEN, block_length=BLOCK, threshold=0.9), policy=parse_policy("d2cache")),
-     "not Dream's dream_blockwise sampler"),
+     r"not Dream's own sampler \(dream_blockwise\)"),
     (lambda d, p, x: dream.diffusion_generate(d, x, config=DREAM, options=dream.DreamOptions(
         gen_length=GEN, steps=GEN, rule=EBSampler()), policy=parse_policy("d2cache")),
      "policy d2cache runs with decoding rule certainty_prior .d2Cache's own decoding., not eb"),

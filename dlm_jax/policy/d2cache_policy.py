@@ -3,19 +3,40 @@ d2Cache's rule selected at the end of the previous step (`dlm_jax.policy.d2cache
 top-up), each reading all S keys from the policy's KV cache (the other positions' keys and values as last
 computed, Kamichanw/d2Cache `src/cache/d2cache.py`).
 
+Samplers (`FAMILIES`). The official runs go through Research dLLM's `vanilla_generate` / `generate_step`
+(`src/generation/vanilla.py`): LLaDA's blocks and per-step quota, then one of three transfer rules, each run
+here by the sampler that is that loop: the quota's most confident masks (generation.sigma unset: LLaDA / MMaDA's
+exact sampler, "llada"); the quota's best by confidence × certainty density (generation.sigma > 0, the published
+pairing: the certainty_prior decoding rule, "llada_rules" / "dream_rules"); `confidence_unmasking`'s threshold
+or factor (generation.threshold / factor: "llada_blockwise" without a cache). Its threshold rule (every mask
+with p >= τ, else the step's quota) is Fast-dLLM's (p >= τ, and the best one) when the quota is one token, so
+d2cache needs steps per block == block_length there (the official scripts run steps = gen_length); its factor
+rule is `factor_rule="research_dllm"` (`dlm_jax.sampling.parallel`; the other variants run, but are not that
+loop). Dream runs through the same loop with its logits shifted (`prepare_logits_for_generation`: position i's
+prediction is the output at i − 1), not through Dream's own `diffusion_generate`: our exact Dream sampler (its
+timestep quota int(M(1 − s/t)), no blocks, alg "origin" revealing at random) can commit positions the query
+set did not compute, and Fast-dLLM's Dream block modes commit position s from the output at s − 1 at each block
+start, which the query set need not hold — both refused; on Dream d2cache runs under the certainty_prior rule
+("dream_rules", which is that loop). The shift reaches the rule (`query_mask(shifted=True)`: the position
+before each selected mask, the last prompt position set to whether generated position 0 was selected) and the
+confidence (below).
+
 Timing. The official code decides at the end of step t (`on_step_end`, after the step's tokens are written) and
 tops the rows up at the start of step t + 1 (`model_forward`). Here the model caller runs `update` right after
 the forward of step t, before the sampler writes its tokens, so the decision is taken in `decide` of step
 t + 1, whose context holds the tokens after step t: the positions decoded at step t are those unresolved at
 step t (kept in the state) that no longer are. A position that "transfers" the mask id itself (its argmax is
 the mask token) stays masked and is not seen as decoded here; the official code recomputes it at the next
-step. The step's own block (`block_mask`) is that of step t, as in `on_step_end`.
+step. The step's own block (`block_mask`) is that of step t, as in `on_step_end`: the sampler's
+`CallContext.block_start`, kept in the state (with threshold or factor decoding a block takes a variable number
+of steps).
 
 Rows. The official arrays hold the rows still generating (`active_seq_mask`: rows with a masked position in
 the step's block); the other rows run nothing and keep their cache, query set, importance and scores. Here
 such a row gets an empty query set (it computes and writes nothing) and keeps its state. With the exact
-sampler every row generates at every step (each step transfers at least one token of its block), so this
-matters only with masks in the prompt.
+sampler and the certainty prior every row generates at every step (each step transfers at least one token of
+its block), so this matters only with masks in the prompt; with threshold or factor decoding a row whose block
+is done waits for the others, as in the official loop.
 
 Confidence. The official confidence cache is the sampler's confidence at step 0 (max softmax probability at
 temperature 0), never updated (`frozen_confidence`). `update` reads the largest softmax probability of the
@@ -23,13 +44,21 @@ call's logits (`ForwardOutput.max_probability`, computed by the model caller fro
 or from every call's computed rows with frozen_confidence=False): at temperature 0 and without the LLaDA
 options' EOS knobs (`logits_eos_inf`, `confidence_eos_eot_inf`) it is the sampler's p(x0). At temperature > 0
 the official sampler keeps p(x0) of the sampled token under softmax(logits / T); here the cache holds the
-largest probability of softmax(logits) (the temperature-0 confidence), a documented difference.
+largest probability of softmax(logits) (the temperature-0 confidence), a documented difference. Likewise with
+Dream's top_p / top_k (the official Dream config sets top_p 0.9): the official cache holds p(x0) renormalised
+over the kept tokens, this one softmax(logits)'s largest probability (the sampler itself ranks by the
+renormalised one); the runs equal the official ones with top_p and top_k unset. On Dream the confidence of
+generated position i is read from the output at i − 1, and frozen_confidence=False updates it where that output
+was computed. The full call reads the probability at all S positions even when its readout is the block's
+logits (threshold and factor decoding; `policy_forward`).
 
 Zero-filled logits. Positions a step does not compute get zero logits (`policy_forward`); LLaDA's sampler then
-proposes token 0 there with confidence 1/V and keeps them as commit candidates, as the official sampler does
-(`generate_step`'s `transfer_index_mask[can_generate].logical_and_(valid_mask)` acts on a copy). They lose to
-any computed masked position whose logits are not uniform (its largest probability is at least 1/V) and tie
-among themselves; our sampler breaks ties by the lowest position, torch.topk's order among equal values is
+proposes token 0 there with confidence 1/V (Dream: where the output before is not computed; the certainty prior
+scales it by the density) and keeps them as commit candidates, as the official sampler does
+(`generate_step`'s `transfer_index_mask[can_generate].logical_and_(valid_mask)` acts on a copy). Ranked by
+confidence they lose to any computed masked position whose logits are not uniform (its largest probability is
+at least 1/V; under the certainty prior the density can reverse that, in both loops alike) and tie among
+themselves; our sampler breaks ties by the lowest position, torch.topk's order among equal values is
 UNVERIFIED.
 
 Static shapes. The official query count varies per step. The decision's queries are [B, n] with n = S (or
@@ -108,7 +137,8 @@ class D2Cache(d2cache.D2CacheSettings, ComputePolicy):
     del config
     if family_name in ("dream", "dream_blockwise"):
       raise ValueError(f"policy d2cache runs on Dream through Research dLLM's loop, as the official code: set "
-                       f"decoding rule certainty_prior (--decoding=certainty_prior), not Dream's {family_name} sampler.")
+                       f"decoding rule certainty_prior (--decoding=certainty_prior), not Dream's own sampler "
+                       f"({family_name}).")
     if family_name is not None and family_name not in FAMILIES:
       raise ValueError(f"policy d2cache runs with the {', '.join(FAMILIES)} samplers (exact, certainty prior, "
                        f"threshold or factor decoding), not {family_name}.")
