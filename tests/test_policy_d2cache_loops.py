@@ -27,6 +27,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 LLADA, DREAM = preset("tiny-llada"), preset("tiny-dream")
 PROMPT_LENGTH, GEN, BLOCK = 6, 16, 8
 KNOBS = dict(current_k=4, inflate_w=2, rollout_p=0.2, query_buckets=3)
+CLEAN = dict(KNOBS, frozen_confidence=False, top_up=False)  # the clean rules: a changing cache, rows alone
 PARALLEL = dict(KNOBS, inflate_w=4)  # the docs' semi-AR + parallel setting: inflate_w 4
 SHARPEN = 6.0  # the LM head scaled so that confidences spread over (0, 1) and parallel steps decode several tokens
 
@@ -116,8 +117,9 @@ def replay(config, params, prompt, settings, steps, sigma=None, threshold=None, 
   """The official run at temperature 0: Research dLLM's `vanilla_generate` (its blocks, `get_num_transfer_tokens`,
   `generate_step`: Dream's logits shifted one position right, certainty-prior scores when sigma is set,
   `confidence_unmasking` with threshold or factor) with `d2Cache`'s hooks in their order, the rows that do not
-  generate at a step left out of it. Returns (tokens [B, S], decode step [B, G], NFE, computed positions per call
-  [calls, B, S] bool)."""
+  generate at a step left out of it; settings: d2cache's knobs, frozen_confidence=False and top_up=False replaying
+  our clean rules (the cache updated where the output read was computed; no top-up). Returns (tokens [B, S],
+  decode step [B, G], NFE, computed positions per call [calls, B, S] bool)."""
   mask, shift = config.mask_token_id, config.logit_shift
   prompt = np.asarray(prompt)
   b, p = prompt.shape
@@ -139,8 +141,10 @@ def replay(config, params, prompt, settings, steps, sigma=None, threshold=None, 
       assert schedule[i] > 0
       if full_q is None:
         computed = np.ones((b, s), bool)
-      else:  # model_forward: the top-up over the generating rows, then x[active_q_mask]
+      elif settings.get("top_up", True):  # model_forward: the top-up over the generating rows, then x[active_q_mask]
         computed = replay_top_up(full_q, importance, density, active)
+      else:
+        computed = full_q.copy()
       computed &= active[:, None]
       calls.append(computed)
       logits, cache, rows = numpy_call(config, params, x, cache, computed)
@@ -157,7 +161,10 @@ def replay(config, params, prompt, settings, steps, sigma=None, threshold=None, 
       new[:, p:] = np.where(transferred, x0, x[:, p:])
       decode_step[transferred] = len(calls) - 1
       # on_step_end, on the generating rows
-      conf = confidence if conf is None else conf
+      if conf is None:
+        conf = confidence
+      elif not settings.get("frozen_confidence", True):  # the clean rule: where the output read was computed
+        conf = np.where(computed[:, p - shift:s - shift] & remaining, confidence, conf)
       step_importance = replay_rollout(rows, np.broadcast_to(np.arange(s), (b, s)), computed)
       q, step_density = replay_query_mask(make_policy("d2cache", **settings), new[:, p:] == mask, block_mask,
                                           transferred, conf, step_importance, shift == 1, active)
@@ -189,13 +196,17 @@ def llada_params():
   return sharpened(LLADA, 0)
 
 
-def test_dream_under_the_certainty_prior_is_the_official_run(dream_params, prompt):
+@pytest.mark.parametrize("knobs", [KNOBS, CLEAN])
+def test_dream_under_the_certainty_prior_is_the_official_run(dream_params, prompt, knobs):
   options = dream.DreamOptions(gen_length=GEN, steps=GEN, block_length=BLOCK, rule=CertaintyPrior(sigma=10.0))
   trace = dream.diffusion_generate(dream_params, prompt, config=DREAM, options=options,
-                                   policy=make_policy("d2cache", **KNOBS))
-  expected = replay(DREAM, dream_params, prompt, KNOBS, GEN, sigma=10.0)
+                                   policy=make_policy("d2cache", **knobs))
+  expected = replay(DREAM, dream_params, prompt, knobs, GEN, sigma=10.0)
   check_run(trace, expected, GEN)
   assert expected[3][1:, :, PROMPT_LENGTH - 1].any()  # the last prompt token: generated position 0 was picked
+  if knobs is CLEAN:  # the flag decides something
+    frozen = replay(DREAM, dream_params, prompt, dict(knobs, frozen_confidence=True), GEN, sigma=10.0)
+    assert not np.array_equal(frozen[3], expected[3])
 
 
 @pytest.mark.parametrize("rule", [dict(threshold=0.5), dict(factor=2.0, factor_rule="research_dllm")])
