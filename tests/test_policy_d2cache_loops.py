@@ -21,6 +21,7 @@ from dlm_jax.policy.d2cache import D2CacheSettings
 from dlm_jax.policy.registry import make_policy, parse_policy
 from dlm_jax.sampling import dream, llada, parallel
 from dlm_jax.sampling.decoding_rules import CertaintyPrior, EBSampler
+from dlm_jax.session import decoding_mode
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -235,6 +236,8 @@ def test_research_dllms_factor_rule_is_its_loop():
       want[transfer(np.where(candidates[row], confidence[row], -np.inf), candidates[row], 1, None, factor)] = True
       np.testing.assert_array_equal(got[row], want, err_msg=f"{scale} row {row}")
   assert D2CacheSettings.published("dream", parallel=True) == D2CacheSettings(inflate_w=4)
+  fields = decoding_mode.from_values("factor_research_dllm", factor=2.0, policy="d2cache").option_fields("llada")
+  assert fields["factor_rule"] == "research_dllm" and fields["factor"] == 2.0
 
 
 @pytest.mark.parametrize("run, message", [
