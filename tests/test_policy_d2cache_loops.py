@@ -177,7 +177,8 @@ def replay(config, params, prompt, settings, steps, sigma=None, threshold=None, 
   return x, decode_step, len(calls), np.stack(calls)
 
 
-def check_run(trace, expected, steps):
+def check_run(trace, expected):
+  """The run equals the replay `expected` (tokens, decode step, NFE, computed positions per call), and skips work."""
   tokens, decode_step, nfe, computed = expected
   assert int(trace.nfe) == nfe
   np.testing.assert_array_equal(np.asarray(trace.computed_positions)[:nfe], computed)
@@ -203,7 +204,7 @@ def test_dream_under_the_certainty_prior_is_the_official_run(dream_params, promp
   trace = dream.diffusion_generate(dream_params, prompt, config=DREAM, options=options,
                                    policy=make_policy("d2cache", **knobs))
   expected = replay(DREAM, dream_params, prompt, knobs, GEN, sigma=10.0)
-  check_run(trace, expected, GEN)
+  check_run(trace, expected)
   assert expected[3][1:, :, PROMPT_LENGTH - 1].any()  # the last prompt token: generated position 0 was picked
   if knobs is CLEAN:  # the flag decides something
     frozen = replay(DREAM, dream_params, prompt, dict(knobs, frozen_confidence=True), GEN, sigma=10.0)
@@ -217,7 +218,7 @@ def test_llada_parallel_decoding_is_the_official_run(llada_params, prompt, rule)
                          policy=make_policy("d2cache", **PARALLEL))
   expected = replay(LLADA, llada_params, prompt, PARALLEL, GEN, threshold=rule.get("threshold"),
                     factor=rule.get("factor"))
-  check_run(trace, expected, GEN)
+  check_run(trace, expected)
   assert expected[2] < GEN  # some calls decode several tokens
 
 
