@@ -128,7 +128,9 @@ class RunLayout:
   masks of a block (`LLaDAOptions.window`; None: the whole block); eos_cut_id: the sampler's EOS truncation
   (`LLaDAOptions.eos_truncation`: after the first call that decodes this id, the masks after it are never
   decoded; None: no truncation); cache: the sampler's Fast-dLLM KV cache ("none", "prefix" or "dual"), which a
-  policy that composes with it emulates in its own decisions (`dlm_jax.sampling.blocks.CACHE_POLICIES`).
+  policy that composes with it emulates in its own decisions (`dlm_jax.sampling.blocks.CACHE_POLICIES`);
+  decoding_rule: the name of the sampler's decoding rule (`dlm_jax.sampling.decoding_rules`, e.g.
+  "certainty_prior"; None: the sampler's own transfer rule).
   """
 
   seq_len: int
@@ -139,6 +141,7 @@ class RunLayout:
   decoding_window: int | None = None
   eos_cut_id: int | None = None
   cache: str = "none"
+  decoding_rule: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,8 +82,8 @@ class DreamOptions(blocks.BlockLayout):
       block takes the steps it needs (`steps` is then unused). None = off.
     factor: block modes: Fast-dLLM's factor rule on p(x0) instead (`parallel.factor_transfer`); not with
       threshold. None = off.
-    factor_rule: the factor rule's variant, "fast_dllm" (NVlabs' LLaDA code, the default) or "dllm"
-      (`parallel.FACTOR_RULES`).
+    factor_rule: the factor rule's variant, "fast_dllm" (NVlabs' LLaDA code, the default), "dllm" or
+      "research_dllm" (`parallel.FACTOR_RULES`).
     With neither, the block modes use Fast-dLLM's per-block quota: steps / num_blocks steps per block
       (at least 2 when B > 1), ranked by alg's confidence ("maskgit_plus", "topk_margin" or "entropy").
       With either, alg must stay "origin" (the default) or be "maskgit_plus" (both: p(x0)), alg_temp unset.
@@ -103,7 +103,7 @@ class DreamOptions(blocks.BlockLayout):
   block_length: int | None = None
   threshold: float | None = None
   factor: float | None = None
-  factor_rule: Literal["fast_dllm", "dllm"] = "fast_dllm"
+  factor_rule: Literal["fast_dllm", "dllm", "research_dllm"] = "fast_dllm"
   cache: Literal["none", "prefix", "dual"] = "none"
   rule: decoding_rules.Rule | None = None
 

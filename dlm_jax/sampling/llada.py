@@ -107,7 +107,8 @@ class LLaDAOptions(blocks.BlockLayout):
     factor: Fast-dLLM's factor rule instead (`dlm_jax.sampling.parallel.factor_transfer`); not with
       threshold. None = off.
     factor_rule: "fast_dllm" (NVlabs' code, the default: when only the last-ranked candidate fails, all are
-      committed) or "dllm" (dllm's vectorised rule: exactly the accepted prefix); `parallel.FACTOR_RULES`.
+      committed), "dllm" (dllm's vectorised rule: exactly the accepted prefix) or "research_dllm" (Research
+      dLLM's loop, which d2Cache's official runs use); `parallel.FACTOR_RULES`.
     cache: "none", "prefix" or "dual": Fast-dLLM's approximate KV caches, refreshed by a whole-sequence
       step at each block start (`dlm_jax.sampling.llada_blockwise`).
     dual_cache_forwards: with cache="dual", how many model calls a block may take: "until_done" (NVlabs'
@@ -148,7 +149,7 @@ class LLaDAOptions(blocks.BlockLayout):
   eot_token_id: int | None = None
   threshold: float | None = None
   factor: float | None = None
-  factor_rule: Literal["fast_dllm", "dllm"] = "fast_dllm"
+  factor_rule: Literal["fast_dllm", "dllm", "research_dllm"] = "fast_dllm"
   cache: Literal["none", "prefix", "dual"] = "none"
   dual_cache_forwards: Literal["until_done", "steps_per_block"] = "until_done"
   rule: decoding_rules.Rule | None = None

@@ -15,7 +15,8 @@ counts that holds the step's largest real count (`lax.switch` over one subset pr
 computes all its queries and no more than the bucket: XLA compiles each size, and a step's FLOPs are those of
 its bucket. For a policy that reads it, the largest softmax probability of the logits at every computed
 position comes back in `ForwardOutput.max_probability` (from the hidden states through the LM head when the
-readout is hidden states: the head on the computed rows only).
+readout is hidden states: the head on the computed rows only; a full call whose readout is a window runs the
+head on all S rows, as the official d2Cache's confidence cache reads every generated position).
 """
 
 from __future__ import annotations
@@ -114,9 +115,12 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
   states [B, n, D] -> logits [B, n, V], used for it when the readout is hidden states."""
   window = None if readout.window is None else readout.window
   n_seq = tokens.shape[1]
+  lm_head = head
   head = head if readout.hidden else None
 
   def full(_):
+    if max_probability != "never" and window is not None and lm_head is not None:
+      return full_every_row()
     output = run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
                  logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden)
     if max_probability == "never":
@@ -126,6 +130,15 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
     placed = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((rows.shape[0], n_seq), jnp.float32),
                                                  _max_probability(rows, head), start, axis=1)
     return output.replace(max_probability=placed)
+
+  def full_every_row():
+    """The full call whose readout is a window, with the largest probability at every position (the official
+    d2Cache confidence cache holds every generated position's): the LM head on all S rows."""
+    output = run(params, tokens, bias=bias, positions=positions, query_weights=weights, cache=policy.cache,
+                 cache_offset=0, return_hidden=True)
+    rows = jax.lax.dynamic_slice_in_dim(output.hidden, window[0] + readout.offset, window[1] - window[0], axis=1)
+    output = output.replace(max_probability=_max_probability(output.hidden, lm_head))
+    return output.replace(hidden=rows) if readout.hidden else output.replace(hidden=None, logits=lm_head(rows))
 
   def subset_rows(n: int):
     def subset(refresh):

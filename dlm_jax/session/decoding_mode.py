@@ -8,6 +8,7 @@ parallel decoding and approximate KV caches (`reference/decoding_modes.md` Â§2â€
   threshold               confidence >= --threshold, at least the best one    the whole sequence at every step
   factor                  Fast-dLLM's factor rule with --factor (NVlabs')     the whole sequence at every step
   factor_dllm             the factor rule as dllm vectorises it               the whole sequence at every step
+  factor_research_dllm    Research dLLM's factor rule (d2Cache's runs)        the whole sequence at every step
   prefix_cache            the quota rule                                      refresh, then queries [s, S)
   dual_cache              the quota rule                                      refresh, then the block's queries
   threshold_prefix_cache  the threshold rule                                  as prefix_cache
@@ -68,6 +69,7 @@ MODES: dict[str, tuple[str, str]] = {
     "threshold": ("threshold", "none"),
     "factor": ("factor", "none"),
     "factor_dllm": ("factor", "none"),
+    "factor_research_dllm": ("factor", "none"),
     "prefix_cache": ("quota", "prefix"),
     "dual_cache": ("quota", "dual"),
     "threshold_prefix_cache": ("threshold", "prefix"),
@@ -168,9 +170,9 @@ class DecodingMode:
 
   @property
   def factor_rule(self) -> str:
-    """The factor rule's variant (`dlm_jax.sampling.parallel.FACTOR_RULES`): dllm's for factor_dllm, else
-    NVlabs'."""
-    return "dllm" if self.decoding == "factor_dllm" else "fast_dllm"
+    """The factor rule's variant (`dlm_jax.sampling.parallel.FACTOR_RULES`): dllm's for factor_dllm, Research
+    dLLM's for factor_research_dllm, else NVlabs'."""
+    return {"factor_dllm": "dllm", "factor_research_dllm": "research_dllm"}.get(self.decoding, "fast_dllm")
 
   @property
   def rule(self) -> str:
