@@ -144,8 +144,8 @@ class DecodingMode:
     if self.policy != "none" and self.cache != "none" and self.compute_policy().NAME not in CACHE_POLICIES:
       raise CombinationError(f"--policy={self.policy} does not compose with --decoding={self.decoding}: the policy "
                              "chooses what each call computes over all S positions, which the cache's fixed query "
-                             "window does not leave it; use --decoding=exact, threshold, factor, factor_dllm or a "
-                             f"decoding rule (the cache modes take {', '.join(CACHE_POLICIES)})")
+                             "window does not leave it; use a mode without a cache (exact, threshold, a factor mode or a "
+                             f"decoding rule; the cache modes take {', '.join(CACHE_POLICIES)})")
     if self.policy != "none" and self.cache == "dual" and self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
       raise CombinationError(f"--policy={self.policy} does not run with --dual_cache_forwards="
                              f"{self.dual_cache_forwards}; use {DUAL_CACHE_FORWARDS[0]}")
