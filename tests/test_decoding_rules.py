@@ -65,6 +65,11 @@ def logits_of(tokens, lo=None):
   lo: the first position of the step's block (read by MODEL["calls"] only)."""
   if MODEL["calls"] is not None:
     return MODEL["calls"](tokens, lo)
+  return model_logits(tokens)
+
+
+def model_logits(tokens):
+  """`logits_of` of the model itself (LLaDA's or Dream's, MODEL["dream"])."""
   if not MODEL["dream"]:
     return np.asarray(_forward(False)(params(), jnp.asarray(tokens[None])), np.float64)[0]
   out = np.asarray(_forward(False, DREAM)(dream_params(), jnp.asarray(tokens[None])), np.float64)[0]

@@ -57,8 +57,8 @@ def guided_calls(scale: float):
   """LLaDA's CFG around the replays' model: the row, and the row with its prompt masked, guided."""
   def call(tokens, lo):
     del lo
-    cond = rules.logits_of(tokens)
-    un = rules.logits_of(np.concatenate([np.full(LP, MASK), tokens[LP:]]))
+    cond = rules.model_logits(tokens)
+    un = rules.model_logits(np.concatenate([np.full(LP, MASK), tokens[LP:]]))
     return un + (scale + 1.0) * (cond - un)
   return call
 
@@ -116,16 +116,17 @@ def test_rule_under_cfg_matches_replay(case):
 
 
 def test_dream_klass_fallback_ranks_after_top_k():
-  """KLASS's Dream code ranks its fallback by sample_tokens' p(x0) after top-k: the run equals the replay that
-  renormalises over the top 2 tokens, and differs from the run without top-k."""
+  """KLASS's Dream code ranks its fallback by sample_tokens' p(x0) after top-k: with top_k=1 every p(x0) is 1,
+  so the fallback takes the first masks of the block; the run equals the replay that renormalises over the top
+  token, and commits otherwise than without top-k."""
   rule = dr.KLASS(conf_threshold=0.3, kl_threshold=1.0)
   layout = dict(block_length=8, steps=8)
   batch = rules.prompts(2, seed=2)
   trace = dream.diffusion_generate(rules.dream_params(), batch, config=rules.DREAM,
-                                   options=dream.DreamOptions(gen_length=GEN, rule=rule, top_k=2, **layout))
+                                   options=dream.DreamOptions(gen_length=GEN, rule=rule, top_k=1, **layout))
   rules.MODEL["dream"] = True
   try:
-    refs = [rules.klass_original(row, rule, 4, 8, top_k=2) for row in batch]
+    refs = [rules.klass_original(row, rule, 4, 8, top_k=1) for row in batch]
     plain = [rules.klass_original(row, rule, 4, 8) for row in batch]
   finally:
     rules.MODEL["dream"] = False
