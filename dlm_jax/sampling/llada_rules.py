@@ -181,9 +181,9 @@ def _call(family, run, params, consts, carry, istate, i, s, block_step, call: st
     return result.replace(logits=logits, uncond_logits=None), jnp.array([0, total], jnp.int32)
   start = s - shift
   length = total - s if call == "prefix" else o.block
-  inputs = CallInputs(_rows(x, start, length), _rows(layout.positions, start, length), _rows(layout.valid, start, length),
-                      layout.valid, padding.query_rows(layout.bias, start, length), block_start=s,
-                      block_step=block_step)
+  inputs = CallInputs(_rows(x, start, length), _rows(layout.positions, start, length),
+                      _rows(layout.valid, start, length), layout.valid, padding.query_rows(layout.bias, start, length),
+                      block_start=s, block_step=block_step)
   result = run.caller(params, i, istate, inputs, Readout(window=(0, length)), CacheCall(carry.cache, start, x))
   empty = jnp.zeros((x.shape[0], o.gen_length, result.logits.shape[-1]), result.logits.dtype)
   logits = jax.lax.dynamic_update_slice_in_dim(empty, result.logits, s - lp, axis=1)
