@@ -174,6 +174,12 @@ def test_modes_carry_the_rule_cache():
     assert "\n" not in str(info.value)
   with pytest.raises(SessionError, match="keeps a KV cache"):
     decoding_mode.from_values("klass", cache="prefix").check_guidance(1.0)
+  from experiments.common.cli import UserError
+  from experiments.lm_eval import args
+  assert args.parse({"checkpoint": "tiny-dlm", "decoding": "eb", "cache": "prefix"}).mode.option_fields("llada") == {
+      "rule": dr.EBSampler(), "cache": "prefix"}
+  with pytest.raises(UserError, match="model_args decoding=wino: --decoding=wino does not run with --cache=dual"):
+    args.parse({"checkpoint": "tiny-dlm", "decoding": "wino", "cache": "dual"})
 
 
 def test_generate_binary_runs_a_rule_with_a_cache(tmp_path):
