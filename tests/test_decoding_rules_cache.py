@@ -163,6 +163,8 @@ def test_modes_carry_the_rule_cache():
   assert decoding_mode.DecodingMode.from_record(mode.record()) == mode
   assert mode.option_fields("llada") == {"rule": dr.KLASS(), "cache": "dual"}
   assert decoding_mode.from_values("eb").record() == {"decoding": "eb"}
+  assert decoding_mode.from_spec("klass:cache=dual,kl_history_length=3") == decoding_mode.from_values(
+      "klass", knobs=(("kl_history_length", 3),), cache="dual")
   for kwargs, message in [
       (dict(decoding="wino", cache="prefix"), "--decoding=wino does not run with --cache=prefix"),
       (dict(decoding="threshold", cache="dual"), "--cache=dual applies to the decoding rules"),

@@ -315,12 +315,15 @@ def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: flo
 
 def from_spec(spec: str) -> DecodingMode:
   """`name` or `name:value` (value = the threshold or factor; default 0.9 / 1.0), or for a decoding rule
-  `name:knob=value,knob=value` (e.g. `eb:gamma=0.1`, `pc:prior=prior.json`) -> the mode."""
+  `name:knob=value,knob=value` (e.g. `eb:gamma=0.1`, `pc:prior=prior.json`; `cache=prefix|dual` its KV cache,
+  `klass:cache=dual`) -> the mode."""
   name, sep, value = spec.partition(":")
   if not sep:
     return from_values(name)
   if name in decoding_rules.RULE_NAMES:
-    return from_values(name, knobs=_rule_knobs(spec, value))
+    knobs = dict(_rule_knobs(spec, value))
+    cache = str(knobs.pop("cache", "none"))
+    return from_values(name, knobs=tuple(sorted(knobs.items())), cache=cache)
   if name not in MODES or MODES[name][0] == "quota":
     raise SessionError(f"decoding mode {spec!r}: only modes with a threshold or factor take ':value'")
   try:
