@@ -160,6 +160,7 @@ def test_refused_in_one_line(make, message):
 def test_modes_carry_the_rule_cache():
   mode = decoding_mode.from_values("klass", cache="dual")
   assert mode.cache == "dual" and mode.record() == {"decoding": "klass", "cache": "dual"}
+  assert mode.spec == "klass:cache=dual" and decoding_mode.from_spec(mode.spec) == mode
   assert decoding_mode.DecodingMode.from_record(mode.record()) == mode
   assert mode.option_fields("llada") == {"rule": dr.KLASS(), "cache": "dual"}
   assert decoding_mode.from_values("eb").record() == {"decoding": "eb"}

@@ -199,8 +199,11 @@ class DecodingMode:
 
   @property
   def spec(self) -> str:
-    """The mode as `from_spec` reads it: its name, or its name, a colon and the rule's parameter."""
+    """The mode as `from_spec` reads it: its name, or its name, a colon and the rule's parameter (a decoding
+    rule's cache: `name:cache=dual`; its knobs are in `record()`)."""
     value = self.threshold if self.threshold is not None else self.factor
+    if self.rule_cache != "none":
+      return f"{self.decoding}:cache={self.rule_cache}"
     return self.decoding if value is None else f"{self.decoding}:{value:g}"
 
   def record(self) -> dict[str, Any]:
