@@ -1,5 +1,6 @@
 """An independent NumPy forward of a dense bidirectional model (tiny-llada's architecture: pre-norm RMSNorm,
-q/k/v/o without bias, rotate-half RoPE over the whole head, softmax attention, SwiGLU), returning every
+q/k/v/o without bias — q/k/v with the bias where the parameters have one, tiny-dream's Qwen2 layout —,
+rotate-half RoPE over the whole head, softmax attention, SwiGLU), returning every
 named site, with optional edits written here from scratch. The reference the activation-hook tests compare
 against; it shares no code with dlm_jax.model."""
 
@@ -48,9 +49,9 @@ def forward_sites(params, tokens, config, edit=None):
     pre = f"blocks.{layer}."
     x = at(pre + "hook_resid_pre", x)
     h = _rms(x, w("attn_norm.weight"), c.norm_eps)
-    q = at(pre + "attn.hook_q", (h @ w("attn.q.kernel")).reshape(b, t, c.n_heads, c.head_dim))
-    k = at(pre + "attn.hook_k", (h @ w("attn.k.kernel")).reshape(b, t, c.n_kv_heads, c.head_dim))
-    v = at(pre + "attn.hook_v", (h @ w("attn.v.kernel")).reshape(b, t, c.n_kv_heads, c.head_dim))
+    q = at(pre + "attn.hook_q", _project(h, p, layer, "q").reshape(b, t, c.n_heads, c.head_dim))
+    k = at(pre + "attn.hook_k", _project(h, p, layer, "k").reshape(b, t, c.n_kv_heads, c.head_dim))
+    v = at(pre + "attn.hook_v", _project(h, p, layer, "v").reshape(b, t, c.n_kv_heads, c.head_dim))
     q, k = _rope(q, positions, c.rope_theta), _rope(k, positions, c.rope_theta)
     group = c.n_heads // c.n_kv_heads
     k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
@@ -67,6 +68,13 @@ def forward_sites(params, tokens, config, edit=None):
     x = at(pre + "hook_resid_post", x + mlp_out)
   normed = at("ln_final.hook_normalized", _rms(x, p["final_norm.weight"], c.norm_eps))
   return normed @ p["lm_head.kernel"], sites
+
+
+def _project(h, p, layer, name):
+  """h @ W_name (+ its bias when the parameters have one) at `layer`."""
+  out = h @ p[f"blocks.attn.{name}.kernel"][layer]
+  bias = p.get(f"blocks.attn.{name}.bias")
+  return out if bias is None else out + bias[layer]
 
 
 def readout(params, x, config):
@@ -118,11 +126,12 @@ def subset_forward(params, tokens, config, cache, queries, keys=None, return_cac
     layer_q = np.zeros((b, t, c.n_heads, c.head_dim))
     for row in range(b):
       pos = at[row].astype(np.float64)
-      q = _rope((h[row:row + 1] @ w("attn.q.kernel")).reshape(1, t, c.n_heads, c.head_dim), pos, c.rope_theta)[0]
+      q = _rope(_project(h[row:row + 1], p, layer, "q").reshape(1, t, c.n_heads, c.head_dim), pos,
+                c.rope_theta)[0]
       layer_q[row] = q
-      k_new = _rope((h[row:row + 1] @ w("attn.k.kernel")).reshape(1, t, c.n_kv_heads, c.head_dim), pos,
+      k_new = _rope(_project(h[row:row + 1], p, layer, "k").reshape(1, t, c.n_kv_heads, c.head_dim), pos,
                     c.rope_theta)[0]
-      v_new = (h[row] @ w("attn.v.kernel")).reshape(t, c.n_kv_heads, c.head_dim)
+      v_new = _project(h[row], p, layer, "v").reshape(t, c.n_kv_heads, c.head_dim)
       k_all, v_all = np.array(cache[layer][0][row]), np.array(cache[layer][1][row])
       for i in range(t):
         if real[row, i]:

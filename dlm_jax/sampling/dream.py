@@ -310,8 +310,8 @@ class DreamBlockwiseFamily(DreamFamily):
 @dataclasses.dataclass(frozen=True)
 class DreamRuleFamily(llada_rules.RuleFamilyMixin, DreamFamily):
   """Dream under a decoding rule (`DreamOptions.rule`; `dlm_jax.sampling.llada_rules`, with Dream's shifted
-  logits — WINO's verification copy included — and `sample_tokens` proposals: temperature, top-p and top-k as
-  the options say, where the rule takes them)."""
+  logits — WINO's verification copy and the cached calls' queries included — and `sample_tokens` proposals:
+  temperature, top-p and top-k as the options say, where the rule takes them)."""
 
   name = "dream_rules"
   runs_policies = True
@@ -326,6 +326,14 @@ class DreamRuleFamily(llada_rules.RuleFamilyMixin, DreamFamily):
 
   def constants(self, run, sequence, layout):
     return llada_rules.constants(self, super().constants(run, sequence, layout))
+
+  def klass_ranking(self, logits) -> jax.Array | None:
+    """KLASS's fallback ranks by `sample_tokens`' p(x0) after top-p / top-k (temperature 0), as KLASS's Dream
+    code (`dream_klass.py`) ranks its fallback; None (the gate's p(x0)) without them."""
+    o = self.options
+    if (o.top_p is None or o.top_p >= 1) and o.top_k is None:
+      return None
+    return sample_tokens(logits, None, temperature=0.0, top_p=o.top_p, top_k=o.top_k)[0]
 
   def _proposals(self, params, logits, uncond_logits, key, per_row: bool = False):
     """(x0, confidence p(x0)) [B, G] from Dream's `sample_tokens` (alg maskgit_plus)."""

@@ -126,7 +126,8 @@ class LLaDAOptions(blocks.BlockLayout):
     of them this is the exact sampler above.
     rule: one of the decoding rules of `dlm_jax.sampling.decoding_rules` (`EBSampler`, `KLASS`, `WINO`,
       `PCSampler`, `CertaintyPrior`), run by `dlm_jax.sampling.llada_rules`; None = LLaDA's own rules above.
-      Not with threshold, factor, a cache, CFG, random remasking or a stop token; the rules read p(x0) whatever
+      Not with threshold, factor, random remasking or a stop token, WINO not with a cache or CFG; with a cache
+      in Research dLLM's order (`llada_rules`), under CFG on the guided logits; the rules read p(x0) whatever
       `confidence_ranking` says.
   """
 
@@ -473,8 +474,10 @@ class LLaDARuleFamily(llada_rules.RuleFamilyMixin, LLaDAFamily):
     return llada_rules.constants(self, super().constants(run, sequence, layout))
 
   def _proposals(self, params, logits, uncond_logits, key, per_row: bool = False):
-    """LLaDA's proposals with the confidence p(x0) the rules read (`confidence_ranking` does not apply)."""
-    probability = dataclasses.replace(self, options=dataclasses.replace(self.options, confidence_ranking="probability"))
+    """LLaDA's proposals with the confidence p(x0) the rules read (`confidence_ranking` does not apply), from
+    logits already guided under CFG (`llada_rules._call`)."""
+    probability = dataclasses.replace(self, options=dataclasses.replace(self.options, confidence_ranking="probability",
+                                                                        cfg_scale=0.0))
     return LLaDAFamily._proposals(probability, params, logits, uncond_logits, key, per_row)
 
 

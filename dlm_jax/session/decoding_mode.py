@@ -37,7 +37,8 @@ prefix and dual caches (its kept keys are a subset of the cached ones; "Sparse-d
 Decoding rules. eb, klass, wino, pc and certainty_prior run the rules of `dlm_jax.sampling.decoding_rules`
 (EB-Sampler, KLASS, WINO, PC-Sampler, d2Cache's certainty prior) with their knobs (`experiments.common.decoding_flags`:
 --eb_gamma, --klass_*, --wino_*, --pc_prior / --pc_lambda / --pc_alpha / --pc_variant, --certainty_sigma;
-recorded as "knobs"); LLaDA, MMaDA and Dream, no cache.
+recorded as "knobs"); LLaDA, MMaDA and Dream. --cache=prefix|dual gives eb, klass, pc and certainty_prior a KV
+cache (recorded as "cache"; `dlm_jax.sampling.llada_rules`; wino refuses one); the other modes name theirs.
 
 Samplers. `dlm_jax.sampling.registry` lists the option fields of each sampler's options that the modes set
 (`Sampler.mode_fields`): LLaDA
@@ -98,6 +99,9 @@ def rule_knobs(decoding: str, values: dict[str, Any]) -> tuple[tuple[str, Any], 
                       if rule == decoding and flat in values))
 
 
+RULE_CACHES = ("none", "prefix", "dual")
+"""--cache values of the decoding rules (`DecodingMode.rule_cache`)."""
+
 DEFAULT_THRESHOLD = 0.9
 DEFAULT_FACTOR = 1.0
 DUAL_CACHE_FORWARDS = ("until_done", "steps_per_block")
@@ -112,7 +116,8 @@ class DecodingMode:
   default only with the dual cache); knobs: the decoding rule's knobs as sorted (name, value) pairs (the rule
   modes eb, klass, wino, pc, certainty_prior; `dlm_jax.sampling.decoding_rules`; pc's "prior" is the prior
   file's path); policy: the compute policy as `dlm_jax.policy.registry.parse_policy` reads it ("none": compute
-  everything), recorded only when it is not "none" (so records written before policies resume unchanged).
+  everything), recorded only when it is not "none" (so records written before policies resume unchanged);
+  rule_cache: a decoding rule's KV cache (none, prefix or dual; --cache), recorded only when it is not "none".
   """
 
   decoding: str = "exact"
@@ -121,6 +126,7 @@ class DecodingMode:
   dual_cache_forwards: str = DUAL_CACHE_FORWARDS[0]
   knobs: tuple[tuple[str, Any], ...] = ()
   policy: str = "none"
+  rule_cache: str = "none"
 
   def __post_init__(self):
     if self.decoding not in ALL_MODES:
@@ -138,14 +144,28 @@ class DecodingMode:
                          f"(dual_cache, threshold_dual_cache), not --decoding={self.decoding}")
     if self.knobs and self.rule not in decoding_rules.RULE_NAMES:
       raise SessionError(f"--decoding={self.decoding} takes no rule knobs ({', '.join(k for k, _ in self.knobs)})")
+    if self.rule_cache not in RULE_CACHES:
+      raise SessionError(f"--cache={self.rule_cache}: expected one of {', '.join(RULE_CACHES)}")
+    if self.rule_cache != "none" and self.rule not in decoding_rules.RULE_NAMES:
+      raise SessionError(f"--cache={self.rule_cache} applies to the decoding rules; --decoding={self.decoding} names "
+                         "its cache itself (prefix_cache, dual_cache, threshold_*_cache)")
     if self.rule in decoding_rules.RULE_NAMES:
       self.decoding_rule()
+      if self.rule_cache != "none" and self.decoding == "wino":
+        raise CombinationError(f"--decoding=wino does not run with --cache={self.rule_cache}: its verification copy "
+                               "must read the block as decoded now; use --cache=none")
+    if self.rule in decoding_rules.RULE_NAMES and self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
+      raise SessionError(f"--dual_cache_forwards={self.dual_cache_forwards} applies to the dual-cache modes "
+                         f"(dual_cache, threshold_dual_cache), not --decoding={self.decoding}")
     self.compute_policy()
+    if self.policy != "none" and self.rule_cache != "none":
+      raise CombinationError(f"--policy={self.policy} does not run with --decoding={self.decoding} and --cache="
+                             f"{self.rule_cache} (the rule's cached calls are its own); use --cache=none")
     if self.policy != "none" and self.cache != "none" and self.compute_policy().NAME not in CACHE_POLICIES:
       raise CombinationError(f"--policy={self.policy} does not compose with --decoding={self.decoding}: the policy "
                              "chooses what each call computes over all S positions, which the cache's fixed query "
-                             "window does not leave it; use a mode without a cache (exact, threshold, a factor mode or a "
-                             f"decoding rule; the cache modes take {', '.join(CACHE_POLICIES)})")
+                             "window does not leave it; use a mode without a cache (exact, threshold, a factor mode or "
+                             f"a decoding rule; the cache modes take {', '.join(CACHE_POLICIES)})")
     if self.policy != "none" and self.cache == "dual" and self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
       raise CombinationError(f"--policy={self.policy} does not run with --dual_cache_forwards="
                              f"{self.dual_cache_forwards}; use {DUAL_CACHE_FORWARDS[0]}")
@@ -181,8 +201,8 @@ class DecodingMode:
 
   @property
   def cache(self) -> str:
-    """none, prefix or dual."""
-    return ALL_MODES[self.decoding][1]
+    """none, prefix or dual (a decoding rule's: --cache)."""
+    return self.rule_cache if self.rule in decoding_rules.RULE_NAMES else ALL_MODES[self.decoding][1]
 
   @property
   def exact(self) -> bool:
@@ -190,8 +210,11 @@ class DecodingMode:
 
   @property
   def spec(self) -> str:
-    """The mode as `from_spec` reads it: its name, or its name, a colon and the rule's parameter."""
+    """The mode as `from_spec` reads it: its name, or its name, a colon and the rule's parameter (a decoding
+    rule's cache: `name:cache=dual`; its knobs are in `record()`)."""
     value = self.threshold if self.threshold is not None else self.factor
+    if self.rule_cache != "none":
+      return f"{self.decoding}:cache={self.rule_cache}"
     return self.decoding if value is None else f"{self.decoding}:{value:g}"
 
   def record(self) -> dict[str, Any]:
@@ -207,6 +230,8 @@ class DecodingMode:
       values["knobs"] = dict(self.knobs)
     if self.policy != "none":
       values["policy"] = self.policy
+    if self.rule_cache != "none":
+      values["cache"] = self.rule_cache
     return values
 
   @classmethod
@@ -214,7 +239,8 @@ class DecodingMode:
     """The mode of a `record()` (missing "decoding" = exact; other keys of `values` are ignored)."""
     return cls(values.get("decoding", "exact"), values.get("threshold"), values.get("factor"),
                values.get("dual_cache_forwards", DUAL_CACHE_FORWARDS[0]),
-               tuple(sorted(values.get("knobs", {}).items())), values.get("policy", "none"))
+               tuple(sorted(values.get("knobs", {}).items())), values.get("policy", "none"),
+               values.get("cache", "none"))
 
   def option_fields(self, sampler: str) -> dict[str, Any]:
     """The fields of `sampler`'s options that this mode sets (every field the sampler has; {} for a sampler
@@ -229,7 +255,11 @@ class DecodingMode:
       if "rule" not in supported:
         raise CombinationError(f"--decoding={self.decoding}: the {sampler} sampler has no {self.decoding} decoding "
                                "yet; use --decoding=exact, threshold or factor")
-      return {"rule": self.decoding_rule()}
+      if self.rule_cache != "none" and "cache" not in supported:
+        raise CombinationError(f"--decoding={self.decoding} --cache={self.rule_cache}: the {sampler} sampler has no "
+                               "cache; use --cache=none")
+      fields = {"rule": self.decoding_rule()}
+      return fields if self.rule_cache == "none" else dict(fields, cache=self.rule_cache)
     if "transfer" in supported:
       return self._transfer_fields(sampler)
     fields = {"threshold": self.threshold, "factor": self.factor, "cache": self.cache}
@@ -285,7 +315,7 @@ def _check_factor(value: float | None) -> None:
 
 def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: float = DEFAULT_FACTOR,
                 dual_cache_forwards: str = DUAL_CACHE_FORWARDS[0],
-                knobs: tuple[tuple[str, Any], ...] = (), policy: str = "none") -> DecodingMode:
+                knobs: tuple[tuple[str, Any], ...] = (), policy: str = "none", cache: str = "none") -> DecodingMode:
   """The mode of the flag values: each is checked (a one-line error naming its flag), and the threshold and
   factor are kept only when the mode uses them."""
   _check_threshold(threshold)
@@ -294,17 +324,20 @@ def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: flo
     raise SessionError(f"--decoding={decoding}: expected one of {', '.join(ALL_MODES)}")
   rule = ALL_MODES[decoding][0]
   return DecodingMode(decoding, threshold if rule == "threshold" else None, factor if rule == "factor" else None,
-                      dual_cache_forwards, knobs if rule in decoding_rules.RULE_NAMES else (), policy)
+                      dual_cache_forwards, knobs if rule in decoding_rules.RULE_NAMES else (), policy, cache)
 
 
 def from_spec(spec: str) -> DecodingMode:
   """`name` or `name:value` (value = the threshold or factor; default 0.9 / 1.0), or for a decoding rule
-  `name:knob=value,knob=value` (e.g. `eb:gamma=0.1`, `pc:prior=prior.json`) -> the mode."""
+  `name:knob=value,knob=value` (e.g. `eb:gamma=0.1`, `pc:prior=prior.json`; `cache=prefix|dual` its KV cache,
+  `klass:cache=dual`) -> the mode."""
   name, sep, value = spec.partition(":")
   if not sep:
     return from_values(name)
   if name in decoding_rules.RULE_NAMES:
-    return from_values(name, knobs=_rule_knobs(spec, value))
+    knobs = dict(_rule_knobs(spec, value))
+    cache = str(knobs.pop("cache", "none"))
+    return from_values(name, knobs=tuple(sorted(knobs.items())), cache=cache)
   if name not in MODES or MODES[name][0] == "quota":
     raise SessionError(f"decoding mode {spec!r}: only modes with a threshold or factor take ':value'")
   try:

@@ -1,4 +1,5 @@
-"""The decoding-mode flags: --decoding, --threshold, --factor, --dual_cache_forwards, the decoding rules'
+"""The decoding-mode flags: --decoding, --threshold, --factor, --dual_cache_forwards, --cache (a decoding rule's
+KV cache), the decoding rules'
 knobs (--decoding=eb|klass|wino|pc|certainty_prior; `dlm_jax.sampling.decoding_rules`, defaults those of each
 rule's original code) and the compute policy (--policy; `dlm_jax.policy`), as a `dlm_jax.session.DecodingMode`."""
 
@@ -43,6 +44,9 @@ _PC_VARIANT = flags.DEFINE_enum("pc_variant", "pc_sampler", list(dr.PC_VARIANTS)
 _POLICY = flags.DEFINE_string("policy", "none", "Compute policy: NAME or NAME:knob=value,... — "
                               + ", ".join(policy_names()) + " (statistics of one step decide what the next computes; "
                               "docs/guides/compute_policies.md says which decoding modes each runs with).")
+_CACHE = flags.DEFINE_enum("cache", "none", list(decoding_mode.RULE_CACHES),
+                           "KV cache of --decoding=eb, klass, pc or certainty_prior: none, prefix or dual (Fast-dLLM's "
+                           "caches in Research dLLM's order; the other modes name their cache in --decoding).")
 _CERTAINTY_SIGMA = flags.DEFINE_float("certainty_sigma", dr.CertaintyPrior.sigma,
                                       "Certainty prior: the Gaussian's sigma in positions (> 0).")
 
@@ -60,7 +64,7 @@ def from_flags() -> decoding_mode.DecodingMode:
   """The decoding flags as a mode (every value checked); warns about --threshold / --factor given for a mode
   that does not use them."""
   mode = decoding_mode.from_values(_DECODING.value, _THRESHOLD.value, _FACTOR.value, _DUAL_CACHE_FORWARDS.value,
-                                   rule_knobs(_DECODING.value), _POLICY.value)
+                                   rule_knobs(_DECODING.value), _POLICY.value, _CACHE.value)
   for name, used in (("threshold", mode.threshold is not None), ("factor", mode.factor is not None)):
     if flags.FLAGS[name].present and not used:
       logging.warning("--%s applies to the modes with a %s rule only; ignored for --decoding=%s", name, name,
