@@ -12,6 +12,8 @@ replays of tests/test_decoding_rules.py with their model calls replaced:
 Temperature 0, tiny random LLaDA and Dream, two rows batched, each replayed alone: tokens, per-step commits,
 last commit step and NFE equal. Also: KLASS on Dream ranks its fallback after top-k; the refusals."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -204,8 +206,18 @@ def test_generate_binary_runs_a_rule_with_a_cache(tmp_path):
   from tests.experiments_fixtures import run_cases
   common = ["--checkpoint=tiny-dlm", "--prompt=Anna has 16 books.", "--gen_length=16", "--steps=16",
             "--block_length=8"]
-  (ok, _), (bad, err) = run_cases("generate", [
+  (ok, _), (bad, err), (truncated, _), (windowed, _) = run_cases("generate", [
       common + ["--decoding=klass", "--cache=dual", f"--json_out={tmp_path / 'klass.json'}"],
-      common + ["--decoding=wino", "--cache=prefix", f"--json_out={tmp_path / 'wino.json'}"]])
+      common + ["--decoding=wino", "--cache=prefix", f"--json_out={tmp_path / 'wino.json'}"],
+      common + ["--decoding=threshold", "--window=2", "--eos_truncation", f"--json_out={tmp_path / 'eos.json'}"],
+      common + ["--decoding=threshold", "--window=2", f"--json_out={tmp_path / 'window.json'}"]])
   assert ok == 0 and (tmp_path / "klass.json").exists()
   assert bad != 0 and "--decoding=wino does not run with --cache=prefix" in err
+  # Elastic-Cache's decoding flags (`DecodingMode.window` / `eos_truncation`) reach the sampler
+  assert truncated == windowed == 0
+  result = json.loads((tmp_path / "eos.json").read_text())
+  assert {k: result["settings"]["decoding"][k] for k in ("window", "eos_truncation")} == {
+      "window": 2, "eos_truncation": True}
+  result = json.loads((tmp_path / "window.json").read_text())
+  assert result["settings"]["decoding"]["window"] == 2
+  assert result["nfe"] >= 16 // 2  # a call decodes at most the window's first 2 masks

@@ -34,6 +34,11 @@ decoding rules but wino, not with the cache modes (the policy keeps its own KV c
 queries; docs/guides/compute_policies.md, "Decoding modes and Dream") — but sparse_dllm, which composes with the
 prefix and dual caches (its kept keys are a subset of the cached ones; "Sparse-dLLM with the Fast-dLLM caches").
 
+Elastic-Cache's decoding (`llada.elastic_cache_options()`): --window=N and --eos_truncation with a threshold or
+factor mode without a cache (LLaDA and MMaDA): a call's candidates are the block's first N masks (with
+--block_length equal to --gen_length: the official sliding window over the generation), and after the first
+call that decodes the EOS id the masks after it are never decoded. Recorded as "window" / "eos_truncation".
+
 Decoding rules. eb, klass, wino, pc and certainty_prior run the rules of `dlm_jax.sampling.decoding_rules`
 (EB-Sampler, KLASS, WINO, PC-Sampler, d2Cache's certainty prior) with their knobs (`experiments.common.decoding_flags`:
 --eb_gamma, --klass_*, --wino_*, --pc_prior / --pc_lambda / --pc_alpha / --pc_variant, --certainty_sigma;
@@ -117,7 +122,11 @@ class DecodingMode:
   modes eb, klass, wino, pc, certainty_prior; `dlm_jax.sampling.decoding_rules`; pc's "prior" is the prior
   file's path); policy: the compute policy as `dlm_jax.policy.registry.parse_policy` reads it ("none": compute
   everything), recorded only when it is not "none" (so records written before policies resume unchanged);
-  rule_cache: a decoding rule's KV cache (none, prefix or dual; --cache), recorded only when it is not "none".
+  rule_cache: a decoding rule's KV cache (none, prefix or dual; --cache), recorded only when it is not "none";
+  window, eos_truncation: Elastic-Cache's decoding (--window, --eos_truncation; `LLaDAOptions.window` /
+  `eos_truncation`): a call's candidates are the first `window` masks of the block, and after the first call that
+  decodes the EOS id the masks after it are never decoded; threshold and factor modes without a cache, LLaDA and
+  MMaDA; recorded only when set.
   """
 
   decoding: str = "exact"
@@ -127,6 +136,8 @@ class DecodingMode:
   knobs: tuple[tuple[str, Any], ...] = ()
   policy: str = "none"
   rule_cache: str = "none"
+  window: int | None = None
+  eos_truncation: bool = False
 
   def __post_init__(self):
     if self.decoding not in ALL_MODES:
@@ -157,6 +168,7 @@ class DecodingMode:
     if self.rule in decoding_rules.RULE_NAMES and self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
       raise SessionError(f"--dual_cache_forwards={self.dual_cache_forwards} applies to the dual-cache modes "
                          f"(dual_cache, threshold_dual_cache), not --decoding={self.decoding}")
+    self._check_elastic_decoding()
     self.compute_policy()
     if self.policy != "none" and self.rule_cache != "none":
       raise CombinationError(f"--policy={self.policy} does not run with --decoding={self.decoding} and --cache="
@@ -164,8 +176,8 @@ class DecodingMode:
     if self.policy != "none" and self.cache != "none" and self.compute_policy().NAME not in CACHE_POLICIES:
       raise CombinationError(f"--policy={self.policy} does not compose with --decoding={self.decoding}: the policy "
                              "chooses what each call computes over all S positions, which the cache's fixed query "
-                             "window does not leave it; use a mode without a cache (exact, threshold, a factor mode or "
-                             f"a decoding rule; the cache modes take {', '.join(CACHE_POLICIES)})")
+                             "window does not leave it; use a mode without a cache (exact, threshold, a factor "
+                             f"mode or a decoding rule; the cache modes take {', '.join(CACHE_POLICIES)})")
     if self.policy != "none" and self.cache == "dual" and self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
       raise CombinationError(f"--policy={self.policy} does not run with --dual_cache_forwards="
                              f"{self.dual_cache_forwards}; use {DUAL_CACHE_FORWARDS[0]}")
@@ -173,6 +185,19 @@ class DecodingMode:
       raise CombinationError(f"--policy={self.policy} does not run with --decoding=wino (its calls append a "
                              "verification copy of the block and it re-masks decoded tokens); use eb, klass, pc or "
                              "certainty_prior")
+
+  def _check_elastic_decoding(self) -> None:
+    """--window and --eos_truncation: their values, and a threshold or factor mode without a cache."""
+    if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                    or self.window < 1):
+      raise SessionError(f"--window={self.window}: expected a positive integer (unset: the whole block)")
+    if not isinstance(self.eos_truncation, bool):
+      raise SessionError(f"--eos_truncation={self.eos_truncation}: expected true or false")
+    if (self.window is not None or self.eos_truncation) and (self.rule not in ("threshold", "factor")
+                                                             or self.cache != "none"):
+      name = "--window" if self.window is not None else "--eos_truncation"
+      raise CombinationError(f"{name} (Elastic-Cache's decoding) runs with --decoding=threshold or a factor mode "
+                             f"without a cache, not --decoding={self.decoding}")
 
   def compute_policy(self) -> ComputePolicy:
     """The compute policy (`dlm_jax.policy`); a one-line error on a bad name or knob."""
@@ -232,6 +257,10 @@ class DecodingMode:
       values["policy"] = self.policy
     if self.rule_cache != "none":
       values["cache"] = self.rule_cache
+    if self.window is not None:
+      values["window"] = self.window
+    if self.eos_truncation:
+      values["eos_truncation"] = True
     return values
 
   @classmethod
@@ -240,7 +269,7 @@ class DecodingMode:
     return cls(values.get("decoding", "exact"), values.get("threshold"), values.get("factor"),
                values.get("dual_cache_forwards", DUAL_CACHE_FORWARDS[0]),
                tuple(sorted(values.get("knobs", {}).items())), values.get("policy", "none"),
-               values.get("cache", "none"))
+               values.get("cache", "none"), values.get("window"), values.get("eos_truncation", False))
 
   def option_fields(self, sampler: str) -> dict[str, Any]:
     """The fields of `sampler`'s options that this mode sets (every field the sampler has; {} for a sampler
@@ -267,6 +296,10 @@ class DecodingMode:
       fields["factor_rule"] = self.factor_rule
     if self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
       fields["dual_cache_forwards"] = self.dual_cache_forwards
+    if self.window is not None:
+      fields["window"] = self.window
+    if self.eos_truncation:
+      fields["eos_truncation"] = True
     missing = sorted(k for k, v in fields.items() if v not in (None, "none") and k not in supported)
     if missing:
       raise CombinationError(f"--decoding={self.decoding}: the {sampler} sampler has no {' / '.join(missing)} "
@@ -315,7 +348,8 @@ def _check_factor(value: float | None) -> None:
 
 def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: float = DEFAULT_FACTOR,
                 dual_cache_forwards: str = DUAL_CACHE_FORWARDS[0],
-                knobs: tuple[tuple[str, Any], ...] = (), policy: str = "none", cache: str = "none") -> DecodingMode:
+                knobs: tuple[tuple[str, Any], ...] = (), policy: str = "none", cache: str = "none",
+                window: int | None = None, eos_truncation: bool = False) -> DecodingMode:
   """The mode of the flag values: each is checked (a one-line error naming its flag), and the threshold and
   factor are kept only when the mode uses them."""
   _check_threshold(threshold)
@@ -324,7 +358,8 @@ def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: flo
     raise SessionError(f"--decoding={decoding}: expected one of {', '.join(ALL_MODES)}")
   rule = ALL_MODES[decoding][0]
   return DecodingMode(decoding, threshold if rule == "threshold" else None, factor if rule == "factor" else None,
-                      dual_cache_forwards, knobs if rule in decoding_rules.RULE_NAMES else (), policy, cache)
+                      dual_cache_forwards, knobs if rule in decoding_rules.RULE_NAMES else (), policy, cache, window,
+                      eos_truncation)
 
 
 def from_spec(spec: str) -> DecodingMode:

@@ -47,6 +47,12 @@ _POLICY = flags.DEFINE_string("policy", "none", "Compute policy: NAME or NAME:kn
 _CACHE = flags.DEFINE_enum("cache", "none", list(decoding_mode.RULE_CACHES),
                            "KV cache of --decoding=eb, klass, pc or certainty_prior: none, prefix or dual (Fast-dLLM's "
                            "caches in Research dLLM's order; the other modes name their cache in --decoding).")
+_WINDOW = flags.DEFINE_integer("window", None, "Elastic-Cache's decoding: a call's candidates are the first N masks "
+                                "of the block (unset: the whole block); threshold or factor modes without a cache, "
+                                "LLaDA and MMaDA.")
+_EOS_TRUNCATION = flags.DEFINE_bool("eos_truncation", False, "Elastic-Cache's decoding: after the first call that "
+                                    "decodes the EOS id the masks after it are never decoded; threshold or factor "
+                                    "modes without a cache, LLaDA and MMaDA.")
 _CERTAINTY_SIGMA = flags.DEFINE_float("certainty_sigma", dr.CertaintyPrior.sigma,
                                       "Certainty prior: the Gaussian's sigma in positions (> 0).")
 
@@ -64,7 +70,8 @@ def from_flags() -> decoding_mode.DecodingMode:
   """The decoding flags as a mode (every value checked); warns about --threshold / --factor given for a mode
   that does not use them."""
   mode = decoding_mode.from_values(_DECODING.value, _THRESHOLD.value, _FACTOR.value, _DUAL_CACHE_FORWARDS.value,
-                                   rule_knobs(_DECODING.value), _POLICY.value, _CACHE.value)
+                                   rule_knobs(_DECODING.value), _POLICY.value, _CACHE.value, _WINDOW.value,
+                                   _EOS_TRUNCATION.value)
   for name, used in (("threshold", mode.threshold is not None), ("factor", mode.factor is not None)):
     if flags.FLAGS[name].present and not used:
       logging.warning("--%s applies to the modes with a %s rule only; ignored for --decoding=%s", name, name,
