@@ -94,7 +94,8 @@ def test_every_call_is_measured_and_counted(tmp_path):
   assert calls["reuse_none"]["flops"] < calls["reuse_gen"]["flops"] < calls["reuse_both"]["flops"]
   assert calls["elastic_no_refresh"]["flops"] < calls["elastic_full_refresh"]["flops"]
   steps = results["prompts"]["16"]["exact_decoding"]
-  assert set(steps) == {"exact", "dual_cache", "dkv_cache", "sparse_dllm", "sparsed", "dllm_cache"}  # no tiny-dlm mixes
+  assert set(steps) == {"exact", "dual_cache", "dkv_cache", "sparse_dllm", "sparse_dllm_dual_cache", "sparsed",
+                        "dllm_cache"}  # no tiny-dlm mixes
   assert "threshold_decoding" not in results["prompts"]["16"]
 
   # --calls_from: the same figures from the first run's calls, without timing anything again
