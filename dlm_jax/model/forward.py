@@ -61,9 +61,6 @@ def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tupl
     raise ValueError(f"subset must be None or a ComputeSubset, got {type(subset).__name__}.")
   _check_key_blocks(config, subset, shape)
   if subset.queries is None:
-    if hooks is not None:
-      raise ValueError("forward(subset=ComputeSubset(key_blocks=...)) does not run hooks (their attention pattern "
-                       "would be the dense one); leave them off.")
     return
   if cache is None:
     raise ValueError("forward(subset=...) reads and writes a KVCache; pass cache=KVCache.zeros(config, B, S) "
@@ -76,9 +73,11 @@ def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tupl
   if subset.keys is not None and (subset.keys.ndim != 3 or subset.keys.shape[:2] != (config.n_layers, shape[0])):
     raise ValueError(f"ComputeSubset.keys must be [L, B, m] with L={config.n_layers}, B={shape[0]}, got "
                      f"{list(subset.keys.shape)}.")
-  if hooks is not None or stats_spec.routing:
-    raise ValueError("forward(subset=...) does not run hooks or routing statistics (their positions are "
-                     "contiguous); leave them off.")
+  if stats_spec.routing:
+    raise ValueError("forward(subset=...) does not run routing statistics (their positions are contiguous); leave "
+                     "them off.")
+  if hooks is not None and subset.reuse is not None:
+    raise ValueError("forward(subset=ComputeSubset(reuse=...)) does not run hooks; leave them off.")
   if subset.reuse is not None:
     reason = reuse_layers.check_config(config)
     if reason is not None:
@@ -225,7 +224,7 @@ def forward(
     subset: a `ComputeSubset` (a compute policy's decision; needs `cache`): the T tokens are the sequence
       positions subset.queries [B, T] (their keys and values are written there; `positions` default to
       them), each layer reads all S cache positions or its key subset, and the statistics sum over the real
-      (not padded) queries; bidirectional models only, without hooks or routing statistics. With
+      (not padded) queries; bidirectional models only, without routing statistics (hooks: see `hooks`). With
       `key_blocks` instead (SparseD, `dlm_jax.model.block_sparse_attention`) every position is a query, no
       cache is needed, and each layer's heads read only their query block's kept key blocks.
       With subset.reuse
@@ -234,7 +233,9 @@ def forward(
       a `ReuseCache` (the KV cache, the attention and feed-forward outputs, each layer's recomputed positions).
     hooks: a `dlm_jax.instrument.hook_call.HookCall`: captures and edits at the named sites
       (`dlm_jax.instrument.sites`), in sequence coordinates of the S keys (a cached call's queries sit at
-      cache_offset); None adds nothing to the program.
+      cache_offset; a subset call's at subset.queries, its flags [B, T] being those of these queries, and
+      captures hold zeros at the positions it did not compute); None adds nothing to the program. Not with
+      subset.reuse.
 
   Returns:
     `ForwardOutput`: float32 logits [B, W, V], the requested statistics in the layout of

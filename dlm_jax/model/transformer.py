@@ -150,7 +150,8 @@ class Transformer(nnx.Module):
     decoder, hooks, subset = call.decoder, call.hooks, call.subset
     n_keys = tokens.shape[1] if cache is None else cache.keys.shape[2]
     offset = 0 if cache is None else cache_offset
-    sites = None if hooks is None else ForwardSites(hooks, c, offset=offset, n_seq=n_keys, readout=self._readout)
+    sites = None if hooks is None else ForwardSites(hooks, c, offset=offset, n_seq=n_keys, readout=self._readout,
+                                                    index=None if subset is None else subset.queries)
     model_hooks = None if sites is None else sites.model_sites()
     x = self._embed(tokens, decoder, model_hooks)
     per_layer = {name: value for name, value, each in _bias_parts(bias) if each}

@@ -28,6 +28,7 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument import step_schedule
 from dlm_jax.instrument.hook_call import HookValues
 from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks
+from dlm_jax.sampling import policy_hooks
 from dlm_jax.instrument.interventions import NO_INTERVENTION, Intervention
 from dlm_jax.policy.base import NO_POLICY, ComputePolicy, PolicyError, RunLayout
 from dlm_jax.sampling import capture_steps, keys, padding, replicated_rows, row_by_row
@@ -504,7 +505,7 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
                        f"{family.name}.")
     family.check_policy(name)
     if hooks.enabled:
-      raise ValueError(f"policy {name!r} does not run with activation hooks yet; leave them off.")
+      policy_hooks.check(name, hooks, config)
     gen = family.gen_length
     block = getattr(family.options, "block_length", gen) or gen
     steps_per_block = max(family.n_steps // max(gen // block, 1), 1)

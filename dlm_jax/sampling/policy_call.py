@@ -8,6 +8,8 @@ reuse. The subset call's rows come back in sequence coordinates:
 hidden states or logits of the positions it did not compute are zeros (d2Cache's convention for logits: a
 sampler ranking confidences sees 1/V there), and its statistics are over the S sequence positions (a statistic
 with a query axis "T", e.g. "attention_rows", has its rows put at the computed positions, zeros elsewhere).
+Hooks run in every call: a subset call's captures hold its computed positions' activations and zeros elsewhere
+(`dlm_jax.instrument.query_rows`), and its edits act at the positions it computes.
 
 Buckets (`Decision.buckets`): a subset whose size varies per step runs at the smallest of a few static row
 counts that holds the step's largest real count (`lax.switch` over one subset program per size), so every step
@@ -25,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dlm_jax.core.attention_bias import AttentionBias
+from dlm_jax.instrument.hook_call import VALID, HookCall
 from dlm_jax.instrument.stats import STATISTICS, ForwardOutput
 from dlm_jax.model.block_sparse_attention import block_keys_read
 from dlm_jax.model.compute_subset import ComputeSubset, gather_rows, scatter_rows
@@ -93,6 +96,16 @@ def _query_axis_to_sequence(name: str, x: jax.Array, queries: jax.Array, n_seq: 
   return jnp.moveaxis(placed, (0, 1), (batch_axis, query_axis))
 
 
+def _subset_hooks(hooks: HookCall | None, queries: jax.Array, n_seq: int) -> HookCall | None:
+  """The call's hooks for a subset call of queries [B, n]: the class bits at those positions (none at a padded
+  entry, which then captures and edits nothing)."""
+  if hooks is None:
+    return None
+  real = queries < n_seq
+  flags = jnp.full(queries.shape, VALID, jnp.int32) if hooks.flags is None else gather_rows(hooks.flags, queries)
+  return hooks.replace(flags=jnp.where(real, flags, 0))
+
+
 def _max_probability(rows: jax.Array, head: Callable[[jax.Array], jax.Array] | None) -> jax.Array:
   """[B, n] float32 largest softmax probability of logits [B, n, V], or of head(hidden [B, n, D])."""
   logits = rows if head is None else head(rows)
@@ -102,20 +115,22 @@ def _max_probability(rows: jax.Array, head: Callable[[jax.Array], jax.Array] | N
 def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyState, decision: Decision,
                    tokens: jax.Array, positions: jax.Array, bias: AttentionBias, weights: jax.Array | None,
                    readout: Readout, max_probability: str = "never",
-                   head: Callable[[jax.Array], jax.Array] | None = None) -> ForwardOutput:
+                   head: Callable[[jax.Array], jax.Array] | None = None, hooks: HookCall | None = None) -> ForwardOutput:
   """The call's `ForwardOutput` (logits or hidden states of the readout window, statistics over the S
   positions, the policy's new cache) under `decision`. ``run(params, tokens, **kwargs)`` is the forward (with
   config, stats_spec and the attention path bound); tokens, positions: [B, S]; bias: the call's bias over the S
   queries (a pairwise part's rows are taken at the subset's queries); weights: [B, Q, S] query-group weights or
   None; max_probability: the policy's `reads_max_probability` ("never", "full" or "every"); head: hidden
-  states [B, n, D] -> logits [B, n, V], used for it when the readout is hidden states."""
+  states [B, n, D] -> logits [B, n, V], used for it when the readout is hidden states; hooks: the call's
+  `HookCall` over the S positions (flags [B, S]), or None."""
   window = None if readout.window is None else readout.window
   n_seq = tokens.shape[1]
   head = head if readout.hidden else None
 
   def full(_):
     output = run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
-                 logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden)
+                 logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden,
+                 hooks=hooks)
     if max_probability == "never":
       return output
     rows = output.hidden if readout.hidden else output.logits
@@ -135,7 +150,7 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
       output = run(params, gather_rows(tokens, queries), bias=_query_rows(bias, queries),
                    positions=gather_rows(positions, queries),
                    query_weights=sub_weights, cache=policy.cache, return_hidden=readout.hidden,
-                   subset=ComputeSubset(queries, decision.keys, refresh))
+                   subset=ComputeSubset(queries, decision.keys, refresh), hooks=_subset_hooks(hooks, queries, n_seq))
       rows = output.hidden if readout.hidden else output.logits
       placed = _window(scatter_rows(jnp.zeros((rows.shape[0], n_seq, rows.shape[2]), rows.dtype), queries, rows),
                        readout)
@@ -151,7 +166,7 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
   def blocks(_):
     return run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
                logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden,
-               subset=ComputeSubset(None, key_blocks=decision.key_blocks))
+               subset=ComputeSubset(None, key_blocks=decision.key_blocks), hooks=hooks)
 
   if decision.reuse is not None:
     return reuse_call.reuse_forward(run, params, policy.cache, decision.reuse, tokens, positions, bias, weights,
