@@ -1,0 +1,200 @@
+"""Captures and edits under compute policies (issue 36 item 4): captures stay in sequence coordinates — at the
+positions a call computed they equal the plain forward's captures where the method claims equality (a full
+call: every site; a subset call: layer 0's sites before attention, and its attention's rows over the cached
+layer-0 keys, which equal the fresh ones), and hold zeros elsewhere; `attn.hook_pattern` reads only the keys the
+policy kept; an edit acts at every computed position (an embedding edit equals the same run on weights with
+the edit folded in); `computed_queries` is the span of `computed_positions`; combinations without hooks are
+refused in one line."""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dlm_jax.config import preset
+from dlm_jax.instrument.hook_call import HookCall, hook_values
+from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
+from dlm_jax.model import forward, init_params
+from dlm_jax.policy.base import PolicyError
+from dlm_jax.policy.registry import parse_policy
+from dlm_jax.sampling import llada
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+CONFIG = preset("tiny-llada")
+OPTIONS = llada.LLaDAOptions(gen_length=8, steps=8, block_length=4)
+PATTERN_QUERIES = (8, 11)
+HOOKS = Hooks(captures=(Capture("blocks.0.attn.hook_v"), Capture("blocks.0.hook_resid_post"),
+                        Capture("blocks.1.hook_resid_post"),
+                        Capture("blocks.1.attn.hook_pattern", positions=PATTERN_QUERIES)),
+              edits=(Edit("hook_embed", op="add"),))
+"""One static hook set for every run (the edit's coefficient is traced: 0 leaves the run unedited)."""
+SPARSED_BLOCK = 2
+POLICIES = {"dkv_cache": "dkv_cache", "sparse_dllm": "sparse_dllm", "sparsed": f"sparsed:block_size={SPARSED_BLOCK}"}
+"""The policies run with hooks (SparseD with key blocks small enough for the 14 positions to have several)."""
+
+
+@pytest.fixture(scope="module")
+def setup():
+  params = init_params(CONFIG, jax.random.key(0))
+  prompt = jax.random.randint(jax.random.key(1), (2, 6), 0, 200)
+  vector = 0.5 * jax.random.normal(jax.random.key(2), (CONFIG.d_model,))
+  return params, prompt, vector
+
+
+def _run(setup, policy: str, coefficient: float, params=None):
+  base, prompt, vector = setup
+  values = hook_values(HOOKS, CONFIG, prompt.shape[0], prompt.shape[1] + OPTIONS.gen_length,
+                       edits={0: dict(vector=vector, coefficient=coefficient)})
+  return llada.generate(base if params is None else params, prompt, config=CONFIG, options=OPTIONS, hooks=HOOKS,
+                        hook_values=values, policy=parse_policy(POLICIES.get(policy, policy)))
+
+
+@pytest.fixture(scope="module")
+def runs(setup):
+  return {name: _run(setup, name, 0.0) for name in ("dkv_cache", "sparse_dllm", "sparsed")}
+
+
+@pytest.fixture(scope="module")
+def plain(setup):
+  """The plain forward with the same hooks (unedited) on a canvas [B, S]: its captures by name."""
+  params, prompt, vector = setup
+  values = hook_values(HOOKS, CONFIG, prompt.shape[0], prompt.shape[1] + OPTIONS.gen_length,
+                       edits={0: dict(vector=vector, coefficient=0.0)})
+  run = jax.jit(lambda tokens: forward(params, tokens, config=CONFIG, hooks=HookCall(hooks=HOOKS, values=values))
+                .captures)
+  return lambda canvas: jax.tree.map(np.asarray, run(jnp.asarray(canvas)))
+
+
+def _canvas(trace, prompt, step: int) -> np.ndarray:
+  """[B, S] the sequence call `step` read: the prompt, the tokens decoded before it, masks elsewhere (LLaDA's
+  low-confidence remasking at temperature 0 never re-masks)."""
+  generated = np.where(np.asarray(trace.decode_step) < step, np.asarray(trace.generated), CONFIG.mask_token_id)
+  return np.concatenate([np.asarray(prompt), generated], axis=1)
+
+
+def _steps(trace) -> range:
+  return range(int(trace.nfe))
+
+
+@pytest.mark.parametrize("name", ["dkv_cache", "sparse_dllm", "sparsed"])
+def test_captures_hold_the_computed_positions_activations_and_zeros_elsewhere(setup, runs, plain, name):
+  _, prompt, _ = setup
+  trace = runs[name]
+  computed = np.asarray(trace.computed_positions)
+  captures = jax.tree.map(np.asarray, trace.captures)
+  subset_steps = 0
+  for step in _steps(trace):
+    reference = plain(_canvas(trace, prompt, step))
+    rows = computed[step]
+    full = bool(np.all(rows)) and bool(np.all(np.asarray(trace.keys_read)[step] == rows.shape[-1]))
+    subset_steps += not full
+    names = list(reference) if full else ["blocks.0.attn.hook_v"] + (["blocks.0.hook_resid_post"]
+                                                                      if name == "dkv_cache" else [])
+    for site in names:
+      got, want = captures[site][step], reference[site]
+      if site.endswith("hook_pattern"):
+        continue
+      np.testing.assert_allclose(got[rows], want[rows], atol=2e-5, err_msg=f"{name} step {step} {site}")
+    for site in ("blocks.0.attn.hook_v", "blocks.1.hook_resid_post"):
+      assert not np.any(captures[site][step][~rows]), (name, step, site)
+      assert np.all(np.any(captures[site][step][rows].reshape(int(rows.sum()), -1) != 0, axis=-1)), (name, step)
+    if full:
+      np.testing.assert_allclose(captures["blocks.1.attn.hook_pattern"][step],
+                                 reference["blocks.1.attn.hook_pattern"], atol=2e-5)
+  assert subset_steps > 0
+
+
+def test_a_key_subset_patterns_read_only_the_kept_keys(runs):
+  trace = runs["sparse_dllm"]
+  computed = np.asarray(trace.computed_positions)
+  kept = np.asarray(trace.policy_record)  # [steps, B, L, n]: the kept keys after each call
+  pattern = np.asarray(trace.captures["blocks.1.attn.hook_pattern"])  # [steps, B, P, N, S]
+  s = computed.shape[-1]
+  checked = 0
+  for step in _steps(trace):
+    if np.all(computed[step]) or step == 0:
+      continue
+    for b in range(pattern.shape[1]):
+      read = set(kept[step - 1, b, 1][kept[step - 1, b, 1] < s]) | set(np.flatnonzero(computed[step, b]))
+      for p, query in enumerate(PATTERN_QUERIES):
+        rows = pattern[step, b, p]  # [N, S]
+        if not computed[step, b, query]:
+          assert not np.any(rows)
+          continue
+        checked += 1
+        np.testing.assert_allclose(rows.sum(-1), 1.0, atol=1e-5)
+        assert not np.any(rows[:, sorted(set(range(s)) - read)])
+  assert checked > 0
+
+
+def test_block_sparse_patterns_read_only_the_kept_blocks(runs):
+  trace = runs["sparsed"]
+  blocks = np.asarray(trace.policy_record)  # [steps, B, L, N, nQb, m] kept key blocks after each call
+  pattern = np.asarray(trace.captures["blocks.1.attn.hook_pattern"])
+  s = pattern.shape[-1]
+  n_blocks = -(-s // SPARSED_BLOCK)
+  checked = 0
+  for step in _steps(trace):
+    rows_all = pattern[step]
+    np.testing.assert_allclose(rows_all.sum(-1), 1.0, atol=1e-5)
+    kept_before = blocks[step - 1] if step else None
+    if kept_before is None or np.all(kept_before >= n_blocks):
+      continue
+    for b in range(pattern.shape[1]):
+      for p, query in enumerate(PATTERN_QUERIES):
+        for n in range(pattern.shape[3]):
+          chosen = kept_before[b, 1, n, query // SPARSED_BLOCK]
+          allowed = np.zeros(s, bool)
+          for block in chosen[chosen < n_blocks]:
+            allowed[block * SPARSED_BLOCK:(block + 1) * SPARSED_BLOCK] = True
+          if allowed.all():
+            continue
+          checked += 1
+          assert not np.any(pattern[step, b, p, n][~allowed]), (step, b, query, n)
+  assert checked > 0
+
+
+def test_an_edit_acts_at_every_computed_position(setup, runs):
+  """An "add" edit of v at hook_embed at every position and step gives, under dkv_cache, the run on weights
+  whose embedding table has v added: at a subset call the computed positions are edited and the cached ones
+  were edited when computed."""
+  params, _, vector = setup
+  edited = _run(setup, "dkv_cache", 1.0)
+  folded = dict(params, embed={"embedding": params["embed"]["embedding"] + vector[None].astype(
+      params["embed"]["embedding"].dtype)})
+  reference = _run(setup, "dkv_cache", 0.0, params=folded)
+  np.testing.assert_array_equal(edited.tokens, reference.tokens)
+  np.testing.assert_array_equal(edited.decode_step, reference.decode_step)
+  for site in ("blocks.1.hook_resid_post", "blocks.1.attn.hook_pattern"):
+    np.testing.assert_allclose(edited.captures[site], reference.captures[site], atol=3e-5)
+  unedited = runs["dkv_cache"]
+  assert not np.allclose(edited.captures["blocks.1.hook_resid_post"], unedited.captures["blocks.1.hook_resid_post"])
+
+
+def test_computed_queries_is_the_span_of_the_computed_positions(runs):
+  for trace in runs.values():
+    computed = np.asarray(trace.computed_positions)
+    spans = np.asarray(trace.computed_queries)
+    for step in _steps(trace):
+      where = np.flatnonzero(np.any(computed[step], axis=0))
+      np.testing.assert_array_equal(spans[step], [where[0], where[-1] + 1])
+
+
+def test_dkv_cache_computes_the_positions_masked_at_the_previous_call(setup, runs):
+  _, prompt, _ = setup
+  trace = runs["dkv_cache"]
+  computed = np.asarray(trace.computed_positions)
+  for step in _steps(trace):
+    if np.all(computed[step]):
+      continue
+    masked_before = _canvas(trace, prompt, step - 1) == CONFIG.mask_token_id
+    np.testing.assert_array_equal(computed[step], masked_before)
+
+
+@pytest.mark.parametrize("name", ["dllm_cache", "elastic_cache"])
+def test_policies_without_hooks_refuse_them_in_one_line(setup, name):
+  params, prompt, _ = setup
+  with pytest.raises(PolicyError, match=f"policy '{name}' does not run with activation hooks") as refused:
+    llada.generate(params, prompt, config=CONFIG, options=OPTIONS, hooks=HOOKS, policy=parse_policy(name))
+  assert "\n" not in str(refused.value)
