@@ -30,8 +30,10 @@ HOOKS = Hooks(captures=(Capture("blocks.0.attn.hook_v"), Capture("blocks.0.hook_
               edits=(Edit("hook_embed", op="add"),))
 """One static hook set for every run (the edit's coefficient is traced: 0 leaves the run unedited)."""
 SPARSED_BLOCK = 2
-POLICIES = {"dkv_cache": "dkv_cache", "sparse_dllm": "sparse_dllm", "sparsed": f"sparsed:block_size={SPARSED_BLOCK}"}
-"""The policies run with hooks (SparseD with key blocks small enough for the 14 positions to have several)."""
+POLICIES = {"dkv_cache": "dkv_cache", "sparse_dllm": "sparse_dllm", "sparsed": f"sparsed:block_size={SPARSED_BLOCK}",
+            "elastic_cache": "elastic_cache:gamma=0.999"}
+"""The policies run with hooks (SparseD with key blocks small enough for the 14 positions to have several;
+Elastic-Cache with a drift threshold its layer 1 crosses, so that its calls refresh from there)."""
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def _run(setup, policy: str, coefficient: float, params=None):
 
 @pytest.fixture(scope="module")
 def runs(setup):
-  return {name: _run(setup, name, 0.0) for name in ("dkv_cache", "sparse_dllm", "sparsed")}
+  return {name: _run(setup, name, 0.0) for name in POLICIES}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,16 @@ def _steps(trace) -> range:
   return range(int(trace.nfe))
 
 
-@pytest.mark.parametrize("name", ["dkv_cache", "sparse_dllm", "sparsed"])
+def _computed_at_layer(trace, step: int, layer: int) -> np.ndarray:
+  """[B, S] the positions the call of `step` computed at `layer`: its computed positions, and under a layer
+  refresh every position of a row from its refresh start on."""
+  rows = np.asarray(trace.computed_positions)[step]
+  if isinstance(trace.policy_record, dict) and "refresh_start" in trace.policy_record:
+    rows = rows | (np.asarray(trace.policy_record["refresh_start"])[step] <= layer)[:, None]
+  return rows
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
 def test_captures_hold_the_computed_positions_activations_and_zeros_elsewhere(setup, runs, plain, name):
   _, prompt, _ = setup
   trace = runs[name]
@@ -96,9 +107,11 @@ def test_captures_hold_the_computed_positions_activations_and_zeros_elsewhere(se
       if site.endswith("hook_pattern"):
         continue
       np.testing.assert_allclose(got[rows], want[rows], atol=2e-5, err_msg=f"{name} step {step} {site}")
-    for site in ("blocks.0.attn.hook_v", "blocks.1.hook_resid_post"):
-      assert not np.any(captures[site][step][~rows]), (name, step, site)
-      assert np.all(np.any(captures[site][step][rows].reshape(int(rows.sum()), -1) != 0, axis=-1)), (name, step)
+    for site, layer in (("blocks.0.attn.hook_v", 0), ("blocks.1.hook_resid_post", 1)):
+      at_layer = _computed_at_layer(trace, step, layer)
+      assert not np.any(captures[site][step][~at_layer]), (name, step, site)
+      values = captures[site][step][at_layer]
+      assert np.all(np.any(values.reshape(values.shape[0], -1) != 0, axis=-1)), (name, step, site)
     if full:
       np.testing.assert_allclose(captures["blocks.1.attn.hook_pattern"][step],
                                  reference["blocks.1.attn.hook_pattern"], atol=2e-5)
@@ -155,20 +168,26 @@ def test_block_sparse_patterns_read_only_the_kept_blocks(runs):
   assert checked > 0
 
 
-def test_an_edit_acts_at_every_computed_position(setup, runs):
-  """An "add" edit of v at hook_embed at every position and step gives, under dkv_cache, the run on weights
-  whose embedding table has v added: at a subset call the computed positions are edited and the cached ones
-  were edited when computed."""
+def test_elastic_cache_refreshed_from_layer_one(runs):
+  start = np.asarray(runs["elastic_cache"].policy_record["refresh_start"])
+  assert np.any(start[1:int(runs["elastic_cache"].nfe)] == 1)
+
+
+@pytest.mark.parametrize("name", ["dkv_cache", "elastic_cache"])
+def test_an_edit_acts_at_every_computed_position(setup, runs, name):
+  """An "add" edit of v at hook_embed at every position and step gives the run on weights whose embedding table
+  has v added: at a subset call the computed positions are edited and the cached ones were edited when
+  computed; a layer refresh recomputes the other positions with the edit."""
   params, _, vector = setup
-  edited = _run(setup, "dkv_cache", 1.0)
+  edited = _run(setup, name, 1.0)
   folded = dict(params, embed={"embedding": params["embed"]["embedding"] + vector[None].astype(
       params["embed"]["embedding"].dtype)})
-  reference = _run(setup, "dkv_cache", 0.0, params=folded)
+  reference = _run(setup, name, 0.0, params=folded)
   np.testing.assert_array_equal(edited.tokens, reference.tokens)
   np.testing.assert_array_equal(edited.decode_step, reference.decode_step)
   for site in ("blocks.1.hook_resid_post", "blocks.1.attn.hook_pattern"):
     np.testing.assert_allclose(edited.captures[site], reference.captures[site], atol=3e-5)
-  unedited = runs["dkv_cache"]
+  unedited = runs[name]
   assert not np.allclose(edited.captures["blocks.1.hook_resid_post"], unedited.captures["blocks.1.hook_resid_post"])
 
 
@@ -192,7 +211,7 @@ def test_dkv_cache_computes_the_positions_masked_at_the_previous_call(setup, run
     np.testing.assert_array_equal(computed[step], masked_before)
 
 
-@pytest.mark.parametrize("name", ["dllm_cache", "elastic_cache"])
+@pytest.mark.parametrize("name", ["dllm_cache"])
 def test_policies_without_hooks_refuse_them_in_one_line(setup, name):
   params, prompt, _ = setup
   with pytest.raises(PolicyError, match=f"policy '{name}' does not run with activation hooks") as refused:

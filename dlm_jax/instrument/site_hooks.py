@@ -170,7 +170,9 @@ class SiteHooks:
   model-level sites (layer None).
 
   offset: sequence position of the call's first query; index: [B, T] int32 the queries' sequence positions
-  instead (a subset call: padded with S; `call.flags` are the flags of these queries), or None; n_seq: S; readout(h, normalized): final norm (unless
+  instead (a subset call: padded with S; `call.flags` are then [B, S] over the sequence), or None; kept: [B, T]
+  bool, the queries whose captures are kept (the others capture zeros; edits act on every query), or None
+  (all); n_seq: S; readout(h, normalized): final norm (unless
   `normalized`) + LM head, [B, T, D] -> float32 logits [B, T, V] (the "lens" reduction); earlier(index) ->
   capture `index`'s value at its (single) layer in this forward, already computed (the gates of scheduled
   edits; None at the model level). After the sites ran, `captured` maps each capture index acting here to its
@@ -183,10 +185,11 @@ class SiteHooks:
 
   def __init__(self, call: HookCall, config: ModelConfig, *, kind: str | None, layer, offset, n_seq: int,
                readout: Callable[[jax.Array], jax.Array] | None, earlier: Callable[[int], object] | None = None,
-               index: jax.Array | None = None):
+               index: jax.Array | None = None, kept: jax.Array | None = None):
     self.call, self.config, self.kind, self.layer = call, config, kind, layer
     self.offset, self.n_seq, self.readout, self.earlier = offset, n_seq, readout, earlier
     self.rows = QueryRows(offset=offset, index=index)
+    self.kept = kept
     hooks = call.hooks
     self.captures = [i for i, c in enumerate(hooks.captures) if self._acts(c)]
     self.edits = [i for i, e in enumerate(hooks.edits) if self._acts(e)]
@@ -239,8 +242,13 @@ class SiteHooks:
     return gate_reading(self.earlier(index), self.call.hooks.captures[index].reduce, rows, t)
 
   def flags(self, t: int, start=0) -> jax.Array:
-    """[B, T] class bits of the queries start..start+T−1 of the call (all VALID without flags)."""
+    """[B, T] class bits of the queries start..start+T−1 of the call (all VALID without flags; none at a subset
+    call's padded entries)."""
     flags = self.call.flags
+    if self.rows.index is not None:
+      rows = self.rows.shifted(start, t)
+      real = rows.index < self.n_seq
+      return jnp.where(real, VALID if flags is None else rows.take(flags, t), 0).astype(jnp.int32)
     if flags is None:
       return None
     return jax.lax.dynamic_slice_in_dim(flags, jnp.asarray(start, jnp.int32), t, axis=1)
@@ -263,6 +271,9 @@ class SiteHooks:
       capture = hooks.captures[i]
       if capture.site == site:
         selected = class_mask("all" if isinstance(capture.positions, tuple) else capture.positions, flags)
+        if self.kept is not None:
+          selected = selected & jax.lax.dynamic_slice_in_dim(self.kept, jnp.asarray(start, jnp.int32), x.shape[1],
+                                                             axis=1)
         self._capture(i, lambda capture=capture, i=i, selected=selected: reduce_capture(
             capture, self.call.values.captures[i], x, selected, rows, self.n_seq, self.readout))
     return x
@@ -278,6 +289,8 @@ class SiteHooks:
         chosen = jnp.asarray(capture.positions, jnp.int32)
         weights = (query_index[:, None, :] == chosen[None, :, None]).astype(jnp.float32)
         weights = jnp.broadcast_to(weights, (batch, *weights.shape[1:]))
+        if self.kept is not None:
+          weights = weights * self.kept[:, None, :].astype(weights.dtype)
         self._capture(i, lambda weights=weights: probabilities(weights))
 
 

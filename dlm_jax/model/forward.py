@@ -233,9 +233,9 @@ def forward(
       a `ReuseCache` (the KV cache, the attention and feed-forward outputs, each layer's recomputed positions).
     hooks: a `dlm_jax.instrument.hook_call.HookCall`: captures and edits at the named sites
       (`dlm_jax.instrument.sites`), in sequence coordinates of the S keys (a cached call's queries sit at
-      cache_offset; a subset call's at subset.queries, its flags [B, T] being those of these queries, and
-      captures hold zeros at the positions it did not compute); None adds nothing to the program. Not with
-      subset.reuse.
+      cache_offset; a subset call's at subset.queries, its `HookCall.flags` then [B, S] over the sequence, and
+      its captures hold zeros at the positions it did not compute); None adds nothing to the program. Not
+      with subset.reuse.
 
   Returns:
     `ForwardOutput`: float32 logits [B, W, V], the requested statistics in the layout of
@@ -243,8 +243,9 @@ def forward(
     and the updated cache (None without a cache).
   """
   _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder)
-  _check_hooks(config, hooks, tuple(tokens.shape))
   _check_subset(config, subset, tuple(tokens.shape), cache, hooks, stats_spec)
+  subset_call = subset is not None and subset.queries is not None
+  _check_hooks(config, hooks, (tokens.shape[0], cache.keys.shape[2]) if subset_call else tuple(tokens.shape))
   if subset is not None and subset.queries is not None:
     real = subset.queries < cache.keys.shape[2]  # padded entries are no query of the statistics
     query_weights = real[:, None, :].astype(jnp.float32) if query_weights is None else query_weights * real[:, None, :]

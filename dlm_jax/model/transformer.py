@@ -175,8 +175,8 @@ class Transformer(nnx.Module):
     capture_buffers = {} if sites is None else sites.buffers(x)
     refreshed = None
     if subset is not None and subset.refresh is not None:
-      x, ys, new_cache, refreshed = layer_refresh.run_layers(self, call, x, per_layer, _kind_caches(c, cache),
-                                                             _run_layer)
+      x, ys, new_cache, refreshed, capture_buffers = layer_refresh.run_layers(
+          self, call, x, per_layer, _kind_caches(c, cache), _run_layer, capture_buffers)
     elif subset is not None and subset.reuse is not None:
       x, ys, new_cache = reuse_layers.run_layers(self, call, subset.reuse, x, per_layer, cache)
     else:

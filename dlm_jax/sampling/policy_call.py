@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dlm_jax.core.attention_bias import AttentionBias
-from dlm_jax.instrument.hook_call import VALID, HookCall
+from dlm_jax.instrument.hook_call import HookCall
 from dlm_jax.instrument.stats import STATISTICS, ForwardOutput
 from dlm_jax.model.block_sparse_attention import block_keys_read
 from dlm_jax.model.compute_subset import ComputeSubset, gather_rows, scatter_rows
@@ -96,16 +96,6 @@ def _query_axis_to_sequence(name: str, x: jax.Array, queries: jax.Array, n_seq: 
   return jnp.moveaxis(placed, (0, 1), (batch_axis, query_axis))
 
 
-def _subset_hooks(hooks: HookCall | None, queries: jax.Array, n_seq: int) -> HookCall | None:
-  """The call's hooks for a subset call of queries [B, n]: the class bits at those positions (none at a padded
-  entry, which then captures and edits nothing)."""
-  if hooks is None:
-    return None
-  real = queries < n_seq
-  flags = jnp.full(queries.shape, VALID, jnp.int32) if hooks.flags is None else gather_rows(hooks.flags, queries)
-  return hooks.replace(flags=jnp.where(real, flags, 0))
-
-
 def _max_probability(rows: jax.Array, head: Callable[[jax.Array], jax.Array] | None) -> jax.Array:
   """[B, n] float32 largest softmax probability of logits [B, n, V], or of head(hidden [B, n, D])."""
   logits = rows if head is None else head(rows)
@@ -150,7 +140,7 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
       output = run(params, gather_rows(tokens, queries), bias=_query_rows(bias, queries),
                    positions=gather_rows(positions, queries),
                    query_weights=sub_weights, cache=policy.cache, return_hidden=readout.hidden,
-                   subset=ComputeSubset(queries, decision.keys, refresh), hooks=_subset_hooks(hooks, queries, n_seq))
+                   subset=ComputeSubset(queries, decision.keys, refresh), hooks=hooks)
       rows = output.hidden if readout.hidden else output.logits
       placed = _window(scatter_rows(jnp.zeros((rows.shape[0], n_seq, rows.shape[2]), rows.dtype), queries, rows),
                        readout)

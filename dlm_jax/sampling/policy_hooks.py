@@ -28,7 +28,6 @@ from dlm_jax.instrument.hook_spec import Hooks
 UNHOOKED = {
     "dllm_cache": "its calls reuse each layer's attention and feed-forward outputs at positions chosen inside the "
                   "forward",
-    "elastic_cache": "its calls decide inside the forward from which layer every position is recomputed",
 }
 """The policies whose calls do not run hooks, and why."""
 
