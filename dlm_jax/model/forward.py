@@ -76,8 +76,6 @@ def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tupl
   if stats_spec.routing:
     raise ValueError("forward(subset=...) does not run routing statistics (their positions are contiguous); leave "
                      "them off.")
-  if hooks is not None and subset.reuse is not None:
-    raise ValueError("forward(subset=ComputeSubset(reuse=...)) does not run hooks; leave them off.")
   if subset.reuse is not None:
     reason = reuse_layers.check_config(config)
     if reason is not None:
@@ -234,8 +232,9 @@ def forward(
     hooks: a `dlm_jax.instrument.hook_call.HookCall`: captures and edits at the named sites
       (`dlm_jax.instrument.sites`), in sequence coordinates of the S keys (a cached call's queries sit at
       cache_offset; a subset call's at subset.queries, its `HookCall.flags` then [B, S] over the sequence, and
-      its captures hold zeros at the positions it did not compute); None adds nothing to the program. Not
-      with subset.reuse.
+      its captures hold zeros at the positions it did not compute; under subset.reuse the sites inside
+      attention and the feed-forward see each layer's recomputed positions only,
+      `dlm_jax.model.reuse_layers`); None adds nothing to the program.
 
   Returns:
     `ForwardOutput`: float32 logits [B, W, V], the requested statistics in the layout of

@@ -178,7 +178,8 @@ class Transformer(nnx.Module):
       x, ys, new_cache, refreshed, capture_buffers = layer_refresh.run_layers(
           self, call, x, per_layer, _kind_caches(c, cache), _run_layer, capture_buffers)
     elif subset is not None and subset.reuse is not None:
-      x, ys, new_cache = reuse_layers.run_layers(self, call, subset.reuse, x, per_layer, cache)
+      x, ys, new_cache, capture_buffers = reuse_layers.run_layers(self, call, subset.reuse, x, per_layer, cache,
+                                                                  capture_buffers)
     else:
       x, buffers, capture_buffers, ys, new_cache = self._run_layers(call, x, buffers, capture_buffers, per_layer,
                                                                     _kind_caches(c, cache))

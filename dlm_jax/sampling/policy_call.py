@@ -160,7 +160,7 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
 
   if decision.reuse is not None:
     return reuse_call.reuse_forward(run, params, policy.cache, decision.reuse, tokens, positions, bias, weights,
-                                    readout)
+                                    readout, hooks)
   if decision.key_blocks is not None:
     return jax.lax.cond(decision.full, full, blocks, None)
   if decision.queries is None:
