@@ -47,13 +47,14 @@ def _check_hooks(config: ModelConfig, hooks: HookCall | None, shape: tuple[int, 
     raise ValueError(f"hooks must be None or a HookCall, got {type(hooks).__name__}.")
   hooks.hooks.check(config)
   if hooks.flags is not None and tuple(hooks.flags.shape) != shape:
-    raise ValueError(f"HookCall.flags must be [B, T] = {list(shape)}, got {list(hooks.flags.shape)}.")
+    raise ValueError(f"HookCall.flags must be {list(shape)} ([B, T]; [B, S] at a subset call), got "
+                     f"{list(hooks.flags.shape)}.")
   if len(hooks.values.captures) != len(hooks.hooks.captures) or len(hooks.values.edits) != len(hooks.hooks.edits):
     raise ValueError("HookCall.values must hold one CaptureValues per capture and one EditValues per edit "
                      "(build them with dlm_jax.instrument.hook_call.hook_values).")
 
 
-def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tuple[int, int], cache, hooks,
+def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tuple[int, int], cache,
                   stats_spec: StatsSpec) -> None:
   if subset is None:
     return
@@ -242,7 +243,7 @@ def forward(
     and the updated cache (None without a cache).
   """
   _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder)
-  _check_subset(config, subset, tuple(tokens.shape), cache, hooks, stats_spec)
+  _check_subset(config, subset, tuple(tokens.shape), cache, stats_spec)
   subset_call = subset is not None and subset.queries is not None
   _check_hooks(config, hooks, (tokens.shape[0], cache.keys.shape[2]) if subset_call else tuple(tokens.shape))
   if subset is not None and subset.queries is not None:
