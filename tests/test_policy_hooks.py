@@ -1,10 +1,10 @@
 """Captures and edits under compute policies (issue 36 item 4): captures stay in sequence coordinates — at the
-positions a call computed they equal the plain forward's captures where the method claims equality (a full
-call: every site; a subset call: layer 0's sites before attention, and its attention's rows over the cached
-layer-0 keys, which equal the fresh ones), and hold zeros elsewhere; `attn.hook_pattern` reads only the keys the
-policy kept; an edit acts at every computed position (an embedding edit equals the same run on weights with
-the edit folded in); `computed_queries` is the span of `computed_positions`; combinations without hooks are
-refused in one line."""
+positions a call computed they equal the plain forward's captures on the same canvas where the method claims
+equality (a full call: every site; a subset call: layer 0's sites before attention, and layer 0's output where
+its keys and values are fresh: dKV-Cache's cached layer-0 keys are those of unchanged tokens, dLLM-Cache
+recomputes layer 0 whole), and hold zeros exactly where the layer computed nothing; `attn.hook_pattern` reads
+only the keys and key blocks the policy kept; an edit acts at every computed position (an embedding edit equals
+the same run on weights with the edit folded in); `computed_queries` is the span of `computed_positions`."""
 
 import numpy as np
 import jax
@@ -111,7 +111,7 @@ def test_captures_hold_the_computed_positions_activations_and_zeros_elsewhere(se
     full = _full_call(trace, step)
     subset_steps += not full
     names = list(reference) if full else ["blocks.0.attn.hook_v"] + (["blocks.0.hook_resid_post"]
-                                                                      if name == "dkv_cache" else [])
+                                                                      if name in ("dkv_cache", "dllm_cache") else [])
     for site in names:
       got, want = captures[site][step], reference[site]
       if site.endswith("hook_pattern"):
