@@ -66,7 +66,7 @@ class Trace:
       (WINO's narrow-out; never for the other rules). `first_commit_step` and `revocations` read them per position.
     computed_positions: None, or [max_steps, B, S] bool (a run under a compute policy, `dlm_jax.policy`): the
       sequence positions whose queries each step computed (every position at a full call); `captures` hold
-      zeros at the others.
+      zeros where a step computed nothing (per layer under a layer refresh or reuse: docs/guides/compute_policies.md).
     keys_read: None, or [max_steps, B] float32 (with `computed_positions`): the keys each computed query read
       at each step, averaged over the layers (S at a full call).
     policy_record: None, or the policy's per-step record stacked [max_steps, ...] (`ComputePolicy.record`, read
