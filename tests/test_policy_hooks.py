@@ -30,9 +30,10 @@ HOOKS = Hooks(captures=(Capture("blocks.0.attn.hook_v"), Capture("blocks.0.hook_
 """One static hook set for every run (the edit's coefficient is traced: 0 leaves the run unedited)."""
 SPARSED_BLOCK = 2
 POLICIES = {"dkv_cache": "dkv_cache", "sparse_dllm": "sparse_dllm", "sparsed": f"sparsed:block_size={SPARSED_BLOCK}",
-            "elastic_cache": "elastic_cache:gamma=0.999", "dllm_cache": "dllm_cache"}
+            "elastic_cache": "elastic_cache:gamma=0.999", "dllm_cache": "dllm_cache", "d2cache": "d2cache"}
 """The policies run with hooks (SparseD with key blocks small enough for the 14 positions to have several;
-Elastic-Cache with a drift threshold its layer 1 crosses, so that its calls refresh from there)."""
+Elastic-Cache with a drift threshold its layer 1 crosses, so that its calls refresh from there; d2Cache's subset
+calls run at query buckets)."""
 
 
 @pytest.fixture(scope="module")
