@@ -25,6 +25,11 @@ printed and written. The baselines: the exact sampler's tokens/s (one token per 
 dual cache derived the same way. A policy the threshold sampler refuses is listed with the refusal.
 
 The CPU model and the load average are printed; results go to --json_out, rewritten after each prompt length.
+
+--calls_from=JSON reuses an earlier run's per-call measurements (its "calls", its CPU and load recorded under
+"calls_from") and measures only the call mixes again: the mixes are counts on tiny-dlm, the same on any machine,
+so every ratio still divides times of one run. Use it when a policy gains a decoding mode whose calls the earlier
+run already timed.
 """
 
 from __future__ import annotations
@@ -62,6 +67,9 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Weights
 _IMPL = flags.DEFINE_enum("attention_impl", "chunked", ["chunked", "dense", "fused"], "Attention path.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per call after one warm-up; the median is reported.")
 _JSON_OUT = flags.DEFINE_string("json_out", "policy_bench.json", "Where to write the results.")
+_CALLS_FROM = flags.DEFINE_string("calls_from", None, "An earlier run's --json_out whose per-call times and FLOPs "
+                                  "are reused instead of measured (same preset, layers, dtype, lengths and "
+                                  "policies): only the tiny-dlm call mixes are measured again.")
 
 NAME = "benchmarks.policy_bench"
 
@@ -121,12 +129,12 @@ def checked_settings():
 def main(argv: list[str]) -> None:
   del argv
   prompts, policies = checked_settings()
+  earlier = earlier_calls(prompts) if _CALLS_FROM.value else None
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   from benchmarks import policy_calls, policy_schedules  # pylint: disable=import-outside-toplevel
   from dlm_jax.config import preset  # pylint: disable=import-outside-toplevel
-  from dlm_jax.model import init_params  # pylint: disable=import-outside-toplevel
 
   dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
   config = dataclasses.replace(preset(_PRESET.value), n_layers=_LAYERS.value)
@@ -140,49 +148,21 @@ def main(argv: list[str]) -> None:
              "repeats": _REPEATS.value, "policies": policy_texts(), "load_average_start": os.getloadavg()[0],
              "prompts": {}}
 
+  if earlier is not None:
+    results["calls_from"] = {key: earlier[key] for key in ("cpu", "load_average_start", "load_average_end")}
+    results["calls_from"]["path"] = _CALLS_FROM.value
+    results["repeats"] = earlier["repeats"]
+    print(f"per-call times from {_CALLS_FROM.value} (CPU: {earlier['cpu']}; load average "
+          f"{earlier['load_average_start']:.1f}); measuring the call mixes only", flush=True)
   mixes = measure_mixes(policies) if _MIX_PROMPTS.value else None
   if mixes is not None:
     results["call_mix"] = mixes
-  params = jax.tree.map(lambda a: a.astype(dtype), init_params(config, jax.random.key(0)))
-  checks = {n: dataclasses.replace(config, n_layers=n) for n in (1, 2)}
-  cast = lambda tree: jax.tree.map(lambda a: a.astype(dtype), tree)  # noqa: E731
-  check_params = {n: jax.eval_shape(lambda c=c: cast(init_params(c, jax.random.key(0)))) for n, c in checks.items()}
-  compiled = {}
-
-  def timed(call):
-    if call.fn not in compiled:
-      compiled[call.fn] = jax.jit(call.fn).lower(*call.args).compile()
-    program = compiled[call.fn]
-    jax.block_until_ready(program(*call.args))
-    runs = []
-    for _ in range(_REPEATS.value):
-      begin = time.perf_counter()
-      jax.block_until_ready(program(*call.args))
-      runs.append(time.perf_counter() - begin)
-    return statistics.median(runs)
-
+  timer = None if earlier is not None else CallTimer(config, dtype)
   for prompt_length in prompts:
-    s = prompt_length + g
-    tokens = jax.random.randint(jax.random.key(1), (1, s), 0, config.vocab_size)
-    check = {n: policy_calls.make_calls(checks[n], "dense", check_params[n], tokens, prompt_length, block, methods,
-                                        dtype) for n in checks}
-    measured, xla_counted = {}, {}
-    for name, call in policy_calls.make_calls(config, _IMPL.value, params, tokens, prompt_length, block, methods,
-                                              dtype).items():
-      seconds = timed(call)
-      layers = policy_calls.check_layers(name)
-      counted = check[layers][name]
-      if counted.fn not in xla_counted:
-        xla_counted[counted.fn] = jax.jit(counted.fn).lower(*counted.args).compile().cost_analysis()["flops"]
-      # A lax.cond per layer (Elastic-Cache): XLA counts the larger branch, the full refresh.
-      reference = check[layers]["elastic_full_refresh" if name == "elastic_no_refresh" else name].flops
-      xla = xla_counted[counted.fn]
-      measured[name] = {"ms": seconds * 1e3, "flops": call.flops, "check_layers": layers, "xla_flops_check": xla,
-                        "analytic_flops_check": reference}
-      print(f"  S={s} {name:22s} {seconds * 1e3:10.1f} ms  {call.flops / 1e9:9.1f} GFLOP (analytic)  {layers} "
-            f"layer(s): XLA {xla / 1e9:.2f} vs analytic {reference / 1e9:.2f} GFLOP ({xla / reference - 1:+.1%})"
-            + ("  [the full-refresh branch]" if name == "elastic_no_refresh" else ""), flush=True)
-
+    if earlier is not None:
+      measured = earlier["prompts"][str(prompt_length)]["calls"]
+    else:
+      measured = timer.measure(prompt_length, methods)
     schedules = policy_schedules.exact_decoding(g, block, _RELOAD.value, methods.sparsed, methods.dllm_cache)
     if mixes is not None:
       for method, first in (("elastic_cache", "elastic_full_refresh"), ("d2cache", "full")):
@@ -208,6 +188,88 @@ def main(argv: list[str]) -> None:
   print(f"load average at the end {results['load_average_end']:.1f}; wrote {_JSON_OUT.value}")
 
 
+class CallTimer:
+  """Times the calls of `benchmarks.policy_calls` at --layers layers of `config` (random weights of `dtype`), each
+  compiled once, and counts each call's FLOPs with XLA at one or two layers (dense attention)."""
+
+  def __init__(self, config, dtype):
+    import jax  # pylint: disable=import-outside-toplevel
+
+    from dlm_jax.model import init_params  # pylint: disable=import-outside-toplevel
+    cast = lambda tree: jax.tree.map(lambda a: a.astype(dtype), tree)  # noqa: E731
+    self.config, self.dtype = config, dtype
+    self.params = cast(init_params(config, jax.random.key(0)))
+    self.checks = {n: dataclasses.replace(config, n_layers=n) for n in (1, 2)}
+    self.check_params = {n: jax.eval_shape(lambda c=c: cast(init_params(c, jax.random.key(0))))
+                         for n, c in self.checks.items()}
+    self.compiled = {}
+
+  def timed(self, call) -> float:
+    """The median seconds of --repeats runs of `call` after a warm-up."""
+    import jax  # pylint: disable=import-outside-toplevel
+    if call.fn not in self.compiled:
+      self.compiled[call.fn] = jax.jit(call.fn).lower(*call.args).compile()
+    program = self.compiled[call.fn]
+    jax.block_until_ready(program(*call.args))
+    runs = []
+    for _ in range(_REPEATS.value):
+      begin = time.perf_counter()
+      jax.block_until_ready(program(*call.args))
+      runs.append(time.perf_counter() - begin)
+    return statistics.median(runs)
+
+  def measure(self, prompt_length: int, methods) -> dict[str, dict]:
+    """{call: {"ms", "flops", "check_layers", "xla_flops_check", "analytic_flops_check"}}: every call of
+    `benchmarks.policy_calls` at prompt_length + --gen_length, timed, and XLA's FLOP count of the same call at
+    `check_layers` layers with dense attention against the analytic one (printed)."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    from benchmarks import policy_calls  # pylint: disable=import-outside-toplevel
+    s = prompt_length + _GEN.value
+    config, dtype = self.config, self.dtype
+    tokens = jax.random.randint(jax.random.key(1), (1, s), 0, config.vocab_size)
+    check = {n: policy_calls.make_calls(self.checks[n], "dense", self.check_params[n], tokens, prompt_length,
+                                        _BLOCK.value, methods, dtype) for n in self.checks}
+    measured, xla_counted = {}, {}
+    for name, call in policy_calls.make_calls(config, _IMPL.value, self.params, tokens, prompt_length, _BLOCK.value,
+                                              methods, dtype).items():
+      seconds = self.timed(call)
+      layers = policy_calls.check_layers(name)
+      counted = check[layers][name]
+      if counted.fn not in xla_counted:
+        xla_counted[counted.fn] = jax.jit(counted.fn).lower(*counted.args).compile().cost_analysis()["flops"]
+      # A lax.cond per layer (Elastic-Cache): XLA counts the larger branch, the full refresh.
+      reference = check[layers]["elastic_full_refresh" if name == "elastic_no_refresh" else name].flops
+      xla = xla_counted[counted.fn]
+      measured[name] = {"ms": seconds * 1e3, "flops": call.flops, "check_layers": layers, "xla_flops_check": xla,
+                        "analytic_flops_check": reference}
+      print(f"  S={s} {name:22s} {seconds * 1e3:10.1f} ms  {call.flops / 1e9:9.1f} GFLOP (analytic)  {layers} "
+            f"layer(s): XLA {xla / 1e9:.2f} vs analytic {reference / 1e9:.2f} GFLOP ({xla / reference - 1:+.1%})"
+            + ("  [the full-refresh branch]" if name == "elastic_no_refresh" else ""), flush=True)
+    return measured
+
+
+def earlier_calls(prompts: list[int]) -> dict:
+  """The --calls_from run's results, after checking that it measured this run's calls (one line otherwise)."""
+  try:
+    with open(_CALLS_FROM.value, encoding="utf-8") as f:
+      earlier = json.load(f)
+  except (OSError, ValueError) as error:
+    fail(f"--calls_from={_CALLS_FROM.value}: not a readable benchmark JSON ({error})")
+  wanted = {"preset": _PRESET.value, "layers": _LAYERS.value, "dtype": _DTYPE.value, "gen_length": _GEN.value,
+            "block_length": _BLOCK.value}
+  for key, value in wanted.items():
+    if earlier.get(key) != value:
+      fail(f"--calls_from={_CALLS_FROM.value}: its {key} is {earlier.get(key)!r}, this run's {value!r}")
+  if earlier.get("policies") != policy_texts():
+    fail(f"--calls_from={_CALLS_FROM.value}: it measured policies {earlier.get('policies')}, this run "
+         f"{policy_texts()}")
+  missing = [p for p in prompts if str(p) not in earlier.get("prompts", {})]
+  if missing:
+    fail(f"--calls_from={_CALLS_FROM.value}: no calls measured at prompt length(s) {missing}")
+  return earlier
+
+
 def write(results: dict) -> None:
   """The results so far to --json_out (temp + rename; after each prompt length)."""
   with open(_JSON_OUT.value + ".tmp", "w", encoding="utf-8") as f:
@@ -228,6 +290,8 @@ def measure_mixes(policies) -> dict[str, dict]:
   conditions = {"none threshold": mix.Condition("none", tau),
                 "dual_cache threshold": mix.Condition("none", tau, "dual")}
   conditions.update({f"{m} threshold": mix.Condition(policy_texts()[m], tau) for m in policies})
+  if "sparse_dllm" in policies:  # the one policy that composes with the dual cache
+    conditions["sparse_dllm_dual_cache threshold"] = mix.Condition(policy_texts()["sparse_dllm"], tau, "dual")
   conditions.update({f"{m} exact": mix.Condition(policy_texts()[m]) for m in ("elastic_cache", "d2cache")})
   print(f"tiny-dlm call mixes ({_MIX_PROMPTS.value} problems, 32 positions in one block of 32):", flush=True)
   measured = mix.measure(list(conditions.values()), _MIX_PROMPTS.value)

@@ -10,6 +10,8 @@ run's `Trace`, as weights that sum to 1:
 
   no policy                  exact (a full call; the dual cache: its block's first call `full`, then `dual_cache`);
   dkv_cache / sparse_dllm    full when the call computed every position, else dkv_subset / sparse_subset;
+                             Sparse-dLLM with the dual cache: a block's call 1 (the block over all S cached keys,
+                             the call that scores them) `dual_cache`;
   sparsed                    full when its queries read all S keys, else sparsed_blocks;
   dllm_cache                 reuse_<case>: whether layer 1 on recomputed the whole prompt / the whole response
                              (its `Trace.policy_record`);
@@ -55,6 +57,9 @@ def classify(name: str, trace, step: int, seq_len: int, prompt_length: int, n_la
     return {"exact": 1.0}
   computed = np.asarray(trace.computed_positions)[step, 0]
   record = None if trace.policy_record is None else trace.policy_record
+  if (name == "sparse_dllm" and not computed.all() and trace.keys_read is not None
+      and float(np.asarray(trace.keys_read)[step, 0]) >= seq_len):
+    return {"dual_cache": 1.0}
   if name in ("dkv_cache", "sparse_dllm"):
     return {"full" if computed.all() else {"dkv_cache": "dkv_subset", "sparse_dllm": "sparse_subset"}[name]: 1.0}
   if name == "sparsed":
@@ -96,7 +101,7 @@ def measure(conditions: list[Condition], n_prompts: int) -> dict[Condition, dict
         buckets = getattr(policy.bind(layout(ids.shape[1], GEN_LENGTH, BLOCK_LENGTH)), "buckets", ())
         blocks = GEN_LENGTH // BLOCK_LENGTH
         for step in range(nfe):
-          if condition.cache == "dual":
+          if condition.cache == "dual" and not policy.enabled:
             kinds = {"full": 1.0} if step < blocks else {"dual_cache": 1.0}
           else:
             kinds = classify(policy.NAME, trace, step, s, ids.shape[1], model.config.n_layers, buckets)

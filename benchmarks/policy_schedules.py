@@ -7,6 +7,8 @@ Fixed schedules are counted at the benchmark's layout (G generated positions in 
   dual cache            per block, 1 `full` (the block-start refresh) and block − 1 `dual_cache`;
   dkv_cache             per block, `full` at steps 0, 1 and every multiple of cache_reloading_step, else dkv_subset;
   sparse_dllm           per block, `full` at steps 0 and 1, else sparse_subset;
+  sparse_dllm_dual_cache  Sparse-dLLM with the dual cache (our composition): per block, 1 `full` (the refresh), 1
+                        `dual_cache` (step 1, which scores the keys), else sparse_subset;
   sparsed               over the G steps, `full` through step E = int(G × skip) + 1, sparsed_blocks after;
   dllm_cache            over the G steps (its counter runs across blocks), step n is reuse_<case> with the prompt
                         recomputed when n % prompt_interval_steps == 0 and the response when
@@ -42,6 +44,7 @@ def exact_decoding(gen_length: int, block: int, reload_step: int, sparsed, dllm_
           "dual_cache": share({"full": 1, "dual_cache": block - 1}),
           "dkv_cache": share({"full": reload_full, "dkv_subset": block - reload_full}),
           "sparse_dllm": share({"full": 2, "sparse_subset": block - 2}),
+          "sparse_dllm_dual_cache": share({"full": 1, "dual_cache": 1, "sparse_subset": block - 2}),
           "sparsed": share({"full": min(end + 1, gen_length), "sparsed_blocks": max(gen_length - end - 1, 0)}),
           "dllm_cache": share(dict(reuse))}
 

@@ -147,7 +147,7 @@ def run_model(settings: Settings, model, runtime, log) -> dict:
       records = None if trace.policy_record is None else jax.tree.map(lambda x: np.asarray(x)[:n_steps],
                                                                       trace.policy_record)
       incoming = np.asarray(trace.stats["incoming_attention"])[:n_steps]
-      block = values["block_length"]
+      block = values.get("block_length") or values["gen_length"]  # Dream's exact sampler: one block
       per_block = values["steps"] // max(values["gen_length"] // block, 1)
       policy = parse_policy(condition).bind(RunLayout(seq_len=s, gen_start=s - values["gen_length"],
                                                       block_length=block, steps_per_block=per_block,

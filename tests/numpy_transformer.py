@@ -1,5 +1,6 @@
 """An independent NumPy forward of a dense bidirectional model (tiny-llada's architecture: pre-norm RMSNorm,
-q/k/v/o without bias, rotate-half RoPE over the whole head, softmax attention, SwiGLU), returning every
+q/k/v/o without bias — q/k/v with the bias where the parameters have one, tiny-dream's Qwen2 layout —,
+rotate-half RoPE over the whole head, softmax attention, SwiGLU), returning every
 named site, with optional edits written here from scratch. The reference the activation-hook tests compare
 against; it shares no code with dlm_jax.model."""
 
@@ -48,9 +49,9 @@ def forward_sites(params, tokens, config, edit=None):
     pre = f"blocks.{layer}."
     x = at(pre + "hook_resid_pre", x)
     h = _rms(x, w("attn_norm.weight"), c.norm_eps)
-    q = at(pre + "attn.hook_q", (h @ w("attn.q.kernel")).reshape(b, t, c.n_heads, c.head_dim))
-    k = at(pre + "attn.hook_k", (h @ w("attn.k.kernel")).reshape(b, t, c.n_kv_heads, c.head_dim))
-    v = at(pre + "attn.hook_v", (h @ w("attn.v.kernel")).reshape(b, t, c.n_kv_heads, c.head_dim))
+    q = at(pre + "attn.hook_q", _project(h, p, layer, "q").reshape(b, t, c.n_heads, c.head_dim))
+    k = at(pre + "attn.hook_k", _project(h, p, layer, "k").reshape(b, t, c.n_kv_heads, c.head_dim))
+    v = at(pre + "attn.hook_v", _project(h, p, layer, "v").reshape(b, t, c.n_kv_heads, c.head_dim))
     q, k = _rope(q, positions, c.rope_theta), _rope(k, positions, c.rope_theta)
     group = c.n_heads // c.n_kv_heads
     k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
@@ -67,6 +68,13 @@ def forward_sites(params, tokens, config, edit=None):
     x = at(pre + "hook_resid_post", x + mlp_out)
   normed = at("ln_final.hook_normalized", _rms(x, p["final_norm.weight"], c.norm_eps))
   return normed @ p["lm_head.kernel"], sites
+
+
+def _project(h, p, layer, name):
+  """h @ W_name (+ its bias when the parameters have one) at `layer`."""
+  out = h @ p[f"blocks.attn.{name}.kernel"][layer]
+  bias = p.get(f"blocks.attn.{name}.bias")
+  return out if bias is None else out + bias[layer]
 
 
 def readout(params, x, config):
@@ -94,12 +102,13 @@ def cached_kv(params, tokens, config):
           for l in range(config.n_layers)]
 
 
-def subset_forward(params, tokens, config, cache, queries, keys=None, return_cache=False):
+def subset_forward(params, tokens, config, cache, queries, keys=None, return_cache=False, queries_out=None):
   """Logits [B, T, V] (float64) of a call that computes only the sequence positions queries [B, T] (entries
   equal to S: padding) of tokens [B, S], every other position's keys and values read from `cache` (per layer
   (keys, values) [B, S, K, H], `cached_kv`); keys: None, or per layer [L][B, m] the only cached positions the
   queries read besides their own (entries equal to S: none). return_cache: return (logits, the cache with the
-  queries' fresh keys and values written at their positions)."""
+  queries' fresh keys and values written at their positions); queries_out: a list that, if given, gets each layer's
+  post-RoPE queries [B, T, N, H] appended."""
   c = config
   p = {k: np.asarray(v, np.float64) for k, v in _flat(params).items()}
   b, s = tokens.shape
@@ -114,12 +123,15 @@ def subset_forward(params, tokens, config, cache, queries, keys=None, return_cac
     h = _rms(x, w("attn_norm.weight"), c.norm_eps)
     out = np.zeros((b, t, c.n_heads, c.head_dim))
     written.append((np.array(cache[layer][0]), np.array(cache[layer][1])))
+    layer_q = np.zeros((b, t, c.n_heads, c.head_dim))
     for row in range(b):
       pos = at[row].astype(np.float64)
-      q = _rope((h[row:row + 1] @ w("attn.q.kernel")).reshape(1, t, c.n_heads, c.head_dim), pos, c.rope_theta)[0]
-      k_new = _rope((h[row:row + 1] @ w("attn.k.kernel")).reshape(1, t, c.n_kv_heads, c.head_dim), pos,
+      q = _rope(_project(h[row:row + 1], p, layer, "q").reshape(1, t, c.n_heads, c.head_dim), pos,
+                c.rope_theta)[0]
+      layer_q[row] = q
+      k_new = _rope(_project(h[row:row + 1], p, layer, "k").reshape(1, t, c.n_kv_heads, c.head_dim), pos,
                     c.rope_theta)[0]
-      v_new = (h[row] @ w("attn.v.kernel")).reshape(t, c.n_kv_heads, c.head_dim)
+      v_new = _project(h[row], p, layer, "v").reshape(t, c.n_kv_heads, c.head_dim)
       k_all, v_all = np.array(cache[layer][0][row]), np.array(cache[layer][1][row])
       for i in range(t):
         if real[row, i]:
@@ -134,6 +146,8 @@ def subset_forward(params, tokens, config, cache, queries, keys=None, return_cac
       probs = np.exp(scores - scores.max(-1, keepdims=True))
       probs = probs / probs.sum(-1, keepdims=True)
       out[row] = np.einsum("nqk,knh->qnh", probs, vv)
+    if queries_out is not None:
+      queries_out.append(layer_q)
     x = x + out.reshape(b, t, -1) @ w("attn.o.kernel")
     h = _rms(x, w("mlp_norm.weight"), c.norm_eps)
     x = x + (_silu(h @ w("mlp.gate.kernel")) * (h @ w("mlp.up.kernel"))) @ w("mlp.down.kernel")

@@ -54,13 +54,22 @@ def _forward(with_bias: bool, config=CONFIG):
   return jax.jit(lambda p, t: model.forward(p, t, config=config).logits)
 
 
-MODEL = {"dream": False}
+MODEL = {"dream": False, "calls": None}
 """Which model the replays call: LLaDA's, or Dream's (outputs shifted right by one: position p reads the output
-at p − 1, position 0 its own)."""
+at p − 1, position 0 its own); "calls": None, or a function (tokens, block start) -> logits that replaces
+`logits_of` (the KV-cache and CFG replays, tests/test_decoding_rules_cache.py)."""
 
 
-def logits_of(tokens):
-  """The reference's model: the whole row [S] -> float64 logits [S, V] (the prediction for each position)."""
+def logits_of(tokens, lo=None):
+  """The reference's model: the whole row [S] -> float64 logits [S, V] (the prediction for each position);
+  lo: the first position of the step's block (read by MODEL["calls"] only)."""
+  if MODEL["calls"] is not None:
+    return MODEL["calls"](tokens, lo)
+  return model_logits(tokens)
+
+
+def model_logits(tokens):
+  """`logits_of` of the model itself (LLaDA's or Dream's, MODEL["dream"])."""
   if not MODEL["dream"]:
     return np.asarray(_forward(False)(params(), jnp.asarray(tokens[None])), np.float64)[0]
   out = np.asarray(_forward(False, DREAM)(dream_params(), jnp.asarray(tokens[None])), np.float64)[0]
@@ -121,7 +130,7 @@ def eb_original(prompt, gamma, block):
   for b in range(GEN // block):
     lo, hi = LP + b * block, LP + (b + 1) * block
     while (r.x[lo:hi] == MASK).any():
-      logits = logits_of(r.x)
+      logits = logits_of(r.x, lo)
       masked = np.nonzero(r.x[lo:hi] == MASK)[0] + lo
       p = softmax(logits[masked])
       h = -(p * np.log(np.maximum(p, 1e-300))).sum(-1)
@@ -133,7 +142,9 @@ def eb_original(prompt, gamma, block):
   return r
 
 
-def klass_original(prompt, rule, steps_per_block, block):
+def klass_original(prompt, rule, steps_per_block, block, top_k=None):
+  """top_k: the fallback ranks by p(x0) renormalised over the top_k tokens (KLASS's Dream code: its fallback's
+  `sample_tokens` with top-k at temperature 0)."""
   r = Replay(prompt)
   s = len(r.x)
   p_prev = np.zeros((s, CONFIG.vocab_size))
@@ -146,7 +157,7 @@ def klass_original(prompt, rule, steps_per_block, block):
       mask_index[lo:hi] = r.x[lo:hi] == MASK
       if not mask_index.any():
         break
-      p = softmax(logits_of(r.x))
+      p = softmax(logits_of(r.x, lo))
       x0 = p.argmax(-1)
       conf = p[np.arange(s), x0]
       kl = (p * (np.log(p + 1e-12) - np.log(p_prev + 1e-12))).sum(-1)
@@ -156,7 +167,8 @@ def klass_original(prompt, rule, steps_per_block, block):
       stable = np.all(history < rule.kl_threshold, -1) if step >= rule.kl_history_length - 1 else np.zeros(s, bool)
       ready = np.nonzero(stable & (conf > rule.conf_threshold) & mask_index)[0]
       if len(ready) == 0:  # the original's topk can exceed the masks left and rewrite other positions; not us
-        ready = top(np.where(mask_index, conf, -np.inf), min(schedule[step], int(mask_index.sum())))
+        ranking = conf if top_k is None else conf / np.sort(p, -1)[:, -top_k:].sum(-1)
+        ready = top(np.where(mask_index, ranking, -np.inf), min(schedule[step], int(mask_index.sum())))
       r.commit(ready, x0[ready])
   return r
 
@@ -208,7 +220,7 @@ def pc_original(prompt, rule, frequencies, steps_per_block, block):
     lo, hi = LP + b * block, LP + (b + 1) * block
     schedule = quota(int((r.x[lo:hi] == MASK).sum()), steps_per_block)
     for step in range(steps_per_block):
-      logits = logits_of(r.x)[lo:hi].astype(np.float32)
+      logits = logits_of(r.x, lo)[lo:hi].astype(np.float32)
       p = softmax(logits)
       x0 = p.argmax(-1)
       conf = p[np.arange(block), x0]
@@ -240,7 +252,7 @@ def certainty_original(prompt, rule, steps_per_block, block):
     for step in range(steps_per_block):
       if not (r.x[lo:hi] == MASK).any():
         break
-      logits = logits_of(r.x)[LP:]
+      logits = logits_of(r.x, lo)[LP:]
       p = softmax(logits)
       x0 = p.argmax(-1)
       gen = r.x[LP:]

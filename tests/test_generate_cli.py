@@ -137,8 +137,8 @@ def test_a_compute_policy_from_the_flags_matches_the_library(tmp_path, checkpoin
                          options=llada.LLaDAOptions(gen_length=8, steps=8, block_length=4))
   assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
   assert result["decode_step"] == np.asarray(trace.decode_step)[0].tolist()
-  for flags, message in ((("--policy=sparse_dllm", "--decoding=dual_cache"),
-                          "--policy=sparse_dllm does not compose with --decoding=dual_cache"),
+  for flags, message in ((("--policy=dkv_cache", "--decoding=dual_cache"),
+                          "--policy=dkv_cache does not compose with --decoding=dual_cache"),
                          (("--policy=dkv_cache:every=2",), "policy dkv_cache has no knob 'every'"),
                          (("--policy=sparse_dllm:keep_sinks=50",),  # refused when the run binds it
                           "sparse_dllm keep_sinks=50 is more than the 6 keys outside the block")):

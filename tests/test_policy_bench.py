@@ -22,6 +22,8 @@ def test_exact_decoding_schedules_at_the_8b_layout():
   assert mixes["dual_cache"] == pytest.approx({"full": 1 / 32, "dual_cache": 31 / 32})
   assert mixes["dkv_cache"] == pytest.approx({"full": 5 / 32, "dkv_subset": 27 / 32})  # steps 0, 1, 8, 16, 24
   assert mixes["sparse_dllm"] == pytest.approx({"full": 2 / 32, "sparse_subset": 30 / 32})
+  assert mixes["sparse_dllm_dual_cache"] == pytest.approx({"full": 1 / 32, "dual_cache": 1 / 32,
+                                                           "sparse_subset": 30 / 32})
   assert mixes["sparsed"] == pytest.approx({"full": 53 / 256, "sparsed_blocks": 203 / 256})  # E = 52: steps 0..52
   # prompt every 50 calls (0, 50, ..., 250), response every 7 (0, 7, ..., 252): both at call 0 only
   assert mixes["dllm_cache"] == pytest.approx({"reuse_both": 1 / 256, "reuse_prompt": 5 / 256, "reuse_gen": 36 / 256,
@@ -44,6 +46,9 @@ def test_calls_are_classified_from_the_trace():
   run = _trace(computed=[everything, some])
   assert [classify("dkv_cache", run, i, s, p, layers) for i in (0, 1)] == [{"full": 1.0}, {"dkv_subset": 1.0}]
   assert classify("sparse_dllm", run, 1, s, p, layers) == {"sparse_subset": 1.0}
+  cached = _trace(computed=[everything, some, some], keys=[s, s, s - 2])  # with the dual cache: call 1 reads all keys
+  assert [classify("sparse_dllm", cached, i, s, p, layers) for i in range(3)] == [
+      {"full": 1.0}, {"dual_cache": 1.0}, {"sparse_subset": 1.0}]
   run = _trace(computed=[everything, everything], keys=[s, s - 2])
   assert [classify("sparsed", run, i, s, p, layers) for i in (0, 1)] == [{"full": 1.0}, {"sparsed_blocks": 1.0}]
   layer0 = np.ones((1, s), bool)
@@ -63,12 +68,12 @@ def test_calls_are_classified_from_the_trace():
       {"full": 1.0}, {"d2cache_S/2": 1.0}, {"d2cache_S/1": 1.0}]
 
 
-def _bench(tmp_path, *flags):
+def _bench(tmp_path, *flags, out="bench.json"):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   return subprocess.run([sys.executable, "-m", "benchmarks.policy_bench", "--preset=tiny-llada", "--repeats=1",
                          "--prompt_lengths=16", "--gen_length=64", "--block_length=16", "--mix_prompts=0",
                          "--sparsed=sparsed:block_size=16", "--elastic_cache=elastic_cache:window_length=16",
-                         f"--json_out={tmp_path / 'bench.json'}", *flags],
+                         f"--json_out={tmp_path / out}", *flags],
                         capture_output=True, text=True, check=False, timeout=600, env=env)
 
 
@@ -91,6 +96,21 @@ def test_every_call_is_measured_and_counted(tmp_path):
   steps = results["prompts"]["16"]["exact_decoding"]
   assert set(steps) == {"exact", "dual_cache", "dkv_cache", "sparse_dllm", "sparsed", "dllm_cache"}  # no tiny-dlm mixes
   assert "threshold_decoding" not in results["prompts"]["16"]
+
+  # --calls_from: the same figures from the first run's calls, without timing anything again
+  done = _bench(tmp_path, f"--calls_from={tmp_path / 'bench.json'}", out="again.json")
+  assert done.returncode == 0, done.stderr[-3000:]
+  again = json.loads((tmp_path / "again.json").read_text())
+  assert again["prompts"]["16"]["calls"] == calls
+  assert again["prompts"]["16"]["exact_decoding"] == steps
+  assert again["calls_from"] == {"cpu": results["cpu"], "load_average_start": results["load_average_start"],
+                                 "load_average_end": results["load_average_end"], "path": str(tmp_path / "bench.json")}
+  assert " S=" not in done.stdout  # no call timed
+  done = _bench(tmp_path, f"--calls_from={tmp_path / 'bench.json'}", "--gen_length=128", out="other.json")
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines() == [
+      f"benchmarks.policy_bench: error: --calls_from={tmp_path / 'bench.json'}: its gen_length is 64, this run's 128"]
+  assert not (tmp_path / "other.json").exists()
 
 
 def test_a_policy_the_layout_refuses_is_one_line(tmp_path):

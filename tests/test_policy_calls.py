@@ -113,7 +113,7 @@ def test_the_skipped_work_leaves_the_flop_count():
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=dataclasses.replace(OPTIONS, cfg_scale=1.0),
                                  policy=Recent()), "classifier-free guidance"),
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=dataclasses.replace(OPTIONS, cache="dual"),
-                                 policy=parse_policy("sparse_dllm")), "does not compose with cache='dual'"),
+                                 policy=parse_policy("dllm_cache")), "does not compose with cache='dual'"),
     (lambda p, x: dream.diffusion_generate(p, x, config=preset("tiny-dream"), policy=parse_policy("dkv_cache"),
                                            options=dream.DreamOptions(gen_length=8, steps=8, block_length=4,
                                                                       alg="maskgit_plus", cache="prefix")),

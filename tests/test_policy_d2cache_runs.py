@@ -270,11 +270,13 @@ def test_a_small_bucket_computes_less_as_the_analytic_count_says(model):
                                  policy=parse_policy("d2cache")), "needs every step to decode a token"),
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=OPTIONS, policy=parse_policy("d2cache:query_budget=99")),
      "query_budget=99 is more than the sequence's 22 positions"),
-    (lambda p, x: llada.generate(p, x, config=CONFIG, options=dataclasses.replace(OPTIONS, threshold=0.9),
+    (lambda p, x: llada.generate(p, x, config=CONFIG, options=dataclasses.replace(OPTIONS, steps=8, threshold=0.9),
                                  policy=parse_policy("d2cache")),
-     r"policy d2cache runs with the llada sampler \(exact decoding\), not llada_blockwise"),
+     "policy d2cache with threshold or factor decoding runs the official loop, whose per-step quota .* needs steps "
+     "per block == block_length 8, got 4 steps per block"),
     (lambda p, x: dream.diffusion_generate(p, x, config=preset("tiny-dream"), policy=parse_policy("d2cache")),
-     "policy d2cache does not run on a logit-shifted model"),
+     "policy d2cache runs on Dream through Research dLLM's loop, as the official code: set decoding rule "
+     "certainty_prior"),
 ])
 def test_bad_knobs_and_runs_are_refused_in_one_line(model, run, message):
   params, prompt = model

@@ -230,8 +230,8 @@ def _refused_runs():
   dream_config = preset("tiny-dream")
   return [
       ("tiny-llada", lambda p, x: llada.generate(p, x, config=CONFIG, options=llada.LLaDAOptions(**SMALL, cache="dual"),
-                                                 policy=sparse),
-       "policy 'sparse_dllm' does not compose with cache='dual'"),
+                                                 policy=parse_policy("dllm_cache")),
+       "policy 'dllm_cache' does not compose with cache='dual'"),
       ("tiny-llada", lambda p, x: llada.generate(p, x, config=CONFIG, policy=dkv,
                                                  options=llada.LLaDAOptions(**SMALL, threshold=0.9, cache="prefix")),
        "policy 'dkv_cache' does not compose with cache='prefix'"),
@@ -272,7 +272,8 @@ def test_combinations_a_policy_cannot_run_are_refused_before_compiling(index):
 def test_the_sessions_refuse_a_policy_with_a_cache_mode_or_wino(decoding, message):
   with pytest.raises(SessionError, match=message):
     decoding_mode.from_values(decoding, policy="dkv_cache")
-  for allowed in ("exact", "threshold", "factor", "factor_dllm", "eb", "certainty_prior"):
+  for allowed in ("exact", "threshold", "factor", "factor_dllm", "eb", "certainty_prior", "dual_cache",
+                  "threshold_prefix_cache"):
     assert decoding_mode.from_values(allowed, policy="sparse_dllm").policy == "sparse_dllm"
 
 

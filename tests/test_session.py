@@ -83,3 +83,35 @@ def test_session_errors_are_the_binaries_one_line_errors(error, pointer, capsys)
   line = capsys.readouterr().err.strip()
   assert exit_info.value.code == 1 and "\n" not in line and line.endswith(str(error) + (" (see --helpfull)"
                                                                                           if pointer else ""))
+
+
+def test_elastic_cache_decoding_is_a_mode_of_the_session(tiny_dlm):
+  """--window / --eos_truncation (lm-eval window= / eos_truncation=) reach LLaDAOptions, are recorded and read
+  back, and are refused in one line outside threshold / factor without a cache or on a sampler without them."""
+  from dlm_jax.session import decoding_mode
+  from experiments.lm_eval import args
+  mode = decoding_mode.from_values("threshold", threshold=0.9, window=16, eos_truncation=True)
+  assert mode.record() == {"decoding": "threshold", "threshold": 0.9, "window": 16, "eos_truncation": True}
+  assert DecodingMode.from_record(mode.record()) == mode
+  assert DecodingMode.from_record({"decoding": "threshold", "threshold": 0.9}).window is None  # old records
+  common = registry.CommonSettings(gen_length=32, steps=32, block_length=32)
+  assert sampler_options.options("llada", common, mode, {}, config=tiny_dlm.config) == llada.LLaDAOptions(
+      gen_length=32, steps=32, block_length=32, threshold=0.9, window=16, eos_truncation=True)
+  factor = decoding_mode.from_values("factor", factor=1.0, eos_truncation=True)
+  assert sampler_options.options("llada", common, factor, {}, config=tiny_dlm.config) == llada.LLaDAOptions(
+      gen_length=32, steps=32, block_length=32, factor=1.0, eos_truncation=True)
+  assert args.parse({"checkpoint": "tiny-dlm", "decoding": "threshold", "window": "16",
+                     "eos_truncation": "true"}).mode == mode
+  for kwargs, error, message in [
+      (dict(decoding="exact", window=16), CombinationError, "--window (Elastic-Cache's decoding) runs with "
+       "--decoding=threshold or a factor mode without a cache, not --decoding=exact"),
+      (dict(decoding="threshold_dual_cache", eos_truncation=True), CombinationError, "--eos_truncation "
+       "(Elastic-Cache's decoding) runs with --decoding=threshold or a factor mode without a cache, not "
+       "--decoding=threshold_dual_cache"),
+      (dict(decoding="threshold", window=0), SessionError, "--window=0: expected a positive integer"),
+  ]:
+    with pytest.raises(error) as info:
+      decoding_mode.from_values(**kwargs)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+  with pytest.raises(CombinationError, match="the dream sampler has no eos_truncation / window decoding yet"):
+    mode.option_fields("dream")

@@ -80,7 +80,9 @@ class Decision:
   each layer; the policy's cache is then a `dlm_jax.model.reuse_layers.ReuseCache`,
   `ComputePolicy.init_cache`), or None; buckets: static ascending row counts, the last n, at which the subset
   call may run: the caller runs the smallest that holds every row's real queries (padded entries sort last, so
-  the first columns hold them), so the compute follows the count with static shapes; () runs all n rows.
+  the first columns hold them), so the compute follows the count with static shapes; () runs all n rows;
+  all_keys: scalar bool or None: when true, a subset call with `keys` reads every cached position instead (a
+  call of a Fast-dLLM cache before the policy has chosen its keys; `dlm_jax.sampling.policy_call`).
   """
 
   full: jax.Array
@@ -90,6 +92,7 @@ class Decision:
   key_blocks: KeyBlocks | None = None
   reuse: Any = None
   buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())
+  all_keys: jax.Array | None = None
 
   def bucket_rows(self, n_seq: int) -> tuple[jax.Array, jax.Array]:
     """(index, size): scalar int32, the smallest of `buckets` (or the queries' n without buckets) holding
@@ -124,7 +127,10 @@ class RunLayout:
   from its output at p - logit_shift (Dream: 1); decoding_window: the sampler decodes among the first this many
   masks of a block (`LLaDAOptions.window`; None: the whole block); eos_cut_id: the sampler's EOS truncation
   (`LLaDAOptions.eos_truncation`: after the first call that decodes this id, the masks after it are never
-  decoded; None: no truncation).
+  decoded; None: no truncation); cache: the sampler's Fast-dLLM KV cache ("none", "prefix" or "dual"), which a
+  policy that composes with it emulates in its own decisions (`dlm_jax.sampling.blocks.CACHE_POLICIES`);
+  decoding_rule: the name of the sampler's decoding rule (`dlm_jax.sampling.decoding_rules`, e.g.
+  "certainty_prior"; None: the sampler's own transfer rule).
   """
 
   seq_len: int
@@ -134,6 +140,8 @@ class RunLayout:
   logit_shift: int = 0
   decoding_window: int | None = None
   eos_cut_id: int | None = None
+  cache: str = "none"
+  decoding_rule: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,8 +73,8 @@ _TASKS = ("gsm8k", "humaneval", "math-500", "mbpp")
 class D2CacheSettings:
   """d2Cache's knobs (module docstring). Defaults are `configs/gen_args.py`'s d2cache entry (the same for
   every task and model there): rollout_p 0.1, current_k 32, sigma 10, inflate_w 0 — paired with certainty-prior
-  decoding over one block of the whole generation. The docs' semi-AR + parallel (threshold 0.9) example uses
-  inflate_w 4 with blocks of 32.
+  decoding over one block of the whole generation. The docs' semi-AR + parallel example uses inflate_w 4 with
+  blocks of 32 and no certainty prior (`published(..., parallel=True)`).
 
   frozen_confidence: mirror the official confidence cache that never updates after step 0 (True) or update it
     (False). batch_max_bonus: the current-block bonus is the max score over the whole batch (True, official)
@@ -117,17 +117,25 @@ class D2CacheSettings:
       raise ValueError(f"d2cache query_budget must be None or an int >= 1, got {self.query_budget!r}.")
 
   @classmethod
-  def published(cls, family: str, task: str = "gsm8k") -> "D2CacheSettings":
+  def published(cls, family: str, task: str = "gsm8k", parallel: bool = False) -> "D2CacheSettings":
     """The official values for a model family ("llada", "dream", "mmada") and task ("gsm8k", "humaneval",
     "math-500", "mbpp"). Source: Kamichanw/d2Cache `configs/gen_args.py` (`get_generation_args`, case
     "d2cache"): rollout_p 0.1, current_k 32, sigma 10, inflate_w 0 for every task and model (LLaDA and Dream
     Base/Instruct); the sampler there runs gen 256 (gsm8k, math-500) or 512 (humaneval, mbpp), steps = gen,
-    block = gen. MMaDA is not in the official code: it gets LLaDA's values (same architecture; our choice)."""
+    block = gen, with the certainty-prior decoding (generation.sigma 10). MMaDA is not in the official code: it
+    gets LLaDA's values (same architecture; our choice).
+
+    parallel: the semi-AR + parallel setting of the official docs (`docs/kv_caching.md`: "cache.inflate_w=4
+    generation.sigma=0", with `gen_args.py`'s comment "generation.block_length=32 cache.inflate_w=4"):
+    inflate_w 4, the rest as above; the sampler then runs threshold (docs: 0.9) or factor decoding in blocks
+    of 32 with steps = gen and no certainty prior."""
     if family not in _FAMILIES:
       raise ValueError(f"d2cache published family must be one of {', '.join(_FAMILIES)}, got {family!r}.")
     if task not in _TASKS:
       raise ValueError(f"d2cache published task must be one of {', '.join(_TASKS)}, got {task!r}.")
-    return cls()
+    if not isinstance(parallel, bool):
+      raise ValueError(f"d2cache published parallel must be True or False, got {parallel!r}.")
+    return cls(inflate_w=4) if parallel else cls()
 
 
 def rollout_importance(rows: jax.Array, query_positions: jax.Array, query_valid: jax.Array) -> jax.Array:

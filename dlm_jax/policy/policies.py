@@ -198,7 +198,10 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
   def decide(self, state: jax.Array, context: Any) -> Decision:
     """Steps 0 and 1 of a block full; later the block's queries over the kept keys. On a logit-shifted model
     (Dream) the position before the block is computed too (its output predicts the block's first position) and
-    left out of the kept keys (UNVERIFIED: the official Dream sampler is not in our index; guide)."""
+    left out of the kept keys (UNVERIFIED: the official Dream sampler is not in our index; guide). With the
+    sampler's prefix or dual cache, `_decide_cached`."""
+    if self.layout.cache != "none":
+      return self._decide_cached(state, context)
     shift = self.layout.logit_shift
     start = _block_start(self, context) - shift
     block = start + jnp.arange(self.layout.block_length + shift, dtype=jnp.int32)
@@ -207,6 +210,25 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
     if shift:
       keys = jnp.where(keys == start, self.layout.seq_len, keys)
     return Decision(full=sparse_dllm.is_full_step(_step_in_block(self, context)), queries=queries, keys=keys)
+
+  def _decide_cached(self, state: jax.Array, context: Any) -> Decision:
+    """Sparse-dLLM with a Fast-dLLM cache (ours, not the paper's; guide): a block's step 0 is the cache's refresh
+    (full); its later steps compute the cache's query window — the block (dual cache) or the block and every
+    later position (prefix cache, at the smallest of the blocks' window sizes, `Decision.buckets`) — at step 1
+    over every cached position (the cache's own call, which scores the keys, as the official step 1 does), from
+    step 2 over the kept keys outside the window only. The window is the block's on Dream too (its cached calls
+    read no output before the block)."""
+    layout = self.layout
+    s, start = layout.seq_len, _block_start(self, context)
+    width = layout.block_length if layout.cache == "dual" else s - layout.gen_start
+    window = start + jnp.arange(width, dtype=jnp.int32)
+    queries = jnp.broadcast_to(jnp.where(window < s, window, s)[None, :], (context.tokens.shape[0], width))
+    keys = jnp.swapaxes(state, 0, 1)
+    keys = jnp.where((keys >= start) & (keys < start + width), s, keys)
+    step = _step_in_block(self, context)
+    sizes = (width - k * layout.block_length for k in range(max(width // layout.block_length, 1)))
+    buckets = tuple(sorted(sizes)) if layout.cache == "prefix" else ()
+    return Decision(full=step == 0, queries=queries, keys=keys, all_keys=step == 1, buckets=buckets)
 
   def update(self, state: jax.Array, output: ForwardOutput, context: Any, decision: Decision) -> jax.Array:
     scores = output.stats["query_key_scores"][:, :, 1]  # [L, B, S]

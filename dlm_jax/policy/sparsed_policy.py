@@ -30,14 +30,20 @@ from dlm_jax.policy.base import ComputePolicy, Decision
 FAMILIES = ("llada", "dream")
 """The samplers SparseD runs with (LLaDA and MMaDA through the LLaDA sampler, Dream)."""
 
+BLOCK_FAMILIES = ("llada_blockwise", "dream_blockwise")
+"""Their threshold and factor modes, without a cache (the caches are refused by `blocks.check_policy_cache`)."""
+
 
 @struct.dataclass
 class SparseDState:
   """blocks: [B, L, N, nQb, m] int32 kept key blocks per layer, head and query block (ascending, padded with
-  nKb; all padding before step E); chosen: [B] bool, the blocks were chosen (step E has run)."""
+  nKb; all padding before step E); chosen: [B] bool, the blocks were chosen (step E has run); calls: [B] int32,
+  the model calls the row has decoded in (a row that waits for its batch under threshold decoding keeps its
+  state, `Intervention.keep_rows`, so this is the row's own step)."""
 
   blocks: jax.Array
   chosen: jax.Array
+  calls: jax.Array
 
 
 def pooled_attention_statistic(settings: sparsed.SparseDSettings, generation: int) -> str:
@@ -76,16 +82,36 @@ def pooled_attention_statistic(settings: sparsed.SparseDSettings, generation: in
 @dataclasses.dataclass(frozen=True)
 class SparseD(sparsed.SparseDSettings, ComputePolicy):
   """SparseD as a policy (module docstring): state `SparseDState`; full calls through step E; record: the kept
-  blocks [B, L, N, nQb, m] (nKb: none)."""
+  blocks [B, L, N, nQb, m] (nKb: none).
+
+  keep_first (ours, not the paper's): the key blocks holding positions 0 .. keep_first − 1 are kept for every
+  layer, head and query block besides the rule's — the extra sink token of a model trained with one (paper B)
+  sits at position 0, and the binaries keep it (keep_first >= 1) whenever such a model decodes under this policy
+  (`experiments.common.decoding.sink_token_kept`); 0: the official rule, which keeps no block by rule.
+
+  Step E is the row's own model call E (`SparseDState.calls`): the sampler's step under exact decoding; under
+  threshold or factor decoding (the blockwise samplers without a cache) a run makes fewer calls than `steps`, and
+  E = int(steps x skip) + 1 still counts calls (a run that ends before E never chooses). A call is dense while
+  any row of the batch is at or before its step E, so in a batch whose rows wait for each other a row can get
+  dense calls it would not get alone (guide, "SparseD with threshold and factor decoding").
+  """
+
+  keep_first: int = 0
 
   def check_knobs(self) -> None:
     sparsed.SparseDSettings.check(self)
+    if isinstance(self.keep_first, bool) or not isinstance(self.keep_first, int) or self.keep_first < 0:
+      raise ValueError(f"sparsed keep_first must be an integer >= 0, got {self.keep_first!r}.")
 
   def check(self, config: ModelConfig | None = None, family_name: str | None = None) -> None:
     """The knobs (the settings' check, also run at construction) and, for a run, the family and attention."""
-    sparsed.SparseDSettings.check(self)
-    if family_name is not None and family_name not in FAMILIES:
-      raise ValueError(f"policy sparsed runs with the {', '.join(FAMILIES)} samplers, not {family_name}.")
+    self.check_knobs()
+    if family_name is not None and family_name not in FAMILIES + BLOCK_FAMILIES:
+      raise ValueError(f"policy sparsed runs with the {', '.join(FAMILIES)} samplers and their threshold and factor "
+                       f"modes ({', '.join(BLOCK_FAMILIES)}, no cache), not {family_name}.")
+    if self.layout is not None and self.keep_first > self.layout.seq_len:
+      raise ValueError(f"sparsed keep_first={self.keep_first} is more than the sequence's {self.layout.seq_len} "
+                       "positions.")
     if config is not None and (config.causal or config.attention_block_size is not None
                                or config.layer_pattern is not None):
       raise ValueError(f"policy sparsed needs bidirectional attention; {config.name} is causal, block-causal or has "
@@ -113,9 +139,16 @@ class SparseD(sparsed.SparseDSettings, ComputePolicy):
     return -(-self.layout.seq_len // self.block_size)
 
   @property
+  def first_blocks(self) -> int:
+    """The key blocks holding positions 0 .. keep_first − 1."""
+    return -(-self.keep_first // self.block_size)
+
+  @property
   def kept_blocks(self) -> int:
-    """m: the most key blocks the rule keeps for one head and query block (the static count)."""
-    return sparsed.max_kept_blocks(self.n_blocks, self.generation, self.select)
+    """m: the most key blocks the rule keeps for one head and query block (the static count), with keep_first's
+    blocks (at most nKb)."""
+    return min(sparsed.max_kept_blocks(self.n_blocks, self.generation, self.select) + self.first_blocks,
+               self.n_blocks)
 
   def required_stats(self, config: ModelConfig) -> StatsSpec:
     del config
@@ -123,30 +156,35 @@ class SparseD(sparsed.SparseDSettings, ComputePolicy):
 
   def init_state(self, config: ModelConfig, batch: int) -> SparseDState:
     shape = (batch, config.n_layers, config.n_heads, self.n_blocks, self.kept_blocks)
-    return SparseDState(blocks=jnp.full(shape, self.n_blocks, jnp.int32), chosen=jnp.zeros((batch,), bool))
+    return SparseDState(blocks=jnp.full(shape, self.n_blocks, jnp.int32), chosen=jnp.zeros((batch,), bool),
+                        calls=jnp.zeros((batch,), jnp.int32))
 
   def record(self, state: SparseDState) -> jax.Array:
     return state.blocks
 
   def query_weights(self, state: SparseDState, context: Any) -> jax.Array:
-    """[B, 1, T]: every query at step E, nothing (the statistic is not computed) at the other steps."""
-    at_selection = sparsed.is_selection_step(jnp.asarray(context.step, jnp.int32), self.selection_step)
-    weights = jnp.broadcast_to(at_selection.astype(jnp.float32), context.query_index.shape)
-    return jnp.broadcast_to(weights[None, None], (context.tokens.shape[0], 1, weights.shape[0]))
+    """[B, 1, T]: every query of a row at its step E, nothing (the statistic is not computed) at the other
+    steps."""
+    at_selection = sparsed.is_selection_step(state.calls, self.selection_step).astype(jnp.float32)  # [B]
+    return jnp.broadcast_to(at_selection[:, None, None], (context.tokens.shape[0], 1, context.query_index.shape[0]))
 
   def decide(self, state: SparseDState, context: Any) -> Decision:
-    full = sparsed.is_full_step(jnp.asarray(context.step, jnp.int32), self.selection_step)
+    del context
+    full = jnp.any(sparsed.is_full_step(state.calls, self.selection_step))
     return Decision(full=full, key_blocks=KeyBlocks(jnp.swapaxes(state.blocks, 0, 1), self.block_size))
 
   def update(self, state: SparseDState, output: ForwardOutput, context: Any, decision: Decision) -> SparseDState:
-    del decision
+    del context, decision
     pooled = output.stats[pooled_attention_statistic(self, self.generation)][:, :, 0]  # [L, B, 2, N, nQb, nKb]
     n, g = self.n_blocks, self.generation
+    selection = sparsed.is_selection_step(state.calls, self.selection_step)  # [B]
 
     def choose():
       mask = sparsed.keep_mask(pooled[:, :, 0], pooled[:, :, 1], self.select, g)  # [L, B, N, nQb, nKb]
+      mask = mask | (jnp.arange(n) < self.first_blocks)
       kept = jnp.sort(jnp.where(mask, jnp.arange(n, dtype=jnp.int32), n), axis=-1)[..., :self.kept_blocks]
-      return SparseDState(blocks=jnp.swapaxes(kept, 0, 1), chosen=jnp.ones_like(state.chosen))
+      row = selection.reshape((-1,) + (1,) * (kept.ndim - 1))
+      return jnp.where(row, jnp.swapaxes(kept, 0, 1), state.blocks)
 
-    selection = sparsed.is_selection_step(jnp.asarray(context.step, jnp.int32), self.selection_step)
-    return jax.lax.cond(selection, choose, lambda: state)
+    blocks = jax.lax.cond(jnp.any(selection), choose, lambda: state.blocks)
+    return SparseDState(blocks=blocks, chosen=state.chosen | selection, calls=state.calls + 1)

@@ -37,19 +37,32 @@ def phases(cache: str, num_blocks: int, bound: int) -> tuple[driver.Phase, ...]:
   return (driver.Phase(steps=num_blocks * bound),)
 
 
+def policy_owns_cache(run) -> bool:
+  """A compute policy runs (`run.caller`'s plan): it keeps the KV cache and emulates the options' Fast-dLLM cache
+  in its decisions (`CACHE_POLICIES`), so every call hands the model the whole sequence and the family keeps no
+  cache of its own."""
+  return run.caller is not None and run.caller.plan.policy.enabled
+
+
 def init_cache(run, params, batch: int) -> KVCache | None:
-  """The run's `KVCache` ([L, B, S, K, H], the parameters' dtype), or None when the options have no cache."""
-  if run.family.options.cache == "none":
+  """The run's `KVCache` ([L, B, S, K, H], the parameters' dtype), or None when the options have no cache or a
+  compute policy keeps it (`policy_owns_cache`)."""
+  if run.family.options.cache == "none" or policy_owns_cache(run):
     return None
   return KVCache.zeros(run.config, batch, run.total_length, params["embed"]["embedding"].dtype)
 
 
+CACHE_POLICIES = ("sparse_dllm",)
+"""The compute policies that compose with the prefix and dual caches: a key subset of the cached keys, the cache's
+own query window (BUILD.md, "Sparse-dLLM with the Fast-dLLM caches")."""
+
+
 def check_policy_cache(cache: str, name: str) -> None:
-  """Refuses (one line) compute policy `name` with the prefix or dual cache: the policy keeps its own KV cache of
-  the S positions and decides which queries each call computes, while those caches' calls compute a fixed query
-  window over the family's cache (BUILD.md, "Compute policies with parallel decoding")."""
-  if cache != "none":
-    raise ValueError(f"policy {name!r} does not compose with cache={cache!r}: the policy keeps its own KV cache "
-                     "and chooses each call's queries itself; use cache='none' with it (sparse_dllm's calls after a "
-                     "block's second already compute only the block's queries over cached keys, as the dual cache "
-                     "does).")
+  """Refuses (one line) compute policy `name` with the prefix or dual cache unless it is one of `CACHE_POLICIES`:
+  the others keep their own KV cache and choose each call's queries (d2cache, dkv_cache, dllm_cache,
+  elastic_cache) or mask every query block over all S keys (sparsed), while those caches' calls compute a fixed
+  query window over the cache (BUILD.md, "Compute policies with parallel decoding")."""
+  if cache != "none" and name not in CACHE_POLICIES:
+    raise ValueError(f"policy {name!r} does not compose with cache={cache!r}: it chooses what each call computes "
+                     "over all S positions, which the cache's fixed query window does not leave it; use cache='none' "
+                     f"with it (with a cache: {', '.join(CACHE_POLICIES)}).")

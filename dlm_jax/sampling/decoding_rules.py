@@ -208,13 +208,14 @@ def kl_divergence(p: jax.Array, p_prev: jax.Array, eps: float = 1e-12) -> jax.Ar
 
 
 def klass_transfer(confidence: jax.Array, history: jax.Array, candidates: jax.Array, block_step: jax.Array,
-                   quota: jax.Array, rule: KLASS) -> jax.Array:
+                   quota: jax.Array, rule: KLASS, ranking: jax.Array | None = None) -> jax.Array:
   """KLASS's choice: the ready candidates (module docstring) when a row has one, else its quota of most
   confident candidates. confidence [B, G], history [B, G, h] (newest last), candidates [B, G], block_step
-  scalar, quota [B] -> [B, G] bool."""
+  scalar, quota [B]; ranking [B, G]: the fallback's confidence when it is another than the gate's (Dream's
+  KLASS ranks by p(x0) after top-p / top-k, its `sample_tokens`), default confidence -> [B, G] bool."""
   stable = jnp.all(history < rule.kl_threshold, axis=-1) & (block_step >= rule.kl_history_length - 1)
   ready = stable & (confidence > rule.conf_threshold) & candidates
-  scores = jnp.where(candidates, confidence, -jnp.inf)
+  scores = jnp.where(candidates, confidence if ranking is None else ranking, -jnp.inf)
   fallback = select_top_k(scores, jnp.minimum(quota, jnp.sum(candidates, axis=-1))) & candidates
   return jnp.where(jnp.any(ready, axis=-1, keepdims=True), ready, fallback)
 
@@ -277,8 +278,9 @@ def check_llada_options(options) -> None:
   rule = options.rule
   if not isinstance(rule, (EBSampler, KLASS, WINO, PCSampler, CertaintyPrior)):
     raise ValueError(f"rule must be one of EBSampler, KLASS, WINO, PCSampler, CertaintyPrior or None, got {rule!r}.")
+  _check_wino_cache(rule, options.cache)
   clashes = {"threshold": options.threshold is not None, "factor": options.factor is not None,
-             "cache": options.cache != "none", "cfg_scale": options.cfg_scale > 0,
+             "cfg_scale": options.cfg_scale > 0 and isinstance(rule, WINO),
              "remasking='random'": options.remasking != "low_confidence",
              "stop_token_id": options.stop_token_id is not None,
              "temperature > 0": options.temperature > 0 and isinstance(rule, (KLASS, WINO))}
@@ -286,9 +288,21 @@ def check_llada_options(options) -> None:
     if clash:
       raise ValueError(f"decoding rule {rule.name} cannot be combined with {name}; it runs without it in its "
                        "original code.")
+  if options.dual_cache_forwards != "until_done":
+    raise ValueError(f"decoding rule {rule.name} bounds a block's calls itself; dual_cache_forwards="
+                     f"{options.dual_cache_forwards!r} applies to the quota, threshold and factor rules only.")
   if isinstance(rule, (PCSampler, CertaintyPrior, KLASS)) and options.steps_per_block > options.block:
     raise ValueError(f"decoding rule {rule.name} takes at most block_length steps per block; got steps / "
                      f"num_blocks = {options.steps_per_block} > block_length = {options.block}.")
+
+
+def _check_wino_cache(rule: Rule, cache: str) -> None:
+  """WINO has no cached form: its verification copy checks decoded tokens against the current block, which a
+  cached call does not recompute, and Research dLLM runs its calls without its cache (use_cache=False)."""
+  if isinstance(rule, WINO) and cache != "none":
+    raise ValueError(f"decoding rule wino does not run with cache={cache!r}: its verification copy must read the "
+                     "block as decoded now (the authors' code has no cache, Research dLLM runs wino without its "
+                     "cache); use cache='none'.")
 
 
 KNOBS: dict[str, tuple[str, ...]] = {
@@ -314,15 +328,19 @@ def rule_from_name(name: str, **knobs: Any) -> Rule:
 
 def check_dream_options(options) -> None:
   """Refuses, in one line, `DreamOptions` a rule cannot run with (called by its __post_init__): threshold,
-  factor, a cache, KLASS and WINO at temperature > 0, WINO with top-p / top-k, alg_temp; blocks must divide
-  gen_length and steps fit the blocks."""
+  factor, WINO with a cache, KLASS and WINO at temperature > 0, EB and WINO with top-p / top-k (EB's entropy
+  and WINO's bars read the unfiltered distribution; KLASS ranks its fallback by the filtered p(x0) as its Dream
+  code, PC-Sampler and the certainty prior read the filtered p(x0) as Research dLLM), alg_temp; blocks must
+  divide gen_length and steps fit the blocks."""
   rule = options.rule
   if not isinstance(rule, (EBSampler, KLASS, WINO, PCSampler, CertaintyPrior)):
     raise ValueError(f"rule must be one of EBSampler, KLASS, WINO, PCSampler, CertaintyPrior or None, got {rule!r}.")
+  _check_wino_cache(rule, options.cache)
+  filtered = (options.top_p is not None and options.top_p < 1) or options.top_k is not None
   clashes = {"threshold": options.threshold is not None, "factor": options.factor is not None,
-             "cache": options.cache != "none", "alg_temp": bool(options.alg_temp),
+             "alg_temp": bool(options.alg_temp),
              "temperature > 0": options.temperature > 0 and isinstance(rule, (KLASS, WINO)),
-             "top_p or top_k": isinstance(rule, WINO) and (options.top_p is not None or options.top_k is not None)}
+             "top_p or top_k": isinstance(rule, (WINO, EBSampler)) and filtered}
   for name, clash in clashes.items():
     if clash:
       raise ValueError(f"decoding rule {rule.name} cannot be combined with {name}; it runs without it in its "

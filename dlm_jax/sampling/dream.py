@@ -82,8 +82,8 @@ class DreamOptions(blocks.BlockLayout):
       block takes the steps it needs (`steps` is then unused). None = off.
     factor: block modes: Fast-dLLM's factor rule on p(x0) instead (`parallel.factor_transfer`); not with
       threshold. None = off.
-    factor_rule: the factor rule's variant, "fast_dllm" (NVlabs' LLaDA code, the default) or "dllm"
-      (`parallel.FACTOR_RULES`).
+    factor_rule: the factor rule's variant, "fast_dllm" (NVlabs' LLaDA code, the default), "dllm" or
+      "research_dllm" (`parallel.FACTOR_RULES`).
     With neither, the block modes use Fast-dLLM's per-block quota: steps / num_blocks steps per block
       (at least 2 when B > 1), ranked by alg's confidence ("maskgit_plus", "topk_margin" or "entropy").
       With either, alg must stay "origin" (the default) or be "maskgit_plus" (both: p(x0)), alg_temp unset.
@@ -103,7 +103,7 @@ class DreamOptions(blocks.BlockLayout):
   block_length: int | None = None
   threshold: float | None = None
   factor: float | None = None
-  factor_rule: Literal["fast_dllm", "dllm"] = "fast_dllm"
+  factor_rule: Literal["fast_dllm", "dllm", "research_dllm"] = "fast_dllm"
   cache: Literal["none", "prefix", "dual"] = "none"
   rule: decoding_rules.Rule | None = None
 
@@ -281,7 +281,7 @@ class DreamBlockwiseFamily(DreamFamily):
   can_finish_early = True
 
   def check_policy(self, name: str) -> None:
-    """Without a cache only (`blocks.check_policy_cache`)."""
+    """With a cache only the policies that compose with it (`blocks.check_policy_cache`)."""
     blocks.check_policy_cache(self.options.cache, name)
 
   def phases(self, run) -> tuple[driver.Phase, ...]:
@@ -310,8 +310,8 @@ class DreamBlockwiseFamily(DreamFamily):
 @dataclasses.dataclass(frozen=True)
 class DreamRuleFamily(llada_rules.RuleFamilyMixin, DreamFamily):
   """Dream under a decoding rule (`DreamOptions.rule`; `dlm_jax.sampling.llada_rules`, with Dream's shifted
-  logits — WINO's verification copy included — and `sample_tokens` proposals: temperature, top-p and top-k as
-  the options say, where the rule takes them)."""
+  logits — WINO's verification copy and the cached calls' queries included — and `sample_tokens` proposals:
+  temperature, top-p and top-k as the options say, where the rule takes them)."""
 
   name = "dream_rules"
   runs_policies = True
@@ -326,6 +326,14 @@ class DreamRuleFamily(llada_rules.RuleFamilyMixin, DreamFamily):
 
   def constants(self, run, sequence, layout):
     return llada_rules.constants(self, super().constants(run, sequence, layout))
+
+  def klass_ranking(self, logits) -> jax.Array | None:
+    """KLASS's fallback ranks by `sample_tokens`' p(x0) after top-p / top-k (temperature 0), as KLASS's Dream
+    code (`dream_klass.py`) ranks its fallback; None (the gate's p(x0)) without them."""
+    o = self.options
+    if (o.top_p is None or o.top_p >= 1) and o.top_k is None:
+      return None
+    return sample_tokens(logits, None, temperature=0.0, top_p=o.top_p, top_k=o.top_k)[0]
 
   def _proposals(self, params, logits, uncond_logits, key, per_row: bool = False):
     """(x0, confidence p(x0)) [B, G] from Dream's `sample_tokens` (alg maskgit_plus)."""

@@ -59,6 +59,10 @@ the next block together: a row whose block is done waits (unchanged, `Trace.acti
 and its intervention state not advanced — `Intervention.keep_rows`) while the others finish, so its
 tokens and `row_nfe` are those it gets alone.
 
+Under a compute policy that composes with a cache (`blocks.CACHE_POLICIES`, Sparse-dLLM) every call hands the
+model the whole sequence (the "none" layout above) and the policy's decisions make the cache's calls, reading
+the policy's KV cache (`dlm_jax.policy.policies.SparseDLLM`).
+
 Caches hold keys and values after RoPE at the rows' (shifted) positions (Fast-dLLM stores them before
 RoPE and rotates on every call; the results are equal). Masks inside the prompt are never candidates.
 Random draws (temperature > 0, alg_temp > 0) cover the positions whose logits a call computes — s at the
@@ -124,7 +128,7 @@ def _model_call(family, run, params, consts: padding.PaddingLayout, carry, istat
   """The model on sequence positions [start, start + length) (a cached call when the options have a cache;
   start: int or traced), logits of the call's positions window = [w0, w1) moved by logits_offset (int or
   traced); block: (first position, calls before this one) of the current block. Returns the `CallResult`."""
-  x, cached = carry.tokens, family.options.cache != "none"
+  x, cached = carry.tokens, family.options.cache != "none" and not blocks.policy_owns_cache(run)
   inputs = CallInputs(_rows(x, start, length), _rows(consts.positions, start, length),
                       _rows(consts.valid, start, length), consts.valid,
                       padding.query_rows(consts.bias, start, length), block_start=block[0], block_step=block[1])
@@ -189,7 +193,7 @@ def _block_step(family, run, params, consts: padding.PaddingLayout, carry, istat
   key, sample_key, select_key = keys.split(carry.key, 3, run.row_keys)
   if run.row_keys:
     key = keys.keep_rows(active, key, carry.key)
-  if o.cache == "none":
+  if o.cache == "none" or blocks.policy_owns_cache(run):
     start, length, window, offset = 0, total, (lp, lp + o.block - 1), s - lp
   elif o.cache == "prefix":
     start, length, window, offset = s, total - s, (0, o.block - 1), 0

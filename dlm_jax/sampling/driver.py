@@ -507,8 +507,11 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
     steps_per_block = max(family.n_steps // max(gen // block, 1), 1)
     window = getattr(family.options, "window", None)
     eos_cut_id = getattr(family, "eos_id", None) if getattr(family.options, "eos_truncation", False) else None
+    rule = getattr(family.options, "rule", None)
     bound = policy.bind(RunLayout(seq_len=total, gen_start=lp, block_length=block, steps_per_block=steps_per_block,
-                                  logit_shift=config.logit_shift, decoding_window=window, eos_cut_id=eos_cut_id))
+                                  logit_shift=config.logit_shift, decoding_window=window, eos_cut_id=eos_cut_id,
+                                  cache=getattr(family.options, "cache", "none"),
+                                  decoding_rule=None if rule is None else rule.name))
     bound.check(config, family.name)
   except PolicyError:
     raise

@@ -107,7 +107,8 @@ class LLaDAOptions(blocks.BlockLayout):
     factor: Fast-dLLM's factor rule instead (`dlm_jax.sampling.parallel.factor_transfer`); not with
       threshold. None = off.
     factor_rule: "fast_dllm" (NVlabs' code, the default: when only the last-ranked candidate fails, all are
-      committed) or "dllm" (dllm's vectorised rule: exactly the accepted prefix); `parallel.FACTOR_RULES`.
+      committed), "dllm" (dllm's vectorised rule: exactly the accepted prefix) or "research_dllm" (Research
+      dLLM's loop, which d2Cache's official runs use); `parallel.FACTOR_RULES`.
     cache: "none", "prefix" or "dual": Fast-dLLM's approximate KV caches, refreshed by a whole-sequence
       step at each block start (`dlm_jax.sampling.llada_blockwise`).
     dual_cache_forwards: with cache="dual", how many model calls a block may take: "until_done" (NVlabs'
@@ -125,7 +126,8 @@ class LLaDAOptions(blocks.BlockLayout):
     of them this is the exact sampler above.
     rule: one of the decoding rules of `dlm_jax.sampling.decoding_rules` (`EBSampler`, `KLASS`, `WINO`,
       `PCSampler`, `CertaintyPrior`), run by `dlm_jax.sampling.llada_rules`; None = LLaDA's own rules above.
-      Not with threshold, factor, a cache, CFG, random remasking or a stop token; the rules read p(x0) whatever
+      Not with threshold, factor, random remasking or a stop token, WINO not with a cache or CFG; with a cache
+      in Research dLLM's order (`llada_rules`), under CFG on the guided logits; the rules read p(x0) whatever
       `confidence_ranking` says.
   """
 
@@ -148,7 +150,7 @@ class LLaDAOptions(blocks.BlockLayout):
   eot_token_id: int | None = None
   threshold: float | None = None
   factor: float | None = None
-  factor_rule: Literal["fast_dllm", "dllm"] = "fast_dllm"
+  factor_rule: Literal["fast_dllm", "dllm", "research_dllm"] = "fast_dllm"
   cache: Literal["none", "prefix", "dual"] = "none"
   dual_cache_forwards: Literal["until_done", "steps_per_block"] = "until_done"
   rule: decoding_rules.Rule | None = None
@@ -426,8 +428,12 @@ class LLaDABlockwiseFamily(LLaDAFamily):
   can_finish_early = True
 
   def check_policy(self, name: str) -> None:
-    """Threshold and factor decoding without a cache only (`blocks.check_policy_cache`)."""
+    """Threshold and factor decoding, with a cache only the policies that compose with it
+    (`blocks.check_policy_cache`), not NVlabs' capped dual cache."""
     blocks.check_policy_cache(self.options.cache, name)
+    if self.options.cache == "dual" and self.options.dual_cache_forwards == "steps_per_block":
+      raise ValueError(f"policy {name!r} does not run with dual_cache_forwards='steps_per_block' (its refresh "
+                       "proposes at every position); use dual_cache_forwards='until_done'.")
 
   def phases(self, run) -> tuple[driver.Phase, ...]:
     return llada_blockwise.phases(self.options)
@@ -468,8 +474,10 @@ class LLaDARuleFamily(llada_rules.RuleFamilyMixin, LLaDAFamily):
     return llada_rules.constants(self, super().constants(run, sequence, layout))
 
   def _proposals(self, params, logits, uncond_logits, key, per_row: bool = False):
-    """LLaDA's proposals with the confidence p(x0) the rules read (`confidence_ranking` does not apply)."""
-    probability = dataclasses.replace(self, options=dataclasses.replace(self.options, confidence_ranking="probability"))
+    """LLaDA's proposals with the confidence p(x0) the rules read (`confidence_ranking` does not apply), from
+    logits already guided under CFG (`llada_rules._call`)."""
+    probability = dataclasses.replace(self, options=dataclasses.replace(self.options, confidence_ranking="probability",
+                                                                        cfg_scale=0.0))
     return LLaDAFamily._proposals(probability, params, logits, uncond_logits, key, per_row)
 
 

@@ -34,6 +34,10 @@ Elastic-Cache's decoding (`LLaDAOptions.window`, `eos_truncation`; `dlm_jax.samp
 candidates are the first `window` masks of the block, and after the first step that decodes the EOS id the masks
 after that EOS are no longer candidates; the run ends when no row has a candidate left.
 
+Under a compute policy that composes with a cache (`blocks.CACHE_POLICIES`, Sparse-dLLM) every call hands the
+model the whole sequence and the policy's decisions make the cache's calls (its refresh, its query window, its
+key subset; `dlm_jax.policy.policies.SparseDLLM`), reading the policy's KV cache.
+
 Not supported (a clear error): classifier-free guidance with a cache (the unconditional sequence would need
 a cache of its own; Fast-dLLM has no CFG).
 """
@@ -174,6 +178,8 @@ def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, c
   schedule = jnp.where(fresh, llada_transfer_counts(jnp.sum(candidates, axis=1), o.steps_per_block),
                        carry.schedule)
   key, step_key = keys.split(carry.key, 2, run.row_keys)
+  if blocks.policy_owns_cache(run):  # the policy emulates the cache (`blocks.CACHE_POLICIES`): whole-sequence calls
+    call = "full"
   if _capped(o):
     return _capped_dual_step(family, run, params, consts, carry, istate, i, s, schedule, block_step, fresh, key,
                              step_key)

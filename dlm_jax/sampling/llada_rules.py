@@ -2,10 +2,23 @@
 (`LLaDAOptions.rule`): EB-Sampler, KLASS, WINO, PC-Sampler, certainty prior.
 
 Blocks are LLaDA's ([Lp + kB, Lp + (k + 1)B)); each step's candidates are the masked positions of the
-current block. Every call runs the whole sequence (exact attention, no cache) and the LM head on the G
+current block. Without a cache every call runs the whole sequence (exact attention) and the LM head on the G
 generated positions; WINO's calls append the block's verification copy (S + B positions, module docstring
 of `decoding_rules`). The run is one driver phase with the block and its step counter in the carry, so it
-compiles once whatever the number of blocks. Steps per block (the phase bound is num_blocks × this):
+compiles once whatever the number of blocks.
+
+KV caches (`options.cache`, not with WINO), in Research dLLM's order of operations (Kamichanw/d2Cache: the
+rule's step is unchanged, the cache serves its model calls): a block's first call runs the whole sequence
+and keeps every layer's keys and values (the refresh; it commits by the rule like any step); the block's
+later calls compute the queries [s − shift, S − shift) ("prefix") or [s − shift, e − shift) ("dual"), shift
+Dream's 1, writing their fresh keys and values in place and reading all S cached positions. The logits of
+a generated position no query of the call predicts are zeros (as Research dLLM scatters them), so KLASS's
+distribution there is uniform and enters its KL history as such. The dual cache keeps the one-phase layout
+(a `lax.cond` picks the refresh at a block's first step); the prefix cache's query count changes with the
+block, so each block is a phase opened by its refresh. Classifier-free guidance (LLaDA's `cfg_scale`, no
+cache, not WINO): every rule reads the guided logits un + (w + 1)·(cond − un).
+
+Steps per block (the phase bound is num_blocks × this):
 
   * EB, WINO: until the block holds no mask, at most B calls (each commits at least one token net);
   * KLASS: at most steps / num_blocks calls, fewer when the block is done (the original's `break`);
@@ -40,8 +53,9 @@ from dlm_jax.config import logit_shift
 from dlm_jax.instrument.interventions import NO_INTERVENTION, padding_bias
 from dlm_jax.core.attention_bias import MASK_VALUE, AttentionBias
 from dlm_jax.sampling import decoding_rules as dr
-from dlm_jax.sampling.call_inputs import CallInputs, Readout
-from dlm_jax.sampling import driver, keys, padding
+from dlm_jax.model import KVCache
+from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Guidance, Readout
+from dlm_jax.sampling import blocks, driver, keys, padding
 from dlm_jax.sampling.schedules import llada_transfer_counts
 from dlm_jax.sampling.selection import select_top_k, update_decode_step
 
@@ -53,7 +67,7 @@ WINO_FIRST_LAST_DRAFTED = 30
 class RuleCarry:
   """tokens [B, S]; key; decode_step [B, G]; block, block_step: the current block and its steps so far;
   schedule [B, steps_per_block]: the block's quota (set at its first step); rule state: p_prev [B, G, V]
-  and kl_history [B, G, h] (KLASS), last_drafted [B] (WINO), else None."""
+  and kl_history [B, G, h] (KLASS), last_drafted [B] (WINO), else None; cache: the `KVCache` (prefix / dual)."""
 
   tokens: jax.Array
   key: jax.Array
@@ -64,23 +78,28 @@ class RuleCarry:
   p_prev: jax.Array | None = None
   kl_history: jax.Array | None = None
   last_drafted: jax.Array | None = None
+  cache: KVCache | None = None
 
 
 @struct.dataclass
 class RuleConstants:
-  """Loop invariants: the padding layout and (PC-Sampler) the corpus prior's frequencies [V] float32."""
+  """Loop invariants: the padding layout, (PC-Sampler) the corpus prior's frequencies [V] float32 and (LLaDA's
+  CFG) the unconditional sequence's padding bias and the prompt index [B, S] (`llada.LLaDAConstants`)."""
 
   layout: padding.PaddingLayout
   prior: jax.Array | None = None
+  uncond_bias: AttentionBias | None = None
+  prompt_index: jax.Array | None = None
 
 
 def constants(family, base) -> RuleConstants:
-  """The family's constants `base` (LLaDA's, or Dream's `PaddingLayout`) reduced to the layout, with the prior
-  added."""
+  """The family's constants `base` (LLaDA's, or Dream's `PaddingLayout`) reduced to the layout and CFG's fields,
+  with the prior added."""
   rule = family.options.rule
   prior = jnp.asarray(rule.prior.frequencies, jnp.float32) if isinstance(rule, dr.PCSampler) else None
-  layout = base if isinstance(base, padding.PaddingLayout) else base.layout
-  return RuleConstants(layout=layout, prior=prior)
+  if isinstance(base, padding.PaddingLayout):
+    return RuleConstants(layout=base, prior=prior)
+  return RuleConstants(layout=base.layout, prior=prior, uncond_bias=base.uncond_bias, prompt_index=base.prompt_index)
 
 
 def check(family, config, intervention) -> None:
@@ -98,10 +117,16 @@ def check(family, config, intervention) -> None:
 def check_policy(family, name: str) -> None:
   """Refuses (one line) compute policy `name` under WINO: its calls append the block's verification copy (S + B
   positions, which the policy's cache of the S positions does not hold) and it re-masks decoded tokens, which a
-  policy that caches decoded positions' keys and values (dkv_cache) would then never recompute."""
+  policy that caches decoded positions' keys and values (dkv_cache) would then never recompute; and with a KV
+  cache: the rules' cached calls are their own (Research dLLM's order), which no policy emulates
+  (`blocks.CACHE_POLICIES` compose with the Fast-dLLM modes only)."""
   if isinstance(family.options.rule, dr.WINO):
     raise ValueError(f"policy {name!r} does not run with decoding rule wino: its calls append a verification copy "
                      "of the block and it re-masks decoded tokens; use eb, klass, pc or certainty_prior with it.")
+  if family.options.cache != "none":
+    raise ValueError(f"policy {name!r} does not run with a decoding rule and cache={family.options.cache!r}; use "
+                     "cache='none' with the rule (sparse_dllm composes with the caches of the threshold and factor "
+                     "modes).")
 
 
 def bound(options) -> int:
@@ -136,18 +161,43 @@ def _wino_bias(layout: padding.PaddingLayout, total: int, block: int, block_star
   return bias
 
 
-def _call(family, run, params, consts, x, istate, i, s, block_step):
+def _call(family, run, params, consts, carry, istate, i, s, block_step, call: str):
   """The step's model call: (CallResult with the generated positions' logits [B, G (+ B for WINO), V] — for a
-  model with shifted logits (Dream) the outputs one position earlier, `dlm_jax.config.logit_shift` — and
-  queries [2]). s: the current block's first position; block_step: the calls it has had before this one."""
-  o, lp, total, layout = family.options, run.prompt_length, run.total_length, consts.layout
-  if not isinstance(o.rule, dr.WINO):
-    shift = run.config.logit_shift
+  model with shifted logits (Dream) the outputs one position earlier, `dlm_jax.config.logit_shift`; under CFG
+  the guided logits — and queries [2]). s: the current block's first position (static for "prefix");
+  block_step: the calls it has had before this one; call: "full" (no cache), "refresh", "prefix" or "dual"
+  (module docstring)."""
+  o, lp, total, layout, x = family.options, run.prompt_length, run.total_length, consts.layout, carry.tokens
+  if isinstance(o.rule, dr.WINO):
+    return _wino_call(family, run, params, consts, x, istate, i, s)
+  shift = run.config.logit_shift
+  if call in ("full", "refresh"):
+    guided = getattr(o, "cfg_scale", 0.0) > 0
+    guidance = Guidance(jnp.where(consts.prompt_index, family.mask_id, x), consts.uncond_bias) if guided else None
+    cache = CacheCall(carry.cache, 0, x) if call == "refresh" else None
     result = run.caller(params, i, istate, CallInputs(x, layout.positions, layout.valid, layout.valid, layout.bias,
                                                       block_start=s, block_step=block_step),
-                        Readout(window=logit_shift.output_window(lp, total, shift)))
-    result = result.replace(logits=logit_shift.target_logits(result.logits, lp, shift))
-    return result, jnp.array([0, total], jnp.int32)
+                        Readout(window=logit_shift.output_window(lp, total, shift)), cache, guidance)
+    logits = logit_shift.target_logits(result.logits, lp, shift)
+    if guided:
+      uncond = logit_shift.target_logits(result.uncond_logits, lp, shift)
+      logits = uncond + (o.cfg_scale + 1.0) * (logits - uncond)
+    return result.replace(logits=logits, uncond_logits=None), jnp.array([0, total], jnp.int32)
+  start = s - shift
+  length = total - s if call == "prefix" else o.block
+  inputs = CallInputs(_rows(x, start, length), _rows(layout.positions, start, length),
+                      _rows(layout.valid, start, length), layout.valid, padding.query_rows(layout.bias, start, length),
+                      block_start=s, block_step=block_step)
+  result = run.caller(params, i, istate, inputs, Readout(window=(0, length)), CacheCall(carry.cache, start, x))
+  empty = jnp.zeros((x.shape[0], o.gen_length, result.logits.shape[-1]), result.logits.dtype)
+  logits = jax.lax.dynamic_update_slice_in_dim(empty, result.logits, s - lp, axis=1)
+  queries = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(start + length, jnp.int32)])
+  return result.replace(logits=logits), queries
+
+
+def _wino_call(family, run, params, consts, x, istate, i, s):
+  """WINO's call on the sequence plus the block's verification copy (`_call`)."""
+  o, lp, total, layout = family.options, run.prompt_length, run.total_length, consts.layout
   if run.caller.plan.intervention != NO_INTERVENTION:
     raise ValueError("decoding rule wino runs its calls on the sequence plus a verification copy of the block; "
                      "interventions and hooks are not supported with it (statistics are).")
@@ -162,6 +212,19 @@ def _call(family, run, params, consts, x, istate, i, s, block_step):
                       Readout(window=(lp - shift, total + o.block - shift)))
   outputs = result.outputs.replace(stats=_sequence_stats(result.outputs.stats, total, o.block))
   return result.replace(outputs=outputs), jnp.array([0, total + o.block], jnp.int32)
+
+
+def _model_call(family, run, params, consts, carry, istate, i, s, block_step, call: str | None):
+  """`_call` with the call the cache asks for: call given (the prefix cache's phases: "refresh" or "prefix"),
+  or from the options — "full" without a cache, the dual cache's refresh at a block's first call and its
+  block call after (a `lax.cond`)."""
+  if call is not None:
+    return _call(family, run, params, consts, carry, istate, i, s, block_step, call)
+  if family.options.cache == "none":
+    return _call(family, run, params, consts, carry, istate, i, s, block_step, "full")
+  return jax.lax.cond(block_step == 0,
+                      lambda: _call(family, run, params, consts, carry, istate, i, s, block_step, "refresh"),
+                      lambda: _call(family, run, params, consts, carry, istate, i, s, block_step, "dual"))
 
 
 def _sequence_stats(stats, total: int, block: int):
@@ -179,13 +242,14 @@ def _sequence_stats(stats, total: int, block: int):
   return {name: cut(name, a) for name, a in stats.items()}
 
 
-def step(family, run, params, consts, carry: RuleCarry, istate, i):
-  """One decoding step under options.rule (module docstrings). Returns (carry, istate, StepOutput)."""
+def step(family, run, params, consts, carry: RuleCarry, istate, i, block=None, call: str | None = None):
+  """One decoding step under options.rule (module docstrings); block: the current block when static (the
+  prefix cache's phases; else the carry's), call: `_model_call`'s. Returns (carry, istate, StepOutput)."""
   o, mask_id, lp, rule = family.options, family.mask_id, run.prompt_length, family.options.rule
   g = o.gen_length
   x = carry.tokens
   gen = x[:, lp:]
-  block_start = carry.block * o.block
+  block_start = (carry.block if block is None else block) * o.block
   position = jnp.arange(g)[None, :]
   in_block = (position >= block_start) & (position < block_start + o.block)
   candidates = (gen == mask_id) & in_block
@@ -198,7 +262,8 @@ def step(family, run, params, consts, carry: RuleCarry, istate, i):
   if run.row_keys:
     key = keys.keep_rows(active, key, carry.key)
 
-  result, queries = _call(family, run, params, consts, x, istate, i, lp + block_start, carry.block_step)
+  result, queries = _model_call(family, run, params, consts, carry, istate, i, lp + block_start, carry.block_step,
+                                call)
   logits = result.logits[:, :g]
   revoked = jnp.zeros_like(candidates)
   updates = {}
@@ -207,7 +272,8 @@ def step(family, run, params, consts, carry: RuleCarry, istate, i):
     x0 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     confidence = jnp.take_along_axis(p, x0[..., None], axis=-1)[..., 0]
     history = jnp.concatenate([carry.kl_history[..., 1:], dr.kl_divergence(p, carry.p_prev)[..., None]], axis=-1)
-    chosen = dr.klass_transfer(confidence, history, candidates, carry.block_step, quota, rule)
+    chosen = dr.klass_transfer(confidence, history, candidates, carry.block_step, quota, rule,
+                               family.klass_ranking(logits))
     keep = active[:, None, None]
     updates = dict(p_prev=jnp.where(keep, p, carry.p_prev), kl_history=jnp.where(keep, history, carry.kl_history))
   elif isinstance(rule, dr.WINO):
@@ -246,7 +312,8 @@ def step(family, run, params, consts, carry: RuleCarry, istate, i):
     block_over = block_step >= bound(o)
   carry = carry.replace(tokens=new_x, key=key, decode_step=decode_step, schedule=schedule,
                         block=carry.block + block_over.astype(jnp.int32),
-                        block_step=jnp.where(block_over, 0, block_step), **updates)
+                        block_step=jnp.where(block_over, 0, block_step),
+                        cache=carry.cache if result.cache is None else result.cache, **updates)
   outputs = result.outputs.replace(active=active, queries=queries, committed=chosen, revoked=revoked, canvas=gen)
   return carry, result.state, outputs
 
@@ -258,7 +325,8 @@ class RuleFamilyMixin:
   can_finish_early = True
 
   def phases(self, run) -> tuple[driver.Phase, ...]:
-    return (driver.Phase(steps=self.options.num_blocks * bound(self.options)),)
+    """One phase, or with the prefix cache one per block opened by its refresh (`blocks.phases`)."""
+    return blocks.phases(self.options.cache, self.options.num_blocks, bound(self.options))
 
   def init_carry(self, run, params, sequence, key, consts) -> RuleCarry:
     b, o = sequence.shape[0], self.options
@@ -271,13 +339,28 @@ class RuleFamilyMixin:
       state = dict(last_drafted=jnp.full((b,), WINO_FIRST_LAST_DRAFTED, jnp.int32))
     return RuleCarry(tokens=sequence, key=key, decode_step=jnp.full((b, o.gen_length), -1, jnp.int32),
                      block=jnp.zeros((), jnp.int32), block_step=jnp.zeros((), jnp.int32),
-                     schedule=jnp.zeros((b, o.steps_per_block), jnp.int32), **state)
+                     schedule=jnp.zeros((b, o.steps_per_block), jnp.int32), cache=blocks.init_cache(run, params, b),
+                     **state)
 
   def finished(self, run, consts, carry: RuleCarry, i, phase):
-    return carry.block >= self.options.num_blocks
+    """Every block done, or (the prefix cache's phases) the phase's block."""
+    if phase.arg is None:
+      return carry.block >= self.options.num_blocks
+    return carry.block != phase.arg
+
+  def open_phase(self, run, params, consts, carry: RuleCarry, istate, i, phase):
+    """The prefix cache's block opening: the refresh."""
+    return step(self, run, params, consts, carry, istate, i, phase.arg, "refresh")
 
   def step(self, run, params, consts, carry: RuleCarry, istate, i, phase):
-    return step(self, run, params, consts, carry, istate, i)
+    if phase.arg is None:
+      return step(self, run, params, consts, carry, istate, i)
+    return step(self, run, params, consts, carry, istate, i, phase.arg, "prefix")
 
   def block_index(self, run, before, after, i, phase_index):
     return driver.Family.block_index(self, run, before, after, i, phase_index)
+
+  def klass_ranking(self, logits) -> jax.Array | None:
+    """KLASS's fallback ranking [B, G] when it is not the gate's p(x0) (`decoding_rules.klass_transfer`): None."""
+    del logits
+    return None

@@ -16,7 +16,13 @@ are mapped onto the confidence's scale, so both scales take the same decisions i
     "fast_dllm" — NVlabs' Fast-dLLM code (`get_transfer_index_dynamic`, July 2025 on; dInfer's
                   `parallel_strategy` likewise): its loop stops at the first failing rank and, when that
                   is the last rank n (only the last candidate fails), commits all n;
-    "dllm"      — dllm's vectorised rule: exactly the accepted prefix.
+    "dllm"      — dllm's vectorised rule: exactly the accepted prefix;
+    "research_dllm" — Research dLLM's `confidence_unmasking(factor=...)` (Kamichanw/d2Cache
+                  `src/generation/vanilla.py`), the loop d2Cache's official runs use: rank r is accepted when
+                  (r + 1)(1 − c_(r)) < f (strict, rank 1 included, computed so in float32 on the probability
+                  scale), the count is the accepted prefix's length but n − 1 when every rank is accepted (its
+                  loop's last value), and at least one (the fallback to the step's quota, one token when steps
+                  per block equal the block length).
 * `quota_threshold_transfer` — LLaDA2.0's sampler (§6; SDAR's `low_confidence_dynamic`): the candidates whose
   confidence exceeds τ (strictly) when there are at least the step's quota of them, else the quota's most
   confident candidates (at most all of them).
@@ -29,7 +35,7 @@ import jax.numpy as jnp
 
 from dlm_jax.sampling.selection import select_top_k
 
-FACTOR_RULES = ("fast_dllm", "dllm")
+FACTOR_RULES = ("fast_dllm", "dllm", "research_dllm")
 """The factor rule's variants (module docstring); "fast_dllm" is the original's and the default."""
 
 
@@ -88,12 +94,26 @@ def factor_transfer(confidence: jax.Array, candidates: jax.Array, factor: float,
   scores = _candidate_confidence(confidence, candidates)
   ordered = -jnp.sort(-scores, axis=-1, stable=True)
   rank = jnp.arange(1, scores.shape[-1] + 1)
+  if rule == "research_dllm":
+    return _research_dllm_factor(scores, ordered, rank, candidates, factor, scale)
   bound = jnp.where(rank == 1, -jnp.inf, probability_bound(1.0 - factor / (rank + 1.0), scale, ordered.dtype))
   accepted = (ordered >= bound) & (ordered > -jnp.inf)
   count = jnp.sum(jnp.cumprod(accepted, axis=-1), axis=-1)
   if rule == "fast_dllm":
     n = jnp.sum(candidates, axis=-1)
     count = jnp.where(count == n - 1, n, count)
+  return select_top_k(scores, count) & candidates
+
+
+def _research_dllm_factor(scores, ordered, rank, candidates, factor: float, scale: str) -> jax.Array:
+  """`factor_transfer`'s "research_dllm" variant (module docstring) on the sorted scores. [B, W] -> [B, W]."""
+  if scale == "probability":
+    accepted = (rank + 1.0).astype(ordered.dtype) * (1.0 - ordered) < factor
+  else:
+    accepted = ordered > probability_bound(1.0 - factor / (rank + 1.0), scale, ordered.dtype)
+  count = jnp.sum(jnp.cumprod(accepted & (ordered > -jnp.inf), axis=-1), axis=-1)
+  n = jnp.sum(candidates, axis=-1)
+  count = jnp.maximum(jnp.where(count == n, n - 1, count), jnp.minimum(n, 1))
   return select_top_k(scores, count) & candidates
 
 

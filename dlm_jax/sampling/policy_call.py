@@ -1,7 +1,8 @@
 """A model call under a compute policy's `Decision` (`dlm_jax.policy`), applied by the model caller with fixed
 shapes: one `lax.cond` between the full call (every query, the policy's KV cache rewritten) and the subset call
 (the decision's query positions through every layer, the other positions' keys and values read from the cache,
-each layer's key subset when the decision has one); with key blocks, between the full call and the block-sparse
+each layer's key subset when the decision has one, or all S cached positions at a call whose `all_keys` is true);
+with key blocks, between the full call and the block-sparse
 call (every query, each head's query block over its kept key blocks only); with a layer refresh, always the
 subset call (from the refresh start on every position); with a reuse schedule, `reuse_call`'s per-layer
 reuse. The subset call's rows come back in sequence coordinates:
@@ -16,11 +17,13 @@ counts that holds the step's largest real count (`lax.switch` over one subset pr
 computes all its queries and no more than the bucket: XLA compiles each size, and a step's FLOPs are those of
 its bucket. For a policy that reads it, the largest softmax probability of the logits at every computed
 position comes back in `ForwardOutput.max_probability` (from the hidden states through the LM head when the
-readout is hidden states: the head on the computed rows only).
+readout is hidden states: the head on the computed rows only; a full call whose readout is a window runs the
+head on all S rows, as the official d2Cache's confidence cache reads every generated position).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -58,7 +61,8 @@ def keys_read(decision: Decision, n_seq: int) -> jax.Array:
     return everything
   own = jnp.sum(decision.queries < n_seq, axis=-1).astype(jnp.float32)
   subset = jnp.mean(jnp.sum(decision.keys < n_seq, axis=-1).astype(jnp.float32), axis=0) + own
-  return jnp.where(decision.full, everything, subset)
+  every = decision.full if decision.all_keys is None else decision.full | decision.all_keys
+  return jnp.where(every, everything, subset)
 
 
 def _window(x: jax.Array, readout: Readout) -> jax.Array:
@@ -105,7 +109,8 @@ def _max_probability(rows: jax.Array, head: Callable[[jax.Array], jax.Array] | N
 def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyState, decision: Decision,
                    tokens: jax.Array, positions: jax.Array, bias: AttentionBias, weights: jax.Array | None,
                    readout: Readout, max_probability: str = "never",
-                   head: Callable[[jax.Array], jax.Array] | None = None, hooks: HookCall | None = None) -> ForwardOutput:
+                   head: Callable[[jax.Array], jax.Array] | None = None,
+                   hooks: HookCall | None = None) -> ForwardOutput:
   """The call's `ForwardOutput` (logits or hidden states of the readout window, statistics over the S
   positions, the policy's new cache) under `decision`. ``run(params, tokens, **kwargs)`` is the forward (with
   config, stats_spec and the attention path bound); tokens, positions: [B, S]; bias: the call's bias over the S
@@ -115,9 +120,12 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
   `HookCall` over the S positions (flags [B, S]), or None."""
   window = None if readout.window is None else readout.window
   n_seq = tokens.shape[1]
+  lm_head = head
   head = head if readout.hidden else None
 
   def full(_):
+    if max_probability != "never" and window is not None and lm_head is not None:
+      return full_every_row()
     output = run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
                  logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden,
                  hooks=hooks)
@@ -129,6 +137,15 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
                                                  _max_probability(rows, head), start, axis=1)
     return output.replace(max_probability=placed)
 
+  def full_every_row():
+    """The full call whose readout is a window, with the largest probability at every position (the official
+    d2Cache confidence cache holds every generated position's): the LM head on all S rows."""
+    output = run(params, tokens, bias=bias, positions=positions, query_weights=weights, cache=policy.cache,
+                 cache_offset=0, return_hidden=True, hooks=hooks)
+    rows = jax.lax.dynamic_slice_in_dim(output.hidden, window[0] + readout.offset, window[1] - window[0], axis=1)
+    output = output.replace(max_probability=_max_probability(output.hidden, lm_head))
+    return output.replace(hidden=rows) if readout.hidden else output.replace(hidden=None, logits=lm_head(rows))
+
   def subset_rows(n: int):
     def subset(refresh):
       queries = decision.queries[:, :n]
@@ -137,10 +154,14 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
       if weights is not None:
         sub_weights = jnp.take_along_axis(weights, jnp.minimum(queries, n_seq - 1)[:, None, :],
                                           axis=2) * real[:, None, :]
-      output = run(params, gather_rows(tokens, queries), bias=_query_rows(bias, queries),
-                   positions=gather_rows(positions, queries),
-                   query_weights=sub_weights, cache=policy.cache, return_hidden=readout.hidden,
-                   subset=ComputeSubset(queries, decision.keys, refresh), hooks=hooks)
+      call = functools.partial(run, params, gather_rows(tokens, queries), bias=_query_rows(bias, queries),
+                               positions=gather_rows(positions, queries), query_weights=sub_weights,
+                               cache=policy.cache, return_hidden=readout.hidden, hooks=hooks)
+      if decision.all_keys is None or decision.keys is None:
+        output = call(subset=ComputeSubset(queries, decision.keys, refresh))
+      else:  # a Fast-dLLM cache's call before the keys are chosen reads every cached position
+        output = jax.lax.cond(decision.all_keys, lambda: call(subset=ComputeSubset(queries, None, refresh)),
+                              lambda: call(subset=ComputeSubset(queries, decision.keys, refresh)))
       rows = output.hidden if readout.hidden else output.logits
       placed = _window(scatter_rows(jnp.zeros((rows.shape[0], n_seq, rows.shape[2]), rows.dtype), queries, rows),
                        readout)

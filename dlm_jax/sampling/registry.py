@@ -180,7 +180,8 @@ class Sampler:
 
 _LLADA_COMMON = {name: name for name in ("gen_length", "steps", "block_length", "temperature", "cfg_scale",
                                          "remasking")}
-_LLADA_MODES = frozenset({"threshold", "factor", "factor_rule", "cache", "dual_cache_forwards", "rule"})
+_LLADA_MODES = frozenset({"threshold", "factor", "factor_rule", "cache", "dual_cache_forwards", "rule", "window",
+                          "eos_truncation"})
 _LLADA_DEFAULTS = Defaults(gen_length=128, steps=128, block_length=128)
 _DIFFUSION = dict(kind="bidirectional", needs_mask_token=True, self_conditioning=False, block_queries=False,
                   likelihood=True)

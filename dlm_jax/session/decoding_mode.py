@@ -8,6 +8,7 @@ parallel decoding and approximate KV caches (`reference/decoding_modes.md` §2�
   threshold               confidence >= --threshold, at least the best one    the whole sequence at every step
   factor                  Fast-dLLM's factor rule with --factor (NVlabs')     the whole sequence at every step
   factor_dllm             the factor rule as dllm vectorises it               the whole sequence at every step
+  factor_research_dllm    Research dLLM's factor rule (d2Cache's runs)        the whole sequence at every step
   prefix_cache            the quota rule                                      refresh, then queries [s, S)
   dual_cache              the quota rule                                      refresh, then the block's queries
   threshold_prefix_cache  the threshold rule                                  as prefix_cache
@@ -30,12 +31,19 @@ mask ids); LLaDA and MMaDA only.
 
 Compute policies (--policy; `dlm_jax.policy`) run with exact, threshold, factor and factor_dllm decoding and the
 decoding rules but wino, not with the cache modes (the policy keeps its own KV cache and chooses each call's
-queries; docs/guides/compute_policies.md, "Decoding modes and Dream").
+queries; docs/guides/compute_policies.md, "Decoding modes and Dream") — but sparse_dllm, which composes with the
+prefix and dual caches (its kept keys are a subset of the cached ones; "Sparse-dLLM with the Fast-dLLM caches").
+
+Elastic-Cache's decoding (`llada.elastic_cache_options()`): --window=N and --eos_truncation with a threshold or
+factor mode without a cache (LLaDA and MMaDA): a call's candidates are the block's first N masks (with
+--block_length equal to --gen_length: the official sliding window over the generation), and after the first
+call that decodes the EOS id the masks after it are never decoded. Recorded as "window" / "eos_truncation".
 
 Decoding rules. eb, klass, wino, pc and certainty_prior run the rules of `dlm_jax.sampling.decoding_rules`
 (EB-Sampler, KLASS, WINO, PC-Sampler, d2Cache's certainty prior) with their knobs (`experiments.common.decoding_flags`:
 --eb_gamma, --klass_*, --wino_*, --pc_prior / --pc_lambda / --pc_alpha / --pc_variant, --certainty_sigma;
-recorded as "knobs"); LLaDA, MMaDA and Dream, no cache.
+recorded as "knobs"); LLaDA, MMaDA and Dream. --cache=prefix|dual gives eb, klass, pc and certainty_prior a KV
+cache (recorded as "cache"; `dlm_jax.sampling.llada_rules`; wino refuses one); the other modes name theirs.
 
 Samplers. `dlm_jax.sampling.registry` lists the option fields of each sampler's options that the modes set
 (`Sampler.mode_fields`): LLaDA
@@ -59,6 +67,7 @@ from typing import Any
 from dlm_jax.sampling import corpus_prior, decoding_rules, registry
 from dlm_jax.policy.base import ComputePolicy
 from dlm_jax.policy.registry import parse_policy
+from dlm_jax.sampling.blocks import CACHE_POLICIES
 from dlm_jax.session.errors import CombinationError, SessionError
 
 MODES: dict[str, tuple[str, str]] = {
@@ -66,6 +75,7 @@ MODES: dict[str, tuple[str, str]] = {
     "threshold": ("threshold", "none"),
     "factor": ("factor", "none"),
     "factor_dllm": ("factor", "none"),
+    "factor_research_dllm": ("factor", "none"),
     "prefix_cache": ("quota", "prefix"),
     "dual_cache": ("quota", "dual"),
     "threshold_prefix_cache": ("threshold", "prefix"),
@@ -94,6 +104,9 @@ def rule_knobs(decoding: str, values: dict[str, Any]) -> tuple[tuple[str, Any], 
                       if rule == decoding and flat in values))
 
 
+RULE_CACHES = ("none", "prefix", "dual")
+"""--cache values of the decoding rules (`DecodingMode.rule_cache`)."""
+
 DEFAULT_THRESHOLD = 0.9
 DEFAULT_FACTOR = 1.0
 DUAL_CACHE_FORWARDS = ("until_done", "steps_per_block")
@@ -108,7 +121,12 @@ class DecodingMode:
   default only with the dual cache); knobs: the decoding rule's knobs as sorted (name, value) pairs (the rule
   modes eb, klass, wino, pc, certainty_prior; `dlm_jax.sampling.decoding_rules`; pc's "prior" is the prior
   file's path); policy: the compute policy as `dlm_jax.policy.registry.parse_policy` reads it ("none": compute
-  everything), recorded only when it is not "none" (so records written before policies resume unchanged).
+  everything), recorded only when it is not "none" (so records written before policies resume unchanged);
+  rule_cache: a decoding rule's KV cache (none, prefix or dual; --cache), recorded only when it is not "none";
+  window, eos_truncation: Elastic-Cache's decoding (--window, --eos_truncation; `LLaDAOptions.window` /
+  `eos_truncation`): a call's candidates are the first `window` masks of the block, and after the first call that
+  decodes the EOS id the masks after it are never decoded; threshold and factor modes without a cache, LLaDA and
+  MMaDA; recorded only when set.
   """
 
   decoding: str = "exact"
@@ -117,6 +135,9 @@ class DecodingMode:
   dual_cache_forwards: str = DUAL_CACHE_FORWARDS[0]
   knobs: tuple[tuple[str, Any], ...] = ()
   policy: str = "none"
+  rule_cache: str = "none"
+  window: int | None = None
+  eos_truncation: bool = False
 
   def __post_init__(self):
     if self.decoding not in ALL_MODES:
@@ -134,17 +155,49 @@ class DecodingMode:
                          f"(dual_cache, threshold_dual_cache), not --decoding={self.decoding}")
     if self.knobs and self.rule not in decoding_rules.RULE_NAMES:
       raise SessionError(f"--decoding={self.decoding} takes no rule knobs ({', '.join(k for k, _ in self.knobs)})")
+    if self.rule_cache not in RULE_CACHES:
+      raise SessionError(f"--cache={self.rule_cache}: expected one of {', '.join(RULE_CACHES)}")
+    if self.rule_cache != "none" and self.rule not in decoding_rules.RULE_NAMES:
+      raise SessionError(f"--cache={self.rule_cache} applies to the decoding rules; --decoding={self.decoding} names "
+                         "its cache itself (prefix_cache, dual_cache, threshold_*_cache)")
     if self.rule in decoding_rules.RULE_NAMES:
       self.decoding_rule()
+      if self.rule_cache != "none" and self.decoding == "wino":
+        raise CombinationError(f"--decoding=wino does not run with --cache={self.rule_cache}: its verification copy "
+                               "must read the block as decoded now; use --cache=none")
+    if self.rule in decoding_rules.RULE_NAMES and self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
+      raise SessionError(f"--dual_cache_forwards={self.dual_cache_forwards} applies to the dual-cache modes "
+                         f"(dual_cache, threshold_dual_cache), not --decoding={self.decoding}")
+    self._check_elastic_decoding()
     self.compute_policy()
-    if self.policy != "none" and self.cache != "none":
+    if self.policy != "none" and self.rule_cache != "none":
+      raise CombinationError(f"--policy={self.policy} does not run with --decoding={self.decoding} and --cache="
+                             f"{self.rule_cache} (the rule's cached calls are its own); use --cache=none")
+    if self.policy != "none" and self.cache != "none" and self.compute_policy().NAME not in CACHE_POLICIES:
       raise CombinationError(f"--policy={self.policy} does not compose with --decoding={self.decoding}: the policy "
-                             "keeps its own KV cache and chooses each call's queries; use --decoding=exact, threshold, "
-                             "factor, factor_dllm or a decoding rule")
+                             "chooses what each call computes over all S positions, which the cache's fixed query "
+                             "window does not leave it; use a mode without a cache (exact, threshold, a factor "
+                             f"mode or a decoding rule; the cache modes take {', '.join(CACHE_POLICIES)})")
+    if self.policy != "none" and self.cache == "dual" and self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
+      raise CombinationError(f"--policy={self.policy} does not run with --dual_cache_forwards="
+                             f"{self.dual_cache_forwards}; use {DUAL_CACHE_FORWARDS[0]}")
     if self.policy != "none" and self.decoding == "wino":
       raise CombinationError(f"--policy={self.policy} does not run with --decoding=wino (its calls append a "
                              "verification copy of the block and it re-masks decoded tokens); use eb, klass, pc or "
                              "certainty_prior")
+
+  def _check_elastic_decoding(self) -> None:
+    """--window and --eos_truncation: their values, and a threshold or factor mode without a cache."""
+    if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                    or self.window < 1):
+      raise SessionError(f"--window={self.window}: expected a positive integer (unset: the whole block)")
+    if not isinstance(self.eos_truncation, bool):
+      raise SessionError(f"--eos_truncation={self.eos_truncation}: expected true or false")
+    if (self.window is not None or self.eos_truncation) and (self.rule not in ("threshold", "factor")
+                                                             or self.cache != "none"):
+      name = "--window" if self.window is not None else "--eos_truncation"
+      raise CombinationError(f"{name} (Elastic-Cache's decoding) runs with --decoding=threshold or a factor mode "
+                             f"without a cache, not --decoding={self.decoding}")
 
   def compute_policy(self) -> ComputePolicy:
     """The compute policy (`dlm_jax.policy`); a one-line error on a bad name or knob."""
@@ -162,9 +215,9 @@ class DecodingMode:
 
   @property
   def factor_rule(self) -> str:
-    """The factor rule's variant (`dlm_jax.sampling.parallel.FACTOR_RULES`): dllm's for factor_dllm, else
-    NVlabs'."""
-    return "dllm" if self.decoding == "factor_dllm" else "fast_dllm"
+    """The factor rule's variant (`dlm_jax.sampling.parallel.FACTOR_RULES`): dllm's for factor_dllm, Research
+    dLLM's for factor_research_dllm, else NVlabs'."""
+    return {"factor_dllm": "dllm", "factor_research_dllm": "research_dllm"}.get(self.decoding, "fast_dllm")
 
   @property
   def rule(self) -> str:
@@ -173,8 +226,8 @@ class DecodingMode:
 
   @property
   def cache(self) -> str:
-    """none, prefix or dual."""
-    return ALL_MODES[self.decoding][1]
+    """none, prefix or dual (a decoding rule's: --cache)."""
+    return self.rule_cache if self.rule in decoding_rules.RULE_NAMES else ALL_MODES[self.decoding][1]
 
   @property
   def exact(self) -> bool:
@@ -182,8 +235,11 @@ class DecodingMode:
 
   @property
   def spec(self) -> str:
-    """The mode as `from_spec` reads it: its name, or its name, a colon and the rule's parameter."""
+    """The mode as `from_spec` reads it: its name, or its name, a colon and the rule's parameter (a decoding
+    rule's cache: `name:cache=dual`; its knobs are in `record()`)."""
     value = self.threshold if self.threshold is not None else self.factor
+    if self.rule_cache != "none":
+      return f"{self.decoding}:cache={self.rule_cache}"
     return self.decoding if value is None else f"{self.decoding}:{value:g}"
 
   def record(self) -> dict[str, Any]:
@@ -199,6 +255,12 @@ class DecodingMode:
       values["knobs"] = dict(self.knobs)
     if self.policy != "none":
       values["policy"] = self.policy
+    if self.rule_cache != "none":
+      values["cache"] = self.rule_cache
+    if self.window is not None:
+      values["window"] = self.window
+    if self.eos_truncation:
+      values["eos_truncation"] = True
     return values
 
   @classmethod
@@ -206,7 +268,8 @@ class DecodingMode:
     """The mode of a `record()` (missing "decoding" = exact; other keys of `values` are ignored)."""
     return cls(values.get("decoding", "exact"), values.get("threshold"), values.get("factor"),
                values.get("dual_cache_forwards", DUAL_CACHE_FORWARDS[0]),
-               tuple(sorted(values.get("knobs", {}).items())), values.get("policy", "none"))
+               tuple(sorted(values.get("knobs", {}).items())), values.get("policy", "none"),
+               values.get("cache", "none"), values.get("window"), values.get("eos_truncation", False))
 
   def option_fields(self, sampler: str) -> dict[str, Any]:
     """The fields of `sampler`'s options that this mode sets (every field the sampler has; {} for a sampler
@@ -221,7 +284,11 @@ class DecodingMode:
       if "rule" not in supported:
         raise CombinationError(f"--decoding={self.decoding}: the {sampler} sampler has no {self.decoding} decoding "
                                "yet; use --decoding=exact, threshold or factor")
-      return {"rule": self.decoding_rule()}
+      if self.rule_cache != "none" and "cache" not in supported:
+        raise CombinationError(f"--decoding={self.decoding} --cache={self.rule_cache}: the {sampler} sampler has no "
+                               "cache; use --cache=none")
+      fields = {"rule": self.decoding_rule()}
+      return fields if self.rule_cache == "none" else dict(fields, cache=self.rule_cache)
     if "transfer" in supported:
       return self._transfer_fields(sampler)
     fields = {"threshold": self.threshold, "factor": self.factor, "cache": self.cache}
@@ -229,6 +296,10 @@ class DecodingMode:
       fields["factor_rule"] = self.factor_rule
     if self.dual_cache_forwards != DUAL_CACHE_FORWARDS[0]:
       fields["dual_cache_forwards"] = self.dual_cache_forwards
+    if self.window is not None:
+      fields["window"] = self.window
+    if self.eos_truncation:
+      fields["eos_truncation"] = True
     missing = sorted(k for k, v in fields.items() if v not in (None, "none") and k not in supported)
     if missing:
       raise CombinationError(f"--decoding={self.decoding}: the {sampler} sampler has no {' / '.join(missing)} "
@@ -277,7 +348,8 @@ def _check_factor(value: float | None) -> None:
 
 def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: float = DEFAULT_FACTOR,
                 dual_cache_forwards: str = DUAL_CACHE_FORWARDS[0],
-                knobs: tuple[tuple[str, Any], ...] = (), policy: str = "none") -> DecodingMode:
+                knobs: tuple[tuple[str, Any], ...] = (), policy: str = "none", cache: str = "none",
+                window: int | None = None, eos_truncation: bool = False) -> DecodingMode:
   """The mode of the flag values: each is checked (a one-line error naming its flag), and the threshold and
   factor are kept only when the mode uses them."""
   _check_threshold(threshold)
@@ -286,17 +358,21 @@ def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: flo
     raise SessionError(f"--decoding={decoding}: expected one of {', '.join(ALL_MODES)}")
   rule = ALL_MODES[decoding][0]
   return DecodingMode(decoding, threshold if rule == "threshold" else None, factor if rule == "factor" else None,
-                      dual_cache_forwards, knobs if rule in decoding_rules.RULE_NAMES else (), policy)
+                      dual_cache_forwards, knobs if rule in decoding_rules.RULE_NAMES else (), policy, cache, window,
+                      eos_truncation)
 
 
 def from_spec(spec: str) -> DecodingMode:
   """`name` or `name:value` (value = the threshold or factor; default 0.9 / 1.0), or for a decoding rule
-  `name:knob=value,knob=value` (e.g. `eb:gamma=0.1`, `pc:prior=prior.json`) -> the mode."""
+  `name:knob=value,knob=value` (e.g. `eb:gamma=0.1`, `pc:prior=prior.json`; `cache=prefix|dual` its KV cache,
+  `klass:cache=dual`) -> the mode."""
   name, sep, value = spec.partition(":")
   if not sep:
     return from_values(name)
   if name in decoding_rules.RULE_NAMES:
-    return from_values(name, knobs=_rule_knobs(spec, value))
+    knobs = dict(_rule_knobs(spec, value))
+    cache = str(knobs.pop("cache", "none"))
+    return from_values(name, knobs=tuple(sorted(knobs.items())), cache=cache)
   if name not in MODES or MODES[name][0] == "quota":
     raise SessionError(f"decoding mode {spec!r}: only modes with a threshold or factor take ':value'")
   try:

@@ -1,4 +1,5 @@
-"""The decoding-mode flags: --decoding, --threshold, --factor, --dual_cache_forwards, the decoding rules'
+"""The decoding-mode flags: --decoding, --threshold, --factor, --dual_cache_forwards, --cache (a decoding rule's
+KV cache), the decoding rules'
 knobs (--decoding=eb|klass|wino|pc|certainty_prior; `dlm_jax.sampling.decoding_rules`, defaults those of each
 rule's original code) and the compute policy (--policy; `dlm_jax.policy`), as a `dlm_jax.session.DecodingMode`."""
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from absl import flags, logging
 
+from dlm_jax.policy.registry import policy_names
 from dlm_jax.sampling import decoding_rules as dr
 from dlm_jax.session import decoding_mode
 
@@ -39,10 +41,18 @@ _PC_LAMBDA = flags.DEFINE_float("pc_lambda", dr.PCSampler.lam, "PC-Sampler: posi
 _PC_ALPHA = flags.DEFINE_float("pc_alpha", dr.PCSampler.alpha, "PC-Sampler: clip alpha > 0 of the calibration.")
 _PC_VARIANT = flags.DEFINE_enum("pc_variant", "pc_sampler", list(dr.PC_VARIANTS),
                                 "PC-Sampler: the original rule, or Research dLLM's debias (no position term).")
-_POLICY = flags.DEFINE_string("policy", "none", "Compute policy: NAME or NAME:knob=value,... — none, dkv_cache, "
-                              "sparse_dllm (statistics of one step decide what the next computes; "
-                              "docs/guides/compute_policies.md; with --decoding exact, threshold, factor, "
-                              "factor_dllm or a decoding rule but wino; no cache mode).")
+_POLICY = flags.DEFINE_string("policy", "none", "Compute policy: NAME or NAME:knob=value,... — "
+                              + ", ".join(policy_names()) + " (statistics of one step decide what the next computes; "
+                              "docs/guides/compute_policies.md says which decoding modes each runs with).")
+_CACHE = flags.DEFINE_enum("cache", "none", list(decoding_mode.RULE_CACHES),
+                           "KV cache of --decoding=eb, klass, pc or certainty_prior: none, prefix or dual (Fast-dLLM's "
+                           "caches in Research dLLM's order; the other modes name their cache in --decoding).")
+_WINDOW = flags.DEFINE_integer("window", None, "Elastic-Cache's decoding: a call's candidates are the first N masks "
+                                "of the block (unset: the whole block); threshold or factor modes without a cache, "
+                                "LLaDA and MMaDA.")
+_EOS_TRUNCATION = flags.DEFINE_bool("eos_truncation", False, "Elastic-Cache's decoding: after the first call that "
+                                    "decodes the EOS id the masks after it are never decoded; threshold or factor "
+                                    "modes without a cache, LLaDA and MMaDA.")
 _CERTAINTY_SIGMA = flags.DEFINE_float("certainty_sigma", dr.CertaintyPrior.sigma,
                                       "Certainty prior: the Gaussian's sigma in positions (> 0).")
 
@@ -60,7 +70,8 @@ def from_flags() -> decoding_mode.DecodingMode:
   """The decoding flags as a mode (every value checked); warns about --threshold / --factor given for a mode
   that does not use them."""
   mode = decoding_mode.from_values(_DECODING.value, _THRESHOLD.value, _FACTOR.value, _DUAL_CACHE_FORWARDS.value,
-                                   rule_knobs(_DECODING.value), _POLICY.value)
+                                   rule_knobs(_DECODING.value), _POLICY.value, _CACHE.value, _WINDOW.value,
+                                   _EOS_TRUNCATION.value)
   for name, used in (("threshold", mode.threshold is not None), ("factor", mode.factor is not None)):
     if flags.FLAGS[name].present and not used:
       logging.warning("--%s applies to the modes with a %s rule only; ignored for --decoding=%s", name, name,

@@ -8,9 +8,14 @@ resolved per task with a preset (`experiments.lm_eval.presets`).
                   decoding rule eb | klass | wino | pc | certainty_prior with its knobs eb_gamma,
                   klass_conf_threshold, klass_kl_threshold, klass_kl_history_length, wino_wide_in,
                   wino_narrow_out, pc_prior (a prior file), pc_lambda, pc_alpha, pc_variant, certainty_sigma
-  policy          a compute policy while generating (`dlm_jax.policy`): none | dkv_cache | sparse_dllm, knobs after
-                  a colon and "+" between them (lm-eval splits on commas): sparse_dllm:keep_ratio=0.25+kernel_size=3;
-                  with decoding exact, threshold, factor, factor_dllm or a rule but wino (no cache mode)
+  cache           none | prefix | dual: a decoding rule's KV cache (eb, klass, pc, certainty_prior)
+  window, eos_truncation
+                  Elastic-Cache's decoding with threshold / factor and no cache (LLaDA, MMaDA): a call's candidates
+                  are the block's first `window` masks; after the first EOS decoded the masks after it stay masks
+  policy          a compute policy while generating (`dlm_jax.policy`): none | d2cache | dkv_cache | dllm_cache |
+                  elastic_cache | sparse_dllm | sparsed, knobs after a colon and "+" between them (lm-eval splits on
+                  commas): sparse_dllm:keep_ratio=0.25+kernel_size=3; the decodings each takes:
+                  docs/guides/compute_policies.md
   gen_length, steps, block_length, temperature, remasking, alg, alg_temp, top_p, top_k
                   generation (`dlm_jax.session.decode_settings`; unset = its per-model defaults, gen_length
                   then the request's max_gen_toks)
@@ -77,6 +82,9 @@ class EvalArgs:
   pc_alpha: float = decoding_rules.PCSampler.alpha
   pc_variant: str = "pc_sampler"
   certainty_sigma: float = decoding_rules.CertaintyPrior.sigma
+  cache: str = "none"
+  window: int | None = None
+  eos_truncation: bool = False
   policy: str = "none"
   gen_length: int | None = None
   steps: int | None = None
@@ -148,7 +156,8 @@ class EvalArgs:
   def mode(self) -> decoding_mode.DecodingMode:
     knobs = decoding_mode.rule_knobs(self.decoding, {name: getattr(self, name) for name in decoding_mode.RULE_ARGS})
     return decoding_mode.from_values(self.decoding, self.threshold, self.factor, knobs=knobs,
-                                     policy=str(self.policy).replace("+", ","))
+                                     policy=str(self.policy).replace("+", ","), cache=self.cache, window=self.window,
+                                     eos_truncation=self.eos_truncation)
 
   @property
   def runtime_mesh(self) -> str:

@@ -1,0 +1,46 @@
+"""The statistics-overhead benchmark of the compute policies (`benchmarks.policy_stats_bench`): it times every
+(policy, statistics) pair it was given and records the overhead from the medians it printed; bad flags are one
+line before any model work (no timing assertions: the goal is read from the printed figures)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _bench(tmp_path, *flags):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  return subprocess.run([sys.executable, "-m", "benchmarks.policy_stats_bench", "--width=32", "--layers=1",
+                         "--heads=2", "--vocab_size=64", "--prompt_length=8", "--gen_length=16", "--block_length=8",
+                         "--rounds=2", f"--json_out={tmp_path / 'stats.json'}", *flags],
+                        capture_output=True, text=True, check=False, timeout=600, env=env)
+
+
+def test_every_pair_is_timed_and_the_overhead_is_their_ratio(tmp_path):
+  done = _bench(tmp_path, "--policies=none,sparse_dllm:keep_ratio=0.5")
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = json.loads((tmp_path / "stats.json").read_text())
+  assert f"CPU: {results['cpu']}" in done.stdout
+  assert set(results["policies"]) == {"none", "sparse_dllm:keep_ratio=0.5"}
+  for text, row in results["policies"].items():
+    assert {c: len(r) for c, r in row["runs_s"].items()} == {"off": 2, "stats": 2}
+    assert min(row["runs_s"]["off"] + row["runs_s"]["stats"]) > 0
+    # the median of two runs is their mean
+    assert row["ms_per_step_off"] == pytest.approx(sum(row["runs_s"]["off"]) / 2 * 1e3 / 16)
+    assert row["ms_per_step_stats"] == pytest.approx(sum(row["runs_s"]["stats"]) / 2 * 1e3 / 16)
+    assert row["stats_overhead"] == pytest.approx(row["ms_per_step_stats"] / row["ms_per_step_off"] - 1)
+    assert f"{text:28s} {row['ms_per_step_off']:8.2f} ms/step without statistics" in done.stdout
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--policies=sparse_dllm:keep_ratio=2", "--policies: sparse_dllm:keep_ratio=2: "),
+    ("--block_length=5", "--block_length=5: expected a divisor of --gen_length=16"),
+])
+def test_bad_flags_are_one_line(tmp_path, flag, message):
+  done = _bench(tmp_path, flag)
+  assert done.returncode == 1
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(f"benchmarks.policy_stats_bench: error: {message}"), lines
+  assert not (tmp_path / "stats.json").exists()
