@@ -6,6 +6,8 @@ recomputes layer 0 whole), and hold zeros exactly where the layer computed nothi
 only the keys and key blocks the policy kept; an edit acts at every computed position (an embedding edit equals
 the same run on weights with the edit folded in); `computed_queries` is the span of `computed_positions`."""
 
+import dataclasses
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -30,10 +32,12 @@ HOOKS = Hooks(captures=(Capture("blocks.0.attn.hook_v"), Capture("blocks.0.hook_
 """One static hook set for every run (the edit's coefficient is traced: 0 leaves the run unedited)."""
 SPARSED_BLOCK = 2
 POLICIES = {"dkv_cache": "dkv_cache", "sparse_dllm": "sparse_dllm", "sparsed": f"sparsed:block_size={SPARSED_BLOCK}",
-            "elastic_cache": "elastic_cache:gamma=0.999", "dllm_cache": "dllm_cache", "d2cache": "d2cache"}
+            "elastic_cache": "elastic_cache:gamma=0.999", "dllm_cache": "dllm_cache", "d2cache": "d2cache",
+            "sparse_dllm_dual": "sparse_dllm"}
 """The policies run with hooks (SparseD with key blocks small enough for the 14 positions to have several;
 Elastic-Cache with a drift threshold its layer 1 crosses, so that its calls refresh from there; d2Cache's subset
-calls run at query buckets)."""
+calls run at query buckets; Sparse-dLLM also with the dual cache, `CACHED`)."""
+CACHED = {"sparse_dllm_dual": "dual"}
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +52,9 @@ def _run(setup, policy: str, coefficient: float, params=None):
   base, prompt, vector = setup
   values = hook_values(HOOKS, CONFIG, prompt.shape[0], prompt.shape[1] + OPTIONS.gen_length,
                        edits={0: dict(vector=vector, coefficient=coefficient)})
-  return llada.generate(base if params is None else params, prompt, config=CONFIG, options=OPTIONS, hooks=HOOKS,
-                        hook_values=values, policy=parse_policy(POLICIES.get(policy, policy)))
+  options = dataclasses.replace(OPTIONS, cache=CACHED.get(policy, "none"))
+  return llada.generate(base if params is None else params, prompt, config=CONFIG, options=options, hooks=HOOKS,
+                        hook_values=values, policy=parse_policy(POLICIES[policy]))
 
 
 @pytest.fixture(scope="module")
