@@ -245,10 +245,11 @@ def _refused_runs():
       ("tiny-llada", lambda p, x: llada.generate(p, x, config=CONFIG, options=llada.LLaDAOptions(**SMALL),
                                                  policy=parse_policy("dkv_cache:shift_type=right")),
        "dkv_cache cache_type and shift_type are the rules of Dream's code"),
-      ("tiny-dream", lambda p, x: dream.diffusion_generate(p, x, config=dream_config, policy=sparse,
+      ("tiny-dream", lambda p, x: dream.diffusion_generate(p, x, config=dream_config,
+                                                           policy=parse_policy("elastic_cache"),
                                                            options=dream.DreamOptions(**SMALL, threshold=0.9),
                                                            hooks=Hooks(captures=(Capture("hook_resid_post"),))),
-       "policy 'sparse_dllm' does not run with activation hooks"),
+       "policy elastic_cache runs with the llada, llada_blockwise samplers"),
   ]
 
 

@@ -32,7 +32,10 @@ class ForwardSites:
 
   hooks: the call's `HookCall`; offset: sequence position of the call's first query (traced int); n_seq: S,
   the sequence positions of captures; readout(h, normalized) -> float32 logits [B, T, V]: final norm + LM
-  head (the logit lens).
+  head (the logit lens); index: [B, T] int32 the sequence positions of the call's queries when they are not
+  contiguous (a compute policy's subset call, `ComputeSubset.queries`; padded with S), else None; kept: [B, T]
+  bool, the queries whose captures are kept (a layer refresh's full layer: the positions the layer computes
+  for each row), or None (all).
   """
 
   hooks: HookCall
@@ -40,17 +43,20 @@ class ForwardSites:
   offset: Any
   n_seq: int
   readout: Callable[..., jax.Array]
+  index: jax.Array | None = None
+  kept: jax.Array | None = None
 
   def model_sites(self) -> SiteHooks:
     """The `SiteHooks` of the model-level sites (embedding, final norm)."""
     return SiteHooks(self.hooks, self.config, kind=None, layer=None, offset=self.offset, n_seq=self.n_seq,
-                     readout=self.readout)
+                     readout=self.readout, index=self.index, kept=self.kept)
 
   def layer_sites(self, kind: str, layer, buffers: dict) -> SiteHooks:
     """The `SiteHooks` of layer `layer` (traced int32) of attention kind `kind`; buffers: the captures of the
     layers run so far (read by the gates of scheduled edits)."""
     return SiteHooks(self.hooks, self.config, kind=kind, layer=layer, offset=self.offset, n_seq=self.n_seq,
-                     readout=self.readout, earlier=lambda index: self._earlier(buffers, index))
+                     readout=self.readout, earlier=lambda index: self._earlier(buffers, index), index=self.index,
+                     kept=self.kept)
 
   def _layers(self, index: int, kind: str) -> list[int]:
     """The layers of attention kind `kind` that capture `index` reads, in its order."""

@@ -3,7 +3,8 @@
 The Transformer builds a `SiteHooks` for its model-level sites and one per layer inside its layer scan
 (`dlm_jax.model.transformer`); the modules call it at each site (`at(hooks, kind, x)`), which returns the
 (edited) value and records the captures. Captures are placed in sequence coordinates: the call's T queries
-sit at sequence positions offset..offset+T−1 of S (a KV-cache call's offset; 0 otherwise) and the other
+sit at sequence positions offset..offset+T−1 of S (a KV-cache call's offset; 0 otherwise), or at the
+positions `index` [B, T] (a compute policy's subset call, `dlm_jax.instrument.query_rows`), and the other
 positions hold zeros. Shapes as in `dlm_jax.instrument.hook_call`.
 """
 
@@ -20,6 +21,7 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument import sae_hooks, sites
 from dlm_jax.instrument.hook_call import VALID, CaptureValues, EditValues, HookCall, class_mask
 from dlm_jax.instrument.hook_spec import Capture, Edit
+from dlm_jax.instrument.query_rows import QueryRows
 from dlm_jax.instrument.step_schedule import gate_reading, scheduled_add
 
 
@@ -42,10 +44,9 @@ class LensReadout:
   top_probabilities: jax.Array
 
 
-def _place(y: jax.Array, offset, n_seq: int) -> jax.Array:
-  """y [B, T, ...] written at sequence positions offset..offset+T−1 of zeros [B, S, ...]."""
-  zeros = jnp.zeros((y.shape[0], n_seq, *y.shape[2:]), y.dtype)
-  return jax.lax.dynamic_update_slice_in_dim(zeros, y, jnp.asarray(offset, jnp.int32), axis=1)
+def _rows(offset) -> QueryRows:
+  """The call's `QueryRows` from an offset (scalar, the queries contiguous from it) or a `QueryRows`."""
+  return offset if isinstance(offset, QueryRows) else QueryRows(offset=offset)
 
 
 def _expand(mask: jax.Array, ndim: int) -> jax.Array:
@@ -67,7 +68,8 @@ def _lens(x: jax.Array, targets: jax.Array, k: int, readout: Callable[[jax.Array
 def reduce_capture(capture: Capture, values: CaptureValues, x: jax.Array, selected: jax.Array, offset, n_seq: int,
                    readout: Callable[[jax.Array], jax.Array] | None):
   """One capture of site values x [B, T, F...] of the queries `selected` [B, T] (its position class): an
-  array or `TopK` / `LensReadout`, in sequence coordinates [B, S | P, ...] (or [B, F...] for "mean").
+  array or `TopK` / `LensReadout`, in sequence coordinates [B, S | P, ...] (or [B, F...] for "mean"); offset:
+  the first query's sequence position, or the call's `QueryRows`.
   readout(h, normalized=...) -> logits: the final norm (skipped at ln_final.hook_normalized) and LM head."""
   if capture.reduce == "mean":
     weights = _expand(selected.astype(jnp.float32), x.ndim)
@@ -88,11 +90,11 @@ def reduce_capture(capture: Capture, values: CaptureValues, x: jax.Array, select
       top, index = jax.lax.top_k(y, capture.k)
       y = TopK(values=top, indices=index.astype(jnp.int32))
   else:
-    targets = jax.lax.dynamic_slice_in_dim(values.targets, jnp.asarray(offset, jnp.int32), x.shape[1], axis=1)
+    targets = _rows(offset).take(values.targets, x.shape[1])
     normalized = capture.site == "ln_final.hook_normalized"  # the final norm is applied already
     y = _lens(x, targets, capture.k, lambda h: readout(h, normalized=normalized))
-  y = jax.tree.map(lambda a: _place(jnp.where(_expand(selected, a.ndim), a, jnp.zeros((), a.dtype)), offset, n_seq),
-                   y)
+  y = jax.tree.map(lambda a: _rows(offset).place(jnp.where(_expand(selected, a.ndim), a, jnp.zeros((), a.dtype)),
+                                                  n_seq), y)
   if isinstance(capture.positions, tuple):
     index = np.asarray(capture.positions)
     if index.max() >= n_seq:
@@ -105,10 +107,11 @@ def reduce_capture(capture: Capture, values: CaptureValues, x: jax.Array, select
 def apply_edit(edit: Edit, values: EditValues, x: jax.Array, slot, step, flags: jax.Array, offset,
                gate: jax.Array | None = None) -> jax.Array:
   """Site values x [B, T, F...] with `edit` applied where its values allow it: at layer slot `slot` (its index
-  in the edit's layers, −1 when the layer is not one of them), step `step`, queries of flags [B, T]; gate: the
-  [B, T] reading of a scheduled edit's gate (`dlm_jax.instrument.step_schedule`)."""
+  in the edit's layers, −1 when the layer is not one of them), step `step`, queries of flags [B, T] at offset
+  (the first query's sequence position, or the call's `QueryRows`); gate: the [B, T] reading of a scheduled
+  edit's gate (`dlm_jax.instrument.step_schedule`)."""
   t = x.shape[1]
-  offset = jnp.asarray(offset, jnp.int32)
+  rows = _rows(offset)
   slot = jnp.asarray(slot, jnp.int32)
   layer_on = jnp.take(values.layers, jnp.maximum(slot, 0), axis=1) & (slot >= 0)
   row = layer_on & (values.window[:, 0] <= step) & (step < values.window[:, 1])
@@ -117,11 +120,10 @@ def apply_edit(edit: Edit, values: EditValues, x: jax.Array, slot, step, flags: 
     at_step = values.value_steps == step
     row = row & jnp.any(at_step)
     per_step = jnp.take(values.values, jnp.argmax(at_step), axis=0)
-    source = jax.lax.dynamic_slice_in_dim(jnp.take(per_step, jnp.maximum(slot, 0), axis=0), offset, t, axis=1)
+    source = rows.take(jnp.take(per_step, jnp.maximum(slot, 0), axis=0), t)
   elif values.vector is not None:
     source = values.vector[:, None]
-  where = row[:, None] & class_mask(edit.positions, flags) & jax.lax.dynamic_slice_in_dim(values.positions, offset,
-                                                                                          t, axis=1)
+  where = row[:, None] & class_mask(edit.positions, flags) & rows.take(values.positions, t)
   if values.heads is not None:
     where = where[:, :, None] & values.heads[:, None, :]
   where = _expand(where, x.ndim)
@@ -167,7 +169,10 @@ class SiteHooks:
   """The hooks of one forward call at one layer (`layer` traced int32) of attention kind `kind`, or at the
   model-level sites (layer None).
 
-  offset: sequence position of the call's first query; n_seq: S; readout(h, normalized): final norm (unless
+  offset: sequence position of the call's first query; index: [B, T] int32 the queries' sequence positions
+  instead (a subset call: padded with S; `call.flags` are then [B, S] over the sequence), or None; kept: [B, T]
+  bool, the queries whose captures are kept (the others capture zeros; edits act on every query), or None
+  (all); n_seq: S; readout(h, normalized): final norm (unless
   `normalized`) + LM head, [B, T, D] -> float32 logits [B, T, V] (the "lens" reduction); earlier(index) ->
   capture `index`'s value at its (single) layer in this forward, already computed (the gates of scheduled
   edits; None at the model level). After the sites ran, `captured` maps each capture index acting here to its
@@ -179,9 +184,12 @@ class SiteHooks:
   """
 
   def __init__(self, call: HookCall, config: ModelConfig, *, kind: str | None, layer, offset, n_seq: int,
-               readout: Callable[[jax.Array], jax.Array] | None, earlier: Callable[[int], object] | None = None):
+               readout: Callable[[jax.Array], jax.Array] | None, earlier: Callable[[int], object] | None = None,
+               index: jax.Array | None = None, kept: jax.Array | None = None):
     self.call, self.config, self.kind, self.layer = call, config, kind, layer
     self.offset, self.n_seq, self.readout, self.earlier = offset, n_seq, readout, earlier
+    self.rows = QueryRows(offset=offset, index=index)
+    self.kept = kept
     hooks = call.hooks
     self.captures = [i for i, c in enumerate(hooks.captures) if self._acts(c)]
     self.edits = [i for i, e in enumerate(hooks.edits) if self._acts(e)]
@@ -226,16 +234,21 @@ class SiteHooks:
     zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
     self.captured[index] = jax.lax.cond(wanted, reduce, zeros)
 
-  def _gate(self, edit: Edit, t: int, offset) -> jax.Array | None:
+  def _gate(self, edit: Edit, t: int, rows: QueryRows) -> jax.Array | None:
     """[B, T] the gate reading of a scheduled, gated edit at the call's queries (None for other edits)."""
     if edit.schedule is None or edit.schedule.gate is None:
       return None
     index = self.call.hooks.capture_names(self.config)[edit.schedule.gate.capture]
-    return gate_reading(self.earlier(index), self.call.hooks.captures[index].reduce, offset, t)
+    return gate_reading(self.earlier(index), self.call.hooks.captures[index].reduce, rows, t)
 
   def flags(self, t: int, start=0) -> jax.Array:
-    """[B, T] class bits of the queries start..start+T−1 of the call (all VALID without flags)."""
+    """[B, T] class bits of the queries start..start+T−1 of the call (all VALID without flags; none at a subset
+    call's padded entries)."""
     flags = self.call.flags
+    if self.rows.index is not None:
+      rows = self.rows.shifted(start, t)
+      real = rows.index < self.n_seq
+      return jnp.where(real, VALID if flags is None else rows.take(flags, t), 0).astype(jnp.int32)
     if flags is None:
       return None
     return jax.lax.dynamic_slice_in_dim(flags, jnp.asarray(start, jnp.int32), t, axis=1)
@@ -248,30 +261,36 @@ class SiteHooks:
     flags = self.flags(x.shape[1], start)
     if flags is None:
       flags = jnp.full(x.shape[:2], VALID, jnp.int32)
-    offset = jnp.asarray(self.offset, jnp.int32) + start
+    rows = self.rows.shifted(start, x.shape[1])
     hooks = self.call.hooks
     for i in self.edits:
       if hooks.edits[i].site == site:
         x = apply_edit(hooks.edits[i], self.call.values.edits[i], x, self._slot(hooks.edits[i]), self.call.step,
-                       flags, offset, self._gate(hooks.edits[i], x.shape[1], offset))
+                       flags, rows, self._gate(hooks.edits[i], x.shape[1], rows))
     for i in self.captures:
       capture = hooks.captures[i]
       if capture.site == site:
         selected = class_mask("all" if isinstance(capture.positions, tuple) else capture.positions, flags)
+        if self.kept is not None:
+          selected = selected & jax.lax.dynamic_slice_in_dim(self.kept, jnp.asarray(start, jnp.int32), x.shape[1],
+                                                             axis=1)
         self._capture(i, lambda capture=capture, i=i, selected=selected: reduce_capture(
-            capture, self.call.values.captures[i], x, selected, offset, self.n_seq, self.readout))
+            capture, self.call.values.captures[i], x, selected, rows, self.n_seq, self.readout))
     return x
 
-  def pattern(self, probabilities: Callable[[jax.Array], jax.Array], n_queries: int) -> None:
-    """Records the attn.hook_pattern captures: probabilities(weights [P, T]) -> [B, P, N, S] is the layer's
-    attention with those query weights for every row (one-hot rows: the P chosen queries' probabilities; a
-    query outside this call gets a zero row)."""
+  def pattern(self, probabilities: Callable[[jax.Array], jax.Array], n_queries: int, batch: int) -> None:
+    """Records the attn.hook_pattern captures: probabilities(weights [B, P, T]) -> [B, P, N, S] is the layer's
+    attention with those query weights (one-hot rows: the P chosen queries' probabilities over the keys the
+    call's queries read; a query this call did not compute gets a zero row)."""
     for i in self.captures:
       capture = self.call.hooks.captures[i]
       if capture.site == "attn.hook_pattern":
-        query_index = jnp.asarray(self.offset, jnp.int32) + jnp.arange(n_queries)
+        query_index = self.rows.positions(n_queries)
         chosen = jnp.asarray(capture.positions, jnp.int32)
-        weights = (query_index[None, :] == chosen[:, None]).astype(jnp.float32)
+        weights = (query_index[:, None, :] == chosen[None, :, None]).astype(jnp.float32)
+        weights = jnp.broadcast_to(weights, (batch, *weights.shape[1:]))
+        if self.kept is not None:
+          weights = weights * self.kept[:, None, :].astype(weights.dtype)
         self._capture(i, lambda weights=weights: probabilities(weights))
 
 

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from dlm_jax.instrument.query_rows import QueryRows
 from dlm_jax.instrument.row_values import row_array
 
 GATE_REDUCTIONS = ("project", "norm")
@@ -183,11 +184,11 @@ def schedule_values(schedule: StepSchedule, batch: int, what: str, *, table: Any
   return out
 
 
-def gate_reading(value: jax.Array, reduce: str, offset, t: int) -> jax.Array:
-  """[B, T] the gate capture's per-position scalar at the call's T queries, from its value in sequence
-  coordinates ([B, S, 1] for "project", [B, S] for "norm")."""
+def gate_reading(value: jax.Array, reduce: str, rows: QueryRows, t: int) -> jax.Array:
+  """[B, T] the gate capture's per-position scalar at the call's T queries (rows: their `QueryRows`), from its
+  value in sequence coordinates ([B, S, 1] for "project", [B, S] for "norm")."""
   reading = value[..., 0] if reduce == "project" else value
-  return jax.lax.dynamic_slice_in_dim(reading.astype(jnp.float32), jnp.asarray(offset, jnp.int32), t, axis=1)
+  return rows.take(reading.astype(jnp.float32), t)
 
 
 def scheduled_add(values: Any, schedule: ScheduleValues, x: jax.Array, where: jax.Array, step,

@@ -147,12 +147,22 @@ class Attention(nnx.Module):
       out, incoming = attention(q, k, v, query_weights=call.query_weights, with_incoming=call.with_incoming,
                                 **common)
     if hooks is not None and hooks.wants("attn.hook_pattern"):
-      hooks.pattern(lambda weights: attention(q, k, v, query_weights=jnp.broadcast_to(weights, (b, *weights.shape)),
-                                              with_incoming=True, **common)[1], t)
+      hooks.pattern(lambda weights: self._probabilities(q, k, v, weights, call, subset, common, key_bias, scale), t, b)
     out = at(hooks, "attn.hook_z", out)
     if decoder:
       k, v = given_cache
     return self.o(out.reshape(b, t, c.n_heads * h)), AttentionReadings(incoming, k, v, q, rows)
+
+  def _probabilities(self, q, k, v, weights, call: AttentionCall, subset, common, key_bias, scale) -> jax.Array:
+    """[B, P, N, S] the attention probabilities of the query weights [B, P, T] (one-hot: chosen queries) over
+    the keys this call's queries read: the layer's key subset, its kept key blocks, or every key."""
+    if subset is not None and call.key_index is not None:
+      return self._key_subset(q, k, v, call.key_index, subset, weights, True, common)[1]
+    if call.key_blocks is not None:
+      return block_sparse_attention(q, k, v, call.key_blocks, scale=scale, key_bias=key_bias,
+                                    pairwise_bias=call.pairwise_bias, query_weights=weights, with_incoming=True,
+                                    impl=call.impl)[1]
+    return attention(q, k, v, query_weights=weights, with_incoming=True, **common)[1]
 
   @staticmethod
   def _key_subset(q, k, v, key_index, subset, query_weights, with_incoming, common, with_rows=False):

@@ -47,13 +47,14 @@ def _check_hooks(config: ModelConfig, hooks: HookCall | None, shape: tuple[int, 
     raise ValueError(f"hooks must be None or a HookCall, got {type(hooks).__name__}.")
   hooks.hooks.check(config)
   if hooks.flags is not None and tuple(hooks.flags.shape) != shape:
-    raise ValueError(f"HookCall.flags must be [B, T] = {list(shape)}, got {list(hooks.flags.shape)}.")
+    raise ValueError(f"HookCall.flags must be {list(shape)} ([B, T]; [B, S] at a subset call), got "
+                     f"{list(hooks.flags.shape)}.")
   if len(hooks.values.captures) != len(hooks.hooks.captures) or len(hooks.values.edits) != len(hooks.hooks.edits):
     raise ValueError("HookCall.values must hold one CaptureValues per capture and one EditValues per edit "
                      "(build them with dlm_jax.instrument.hook_call.hook_values).")
 
 
-def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tuple[int, int], cache, hooks,
+def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tuple[int, int], cache,
                   stats_spec: StatsSpec) -> None:
   if subset is None:
     return
@@ -61,9 +62,6 @@ def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tupl
     raise ValueError(f"subset must be None or a ComputeSubset, got {type(subset).__name__}.")
   _check_key_blocks(config, subset, shape)
   if subset.queries is None:
-    if hooks is not None:
-      raise ValueError("forward(subset=ComputeSubset(key_blocks=...)) does not run hooks (their attention pattern "
-                       "would be the dense one); leave them off.")
     return
   if cache is None:
     raise ValueError("forward(subset=...) reads and writes a KVCache; pass cache=KVCache.zeros(config, B, S) "
@@ -76,9 +74,9 @@ def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tupl
   if subset.keys is not None and (subset.keys.ndim != 3 or subset.keys.shape[:2] != (config.n_layers, shape[0])):
     raise ValueError(f"ComputeSubset.keys must be [L, B, m] with L={config.n_layers}, B={shape[0]}, got "
                      f"{list(subset.keys.shape)}.")
-  if hooks is not None or stats_spec.routing:
-    raise ValueError("forward(subset=...) does not run hooks or routing statistics (their positions are "
-                     "contiguous); leave them off.")
+  if stats_spec.routing:
+    raise ValueError("forward(subset=...) does not run routing statistics (their positions are contiguous); leave "
+                     "them off.")
   if subset.reuse is not None:
     reason = reuse_layers.check_config(config)
     if reason is not None:
@@ -225,7 +223,7 @@ def forward(
     subset: a `ComputeSubset` (a compute policy's decision; needs `cache`): the T tokens are the sequence
       positions subset.queries [B, T] (their keys and values are written there; `positions` default to
       them), each layer reads all S cache positions or its key subset, and the statistics sum over the real
-      (not padded) queries; bidirectional models only, without hooks or routing statistics. With
+      (not padded) queries; bidirectional models only, without routing statistics (hooks: see `hooks`). With
       `key_blocks` instead (SparseD, `dlm_jax.model.block_sparse_attention`) every position is a query, no
       cache is needed, and each layer's heads read only their query block's kept key blocks.
       With subset.reuse
@@ -234,7 +232,10 @@ def forward(
       a `ReuseCache` (the KV cache, the attention and feed-forward outputs, each layer's recomputed positions).
     hooks: a `dlm_jax.instrument.hook_call.HookCall`: captures and edits at the named sites
       (`dlm_jax.instrument.sites`), in sequence coordinates of the S keys (a cached call's queries sit at
-      cache_offset); None adds nothing to the program.
+      cache_offset; a subset call's at subset.queries, its `HookCall.flags` then [B, S] over the sequence, and
+      its captures hold zeros at the positions it did not compute; under subset.reuse the sites inside
+      attention and the feed-forward see each layer's recomputed positions only,
+      `dlm_jax.model.reuse_layers`); None adds nothing to the program.
 
   Returns:
     `ForwardOutput`: float32 logits [B, W, V], the requested statistics in the layout of
@@ -242,8 +243,9 @@ def forward(
     and the updated cache (None without a cache).
   """
   _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder)
-  _check_hooks(config, hooks, tuple(tokens.shape))
-  _check_subset(config, subset, tuple(tokens.shape), cache, hooks, stats_spec)
+  _check_subset(config, subset, tuple(tokens.shape), cache, stats_spec)
+  subset_call = subset is not None and subset.queries is not None
+  _check_hooks(config, hooks, (tokens.shape[0], cache.keys.shape[2]) if subset_call else tuple(tokens.shape))
   if subset is not None and subset.queries is not None:
     real = subset.queries < cache.keys.shape[2]  # padded entries are no query of the statistics
     query_weights = real[:, None, :].astype(jnp.float32) if query_weights is None else query_weights * real[:, None, :]

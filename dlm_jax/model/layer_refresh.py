@@ -22,7 +22,12 @@ cached layer input at their positions (the official code keeps a query cache wri
 cache, so the rows are the same) and the key cache before the call; the current rows use the call's input
 and keys. Keys the call's shared key bias removes (key padding) are left out of both rows and of the mean (the
 official code has no padding). Dense layer stacks only (one run of blocks: LLaDA, MMaDA); no key subsets, no
-pairwise bias with query rows, no layer subset of statistics, no hooks.
+pairwise bias with query rows, no layer subset of statistics.
+
+Hooks: a subset layer runs them at the queries; a full layer at every position (edits act wherever the layer
+computes, so the keys and values it rewrites carry them as when last computed), keeping the captures of the
+positions it computes for each row (every position from the row's start on, its queries below it) and zeros
+elsewhere. The drift test reads the layer's queries without the edits.
 """
 
 from __future__ import annotations
@@ -73,8 +78,8 @@ def check(config, call, per_layer: dict) -> None:
   """Refuses, in one line, what the refresh does not run with."""
   if config.layer_pattern is not None or config.first_k_dense:
     raise ValueError(f"a layer refresh runs a model with one stack of alike layers; {config.name} has several.")
-  if call.slots is not None or call.sites is not None or "key_index" in per_layer:
-    raise ValueError("a layer refresh runs without a layer subset of statistics, hooks or key subsets.")
+  if call.slots is not None or "key_index" in per_layer:
+    raise ValueError("a layer refresh runs without a layer subset of statistics or key subsets.")
   pairwise = [call.attention.pairwise_bias, per_layer.get("pairwise_bias")]
   if any(p is not None and p.shape[-2] != 1 for p in pairwise):
     raise ValueError("a layer refresh runs without a pairwise attention bias that varies by query (padded prompts "
@@ -107,17 +112,21 @@ def _spread(weights: jax.Array | None, queries: jax.Array, n_seq: int) -> jax.Ar
   return jnp.swapaxes(placed, 1, 2)
 
 
-def run_layers(model, call, x: jax.Array, per_layer: dict, kind_caches: dict, run_layer) -> tuple:
+def run_layers(model, call, x: jax.Array, per_layer: dict, kind_caches: dict, run_layer,
+               capture_buffers: dict) -> tuple:
   """Every layer under `call.attention.subset.refresh` (module docstring). model: the `Transformer`; call: its
   `_LayerCall` for the queries; x: the queries' embeddings [B, T, D]; per_layer: the per-layer biases;
-  kind_caches: {"s": (keys, values)}; run_layer: the transformer's one-layer function. Returns (h [B, T, D],
-  per-layer statistics, the new `KVCache`, `RefreshResult`)."""
+  kind_caches: {"s": (keys, values)}; run_layer: the transformer's one-layer function; capture_buffers: the
+  hooks' zero capture buffers ({} without hooks). Returns (h [B, T, D], per-layer statistics, the new `KVCache`,
+  `RefreshResult`, the capture buffers)."""
   config = model.config
   check(config, call, per_layer)
   subset = call.attention.subset
   refresh, queries = subset.refresh, subset.queries
   keys, values = kind_caches["s"]
   n_seq = keys.shape[2]
+  is_query = scatter_rows(jnp.zeros(refresh.tokens.shape, bool), queries, queries < n_seq)
+  full_sites = None if call.sites is None else dataclasses.replace(call.sites, index=None)
   full_call = dataclasses.replace(
       call, tables=model._rope_tables(refresh.positions),
       attention=call.attention._replace(subset=None, cache_offset=0,
@@ -129,32 +138,37 @@ def run_layers(model, call, x: jax.Array, per_layer: dict, kind_caches: dict, ru
   block_graph, block_state = nnx.split(model.blocks)
 
   def layer_step(carry, xs):
-    h, h_full, start = carry
+    h, h_full, start, buffers = carry
     state, layer_biases, kv, x_cache, layer = xs
     block = nnx.merge(block_graph, state)
 
     def subset_layer(_):
-      out, new_kv, stats, _ = run_layer(call, "s", block, h, kv, layer_biases, with_stats, layer, {})
-      return out, h_full, new_kv, scatter_rows(x_cache, queries, h), stats
+      out, new_kv, stats, captured = run_layer(call, "s", block, h, kv, layer_biases, with_stats, layer, buffers)
+      return out, h_full, new_kv, scatter_rows(x_cache, queries, h), stats, captured
 
     def full_layer(_):
       carried = (start < layer) | (start == 0)  # rows whose full-width input is the previous full layer's output
       x_in = jnp.where(carried[:, None, None], h_full, scatter_rows(x_cache, queries, h))
-      out, new_kv, stats, _ = run_layer(full_call, "s", block, x_in, kv, layer_biases, with_stats, layer, {})
-      return gather_rows(out, queries), out, new_kv, x_in, stats
+      sites = None if full_sites is None else dataclasses.replace(full_sites, kept=(start <= layer)[:, None] | is_query)
+      out, new_kv, stats, captured = run_layer(dataclasses.replace(full_call, sites=sites), "s", block, x_in, kv,
+                                               layer_biases, with_stats, layer, buffers)
+      return gather_rows(out, queries), out, new_kv, x_in, stats, captured
 
-    h, h_full, new_kv, x_in, stats = jax.lax.cond(jnp.any(start <= layer), full_layer, subset_layer, None)
+    h, h_full, new_kv, x_in, stats, captured = jax.lax.cond(jnp.any(start <= layer), full_layer, subset_layer, None)
+    if call.sites is not None:
+      buffers = call.sites.write("s", layer, buffers, captured)
     before = attention_rows(_queries(block, config, gather_rows(x_cache, refresh.tracked), tracked_cos,
                                      tracked_sin), kv[0], key_valid)
     now = attention_rows(_queries(block, config, gather_rows(x_in, refresh.tracked), tracked_cos, tracked_sin),
                          new_kv[0], key_valid)
     similarity = drift_similarity(before, now, tracked_valid, key_valid)
     start = jnp.where((start > layer) & (similarity < refresh.gamma), layer + 1, start).astype(jnp.int32)
-    return (h, h_full, start), {"cache": new_kv, "hidden": x_in, "similarity": similarity, "stats": stats}
+    return (h, h_full, start, buffers), {"cache": new_kv, "hidden": x_in, "similarity": similarity, "stats": stats}
 
-  h_full = model._embed(refresh.tokens, None).astype(x.dtype)
+  h_full = model._embed(refresh.tokens, None, None if full_sites is None else full_sites.model_sites()).astype(x.dtype)
   xs = (block_state, per_layer, (keys, values), refresh.hidden.astype(x.dtype),
         jnp.arange(config.n_layers, dtype=jnp.int32))
-  (h, _, start), ys = jax.lax.scan(layer_step, (x, h_full, refresh.start.astype(jnp.int32)), xs)
+  (h, _, start, capture_buffers), ys = jax.lax.scan(
+      layer_step, (x, h_full, refresh.start.astype(jnp.int32), capture_buffers), xs)
   result = RefreshResult(hidden=ys["hidden"], start=start, similarity=ys["similarity"])
-  return h, ys["stats"], KVCache(*ys["cache"]), result
+  return h, ys["stats"], KVCache(*ys["cache"]), result, capture_buffers

@@ -14,6 +14,12 @@ h + A; F[q] = mlp(mlp_norm(h_mid[q])); h_next = h_mid + F. Every other position 
 residual stream moves with its fresh input, by cached deltas. A layer that recomputes nothing runs one padded
 query (index S: read at S − 1, written nowhere, no weight in the statistics).
 
+Hooks: the residual-stream sites (hook_resid_pre, hook_resid_mid, hook_resid_post) see every position, the
+sites inside attention and the feed-forward (attn.*, hook_attn_out, mlp.hook_post, hook_mlp_out) the R
+recomputed positions only (their captures hold zeros at the reused ones; an edit there acts where the layer
+recomputes, and a reused output is the one last computed, with that call's edits). The adaptive values V of the
+response pass attn.hook_v's edits (not its captures).
+
 Static shapes: R is a Python int from the case (P if the prompt refreshes, G if the response does, plus count
 adaptive positions). Dense bidirectional blocks only (LLaDA, MMaDA, Dream): no MoE, sandwich norms, layer
 scalar or layer pattern (`check_config`).
@@ -29,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.site_hooks import at
 from dlm_jax.instrument.stats import STATISTICS, LayerValues
 from dlm_jax.model.cache import KVCache
 from dlm_jax.model.compute_subset import ComputeSubset, gather_rows, scatter_rows
@@ -119,14 +126,29 @@ def _pairwise_rows(pairwise, queries: jax.Array):
   return jnp.take_along_axis(full, index, axis=2)
 
 
-def _layer(call, reuse: LayerReuse, plan: _Plan, block, h, keys, values, attn, ffn, biases, with_stats: bool):
-  """One layer under `plan` (module docstring): (h, keys, values, attn, ffn, recomputed [B, S] bool, stats)."""
+def _site_hooks(call, layer, buffers: dict, index: jax.Array | None):
+  """The layer's `SiteHooks` at every position (index None) or at the positions index [B, R]; None without
+  hooks."""
+  if call.sites is None:
+    return None
+  return dataclasses.replace(call.sites, index=index).layer_sites("s", layer, buffers)
+
+
+def _layer(call, reuse: LayerReuse, plan: _Plan, block, h, keys, values, attn, ffn, biases, with_stats: bool,
+           layer=None, buffers=None):
+  """One layer under `plan` (module docstring): (h, keys, values, attn, ffn, recomputed [B, S] bool, stats,
+  {capture index: this layer's captured value}); layer: its index (traced), buffers: the capture buffers so
+  far (hooks only)."""
   c = call.config
   b, s, _ = h.shape
   p = reuse.prompt_length
+  every = _site_hooks(call, layer, buffers, None)
+  h = at(every, "hook_resid_pre", h)
   parts = [jnp.broadcast_to(jnp.arange(lo, hi, dtype=jnp.int32)[None], (b, hi - lo)) for lo, hi in plan.ranges]
   if plan.adaptive:
     fresh = _fresh_values(block.attn, block.attn_norm(h[:, p:]), c)
+    response = jnp.broadcast_to(jnp.arange(p, s, dtype=jnp.int32)[None], (b, s - p))
+    fresh = at(_site_hooks(call, layer, buffers, response), "attn.hook_v", fresh)
     parts.append(refresh_positions(value_similarity(fresh, values[:, p:]), reuse.count) + p)
     values = values.at[:, p:].set(fresh.astype(values.dtype))
   queries = jnp.concatenate(parts, axis=1) if parts else jnp.full((b, 1), s, jnp.int32)
@@ -139,12 +161,14 @@ def _layer(call, reuse: LayerReuse, plan: _Plan, block, h, keys, values, attn, f
   attention = call.attention._replace(with_incoming=with_stats and call.stats_spec.attention, query_weights=weights,
                                       subset=ComputeSubset(queries), key_index=None,
                                       **{**biases, "pairwise_bias": _pairwise_rows(pairwise, queries)})
+  recomputing = _site_hooks(call, layer, buffers, queries)
   out, readings = block.attn(block.attn_norm(gather_rows(h, queries)), gather_rows(cos, queries),
-                             gather_rows(sin, queries), attention, (keys, values))
-  attn = scatter_rows(attn, queries, out)
-  h = h + attn
-  ffn = scatter_rows(ffn, queries, block.mlp(block.mlp_norm(gather_rows(h, queries))))
-  h = h + ffn
+                             gather_rows(sin, queries), attention, (keys, values), recomputing)
+  attn = scatter_rows(attn, queries, at(recomputing, "hook_attn_out", out))
+  h = at(every, "hook_resid_mid", h + attn)
+  ffn = scatter_rows(ffn, queries, at(recomputing, "hook_mlp_out",
+                                      block.mlp(block.mlp_norm(gather_rows(h, queries)), recomputing)))
+  h = at(every, "hook_resid_post", h + ffn)
   recomputed = scatter_rows(jnp.zeros((b, s), bool), queries, real)
   stats = {}
   if with_stats:
@@ -153,14 +177,17 @@ def _layer(call, reuse: LayerReuse, plan: _Plan, block, h, keys, values, attn, f
                                queries=readings.queries, query_weights=weights, routing=None, query_offset=0,
                                n_queries=queries.shape[1], per_head=spec.per_head, k=c.experts_per_token)
     stats = {name: STATISTICS[name].compute(layer_values) for name in spec.names}
-  return h, readings.keys, readings.values, attn, ffn, recomputed, stats
+  captured = {} if every is None else {**every.captured, **recomputing.captured}
+  return h, readings.keys, readings.values, attn, ffn, recomputed, stats, captured
 
 
-def run_layers(model, call, reuse: LayerReuse, x: jax.Array, per_layer: dict, cache: KVCache):
+def run_layers(model, call, reuse: LayerReuse, x: jax.Array, per_layer: dict, cache: KVCache,
+               capture_buffers: dict):
   """Every layer of `model` (a `Transformer` with one dense block stack) under `reuse`, one `lax.scan` per run
-  of layers sharing a plan. call: the forward's layer call (tables, attention call, statistics spec);
-  per_layer: the per-layer biases [L, ...]; cache: the `KVCache`. Returns (x [B, S, D], the per-layer
-  statistics stacked in layer order, the new `ReuseCache`)."""
+  of layers sharing a plan. call: the forward's layer call (tables, attention call, statistics spec, hooks);
+  per_layer: the per-layer biases [L, ...]; cache: the `KVCache`; capture_buffers: the hooks' zero capture
+  buffers ({} without hooks). Returns (x [B, S, D], the per-layer statistics stacked in layer order, the new
+  `ReuseCache`, the capture buffers)."""
   block_graph, block_state = nnx.split(model.blocks)
   n_layers, n_seq = call.config.n_layers, x.shape[1]
   with_stats = call.stats_spec.enabled
@@ -168,16 +195,20 @@ def run_layers(model, call, reuse: LayerReuse, x: jax.Array, per_layer: dict, ca
   outputs = []
   for start, stop, plan in _plans(reuse, n_layers, n_seq):
 
-    def body(h, xs, plan=plan):
-      state, biases, keys, values, attn, ffn = xs
-      h, *rest, stats = _layer(call, reuse, plan, nnx.merge(block_graph, state), h, keys, values, attn, ffn, biases,
-                               with_stats)
-      return h, (*rest, stats)
+    def body(carry, xs, plan=plan):
+      h, buffers = carry
+      state, biases, keys, values, attn, ffn, layer = xs
+      h, *rest, stats, captured = _layer(call, reuse, plan, nnx.merge(block_graph, state), h, keys, values, attn,
+                                         ffn, biases, with_stats, layer, buffers)
+      if call.sites is not None:
+        buffers = call.sites.write("s", layer, buffers, captured)
+      return (h, buffers), (*rest, stats)
 
-    xs = take((block_state, per_layer, cache.keys, cache.values, reuse.attn, reuse.ffn), start, stop)
-    x, ys = jax.lax.scan(body, x, xs)
+    xs = take((block_state, per_layer, cache.keys, cache.values, reuse.attn, reuse.ffn,
+               jnp.arange(n_layers, dtype=jnp.int32)), start, stop)
+    (x, capture_buffers), ys = jax.lax.scan(body, (x, capture_buffers), xs)
     outputs.append(ys)
   keys, values, attn, ffn, recomputed, stats = (outputs[0] if len(outputs) == 1 else
                                                 jax.tree.map(lambda *a: jnp.concatenate(a), *outputs))
-  return x, stats, ReuseCache(kv=KVCache(keys, values), attn=attn, ffn=ffn, recomputed=recomputed)
+  return x, stats, ReuseCache(kv=KVCache(keys, values), attn=attn, ffn=ffn, recomputed=recomputed), capture_buffers
 

@@ -150,7 +150,8 @@ class Transformer(nnx.Module):
     decoder, hooks, subset = call.decoder, call.hooks, call.subset
     n_keys = tokens.shape[1] if cache is None else cache.keys.shape[2]
     offset = 0 if cache is None else cache_offset
-    sites = None if hooks is None else ForwardSites(hooks, c, offset=offset, n_seq=n_keys, readout=self._readout)
+    sites = None if hooks is None else ForwardSites(hooks, c, offset=offset, n_seq=n_keys, readout=self._readout,
+                                                    index=None if subset is None else subset.queries)
     model_hooks = None if sites is None else sites.model_sites()
     x = self._embed(tokens, decoder, model_hooks)
     per_layer = {name: value for name, value, each in _bias_parts(bias) if each}
@@ -174,10 +175,11 @@ class Transformer(nnx.Module):
     capture_buffers = {} if sites is None else sites.buffers(x)
     refreshed = None
     if subset is not None and subset.refresh is not None:
-      x, ys, new_cache, refreshed = layer_refresh.run_layers(self, call, x, per_layer, _kind_caches(c, cache),
-                                                             _run_layer)
+      x, ys, new_cache, refreshed, capture_buffers = layer_refresh.run_layers(
+          self, call, x, per_layer, _kind_caches(c, cache), _run_layer, capture_buffers)
     elif subset is not None and subset.reuse is not None:
-      x, ys, new_cache = reuse_layers.run_layers(self, call, subset.reuse, x, per_layer, cache)
+      x, ys, new_cache, capture_buffers = reuse_layers.run_layers(self, call, subset.reuse, x, per_layer, cache,
+                                                                  capture_buffers)
     else:
       x, buffers, capture_buffers, ys, new_cache = self._run_layers(call, x, buffers, capture_buffers, per_layer,
                                                                     _kind_caches(c, cache))

@@ -215,5 +215,6 @@ def _block_step(family, run, params, consts: padding.PaddingLayout, carry, istat
   cache = carry.cache if result.cache is None else result.cache
   carry = carry.replace(tokens=new_x, key=key, decode_step=decode_step, block_step=carry.block_step + 1, cache=cache)
   queries = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(start + length, jnp.int32)])
-  outputs = result.outputs.replace(active=active, queries=queries)
+  outputs = result.outputs.replace(active=active, queries=queries if result.outputs.queries is None
+                                   else result.outputs.queries)  # a policy's calls: the span it computed
   return carry, result.state, outputs

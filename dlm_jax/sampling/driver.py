@@ -453,7 +453,7 @@ def run_family(
     raise ValueError(f"hooks must be a dlm_jax.instrument.hook_spec.Hooks, got {type(hooks).__name__}.")
   if hook_values is not None and not hooks.enabled:
     raise ValueError("hook_values were given without hooks; pass hooks=Hooks(captures=..., edits=...).")
-  policy = _bind_policy(policy, family, config, lp, total, hooks)
+  policy = _bind_policy(policy, family, config, lp, total)
   if batch_invariant and policy.enabled:  # no row gathers inside the policy's branches (replicated_rows)
     prompt, prompt_mask = replicated_rows.replicate_sharded_batch(prompt, prompt_mask)
   plan = make_plan(config, stats_spec, intervention, sink_top_k, padded=prompt_mask is not None, policy=policy)
@@ -488,8 +488,7 @@ def run_family(
   return runner(params, sequence, prompt_mask, key, state, run=run)
 
 
-def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp: int, total: int,
-                 hooks: Hooks) -> ComputePolicy:
+def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp: int, total: int) -> ComputePolicy:
   """The policy bound to this run's `RunLayout`, after refusing (one line, a `PolicyError`) what it cannot run
   with."""
   if not isinstance(policy, ComputePolicy):
@@ -503,8 +502,6 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
                        f"MMaDA and Dream: exact, threshold or factor decoding, decoding rules), not with "
                        f"{family.name}.")
     family.check_policy(name)
-    if hooks.enabled:
-      raise ValueError(f"policy {name!r} does not run with activation hooks yet; leave them off.")
     gen = family.gen_length
     block = getattr(family.options, "block_length", gen) or gen
     steps_per_block = max(family.n_steps // max(gen // block, 1), 1)

@@ -162,6 +162,12 @@ def _model_call(family, run, params, consts, carry, istate, i, s, call: Call, st
   return result, queries
 
 
+def _queries(result, queries: jax.Array) -> jax.Array:
+  """The step's [start, stop) computed queries: the cache call's, or under a policy that owns the cache the span
+  the caller reports (`StepOutput.queries`)."""
+  return queries if result.outputs.queries is None else result.outputs.queries
+
+
 def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, call: Call) -> tuple[Any, Any, Any]:
   """One step with the model call `call` (module docstring): "full" (no cache), "refresh" (the whole
   sequence, filling the cache), "prefix" or "dual" — in the one-phase layout "dual" means the refresh at a
@@ -204,7 +210,7 @@ def decode(family, run, params, consts, carry, istate, i, phase: driver.Phase, c
     block_step = jnp.where(block_over, 0, block_step)
   carry = carry.replace(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step, block_step=block_step,
                         block=block, cache=result.cache if result.cache is not None else carry.cache)
-  outputs = result.outputs.replace(active=active, queries=queries)
+  outputs = result.outputs.replace(active=active, queries=_queries(result, queries))
   return carry, result.state, outputs
 
 
@@ -242,5 +248,5 @@ def _capped_dual_step(family, run, params, consts, carry, istate, i, s, schedule
   carry = carry.replace(tokens=new_x, key=key, schedule=schedule, decode_step=decode_step,
                         block_step=jnp.where(block_over, 0, block_step),
                         block=carry.block + block_over.astype(jnp.int32), cache=result.cache)
-  outputs = result.outputs.replace(active=active, queries=queries)
+  outputs = result.outputs.replace(active=active, queries=_queries(result, queries))
   return carry, result.state, outputs

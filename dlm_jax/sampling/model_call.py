@@ -41,7 +41,8 @@ class StepOutput:
   record: the intervention's record of the step (`Intervention.record`, taken before the call).
   active: [B] bool, the rows the step decoded for (set by the family; the driver fills all-true when None).
   queries: [2] int32, the sequence positions [start, stop) whose queries the step computed (set by families
-    that compute part of the sequence; the driver fills [0, S) when None).
+    that compute part of the sequence; under a compute policy the span of `computed` over the rows; the driver
+    fills [0, S) when None).
   accepted: [B, C] bool, the canvas positions a uniform-state step accepted (DiffusionGemma; None for the
     other families).
   canvas: [B, C] int32, the canvas a uniform-state decoder step read (DiffusionGemma: the noisy canvas its
@@ -105,6 +106,15 @@ class CallResult:
   state: CallState
   cache: KVCache | None
   outputs: StepOutput
+
+
+def _span(computed: jax.Array) -> jax.Array:
+  """[2] int32 [start, stop): the smallest range of positions holding every position computed [B, S] marks."""
+  any_row = jnp.any(computed, axis=0)
+  n = any_row.shape[0]
+  start = jnp.argmax(any_row)
+  stop = n - jnp.argmax(any_row[::-1])
+  return jnp.where(jnp.any(any_row), jnp.stack([start, stop]), 0).astype(jnp.int32)
 
 
 def _scalar(x) -> jax.Array | None:
@@ -191,7 +201,8 @@ class ModelCaller:
       head = functools.partial(lm_head, params, config=self.config)
       output = policy_forward(run, params, state.policy, decision, model_tokens, positions, bias, weights,
                               readout.replace(window=window), self.plan.policy.reads_max_probability,
-                              functools.partial(row_by_row.lm_head_rows, head) if self.batch_invariant else head)
+                              functools.partial(row_by_row.lm_head_rows, head) if self.batch_invariant else head,
+                              hooks)
     else:
       output = run(params, model_tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
                    logits_offset=readout.offset, cache=None if cache is None else cache.cache, cache_offset=offset,
@@ -205,10 +216,11 @@ class ModelCaller:
     state = self.plan.update(state, output, context, decision)
     stats = self.plan.stats
     nonfinite = _nonfinite_rows(cond["logits"], cond["hidden"], uncond["logits"], uncond["hidden"])
+    computed = None if decision is None else computed_positions(decision, batch, length)
     outputs = StepOutput(stats=stats.user_stats(output, self.config),
                          top_sinks=stats.top_sinks(output, inputs.key_valid), record=call.record,
                          nonfinite=nonfinite, captures=output.captures,
-                         computed=None if decision is None else computed_positions(decision, batch, length),
+                         computed=computed, queries=None if computed is None else _span(computed),
                          policy_record=None if decision is None else self.plan.policy.record(state.policy.state),
                          keys_read=None if decision is None else jnp.broadcast_to(keys_read(decision, length),
                                                                                   (batch,)))

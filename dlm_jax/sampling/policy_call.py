@@ -9,6 +9,8 @@ reuse. The subset call's rows come back in sequence coordinates:
 hidden states or logits of the positions it did not compute are zeros (d2Cache's convention for logits: a
 sampler ranking confidences sees 1/V there), and its statistics are over the S sequence positions (a statistic
 with a query axis "T", e.g. "attention_rows", has its rows put at the computed positions, zeros elsewhere).
+Hooks run in every call: a subset call's captures hold its computed positions' activations and zeros elsewhere
+(`dlm_jax.instrument.query_rows`), and its edits act at the positions it computes.
 
 Buckets (`Decision.buckets`): a subset whose size varies per step runs at the smallest of a few static row
 counts that holds the step's largest real count (`lax.switch` over one subset program per size), so every step
@@ -28,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from dlm_jax.core.attention_bias import AttentionBias
+from dlm_jax.instrument.hook_call import HookCall
 from dlm_jax.instrument.stats import STATISTICS, ForwardOutput
 from dlm_jax.model.block_sparse_attention import block_keys_read
 from dlm_jax.model.compute_subset import ComputeSubset, gather_rows, scatter_rows
@@ -106,13 +109,15 @@ def _max_probability(rows: jax.Array, head: Callable[[jax.Array], jax.Array] | N
 def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyState, decision: Decision,
                    tokens: jax.Array, positions: jax.Array, bias: AttentionBias, weights: jax.Array | None,
                    readout: Readout, max_probability: str = "never",
-                   head: Callable[[jax.Array], jax.Array] | None = None) -> ForwardOutput:
+                   head: Callable[[jax.Array], jax.Array] | None = None,
+                   hooks: HookCall | None = None) -> ForwardOutput:
   """The call's `ForwardOutput` (logits or hidden states of the readout window, statistics over the S
   positions, the policy's new cache) under `decision`. ``run(params, tokens, **kwargs)`` is the forward (with
   config, stats_spec and the attention path bound); tokens, positions: [B, S]; bias: the call's bias over the S
   queries (a pairwise part's rows are taken at the subset's queries); weights: [B, Q, S] query-group weights or
   None; max_probability: the policy's `reads_max_probability` ("never", "full" or "every"); head: hidden
-  states [B, n, D] -> logits [B, n, V], used for it when the readout is hidden states."""
+  states [B, n, D] -> logits [B, n, V], used for it when the readout is hidden states; hooks: the call's
+  `HookCall` over the S positions (flags [B, S]), or None."""
   window = None if readout.window is None else readout.window
   n_seq = tokens.shape[1]
   lm_head = head
@@ -122,7 +127,8 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
     if max_probability != "never" and window is not None and lm_head is not None:
       return full_every_row()
     output = run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
-                 logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden)
+                 logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden,
+                 hooks=hooks)
     if max_probability == "never":
       return output
     rows = output.hidden if readout.hidden else output.logits
@@ -135,7 +141,7 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
     """The full call whose readout is a window, with the largest probability at every position (the official
     d2Cache confidence cache holds every generated position's): the LM head on all S rows."""
     output = run(params, tokens, bias=bias, positions=positions, query_weights=weights, cache=policy.cache,
-                 cache_offset=0, return_hidden=True)
+                 cache_offset=0, return_hidden=True, hooks=hooks)
     rows = jax.lax.dynamic_slice_in_dim(output.hidden, window[0] + readout.offset, window[1] - window[0], axis=1)
     output = output.replace(max_probability=_max_probability(output.hidden, lm_head))
     return output.replace(hidden=rows) if readout.hidden else output.replace(hidden=None, logits=lm_head(rows))
@@ -150,7 +156,7 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
                                           axis=2) * real[:, None, :]
       call = functools.partial(run, params, gather_rows(tokens, queries), bias=_query_rows(bias, queries),
                                positions=gather_rows(positions, queries), query_weights=sub_weights,
-                               cache=policy.cache, return_hidden=readout.hidden)
+                               cache=policy.cache, return_hidden=readout.hidden, hooks=hooks)
       if decision.all_keys is None or decision.keys is None:
         output = call(subset=ComputeSubset(queries, decision.keys, refresh))
       else:  # a Fast-dLLM cache's call before the keys are chosen reads every cached position
@@ -171,11 +177,11 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
   def blocks(_):
     return run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
                logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden,
-               subset=ComputeSubset(None, key_blocks=decision.key_blocks))
+               subset=ComputeSubset(None, key_blocks=decision.key_blocks), hooks=hooks)
 
   if decision.reuse is not None:
     return reuse_call.reuse_forward(run, params, policy.cache, decision.reuse, tokens, positions, bias, weights,
-                                    readout)
+                                    readout, hooks)
   if decision.key_blocks is not None:
     return jax.lax.cond(decision.full, full, blocks, None)
   if decision.queries is None:

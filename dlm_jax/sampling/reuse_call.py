@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dlm_jax.core.attention_bias import AttentionBias
+from dlm_jax.instrument.hook_call import HookCall
 from dlm_jax.instrument.stats import ForwardOutput
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.reuse_layers import LayerReuse, ReuseCache
@@ -25,11 +26,12 @@ CASES = ((False, False), (False, True), (True, False), (True, True))
 
 def reuse_forward(run: Callable[..., ForwardOutput], params, cache: ReuseCache, schedule: ReuseSchedule,
                   tokens: jax.Array, positions: jax.Array, bias: AttentionBias, weights: jax.Array | None,
-                  readout: Readout) -> ForwardOutput:
+                  readout: Readout, hooks: HookCall | None = None) -> ForwardOutput:
   """The call's `ForwardOutput` (logits or hidden states of the readout window — every position is computed —,
   statistics over the recomputed queries of each layer, the new `ReuseCache`). run: the forward with config,
   statistics spec and attention path bound; tokens, positions: [B, S]; bias: the call's bias over the S
-  positions; weights: [B, Q, S] query-group weights or None."""
+  positions; weights: [B, Q, S] query-group weights or None; hooks: the call's `HookCall` (flags [B, S]) or
+  None."""
   queries = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
 
   def branch(case):
@@ -41,7 +43,7 @@ def reuse_forward(run: Callable[..., ForwardOutput], params, cache: ReuseCache, 
                          first_layer_full=schedule.first_layer_full)
       return run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=readout.window,
                  logits_offset=readout.offset, cache=cache.kv, return_hidden=readout.hidden,
-                 subset=ComputeSubset(queries, reuse=reuse))
+                 subset=ComputeSubset(queries, reuse=reuse), hooks=hooks)
 
     return call
 

@@ -29,8 +29,9 @@ class Trace:
       False after step nfe − 1.
     computed_queries: [max_steps, 2] int32, the sequence positions [start, stop) whose queries each step
       computed: [0, S) for a whole-sequence step; the block and what follows it (prefix cache), the block
-      (dual cache, block diffusion) or the fed tokens (autoregressive) otherwise. Statistics sum over
-      these queries (and attend over all S keys, cached ones included).
+      (dual cache, block diffusion) or the fed tokens (autoregressive) otherwise; under a compute policy the
+      span of `computed_positions` over the rows. Statistics sum over these queries (and attend over all S
+      keys, cached ones included).
     stats: None, or the user's statistics stacked over steps, in the users' shapes
       (`dlm_jax.instrument.stats.squeeze`): {"incoming_attention": [max_steps, L', B, (Q,) (N,) S] — the Q
       axis only with query groups, the head axis only per head — "value_norms": [max_steps, L', B, K, S],
@@ -64,7 +65,8 @@ class Trace:
     revoked: None, or [max_steps, B, G] bool (with `committed`): the generated positions each step re-masked
       (WINO's narrow-out; never for the other rules). `first_commit_step` and `revocations` read them per position.
     computed_positions: None, or [max_steps, B, S] bool (a run under a compute policy, `dlm_jax.policy`): the
-      sequence positions whose queries each step computed (every position at a full call).
+      sequence positions whose queries each step computed (every position at a full call); `captures` hold
+      zeros where a step computed nothing (per layer under a layer refresh or reuse: docs/guides/compute_policies.md).
     keys_read: None, or [max_steps, B] float32 (with `computed_positions`): the keys each computed query read
       at each step, averaged over the layers (S at a full call).
     policy_record: None, or the policy's per-step record stacked [max_steps, ...] (`ComputePolicy.record`, read
