@@ -115,3 +115,12 @@ def test_elastic_cache_decoding_is_a_mode_of_the_session(tiny_dlm):
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
   with pytest.raises(CombinationError, match="the dream sampler has no eos_truncation / window decoding yet"):
     mode.option_fields("dream")
+
+
+def test_a_policy_with_guidance_is_refused_by_the_session():
+  mode = DecodingMode(decoding="threshold", threshold=0.9, policy="dkv_cache")
+  mode.check_guidance(0.0)
+  with pytest.raises(CombinationError) as info:
+    mode.check_guidance(1.5)
+  assert str(info.value) == ("--policy=dkv_cache does not run with classifier-free guidance (--cfg_scale=1.5); use "
+                             "--cfg_scale=0 or --policy=none")

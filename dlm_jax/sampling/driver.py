@@ -502,6 +502,10 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
                        f"MMaDA and Dream: exact, threshold or factor decoding, decoding rules), not with "
                        f"{family.name}.")
     family.check_policy(name)
+    cfg_scale = getattr(family.options, "cfg_scale", 0.0)
+    if cfg_scale:
+      raise ValueError(f"policy {name!r} does not run with classifier-free guidance (cfg_scale={cfg_scale:g}): the "
+                       "unconditional rows would need a policy state and KV cache of their own; set cfg_scale=0.")
     gen = family.gen_length
     block = getattr(family.options, "block_length", gen) or gen
     steps_per_block = max(family.n_steps // max(gen // block, 1), 1)

@@ -191,9 +191,6 @@ class ModelCaller:
                             stats_spec=self.plan.stats.forward_spec, attention_impl=self.attention_impl,
                             query_chunk=self.query_chunk)
     decision = None
-    if state.policy is not None and guidance is not None:
-      raise ValueError(f"policy {self.plan.policy.NAME!r} does not run with classifier-free guidance yet; set "
-                       "cfg_scale=0.")
     if state.policy is not None:
       decision = self.plan.policy.decide(state.policy.state, context)
       if self.batch_invariant:  # the bucket is the batch's, and a row's last bits change with the row count

@@ -329,7 +329,11 @@ class DecodingMode:
       raise SessionError(f"--decoding=pc: {e}") from None
 
   def check_guidance(self, cfg_scale: float) -> None:
-    """Refuses a KV cache together with classifier-free guidance (the unconditional sequence has no cache)."""
+    """Refuses a KV cache or a compute policy together with classifier-free guidance (the unconditional sequence
+    has no cache, and no policy state)."""
+    if self.policy != "none" and cfg_scale > 0:
+      raise CombinationError(f"--policy={self.policy} does not run with classifier-free guidance (--cfg_scale="
+                             f"{cfg_scale:g}); use --cfg_scale=0 or --policy=none")
     if self.cache != "none" and cfg_scale > 0:
       raise CombinationError(f"--decoding={self.decoding} keeps a KV cache, which classifier-free guidance "
                              f"(--cfg_scale={cfg_scale:g}) does not support; use --cfg_scale=0 or a mode without a "
