@@ -87,8 +87,9 @@ def read_jsonl(path: str) -> list[dict]:
 
 _CASES_DRIVER = r"""
 import contextlib, importlib, io, json, sys
-from absl import flags, logging
-logging.use_absl_handler()  # as absl.app.run does
+from absl import app, flags, logging
+app.define_help_flags()  # as absl.app.run does
+logging.use_absl_handler()
 tests_dir, cases = sys.argv[1], json.loads(sys.argv[2])
 sys.path.append(tests_dir)
 import binary_isolation
@@ -105,9 +106,15 @@ for name, args in cases:
   logging.get_absl_handler().python_handler.stream = err  # log lines are part of the case's stderr
   with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
     try:
-      cli.call(module.main, cli.parse_flags([name] + args))
+      argv = cli.parse_flags([name] + args)
+      if flags.FLAGS["verbosity"].using_default_value:  # as absl.app.run does: INFO lines are shown
+        flags.FLAGS.verbosity = 0
+      cli.call(module.main, argv)
     except SystemExit as e:
       code = e.code
+      if code is not None and not isinstance(code, int):  # sys.exit("message"), as the interpreter reports it
+        print(code, file=sys.stderr)
+        code = 1
   results.append([code, err.getvalue(), out.getvalue()])
 print(json.dumps(results))
 """
