@@ -90,7 +90,7 @@ import contextlib, importlib, io, json, sys
 from absl import app, flags, logging
 app.define_help_flags()  # as absl.app.run does
 logging.use_absl_handler()
-tests_dir, cases = sys.argv[1], json.loads(sys.argv[2])
+tests_dir, cases, show_info = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1"
 sys.path.append(tests_dir)
 import binary_isolation
 results, loaded = [], None
@@ -107,7 +107,7 @@ for name, args in cases:
   with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
     try:
       argv = cli.parse_flags([name] + args)
-      if flags.FLAGS["verbosity"].using_default_value:  # as absl.app.run does: INFO lines are shown
+      if show_info and flags.FLAGS["verbosity"].using_default_value:  # as absl.app.run does
         flags.FLAGS.verbosity = 0
       cli.call(module.main, argv)
     except SystemExit as e:
@@ -120,18 +120,20 @@ print(json.dumps(results))
 """
 
 
-def run_modules(cases: list[tuple[str, list[str]]], cwd: str = ROOT, timeout: int = 600) -> list[tuple[int, str, str]]:
+def run_modules(cases: list[tuple[str, list[str]]], cwd: str = ROOT, timeout: int = 600,
+                show_info: bool = False) -> list[tuple[int, str, str]]:
   """Runs each case's binary (a module name: `experiments.generate`, `converters.gguf`, ...) `main` with its flag
   list, one after another in one CPU subprocess started in `cwd` (one interpreter and JAX start-up; flags and
   binary modules are reset between binaries by `binary_isolation.forget_binaries`, so consecutive cases of one
   binary share its import and the process's compiled programs); returns (exit code, stderr, stdout) per case.
-  Flag parsing, error reporting and the program name in error lines are those of `experiments.common.cli.run`
-  under `python -m`."""
+  Flag parsing, error reporting, the program name in error lines and `sys.exit("message")` are those of
+  `experiments.common.cli.run` under `python -m`; absl's INFO log lines are in stderr only with `show_info`
+  (`python -m` shows them: absl.app.run sets --verbosity=0), warnings always."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
   result = subprocess.run([sys.executable, "-c", _CASES_DRIVER, os.path.join(ROOT, "tests"),
-                           json.dumps([[name, list(args)] for name, args in cases])], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                           json.dumps([[name, list(args)] for name, args in cases]), "1" if show_info else "0"],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
   assert result.returncode == 0, result.stderr[-6000:]
   return [tuple(x) for x in json.loads(result.stdout.strip().splitlines()[-1])]
 
