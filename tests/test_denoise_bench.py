@@ -8,7 +8,6 @@ import sys
 
 import jax
 import numpy as np
-import pytest
 import torch
 
 from benchmarks import option_comparison, torch_way
@@ -18,11 +17,6 @@ from dlm_jax.runtime import xla_cpu
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.interventions import MaskPreviousSinks
 from dlm_jax.sampling.llada import LLaDAOptions, generate
-
-try:
-  from tests import experiments_fixtures as fx
-except ImportError:
-  import experiments_fixtures as fx
 
 
 def test_torch_way_decodes_the_same_tokens_as_the_compiled_sampler():
@@ -71,23 +65,12 @@ def test_benchmark_runs_end_to_end_and_writes_json(tmp_path):
   assert len(results["step_memory"]) == 2 and "speedup" in done.stdout
 
 
-@pytest.fixture(scope="module")
-def refused(tmp_path_factory):
-  """{case: (exit code, stderr, whether its --json_out exists)}: the bad command lines below, run by the
-  benchmark's main in one process (`experiments_fixtures.run_modules`)."""
-  root = tmp_path_factory.mktemp("denoise_bench_errors")
-  cases = {"unknown_set": ["--xla_cpu_options=fastest"],
-           "unknown_set_to_compare": ["--compare_xla_cpu_options=default,mkl"],
-           "bad_query_chunk": ["--compare_xla_cpu_options=default", "--compare_query_chunks=128,big"]}
-  done = fx.run_modules([("benchmarks.denoise_bench", [*flags, f"--json_out={root / name}.json"])
-                         for name, flags in cases.items()])
-  return {name: (code, stderr, (root / f"{name}.json").exists()) for name, (code, stderr, _) in zip(cases, done)}
-
-
-def test_an_unknown_xla_cpu_option_set_is_a_one_line_error(refused):
-  code, stderr, written = refused["unknown_set"]
-  assert code == 1 and not written
-  assert stderr.strip().splitlines() == [
+def test_an_unknown_xla_cpu_option_set_is_a_one_line_error(tmp_path):
+  command = [sys.executable, "-m", "benchmarks.denoise_bench", "--xla_cpu_options=fastest",
+             f"--json_out={tmp_path / 'never.json'}"]
+  done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
+  assert done.returncode == 1 and not (tmp_path / "never.json").exists()
+  assert done.stderr.strip().splitlines() == [
       ("benchmarks.denoise_bench: error: --xla_cpu_options=fastest: unknown XLA CPU option set 'fastest'; "
        f"expected one of {', '.join(xla_cpu.CHOICES)}")]
 
@@ -117,16 +100,20 @@ def test_comparison_variants_are_every_combination_named_by_what_differs():
       {"name": "onednn", "set": "onednn", "query_chunk": 256, "fused": False}]
 
 
-def test_an_unknown_set_to_compare_is_a_one_line_error(refused):
-  code, stderr, written = refused["unknown_set_to_compare"]
-  assert code == 1 and not written
-  assert stderr.strip().splitlines() == [
+def test_an_unknown_set_to_compare_is_a_one_line_error(tmp_path):
+  command = [sys.executable, "-m", "benchmarks.denoise_bench", "--compare_xla_cpu_options=default,mkl",
+             f"--json_out={tmp_path / 'never.json'}"]
+  done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
+  assert done.returncode == 1 and not (tmp_path / "never.json").exists()
+  assert done.stderr.strip().splitlines() == [
       ("benchmarks.denoise_bench: error: --compare_xla_cpu_options: unknown set 'mkl'; expected some of "
        f"{', '.join(xla_cpu.OPTION_SETS)}")]
 
 
-def test_a_bad_query_chunk_to_compare_is_a_one_line_error(refused):
-  code, stderr, written = refused["bad_query_chunk"]
-  assert code == 1 and not written
-  assert stderr.strip().splitlines() == [
+def test_a_bad_query_chunk_to_compare_is_a_one_line_error(tmp_path):
+  command = [sys.executable, "-m", "benchmarks.denoise_bench", "--compare_xla_cpu_options=default",
+             "--compare_query_chunks=128,big", f"--json_out={tmp_path / 'never.json'}"]
+  done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
+  assert done.returncode == 1 and not (tmp_path / "never.json").exists()
+  assert done.stderr.strip().splitlines() == [
       "benchmarks.denoise_bench: error: --compare_query_chunks=128,big: expected positive integers"]
