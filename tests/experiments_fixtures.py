@@ -1,6 +1,6 @@
 """Tiny checkpoints for the experiment-binary tests: random weights in the layout of the embedded default
-models (synthetic-task tokenizer, training.json with the SFT / AR prompt layout), and a runner for
-`python -m experiments.<binary>` in a subprocess."""
+models (synthetic-task tokenizer, training.json with the SFT / AR prompt layout), and runners for
+`python -m experiments.<binary>` in a subprocess, or for several binaries' cases in one subprocess."""
 
 from __future__ import annotations
 
@@ -87,33 +87,59 @@ def read_jsonl(path: str) -> list[dict]:
 
 _CASES_DRIVER = r"""
 import contextlib, importlib, io, json, sys
-from absl import flags
-name, cases = sys.argv[1], json.loads(sys.argv[2])
-module = importlib.import_module("experiments." + name)
-from experiments.common import cli
-results = []
-for args in cases:
+from absl import app, flags, logging
+app.define_help_flags()  # as absl.app.run does
+logging.use_absl_handler()
+tests_dir, cases, show_info = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1"
+sys.path.append(tests_dir)
+import binary_isolation
+results, loaded = [], None
+for name, args in cases:
+  if name != loaded:
+    binary_isolation.forget_binaries()
+    module = importlib.import_module(name)
+    from experiments.common import cli
+    loaded = name
+  sys.argv[0] = name  # the program name of error lines, as under `python -m <name>`
   flags.FLAGS.unparse_flags()
-  err, code = io.StringIO(), 0
-  with contextlib.redirect_stderr(err):
+  err, out, code = io.StringIO(), io.StringIO(), 0
+  logging.get_absl_handler().python_handler.stream = err  # log lines are part of the case's stderr
+  with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
     try:
-      cli.call(module.main, flags.FLAGS(["experiments." + name] + args))
-    except flags.Error as e:
-      print("flags parsing error:", e, file=sys.stderr)
-      code = 1
+      argv = cli.parse_flags([name] + args)
+      if show_info and flags.FLAGS["verbosity"].using_default_value:  # as absl.app.run does
+        flags.FLAGS.verbosity = 0
+      cli.call(module.main, argv)
     except SystemExit as e:
       code = e.code
-  results.append([code, err.getvalue()])
+      if code is not None and not isinstance(code, int):  # sys.exit("message"), as the interpreter reports it
+        print(code, file=sys.stderr)
+        code = 1
+  results.append([code, err.getvalue(), out.getvalue()])
 print(json.dumps(results))
 """
 
 
-def run_cases(name: str, cases: list[list[str]], timeout: int = 600) -> list[tuple[int, str]]:
-  """Runs `experiments.<name>`'s main once per flag list, in one CPU subprocess (one import, one JAX
-  start-up); returns (exit code, stderr) per case. Flag parsing and error reporting are those of
-  `experiments.common.cli.run`."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-c", _CASES_DRIVER, name, json.dumps(cases)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+def run_modules(cases: list[tuple[str, list[str]]], cwd: str = ROOT, timeout: int = 600,
+                show_info: bool = False) -> list[tuple[int, str, str]]:
+  """Runs each case's binary (a module name: `experiments.generate`, `converters.gguf`, ...) `main` with its flag
+  list, one after another in one CPU subprocess started in `cwd` (one interpreter and JAX start-up; flags and
+  binary modules are reset between binaries by `binary_isolation.forget_binaries`, so consecutive cases of one
+  binary share its import and the process's compiled programs); returns (exit code, stderr, stdout) per case.
+  Flag parsing, error reporting, the program name in error lines and `sys.exit("message")` are those of
+  `experiments.common.cli.run` under `python -m`; absl's INFO log lines are in stderr only with `show_info`
+  (`python -m` shows them: absl.app.run sets --verbosity=0), warnings always."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+  result = subprocess.run([sys.executable, "-c", _CASES_DRIVER, os.path.join(ROOT, "tests"),
+                           json.dumps([[name, list(args)] for name, args in cases]), "1" if show_info else "0"],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
   assert result.returncode == 0, result.stderr[-6000:]
   return [tuple(x) for x in json.loads(result.stdout.strip().splitlines()[-1])]
+
+
+def run_cases(name: str, cases: list[list[str]], timeout: int = 600) -> list[tuple[int, str]]:
+  """Runs `experiments.<name>`'s main once per flag list, in one CPU subprocess (one import, one JAX
+  start-up); returns (exit code, stderr) per case (`run_modules`)."""
+  return [(code, err) for code, err, _ in run_modules([(f"experiments.{name}", args) for args in cases],
+                                                       timeout=timeout)]

@@ -1,7 +1,9 @@
 """Every `python -m experiments.* / converters.* / benchmarks.*` command in README.md, BUILD.md and the guides
 (docs/guides/*.md) parses as written: its module exists, every flag exists and takes its value, no stray
 arguments (shell variables of the same code block are expanded by bash). The quick ones on the embedded
-models run as written (after the documented commands that write their inputs, `RUN_BEFORE`)."""
+models run as written (after the documented commands that write their inputs, `RUN_BEFORE`), each binary's
+`main` with the documented flags in one process per test (`experiments_fixtures.run_modules`: the command line
+itself is what `test_documented_commands_parse` checks)."""
 
 import glob
 import json
@@ -11,6 +13,11 @@ import subprocess
 import sys
 
 import pytest
+
+try:
+  from tests import experiments_fixtures as fx
+except ImportError:
+  import experiments_fixtures as fx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ("README.md", "BUILD.md") + tuple(sorted(os.path.relpath(path, ROOT)
@@ -25,19 +32,25 @@ NOT_ABSL = {"experiments.lm_eval"}  # lm-eval's own command line (its model_args
 _PARSE_DRIVER = r"""
 import importlib, json, sys
 from absl import flags
-module, commands, positional = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-importlib.import_module(module)
+tests_dir, by_module, positional = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+sys.path.append(tests_dir)
+import binary_isolation
 problems = []
-for argv in commands:
-  flags.FLAGS.unparse_flags()
-  try:
-    rest = flags.FLAGS([module] + argv)
-    if len(rest) > 1 + positional:
-      problems.append([argv, "stray arguments %s" % rest[1:]])
-  except flags.Error as e:
-    problems.append([argv, str(e)])
+for module, commands in by_module.items():
+  binary_isolation.forget_binaries()
+  importlib.import_module(module)
+  for argv in commands:
+    flags.FLAGS.unparse_flags()
+    try:
+      rest = flags.FLAGS([module] + argv)
+      if len(rest) > 1 + positional.get(module, 0):
+        problems.append([module, argv, "stray arguments %s" % rest[1:]])
+    except flags.Error as e:
+      problems.append([module, argv, str(e)])
 print(json.dumps(problems))
 """
+"""Parses every documented command of every binary in one process: each binary imported afresh, its flags alone
+defined (`tests/binary_isolation.py`), as in its own process."""
 
 
 def _snippets(text: str) -> list[tuple[list[str], str]]:
@@ -86,17 +99,14 @@ def test_documented_commands_parse():
   by_module = _documented()
   assert {"experiments.sink_analysis", "experiments.generate", "experiments.train", "converters.convert",
           "experiments.sink_masking_eval", "experiments.sink_token", "experiments.forward"} <= set(by_module)
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  failures = []
-  for module, commands in sorted(by_module.items()):
+  for module, commands in by_module.items():
     assert all("..." not in word for argv in commands for word in argv), (module, commands)
-    if module in NOT_ABSL:
-      continue
-    done = subprocess.run([sys.executable, "-c", _PARSE_DRIVER, module, json.dumps(commands),
-                           str(POSITIONAL.get(module, 0))], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, (module, done.stderr[-3000:])
-    failures += [(module, argv, why) for argv, why in json.loads(done.stdout.strip().splitlines()[-1])]
+  parsed = {module: commands for module, commands in sorted(by_module.items()) if module not in NOT_ABSL}
+  done = subprocess.run([sys.executable, "-c", _PARSE_DRIVER, os.path.join(ROOT, "tests"), json.dumps(parsed),
+                         json.dumps(POSITIONAL)], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  failures = json.loads(done.stdout.strip().splitlines()[-1])
   assert not failures, failures
 
 
@@ -110,9 +120,7 @@ def test_quick_commands_run_as_written(tmp_path, module):
 
   commands = quick(module)
   assert commands, module
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   before = [(RUN_BEFORE[module], argv) for argv in quick(RUN_BEFORE[module])] if module in RUN_BEFORE else []
-  for name, argv in before + [(module, argv) for argv in commands]:
-    done = subprocess.run([sys.executable, "-m", name, *argv], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, (name, argv, done.stderr[-3000:])
+  cases = before + [(module, argv) for argv in commands]
+  for (name, argv), (code, stderr, _) in zip(cases, fx.run_modules(cases, cwd=str(tmp_path), timeout=600)):
+    assert code in (0, None), (name, argv, stderr[-3000:])

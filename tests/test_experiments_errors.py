@@ -41,7 +41,7 @@ def _check(results, cases, must_mention, leftovers):
     assert not os.path.exists(path), path
 
 
-def test_analysis_binaries(inputs):
+def _analysis_cases(inputs):
   out = str(inputs["root"] / "never")
   base = [f"--output_dir={out}", f"--checkpoints=dlm={inputs['dlm']}", "--n_prompts=2", *SMALL]
   cases = [
@@ -69,25 +69,22 @@ def test_analysis_binaries(inputs):
       ([f"--output_dir={inputs['file']}"], ["is a file"]),
       (["extra"], ["unexpected arguments", "helpfull"]),
   ]
-  flags = [base + args for args, _ in cases]
-  _check(fx.run_cases("sink_analysis", flags), flags, [w for _, w in cases], [out])
+  return [("sink_analysis", base + args, words) for args, words in cases], [out]
 
 
-def test_masking_and_value_norms(inputs):
+def _masking_and_value_norms_cases(inputs):
   out = str(inputs["root"] / "never2")
   base = [f"--output_dir={out}", f"--checkpoints=dlm={inputs['dlm']}", "--n_items=2", *SMALL]
   cases = [(["--mask_top_k=-3"], ["--mask_top_k=-3"]), (["--mask_top_k=a"], ["--mask_top_k=a"]),
            (["--mask_top_k=1,1"], ["distinct"]), (["--n_items=-5"], ["--n_items=-5"]),
            (["--sink_epsilon=0"], ["--sink_epsilon"]), (["--perplexity_text=/no/file"], ["/no/file"])]
-  flags = [base + args for args, _ in cases]
-  _check(fx.run_cases("sink_masking_eval", flags), flags, [w for _, w in cases], [out])
+  found = [("sink_masking_eval", base + args, words) for args, words in cases]
   base = [f"--output_dir={out}", f"--checkpoints=dlm={inputs['dlm']}", "--n_prompts=2", *SMALL]
   cases = [(["--samples_per_item=0"], ["--samples_per_item"]), (["--n_prompts=-1"], ["--n_prompts"])]
-  flags = [base + args for args, _ in cases]
-  _check(fx.run_cases("value_norms", flags), flags, [w for _, w in cases], [out])
+  return found + [("value_norms", base + args, words) for args, words in cases], [out]
 
 
-def test_generate_forward_evaluate(inputs):
+def _generate_forward_evaluate_cases(inputs):
   json_out = str(inputs["root"] / "g.json")
   base = [f"--checkpoint={inputs['dlm']}", f"--json_out={json_out}", "--prompt_ids=5,6", *SMALL]
   cases = [(["--steps=0"], ["--steps=0"]), (["--gen_length=10"], ["block_length"]),
@@ -97,34 +94,84 @@ def test_generate_forward_evaluate(inputs):
            (["--sampler=ar"], ["sampler ar"]), (["--sampler=dream"], ["sampler dream", "logit_shift=0"]),
            (["--temperature=inf"], ["--temperature=inf", "finite"]), (["--stats_out= "], ["blank"]),
            ([f"--checkpoint={inputs['llada2']}", "--block_length=8"], ["--block_length=8", "attention block (4)"]),
-           ([f"--checkpoint={inputs['corrupt']}"], ["config.json"]), (["--top_p=0", "--sampler=dream"], [])]
-  flags = [base + args for args, _ in cases]
-  results = fx.run_cases("generate", flags)
-  _check(results[:-1], flags[:-1], [w for _, w in cases[:-1]], [json_out])
-  assert results[-1][0] == 1  # --sampler=dream on a LLaDA-style model (logit_shift 0) is refused too
+           ([f"--checkpoint={inputs['corrupt']}"], ["config.json"])]
+  found = [("generate", base + args, words) for args, words in cases]
+  found.append(("generate", base + ["--top_p=0", "--sampler=dream"], None))  # refused, in its own words
   out = str(inputs["root"] / "f.npz")
   cases = [(["--token_ids=x"], ["--token_ids"]), (["--token_ids=1,999"], ["999"]),
            ([f"--out={inputs['root']}"], ["is a directory"]), (["--checkpoint=nope"], ["nope"])]
-  flags = [[f"--checkpoint={inputs['dlm']}", "--token_ids=1,2", f"--out={out}", *args] for args, _ in cases]
-  _check(fx.run_cases("forward", flags), flags, [w for _, w in cases], [out])
+  found += [("forward", [f"--checkpoint={inputs['dlm']}", "--token_ids=1,2", f"--out={out}", *args], words)
+            for args, words in cases]
   cases = [(["--n=0"], ["--n=0"]), (["--checkpoint=nope"], ["nope"]), (["--batch_size=0"], ["--batch_size"])]
-  flags = [[f"--checkpoint={inputs['dlm']}", *args] for args, _ in cases]
-  _check(fx.run_cases("evaluate_synthetic", flags), flags, [w for _, w in cases], [])
+  found += [("evaluate_synthetic", [f"--checkpoint={inputs['dlm']}", *args], words) for args, words in cases]
+  return found, [json_out, out]
 
 
-def test_training_binaries(inputs):
+def _training_cases(inputs):
   run = str(inputs["root"] / "run")
   cases = [(["--lr=0"], ["--lr"]), (["--train_steps=0"], ["--train_steps"]), (["--preset=nope"], ["nope"]),
            (["--override=foo=1"], ["foo"]), (["--data=/no/data.jsonl"], ["/no/data.jsonl"]),
            (["--prompt_len=99"], ["--prompt_len"]), ([f"--out_dir={inputs['file']}/x"], ["is a file"])]
-  flags = [["--preset=tiny-llada", f"--run_dir={run}", *args] for args, _ in cases]
-  _check(fx.run_cases("train", flags), flags, [w for _, w in cases], [run])
+  found = [("train", ["--preset=tiny-llada", f"--run_dir={run}", *args], words) for args, words in cases]
   out = str(inputs["root"] / "never3")
   cases = [(["--variants=bogus"], ["bogus"]), (["--train_steps=0"], ["--train_steps"]),
            (["--epsilon=0"], ["--epsilon"]), (["--override=d_model=x"], [])]
-  flags = [[f"--output_dir={out}", *args] for args, _ in cases]
-  results = fx.run_cases("sink_token", flags)
-  _check(results, flags, [w for _, w in cases], [out])
+  return found + [("sink_token", [f"--output_dir={out}", *args], words) for args, words in cases], [run, out]
+
+
+def _resume_cases(inputs):
+  """Checked by test_resume_with_other_settings_is_refused_naming_them (its output directory is written)."""
+  out = inputs["root"] / "resume"
+  base = [f"--checkpoints=dlm={inputs['dlm']}", f"--output_dir={out}", "--n_prompts=2", *SMALL]
+  return [("sink_analysis", flags, None) for flags in (base + ["--max_items_this_run=1"], base + ["--dtype=bfloat16"],
+                                                       base + ["--epsilon=2", "--temperature=0.5"], base)], []
+
+
+GROUPS = {"analysis": _analysis_cases, "masking_and_value_norms": _masking_and_value_norms_cases,
+          "generate_forward_evaluate": _generate_forward_evaluate_cases, "training": _training_cases,
+          "resume": _resume_cases}
+
+
+@pytest.fixture(scope="module")
+def runs(inputs):
+  """{group: ([(binary, flags, words that the error line must hold)], paths that must not exist, [(exit code,
+  stderr)])}: the cases of every group, run in one process (`experiments_fixtures.run_modules`; the binaries'
+  own process starts are tested below), in the order listed, a binary's cases together."""
+  groups = {name: build(inputs) for name, build in GROUPS.items()}
+  order = [(name, i) for name, (cases, _) in groups.items() for i in range(len(cases))]
+  binary = lambda key: groups[key[0]][0][key[1]][0]
+  binaries = list(dict.fromkeys(map(binary, order)))
+  order.sort(key=lambda key: binaries.index(binary(key)))  # stable: a group's cases keep their order
+  done = fx.run_modules([(f"experiments.{binary(key)}", groups[key[0]][0][key[1]][1]) for key in order])
+  results = {name: [None] * len(cases) for name, (cases, _) in groups.items()}
+  for (name, i), (code, stderr, _) in zip(order, done):
+    results[name][i] = (code, stderr)
+  return groups, results
+
+
+def _check_group(runs, name):
+  """The group's cases with words: one error line holding them; without (None): exit code 1 only."""
+  groups, results = runs
+  cases, leftovers = groups[name]
+  worded = [k for k, (_, _, words) in enumerate(cases) if words is not None]
+  _check([results[name][k] for k in worded], [cases[k][1] for k in worded], [cases[k][2] for k in worded], leftovers)
+  assert all(results[name][k][0] == 1 for k in range(len(cases)) if k not in worded), results[name]
+
+
+def test_analysis_binaries(runs):
+  _check_group(runs, "analysis")
+
+
+def test_masking_and_value_norms(runs):
+  _check_group(runs, "masking_and_value_norms")
+
+
+def test_generate_forward_evaluate(runs):
+  _check_group(runs, "generate_forward_evaluate")  # --top_p=0 --sampler=dream on a LLaDA-style model: refused
+
+
+def test_training_binaries(runs):
+  _check_group(runs, "training")
 
 
 def test_gguf_directory_and_a_real_process(inputs):
@@ -141,15 +188,13 @@ def test_gguf_directory_and_a_real_process(inputs):
   assert not (inputs["root"] / "x").exists()
 
 
-def test_resume_with_other_settings_is_refused_naming_them(inputs):
-  out = inputs["root"] / "resume"
-  base = [f"--checkpoints=dlm={inputs['dlm']}", f"--output_dir={out}", "--n_prompts=2", *SMALL]
-  results = fx.run_cases("sink_analysis", [base + ["--max_items_this_run=1"], base + ["--dtype=bfloat16"],
-                                           base + ["--epsilon=2", "--temperature=0.5"], base])
+def test_resume_with_other_settings_is_refused_naming_them(runs, inputs):
+  results = runs[1]["resume"]
   assert results[0][0] in (0, None), results[0][1][-2000:]
   assert results[1][0] == 1 and "(settings.numerics.dtype)" in results[1][1], results[1][1]
   assert results[2][0] == 1 and "(settings.decode.temperature, settings.epsilon)" in results[2][1], results[2][1]
   assert results[3][0] in (0, None), results[3][1][-2000:]
+  out = inputs["root"] / "resume"
   assert len(fx.read_jsonl(out / "results.jsonl")) == 2 and (out / "summary.json").exists()
 
 

@@ -26,21 +26,32 @@ def checkpoints(tmp_path_factory):
           "arm": fx.tiny_checkpoint(str(root / "arm"), "arm", seed=4)}
 
 
-def _run(checkpoints, out, *extra):
-  return fx.run_binary("sink_masking_eval", f"--checkpoints=dlm={checkpoints['dlm']},arm={checkpoints['arm']}",
-                       f"--output_dir={out}", *COMMON_FLAGS, *extra)
+def _flags(checkpoints, out, *extra):
+  return [f"--checkpoints=dlm={checkpoints['dlm']},arm={checkpoints['arm']}", f"--output_dir={out}", *COMMON_FLAGS,
+          *extra]
+
+
+def _run(checkpoints, *runs):
+  """Runs sink_masking_eval once per (output directory, extra flags...) in one process (`run_modules`, INFO
+  lines shown as under `python -m`); returns (stdout, stderr) per run, each having exited 0."""
+  done = fx.run_modules([("experiments.sink_masking_eval", _flags(checkpoints, *run)) for run in runs],
+                        show_info=True)
+  for code, stderr, _ in done:
+    assert code in (0, None), stderr[-6000:]
+  return [(stdout, stderr) for _, stderr, stdout in done]
 
 
 @pytest.fixture(scope="module")
 def full_run(checkpoints, tmp_path_factory):
-  out = tmp_path_factory.mktemp("masking_full")
-  result = _run(checkpoints, out)
-  return out, result
+  """The full run, and in the same process the first part (7 items) of the interrupted run resumed below."""
+  out, interrupted = tmp_path_factory.mktemp("masking_full"), tmp_path_factory.mktemp("masking_interrupted")
+  (stdout, _), _ = _run(checkpoints, (out,), (interrupted / "out", "--max_items_this_run=7"))
+  return out, stdout, interrupted / "out"
 
 
 def test_table_and_outputs(full_run):
-  out, result = full_run
-  assert "no masking" in result.stdout and "top-5 masked" in result.stdout
+  out, stdout, _ = full_run
+  assert "no masking" in stdout and "top-5 masked" in stdout
   table = json.loads((out / "table.json").read_text())
   records = fx.read_jsonl(out / "results.jsonl")
   for model in ("dlm", "arm"):
@@ -61,19 +72,17 @@ def test_table_and_outputs(full_run):
   assert len(keys) == len(set(keys)) == 2 * 3 * 5 + 4 * 3
 
 
-def test_interrupted_run_resumes_to_the_same_table(full_run, checkpoints, tmp_path):
-  out_full, _ = full_run
-  out = tmp_path / "interrupted"
-  _run(checkpoints, out, "--max_items_this_run=7")
+def test_interrupted_run_resumes_to_the_same_table(full_run, checkpoints):
+  out_full, _, out = full_run  # stopped after 7 items
   assert not (out / "table.json").exists()
   first = fx.read_jsonl(out / "results.jsonl")
   assert len(first) == 7
   with open(out / "results.jsonl", "a", encoding="utf-8") as f:  # a line torn by a crash
     f.write('{"kind": "accuracy", "model": "dlm", "condi')
-  _run(checkpoints, out, "--max_items_this_run=9")
+  _run(checkpoints, (out, "--max_items_this_run=9"))
   assert len(fx.read_jsonl(out / "results.jsonl")) == 16
-  result = _run(checkpoints, out)
-  assert "resuming" in result.stderr
+  [(_, stderr)] = _run(checkpoints, (out,))
+  assert "resuming" in stderr
   resumed = json.loads((out / "table.json").read_text())
   full = json.loads((out_full / "table.json").read_text())
   assert resumed["accuracy"] == full["accuracy"]
@@ -90,7 +99,7 @@ def test_interrupted_run_resumes_to_the_same_table(full_run, checkpoints, tmp_pa
 
 def test_item_recomputed_independently(full_run, checkpoints):
   """A DLM item of the table decoded again, alone, with MaskPreviousSinks(top_k=K) through llada.generate."""
-  out, _ = full_run
+  out, _, _ = full_run
   records = [r for r in fx.read_jsonl(out / "results.jsonl") if r["kind"] == "accuracy" and r["model"] == "dlm"]
   config, params = checkpoint.load(checkpoints["dlm"])
   options = llada.LLaDAOptions(gen_length=8, steps=8, block_length=4)
@@ -105,7 +114,7 @@ def test_item_recomputed_independently(full_run, checkpoints):
 def test_arm_item_recomputed_without_padding(full_run, checkpoints):
   """An ARM item decoded alone from its unpadded prompt with MaskPreviousSinksAR(top_k=K, last row)."""
   from dlm_jax.sampling import autoregressive
-  out, _ = full_run
+  out, _, _ = full_run
   records = [r for r in fx.read_jsonl(out / "results.jsonl") if r["kind"] == "accuracy" and r["model"] == "arm"]
   config, params = checkpoint.load(checkpoints["arm"])
   for r in [x for x in records if x["item"] in ("1", "4") and x["condition"] in (0, 5)]:

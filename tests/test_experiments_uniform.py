@@ -22,6 +22,40 @@ def uniform(tmp_path_factory):
   return fx.tiny_checkpoint(str(tmp_path_factory.mktemp("uniform") / "uniform"), "uniform")
 
 
+@pytest.fixture(scope="module")
+def runs(uniform, tmp_path_factory):
+  """{case: (output path, exit code, stderr)}: every binary run of this file in one process
+  (`experiments_fixtures.run_modules`: one start-up, and the programs the binaries share compiled once)."""
+  root = tmp_path_factory.mktemp("uniform_runs")
+  masking, analysis, generated, bad, norms = (root / name for name in ("masking", "analysis", "g", "bad", "norms"))
+  cases = {  # name: (binary, its output, flags)
+      "sink_masking_eval": ("sink_masking_eval", masking, [
+          f"--checkpoints=u={uniform}", f"--output_dir={masking}", "--n_items=2", "--batch_size=2", "--mask_top_k=0,1",
+          f"--gen_length={GEN}", f"--block_length={CANVAS}", f"--steps={STEPS}"]),
+      "sink_analysis": ("sink_analysis", analysis, [
+          f"--checkpoints=u={uniform}", f"--output_dir={analysis}", "--n_prompts=2", "--batch_size=2",
+          f"--gen_length={GEN}", f"--block_length={CANVAS}", f"--steps={STEPS}"]),
+      "generate": ("generate", generated, [
+          f"--checkpoint={uniform}", "--prompt_ids=1,10,11,12", f"--gen_length={GEN}", f"--block_length={CANVAS}",
+          f"--steps={STEPS}", "--seed=3", f"--json_out={generated / 'g.json'}", f"--stats_out={generated / 's.npz'}"]),
+      "generate_ar": ("generate", bad, [f"--checkpoint={uniform}", "--prompt_ids=1,10", "--sampler=ar",
+                                        f"--json_out={bad / 'bad.json'}"]),
+      "generate_gen_length": ("generate", bad, [f"--checkpoint={uniform}", "--prompt_ids=1,10", "--gen_length=6",
+                                                "--block_length=4", f"--json_out={bad / 'bad.json'}"]),
+      "value_norms": ("value_norms", norms, [f"--checkpoints={uniform}", f"--output_dir={norms}", "--n_prompts=1"]),
+  }
+  generated.mkdir()
+  bad.mkdir()
+  done = fx.run_modules([(f"experiments.{binary}", flags) for binary, _, flags in cases.values()])
+  return {name: (out, code or 0, stderr) for (name, (_, out, _)), (code, stderr, _) in zip(cases.items(), done)}
+
+
+def _ok(run):
+  out, code, stderr = run
+  assert code == 0, stderr[-3000:]
+  return out
+
+
 def _library(directory: str, prompt_ids: list[int], item_id: str):
   config, params = checkpoint.load(directory)
   options = dg.DiffusionGemmaOptions(gen_length=GEN, canvas_length=CANVAS, max_denoising_steps=STEPS)
@@ -36,11 +70,8 @@ def test_uniform_step_sequences():
   np.testing.assert_array_equal(got, [[5, 6, 7, 8, -1, -1], [5, 6, 30, 31, 9, 10]])
 
 
-def test_sink_masking_eval_decodes_as_the_library(uniform, tmp_path):
-  out = tmp_path / "out"
-  fx.run_binary("sink_masking_eval", f"--checkpoints=u={uniform}", f"--output_dir={out}", "--n_items=2",
-                "--batch_size=2", "--mask_top_k=0,1", f"--gen_length={GEN}", f"--block_length={CANVAS}",
-                f"--steps={STEPS}")
+def test_sink_masking_eval_decodes_as_the_library(runs, uniform):
+  out = _ok(runs["sink_masking_eval"])
   records = [r for r in fx.read_jsonl(out / "results.jsonl") if r["kind"] == "accuracy"]
   assert sorted((r["condition"], r["item"]) for r in records) == [(0, "0"), (0, "1"), (1, "0"), (1, "1")]
   for r in records:
@@ -51,10 +82,8 @@ def test_sink_masking_eval_decodes_as_the_library(uniform, tmp_path):
       assert r["nfe"] == int(np.asarray(trace.row_nfe)[0])
 
 
-def test_sink_analysis_reads_the_decoder_canvases(uniform, tmp_path):
-  out = tmp_path / "out"
-  fx.run_binary("sink_analysis", f"--checkpoints=u={uniform}", f"--output_dir={out}", "--n_prompts=2",
-                "--batch_size=2", f"--gen_length={GEN}", f"--block_length={CANVAS}", f"--steps={STEPS}")
+def test_sink_analysis_reads_the_decoder_canvases(runs):
+  out = _ok(runs["sink_analysis"])
   records = fx.read_jsonl(out / "results.jsonl")
   assert sorted(r["item"] for r in records) == ["0", "1"] and all(r["n_entries"] > 0 for r in records)
   summary = json.loads((out / "summary.json").read_text())
@@ -70,30 +99,24 @@ def test_sink_analysis_reads_the_decoder_canvases(uniform, tmp_path):
     assert (out / "u" / name).stat().st_size > 0
 
 
-def test_generate_cli_runs_the_uniform_sampler(uniform, tmp_path):
-  out = tmp_path / "g.json"
-  fx.run_binary("generate", f"--checkpoint={uniform}", "--prompt_ids=1,10,11,12", f"--gen_length={GEN}",
-                f"--block_length={CANVAS}", f"--steps={STEPS}", "--seed=3", f"--json_out={out}",
-                f"--stats_out={tmp_path / 's.npz'}")
-  result = json.loads(out.read_text())
+def test_generate_cli_runs_the_uniform_sampler(runs, uniform):
+  out = _ok(runs["generate"])
+  result = json.loads((out / "g.json").read_text())
   config, params = checkpoint.load(uniform)
   options = dg.DiffusionGemmaOptions(gen_length=GEN, canvas_length=CANVAS, max_denoising_steps=STEPS)
   trace = dg.generate(params, jnp.asarray([[1, 10, 11, 12]]), config=config, options=options, key=jax.random.key(3))
   assert result["sampler"] == "diffusion_gemma" and result["tokens"] == np.asarray(trace.tokens)[0].tolist()
   assert result["nfe"] == int(trace.nfe)
-  with np.load(tmp_path / "s.npz") as npz:
+  with np.load(out / "s.npz") as npz:
     assert npz["accepted"].shape == (int(trace.nfe), CANVAS)
     np.testing.assert_array_equal(npz["accepted"], np.asarray(trace.accepted)[:int(trace.nfe), 0])
-  bad = fx.run_binary("generate", f"--checkpoint={uniform}", "--prompt_ids=1,10", "--sampler=ar",
-                      f"--json_out={tmp_path / 'bad.json'}", expect_ok=False)
-  assert bad.returncode == 1 and "does not fit a DiffusionGemma-style model; use diffusion_gemma" in bad.stderr
-  bad = fx.run_binary("generate", f"--checkpoint={uniform}", "--prompt_ids=1,10", "--gen_length=6",
-                      "--block_length=4", f"--json_out={tmp_path / 'bad.json'}", expect_ok=False)
-  assert bad.returncode == 1 and "multiple of canvas_length" in bad.stderr and "Traceback" not in bad.stderr
+  _, code, stderr = runs["generate_ar"]
+  assert code == 1 and "does not fit a DiffusionGemma-style model; use diffusion_gemma" in stderr
+  _, code, stderr = runs["generate_gen_length"]
+  assert code == 1 and "multiple of canvas_length" in stderr and "Traceback" not in stderr
 
 
-def test_value_norms_refuses_sliding_and_global_layers_in_one_line(uniform, tmp_path):
-  bad = fx.run_binary("value_norms", f"--checkpoints={uniform}", f"--output_dir={tmp_path / 'out'}",
-                      "--n_prompts=1", expect_ok=False)
-  assert bad.returncode == 1 and "value norms are not available" in bad.stderr and "Traceback" not in bad.stderr
-  assert not (tmp_path / "out").exists()
+def test_value_norms_refuses_sliding_and_global_layers_in_one_line(runs):
+  out, code, stderr = runs["value_norms"]
+  assert code == 1 and "value norms are not available" in stderr and "Traceback" not in stderr
+  assert not out.exists()

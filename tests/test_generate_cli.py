@@ -1,4 +1,6 @@
-"""experiments.generate end to end on tiny converted checkpoints: JSON and NPZ contents."""
+"""experiments.generate end to end on tiny converted checkpoints: JSON and NPZ contents. The binary's cases run
+in one process (`experiments_fixtures.run_modules`), except `--helpfull` and `--cpu_devices`, whose process
+start is part of what they test."""
 
 import json
 import os
@@ -18,6 +20,11 @@ from dlm_jax.config import preset
 from dlm_jax.sampling import autoregressive, dream, llada
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.instrument.stats import StatsSpec
+
+try:
+  from tests import experiments_fixtures as fx
+except ImportError:
+  import experiments_fixtures as fx
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -42,33 +49,88 @@ def checkpoints(tmp_path_factory):
   root = tmp_path_factory.mktemp("ckpt")
   tok = _tokenizer_dir(str(root / "tok"))
   dirs = {}
-  for name in ("tiny-llada", "tiny-dream", "tiny-llama"):
+  for name, seed in (("tiny-llada", 11), ("tiny-dream", 11), ("tiny-llama", 11), ("tiny-llada2", 12)):
     config = preset(name)
-    params = model.init_params(config, jax.random.key(11))
+    params = model.init_params(config, jax.random.key(seed))
     dirs[name] = (str(root / name), config, params)
     checkpoint.save(dirs[name][0], config, params, tokenizer_dir=tok if name == "tiny-llada" else None)
   return dirs
 
 
-def run_cli(tmp_path, directory, *flags, expect_ok=True):
-  out = tmp_path / "out.json"
-  cmd = [sys.executable, "-m", "experiments.generate", f"--checkpoint={directory}", f"--json_out={out}", *flags]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  if not expect_ok:
-    return result
-  assert result.returncode == 0, result.stderr[-3000:]
-  return json.loads(out.read_text())
-
-
 PROMPT_IDS = [5, 9, 7, 12, 8]
+IDS = "--prompt_ids=" + ",".join(map(str, PROMPT_IDS))
+POLICY = "dkv_cache:cache_reloading_step=2"
+REFUSED_POLICIES = (
+    (("--policy=dkv_cache", "--decoding=dual_cache"),
+     "--policy=dkv_cache does not compose with --decoding=dual_cache"),
+    (("--policy=dkv_cache:every=2",), "policy dkv_cache has no knob 'every'"),
+    (("--policy=sparse_dllm:keep_sinks=50",),  # refused when the run binds it
+     "sparse_dllm keep_sinks=50 is more than the 6 keys outside the block"))
+MESH_RUN = ("--prompt_ids=5,9,7", "--gen_length=8", "--steps=4", "--block_length=4")
+CASES = {  # name: (checkpoint, flags); every case but --helpfull and --cpu_devices runs in one process
+    "llada_stats": ("tiny-llada", ("--sampler=llada", IDS, "--gen_length=8", "--steps=4", "--block_length=4",
+                                   "--stats_out={out}.npz")),
+    "chat": ("tiny-llada", ("--sampler=llada", "--prompt=what is two plus two", "--chat", "--gen_length=4",
+                            "--steps=2", "--block_length=4")),
+    "dream": ("tiny-dream", ("--sampler=dream", IDS, "--gen_length=6", "--steps=4", "--alg=entropy", "--top_p=0.95")),
+    "ar_masked": ("tiny-llama", ("--sampler=ar", "--prompt_ids=5,9,7", "--gen_length=5", "--mask_sinks=1")),
+    "ar_steps_ignored": ("tiny-llama", ("--sampler=ar", "--prompt_ids=5,9,7", "--gen_length=5", "--mask_sinks=1",
+                                        "--steps=3")),
+    "mmada_masked": ("tiny-llada", ("--sampler=mmada", "--prompt_ids=5,9,7", "--gen_length=8", "--steps=8",
+                                    "--block_length=4", "--mask_sinks=2")),
+    "policy": ("tiny-llada", ("--sampler=llada", IDS, "--gen_length=8", "--steps=8", "--block_length=4",
+                              f"--policy={POLICY}")),
+    **{f"policy_refused_{i}": ("tiny-llada", ("--sampler=llada", "--prompt_ids=5,6", "--gen_length=8",
+                                              "--block_length=4", *flags))
+       for i, (flags, _) in enumerate(REFUSED_POLICIES)},
+    "gen_length_10": ("tiny-llada", ("--sampler=llada", "--prompt_ids=5,6", "--gen_length=10", "--block_length=4")),
+    "no_prompt": ("tiny-llada", ("--sampler=llada",)),
+    "llada_defaults": ("tiny-llada", ("--prompt_ids=5,9",)),
+    "dream_defaults": ("tiny-dream", ("--prompt_ids=5,9", "--gen_length=4")),
+    "mesh_alone": ("tiny-llada", MESH_RUN),
+    "llada2_stats": ("tiny-llada2", ("--prompt_ids=5,6,7,8,9,10", "--gen_length=6", "--steps=4",
+                                     "--stats_out={out}.npz")),
+    "llada2_edited": ("tiny-llada2", ("--prompt_ids=5,6,7,8,9,10", "--gen_length=6", "--steps=4",
+                                      "--editing_threshold=0.2", "--max_post_steps=2")),
+    "llada2_llada": ("tiny-llada2", ("--prompt_ids=5,6", "--sampler=llada")),
+    "llada2_dual_cache": ("tiny-llada2", ("--prompt_ids=5,6", "--decoding=dual_cache")),
+}
 
 
-def test_llada_json_and_attention_statistics(tmp_path, checkpoints):
+def _flags(checkpoints, out, name, extra=()):
+  directory, flags = CASES[name]
+  return [f"--checkpoint={checkpoints[directory][0]}", f"--json_out={out}.json",
+          *(f.format(out=out) for f in flags), *extra]
+
+
+class Run:
+  """One case's exit code, stderr, JSON result (None when it wrote none) and statistics path."""
+
+  def __init__(self, code, stderr, out):
+    self.returncode, self.stderr, self.stats = code or 0, stderr, f"{out}.npz"
+    self.result = None
+    if os.path.exists(f"{out}.json"):
+      with open(f"{out}.json", encoding="utf-8") as f:
+        self.result = json.load(f)
+
+  def ok(self):
+    assert self.returncode == 0, self.stderr[-3000:]
+    return self.result
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, tmp_path_factory):
+  """{case name: Run}: every case of CASES run by experiments.generate's main in one process
+  (`experiments_fixtures.run_modules`)."""
+  root = tmp_path_factory.mktemp("generate_cli")
+  done = fx.run_modules([("experiments.generate", _flags(checkpoints, root / name, name)) for name in CASES])
+  return {name: Run(code, stderr, root / name) for name, (code, stderr, _) in zip(CASES, done)}
+
+
+def test_llada_json_and_attention_statistics(runs, checkpoints):
   directory, config, params = checkpoints["tiny-llada"]
-  stats_path = tmp_path / "stats.npz"
-  result = run_cli(tmp_path, directory, "--sampler=llada", "--prompt_ids=" + ",".join(map(str, PROMPT_IDS)),
-                   "--gen_length=8", "--steps=4", "--block_length=4", f"--stats_out={stats_path}")
+  result = runs["llada_stats"].ok()
+  stats_path = runs["llada_stats"].stats
   trace = llada.generate(params, np.asarray([PROMPT_IDS]), config=config,
                          options=llada.LLaDAOptions(gen_length=8, steps=4, block_length=4))
   assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
@@ -86,19 +148,16 @@ def test_llada_json_and_attention_statistics(tmp_path, checkpoints):
     np.testing.assert_allclose(incoming[t], np.asarray(dense)[:, 0, 0], atol=2e-5)  # [L, B, Q, N, S]
 
 
-def test_llada_chat_prompt_text(tmp_path, checkpoints):
-  directory, config, params = checkpoints["tiny-llada"]
-  result = run_cli(tmp_path, directory, "--sampler=llada", "--prompt=what is two plus two", "--chat",
-                   "--gen_length=4", "--steps=2", "--block_length=4")
+def test_llada_chat_prompt_text(runs):
+  result = runs["chat"].ok()
   assert result["tokens"][:2] == [0, 3]  # BOS, <|start_header_id|>
   assert result["prompt_length"] == len(result["tokens"]) - 4
   assert isinstance(result["text"], str)
 
 
-def test_dream_matches_library(tmp_path, checkpoints):
+def test_dream_matches_library(runs, checkpoints):
   directory, config, params = checkpoints["tiny-dream"]
-  result = run_cli(tmp_path, directory, "--sampler=dream", "--prompt_ids=" + ",".join(map(str, PROMPT_IDS)),
-                   "--gen_length=6", "--steps=4", "--alg=entropy", "--top_p=0.95")
+  result = runs["dream"].ok()
   trace = dream.diffusion_generate(params, np.asarray([PROMPT_IDS]), config=config,
                                    options=dream.DreamOptions(gen_length=6, steps=4, alg="entropy", top_p=0.95))
   assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
@@ -106,21 +165,19 @@ def test_dream_matches_library(tmp_path, checkpoints):
   assert "text" not in result
 
 
-def test_ar_and_mmada_with_sink_masking(tmp_path, checkpoints):
+def test_ar_and_mmada_with_sink_masking(runs, checkpoints):
   directory, config, params = checkpoints["tiny-llama"]
-  result = run_cli(tmp_path, directory, "--sampler=ar", "--prompt_ids=5,9,7", "--gen_length=5", "--mask_sinks=1")
+  result = runs["ar_masked"].ok()
   trace = autoregressive.generate(params, np.asarray([[5, 9, 7]]), config=config,
                                   options=autoregressive.AROptions(gen_length=5),
                                   intervention=iv.MaskPreviousSinksAR(top_k=1))
   assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
   assert result["decode_step"] == list(range(5)) and result["nfe"] == 5
-  ignored = run_cli(tmp_path, directory, "--sampler=ar", "--prompt_ids=5,9,7", "--gen_length=5", "--mask_sinks=1",
-                    "--steps=3", expect_ok=False)
+  ignored = runs["ar_steps_ignored"]
   assert ignored.returncode == 0
   assert "--steps applies to --sampler=llada, mmada, dream, block_diffusion, diffusion_gemma only" in ignored.stderr
   directory, config, params = checkpoints["tiny-llada"]
-  result = run_cli(tmp_path, directory, "--sampler=mmada", "--prompt_ids=5,9,7", "--gen_length=8", "--steps=8",
-                   "--block_length=4", "--mask_sinks=2")
+  result = runs["mmada_masked"].ok()
   trace = llada.generate(params, np.asarray([[5, 9, 7]]), config=config,
                          options=llada.mmada_options(gen_length=8, steps=8, block_length=4),
                          intervention=iv.MaskPreviousSinks(top_k=2))
@@ -128,41 +185,32 @@ def test_ar_and_mmada_with_sink_masking(tmp_path, checkpoints):
   assert result["decode_step"] == np.asarray(trace.decode_step)[0].tolist()
 
 
-def test_a_compute_policy_from_the_flags_matches_the_library(tmp_path, checkpoints):
+def test_a_compute_policy_from_the_flags_matches_the_library(runs, checkpoints):
   directory, config, params = checkpoints["tiny-llada"]
-  text = "dkv_cache:cache_reloading_step=2"
-  result = run_cli(tmp_path, directory, "--sampler=llada", "--prompt_ids=" + ",".join(map(str, PROMPT_IDS)),
-                   "--gen_length=8", "--steps=8", "--block_length=4", f"--policy={text}")
-  trace = llada.generate(params, np.asarray([PROMPT_IDS]), config=config, policy=parse_policy(text),
+  result = runs["policy"].ok()
+  trace = llada.generate(params, np.asarray([PROMPT_IDS]), config=config, policy=parse_policy(POLICY),
                          options=llada.LLaDAOptions(gen_length=8, steps=8, block_length=4))
   assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
   assert result["decode_step"] == np.asarray(trace.decode_step)[0].tolist()
-  for flags, message in ((("--policy=dkv_cache", "--decoding=dual_cache"),
-                          "--policy=dkv_cache does not compose with --decoding=dual_cache"),
-                         (("--policy=dkv_cache:every=2",), "policy dkv_cache has no knob 'every'"),
-                         (("--policy=sparse_dllm:keep_sinks=50",),  # refused when the run binds it
-                          "sparse_dllm keep_sinks=50 is more than the 6 keys outside the block")):
-    refused = run_cli(tmp_path, directory, "--sampler=llada", "--prompt_ids=5,6", "--gen_length=8",
-                      "--block_length=4", *flags, expect_ok=False)
+  for i, (_, message) in enumerate(REFUSED_POLICIES):
+    refused = runs[f"policy_refused_{i}"]
     assert refused.returncode == 1 and message in refused.stderr and "Traceback" not in refused.stderr
 
 
-def test_errors_are_reported(tmp_path, checkpoints):
-  directory = checkpoints["tiny-llada"][0]
-  result = run_cli(tmp_path, directory, "--sampler=llada", "--prompt_ids=5,6", "--gen_length=10",
-                   "--block_length=4", expect_ok=False)
+def test_errors_are_reported(runs):
+  result = runs["gen_length_10"]
   assert result.returncode != 0 and "multiple of block_length" in result.stderr
-  result = run_cli(tmp_path, directory, "--sampler=llada", expect_ok=False)
+  result = runs["no_prompt"]
   assert result.returncode != 0 and "--prompt" in result.stderr
 
 
-def test_defaults_are_the_official_ones(tmp_path, checkpoints):
+def test_defaults_are_the_official_ones(runs):
   """LLaDA: gen_length = steps = block_length = 128; Dream: steps 512, alg origin (its generation config)."""
-  result = run_cli(tmp_path, checkpoints["tiny-llada"][0], "--prompt_ids=5,9")
+  result = runs["llada_defaults"].ok()
   settings = result["settings"]
   assert result["sampler"] == "llada" and result["nfe"] == 128
   assert (settings["gen_length"], settings["steps"], settings["block_length"]) == (128, 128, 128)
-  result = run_cli(tmp_path, checkpoints["tiny-dream"][0], "--prompt_ids=5,9", "--gen_length=4")
+  result = runs["dream_defaults"].ok()
   assert result["sampler"] == "dream" and result["nfe"] == 512 and result["settings"]["alg"] == "origin"
   assert result["settings"]["eps"] == 1e-3 and result["settings"]["temperature"] == 0.0
 
@@ -177,39 +225,34 @@ def test_helpfull_lists_only_the_flags_it_uses():
     assert unused not in text, unused
 
 
-def test_mesh_may_use_a_subset_of_the_devices(tmp_path, checkpoints):
-  directory, config, params = checkpoints["tiny-llada"]
-  alone = run_cli(tmp_path, directory, "--prompt_ids=5,9,7", "--gen_length=8", "--steps=4", "--block_length=4")
-  subset = run_cli(tmp_path, directory, "--prompt_ids=5,9,7", "--gen_length=8", "--steps=4", "--block_length=4",
-                   "--cpu_devices=4", "--mesh=tensor:2")
+def test_mesh_may_use_a_subset_of_the_devices(runs, checkpoints, tmp_path):
+  """The mesh run in a process of its own (--cpu_devices must come before the backend starts)."""
+  alone = runs["mesh_alone"].ok()
+  flags = _flags(checkpoints, tmp_path / "subset", "mesh_alone", ("--cpu_devices=4", "--mesh=tensor:2"))
+  [(code, stderr, _)] = fx.run_modules([("experiments.generate", flags)])
+  subset = Run(code, stderr, tmp_path / "subset").ok()
   assert subset["tokens"] == alone["tokens"]
 
 
-def test_block_causal_moe_model_decodes_with_block_diffusion_and_reports_routing(tmp_path):
+def test_block_causal_moe_model_decodes_with_block_diffusion_and_reports_routing(runs, checkpoints):
   """auto picks block diffusion for a block-causal model (LLaDA2.x): tokens equal the library's, the npz has
   the router's choice; LLaDA's sampler and the cache modes are refused."""
   from dlm_jax.sampling import block_diffusion as bd  # pylint: disable=import-outside-toplevel
-  config = preset("tiny-llada2")
-  params = model.init_params(config, jax.random.key(12))
-  directory = str(tmp_path / "llada2")
-  checkpoint.save(directory, config, params)
-  stats = tmp_path / "stats.npz"
-  result = run_cli(tmp_path, directory, "--prompt_ids=5,6,7,8,9,10", "--gen_length=6", "--steps=4",
-                   f"--stats_out={stats}")
+  directory, config, params = checkpoints["tiny-llada2"]
+  result = runs["llada2_stats"].ok()
   assert result["sampler"] == "block_diffusion"
   options = bd.BlockDiffusionOptions(gen_length=6, block_length=4, steps=4)
   trace = bd.generate(params, jnp.asarray([[5, 6, 7, 8, 9, 10]]), config=config, options=options)
   assert result["tokens"] == np.asarray(trace.tokens)[0].tolist() and result["nfe"] == int(trace.nfe)
-  with np.load(stats) as npz:
+  with np.load(runs["llada2_stats"].stats) as npz:
     experts, nfe = npz["routed_experts"], result["nfe"]
     assert experts.shape == (nfe, 3, 12, 2) and (experts[:, 0] == -1).all() and (experts[:, 1:] >= 0).any()
-  edited = run_cli(tmp_path, directory, "--prompt_ids=5,6,7,8,9,10", "--gen_length=6", "--steps=4",
-                   "--editing_threshold=0.2", "--max_post_steps=2")
+  edited = runs["llada2_edited"].ok()
   options = bd.BlockDiffusionOptions(gen_length=6, block_length=4, steps=4, editing_threshold=0.2, max_post_steps=2)
   trace = bd.generate(params, jnp.asarray([[5, 6, 7, 8, 9, 10]]), config=config, options=options)
   assert edited["tokens"] == np.asarray(trace.tokens)[0].tolist() and edited["nfe"] == int(trace.nfe)
   assert edited["settings"]["editing_threshold"] == 0.2
-  bad = run_cli(tmp_path, directory, "--prompt_ids=5,6", "--sampler=llada", expect_ok=False)
+  bad = runs["llada2_llada"]
   assert bad.returncode == 1 and "does not fit a block-causal model; use block_diffusion" in bad.stderr
-  bad = run_cli(tmp_path, directory, "--prompt_ids=5,6", "--decoding=dual_cache", expect_ok=False)
+  bad = runs["llada2_dual_cache"]
   assert bad.returncode == 1 and "always decodes with its exact KV cache" in bad.stderr
