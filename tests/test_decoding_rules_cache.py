@@ -148,6 +148,11 @@ def test_dream_klass_fallback_ranks_after_top_k():
                                 cache="dual"), "cannot be combined with cfg_scale > 0"),
     (lambda: llada.LLaDAOptions(gen_length=16, steps=16, block_length=8, rule=dr.EBSampler(), cache="dual",
                                 dual_cache_forwards="steps_per_block"), "bounds a block's calls itself"),
+    (lambda: llada.LLaDAOptions(gen_length=16, steps=16, block_length=8, rule=dr.KLASS(), logits_eos_inf=True),
+     "decoding rule klass cannot be combined with logits_eos_inf"),
+    (lambda: llada.LLaDAOptions(gen_length=16, steps=16, block_length=8, rule=dr.EBSampler(),
+                                confidence_eos_eot_inf=True), "decoding rule eb cannot be combined with "
+     "confidence_eos_eot_inf"),
     (lambda: dream.DreamOptions(gen_length=16, steps=16, block_length=8, rule=dr.EBSampler(), top_k=3),
      "decoding rule eb cannot be combined with top_p or top_k"),
     (lambda: dream.DreamOptions(gen_length=16, steps=16, block_length=8, rule=dr.EBSampler(), top_p=0.9),

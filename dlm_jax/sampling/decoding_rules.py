@@ -283,7 +283,11 @@ def check_llada_options(options) -> None:
              "cfg_scale": options.cfg_scale > 0 and isinstance(rule, WINO),
              "remasking='random'": options.remasking != "low_confidence",
              "stop_token_id": options.stop_token_id is not None,
-             "temperature > 0": options.temperature > 0 and isinstance(rule, (KLASS, WINO))}
+             "temperature > 0": options.temperature > 0 and isinstance(rule, (KLASS, WINO)),
+             # KLASS and WINO commit the plain argmax and EB bounds the plain logits' entropy: LLaDA's EOS knobs
+             # would change only part of their rule
+             "logits_eos_inf": options.logits_eos_inf and isinstance(rule, (KLASS, WINO, EBSampler)),
+             "confidence_eos_eot_inf": options.confidence_eos_eot_inf and isinstance(rule, (KLASS, WINO, EBSampler))}
   for name, clash in clashes.items():
     if clash:
       raise ValueError(f"decoding rule {rule.name} cannot be combined with {name}; it runs without it in its "
