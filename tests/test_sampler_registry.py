@@ -72,7 +72,7 @@ def test_unknown_sampler_names_the_known_ones():
 OWN_FIELDS = {  # each options class's fields beyond the sampler's common settings and mode fields
     "llada": {"logits_eos_inf", "confidence_eos_eot_inf", "padding", "shift_positions", "cfg_padding",
               "confidence_dtype", "confidence_ranking", "stop_token_id", "mask_token_id", "eos_token_id",
-              "eot_token_id", "window", "eos_truncation"},
+              "eot_token_id"},
     "dream": {"mask_token_id"},
     "ar": {"stop_at_eos", "eos_token_ids", "pad_token_id"},
     "block_diffusion": {"cache", "editing_threshold", "max_post_steps", "eos_stop", "mask_token_id", "eos_token_id"},
