@@ -25,8 +25,12 @@ from dlm_jax.session.errors import SessionError
 
 try:
   from tests import numpy_transformer as ref
+  from tests.test_policy_modes import peaked_params, prompts
+  from tests.threshold_replay import threshold_commits
 except ImportError:  # run from inside tests/
   import numpy_transformer as ref
+  from test_policy_modes import peaked_params, prompts
+  from threshold_replay import threshold_commits
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -34,18 +38,6 @@ CONFIG = preset("tiny-llada")
 MASK = CONFIG.mask_token_id
 LP, GEN, BLOCK, TAU = 5, 16, 8, 0.9
 SPARSE = "sparse_dllm:keep_ratio=0.5,tie_break=lowest_position"
-
-
-@functools.lru_cache(maxsize=None)
-def peaked_params():
-  """Random weights with a scaled LM head: some proposals are confident, so blocks take a variable number of calls."""
-  params = model.init_params(CONFIG, jax.random.key(3))
-  params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 6.0
-  return params
-
-
-def prompts():
-  return np.random.default_rng(1).integers(3, 200, size=(2, LP)).astype(np.int32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,14 +102,7 @@ def replay(prompt, cache_mode, margins):
         kept_at[nfe] = kept
       computed.append(np.isin(np.arange(total), queries))
       candidates = np.flatnonzero(x[start:start + BLOCK] == MASK) + start
-      probs = np.exp(logits[0, candidates] - logits[0, candidates].max(-1, keepdims=True))
-      probs /= probs.sum(-1, keepdims=True)
-      x0, conf = probs.argmax(-1), probs.max(-1)
-      order = sorted(range(len(candidates)), key=lambda j: (-conf[j], j))
-      chosen = order[:1] + [j for j in order[1:] if conf[j] >= TAU]
-      margins.extend(np.abs(conf - TAU))
-      if len(order) > 1:
-        margins.append(conf[order[0]] - conf[order[1]])
+      chosen, x0 = threshold_commits(logits[0, candidates], TAU, margins)
       for j in chosen:
         x[candidates[j]] = x0[j]
         decode_step[candidates[j] - LP] = nfe

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 try:
-  from tests import numpy_transformer as ref
   from tests.test_policy_d2cache import replay_query_mask, replay_rollout, replay_top_up
+  from tests.test_policy_d2cache_loops import numpy_call
 except ImportError:  # run from inside tests/
-  import numpy_transformer as ref
   from test_policy_d2cache import replay_query_mask, replay_rollout, replay_top_up
+  from test_policy_d2cache_loops import numpy_call
 
 from dlm_jax.config import preset
 from dlm_jax.core.attention_bias import MASK_VALUE
@@ -89,42 +89,6 @@ def test_a_subset_calls_rows_are_the_full_calls_rows_at_its_queries(model):
     np.testing.assert_allclose(rows[:, row, real], whole[:, row, np.asarray(queries[row])[real]], atol=1e-6)
 
 
-def numpy_call(params, tokens, cache, computed):
-  """One d2Cache model call in float64 NumPy: the positions computed [B, S] run through every layer, their
-  keys and values (after RoPE) overwrite `cache` (per layer (keys, values) [B, S, K, H]; None: the first call,
-  which computes everything), every query reads all S cached positions. Returns (logits [B, S, V], zeros
-  where not computed; the new cache; head-mean attention rows [L, B, S, S], zeros where not computed)."""
-  c = CONFIG
-  p = {name: np.asarray(value, np.float64) for name, value in ref._flat(params).items()}
-  b, s = tokens.shape
-  group = c.n_heads // c.n_kv_heads
-  cache = [(np.zeros((b, s, c.n_kv_heads, c.head_dim)), np.zeros((b, s, c.n_kv_heads, c.head_dim)))
-           for _ in range(c.n_layers)] if cache is None else [(k.copy(), v.copy()) for k, v in cache]
-  logits = np.zeros((b, s, c.vocab_size))
-  rows = np.zeros((c.n_layers, b, s, s))
-  for row in range(b):
-    at = np.nonzero(computed[row])[0]
-    x = p["embed.embedding"][tokens[row, at]][None]
-    for layer in range(c.n_layers):
-      w = lambda name: p[f"blocks.{name}"][layer]  # noqa: E731
-      h = ref._rms(x, w("attn_norm.weight"), c.norm_eps)
-      shape = (1, len(at), -1, c.head_dim)
-      q = ref._rope((h @ w("attn.q.kernel")).reshape(shape), at.astype(np.float64), c.rope_theta)[0]
-      keys, values = cache[layer]
-      keys[row, at] = ref._rope((h @ w("attn.k.kernel")).reshape(shape), at.astype(np.float64), c.rope_theta)[0]
-      values[row, at] = (h @ w("attn.v.kernel")).reshape(shape)[0]
-      scores = np.einsum("tnh,snh->nts", q, np.repeat(keys[row], group, axis=1)) / np.sqrt(c.head_dim)
-      probs = np.exp(scores - scores.max(-1, keepdims=True))
-      probs = probs / probs.sum(-1, keepdims=True)
-      rows[layer, row, at] = probs.mean(0)
-      z = np.einsum("nts,snh->tnh", probs, np.repeat(values[row], group, axis=1))
-      x = x + z.reshape(1, len(at), -1) @ w("attn.o.kernel")
-      h = ref._rms(x, w("mlp_norm.weight"), c.norm_eps)
-      x = x + (ref._silu(h @ w("mlp.gate.kernel")) * (h @ w("mlp.up.kernel"))) @ w("mlp.down.kernel")
-    logits[row, at] = (ref._rms(x, p["final_norm.weight"], c.norm_eps) @ p["lm_head.kernel"])[0]
-  return logits, cache, rows
-
-
 def replay(params, prompt, settings):
   """The official d2Cache run with LLaDA's low-confidence sampler at temperature 0, in its order of operations:
   (tokens [B, S], decode step [B, G], NFE, computed positions per step [steps, B, S] bool)."""
@@ -153,7 +117,7 @@ def replay(params, prompt, settings):
     else:  # model_forward: the top-up at this forward, then x[active_q_mask]
       computed = replay_top_up(full_q, importance, density, active) if settings["top_up"] else full_q.copy()
     computed_per_step.append(computed)
-    logits, cache, rows = numpy_call(params, x, cache, computed)
+    logits, cache, rows = numpy_call(CONFIG, params, x, cache, computed)
     gen_logits = logits[:, p:]
     x0 = gen_logits.argmax(-1)
     probs = np.exp(gen_logits - gen_logits.max(-1, keepdims=True))

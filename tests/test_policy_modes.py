@@ -24,9 +24,11 @@ from dlm_jax.session.errors import SessionError
 try:
   from tests import numpy_transformer as ref
   from tests import test_dream_modes as dream_ref
+  from tests.threshold_replay import threshold_commits
 except ImportError:  # run from inside tests/
   import numpy_transformer as ref
   import test_dream_modes as dream_ref
+  from threshold_replay import threshold_commits
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -122,14 +124,7 @@ def replay(prompt, method, margins):
       was_masked = x == MASK
       candidates = np.flatnonzero(x[start:start + BLOCK] == MASK) + start
       assert np.all(np.isin(candidates, queries)), "a candidate's logits were not computed"
-      probs = np.exp(logits[0, candidates] - logits[0, candidates].max(-1, keepdims=True))
-      probs /= probs.sum(-1, keepdims=True)
-      x0, conf = probs.argmax(-1), probs.max(-1)
-      order = sorted(range(len(candidates)), key=lambda j: (-conf[j], j))
-      chosen = order[:1] + [j for j in order[1:] if conf[j] >= TAU]
-      margins.extend(np.abs(conf - TAU))
-      if len(order) > 1:
-        margins.append(conf[order[0]] - conf[order[1]])
+      chosen, x0 = threshold_commits(logits[0, candidates], TAU, margins)
       for j in chosen:
         x[candidates[j]] = x0[j]
         decode_step[candidates[j] - LP] = nfe

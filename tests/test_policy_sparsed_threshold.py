@@ -19,8 +19,10 @@ from experiments.common import decoding
 
 try:
   from tests import test_policy_sparsed_runs as sparsed_ref
+  from tests.threshold_replay import threshold_commits
 except ImportError:  # run from inside tests/
   import test_policy_sparsed_runs as sparsed_ref
+  from threshold_replay import threshold_commits
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -64,13 +66,7 @@ def replay(prompt, margins):
           layer_blocks[..., 0] = True
         masks = [sparsed_ref._token_mask(f, s, 3) for f in fine]
       candidates = np.flatnonzero(x[0, start:start + BLOCK] == MASK) + start
-      probs = sparsed_ref._softmax(logits[0, candidates])
-      x0, conf = probs.argmax(-1), probs.max(-1)
-      order = sorted(range(len(candidates)), key=lambda j: (-conf[j], j))
-      chosen = order[:1] + [j for j in order[1:] if conf[j] >= TAU]
-      margins.extend(np.abs(conf - TAU))
-      if len(order) > 1:
-        margins.append(conf[order[0]] - conf[order[1]])
+      chosen, x0 = threshold_commits(logits[0, candidates], TAU, margins)
       for j in chosen:
         x[0, candidates[j]] = x0[j]
         decode_step[candidates[j] - LP] = nfe
