@@ -107,7 +107,8 @@ def test_the_skipped_work_leaves_the_flop_count():
 @pytest.mark.parametrize("run, message", [
     (lambda p, x: autoregressive.generate(p, x, config=preset("tiny-llama"), policy=Recent()),
      "runs with the samplers whose every call reads the whole sequence"),
-    (lambda p, x: llada.generate(p, x, config=CONFIG, options=OPTIONS, policy=parse_policy("dkv_cache:shift_type=right"),
+    (lambda p, x: llada.generate(p, x, config=CONFIG, options=OPTIONS,
+                                 policy=parse_policy("dkv_cache:shift_type=right"),
                                  hooks=Hooks(captures=(Capture("hook_resid_post"),))),
      "dkv_cache cache_type and shift_type are the rules of Dream's code"),
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=dataclasses.replace(OPTIONS, cfg_scale=1.0),

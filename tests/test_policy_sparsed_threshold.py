@@ -47,8 +47,8 @@ def prompts():
 
 def replay(prompt, margins):
   """One row of Fast-dLLM threshold decoding (τ = TAU, blocks of BLOCK, no cache) under SparseD (skip 0.2, select
-  0.3, block_size 3, block 0 always kept): (tokens [S], decode_step [G], nfe, the chosen blocks [L, 1, N, nQb, nKb], how many (layer, head, query block)
-  the official rule left without block 0).
+  0.3, block_size 3, block 0 always kept): (tokens [S], decode_step [G], nfe, the chosen blocks
+  [L, 1, N, nQb, nKb], how many (layer, head, query block) the official rule left without block 0).
   Calls 0 .. E are dense; call E's q and k choose the blocks (the official rule) and block 0 is OR-ed in; later
   calls attend through that mask. `margins` collects |confidence − τ| and the gap between the two most
   confident."""
