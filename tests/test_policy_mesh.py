@@ -1,6 +1,7 @@
 """Every runnable compute policy under a data-parallel mesh (issue 36 item 3): the batch sharded over 4 CPU
 devices and the weights replicated give the tokens, decode order, NFE and computed positions of the same run
-without a mesh, and `experiments.generate --policy=... --mesh=...` runs. One subprocess for everything: it
+without a mesh (Sparse-dLLM also with Fast-dLLM's dual cache and threshold decoding: its key scoring sits in a
+`lax.cond` inside the cache's block call), and `experiments.generate --policy=... --mesh=...` runs. One subprocess for everything: it
 fakes the devices with XLA_FLAGS, and a collective that never completes (XLA aborts the process after its
 rendezvous timeout) fails this test alone."""
 
@@ -23,6 +24,9 @@ BATCH_INVARIANT = ("dllm_cache",)
 """Policies also run with `batch_invariant=True` under the mesh (rows mapped one at a time; the batch is
 replicated first, `dlm_jax.sampling.replicated_rows`): dLLM-Cache's four-case switch ended every such run in
 XLA's rendezvous timeout before."""
+CACHED = {"sparse_dllm": "sparse_dllm:keep_ratio=0.5"}
+"""Policies also run with Fast-dLLM's dual cache and threshold decoding (Sparse-dLLM is the one that composes
+with a cache)."""
 
 _SCRIPT = r"""
 import json, sys
@@ -37,29 +41,33 @@ from experiments import generate
 from experiments.common import cli
 from absl import flags
 
-policies, invariant, devices, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+policies, invariant, cached = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
+devices, out = int(sys.argv[4]), sys.argv[5]
 config = preset("tiny-llada")
-options = llada.LLaDAOptions(gen_length=8, steps=8, block_length=4)
+exact = llada.LLaDAOptions(gen_length=8, steps=8, block_length=4)
+dual = llada.LLaDAOptions(gen_length=8, steps=8, block_length=4, threshold=0.9, cache="dual")
 params = init_params(config, jax.random.key(0))
 prompt = np.asarray(jax.random.randint(jax.random.key(1), (devices, 6), 0, 200))
 mesh = sharding.make_mesh(data=devices)
 meshed = dict(params=sharding.put_host(params, sharding.replicated(mesh)), prompt=sharding.put_rows(prompt, mesh))
 FIELDS = ("tokens", "decode_step", "nfe", "computed_positions")
+cases = [(f"{name} batch_invariant={flag}", text, exact, flag) for name, text in policies.items()
+         for flag in ((False, True) if name in invariant else (False,))]
+cases += [(f"{name} dual cache", text, dual, False) for name, text in cached.items()]
 results = {}
-for name, text in policies.items():
-  for batch_invariant in (False, True) if name in invariant else (False,):
-    run = dict(config=config, options=options, policy=parse_policy(text), batch_invariant=batch_invariant)
-    alone = llada.generate(params, prompt, **run)
-    sharded = llada.generate(meshed["params"], meshed["prompt"], **run)
-    if name == "d2cache":
-      alone_d2cache = alone
-    results[f"{name} batch_invariant={batch_invariant}"] = {
-        "sharding": str(sharded.tokens.sharding.spec),
-        "same": {f: bool(np.array_equal(np.asarray(getattr(alone, f)), np.asarray(getattr(sharded, f))))
-                 for f in FIELDS},
-        "computed": int(np.asarray(sharded.computed_positions).sum()),
-        "every": int(np.asarray(sharded.computed_positions).size)}
-uncoupled = llada.generate(params, prompt, config=config, options=options,
+for case, text, options, batch_invariant in cases:
+  run = dict(config=config, options=options, policy=parse_policy(text), batch_invariant=batch_invariant)
+  alone = llada.generate(params, prompt, **run)
+  sharded = llada.generate(meshed["params"], meshed["prompt"], **run)
+  if case.startswith("d2cache"):
+    alone_d2cache = alone
+  results[case] = {
+      "sharding": str(sharded.tokens.sharding.spec),
+      "same": {f: bool(np.array_equal(np.asarray(getattr(alone, f)), np.asarray(getattr(sharded, f))))
+               for f in FIELDS},
+      "computed": int(np.asarray(sharded.computed_positions).sum()),
+      "every": int(np.asarray(sharded.computed_positions).size)}
+uncoupled = llada.generate(params, prompt, config=config, options=exact,
                            policy=parse_policy(policies["d2cache"] + ",top_up=false"))
 results["top_up changes the run"] = not np.array_equal(np.asarray(uncoupled.computed_positions),
                                                        np.asarray(alone_d2cache.computed_positions))
@@ -82,12 +90,13 @@ def test_every_policy_gives_the_same_run_under_a_data_mesh(tmp_path):
   flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
   env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
   done = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(POLICIES), json.dumps(BATCH_INVARIANT),
-                         str(DEVICES), str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
+                         json.dumps(CACHED), str(DEVICES), str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
                         timeout=900, check=False)
   assert done.returncode == 0, done.stderr[-4000:]
   results = json.loads(done.stdout.strip().splitlines()[-1])
   expected = {f"{name} batch_invariant={flag}" for name in POLICIES for flag in
               ((False, True) if name in BATCH_INVARIANT else (False,))}
+  expected |= {f"{name} dual cache" for name in CACHED}
   assert expected <= set(results)
   for case in expected:
     replicated = case.endswith("batch_invariant=True")  # replicated_rows; else the batch really was sharded
