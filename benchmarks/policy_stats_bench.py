@@ -1,8 +1,9 @@
-r"""What recording statistics costs a compute policy's run: every policy's compiled LLaDA sampler run with statistics
-off and with the instrument's per-head incoming attention (the sink statistics) on, in one process, interleaved.
+r"""What recording statistics costs a compute policy's run, and a decoding rule's: every policy's and every rule's
+compiled LLaDA sampler run with statistics off and with the instrument's per-head incoming attention (the sink
+statistics) on, in one process, interleaved.
 
     python -m benchmarks.policy_stats_bench                       # width 512, 4 layers, prompt 64 + 128
-    python -m benchmarks.policy_stats_bench --policies=none,sparse_dllm --rounds=5
+    python -m benchmarks.policy_stats_bench --policies=none,sparse_dllm --rules=eb,klass:kl_threshold=0.02 --rounds=5
 
 Model: a random LLaDA-shaped config (--width, --layers, --heads, MLP 3 × width, --vocab_size), float32, batch 1,
 exact decoding (one token per step) of --gen_length tokens in blocks of --block_length, temperature 0. Each
@@ -11,11 +12,18 @@ same order, so that a change of the machine's load reaches every pair alike; the
 reported, with the step time (run time / steps) and the overhead of statistics over the same policy without
 them. Issue 36's goal: statistics recorded alongside a policy cost <= 10% extra step time.
 
+--rules (issue 34's goal, the same <= 10%): each decoding rule of `dlm_jax.sampling.decoding_rules`, given as
+`name` or `name:knob=value;knob=value` (the rule's knobs, `;` between them), runs without a policy; its step is
+one model call (run time / the run's NFE: a rule commits a varying number of tokens per call, and statistics
+do not change which). PC-Sampler's corpus prior, unless `prior=FILE` is given, is counted from 4,096 random
+tokens of the benchmark's vocabulary (`dlm_jax.sampling.corpus_prior.count`).
+
 The CPU model and the load average before and after are printed; results go to --json_out (temp + rename).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -31,6 +39,8 @@ NAME = "benchmarks.policy_stats_bench"
 _POLICIES = flags.DEFINE_list("policies", ["none", "dkv_cache", "sparse_dllm", "sparsed", "dllm_cache",
                                            "elastic_cache:window_length=32", "d2cache"],
                               "Policy texts (parse_policy) to measure (Elastic-Cache's window: the block length).")
+_RULES = flags.DEFINE_list("rules", ["eb", "klass", "wino", "pc", "certainty_prior"],
+                           "Decoding rules to measure, `name` or `name:knob=value;knob=value` (none: --rules=).")
 _WIDTH = flags.DEFINE_integer("width", 512, "Model width D.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers L.")
 _HEADS = flags.DEFINE_integer("heads", 8, "Attention heads (MHA).")
@@ -59,8 +69,8 @@ def checked_policies() -> dict:
     fail(f"--heads={_HEADS.value}: expected a divisor of --width={_WIDTH.value}")
   if _GEN.value % _BLOCK.value:
     fail(f"--block_length={_BLOCK.value}: expected a divisor of --gen_length={_GEN.value}")
-  if not _POLICIES.value:
-    fail("--policies: expected at least one policy text")
+  if not _POLICIES.value and not _RULES.value:
+    fail("--policies, --rules: expected at least one policy text or decoding rule")
   policies = {}
   for text in _POLICIES.value:
     try:
@@ -70,9 +80,46 @@ def checked_policies() -> dict:
   return policies
 
 
+def checked_rules() -> dict:
+  """{spec: rule} of --rules, each name and knob checked (one line) before any model work; pc's prior, unless a
+  file is named, counted from random tokens of the benchmark's vocabulary."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  from dlm_jax.sampling import corpus_prior, decoding_rules  # pylint: disable=import-outside-toplevel
+  rules = {}
+  for spec in _RULES.value:
+    name, _, text = spec.partition(":")
+    knobs = {}
+    for item in filter(None, text.split(";")):
+      key, eq, raw = item.partition("=")
+      if not eq or not key:
+        fail(f"--rules: {spec}: expected name or name:knob=value;knob=value")
+      knobs[key] = raw if key == "prior" else _number(spec, raw)
+    if name == "pc" and "prior" not in knobs:
+      vocab = {str(i): i for i in range(_VOCAB.value)}
+      tokens = np.random.default_rng(2).integers(0, _VOCAB.value, size=4096).tolist()
+      knobs["prior"] = corpus_prior.from_document(corpus_prior.count([tokens], vocab, _VOCAB.value))
+    try:
+      rules[spec] = decoding_rules.rule_from_name(name, **knobs)
+    except (ValueError, TypeError) as error:
+      fail(f"--rules: {spec}: {error}")
+  return rules
+
+
+def _number(spec: str, raw: str) -> float | int:
+  """A rule knob's number (ints stay ints); one line otherwise."""
+  for kind in (int, float):
+    try:
+      return kind(raw)
+    except ValueError:
+      pass
+  return fail(f"--rules: {spec}: {raw!r} is not a number")
+
+
 def main(argv: list[str]) -> None:
   del argv
   policies = checked_policies()
+  rules = checked_rules()
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
 
@@ -80,6 +127,7 @@ def main(argv: list[str]) -> None:
   from dlm_jax.instrument.stats import NO_STATS, StatsSpec  # pylint: disable=import-outside-toplevel
   from dlm_jax.model import init_params  # pylint: disable=import-outside-toplevel
   from dlm_jax.policy.base import PolicyError  # pylint: disable=import-outside-toplevel
+  from dlm_jax.policy.registry import parse_policy  # pylint: disable=import-outside-toplevel
   from dlm_jax.sampling import llada  # pylint: disable=import-outside-toplevel
 
   width, vocab = _WIDTH.value, _VOCAB.value
@@ -97,39 +145,46 @@ def main(argv: list[str]) -> None:
   results = {"cpu": cpu_model(), "device": jax.devices()[0].platform, "width": width, "layers": _LAYERS.value,
              "heads": _HEADS.value, "vocab_size": vocab, "prompt_length": _PROMPT.value, "gen_length": _GEN.value,
              "block_length": _BLOCK.value, "rounds": _ROUNDS.value, "load_average_start": os.getloadavg()[0],
-             "policies": {}}
+             "policies": {}, "rules": {}}
+  configurations = [("policies", text, options, policy) for text, policy in policies.items()]
+  configurations += [("rules", spec, dataclasses.replace(options, rule=rule), parse_policy("none")) for spec, rule in rules.items()]
 
-  runs = {}
-  for text, policy in policies.items():
+  runs, nfe = {}, {}
+  for group, text, run_options, policy in configurations:
     for condition, spec in specs.items():
-      def run(policy=policy, spec=spec):
-        return jax.block_until_ready(llada.generate(params, prompt, config=config, options=options, stats_spec=spec,
-                                                    policy=policy))
+      def run(run_options=run_options, policy=policy, spec=spec):
+        return jax.block_until_ready(llada.generate(params, prompt, config=config, options=run_options,
+                                                    stats_spec=spec, policy=policy))
       try:
         begin = time.perf_counter()
-        run()
+        trace = run()
       except PolicyError as error:
-        results["policies"][text] = {"refused": str(error)}
+        results[group][text] = {"refused": str(error)}
         print(f"  {text:28s} refused: {error}", flush=True)
         break
       print(f"  {text:28s} {condition:5s} compiled and warmed up in {time.perf_counter() - begin:.1f} s", flush=True)
-      runs[(text, condition)] = run
+      runs[(group, text, condition)] = run
+      nfe[(group, text, condition)] = float(np.mean(np.asarray(trace.nfe)))
   seconds = {key: [] for key in runs}
   for _ in range(_ROUNDS.value):
     for key, run in runs.items():
       begin = time.perf_counter()
       run()
       seconds[key].append(time.perf_counter() - begin)
-  for text in policies:
-    if (text, "stats") not in runs:
+  for group, text, _, _ in configurations:
+    if (group, text, "stats") not in runs:
       continue
-    ms = {c: statistics.median(seconds[(text, c)]) * 1e3 / _GEN.value for c in specs}
+    calls = {c: nfe[(group, text, c)] for c in specs}
+    if calls["off"] != calls["stats"]:
+      fail(f"{text}: {calls['off']} model calls without statistics, {calls['stats']} with; statistics must not "
+           "change a run")
+    ms = {c: statistics.median(seconds[(group, text, c)]) * 1e3 / calls[c] for c in specs}
     overhead = ms["stats"] / ms["off"] - 1
-    results["policies"][text] = {"ms_per_step_off": ms["off"], "ms_per_step_stats": ms["stats"],
-                                 "stats_overhead": overhead,
-                                 "runs_s": {c: seconds[(text, c)] for c in specs}}
+    results[group][text] = {"ms_per_step_off": ms["off"], "ms_per_step_stats": ms["stats"],
+                            "stats_overhead": overhead, "model_calls": calls["off"],
+                            "runs_s": {c: seconds[(group, text, c)] for c in specs}}
     print(f"  {text:28s} {ms['off']:8.2f} ms/step without statistics, {ms['stats']:8.2f} with: "
-          f"{overhead:+.1%} (goal <= +10%)", flush=True)
+          f"{overhead:+.1%} (goal <= +10%; {calls['off']:g} model calls)", flush=True)
   results["load_average_end"] = os.getloadavg()[0]
   with open(_JSON_OUT.value + ".tmp", "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1)

@@ -1,5 +1,5 @@
-"""The statistics-overhead benchmark of the compute policies (`benchmarks.policy_stats_bench`): it times every
-(policy, statistics) pair it was given and records the overhead from the medians it printed; bad flags are one
+"""The statistics-overhead benchmark of the compute policies and decoding rules (`benchmarks.policy_stats_bench`):
+it times every (policy or rule, statistics) pair it was given and records the overhead from the medians it printed; bad flags are one
 line before any model work (no timing assertions: the goal is read from the printed figures)."""
 
 import json
@@ -19,17 +19,21 @@ def _bench(tmp_path, *flags):
 
 
 def test_every_pair_is_timed_and_the_overhead_is_their_ratio(tmp_path):
-  done = _bench(tmp_path, "--policies=none,sparse_dllm:keep_ratio=0.5")
+  done = _bench(tmp_path, "--policies=none,sparse_dllm:keep_ratio=0.5",
+                "--rules=eb:gamma=0.5,klass:kl_threshold=0.02;kl_history_length=3")
   assert done.returncode == 0, done.stderr[-3000:]
   results = json.loads((tmp_path / "stats.json").read_text())
   assert f"CPU: {results['cpu']}" in done.stdout
   assert set(results["policies"]) == {"none", "sparse_dllm:keep_ratio=0.5"}
-  for text, row in results["policies"].items():
+  assert set(results["rules"]) == {"eb:gamma=0.5", "klass:kl_threshold=0.02;kl_history_length=3"}
+  for text, row in {**results["policies"], **results["rules"]}.items():
     assert {c: len(r) for c, r in row["runs_s"].items()} == {"off": 2, "stats": 2}
     assert min(row["runs_s"]["off"] + row["runs_s"]["stats"]) > 0
-    # the median of two runs is their mean
-    assert row["ms_per_step_off"] == pytest.approx(sum(row["runs_s"]["off"]) / 2 * 1e3 / 16)
-    assert row["ms_per_step_stats"] == pytest.approx(sum(row["runs_s"]["stats"]) / 2 * 1e3 / 16)
+    calls = row["model_calls"]  # exact decoding: one call per token; a rule's own count (EB at γ 0.5: fewer)
+    assert calls == 16 if text in results["policies"] else 1 <= calls <= 16
+    # the median of two runs is their mean, per model call
+    assert row["ms_per_step_off"] == pytest.approx(sum(row["runs_s"]["off"]) / 2 * 1e3 / calls)
+    assert row["ms_per_step_stats"] == pytest.approx(sum(row["runs_s"]["stats"]) / 2 * 1e3 / calls)
     assert row["stats_overhead"] == pytest.approx(row["ms_per_step_stats"] / row["ms_per_step_off"] - 1)
     assert f"{text:28s} {row['ms_per_step_off']:8.2f} ms/step without statistics" in done.stdout
 
@@ -37,6 +41,9 @@ def test_every_pair_is_timed_and_the_overhead_is_their_ratio(tmp_path):
 @pytest.mark.parametrize("flag, message", [
     ("--policies=sparse_dllm:keep_ratio=2", "--policies: sparse_dllm:keep_ratio=2: "),
     ("--block_length=5", "--block_length=5: expected a divisor of --gen_length=16"),
+    ("--rules=klass:kl_history_length=0", "--rules: klass:kl_history_length=0: "),
+    ("--rules=eb:gamma", "--rules: eb:gamma: expected name or name:knob=value;knob=value"),
+    ("--rules=beam", "--rules: beam: decoding rule must be one of"),
 ])
 def test_bad_flags_are_one_line(tmp_path, flag, message):
   done = _bench(tmp_path, flag)
