@@ -19,17 +19,18 @@ layer; LM-head rows):
                    projection; the block;
   elastic          Elastic-Cache: its static query budget n = L · track_num + 2 · window_length through the
                    layers below the refresh start, every position from it on, the drift test of the L · track_num
-                   tracked tokens at every layer, the incoming attention it tracks tokens by; the n query rows. One
+                   tracked tokens at every layer, the incoming attention it tracks tokens by; the block. One
                    program, timed at start L (no layer refreshed: `elastic_no_refresh`) and start 0 (every layer:
                    `elastic_full_refresh`);
   d2cache_S/<2^k>  d2Cache after step 0: ceil(S / 2^k) query rows (its static buckets: S and its halves,
                    `D2Cache.buckets`) over all S cached keys, with the statistic its rollout reads
-                   ("attention_rows", the head-mean attention rows of the computed queries); the n rows.
+                   ("attention_rows", the head-mean attention rows of the computed queries); the block.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -174,28 +175,34 @@ def make_calls(config: ModelConfig, attention_impl: str, params: Any, tokens: ja
     refresh = LayerRefresh(hidden=h, tracked=tracked, start=first, gamma=float(elastic.gamma), tokens=t,
                            positions=positions)
     out = forward(p, t[:, s - n:], cache=c, subset=ComputeSubset(queries, None, refresh), stats_spec=incoming,
-                  query_weights=jnp.ones((b, 1, n), jnp.float32), **impl)
-    return out.logits, out.stats
+                  query_weights=jnp.ones((b, 1, n), jnp.float32), return_hidden=True, **impl)
+    return _block_logits(p, out, config, block), out.stats
 
   tracked_count = config.n_layers * elastic.track_num
   for name, first in (("elastic_no_refresh", config.n_layers), ("elastic_full_refresh", 0)):
     calls[name] = Call(elastic_call, (params, tokens, cache, hidden, jnp.full((b,), first, jnp.int32)),
-                       cost.layer_refresh_flops(config, n, s, tracked_count, first) + head(n))
+                       cost.layer_refresh_flops(config, n, s, tracked_count, first) + head(min(n, block)))
 
   rollout = StatsSpec(extra=("attention_rows",))
+
+  def d2cache_call(p, t, c, subset, rows):
+    out = forward(p, t[:, s - rows:], cache=c, subset=ComputeSubset(subset), stats_spec=rollout, return_hidden=True,
+                  **impl)
+    return _block_logits(p, out, config, block), out.stats
+
   buckets = methods.d2cache.buckets
   for k, rows in enumerate(reversed(buckets)):
     subset = (s - rows + jnp.arange(rows, dtype=jnp.int32))[None]
     calls[f"d2cache_S/{2 ** k}"] = Call(
-        lambda p, t, c, q=subset, rows=rows: _with_stats(forward(p, t[:, s - rows:], cache=c,
-                                                                 subset=ComputeSubset(q), stats_spec=rollout, **impl)),
-        (params, tokens, cache), cost.trunk_flops(config, rows, s) + head(rows))
+        functools.partial(d2cache_call, subset=subset, rows=rows), (params, tokens, cache),
+        cost.trunk_flops(config, rows, s) + head(min(rows, block)))
   return calls
 
 
-def _with_stats(output) -> tuple:
-  """(logits, statistics): a call returns the statistics its policy reads, so that XLA keeps their work."""
-  return output.logits, output.stats
+def _block_logits(params: Any, output, config: ModelConfig, block: int) -> jax.Array:
+  """The LM head on the last `block` computed rows of a subset call's hidden states (the sampler reads its block
+  only: `dlm_jax.sampling.policy_call` runs the head on the readout window's rows)."""
+  return lm_head(params, output.hidden[:, -block:], config=config)
 
 
 def check_layers(name: str) -> int:

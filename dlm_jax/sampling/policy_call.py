@@ -18,7 +18,10 @@ computes all its queries and no more than the bucket: XLA compiles each size, an
 its bucket. For a policy that reads it, the largest softmax probability of the logits at every computed
 position comes back in `ForwardOutput.max_probability` (from the hidden states through the LM head when the
 readout is hidden states: the head on the computed rows only; a full call whose readout is a window runs the
-head on all S rows, as the official d2Cache's confidence cache reads every generated position).
+head on all S rows, as the official d2Cache's confidence cache reads every generated position). A subset call
+whose logits readout window is shorter than its rows runs the LM head on the window's rows only (the other
+computed rows' logits are never read): d2Cache's row buckets, dKV-Cache's generated rows and Elastic-Cache's
+query budget pay the head for the sampler's block, not for every row they compute.
 """
 
 from __future__ import annotations
@@ -146,6 +149,13 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
     output = output.replace(max_probability=_max_probability(output.hidden, lm_head))
     return output.replace(hidden=rows) if readout.hidden else output.replace(hidden=None, logits=lm_head(rows))
 
+  def head_on_window(n: int) -> bool:
+    """Whether a subset call of n rows reads logits through the LM head on the readout window's rows (fewer than
+    n) instead of on its n computed rows: a logits readout, a head given, no largest probability of every
+    computed row asked for."""
+    return (not readout.hidden and lm_head is not None and max_probability != "every" and window is not None
+            and window[1] - window[0] < n)
+
   def subset_rows(n: int):
     def subset(refresh):
       queries = decision.queries[:, :n]
@@ -154,17 +164,21 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
       if weights is not None:
         sub_weights = jnp.take_along_axis(weights, jnp.minimum(queries, n_seq - 1)[:, None, :],
                                           axis=2) * real[:, None, :]
+      window_head = head_on_window(n)
       call = functools.partial(run, params, gather_rows(tokens, queries), bias=_query_rows(bias, queries),
                                positions=gather_rows(positions, queries), query_weights=sub_weights,
-                               cache=policy.cache, return_hidden=readout.hidden, hooks=hooks)
+                               cache=policy.cache, return_hidden=readout.hidden or window_head, hooks=hooks)
       if decision.all_keys is None or decision.keys is None:
         output = call(subset=ComputeSubset(queries, decision.keys, refresh))
       else:  # a Fast-dLLM cache's call before the keys are chosen reads every cached position
         output = jax.lax.cond(decision.all_keys, lambda: call(subset=ComputeSubset(queries, None, refresh)),
                               lambda: call(subset=ComputeSubset(queries, decision.keys, refresh)))
-      rows = output.hidden if readout.hidden else output.logits
+      rows = output.hidden if readout.hidden or window_head else output.logits
       placed = _window(scatter_rows(jnp.zeros((rows.shape[0], n_seq, rows.shape[2]), rows.dtype), queries, rows),
                        readout)
+      if window_head:  # the LM head on the window's rows only (bias-free: zero rows give zero logits)
+        output = output.replace(hidden=None)
+        placed = lm_head(placed)
       output = output.replace(stats={name: _query_axis_to_sequence(name, x, queries, n_seq)
                                      for name, x in output.stats.items()})
       if max_probability != "never":
