@@ -165,6 +165,9 @@ def _lengths(decode: DecodeSettings, model: Model, length: int, mode: DecodingMo
   if sampler.blocks == "canvas":
     return {"steps": decode.steps or sampler.defaults.steps, "block_length": decode.block_length or length}
   lengths = {"steps": decode.steps or length}
-  if sampler.blocks == "divide" or not mode.exact:
+  if mode.whole_generation(sampler.name):
+    if decode.block_length is not None:
+      lengths["block_length"] = decode.block_length  # refused by the options, with the model's label
+  elif sampler.blocks == "divide" or not mode.exact:
     lengths["block_length"] = decode.block_length or default_block(length)
   return lengths
