@@ -65,8 +65,8 @@ def rule_knobs(decoding: str) -> tuple[tuple[str, Any], ...]:
   """The knobs of rule `decoding` from the flags ((name, value) pairs; () for a mode that is not a rule)."""
   flat = {"eb_gamma": _EB_GAMMA, "klass_conf_threshold": _KLASS_CONF, "klass_kl_threshold": _KLASS_KL,
           "klass_kl_history_length": _KLASS_HISTORY, "klass_variant": _KLASS_VARIANT, "wino_wide_in": _WINO_IN,
-          "wino_narrow_out": _WINO_OUT, "pc_prior": _PC_PRIOR, "pc_lambda": _PC_LAMBDA, "pc_alpha": _PC_ALPHA, "pc_variant": _PC_VARIANT,
-          "certainty_sigma": _CERTAINTY_SIGMA}
+          "wino_narrow_out": _WINO_OUT, "pc_prior": _PC_PRIOR, "pc_lambda": _PC_LAMBDA, "pc_alpha": _PC_ALPHA,
+          "pc_variant": _PC_VARIANT, "certainty_sigma": _CERTAINTY_SIGMA}
   return decoding_mode.rule_knobs(decoding, {name: flag.value for name, flag in flat.items()})
 
 
