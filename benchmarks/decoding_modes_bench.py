@@ -11,8 +11,9 @@ layout, as `experiments.evaluate_synthetic`; scored by exact match, GSM8K strict
 no accuracy — random weights are rarely confident, so the threshold rule commits about one token per
 call and the run measures the cost of each mode's model calls).
 
-For each mode of --modes (`name`, `name:τ`, or a decoding rule `name:knob=value,...`, e.g. `eb:gamma=0.01`,
-`pc:prior=FILE`; `dlm_jax.session.decoding_mode`) it decodes the --n prompts in
+For each mode of --modes (`name`, `name:τ`, or a decoding rule `name:knob=value`, e.g. `eb:gamma=0.01`,
+`pc:prior=FILE`, with "+" between a rule's knobs because commas separate the modes: `eb:gamma=0.01+cache=dual`,
+as lm-eval's policy model_arg; `dlm_jax.session.decoding_mode`) it decodes the --n prompts in
 batches of --batch_size (default 1, as Fast-dLLM measures) with statistics off, then with per-head incoming
 attention of every layer on (`StatsSpec(incoming_attention=True, per_head=True)`), and reports:
 
@@ -47,7 +48,9 @@ from benchmarks.machine import cpu_model
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted directory, tiny-dlm, or random:<preset> "
                                   "(e.g. random:llada-8b).")
 _MODES = flags.DEFINE_list("modes", ["exact", "threshold:0.9", "threshold:0.7", "prefix_cache", "dual_cache",
-                                     "threshold_dual_cache:0.9"], "Decoding modes, name or name:value.")
+                                     "threshold_dual_cache:0.9"],
+                           "Decoding modes, comma-separated: name, name:value, or a decoding rule name:knob=value with "
+                           "'+' between its knobs (eb:gamma=0.01+cache=dual).")
 _N = flags.DEFINE_integer("n", 200, "Prompts (synthetic test problems, or random prompts), >= 1.")
 _DATA_SEED = flags.DEFINE_integer("data_seed", 0, "Seed of the synthetic test split / random prompts.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 1, "Prompts per sampler call.")
@@ -190,8 +193,8 @@ def _short(spec: str) -> str:
   name, _, rest = spec.partition(":")
   if name != "pc" or not rest:
     return spec
-  return name + ":" + ",".join(os.path.basename(v) if k == "prior" else f"{k}={v}"
-                               for k, _, v in (item.partition("=") for item in rest.split(",")))
+  return name + ":" + "+".join(os.path.basename(v) if k == "prior" else f"{k}={v}"
+                               for k, _, v in (item.partition("=") for item in rest.replace(",", "+").split("+")))
 
 
 def figure(results: list[dict], title: str, path: str) -> None:

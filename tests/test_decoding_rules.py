@@ -6,6 +6,7 @@ FFT `certainty_density`); the replays call the same model forward once per step.
 LLaDA, each row of a batch replayed alone: tokens, per-step commits and re-masks, last commit step and NFE
 must be equal. Ties are broken by the lowest index in both (the originals' torch.topk leaves them open)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -338,6 +339,8 @@ def test_rule_matches_original_replay(case):
 @pytest.mark.parametrize("case", DREAM_CASES)
 def test_dream_rule_matches_original_replay(case):
   rule, layout, original = CASES[case]
+  if case == "klass":  # LLaDA's KLASS code on Dream, by name (Dream's own is tests/test_dream_klass.py's)
+    rule = dataclasses.replace(rule, variant="llada_klass")
   batch = prompts(2, seed=2)
   trace = dream.diffusion_generate(dream_params(), batch, config=DREAM,
                                    options=dream.DreamOptions(gen_length=GEN, rule=rule, **layout))

@@ -12,6 +12,7 @@ replays of tests/test_decoding_rules.py with their model calls replaced:
 Temperature 0, tiny random LLaDA and Dream, two rows batched, each replayed alone: tokens, per-step commits,
 last commit step and NFE equal. Also: KLASS on Dream ranks its fallback after top-k; the refusals."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -98,6 +99,8 @@ def test_rule_with_cache_matches_replay(case, cache, family):
     trace = llada.generate(rules.params(), batch, config=rules.CONFIG,
                            options=llada.LLaDAOptions(gen_length=GEN, rule=rule, cache=cache, **layout))
   else:
+    if case == "klass":  # LLaDA's KLASS code on Dream (its own has no blocks and no cache)
+      rule = dataclasses.replace(rule, variant="llada_klass")
     trace = dream.diffusion_generate(rules.dream_params(), batch, config=rules.DREAM,
                                      options=dream.DreamOptions(gen_length=GEN, rule=rule, cache=cache, **layout))
   refs = replay(original, batch, lambda: CachedCalls(cache, block, family == "dream"))
@@ -118,10 +121,10 @@ def test_rule_under_cfg_matches_replay(case):
 
 
 def test_dream_klass_fallback_ranks_after_top_k():
-  """KLASS's Dream code ranks its fallback by sample_tokens' p(x0) after top-k: with top_k=1 every p(x0) is 1,
-  so the fallback takes the first masks of the block; the run equals the replay that renormalises over the top
-  token, and commits otherwise than without top-k."""
-  rule = dr.KLASS(conf_threshold=0.3, kl_threshold=1.0)
+  """LLaDA's KLASS code on Dream ranks its fallback as KLASS's Dream code, by sample_tokens' p(x0) after top-k:
+  with top_k=1 every p(x0) is 1, so the fallback takes the first masks of the block; the run equals the replay
+  that renormalises over the top token, and commits otherwise than without top-k."""
+  rule = dr.KLASS(conf_threshold=0.3, kl_threshold=1.0, variant="llada_klass")
   layout = dict(block_length=8, steps=8)
   batch = rules.prompts(2, seed=2)
   trace = dream.diffusion_generate(rules.dream_params(), batch, config=rules.DREAM,

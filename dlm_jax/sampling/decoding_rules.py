@@ -26,6 +26,16 @@ index first, as everywhere in `dlm_jax.sampling`.
   the block has masks and then rewrites positions of confidence −inf (the prompt or decoded tokens, which
   ones torch leaves open) with their argmax; we commit at most the masks left. Research dLLM's port drops
   the "step >= h − 1" condition and compares the confidence with >=.
+  This is variant "llada_klass", the default on LLaDA and MMaDA. On Dream the default is variant
+  "dream_klass", KLASS's Dream code (`src/model/dream_klass.py::_sample`, alg "klass", unmask_strategy
+  "all"): the same KL history (zeros before the first step, eps 1e-12, every position every step) over the
+  whole generation as one block; *ready* = every KL of the history < kl_threshold and p(x0) >=
+  conf_threshold (no step gate: the zero-filled history holds the first step's KL against zeros, which
+  is never small, for h calls); all ready positions are committed, else ONE position: the mask with the
+  highest `sample_tokens` confidence (temperature, top-p, top-k applied; at temperature > 0 the confidence
+  of a sampled token), its token the plain argmax; at most `steps` calls, fewer when no mask is left. Its
+  batched loop takes one fallback column for all rows and commits nothing in a row with ready tokens while
+  another row has none; we run each row as the original runs it alone (batch-invariant).
 * `WINO` — wide-in, narrow-out (Hong et al. 2025; the authors' `decoding_wino`, copied verbatim into
   Research dLLM as `src/generation/wino_official.py`): each call runs the sequence plus a *verification
   copy* of the current block (mask tokens at the block's positions, each seeing everything but its own
@@ -48,8 +58,9 @@ index first, as everywhere in `dlm_jax.sampling`.
   indicator over the generated positions, the left boundary counting as decoded and the right one as
   decoded only when the last position is; the step's quota of best-scored candidates is committed.
 
-Every rule runs at temperature 0 as its original (KLASS and WINO take no temperature: refused); PC-Sampler,
-certainty prior and EB take LLaDA's Gumbel-max proposals at temperature > 0.
+Every rule runs at temperature 0 as its original (WINO and KLASS's llada_klass take no temperature: refused;
+dream_klass samples only its fallback's ranking); PC-Sampler, certainty prior and EB take LLaDA's Gumbel-max
+proposals at temperature > 0.
 """
 
 from __future__ import annotations
@@ -90,14 +101,21 @@ class EBSampler:
       raise ValueError(f"eb gamma must be a number >= 0 (an entropy budget in nats), got {self.gamma!r}.")
 
 
+KLASS_VARIANTS = ("llada_klass", "dream_klass")
+"""KLASS's rules, named after the original's files: `llada_klass.py` (LLaDA, MMaDA; Dream by choice) and
+`dream_klass.py` (Dream only)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class KLASS:
   """KL-adaptive stability sampling (module docstring): conf_threshold (original default 0.9),
-  kl_threshold (> 0, default 0.01), kl_history_length (>= 1, default 2)."""
+  kl_threshold (> 0, default 0.01), kl_history_length (>= 1, default 2); variant: None (the code of the
+  family it runs on: "llada_klass" on LLaDA / MMaDA, "dream_klass" on Dream) or a `KLASS_VARIANTS` name."""
 
   conf_threshold: float = 0.9
   kl_threshold: float = 0.01
   kl_history_length: int = 2
+  variant: Literal["llada_klass", "dream_klass"] | None = None
 
   name = "klass"
 
@@ -108,6 +126,13 @@ class KLASS:
     if isinstance(self.kl_history_length, bool) or not isinstance(self.kl_history_length, int) \
         or self.kl_history_length < 1:
       raise ValueError(f"klass kl_history_length must be an integer >= 1, got {self.kl_history_length!r}.")
+    if self.variant is not None and self.variant not in KLASS_VARIANTS:
+      raise ValueError(f"klass variant must be one of {', '.join(KLASS_VARIANTS)} (unset: the family's own), got "
+                       f"{self.variant!r}.")
+
+  def variant_on(self, dream: bool) -> str:
+    """The variant that runs: the one set, else the family's own ("dream_klass" on Dream)."""
+    return self.variant or ("dream_klass" if dream else "llada_klass")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +245,18 @@ def klass_transfer(confidence: jax.Array, history: jax.Array, candidates: jax.Ar
   return jnp.where(jnp.any(ready, axis=-1, keepdims=True), ready, fallback)
 
 
+def dream_klass_transfer(confidence: jax.Array, history: jax.Array, candidates: jax.Array, ranking: jax.Array,
+                         rule: KLASS) -> jax.Array:
+  """KLASS's Dream code (variant "dream_klass", module docstring): the candidates whose history [B, G, h] is
+  all < kl_threshold and whose confidence [B, G] is >= conf_threshold when a row has one, else its one
+  candidate of highest ranking [B, G] (`sample_tokens`' confidence; the lowest index among equals, as
+  torch.argmax). -> [B, G] bool."""
+  stable = jnp.all(history < rule.kl_threshold, axis=-1)
+  ready = stable & (confidence >= rule.conf_threshold) & candidates
+  best = select_top_k(jnp.where(candidates, ranking, -jnp.inf), jnp.minimum(jnp.sum(candidates, axis=-1), 1))
+  return jnp.where(jnp.any(ready, axis=-1, keepdims=True), ready, best & candidates)
+
+
 def wino_draft(confidence: jax.Array, candidates: jax.Array, wide_in: float) -> jax.Array:
   """WINO's wide-in draft: candidates with confidence > wide_in, capped at min(max(⌊0.7·n⌋, 5), 20) of the
   most confident (n the row's candidates), at least the most confident one. [B, G] -> [B, G] bool."""
@@ -278,6 +315,9 @@ def check_llada_options(options) -> None:
   rule = options.rule
   if not isinstance(rule, (EBSampler, KLASS, WINO, PCSampler, CertaintyPrior)):
     raise ValueError(f"rule must be one of EBSampler, KLASS, WINO, PCSampler, CertaintyPrior or None, got {rule!r}.")
+  if isinstance(rule, KLASS) and rule.variant == "dream_klass":
+    raise ValueError("klass variant 'dream_klass' is KLASS's Dream code and runs on Dream only; LLaDA and MMaDA run "
+                     "'llada_klass' (leave variant unset).")
   _check_wino_cache(rule, options.cache)
   clashes = {"threshold": options.threshold is not None, "factor": options.factor is not None,
              "cfg_scale": options.cfg_scale > 0 and isinstance(rule, WINO),
@@ -310,7 +350,7 @@ def _check_wino_cache(rule: Rule, cache: str) -> None:
 
 
 KNOBS: dict[str, tuple[str, ...]] = {
-    "eb": ("gamma",), "klass": ("conf_threshold", "kl_threshold", "kl_history_length"),
+    "eb": ("gamma",), "klass": ("conf_threshold", "kl_threshold", "kl_history_length", "variant"),
     "wino": ("wide_in", "narrow_out"), "pc": ("prior", "lam", "alpha", "variant"), "certainty_prior": ("sigma",)}
 """Each rule's knobs by `RULE_NAMES` name (the dataclass fields)."""
 
@@ -332,18 +372,22 @@ def rule_from_name(name: str, **knobs: Any) -> Rule:
 
 def check_dream_options(options) -> None:
   """Refuses, in one line, `DreamOptions` a rule cannot run with (called by its __post_init__): threshold,
-  factor, WINO with a cache, KLASS and WINO at temperature > 0, EB and WINO with top-p / top-k (EB's entropy
-  and WINO's bars read the unfiltered distribution; KLASS ranks its fallback by the filtered p(x0) as its Dream
-  code, PC-Sampler and the certainty prior read the filtered p(x0) as Research dLLM), alg_temp; blocks must
-  divide gen_length and steps fit the blocks."""
+  factor, WINO with a cache, WINO and KLASS's llada_klass at temperature > 0, EB and WINO with top-p / top-k
+  (EB's entropy and WINO's bars read the unfiltered distribution; KLASS ranks its fallback by the filtered
+  p(x0) as its Dream code, PC-Sampler and the certainty prior read the filtered p(x0) as Research dLLM),
+  alg_temp; blocks must divide gen_length and steps fit the blocks; KLASS's dream_klass takes no blocks and
+  no cache (`_check_dream_klass`)."""
   rule = options.rule
   if not isinstance(rule, (EBSampler, KLASS, WINO, PCSampler, CertaintyPrior)):
     raise ValueError(f"rule must be one of EBSampler, KLASS, WINO, PCSampler, CertaintyPrior or None, got {rule!r}.")
   _check_wino_cache(rule, options.cache)
+  dream_klass = isinstance(rule, KLASS) and rule.variant_on(dream=True) == "dream_klass"
+  if dream_klass:
+    _check_dream_klass(options)
   filtered = (options.top_p is not None and options.top_p < 1) or options.top_k is not None
   clashes = {"threshold": options.threshold is not None, "factor": options.factor is not None,
              "alg_temp": bool(options.alg_temp),
-             "temperature > 0": options.temperature > 0 and isinstance(rule, (KLASS, WINO)),
+             "temperature > 0": options.temperature > 0 and isinstance(rule, (KLASS, WINO)) and not dream_klass,
              "top_p or top_k": isinstance(rule, (WINO, EBSampler)) and filtered}
   for name, clash in clashes.items():
     if clash:
@@ -357,6 +401,19 @@ def check_dream_options(options) -> None:
   if options.steps % options.num_blocks:
     raise ValueError(f"steps ({options.steps}) must be a multiple of the number of blocks gen_length / "
                      f"block_length = {options.num_blocks}.")
-  if isinstance(rule, (PCSampler, CertaintyPrior, KLASS)) and options.steps_per_block > options.block:
+  if isinstance(rule, (PCSampler, CertaintyPrior, KLASS)) and not dream_klass \
+      and options.steps_per_block > options.block:
     raise ValueError(f"decoding rule {rule.name} takes at most block_length steps per block; got steps / "
                      f"num_blocks = {options.steps_per_block} > block_length = {options.block}.")
+
+
+def _check_dream_klass(options) -> None:
+  """KLASS's Dream code decodes the whole generation as one block with no cache (its loop calls the model on the
+  whole sequence): another block length or a cache is refused, naming the variant that has them."""
+  if options.block_length not in (None, options.gen_length):
+    raise ValueError(f"klass variant 'dream_klass' (KLASS's Dream code) decodes the whole generation as one block; "
+                     f"got block_length={options.block_length!r}: leave it unset, or set variant='llada_klass' for "
+                     "blocks.")
+  if options.cache != "none":
+    raise ValueError(f"klass variant 'dream_klass' has no blocks, so a cache would be refreshed at its first call "
+                     f"only; got cache={options.cache!r}: use cache='none', or variant='llada_klass' with blocks.")

@@ -316,6 +316,7 @@ class DreamRuleFamily(llada_rules.RuleFamilyMixin, DreamFamily):
   name = "dream_rules"
   runs_policies = True
   can_finish_early = True
+  dream_klass_default = True
 
   def check(self, config: ModelConfig, intervention: Intervention) -> None:
     super().check(config, intervention)
@@ -328,8 +329,9 @@ class DreamRuleFamily(llada_rules.RuleFamilyMixin, DreamFamily):
     return llada_rules.constants(self, super().constants(run, sequence, layout))
 
   def klass_ranking(self, logits) -> jax.Array | None:
-    """KLASS's fallback ranks by `sample_tokens`' p(x0) after top-p / top-k (temperature 0), as KLASS's Dream
-    code (`dream_klass.py`) ranks its fallback; None (the gate's p(x0)) without them."""
+    """KLASS's llada_klass on Dream: its fallback quota ranks by `sample_tokens`' p(x0) after top-p / top-k
+    (temperature 0), as KLASS's Dream code (`dream_klass.py`) ranks its fallback; None (the gate's p(x0))
+    without them. (Variant "dream_klass" ranks by `_proposals`' confidence, temperature included.)"""
     o = self.options
     if (o.top_p is None or o.top_p >= 1) and o.top_k is None:
       return None

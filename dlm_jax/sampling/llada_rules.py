@@ -21,7 +21,9 @@ cache, not WINO): every rule reads the guided logits un + (w + 1)·(cond − un)
 Steps per block (the phase bound is num_blocks × this):
 
   * EB, WINO: until the block holds no mask, at most B calls (each commits at least one token net);
-  * KLASS: at most steps / num_blocks calls, fewer when the block is done (the original's `break`);
+  * KLASS: at most steps / num_blocks calls, fewer when the block is done (the original's `break`); its
+    Dream code ("dream_klass", Dream's default): one block, at most min(steps, gen_length) calls (each commits
+    at least one token), fewer when no mask is left;
   * PC-Sampler, certainty prior: steps / num_blocks calls, each committing the LLaDA schedule's quota.
 
 In a batch the rows move to the next block together; a row whose block is done waits (unchanged,
@@ -129,10 +131,19 @@ def check_policy(family, name: str) -> None:
                      "modes).")
 
 
-def bound(options) -> int:
-  """The most calls a block takes under options.rule (module docstring)."""
+def klass_variant(family) -> str | None:
+  """The KLASS variant the family runs (`decoding_rules.KLASS.variant_on`), None under another rule."""
+  rule = family.options.rule
+  return rule.variant_on(family.dream_klass_default) if isinstance(rule, dr.KLASS) else None
+
+
+def bound(family) -> int:
+  """The most calls a block takes under the family's rule (module docstring)."""
+  options = family.options
   if isinstance(options.rule, (dr.EBSampler, dr.WINO)):
     return options.block
+  if klass_variant(family) == "dream_klass":
+    return min(options.steps_per_block, options.block)
   return options.steps_per_block
 
 
@@ -272,8 +283,12 @@ def step(family, run, params, consts, carry: RuleCarry, istate, i, block=None, c
     x0 = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     confidence = jnp.take_along_axis(p, x0[..., None], axis=-1)[..., 0]
     history = jnp.concatenate([carry.kl_history[..., 1:], dr.kl_divergence(p, carry.p_prev)[..., None]], axis=-1)
-    chosen = dr.klass_transfer(confidence, history, candidates, carry.block_step, quota, rule,
-                               family.klass_ranking(logits))
+    if klass_variant(family) == "dream_klass":
+      ranking = family._proposals(params, logits, None, step_key, run.row_keys)[1]  # pylint: disable=protected-access
+      chosen = dr.dream_klass_transfer(confidence, history, candidates, ranking, rule)
+    else:
+      chosen = dr.klass_transfer(confidence, history, candidates, carry.block_step, quota, rule,
+                                 family.klass_ranking(logits))
     keep = active[:, None, None]
     updates = dict(p_prev=jnp.where(keep, p, carry.p_prev), kl_history=jnp.where(keep, history, carry.kl_history))
   elif isinstance(rule, dr.WINO):
@@ -307,9 +322,9 @@ def step(family, run, params, consts, carry: RuleCarry, istate, i, block=None, c
   decode_step = update_decode_step(carry.decode_step, gen, new_gen, mask_id, i)
   block_step = carry.block_step + 1
   left = jnp.any((new_gen == mask_id) & in_block)
-  block_over = ~left | (block_step >= bound(o))
+  block_over = ~left | (block_step >= bound(family))
   if isinstance(rule, (dr.PCSampler, dr.CertaintyPrior)):
-    block_over = block_step >= bound(o)
+    block_over = block_step >= bound(family)
   carry = carry.replace(tokens=new_x, key=key, decode_step=decode_step, schedule=schedule,
                         block=carry.block + block_over.astype(jnp.int32),
                         block_step=jnp.where(block_over, 0, block_step),
@@ -323,10 +338,13 @@ class RuleFamilyMixin:
   """The driver methods of a LLaDA family run under a decoding rule (mixed into `llada.LLaDARuleFamily`)."""
 
   can_finish_early = True
+  dream_klass_default = False
+  """Whether KLASS with no variant set runs KLASS's Dream code ("dream_klass"; Dream's family) rather than its
+  LLaDA code."""
 
   def phases(self, run) -> tuple[driver.Phase, ...]:
     """One phase, or with the prefix cache one per block opened by its refresh (`blocks.phases`)."""
-    return blocks.phases(self.options.cache, self.options.num_blocks, bound(self.options))
+    return blocks.phases(self.options.cache, self.options.num_blocks, bound(self))
 
   def init_carry(self, run, params, sequence, key, consts) -> RuleCarry:
     b, o = sequence.shape[0], self.options

@@ -29,7 +29,8 @@ block diffusion and DiffusionGemma keep their own confidences.
 
 Decoding modes (--decoding, --threshold, --factor; `dlm_jax.session.decoding_mode`): exact decoding (the
 default), or Fast-dLLM's threshold / factor parallel decoding and prefix / dual KV caches, for the LLaDA,
-MMaDA and Dream samplers (Dream then decodes in blocks of --block_length, default as above); the values of a
+MMaDA and Dream samplers (Dream then decodes in blocks of --block_length, default as above; KLASS's Dream code,
+Dream's default --decoding=klass, in one block: `DecodingMode.whole_generation`); the values of a
 model record the mode. The values become options through `dlm_jax.session.sampler_options`.
 """
 
@@ -165,6 +166,9 @@ def _lengths(decode: DecodeSettings, model: Model, length: int, mode: DecodingMo
   if sampler.blocks == "canvas":
     return {"steps": decode.steps or sampler.defaults.steps, "block_length": decode.block_length or length}
   lengths = {"steps": decode.steps or length}
-  if sampler.blocks == "divide" or not mode.exact:
+  if mode.whole_generation(sampler.name):
+    if decode.block_length is not None:
+      lengths["block_length"] = decode.block_length  # refused by the options, with the model's label
+  elif sampler.blocks == "divide" or not mode.exact:
     lengths["block_length"] = decode.block_length or default_block(length)
   return lengths

@@ -42,7 +42,9 @@ call that decodes the EOS id the masks after it are never decoded. Recorded as "
 Decoding rules. eb, klass, wino, pc and certainty_prior run the rules of `dlm_jax.sampling.decoding_rules`
 (EB-Sampler, KLASS, WINO, PC-Sampler, d2Cache's certainty prior) with their knobs (`experiments.common.decoding_flags`:
 --eb_gamma, --klass_*, --wino_*, --pc_prior / --pc_lambda / --pc_alpha / --pc_variant, --certainty_sigma;
-recorded as "knobs"); LLaDA, MMaDA and Dream. --cache=prefix|dual gives eb, klass, pc and certainty_prior a KV
+recorded as "knobs"); LLaDA, MMaDA and Dream. KLASS on Dream runs KLASS's Dream code by default (--klass_variant
+unset or dream_klass: the whole generation as one block, so no --block_length default is applied; no cache) and
+LLaDA's rule with --klass_variant=llada_klass. --cache=prefix|dual gives eb, klass, pc and certainty_prior a KV
 cache (recorded as "cache"; `dlm_jax.sampling.llada_rules`; wino refuses one); the other modes name theirs.
 
 Samplers. `dlm_jax.sampling.registry` lists the option fields of each sampler's options that the modes set
@@ -62,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 from dlm_jax.sampling import corpus_prior, decoding_rules, registry
@@ -92,6 +95,7 @@ ALL_MODES: dict[str, tuple[str, str]] = {**MODES, **RULE_MODES}
 RULE_ARGS: dict[str, tuple[str, str]] = {
     "eb_gamma": ("eb", "gamma"), "klass_conf_threshold": ("klass", "conf_threshold"),
     "klass_kl_threshold": ("klass", "kl_threshold"), "klass_kl_history_length": ("klass", "kl_history_length"),
+    "klass_variant": ("klass", "variant"),
     "wino_wide_in": ("wino", "wide_in"), "wino_narrow_out": ("wino", "narrow_out"), "pc_prior": ("pc", "prior"),
     "pc_lambda": ("pc", "lam"), "pc_alpha": ("pc", "alpha"), "pc_variant": ("pc", "variant"),
     "certainty_sigma": ("certainty_prior", "sigma")}
@@ -99,9 +103,10 @@ RULE_ARGS: dict[str, tuple[str, str]] = {
 
 
 def rule_knobs(decoding: str, values: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-  """The knobs of rule `decoding` among flat-named `values` (`RULE_ARGS`), as sorted (knob, value) pairs."""
+  """The knobs of rule `decoding` among flat-named `values` (`RULE_ARGS`), as sorted (knob, value) pairs; an unset
+  value (None: --pc_prior, --klass_variant) is left out, so the rule's default applies."""
   return tuple(sorted((knob, values[flat]) for flat, (rule, knob) in RULE_ARGS.items()
-                      if rule == decoding and flat in values))
+                      if rule == decoding and values.get(flat) is not None))
 
 
 RULE_CACHES = ("none", "prefix", "dual")
@@ -212,6 +217,12 @@ class DecodingMode:
       return decoding_rules.rule_from_name(self.decoding, **dict(self.knobs))
     except ValueError as e:
       raise SessionError(f"--decoding={self.decoding}: {e}") from None
+
+  def whole_generation(self, sampler: str) -> bool:
+    """Whether the mode decodes `sampler`'s whole generation as one block: KLASS's Dream code (--decoding=klass on
+    the dream sampler, variant unset or dream_klass), which has no blocks; its block length stays unset."""
+    return self.decoding == "klass" and sampler == "dream" and self.decoding_rule().variant_on(dream=True) == \
+        "dream_klass"
 
   @property
   def factor_rule(self) -> str:
@@ -369,7 +380,8 @@ def from_values(decoding: str, threshold: float = DEFAULT_THRESHOLD, factor: flo
 def from_spec(spec: str) -> DecodingMode:
   """`name` or `name:value` (value = the threshold or factor; default 0.9 / 1.0), or for a decoding rule
   `name:knob=value,knob=value` (e.g. `eb:gamma=0.1`, `pc:prior=prior.json`; `cache=prefix|dual` its KV cache,
-  `klass:cache=dual`) -> the mode."""
+  `klass:cache=dual`) -> the mode. A rule's knobs may also be joined by "+" (`eb:gamma=0.1+cache=dual`), for
+  lists that commas separate (the benchmarks' --modes); a "+" not followed by `knob=` stays in the value."""
   name, sep, value = spec.partition(":")
   if not sep:
     return from_values(name)
@@ -387,9 +399,10 @@ def from_spec(spec: str) -> DecodingMode:
 
 
 def _rule_knobs(spec: str, text: str) -> tuple[tuple[str, Any], ...]:
-  """`knob=value,...` of a rule spec, numbers parsed (ints stay ints), other values kept as strings."""
+  """`knob=value,...` (or `knob=value+...`) of a rule spec, numbers parsed (ints stay ints), other values kept as
+  strings."""
   knobs = {}
-  for item in text.split(","):
+  for item in re.split(r",|\+(?=[A-Za-z_]\w*=)", text):
     key, eq, raw = item.partition("=")
     if not eq or not key:
       raise SessionError(f"decoding mode {spec!r}: expected name:knob=value[,knob=value...]")

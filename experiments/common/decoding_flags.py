@@ -32,6 +32,10 @@ _KLASS_KL = flags.DEFINE_float("klass_kl_threshold", dr.KLASS.kl_threshold,
                                "KLASS: every KL of a ready token's history must be below this (> 0).")
 _KLASS_HISTORY = flags.DEFINE_integer("klass_kl_history_length", dr.KLASS.kl_history_length,
                                       "KLASS: steps of KL history a ready token needs (>= 1).")
+_KLASS_VARIANT = flags.DEFINE_enum("klass_variant", None, list(dr.KLASS_VARIANTS),
+                                   "KLASS: llada_klass (KLASS's LLaDA code) or dream_klass (its Dream code: no blocks, "
+                                   "one fallback token, confidence >= the bar, no step gate; Dream only). Unset: the "
+                                   "model's own (dream_klass on Dream, llada_klass on LLaDA and MMaDA).")
 _WINO_IN = flags.DEFINE_float("wino_wide_in", dr.WINO.wide_in, "WINO: draft bar (confidence > it), in [0, 1].")
 _WINO_OUT = flags.DEFINE_float("wino_narrow_out", dr.WINO.narrow_out,
                                "WINO: a drafted token is re-masked when its verification probability is below it.")
@@ -60,9 +64,9 @@ _CERTAINTY_SIGMA = flags.DEFINE_float("certainty_sigma", dr.CertaintyPrior.sigma
 def rule_knobs(decoding: str) -> tuple[tuple[str, Any], ...]:
   """The knobs of rule `decoding` from the flags ((name, value) pairs; () for a mode that is not a rule)."""
   flat = {"eb_gamma": _EB_GAMMA, "klass_conf_threshold": _KLASS_CONF, "klass_kl_threshold": _KLASS_KL,
-          "klass_kl_history_length": _KLASS_HISTORY, "wino_wide_in": _WINO_IN, "wino_narrow_out": _WINO_OUT,
-          "pc_prior": _PC_PRIOR, "pc_lambda": _PC_LAMBDA, "pc_alpha": _PC_ALPHA, "pc_variant": _PC_VARIANT,
-          "certainty_sigma": _CERTAINTY_SIGMA}
+          "klass_kl_history_length": _KLASS_HISTORY, "klass_variant": _KLASS_VARIANT, "wino_wide_in": _WINO_IN,
+          "wino_narrow_out": _WINO_OUT, "pc_prior": _PC_PRIOR, "pc_lambda": _PC_LAMBDA, "pc_alpha": _PC_ALPHA,
+          "pc_variant": _PC_VARIANT, "certainty_sigma": _CERTAINTY_SIGMA}
   return decoding_mode.rule_knobs(decoding, {name: flag.value for name, flag in flat.items()})
 
 

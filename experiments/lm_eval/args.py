@@ -6,7 +6,8 @@ resolved per task with a preset (`experiments.lm_eval.presets`).
   decoding        exact | threshold | factor | prefix_cache | dual_cache | threshold_prefix_cache |
                   threshold_dual_cache, with threshold / factor (`dlm_jax.session.decoding_mode`), or a
                   decoding rule eb | klass | wino | pc | certainty_prior with its knobs eb_gamma,
-                  klass_conf_threshold, klass_kl_threshold, klass_kl_history_length, wino_wide_in,
+                  klass_conf_threshold, klass_kl_threshold, klass_kl_history_length, klass_variant
+                  (llada_klass | dream_klass; unset: the model's own, dream_klass on Dream), wino_wide_in,
                   wino_narrow_out, pc_prior (a prior file), pc_lambda, pc_alpha, pc_variant, certainty_sigma
   cache           none | prefix | dual: a decoding rule's KV cache (eb, klass, pc, certainty_prior)
   window, eos_truncation
@@ -75,6 +76,7 @@ class EvalArgs:
   klass_conf_threshold: float = decoding_rules.KLASS.conf_threshold
   klass_kl_threshold: float = decoding_rules.KLASS.kl_threshold
   klass_kl_history_length: int = decoding_rules.KLASS.kl_history_length
+  klass_variant: str | None = None
   wino_wide_in: float = decoding_rules.WINO.wide_in
   wino_narrow_out: float = decoding_rules.WINO.narrow_out
   pc_prior: str | None = None
