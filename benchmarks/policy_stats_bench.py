@@ -3,7 +3,7 @@ compiled LLaDA sampler run with statistics off and with the instrument's per-hea
 statistics) on, in one process, interleaved.
 
     python -m benchmarks.policy_stats_bench                       # width 512, 4 layers, prompt 64 + 128
-    python -m benchmarks.policy_stats_bench --policies=none,sparse_dllm --rules=eb,klass:kl_threshold=0.02 --rounds=5
+    python -m benchmarks.policy_stats_bench --policies=none,sparse_dllm --rules=eb,klass:kl_threshold=0.02+kl_history_length=3 --rounds=5
 
 Model: a random LLaDA-shaped config (--width, --layers, --heads, MLP 3 × width, --vocab_size), float32, batch 1,
 exact decoding (one token per step) of --gen_length tokens in blocks of --block_length, temperature 0. Each
@@ -13,8 +13,8 @@ reported, with the step time (run time / steps) and the overhead of statistics o
 them. Issue 36's goal: statistics recorded alongside a policy cost <= 10% extra step time.
 
 --rules (issue 34's goal, the same <= 10%): each decoding rule of `dlm_jax.sampling.decoding_rules`, given as
-`name` or `name:knob=value;knob=value` (the rule's knobs, `;` between them), runs without a policy; its step is
-one model call (run time / the run's NFE: a rule commits a varying number of tokens per call, and statistics
+`name` or `name:knob=value+knob=value` (its knobs and `cache=prefix|dual`, `+` between them, as the modes
+benchmark's --modes), runs without a policy; its step is one model call (run time / the run's NFE: a rule commits a varying number of tokens per call, and statistics
 do not change which). PC-Sampler's corpus prior, unless `prior=FILE` is given, is counted from 4,096 random
 tokens of the benchmark's vocabulary (`dlm_jax.sampling.corpus_prior.count`).
 
@@ -40,7 +40,7 @@ _POLICIES = flags.DEFINE_list("policies", ["none", "dkv_cache", "sparse_dllm", "
                                            "elastic_cache:window_length=32", "d2cache"],
                               "Policy texts (parse_policy) to measure (Elastic-Cache's window: the block length).")
 _RULES = flags.DEFINE_list("rules", ["eb", "klass", "wino", "pc", "certainty_prior"],
-                           "Decoding rules to measure, `name` or `name:knob=value;knob=value` (none: --rules=).")
+                           "Decoding rules to measure, `name` or `name:knob=value+knob=value` (none: --rules=).")
 _WIDTH = flags.DEFINE_integer("width", 512, "Model width D.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers L.")
 _HEADS = flags.DEFINE_integer("heads", 8, "Attention heads (MHA).")
@@ -81,39 +81,29 @@ def checked_policies() -> dict:
 
 
 def checked_rules() -> dict:
-  """{spec: rule} of --rules, each name and knob checked (one line) before any model work; pc's prior, unless a
-  file is named, counted from random tokens of the benchmark's vocabulary."""
+  """{spec: (rule, its KV cache)} of --rules (`dlm_jax.session.decoding_mode.from_spec`), each checked in one line
+  before any model work; pc's prior, unless a file is named, counted from random tokens of the benchmark's
+  vocabulary."""
   import numpy as np  # pylint: disable=import-outside-toplevel
 
   from dlm_jax.sampling import corpus_prior, decoding_rules  # pylint: disable=import-outside-toplevel
+  from dlm_jax.session import decoding_mode  # pylint: disable=import-outside-toplevel
   rules = {}
   for spec in _RULES.value:
-    name, _, text = spec.partition(":")
+    name = spec.partition(":")[0]
+    if name not in decoding_rules.RULE_NAMES:
+      fail(f"--rules: {spec}: expected a decoding rule, one of {', '.join(decoding_rules.RULE_NAMES)}")
     knobs = {}
-    for item in filter(None, text.split(";")):
-      key, eq, raw = item.partition("=")
-      if not eq or not key:
-        fail(f"--rules: {spec}: expected name or name:knob=value;knob=value")
-      knobs[key] = raw if key == "prior" else _number(spec, raw)
-    if name == "pc" and "prior" not in knobs:
+    if name == "pc" and "prior=" not in spec:
       vocab = {str(i): i for i in range(_VOCAB.value)}
       tokens = np.random.default_rng(2).integers(0, _VOCAB.value, size=4096).tolist()
       knobs["prior"] = corpus_prior.from_document(corpus_prior.count([tokens], vocab, _VOCAB.value))
     try:
-      rules[spec] = decoding_rules.rule_from_name(name, **knobs)
-    except (ValueError, TypeError) as error:
+      mode = decoding_mode.from_spec(spec)
+      rules[spec] = (decoding_rules.rule_from_name(name, **dict(mode.knobs, **knobs)), mode.rule_cache)
+    except ValueError as error:
       fail(f"--rules: {spec}: {error}")
   return rules
-
-
-def _number(spec: str, raw: str) -> float | int:
-  """A rule knob's number (ints stay ints); one line otherwise."""
-  for kind in (int, float):
-    try:
-      return kind(raw)
-    except ValueError:
-      pass
-  return fail(f"--rules: {spec}: {raw!r} is not a number")
 
 
 def main(argv: list[str]) -> None:
@@ -147,7 +137,8 @@ def main(argv: list[str]) -> None:
              "block_length": _BLOCK.value, "rounds": _ROUNDS.value, "load_average_start": os.getloadavg()[0],
              "policies": {}, "rules": {}}
   configurations = [("policies", text, options, policy) for text, policy in policies.items()]
-  configurations += [("rules", spec, dataclasses.replace(options, rule=rule), parse_policy("none")) for spec, rule in rules.items()]
+  configurations += [("rules", spec, dataclasses.replace(options, rule=rule, cache=cache), parse_policy("none"))
+                     for spec, (rule, cache) in rules.items()]
 
   runs, nfe = {}, {}
   for group, text, run_options, policy in configurations:

@@ -20,12 +20,12 @@ def _bench(tmp_path, *flags):
 
 def test_every_pair_is_timed_and_the_overhead_is_their_ratio(tmp_path):
   done = _bench(tmp_path, "--policies=none,sparse_dllm:keep_ratio=0.5",
-                "--rules=eb:gamma=0.5,klass:kl_threshold=0.02;kl_history_length=3")
+                "--rules=eb:gamma=0.5,klass:kl_threshold=0.02+kl_history_length=3")
   assert done.returncode == 0, done.stderr[-3000:]
   results = json.loads((tmp_path / "stats.json").read_text())
   assert f"CPU: {results['cpu']}" in done.stdout
   assert set(results["policies"]) == {"none", "sparse_dllm:keep_ratio=0.5"}
-  assert set(results["rules"]) == {"eb:gamma=0.5", "klass:kl_threshold=0.02;kl_history_length=3"}
+  assert set(results["rules"]) == {"eb:gamma=0.5", "klass:kl_threshold=0.02+kl_history_length=3"}
   for text, row in {**results["policies"], **results["rules"]}.items():
     assert {c: len(r) for c, r in row["runs_s"].items()} == {"off": 2, "stats": 2}
     assert min(row["runs_s"]["off"] + row["runs_s"]["stats"]) > 0
@@ -42,8 +42,8 @@ def test_every_pair_is_timed_and_the_overhead_is_their_ratio(tmp_path):
     ("--policies=sparse_dllm:keep_ratio=2", "--policies: sparse_dllm:keep_ratio=2: "),
     ("--block_length=5", "--block_length=5: expected a divisor of --gen_length=16"),
     ("--rules=klass:kl_history_length=0", "--rules: klass:kl_history_length=0: "),
-    ("--rules=eb:gamma", "--rules: eb:gamma: expected name or name:knob=value;knob=value"),
-    ("--rules=beam", "--rules: beam: decoding rule must be one of"),
+    ("--rules=eb:gamma", "--rules: eb:gamma: decoding mode 'eb:gamma': expected name:knob=value"),
+    ("--rules=beam", "--rules: beam: expected a decoding rule, one of eb, klass"),
 ])
 def test_bad_flags_are_one_line(tmp_path, flag, message):
   done = _bench(tmp_path, flag)
