@@ -171,7 +171,8 @@ def measure(mode_spec: str, setup: dict) -> list[dict]:
 def _table(results: list[dict]) -> list[str]:
   exact = {r["statistics"]: r for r in results if r["mode"] == "exact"}
   off = {r["mode"]: r for r in results if not r["statistics"]}
-  lines = [f"{'mode':<26} {'stats':>5} {'accuracy':>8} {'NFE/row':>7} {'tok/call':>8} {'calls/batch':>11} "
+  width = max([26] + [len(_short(r["mode"])) for r in results])
+  lines = [f"{'mode':<{width}} {'stats':>5} {'accuracy':>8} {'NFE/row':>7} {'tok/call':>8} {'calls/batch':>11} "
            f"{'tok/s':>9} {'x exact':>7} {'ms/call':>8} {'stats cost':>10}"]
   for r in results:
     ref = exact.get(r["statistics"])
@@ -181,7 +182,7 @@ def _table(results: list[dict]) -> list[str]:
     acc = "–" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}%"
     ratio = "–" if r["ratio_to_exact"] is None else f"{r['ratio_to_exact']:.2f}x"
     cost = f"{100 * r['stats_cost']:+.1f}%" if "stats_cost" in r else ""
-    lines.append(f"{_short(r['mode']):<26} {'on' if r['statistics'] else 'off':>5} {acc:>8} "
+    lines.append(f"{_short(r['mode']):<{width}} {'on' if r['statistics'] else 'off':>5} {acc:>8} "
                  f"{r['mean_row_nfe']:>7.2f} {r['tokens_per_call']:>8.2f} {r['calls_per_batch']:>11.2f} "
                  f"{r['tokens_per_s']:>9.1f} {ratio:>7} {r['ms_per_call']:>8.2f} "
                  f"{cost:>10}")
