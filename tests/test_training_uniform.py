@@ -31,18 +31,25 @@ def _batch(seed: int = 0) -> np.ndarray:
 _forward = jax.jit(model.forward, static_argnames=("config",))
 
 
+def _first_pass(params, noisy: np.ndarray, encoded) -> list[np.ndarray]:
+  """Per row b, the first decoder pass's logits [1, C, V] (float64): row by row, so that it and the second
+  pass's rows without the signal are one compiled program."""
+  return [np.asarray(_forward(params, jnp.asarray(noisy[b:b + 1]), config=CONFIG,
+                              cache=jax.tree.map(lambda x: x[:, b:b + 1], encoded), cache_offset=P,
+                              decoder=model.DecoderCall()).logits, np.float64) for b in range(B)]
+
+
 def _reference_loss(params, tokens: np.ndarray, draws) -> float:
   prompt, clean = tokens[:, :P], tokens[:, P:]
   noisy = np.where(np.asarray(draws.noised), np.asarray(draws.ids), clean)
   encoded = _forward(params, jnp.asarray(prompt), config=CONFIG, cache=model.KVCache.zeros(CONFIG, B, P + C),
                           cache_offset=0).cache
-  first = np.asarray(_forward(params, jnp.asarray(noisy), config=CONFIG, cache=encoded, cache_offset=P,
-                                   decoder=model.DecoderCall()).logits, np.float64)
-  sc = first / np.asarray(draws.temperature, np.float64)[:, None, None]
+  first = _first_pass(params, noisy, encoded)
+  temperature = np.asarray(draws.temperature, np.float64)
   use = np.asarray(draws.self_conditioned)
   second = []
   for b in range(B):  # rows without the signal: a decoder call with no self-conditioning logits at all
-    logits = sc[b:b + 1] if use[b] else None
+    logits = first[b] / temperature[b] if use[b] else None
     out = _forward(params, jnp.asarray(noisy[b:b + 1]), config=CONFIG,
                         cache=jax.tree.map(lambda x: x[:, b:b + 1], encoded), cache_offset=P,
                         decoder=model.DecoderCall(None if logits is None else jnp.asarray(logits, jnp.float32)))
@@ -59,12 +66,19 @@ def params():
   return model.init_params(CONFIG, jax.random.key(1))
 
 
-def test_loss_matches_the_reference(params):
+@pytest.fixture(scope="module")
+def loss_and_gradient():
+  """`((loss, metrics), gradient)` of `training_uniform.loss`: one compiled program for the loss and gradient
+  tests (params, tokens [B, P + C], key)."""
+  return jax.jit(jax.value_and_grad(
+      lambda p, t, k: training_uniform.loss(p, t, k, config=CONFIG, noise=NOISE), has_aux=True))
+
+
+def test_loss_matches_the_reference(params, loss_and_gradient):
   tokens, key = _batch(), jax.random.key(7)
   draws = training_uniform.draw(key, B, C, CONFIG.vocab_size, NOISE)
   assert np.asarray(draws.self_conditioned).any() and not np.asarray(draws.self_conditioned).all()
-  value, metrics = jax.jit(lambda p, t, k: training_uniform.loss(p, t, k, config=CONFIG, noise=NOISE))(
-      params, jnp.asarray(tokens), key)
+  (value, metrics), _ = loss_and_gradient(params, jnp.asarray(tokens), key)
   expected = _reference_loss(params, tokens, draws)
   print(f"uniform loss {float(value):.6f} reference {expected:.6f}")
   assert abs(float(value) - expected) < 1e-5 and metrics["scored"] == B * C
@@ -72,7 +86,7 @@ def test_loss_matches_the_reference(params):
   assert abs(_reference_loss(params, tokens, wrong) - expected) > 1e-4  # the signal matters at this size
 
 
-def test_first_pass_is_a_constant_in_the_gradient(params):
+def test_first_pass_is_a_constant_in_the_gradient(params, loss_and_gradient):
   """The gradient equals the one of the second pass with the first pass's logits fed in as data."""
   tokens, key = jnp.asarray(_batch(1)), jax.random.key(3)
   draws = training_uniform.draw(key, B, C, CONFIG.vocab_size, NOISE)
@@ -80,7 +94,7 @@ def test_first_pass_is_a_constant_in_the_gradient(params):
   noisy = jnp.where(draws.noised, draws.ids, clean)
   cache = model.KVCache.zeros(CONFIG, B, P + C)
   encoded = _forward(params, prompt, config=CONFIG, cache=cache, cache_offset=0).cache
-  first = _forward(params, noisy, config=CONFIG, cache=encoded, cache_offset=P, decoder=model.DecoderCall()).logits
+  first = jnp.asarray(np.concatenate(_first_pass(params, np.asarray(noisy), encoded)), jnp.float32)
   signal = first / draws.temperature[:, None, None]
 
   def second_only(p):
@@ -89,13 +103,13 @@ def test_first_pass_is_a_constant_in_the_gradient(params):
                            decoder=model.DecoderCall(signal, draws.self_conditioned)).logits
     return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, clean[..., None], -1)[..., 0])
 
-  ours = jax.jit(jax.grad(lambda p: training_uniform.loss(p, tokens, key, config=CONFIG, noise=NOISE)[0]))(params)
-  expected = jax.jit(jax.grad(second_only))(params)
-  worst = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(expected)))
-  scale = max(float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(expected))
+  _, ours = loss_and_gradient(params, tokens, key)
+  ours, expected = jax.device_get((ours, jax.jit(jax.grad(second_only))(params)))  # compared in NumPy
+  worst = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(expected)))
+  scale = max(float(np.max(np.abs(b))) for b in jax.tree.leaves(expected))
   print(f"gradient max|diff| {worst:.2e} (largest entry {scale:.2e})")
   assert worst <= 1e-5 * max(scale, 1.0)
-  assert float(jnp.max(jnp.abs(ours["self_conditioning"]["mlp"]["down"]["kernel"]))) > 0  # the module learns
+  assert float(np.max(np.abs(ours["self_conditioning"]["mlp"]["down"]["kernel"]))) > 0  # the module learns
 
 
 def test_draws():
