@@ -35,6 +35,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 * 2**30))
 # and times; subprocesses through tests/profiling/sitecustomize.py, found first on their PYTHONPATH.
 _PROFILING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiling")
 if os.environ.get("DLM_JAX_SUITE_PROFILE"):
+  os.makedirs(os.environ["DLM_JAX_SUITE_PROFILE"], exist_ok=True)  # the directory may be new
   os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_PROFILING, os.environ.get("PYTHONPATH")) if p)
   sys.path.insert(0, _PROFILING)
   import suite_events  # noqa: E402
