@@ -25,6 +25,7 @@ import time
 from absl import app, flags
 
 from benchmarks.machine import cpu_model
+from dlm_jax.sampling.run_setup import RunSetup
 
 NAME = "benchmarks.policy_stats_bench"
 
@@ -103,8 +104,8 @@ def main(argv: list[str]) -> None:
   for text, policy in policies.items():
     for condition, spec in specs.items():
       def run(policy=policy, spec=spec):
-        return jax.block_until_ready(llada.generate(params, prompt, config=config, options=options, stats_spec=spec,
-                                                    policy=policy))
+        return jax.block_until_ready(llada.generate(params, prompt, config=config, options=options,
+                                                    setup=RunSetup(stats_spec=spec, policy=policy)))
       try:
         begin = time.perf_counter()
         run()

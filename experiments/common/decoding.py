@@ -112,6 +112,9 @@ def sampler(model: Model, values: dict[str, Any], prompts: Prompts, runtime: dev
   `combined_intervention`); None = the model's own; params: the weights (default the model's; e.g. abstract
   ones under `jax.eval_shape`)."""
   from dlm_jax.instrument.stats import NO_STATS  # pylint: disable=import-outside-toplevel
+  from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks  # pylint: disable=import-outside-toplevel
+  from dlm_jax.policy.base import NO_POLICY  # pylint: disable=import-outside-toplevel
+  from dlm_jax.sampling.run_setup import RunSetup  # pylint: disable=import-outside-toplevel
   if intervention is None:
     intervention = combined_intervention(model)
   prompt = devices.place_batch(prompts.ids, runtime)
@@ -119,14 +122,20 @@ def sampler(model: Model, values: dict[str, Any], prompts: Prompts, runtime: dev
   if intervention_state is not None:
     intervention_state = devices.replicate(intervention_state, runtime)
   options = sampler_options.from_values(values, model.config, mask is not None, tuple(prompts_lib.end_ids(model)))
-  kwargs = dict(config=model.config, options=options, key=key, prompt_mask=mask, stats_spec=stats_spec or NO_STATS,
-                intervention=intervention, intervention_state=intervention_state,
-                attention_impl=numerics.attention_impl, query_chunk=numerics.query_chunk,
-                batch_invariant=numerics.batch_invariant)
+  setup = RunSetup(stats_spec=stats_spec or NO_STATS, intervention=intervention,
+                   intervention_state=intervention_state, attention_impl=numerics.attention_impl,
+                   query_chunk=numerics.query_chunk, batch_invariant=numerics.batch_invariant,
+                   policy=NO_POLICY)
   policy = sink_token_kept(model, DecodingMode.from_record(values).compute_policy())
   if policy.enabled:
-    kwargs["policy"] = policy
-  return functools.partial(model.decoder.generate, model.params if params is None else params, prompt, **kwargs)
+    setup = dataclasses.replace(setup, policy=policy)
+
+  def sample(hooks: Hooks = NO_HOOKS, hook_values=None):
+    return model.decoder.generate(model.params if params is None else params, prompt, config=model.config,
+                                  options=options, key=key, prompt_mask=mask,
+                                  setup=dataclasses.replace(setup, hooks=hooks, hook_values=hook_values))
+
+  return sample
 
 
 def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,
