@@ -13,6 +13,7 @@ from dlm_jax.model.attention import AttentionBias
 from dlm_jax.config import preset
 from dlm_jax.model import forward, init_params
 from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.model import CallInstruments
 
 DLM = preset("tiny-llada")   # mask 255, bidirectional, logit_shift 0
 ARM = preset("tiny-llama")   # causal, logit_shift 1
@@ -174,8 +175,9 @@ def test_zero_value_sink_stays_zero_and_has_zero_values():
   params = state["params"]
   np.testing.assert_array_equal(np.asarray(params["embed"]["embedding"][254]), 0.0)
   assert np.any(np.asarray(params["embed"]["embedding"][253]) != 0)
-  out = forward(params, sink.insert(_batch()["tokens"]), config=DLM, bias=AttentionBias(pairwise=sink.bias(L)),
-                stats_spec=StatsSpec(value_norms=True))
+  out = forward(params, sink.insert(_batch()["tokens"]), config=DLM,
+                instruments=CallInstruments(bias=AttentionBias(pairwise=sink.bias(L)),
+                                            stats_spec=StatsSpec(value_norms=True)))
   norms = np.asarray(out.value_norms)   # [L, B, K, S]
   np.testing.assert_array_equal(norms[..., 0], 0.0)
   assert np.all(norms[..., 1:] > 0)

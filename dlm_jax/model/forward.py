@@ -49,7 +49,7 @@ def _check_hooks(config: ModelConfig, hooks: HookCall | None, shape: tuple[int, 
   if hooks is None:
     return
   if not isinstance(hooks, HookCall):
-    raise ValueError(f"hooks must be None or a HookCall, got {type(hooks).__name__}.")
+    raise ValueError(f"CallInstruments.hooks must be None or a HookCall, got {type(hooks).__name__}.")
   hooks.hooks.check(config)
   if hooks.flags is not None and tuple(hooks.flags.shape) != shape:
     raise ValueError(f"HookCall.flags must be {list(shape)} ([B, T]; [B, S] at a subset call), got "
@@ -64,15 +64,15 @@ def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tupl
   if subset is None:
     return
   if not isinstance(subset, ComputeSubset):
-    raise ValueError(f"subset must be None or a ComputeSubset, got {type(subset).__name__}.")
+    raise ValueError(f"Compute.subset must be None or a ComputeSubset, got {type(subset).__name__}.")
   _check_key_blocks(config, subset, shape)
   if subset.queries is None:
     return
   if cache is None:
-    raise ValueError("forward(subset=...) reads and writes a KVCache; pass cache=KVCache.zeros(config, B, S) "
+    raise ValueError("Compute.subset reads and writes a KVCache; pass Compute(cache=KVCache.zeros(config, B, S)) "
                      "(filled by a full call).")
   if config.causal or config.attention_block_size is not None or config.layer_pattern is not None:
-    raise ValueError(f"forward(subset=...) needs bidirectional attention; {config.name} is causal, block-causal "
+    raise ValueError(f"Compute.subset needs bidirectional attention; {config.name} is causal, block-causal "
                      "or has sliding-window layers.")
   if tuple(subset.queries.shape) != shape:
     raise ValueError(f"ComputeSubset.queries must be [B, T] = {list(shape)}, got {list(subset.queries.shape)}.")
@@ -80,7 +80,7 @@ def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tupl
     raise ValueError(f"ComputeSubset.keys must be [L, B, m] with L={config.n_layers}, B={shape[0]}, got "
                      f"{list(subset.keys.shape)}.")
   if stats_spec.routing:
-    raise ValueError("forward(subset=...) does not run routing statistics (their positions are contiguous); leave "
+    raise ValueError("Compute.subset does not run routing statistics (their positions are contiguous); leave "
                      "them off.")
   if subset.reuse is not None:
     reason = reuse_layers.check_config(config)
@@ -129,12 +129,12 @@ def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, lo
                          "build the cache with KVCache.zeros(config, ...).")
     n_keys = cache.keys.shape[2]
   if decoder is not None and not isinstance(decoder, DecoderCall):
-    raise ValueError(f"decoder must be None or a DecoderCall, got {type(decoder).__name__}.")
+    raise ValueError(f"Compute.decoder must be None or a DecoderCall, got {type(decoder).__name__}.")
   self_conditioning_logits = None if decoder is None else decoder.self_conditioning_logits
   self_conditioning_mask = None if decoder is None else decoder.self_conditioning_mask
   if decoder is not None and cache is None:
-    raise ValueError("forward(decoder=DecoderCall(...)) reads the prompt from a KVCache; pass cache= (filled by a "
-                     "causal call) and cache_offset= (the prompt length).")
+    raise ValueError("Compute.decoder (a DiffusionGemma decoder call) reads the prompt from a KVCache; pass "
+                     "Compute.cache (filled by a causal call) and Compute.cache_offset (the prompt length).")
   if self_conditioning_logits is not None:
     if not config.self_conditioning:
       raise ValueError("DecoderCall.self_conditioning_logits need a model with config.self_conditioning=True.")
@@ -153,12 +153,13 @@ def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, lo
     raise ValueError(f"StatsSpec.query_groups={stats_spec.query_groups} needs query_weights of shape "
                      f"[B, {stats_spec.query_groups}, T]; got {got}.")
   if not stats_spec.query_groups and query_weights is not None:
-    raise ValueError("query_weights were given but StatsSpec.query_groups is 0; set query_groups to "
+    raise ValueError("CallInstruments.query_weights were given but StatsSpec.query_groups is 0; set query_groups to "
                      "query_weights.shape[1].")
   if logits_window is not None:
     start, stop = logits_window
     if not 0 <= start < stop <= t:
-      raise ValueError(f"logits_window must be (start, stop) with 0 <= start < stop <= T={t}, got {logits_window}.")
+      raise ValueError(f"Readout.window must be (start, stop) with 0 <= start < stop <= T={t}, \"last\" or None, got "
+                       f"{logits_window}.")
 
 
 def forward(

@@ -432,14 +432,15 @@ def _run(family: Family, params: dict, prompt, config: ModelConfig, key, prompt_
     if prompt_mask.shape != prompt.shape:
       raise ValueError(f"prompt_mask must have the prompt's shape {prompt.shape}, got {prompt_mask.shape}.")
   if loop not in ("scan", "python"):
-    raise ValueError(f"loop must be 'scan' or 'python', got {loop!r}.")
+    raise ValueError(f"RunSetup.loop must be 'scan' or 'python', got {loop!r}.")
   family.check(config, intervention)
   b, lp = prompt.shape
   total = lp + family.gen_length
   if not isinstance(hooks, Hooks):
-    raise ValueError(f"hooks must be a dlm_jax.instrument.hook_spec.Hooks, got {type(hooks).__name__}.")
+    raise ValueError(f"RunSetup.hooks must be a dlm_jax.instrument.hook_spec.Hooks, got {type(hooks).__name__}.")
   if hook_values is not None and not hooks.enabled:
-    raise ValueError("hook_values were given without hooks; pass hooks=Hooks(captures=..., edits=...).")
+    raise ValueError("RunSetup.hook_values were given without hooks; pass RunSetup(hooks=Hooks(captures=..., "
+                     "edits=...)).")
   policy = _bind_policy(policy, family, config, lp, total)
   if batch_invariant and policy.enabled:  # no row gathers inside the policy's branches (replicated_rows)
     prompt, prompt_mask = replicated_rows.replicate_sharded_batch(prompt, prompt_mask)
@@ -479,7 +480,7 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
   """The policy bound to this run's `RunLayout`, after refusing (one line, a `PolicyError`) what it cannot run
   with."""
   if not isinstance(policy, ComputePolicy):
-    raise ValueError(f"policy must be a dlm_jax.policy ComputePolicy, got {type(policy).__name__}.")
+    raise ValueError(f"RunSetup.policy must be a dlm_jax.policy ComputePolicy, got {type(policy).__name__}.")
   if not policy.enabled:
     return policy
   name = policy.NAME
