@@ -217,8 +217,10 @@ def _jax_step_memory(spec: dict) -> dict:
   config, params, _ = _inputs({**spec, "prompt": 1})
   tokens = np.random.default_rng(2).integers(3, spec["vocab"] - 1, size=(1, spec["seq"]))
   window = (spec["seq"] - spec["block"], spec["seq"])  # a step needs the logits of one block, as the sampler
-  run = jax.jit(functools.partial(model.forward, config=config, stats_spec=StatsSpec(incoming_attention=True),
-                                  logits_window=window, attention_impl=spec["impl"], query_chunk=spec["query_chunk"]))
+  run = jax.jit(functools.partial(model.forward, config=config,
+                                  instruments=model.CallInstruments(stats_spec=StatsSpec(incoming_attention=True)),
+                                  readout=model.Readout(window=window),
+                                  compute=model.Compute(attention_impl=spec["impl"], query_chunk=spec["query_chunk"])))
   compiled = run.lower(params, tokens).compile()
   baseline = _reset_peak_rss()
   jax.block_until_ready(compiled(params, tokens))

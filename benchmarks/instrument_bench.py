@@ -225,7 +225,7 @@ def _forward_loop(spec: dict, config, params, prompt):
   from dlm_jax import model  # pylint: disable=import-outside-toplevel
   canvas = np.concatenate([prompt, np.full((1, spec["gen"]), config.mask_token_id, np.int32)], axis=1)
   window = (spec["prompt"], spec["prompt"] + spec["block"])
-  call = jax.jit(functools.partial(model.forward, config=config, logits_window=window))
+  call = jax.jit(functools.partial(model.forward, config=config, readout=model.Readout(window=window)))
   jax.block_until_ready(call(params, canvas).logits)
 
   def run():

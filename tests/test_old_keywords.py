@@ -49,7 +49,8 @@ def test_forward_old_keywords_equal_the_structs():
                       readout=Readout(window=(2, 5)), compute=Compute(attention_impl="dense"))
   old = _one_deprecation(lambda: model.forward(params, tokens, config=config, bias=bias, stats_spec=SPEC,
                                                logits_window=(2, 5), attention_impl="dense"),
-                         "instruments=CallInstruments(stats_spec=...), readout=Readout(window=...)")
+                         "use instruments=CallInstruments(bias=..., stats_spec=...), readout=Readout(window=...), "
+                         "compute=Compute(attention_impl=...).")
   assert new.logits.shape == (1, 3, config.vocab_size)
   np.testing.assert_array_equal(old.logits, new.logits)
   np.testing.assert_array_equal(old.stats["incoming_attention"], new.stats["incoming_attention"])
@@ -89,7 +90,7 @@ def test_sampler_old_keywords_equal_the_setup(name):
     run = lambda **kw: generate(params, prompt, config=config, options=options, key=jax.random.key(1), **kw)  # noqa: E731
   new = run(setup=RunSetup(stats_spec=SPEC, sink_top_k=1))
   old = _one_deprecation(lambda: run(stats_spec=SPEC, sink_top_k=1),
-                         "setup=RunSetup(stats_spec=...), setup=RunSetup(sink_top_k=...)")
+                         "(stats_spec=, sink_top_k=) is deprecated; use setup=RunSetup(stats_spec=..., sink_top_k=...).")
   np.testing.assert_array_equal(old.tokens, new.tokens)
   np.testing.assert_array_equal(old.stats["incoming_attention"], new.stats["incoming_attention"])
   np.testing.assert_array_equal(old.top_sinks, new.top_sinks)

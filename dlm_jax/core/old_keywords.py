@@ -53,7 +53,9 @@ def fold_old_keywords(where: str, old_keywords: Mapping[str, Any], moves: Mappin
       raise TypeError(f"{where}() got both {name}= and {move.param}=; pass {move.param}="
                       f"{move.struct}({move.field}=...) only.")
     fields.setdefault(move.param, {})[move.field] = value
-  new = ", ".join(f"{moves[name].param}={moves[name].struct}({moves[name].field}=...)" for name in old_keywords)
+  structs = {moves[name].param: moves[name].struct for name in old_keywords}
+  new = ", ".join(f"{param}={struct}({', '.join(f'{field}=...' for field in fields[param])})"
+                  for param, struct in structs.items())
   warnings.warn(f"{where}({', '.join(f'{name}=' for name in old_keywords)}) is deprecated; use {new}.",
                 DeprecationWarning, stacklevel=3)
   result = dict(given)

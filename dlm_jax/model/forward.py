@@ -39,7 +39,7 @@ class DecoderCall:
 
 
 def lm_head(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:
-  """The LM head on final-normed hidden states [B, W, D] (`forward(..., return_hidden=True)`): float32
+  """The LM head on final-normed hidden states [B, W, D] (`forward(..., readout=Readout(hidden=True))`): float32
   logits [B, W, V], the same values `forward` returns for those positions."""
   head = params["embed"]["embedding"].T if config.tied_embeddings else params["lm_head"]["kernel"]
   return head_logits(hidden, head, config.final_logit_softcap)
