@@ -28,7 +28,7 @@ from dlm_jax.model.forward_inputs import CallInstruments, Compute
 from dlm_jax.sampling import row_by_row
 from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Guidance, Readout
 from dlm_jax.sampling.call_plan import CallPlan, CallState
-from dlm_jax.sampling.policy_call import computed_positions, keys_read, policy_forward
+from dlm_jax.sampling.policy_call import Confidence, computed_positions, keys_read, policy_forward
 
 
 @struct.dataclass
@@ -130,8 +130,8 @@ def _split_rows(tree, batch: int):
 
 def _run(forward_fn, config, attention_impl: str, query_chunk: int, params, tokens, *, positions, instruments,
          readout, **compute_fields) -> ForwardOutput:
-  """forward_fn (`forward` or `row_by_row.forward_rows`) with the caller's config and attention path; the
-  other `Compute` fields (cache, cache_offset, decoder, subset) by keyword."""
+  """forward_fn (`forward` or `row_by_row.forward_rows`) with the caller's config, attention path and params
+  (bound by the caller); the other `Compute` fields (cache, cache_offset, decoder, subset) by keyword."""
   compute = Compute(attention_impl=attention_impl, query_chunk=query_chunk, **compute_fields)
   return forward_fn(params, tokens, config=config, positions=positions, instruments=instruments, readout=readout,
                     compute=compute)
@@ -200,18 +200,19 @@ class ModelCaller:
     instruments = CallInstruments(bias=bias, stats_spec=self.plan.stats.forward_spec, query_weights=weights,
                                   hooks=hooks)
     run = functools.partial(_run, row_by_row.forward_rows if self.batch_invariant else forward, self.config,
-                            self.attention_impl, self.query_chunk)
+                            self.attention_impl, self.query_chunk, params)
     decision = None
     if state.policy is not None:
       decision = self.plan.policy.decide(state.policy.state, context)
       if self.batch_invariant:  # the bucket is the batch's, and a row's last bits change with the row count
         decision = decision.replace(buckets=())
       head = functools.partial(lm_head, params, config=self.config)
-      output = policy_forward(run, params, state.policy, decision, model_tokens, positions, instruments,
-                              readout.replace(window=window), self.plan.policy.reads_max_probability,
+      confidence = Confidence(self.plan.policy.reads_max_probability,
                               functools.partial(row_by_row.lm_head_rows, head) if self.batch_invariant else head)
+      output = policy_forward(run, state.policy, decision, model_tokens, positions, instruments,
+                              readout.replace(window=window), confidence)
     else:
-      output = run(params, model_tokens, positions=positions, instruments=instruments,
+      output = run(model_tokens, positions=positions, instruments=instruments,
                    readout=readout.replace(window=window), cache=None if cache is None else cache.cache,
                    cache_offset=offset, decoder=None if cache is None else cache.decoder)
     halves = {"logits": output.logits, "hidden": output.hidden}

@@ -23,6 +23,7 @@ head on all S rows, as the official d2Cache's confidence cache reads every gener
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -105,28 +106,41 @@ def _max_probability(rows: jax.Array, head: Callable[[jax.Array], jax.Array] | N
   return jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
 
 
-def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyState, decision: Decision,
-                   tokens: jax.Array, positions: jax.Array, instruments: CallInstruments, readout: Readout,
-                   max_probability: str = "never",
-                   head: Callable[[jax.Array], jax.Array] | None = None) -> ForwardOutput:
+@dataclasses.dataclass(frozen=True)
+class Confidence:
+  """The largest probability a policy reads of a call (`ForwardOutput.max_probability`).
+
+  max_probability: the policy's `reads_max_probability`, "never", "full" or "every"; head: hidden states
+  [B, n, D] -> logits [B, n, V] (the LM head, params bound), used for it when the readout is hidden states.
+  """
+
+  max_probability: str = "never"
+  head: Callable[[jax.Array], jax.Array] | None = None
+
+
+NO_CONFIDENCE = Confidence()
+
+
+def policy_forward(run: Callable[..., ForwardOutput], policy: PolicyState, decision: Decision, tokens: jax.Array,
+                   positions: jax.Array, instruments: CallInstruments, readout: Readout,
+                   confidence: Confidence = NO_CONFIDENCE) -> ForwardOutput:
   """The call's `ForwardOutput` (logits or hidden states of the readout window, statistics over the S
-  positions, the policy's new cache) under `decision`. ``run(params, tokens, positions=, instruments=,
-  readout=, **compute_fields)`` is the forward with config and the attention path bound (`compute_fields`: the
+  positions, the policy's new cache) under `decision`. ``run(tokens, positions=, instruments=, readout=,
+  **compute_fields)`` is the forward with params, config and the attention path bound (`compute_fields`: the
   other `Compute` fields); tokens, positions: [B, S]; instruments: the call's `CallInstruments` over the S
   positions — bias (a pairwise part's rows are taken at the subset's queries), statistics spec, query-group
-  weights [B, Q, S] or None, the `HookCall` (flags [B, S]) or None; max_probability: the policy's
-  `reads_max_probability` ("never", "full" or "every"); head: hidden states [B, n, D] -> logits [B, n, V],
-  used for it when the readout is hidden states."""
+  weights [B, Q, S] or None, the `HookCall` (flags [B, S]) or None; confidence: the largest probability
+  the policy reads (`Confidence`)."""
   window = None if readout.window is None else readout.window
   bias, weights = instruments.bias, instruments.query_weights
   n_seq = tokens.shape[1]
-  lm_head = head
-  head = head if readout.hidden else None
+  max_probability, lm_head = confidence.max_probability, confidence.head
+  head = lm_head if readout.hidden else None
 
   def full(_):
     if max_probability != "never" and window is not None and lm_head is not None:
       return full_every_row()
-    output = run(params, tokens, positions=positions, instruments=instruments, readout=readout.replace(window=window),
+    output = run(tokens, positions=positions, instruments=instruments, readout=readout.replace(window=window),
                  cache=policy.cache, cache_offset=0)
     if max_probability == "never":
       return output
@@ -139,7 +153,7 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
   def full_every_row():
     """The full call whose readout is a window, with the largest probability at every position (the official
     d2Cache confidence cache holds every generated position's): the LM head on all S rows."""
-    output = run(params, tokens, positions=positions, instruments=instruments, readout=Readout(hidden=True),
+    output = run(tokens, positions=positions, instruments=instruments, readout=Readout(hidden=True),
                  cache=policy.cache, cache_offset=0)
     rows = jax.lax.dynamic_slice_in_dim(output.hidden, window[0] + readout.offset, window[1] - window[0], axis=1)
     output = output.replace(max_probability=_max_probability(output.hidden, lm_head))
@@ -153,7 +167,7 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
       if weights is not None:
         sub_weights = jnp.take_along_axis(weights, jnp.minimum(queries, n_seq - 1)[:, None, :],
                                           axis=2) * real[:, None, :]
-      call = functools.partial(run, params, gather_rows(tokens, queries), positions=gather_rows(positions, queries),
+      call = functools.partial(run, gather_rows(tokens, queries), positions=gather_rows(positions, queries),
                                instruments=instruments.replace(bias=_query_rows(bias, queries),
                                                                query_weights=sub_weights),
                                readout=Readout(hidden=readout.hidden), cache=policy.cache)
@@ -175,12 +189,11 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
     return subset
 
   def blocks(_):
-    return run(params, tokens, positions=positions, instruments=instruments, readout=readout.replace(window=window),
+    return run(tokens, positions=positions, instruments=instruments, readout=readout.replace(window=window),
                cache=policy.cache, cache_offset=0, subset=ComputeSubset(None, key_blocks=decision.key_blocks))
 
   if decision.reuse is not None:
-    return reuse_call.reuse_forward(run, params, policy.cache, decision.reuse, tokens, positions, instruments,
-                                    readout)
+    return reuse_call.reuse_forward(run, policy.cache, decision.reuse, tokens, positions, instruments, readout)
   if decision.key_blocks is not None:
     return jax.lax.cond(decision.full, full, blocks, None)
   if decision.queries is None:

@@ -22,12 +22,12 @@ CASES = ((False, False), (False, True), (True, False), (True, True))
 """(prompt recomputed, response recomputed) of each `lax.switch` branch, in index order 2·prompt + gen."""
 
 
-def reuse_forward(run: Callable[..., ForwardOutput], params, cache: ReuseCache, schedule: ReuseSchedule,
+def reuse_forward(run: Callable[..., ForwardOutput], cache: ReuseCache, schedule: ReuseSchedule,
                   tokens: jax.Array, positions: jax.Array, instruments: CallInstruments,
                   readout: Readout) -> ForwardOutput:
   """The call's `ForwardOutput` (logits or hidden states of the readout window — every position is computed —,
-  statistics over the recomputed queries of each layer, the new `ReuseCache`). run: the forward with config
-  and the attention path bound (`policy_call.policy_forward`); tokens, positions: [B, S]; instruments: the
+  statistics over the recomputed queries of each layer, the new `ReuseCache`). run: the forward with params,
+  config and the attention path bound (`policy_call.policy_forward`); tokens, positions: [B, S]; instruments: the
   call's `CallInstruments` over the S positions (bias, statistics spec, query-group weights [B, Q, S] or None,
   the `HookCall` with flags [B, S] or None)."""
   queries = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
@@ -39,7 +39,7 @@ def reuse_forward(run: Callable[..., ForwardOutput], params, cache: ReuseCache, 
       reuse = LayerReuse(attn=cache.attn, ffn=cache.ffn, prompt_length=schedule.prompt_length,
                          count=schedule.count, refresh_prompt=prompt, refresh_gen=gen,
                          first_layer_full=schedule.first_layer_full)
-      return run(params, tokens, positions=positions, instruments=instruments, readout=readout, cache=cache.kv,
+      return run(tokens, positions=positions, instruments=instruments, readout=readout, cache=cache.kv,
                  subset=ComputeSubset(queries, reuse=reuse))
 
     return call
