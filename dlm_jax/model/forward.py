@@ -252,6 +252,10 @@ def forward(
                               {"instruments": instruments, "readout": readout, "compute": compute},
                               {"instruments": NO_INSTRUMENTS, "readout": FULL_READOUT, "compute": DEFAULT_COMPUTE})
   instruments, readout, compute = structs["instruments"], structs["readout"], structs["compute"]
+  for name, value, kind in (("instruments", instruments, CallInstruments), ("readout", readout, Readout),
+                            ("compute", compute, Compute)):
+    if not isinstance(value, kind):
+      raise ValueError(f"forward: {name} must be a dlm_jax.model.{kind.__name__}, got {type(value).__name__}.")
   bias, stats_spec, query_weights, hooks = (instruments.bias, instruments.stats_spec, instruments.query_weights,
                                             instruments.hooks)
   logits_window, logits_offset, return_hidden = readout.window, readout.offset, readout.hidden

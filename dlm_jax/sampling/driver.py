@@ -40,6 +40,7 @@ from dlm_jax.sampling.stats_plan import make_plan
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
 """How many times each family's program was traced (incremented at trace time); tests check retracing."""
 
+
 @dataclasses.dataclass(frozen=True)
 class Phase:
   """A stretch of the loop with static shapes (e.g. one block of a KV-cache mode).
@@ -415,6 +416,8 @@ def run_family(
 
 def _run(family: Family, params: dict, prompt, config: ModelConfig, key, prompt_mask, setup: RunSetup) -> Trace:
   """`run_family` after its old keywords are folded into `setup`."""
+  if not isinstance(setup, RunSetup):
+    raise ValueError(f"setup must be a dlm_jax.sampling.run_setup.RunSetup, got {type(setup).__name__}.")
   stats_spec, intervention, intervention_state, sink_top_k = (setup.stats_spec, setup.intervention,
                                                               setup.intervention_state, setup.sink_top_k)
   attention_impl, query_chunk, loop = setup.attention_impl, setup.query_chunk, setup.loop
@@ -530,5 +533,6 @@ def public_sampler(build_family: Callable[[ModelConfig, Any, Any], Family], defa
     return _run(build_family(config, options, prompt), params, prompt, config, key, prompt_mask, setup)
 
   sample.__doc__ = doc
+  sample.__name__ = sample.__qualname__ = public_name
   sample.__module__ = build_family.__module__
   return sample
