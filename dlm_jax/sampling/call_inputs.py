@@ -1,8 +1,8 @@
 """The small structs a decoding family describes one model call with (`dlm_jax.sampling.model_call.ModelCaller`).
 
 CallInputs: the call's queries and the keys its top sinks may be chosen among. Readout: what comes back (the
-logits window or hidden states; `dlm_jax.model.forward_inputs.Readout`, shared with `forward`). CacheCall: how the call uses a KV cache, its mode explicit. Guidance: the
-unconditional half of classifier-free guidance.
+logits window or hidden states; `dlm_jax.model.forward_inputs.Readout`, shared with `forward`). CacheCall: how
+the call uses a KV cache, its mode explicit. Guidance: the unconditional half of classifier-free guidance.
 """
 
 from __future__ import annotations
