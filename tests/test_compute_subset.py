@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from dlm_jax.config import preset
-from dlm_jax.model import KVCache, forward, init_params
+from dlm_jax.model import Compute, KVCache, forward, init_params
 from dlm_jax.model.compute_subset import ComputeSubset
-from dlm_jax.model import Compute
 
 try:
   from tests import numpy_transformer as ref

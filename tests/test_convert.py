@@ -12,9 +12,8 @@ from safetensors import safe_open
 
 from converters.hf_convert import convert
 from dlm_jax.io import checkpoint
-from dlm_jax.model import forward
+from dlm_jax.model import CallInstruments, forward
 from dlm_jax.instrument.stats import StatsSpec
-from dlm_jax.model import CallInstruments
 
 try:
   from tests import hf_fixtures

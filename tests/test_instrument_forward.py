@@ -14,8 +14,7 @@ from dlm_jax.config import preset
 from dlm_jax.instrument import sites
 from dlm_jax.instrument.hook_call import (DECODED, MASKED, PROMPT, VALID, CaptureValues, HookCall, hook_values)
 from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
-from dlm_jax.model import forward, init_params
-from dlm_jax.model import CallInstruments
+from dlm_jax.model import CallInstruments, forward, init_params
 
 try:
   from tests import numpy_transformer as ref

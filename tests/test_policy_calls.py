@@ -14,12 +14,11 @@ from dlm_jax.analysis import policy_metrics
 from dlm_jax.config import preset
 from dlm_jax.instrument.hook_spec import Capture, Hooks
 from dlm_jax.instrument.stats import StatsSpec
-from dlm_jax.model import KVCache, forward, init_params
+from dlm_jax.model import Compute, KVCache, forward, init_params
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.policy.base import ComputePolicy, Decision
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import autoregressive, dream, llada
-from dlm_jax.model import Compute
 from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")

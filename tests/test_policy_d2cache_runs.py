@@ -23,14 +23,13 @@ except ImportError:  # run from inside tests/
 from dlm_jax.config import preset
 from dlm_jax.core.attention_bias import MASK_VALUE
 from dlm_jax.instrument.stats import StatsSpec
-from dlm_jax.model import KVCache, forward, init_params
+from dlm_jax.model import CallInstruments, Compute, KVCache, forward, init_params
 from dlm_jax.model.attention import attention
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.policy import cost
 from dlm_jax.policy.base import RunLayout
 from dlm_jax.policy.registry import make_policy, parse_policy
 from dlm_jax.sampling import dream, llada
-from dlm_jax.model import CallInstruments, Compute
 from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")

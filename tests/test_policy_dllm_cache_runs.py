@@ -15,13 +15,12 @@ import pytest
 
 from dlm_jax.config import preset
 from dlm_jax.instrument.stats import StatsSpec
-from dlm_jax.model import KVCache, forward, init_params
+from dlm_jax.model import Compute, KVCache, forward, init_params
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.reuse_layers import LayerReuse, ReuseCache
 from dlm_jax.policy import cost
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import llada
-from dlm_jax.model import Compute
 from dlm_jax.sampling.run_setup import RunSetup
 
 try:

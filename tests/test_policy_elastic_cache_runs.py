@@ -19,14 +19,13 @@ import pytest
 from dlm_jax.config import preset
 from dlm_jax.instrument import interventions
 from dlm_jax.instrument.stats import StatsSpec
-from dlm_jax.model import KVCache, forward, init_params
+from dlm_jax.model import Compute, KVCache, forward, init_params
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.layer_refresh import LayerRefresh
 from dlm_jax.policy import cost
 from dlm_jax.policy.elastic_cache_policy import ElasticCache
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import dream, llada, sliding_window
-from dlm_jax.model import Compute
 from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")

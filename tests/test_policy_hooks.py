@@ -16,10 +16,9 @@ import pytest
 from dlm_jax.config import preset
 from dlm_jax.instrument.hook_call import HookCall, hook_values
 from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
-from dlm_jax.model import forward, init_params
+from dlm_jax.model import CallInstruments, forward, init_params
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import llada
-from dlm_jax.model import CallInstruments
 from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -13,7 +13,7 @@ import pytest
 
 from dlm_jax.config import preset
 from dlm_jax.instrument.stats import StatsSpec
-from dlm_jax.model import forward, init_params
+from dlm_jax.model import CallInstruments, forward, init_params
 from dlm_jax.model.attention import MASK_VALUE, attention
 from dlm_jax.model.block_sparse_attention import KeyBlocks, block_sparse_attention
 from dlm_jax.model.compute_subset import ComputeSubset
@@ -23,7 +23,6 @@ from dlm_jax.policy.sparsed import SparseDSettings
 from dlm_jax.policy.sparsed_policy import pooled_attention_statistic
 from dlm_jax.sampling import dream, llada
 from dlm_jax.sampling.schedules import dream_transfer_fractions
-from dlm_jax.model import CallInstruments
 from dlm_jax.sampling.run_setup import RunSetup
 
 try:

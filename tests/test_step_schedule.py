@@ -13,9 +13,8 @@ from dlm_jax.config import preset
 from dlm_jax.instrument.hook_call import DECODED, MASKED, PROMPT, VALID, CaptureValues, HookCall, hook_values
 from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
 from dlm_jax.instrument.step_schedule import CoefficientSchedule, Gate, StepSchedule
-from dlm_jax.model import forward, init_params
+from dlm_jax.model import CallInstruments, forward, init_params
 from dlm_jax.sampling import LLaDAOptions, llada
-from dlm_jax.model import CallInstruments
 from dlm_jax.sampling.run_setup import RunSetup
 
 try:
