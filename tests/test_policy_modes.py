@@ -155,11 +155,11 @@ def test_threshold_decoding_under_a_policy_is_the_replay(text, method):
 
 
 def test_a_row_decodes_alone_as_in_its_batch_under_threshold_decoding():
-  both = generate(DKV, (0, 1), setup=RunSetup(batch_invariant=True))
+  both = generate(DKV, (0, 1), batch_invariant=True)
   active = np.asarray(both.active_rows)[:int(both.nfe)]
   assert not active.all(), "no row waited for the batch"
   for row in range(2):
-    alone = generate(DKV, (row,), setup=RunSetup(batch_invariant=True))
+    alone = generate(DKV, (row,), batch_invariant=True)
     np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(both.tokens)[row])
     np.testing.assert_array_equal(np.asarray(alone.computed_positions)[:int(alone.nfe), 0],
                                   np.asarray(both.computed_positions)[:int(both.nfe), row][active[:, row]])
