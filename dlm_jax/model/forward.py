@@ -12,10 +12,8 @@ from flax import nnx, struct
 from dlm_jax.config import ModelConfig
 from dlm_jax.core.old_keywords import fold_old_keywords
 from dlm_jax.instrument.hook_call import HookCall
-from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
-from dlm_jax.core.attention_bias import NO_BIAS, AttentionBias
-from dlm_jax.model.attention import AttentionImpl
-from dlm_jax.model.cache import KVCache, cache_shapes
+from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
+from dlm_jax.model.cache import cache_shapes
 from dlm_jax.model import reuse_layers
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.forward_inputs import (DEFAULT_COMPUTE, FORWARD_MOVES, FULL_READOUT, NO_INSTRUMENTS, CallInstruments,
