@@ -44,6 +44,7 @@ import time
 from absl import app, flags
 
 from benchmarks.machine import cpu_model
+from dlm_jax.sampling.run_setup import RunSetup
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "tiny-dlm", "Converted directory, tiny-dlm, or random:<preset> "
                                   "(e.g. random:llada-8b).")
@@ -111,7 +112,7 @@ def _decode_batch(params, config, options, ids, mask, stats_spec, impl: dict):
   from dlm_jax.sampling import llada
   start = time.perf_counter()
   trace = jax.block_until_ready(llada.generate(params, ids, config=config, options=options, prompt_mask=mask,
-                                               stats_spec=stats_spec, **impl))
+                                               setup=RunSetup(stats_spec=stats_spec, **impl)))
   return time.perf_counter() - start, trace
 
 

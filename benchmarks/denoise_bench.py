@@ -43,6 +43,7 @@ from absl import app, flags
 from benchmarks import option_comparison
 from benchmarks.flops import step_flops
 from dlm_jax.runtime import xla_cpu
+from dlm_jax.sampling.run_setup import RunSetup
 
 _WIDTHS = flags.DEFINE_list("widths", ["128", "256", "512"], "Model widths D to sweep.")
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers L.")
@@ -134,8 +135,9 @@ def _jax_sampler(spec: dict):
   intervention = MaskPreviousSinks(top_k=1) if spec["condition"] == "mask1" else NO_INTERVENTION
 
   def sample(params, prompt):
-    return generate(params, prompt, config=config, options=options, stats_spec=stats, intervention=intervention,
-                    attention_impl=spec["impl"], query_chunk=spec["query_chunk"])
+    return generate(params, prompt, config=config, options=options,
+                    setup=RunSetup(stats_spec=stats, intervention=intervention, attention_impl=spec["impl"],
+                                   query_chunk=spec["query_chunk"]))
 
   return config, params, prompt, sample
 
@@ -215,8 +217,10 @@ def _jax_step_memory(spec: dict) -> dict:
   config, params, _ = _inputs({**spec, "prompt": 1})
   tokens = np.random.default_rng(2).integers(3, spec["vocab"] - 1, size=(1, spec["seq"]))
   window = (spec["seq"] - spec["block"], spec["seq"])  # a step needs the logits of one block, as the sampler
-  run = jax.jit(functools.partial(model.forward, config=config, stats_spec=StatsSpec(incoming_attention=True),
-                                  logits_window=window, attention_impl=spec["impl"], query_chunk=spec["query_chunk"]))
+  run = jax.jit(functools.partial(model.forward, config=config,
+                                  instruments=model.CallInstruments(stats_spec=StatsSpec(incoming_attention=True)),
+                                  readout=model.Readout(window=window),
+                                  compute=model.Compute(attention_impl=spec["impl"], query_chunk=spec["query_chunk"])))
   compiled = run.lower(params, tokens).compile()
   baseline = _reset_peak_rss()
   jax.block_until_ready(compiled(params, tokens))

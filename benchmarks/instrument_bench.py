@@ -45,6 +45,7 @@ import tempfile
 import time
 
 from absl import app, flags
+from dlm_jax.sampling.run_setup import RunSetup
 
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny shapes and one round (a smoke test; the figures mean nothing).")
 _WIDTH = flags.DEFINE_integer("width", 512, "Model width D.")
@@ -194,7 +195,7 @@ def _hooked_variants(spec: dict, config, params, prompt, options):
 
   def sampler(hooks):
     return jax.jit(lambda params, prompt, values: generate(params, prompt, config=config, options=options,
-                                                           hooks=hooks, hook_values=values))
+                                                           setup=RunSetup(hooks=hooks, hook_values=values)))
 
   masked = Hooks(captures=(Capture("hook_resid_post", reduce="mean", positions="masked"),))
   decoded = Hooks(captures=(Capture("hook_resid_post", reduce="mean", positions="decoded"),))
@@ -224,7 +225,7 @@ def _forward_loop(spec: dict, config, params, prompt):
   from dlm_jax import model  # pylint: disable=import-outside-toplevel
   canvas = np.concatenate([prompt, np.full((1, spec["gen"]), config.mask_token_id, np.int32)], axis=1)
   window = (spec["prompt"], spec["prompt"] + spec["block"])
-  call = jax.jit(functools.partial(model.forward, config=config, logits_window=window))
+  call = jax.jit(functools.partial(model.forward, config=config, readout=model.Readout(window=window)))
   jax.block_until_ready(call(params, canvas).logits)
 
   def run():
@@ -257,7 +258,7 @@ def _capture_plans(spec: dict, config, params, prompt, options) -> list[dict]:
     values = hook_values(hooks, config, 1, seq, captures=capture_values)
 
     def run(hooks=hooks, values=values):
-      return generate(params, prompt, config=config, options=options, hooks=hooks, hook_values=values)
+      return generate(params, prompt, config=config, options=options, setup=RunSetup(hooks=hooks, hook_values=values))
 
     planned = capture_bytes(run)
     trace = jax.block_until_ready(run())

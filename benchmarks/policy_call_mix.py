@@ -35,6 +35,7 @@ from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import llada
 from dlm_jax.session import checkpoint_bundle
 from experiments.common import checkpoints, items, prompts
+from dlm_jax.sampling.run_setup import RunSetup
 
 GEN_LENGTH = BLOCK_LENGTH = 32
 """tiny-dlm's answer length (its training layout), decoded in one block of the 8B benchmark's length."""
@@ -96,7 +97,7 @@ def measure(conditions: list[Condition], n_prompts: int) -> dict[Condition, dict
     try:
       for item in todo:
         ids = prompts.batch(prompt_set, [item], 1).ids
-        trace = llada.generate(model.params, ids, config=model.config, options=options, policy=policy)
+        trace = llada.generate(model.params, ids, config=model.config, options=options, setup=RunSetup(policy=policy))
         nfe, s = int(trace.nfe), ids.shape[1] + GEN_LENGTH
         buckets = getattr(policy.bind(layout(ids.shape[1], GEN_LENGTH, BLOCK_LENGTH)), "buckets", ())
         blocks = GEN_LENGTH // BLOCK_LENGTH

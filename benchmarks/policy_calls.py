@@ -50,6 +50,7 @@ from dlm_jax.policy.d2cache_policy import D2Cache
 from dlm_jax.policy.dllm_cache_policy import DLLMCache
 from dlm_jax.policy.elastic_cache_policy import ElasticCache
 from dlm_jax.policy.sparsed_policy import SparseD
+from dlm_jax.model.forward_inputs import CallInstruments, Compute, Readout
 
 REUSE_CASES = {"reuse_none": (False, False), "reuse_gen": (False, True), "reuse_prompt": (True, False),
                "reuse_both": (True, True)}
@@ -105,7 +106,8 @@ def make_calls(config: ModelConfig, attention_impl: str, params: Any, tokens: ja
   (`jax.ShapeDtypeStruct` leaves) to lower a call without weights."""
   b, s = tokens.shape
   g = s - prompt_length
-  impl = dict(config=config, attention_impl=attention_impl)
+  impl = dict(config=config)
+  path = Compute(attention_impl=attention_impl)
   start = prompt_length + 3 * block  # a block in the middle of the generation
   window = (start, start + block)
   methods = bound(methods, layout(prompt_length, g, block))
@@ -116,16 +118,18 @@ def make_calls(config: ModelConfig, attention_impl: str, params: Any, tokens: ja
   head = lambda rows: cost.head_flops(config, rows)  # noqa: E731
   calls = {}
 
-  calls["exact"] = Call(lambda p, t: forward(p, t, logits_window=window, **impl).logits, (params, tokens),
+  calls["exact"] = Call(lambda p, t: forward(p, t, readout=Readout(window=window), compute=path, **impl).logits,
+                        (params, tokens),
                         cost.trunk_flops(config, s, s) + head(block))
-  calls["full"] = Call(lambda p, t, c: forward(p, t, cache=c, logits_window=window, **impl).logits,
+  calls["full"] = Call(lambda p, t, c: forward(p, t, compute=path.replace(cache=c), readout=Readout(window=window),
+                                               **impl).logits,
                        (params, tokens, cache), cost.trunk_flops(config, s, s) + head(block))
 
   generated = (prompt_length + jnp.arange(g, dtype=jnp.int32))[None]
 
   def dkv_subset(p, t, c):
-    hidden = forward(p, t[:, prompt_length:], cache=c, return_hidden=True, subset=ComputeSubset(generated),
-                     **impl).hidden
+    hidden = forward(p, t[:, prompt_length:], compute=path.replace(cache=c, subset=ComputeSubset(generated)),
+                     readout=Readout(hidden=True), **impl).hidden
     return lm_head(p, hidden[:, 3 * block:4 * block], config=config)
 
   calls["dkv_subset"] = Call(dkv_subset, (params, tokens, cache), cost.trunk_flops(config, g, s) + head(block))
@@ -134,11 +138,12 @@ def make_calls(config: ModelConfig, attention_impl: str, params: Any, tokens: ja
   kept = jnp.broadcast_to(jnp.arange(n_keep, dtype=jnp.int32)[None, None], (config.n_layers, b, n_keep))
   block_queries = (start + jnp.arange(block, dtype=jnp.int32))[None]
   calls["sparse_subset"] = Call(
-      lambda p, t, c: forward(p, t[:, start:start + block], cache=c, subset=ComputeSubset(block_queries, kept),
-                              **impl).logits,
+      lambda p, t, c: forward(p, t[:, start:start + block],
+                              compute=path.replace(cache=c, subset=ComputeSubset(block_queries, kept)), **impl).logits,
       (params, tokens, cache), cost.trunk_flops(config, block, n_keep + block) + head(block))
   calls["dual_cache"] = Call(
-      lambda p, t, c: forward(p, t[:, start:start + block], cache=c, cache_offset=start, **impl).logits,
+      lambda p, t, c: forward(p, t[:, start:start + block], compute=path.replace(cache=c, cache_offset=start),
+                              **impl).logits,
       (params, tokens, cache), cost.trunk_flops(config, block, s) + head(block))
 
   sparsed = methods.sparsed
@@ -146,8 +151,8 @@ def make_calls(config: ModelConfig, attention_impl: str, params: Any, tokens: ja
   index = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32) % n_blocks, (config.n_layers, b, config.n_heads, n_blocks, m))
   key_blocks = KeyBlocks(index, sparsed.block_size)
   calls["sparsed_blocks"] = Call(
-      lambda p, t, c: forward(p, t, cache=c, logits_window=window, subset=ComputeSubset(None, key_blocks=key_blocks),
-                              **impl).logits,
+      lambda p, t, c: forward(p, t, compute=path.replace(cache=c, subset=ComputeSubset(None, key_blocks=key_blocks)),
+                              readout=Readout(window=window), **impl).logits,
       (params, tokens, cache), cost.block_sparse_flops(config, s, sparsed.block_size, m) + head(block))
 
   reuse = make(lambda: ReuseCache.zeros(config, b, s))
@@ -157,8 +162,8 @@ def make_calls(config: ModelConfig, attention_impl: str, params: Any, tokens: ja
     def reuse_call(p, t, c, attn, ffn, prompt=prompt, gen=gen):
       layer_reuse = LayerReuse(attn=attn, ffn=ffn, prompt_length=prompt_length, count=count, refresh_prompt=prompt,
                                refresh_gen=gen, first_layer_full=methods.dllm_cache.refresh_layer0)
-      return forward(p, t, cache=c, logits_window=window, subset=ComputeSubset(everything, reuse=layer_reuse),
-                     **impl).logits
+      return forward(p, t, compute=path.replace(cache=c, subset=ComputeSubset(everything, reuse=layer_reuse)),
+                     readout=Readout(window=window), **impl).logits
 
     calls[name] = Call(reuse_call, (params, tokens, reuse.kv, reuse.attn, reuse.ffn),
                        reuse_flops(config, prompt_length, s, count, (prompt, gen)) + head(block))
@@ -174,8 +179,9 @@ def make_calls(config: ModelConfig, attention_impl: str, params: Any, tokens: ja
   def elastic_call(p, t, c, h, first):
     refresh = LayerRefresh(hidden=h, tracked=tracked, start=first, gamma=float(elastic.gamma), tokens=t,
                            positions=positions)
-    out = forward(p, t[:, s - n:], cache=c, subset=ComputeSubset(queries, None, refresh), stats_spec=incoming,
-                  query_weights=jnp.ones((b, 1, n), jnp.float32), return_hidden=True, **impl)
+    out = forward(p, t[:, s - n:], compute=path.replace(cache=c, subset=ComputeSubset(queries, None, refresh)),
+                  instruments=CallInstruments(stats_spec=incoming, query_weights=jnp.ones((b, 1, n), jnp.float32)),
+                  readout=Readout(hidden=True), **impl)
     return _block_logits(p, out, config, block), out.stats
 
   tracked_count = config.n_layers * elastic.track_num
@@ -186,8 +192,8 @@ def make_calls(config: ModelConfig, attention_impl: str, params: Any, tokens: ja
   rollout = StatsSpec(extra=("attention_rows",))
 
   def d2cache_call(p, t, c, subset, rows):
-    out = forward(p, t[:, s - rows:], cache=c, subset=ComputeSubset(subset), stats_spec=rollout, return_hidden=True,
-                  **impl)
+    out = forward(p, t[:, s - rows:], compute=path.replace(cache=c, subset=ComputeSubset(subset)),
+                  instruments=CallInstruments(stats_spec=rollout), readout=Readout(hidden=True), **impl)
     return _block_logits(p, out, config, block), out.stats
 
   buckets = methods.d2cache.buckets

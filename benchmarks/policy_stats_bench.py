@@ -33,6 +33,7 @@ import time
 from absl import app, flags
 
 from benchmarks.machine import cpu_model
+from dlm_jax.sampling.run_setup import RunSetup
 
 NAME = "benchmarks.policy_stats_bench"
 
@@ -145,7 +146,7 @@ def main(argv: list[str]) -> None:
     for condition, spec in specs.items():
       def run(run_options=run_options, policy=policy, spec=spec):
         return jax.block_until_ready(llada.generate(params, prompt, config=config, options=run_options,
-                                                    stats_spec=spec, policy=policy))
+                                                    setup=RunSetup(stats_spec=spec, policy=policy)))
       try:
         begin = time.perf_counter()
         trace = run()

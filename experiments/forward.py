@@ -27,7 +27,7 @@ from absl import flags, logging
 
 from dlm_jax.io import checkpoint
 from dlm_jax.config import ModelConfig
-from dlm_jax.model import Params, forward
+from dlm_jax.model import CallInstruments, Compute, Params, forward
 from dlm_jax.instrument.stats import StatsSpec
 from experiments.common import atomic_files, checkpoints, cli, run_dir
 
@@ -52,9 +52,10 @@ def forward_with_attention(config: ModelConfig, params: Params, token_ids: Seque
   bad = ids[(ids < 0) | (ids >= config.vocab_size)]
   if bad.size:
     raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {config.vocab_size}).")
-  run = jax.jit(forward, static_argnames=("config", "stats_spec", "attention_impl"))
+  run = jax.jit(forward, static_argnames=("config",))
   out = run(params, jnp.asarray(ids[None], jnp.int32), config=config,
-            stats_spec=StatsSpec(incoming_attention=True, per_head=True), attention_impl=attention_impl)
+            instruments=CallInstruments(stats_spec=StatsSpec(incoming_attention=True, per_head=True)),
+            compute=Compute(attention_impl=attention_impl))
   logits = np.asarray(out.logits[0], np.float32)
   incoming = np.asarray(out.incoming_attention[:, 0, 0], np.float32)  # [L, B, Q=1, N, S] -> [L, N, S]
   return logits, incoming

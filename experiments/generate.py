@@ -96,6 +96,7 @@ from dlm_jax.session.decoding_mode import DecodingMode
 from experiments.common import (atomic_files, chat, checkpoints, cli, decoding, decoding_flags, devices, flag_checks,
                                 items, numerics, numerics_flags, prompts, run_dir, runtime_flags)
 from experiments.common.numerics import Numerics
+from dlm_jax.sampling.run_setup import RunSetup
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Converted checkpoint directory, or "
                                   f"{', '.join(checkpoints.NAMES)}.", required=True)
@@ -352,9 +353,9 @@ def _intervention(sampler: str, top_k: int):
 def _generate(params, config, settings: Settings, prompt, stats_spec):
   return registry.get(settings.sampler).generate(
       params, prompt, config=config, options=settings.options(config), key=jax.random.key(settings.seed),
-      stats_spec=stats_spec, intervention=_intervention(settings.sampler, settings.mask_sinks),
-      attention_impl=settings.numerics.attention_impl, query_chunk=settings.numerics.query_chunk,
-      batch_invariant=settings.numerics.batch_invariant, policy=settings.decoding.compute_policy())
+      setup=RunSetup(stats_spec=stats_spec, intervention=_intervention(settings.sampler, settings.mask_sinks),
+                     attention_impl=settings.numerics.attention_impl, query_chunk=settings.numerics.query_chunk,
+                     batch_invariant=settings.numerics.batch_invariant, policy=settings.decoding.compute_policy()))
 
 
 def reply_text(tokenizer, generated: list[int], end_ids: set[int]) -> str:

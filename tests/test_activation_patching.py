@@ -22,6 +22,7 @@ from dlm_jax.instrument.hook_call import HookCall, hook_values
 from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks, Steps
 from dlm_jax.sampling import autoregressive, dream, llada
 from dlm_jax.tasks import synthetic, synthetic_pairs
+from dlm_jax.model import CallInstruments
 
 try:
   from tests import experiments_fixtures as fx
@@ -164,7 +165,8 @@ def test_site_gradients_match_finite_differences():
   def shifted(epsilon):
     call = HookCall(hooks=hooks, values=hook_values(hooks, config, 2, 10, edits={
         0: dict(values=epsilon * direction, value_steps=np.zeros(1, np.int32))}))
-    return np.asarray(metric(model.forward(params, sequence, config=config, hooks=call).logits), np.float64)
+    return np.asarray(metric(model.forward(params, sequence, config=config,
+                                           instruments=CallInstruments(hooks=call)).logits), np.float64)
 
   epsilon = 1e-2
   finite = (shifted(epsilon) - shifted(-epsilon)) / (2 * epsilon)

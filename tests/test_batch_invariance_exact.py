@@ -21,6 +21,7 @@ from dlm_jax.instrument import interventions
 from dlm_jax.io import checkpoint
 from dlm_jax.sampling import diffusion_gemma, llada
 from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.sampling.run_setup import RunSetup
 
 WIDTH, N_ITEMS = 10, 16
 MASKER = interventions.MaskPreviousSinks(top_k=1)
@@ -63,9 +64,9 @@ def _run(family: str, rows: list[int], batch_invariant: bool):
   state = MASKER.init_state(config, len(rows), total).replace(
       eligible=jnp.asarray(np.concatenate([mask, np.ones((len(rows), options.gen_length), bool)], 1)))
   keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.asarray(rows))
-  trace = generate(params, ids, config=config, options=options, key=keys, prompt_mask=mask, stats_spec=spec,
-                   intervention=MASKER, intervention_state=state, sink_top_k=2, record_intervention=True,
-                   batch_invariant=batch_invariant)
+  trace = generate(params, ids, config=config, options=options, key=keys, prompt_mask=mask,
+                   setup=RunSetup(stats_spec=spec, intervention=MASKER, intervention_state=state, sink_top_k=2,
+                                  record_intervention=True, batch_invariant=batch_invariant))
   trace = jax.device_get(trace)
   out = {}
   for r, item in enumerate(rows):

@@ -16,6 +16,7 @@ from dlm_jax import model
 from dlm_jax.model.attention import attention
 from dlm_jax.config import ConfigError, ModelConfig, preset
 from dlm_jax.instrument.stats import StatsSpec, squeeze_incoming
+from dlm_jax.model import CallInstruments, Compute
 
 try:
   from tests.test_model_parity import _our_params, _reference
@@ -68,13 +69,14 @@ def test_logits_and_statistics_match_transformers_with_a_block_causal_mask(famil
   spec = StatsSpec(incoming_attention=True)
   grouped_spec = StatsSpec(incoming_attention=True, query_groups=2)
   for impl, chunk in IMPLS:
-    ours = model.forward(params, jnp.asarray(tokens), config=config, stats_spec=spec, attention_impl=impl,
-                         query_chunk=chunk)
+    ours = model.forward(params, jnp.asarray(tokens), config=config, instruments=CallInstruments(stats_spec=spec),
+                         compute=Compute(attention_impl=impl, query_chunk=chunk))
     np.testing.assert_allclose(ours.logits, ref_logits, atol=1e-4, rtol=0, err_msg=impl)
     np.testing.assert_allclose(squeeze_incoming(ours.incoming_attention, spec), ref_probs.sum(axis=3), atol=1e-5,
                                rtol=0, err_msg=impl)
-    grouped = model.forward(params, jnp.asarray(tokens), config=config, query_weights=jnp.asarray(weights),
-                            stats_spec=grouped_spec, attention_impl=impl, query_chunk=chunk)
+    grouped = model.forward(params, jnp.asarray(tokens), config=config,
+                            instruments=CallInstruments(query_weights=jnp.asarray(weights), stats_spec=grouped_spec),
+                            compute=Compute(attention_impl=impl, query_chunk=chunk))
     np.testing.assert_allclose(grouped.incoming_attention, ref_grouped, atol=1e-5, rtol=0, err_msg=impl)
     # The first block's queries give exactly zero probability to every later key.
     assert (np.asarray(grouped.incoming_attention)[:, :, 0, :, block:] == 0).all(), impl
@@ -91,16 +93,18 @@ def test_block_by_block_kv_cache_equals_the_uncached_pass(name, impl, chunk):
   params = model.init_params(config, jax.random.key(11))
   tokens = jax.random.randint(jax.random.key(12), (b, total), 0, config.vocab_size - 1)
   spec = StatsSpec(incoming_attention=True)
-  full = model.forward(params, tokens, config=config, stats_spec=spec, attention_impl=impl, query_chunk=chunk)
+  full = model.forward(params, tokens, config=config, instruments=CallInstruments(stats_spec=spec),
+                       compute=Compute(attention_impl=impl, query_chunk=chunk))
 
   @jax.jit
   def cached_call(block_tokens, cache, offset):
-    return model.forward(params, block_tokens, config=config, stats_spec=spec, attention_impl=impl,
-                         query_chunk=chunk, cache=cache, cache_offset=offset)
+    return model.forward(params, block_tokens, config=config, instruments=CallInstruments(stats_spec=spec),
+                         compute=Compute(attention_impl=impl, query_chunk=chunk, cache=cache, cache_offset=offset))
 
   prefill_end = prompt_len // block * block
-  out = model.forward(params, tokens[:, :prefill_end], config=config, stats_spec=spec, attention_impl=impl,
-                      query_chunk=chunk, cache=model.KVCache.zeros(config, b, total), cache_offset=0)
+  out = model.forward(params, tokens[:, :prefill_end], config=config, instruments=CallInstruments(stats_spec=spec),
+                      compute=Compute(attention_impl=impl, query_chunk=chunk,
+                                      cache=model.KVCache.zeros(config, b, total), cache_offset=0))
   logits, incoming, cache = [out.logits], out.incoming_attention, out.cache
   for start in range(prefill_end, total, block):
     stop = min(start + block, total)

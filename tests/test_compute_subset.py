@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dlm_jax.config import preset
-from dlm_jax.model import KVCache, forward, init_params
+from dlm_jax.model import Compute, KVCache, forward, init_params
 from dlm_jax.model.compute_subset import ComputeSubset
 
 try:
@@ -32,15 +32,16 @@ def _setup():
   after = before.copy()
   after[0, [3, 9]] = [11, 12]
   after[1, [0, 5]] = [13, 14]
-  cache = forward(params, jnp.asarray(before), config=CONFIG, cache=KVCache.zeros(CONFIG, B, S),
-                  cache_offset=0).cache
+  cache = forward(params, jnp.asarray(before), config=CONFIG,
+                  compute=Compute(cache=KVCache.zeros(CONFIG, B, S), cache_offset=0)).cache
   return params, before, after, cache
 
 
 @jax.jit
 def _subset_call(params, tokens, cache, queries, keys):
   query_tokens = jnp.take_along_axis(tokens, jnp.minimum(queries, S - 1), axis=1)
-  return forward(params, query_tokens, config=CONFIG, cache=cache, subset=ComputeSubset(queries, keys)).logits
+  return forward(params, query_tokens, config=CONFIG,
+                 compute=Compute(cache=cache, subset=ComputeSubset(queries, keys))).logits
 
 
 def _keys(rng, queries):
@@ -88,5 +89,6 @@ def test_bad_subsets_are_refused_in_one_line(bad, message):
   if config.name != CONFIG.name:
     params, cache = init_params(config, jax.random.key(0)), KVCache.zeros(config, B, S)
   with pytest.raises(ValueError, match=message):
-    forward(params, jnp.asarray(before[:, :T]), config=config, cache=bad.get("cache", cache),
-            subset=ComputeSubset(queries, None if keys is None else jnp.asarray(keys)))
+    forward(params, jnp.asarray(before[:, :T]), config=config,
+            compute=Compute(cache=bad.get("cache", cache),
+                            subset=ComputeSubset(queries, None if keys is None else jnp.asarray(keys))))

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from converters.hf_convert import convert
 from dlm_jax.io import checkpoint
-from dlm_jax.model import forward
+from dlm_jax.model import CallInstruments, forward
 from dlm_jax.instrument.stats import StatsSpec
 
 try:
@@ -34,7 +34,8 @@ VARIANTS = {
 def our_outputs(directory, token_ids):
   """Logits [S, V] and incoming attention [L, N, S] of a converted checkpoint, float32."""
   config, params = checkpoint.load(directory, dtype=jnp.float32)
-  out = forward(params, jnp.asarray([token_ids]), config=config, stats_spec=StatsSpec(incoming_attention=True))
+  out = forward(params, jnp.asarray([token_ids]), config=config,
+                instruments=CallInstruments(stats_spec=StatsSpec(incoming_attention=True)))
   return config, np.asarray(out.logits[0]), np.asarray(out.incoming_attention[:, 0, 0])  # [L, B, Q, N, S]
 
 

@@ -19,6 +19,7 @@ from dlm_jax.config import preset
 from dlm_jax.model.attention import MASK_VALUE, AttentionBias
 from dlm_jax.sampling import corpus_prior, decoding_rules as dr, dream, llada
 from dlm_jax.session import SessionError, decoding_mode
+from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -362,7 +363,7 @@ def test_wino_python_loop_equals_compiled():
   options = llada.LLaDAOptions(gen_length=GEN, rule=rule, **layout)
   batch = prompts(2, seed=1)
   compiled = llada.generate(params(), batch, config=CONFIG, options=options)
-  python = llada.generate(params(), batch, config=CONFIG, options=options, loop="python")
+  python = llada.generate(params(), batch, config=CONFIG, options=options, setup=RunSetup(loop="python"))
   for field in ("tokens", "decode_step", "nfe", "committed", "revoked", "active_rows"):
     np.testing.assert_array_equal(np.asarray(getattr(compiled, field)), np.asarray(getattr(python, field)))
 
@@ -500,9 +501,9 @@ def test_dream_wino_statistics_and_padding():
   short = batch[1, 1:].copy()
   batch[1, 0] = 0
   options = dream.DreamOptions(gen_length=GEN, rule=rule, **layout)
-  traced = dream.diffusion_generate(dream_params(), batch, config=DREAM, options=options, sink_top_k=2,
+  traced = dream.diffusion_generate(dream_params(), batch, config=DREAM, options=options,
                                     prompt_mask=np.array([[1] * LP, [0] + [1] * (LP - 1)], np.int32),
-                                    stats_spec=StatsSpec(incoming_attention=True))
+                                    setup=RunSetup(sink_top_k=2, stats_spec=StatsSpec(incoming_attention=True)))
   MODEL["dream"] = True
   try:
     _check_row(traced, 0, original(batch[0]))

@@ -20,6 +20,7 @@ import pytest
 
 from dlm_jax.sampling import decoding_rules as dr, dream, llada
 from dlm_jax.session import SessionError, decoding_mode
+from dlm_jax.sampling.run_setup import RunSetup
 
 try:
   from tests import numpy_transformer as ref
@@ -206,7 +207,8 @@ def test_a_policy_with_a_rule_and_a_cache_is_refused_before_compiling():
   options = llada.LLaDAOptions(gen_length=16, steps=16, block_length=8, rule=dr.KLASS(), cache="dual")
   prompt = np.full((1, LP), 3, np.int32)
   with pytest.raises(PolicyError, match="does not run with a decoding rule and cache='dual'") as info:
-    llada.generate(rules.params(), prompt, config=rules.CONFIG, options=options, policy=parse_policy("sparse_dllm"))
+    llada.generate(rules.params(), prompt, config=rules.CONFIG, options=options,
+                   setup=RunSetup(policy=parse_policy("sparse_dllm")))
   assert "\n" not in str(info.value)
 
 

@@ -17,6 +17,7 @@ from dlm_jax.runtime import xla_cpu
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.interventions import MaskPreviousSinks
 from dlm_jax.sampling.llada import LLaDAOptions, generate
+from dlm_jax.sampling.run_setup import RunSetup
 
 
 def test_torch_way_decodes_the_same_tokens_as_the_compiled_sampler():
@@ -26,7 +27,8 @@ def test_torch_way_decodes_the_same_tokens_as_the_compiled_sampler():
   prompt = np.random.default_rng(0).integers(3, 96, size=(2, 6))
   options = LLaDAOptions(gen_length=8, steps=8, block_length=4)
   plain = generate(params, prompt, config=config, options=options)
-  masked = generate(params, prompt, config=config, options=options, intervention=MaskPreviousSinks(top_k=1))
+  masked = generate(params, prompt, config=config, options=options,
+                    setup=RunSetup(intervention=MaskPreviousSinks(top_k=1)))
   for attention, stats, mask, ours in [("sdpa", False, 0, plain), ("eager", True, 0, plain),
                                        ("eager_layer_bias", False, 1, masked)]:
     tokens, per_step = torch_way.generate(torch_way.build_model(params, config, attention), torch.as_tensor(prompt),

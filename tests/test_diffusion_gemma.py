@@ -27,6 +27,7 @@ from dlm_jax.io import checkpoint
 from dlm_jax.io.checkpoint import CheckpointError
 from dlm_jax.config import ConfigError, preset
 from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.model import CallInstruments, Compute
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -250,16 +251,16 @@ def test_decoder_needs_a_cache_and_self_conditioning_needs_a_self_conditioning_m
   params = model.abstract_params(config, jnp.float32)  # the checks come before any computation
   tokens = jnp.zeros((1, 3), jnp.int32)
   with pytest.raises(ValueError, match="cache"):
-    model.forward(params, tokens, config=config, decoder=model.DecoderCall())
+    model.forward(params, tokens, config=config, compute=Compute(decoder=model.DecoderCall()))
   with pytest.raises(ValueError, match="DecoderCall"):
-    model.forward(params, tokens, config=config, decoder=True)
+    model.forward(params, tokens, config=config, compute=Compute(decoder=True))
   llada = preset("tiny-llada")
   with pytest.raises(ValueError, match="self_conditioning_logits"):
     model.forward(model.abstract_params(llada, jnp.float32), tokens, config=llada,
-                  cache=model.KVCache.zeros(llada, 1, 8), cache_offset=4,
-                  decoder=model.DecoderCall(jnp.zeros((1, 3, llada.vocab_size))))
+                  compute=Compute(cache=model.KVCache.zeros(llada, 1, 8), cache_offset=4,
+                                  decoder=model.DecoderCall(jnp.zeros((1, 3, llada.vocab_size)))))
   with pytest.raises(ValueError, match="value_norms"):
-    model.forward(params, tokens, config=config, stats_spec=StatsSpec(value_norms=True))
+    model.forward(params, tokens, config=config, instruments=CallInstruments(stats_spec=StatsSpec(value_norms=True)))
 
 
 def test_every_parameter_has_logical_axes():

@@ -19,6 +19,7 @@ from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.sampling import diffusion_gemma as dg
 from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -51,8 +52,8 @@ def masked_run(params):
   """One sampler run with sink masking (top-2 per layer and head), the three query groups and the record:
   (trace, incoming [calls, L, B, 3, N, S] float64, record [calls, L, B, N, S] bool)."""
   trace = dg.generate(params, _prompt(), config=CONFIG, options=OPTIONS, key=KEY,
-                      intervention=iv.MaskPreviousSinks(top_k=K_SINKS), record_intervention=True,
-                      stats_spec=StatsSpec(incoming_attention=True, per_head=True, query_groups=3))
+                      setup=RunSetup(intervention=iv.MaskPreviousSinks(top_k=K_SINKS), record_intervention=True,
+                                     stats_spec=StatsSpec(incoming_attention=True, per_head=True, query_groups=3)))
   n = int(trace.nfe)
   incoming = np.asarray(trace.stats["incoming_attention"], np.float64)[:n]
   return trace, incoming, np.asarray(trace.intervention_record)[:n]
@@ -172,8 +173,8 @@ def test_front_sink_token_sees_itself_and_global_decoder_layers_see_it(params):
   sink = iv.SinkToken("front")
   spec = StatsSpec(incoming_attention=True, per_head=True)
   # the second run marks no sink (state is data, so the program is the same): the bias is all zero
-  runs = [dg.generate(params, prompt, config=CONFIG, options=SINK_OPTIONS, key=KEY, stats_spec=spec,
-                      intervention=sink, intervention_state=state)
+  runs = [dg.generate(params, prompt, config=CONFIG, options=SINK_OPTIONS, key=KEY,
+                      setup=RunSetup(stats_spec=spec, intervention=sink, intervention_state=state))
           for state in (sink.init_state(CONFIG, B, total), jnp.zeros((B, total), bool))]
   # the encoder call's attention rows under the bias the sampler builds: the sink's row is its own key only
   context = iv.CallContext(step=jnp.int32(0), tokens=runs[0].tokens, query_offset=0, query_length=lp)
@@ -195,4 +196,4 @@ def test_front_sink_token_sees_itself_and_global_decoder_layers_see_it(params):
                                                                           iv.Compose((iv.SinkToken("end"),))))])
 def test_end_sink_token_is_refused(params, intervention):
   with pytest.raises(ValueError, match=r"SinkToken\(position='end'\) cannot run with DiffusionGemma"):
-    dg.generate(params, _prompt(), config=CONFIG, options=SINK_OPTIONS, intervention=intervention)
+    dg.generate(params, _prompt(), config=CONFIG, options=SINK_OPTIONS, setup=RunSetup(intervention=intervention))

@@ -16,6 +16,7 @@ from dlm_jax.config import preset
 from dlm_jax.instrument.interventions import MaskPreviousSinks
 from dlm_jax.sampling import dream, model_call
 from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -237,7 +238,8 @@ HEAD_MEAN = StatsSpec(incoming_attention=True, per_head=False)
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
 def test_threshold_matches_reference(cache):
   options = dream.DreamOptions(gen_length=12, block_length=4, threshold=THRESHOLD, cache=cache)
-  trace = dream.diffusion_generate(params(), prompts(), config=CONFIG, options=options, stats_spec=HEAD_MEAN)
+  trace = dream.diffusion_generate(params(), prompts(), config=CONFIG, options=options,
+                                   setup=RunSetup(stats_spec=HEAD_MEAN))
   ref = Reference(prompts(), None, 12, 4, cache, threshold=THRESHOLD)
   check_against_reference(trace, ref)
   per_row_step = np.stack(ref.transfers)  # tokens each row committed at each threshold step
@@ -308,7 +310,7 @@ def test_padded_batch_matches_reference_and_row_alone():
   batch, mask, short = padded_batch()
   options = dream.DreamOptions(gen_length=12, block_length=4, threshold=THRESHOLD, cache="prefix")
   together = dream.diffusion_generate(params(), batch, config=CONFIG, options=options, prompt_mask=mask,
-                                      stats_spec=HEAD_MEAN)
+                                      setup=RunSetup(stats_spec=HEAD_MEAN))
   check_against_reference(together, Reference(batch, mask, 12, 4, "prefix", threshold=THRESHOLD))
   nfe = int(together.nfe)
   assert not np.all(np.asarray(together.active_rows)[:nfe]), "no row waited: the case does not test waiting"
@@ -345,8 +347,8 @@ def test_compiled_loop_equals_python_loop():
 def test_statistics_layout_query_groups_and_computed_queries():
   options = dream.DreamOptions(gen_length=8, block_length=4, threshold=0.9, cache="prefix")
   spec = StatsSpec(incoming_attention=True, per_head=False, query_groups=3)
-  trace = dream.diffusion_generate(params(), prompts(), config=CONFIG, options=options, stats_spec=spec,
-                                   sink_top_k=1)
+  trace = dream.diffusion_generate(params(), prompts(), config=CONFIG, options=options,
+                                   setup=RunSetup(stats_spec=spec, sink_top_k=1))
   nfe, lp, total = int(trace.nfe), 5, 13
   max_steps = 2 * 4  # per block: the block-start step and at most B - 1 threshold steps
   stats = np.asarray(trace.stats["incoming_attention"])
@@ -377,8 +379,9 @@ def test_statistics_layout_query_groups_and_computed_queries():
 def test_previous_sink_masking_in_every_mode(cache):
   options = dream.DreamOptions(gen_length=8, block_length=4, threshold=0.7, cache=cache)
   spec = StatsSpec(incoming_attention=True, per_head=True)
-  trace = dream.diffusion_generate(params(), prompts(), config=CONFIG, options=options, stats_spec=spec,
-                                   sink_top_k=1, intervention=MaskPreviousSinks(top_k=1), record_intervention=True)
+  trace = dream.diffusion_generate(params(), prompts(), config=CONFIG, options=options,
+                                   setup=RunSetup(stats_spec=spec, sink_top_k=1,
+                                                  intervention=MaskPreviousSinks(top_k=1), record_intervention=True))
   nfe, record = int(trace.nfe), np.asarray(trace.intervention_record)
   assert record.shape[0] == 8 and record.shape[2:] == (2, CONFIG.n_heads, 13)
   assert not np.any(np.asarray(trace.tokens) == MASK)

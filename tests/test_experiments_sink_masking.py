@@ -9,6 +9,7 @@ import pytest
 from dlm_jax.instrument import interventions
 from dlm_jax.io import checkpoint
 from dlm_jax.sampling import llada
+from dlm_jax.sampling.run_setup import RunSetup
 
 try:
   from tests import experiments_fixtures as fx
@@ -105,7 +106,7 @@ def test_item_recomputed_independently(full_run, checkpoints):
   options = llada.LLaDAOptions(gen_length=8, steps=8, block_length=4)
   for r in [x for x in records if x["item"] in ("0", "4") and x["condition"] in (1, 5)]:
     trace = llada.generate(params, np.asarray([r["prompt_ids"]], np.int32), config=config, options=options,
-                           intervention=interventions.MaskPreviousSinks(top_k=r["condition"]))
+                           setup=RunSetup(intervention=interventions.MaskPreviousSinks(top_k=r["condition"])))
     row = [int(t) for t in np.asarray(trace.generated)[0]]
     stop = next((i for i, t in enumerate(row) if t in (config.eos_token_id, config.pad_token_id)), len(row))
     assert row[:stop] == r["completion_ids"], r["item"]
@@ -121,7 +122,7 @@ def test_arm_item_recomputed_without_padding(full_run, checkpoints):
     intervention = interventions.MaskPreviousSinksAR(top_k=r["condition"], last_row_weights=True)
     trace = autoregressive.generate(params, np.asarray([r["prompt_ids"]], np.int32), config=config,
                                     options=autoregressive.AROptions(gen_length=8, stop_at_eos=True),
-                                    intervention=intervention)
+                                    setup=RunSetup(intervention=intervention))
     row = [int(t) for t in np.asarray(trace.generated)[0]]
     stop = next((i for i, t in enumerate(row) if t in (config.eos_token_id, config.pad_token_id)), len(row))
     assert row[:stop] == r["completion_ids"], r["item"]

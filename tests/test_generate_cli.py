@@ -20,6 +20,8 @@ from dlm_jax.config import preset
 from dlm_jax.sampling import autoregressive, dream, llada
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.model import CallInstruments, Compute
+from dlm_jax.sampling.run_setup import RunSetup
 
 try:
   from tests import experiments_fixtures as fx
@@ -143,8 +145,8 @@ def test_llada_json_and_attention_statistics(runs, checkpoints):
   for t in range(4):  # attention recomputed independently for the canvas of step t
     canvas = tokens.copy()
     canvas[5:] = np.where((decode_step >= 0) & (decode_step < t), tokens[5:], config.mask_token_id)
-    dense = model.forward(params, jnp.asarray(canvas[None]), config=config, attention_impl="dense",
-                          stats_spec=StatsSpec(incoming_attention=True)).incoming_attention
+    dense = model.forward(params, jnp.asarray(canvas[None]), config=config, compute=Compute(attention_impl="dense"),
+                          instruments=CallInstruments(stats_spec=StatsSpec(incoming_attention=True))).incoming_attention
     np.testing.assert_allclose(incoming[t], np.asarray(dense)[:, 0, 0], atol=2e-5)  # [L, B, Q, N, S]
 
 
@@ -170,7 +172,7 @@ def test_ar_and_mmada_with_sink_masking(runs, checkpoints):
   result = runs["ar_masked"].ok()
   trace = autoregressive.generate(params, np.asarray([[5, 9, 7]]), config=config,
                                   options=autoregressive.AROptions(gen_length=5),
-                                  intervention=iv.MaskPreviousSinksAR(top_k=1))
+                                  setup=RunSetup(intervention=iv.MaskPreviousSinksAR(top_k=1)))
   assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
   assert result["decode_step"] == list(range(5)) and result["nfe"] == 5
   ignored = runs["ar_steps_ignored"]
@@ -180,7 +182,7 @@ def test_ar_and_mmada_with_sink_masking(runs, checkpoints):
   result = runs["mmada_masked"].ok()
   trace = llada.generate(params, np.asarray([[5, 9, 7]]), config=config,
                          options=llada.mmada_options(gen_length=8, steps=8, block_length=4),
-                         intervention=iv.MaskPreviousSinks(top_k=2))
+                         setup=RunSetup(intervention=iv.MaskPreviousSinks(top_k=2)))
   assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
   assert result["decode_step"] == np.asarray(trace.decode_step)[0].tolist()
 
@@ -188,8 +190,9 @@ def test_ar_and_mmada_with_sink_masking(runs, checkpoints):
 def test_a_compute_policy_from_the_flags_matches_the_library(runs, checkpoints):
   directory, config, params = checkpoints["tiny-llada"]
   result = runs["policy"].ok()
-  trace = llada.generate(params, np.asarray([PROMPT_IDS]), config=config, policy=parse_policy(POLICY),
-                         options=llada.LLaDAOptions(gen_length=8, steps=8, block_length=4))
+  trace = llada.generate(params, np.asarray([PROMPT_IDS]), config=config,
+                         options=llada.LLaDAOptions(gen_length=8, steps=8, block_length=4),
+                         setup=RunSetup(policy=parse_policy(POLICY)))
   assert result["tokens"] == np.asarray(trace.tokens)[0].tolist()
   assert result["decode_step"] == np.asarray(trace.decode_step)[0].tolist()
   for i, (_, message) in enumerate(REFUSED_POLICIES):

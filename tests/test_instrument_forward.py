@@ -14,7 +14,7 @@ from dlm_jax.config import preset
 from dlm_jax.instrument import sites
 from dlm_jax.instrument.hook_call import (DECODED, MASKED, PROMPT, VALID, CaptureValues, HookCall, hook_values)
 from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
-from dlm_jax.model import forward, init_params
+from dlm_jax.model import CallInstruments, forward, init_params
 
 try:
   from tests import numpy_transformer as ref
@@ -39,7 +39,7 @@ def _tokens():
 
 def _run(hooks, flags=None, step=0, **values):
   call = HookCall(hooks=hooks, values=hook_values(hooks, CONFIG, B, T, **values), flags=flags, step=step)
-  return forward(_params(), jnp.asarray(_tokens()), config=CONFIG, hooks=call)
+  return forward(_params(), jnp.asarray(_tokens()), config=CONFIG, instruments=CallInstruments(hooks=call))
 
 
 def _flags():
@@ -185,7 +185,8 @@ def test_moe_router_logits_and_head_shapes_of_global_layers():
   params = init_params(config, jax.random.key(0))
   tokens = jnp.asarray(_tokens()) % config.vocab_size
   hooks = Hooks(captures=(Capture("mlp.hook_router_logits"), Capture("hook_resid_mid")))
-  out = forward(params, tokens, config=config, hooks=HookCall(hooks=hooks, values=hook_values(hooks, config, B, T)))
+  out = forward(params, tokens, config=config,
+                instruments=CallInstruments(hooks=HookCall(hooks=hooks, values=hook_values(hooks, config, B, T))))
   for layer in range(config.first_k_dense, config.n_layers):
     stack = params["blocks"]
     x = np.asarray(out.captures[f"blocks.{layer}.hook_resid_mid"], np.float64)
@@ -198,7 +199,7 @@ def test_moe_router_logits_and_head_shapes_of_global_layers():
   gparams = init_params(gemma, jax.random.key(0))
   hooks = Hooks(captures=(Capture("attn.hook_k"),))
   out = forward(gparams, tokens % gemma.vocab_size, config=gemma,
-                hooks=HookCall(hooks=hooks, values=hook_values(hooks, gemma, B, T)))
+                instruments=CallInstruments(hooks=HookCall(hooks=hooks, values=hook_values(hooks, gemma, B, T))))
   for layer, kind in enumerate(gemma.layer_kinds):
     heads, width = ((gemma.global_kv_heads, gemma.global_head_dim) if kind == "g" else (gemma.n_kv_heads, gemma.head_dim))
     assert out.captures[f"blocks.{layer}.attn.hook_k"].shape == (B, T, heads, width)

@@ -13,6 +13,7 @@ import torch
 from dlm_jax import model
 from dlm_jax.analysis import likelihood
 from dlm_jax.config import preset
+from dlm_jax.model import Compute
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -28,7 +29,7 @@ def params(name):
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _logits(params, tokens, *, config):
-  return model.forward(params, tokens, config=config, attention_impl="dense").logits
+  return model.forward(params, tokens, config=config, compute=Compute(attention_impl="dense")).logits
 
 
 def _log_softmax(x):

@@ -14,6 +14,7 @@ from dlm_jax import default_models, model
 from dlm_jax.analysis import likelihood, likelihood_batch as lb
 from dlm_jax.io import checkpoint
 from dlm_jax.config import preset
+from dlm_jax.model import Compute
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -31,7 +32,7 @@ def loaded(name):
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _logits(params, tokens, *, config):
-  return model.forward(params, tokens, config=config, attention_impl="dense").logits
+  return model.forward(params, tokens, config=config, compute=Compute(attention_impl="dense")).logits
 
 
 def _log_softmax(x):

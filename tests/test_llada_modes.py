@@ -13,6 +13,7 @@ from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.sampling import llada
 from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -269,7 +270,7 @@ def test_statistics_are_the_computed_queries_attention_over_all_keys(name):
   _, _, nfe, calls = _reference(case, prompt, margins)
   assert min(margins) > 1e-5
   trace = llada.generate(peaked_params(), prompt[None], config=CONFIG, options=_options(case),
-                         stats_spec=StatsSpec(incoming_attention=True, per_head=True))
+                         setup=RunSetup(stats_spec=StatsSpec(incoming_attention=True, per_head=True)))
   incoming = np.asarray(trace.stats["incoming_attention"])  # [max_steps, L, B, N, S]
   assert incoming.shape[0] == GEN  # max_steps: two blocks of at most 8 steps
   assert np.all(incoming[nfe:] == 0)
@@ -285,8 +286,9 @@ def test_scan_and_python_loops_agree(name):
   options = _options(CASES[name])
   prompt = prompts(2, seed=3)
   spec = StatsSpec(incoming_attention=True, per_head=False)
-  a = llada.generate(peaked_params(), prompt, config=CONFIG, options=options, stats_spec=spec)
-  b = llada.generate(peaked_params(), prompt, config=CONFIG, options=options, stats_spec=spec, loop="python")
+  a = llada.generate(peaked_params(), prompt, config=CONFIG, options=options, setup=RunSetup(stats_spec=spec))
+  b = llada.generate(peaked_params(), prompt, config=CONFIG, options=options,
+                     setup=RunSetup(stats_spec=spec, loop="python"))
   np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
   np.testing.assert_array_equal(np.asarray(a.active_rows), np.asarray(b.active_rows))
   assert int(a.nfe) == int(b.nfe)
@@ -335,7 +337,7 @@ def test_sink_masking_runs_under_the_dual_cache():
   options = _options(CASES["threshold_dual"])
   intervention = iv.MaskPreviousSinks(top_k=1)
   trace = llada.generate(peaked_params(), prompts(1, seed=5), config=CONFIG, options=options,
-                         intervention=intervention, sink_top_k=1, record_intervention=True)
+                         setup=RunSetup(intervention=intervention, sink_top_k=1, record_intervention=True))
   n = int(trace.nfe)
   record = np.asarray(trace.intervention_record)
   assert record.shape[0] >= n and not record[0].any()
@@ -359,7 +361,7 @@ def test_the_extra_sink_token_composes_with_the_caches(name):
   assert min(margins) > 1e-5
   assert not np.array_equal(tokens, plain), "the sink rule does not change this case: it would not be tested"
   trace = llada.generate(peaked_params(), prompt[None], config=CONFIG, options=_options(case),
-                         intervention=iv.SinkToken())
+                         setup=RunSetup(intervention=iv.SinkToken()))
   np.testing.assert_array_equal(np.asarray(trace.tokens)[0], tokens)
   np.testing.assert_array_equal(np.asarray(trace.decode_step)[0], decode_step)
   assert int(trace.nfe) == nfe

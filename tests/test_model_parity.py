@@ -16,6 +16,7 @@ from dlm_jax import model
 from dlm_jax.model.attention import AttentionBias
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import StatsSpec, squeeze_incoming
+from dlm_jax.model import CallInstruments, Compute, Readout
 
 
 def _reference(family, *, d, layers, heads, kv_heads, mlp, vocab, theta, eps, tied, seed):
@@ -100,8 +101,8 @@ def test_logits_and_incoming_attention_match_transformers(family, d, layers, hea
 
   spec = StatsSpec(incoming_attention=True)
   for impl, chunk in [("dense", 128), ("chunked", 5), ("fused", 5)]:
-    ours = model.forward(params, jnp.asarray(tokens), config=config, stats_spec=spec, attention_impl=impl,
-                         query_chunk=chunk)
+    ours = model.forward(params, jnp.asarray(tokens), config=config, instruments=CallInstruments(stats_spec=spec),
+                         compute=Compute(attention_impl=impl, query_chunk=chunk))
     np.testing.assert_allclose(ours.logits, ref_logits, atol=1e-4, rtol=0)
     assert ours.incoming_attention.shape == (layers, b, 1, heads, t)  # [L, B, Q, N, S]
     np.testing.assert_allclose(squeeze_incoming(ours.incoming_attention, spec), ref_incoming, atol=1e-5, rtol=0)
@@ -115,12 +116,13 @@ def test_logits_window_and_stats_reductions_agree_with_the_full_pass():
   params = _our_params(reference, "qwen2", 3, False)
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 61, size=(2, 12)))
   full_spec = StatsSpec(incoming_attention=True, value_norms=True)
-  full = model.forward(params, tokens, config=config, stats_spec=full_spec)
+  full = model.forward(params, tokens, config=config, instruments=CallInstruments(stats_spec=full_spec))
   window_spec = StatsSpec(incoming_attention=True, per_head=False, layers=(2, 0), value_norms=True)
-  window = model.forward(params, tokens, config=config, logits_window=(4, 9), stats_spec=window_spec)
+  window = model.forward(params, tokens, config=config, readout=Readout(window=(4, 9)),
+                         instruments=CallInstruments(stats_spec=window_spec))
   np.testing.assert_allclose(window.logits, full.logits[:, 4:9], atol=1e-6)
-  shifted = jax.jit(lambda offset: model.forward(params, tokens, config=config, logits_window=(2, 5),
-                                                 logits_offset=offset).logits)
+  shifted = jax.jit(lambda offset: model.forward(params, tokens, config=config,
+                                                 readout=Readout(window=(2, 5), offset=offset)).logits)
   for offset in (0, 3, 7):  # one compiled program, the window moved by a traced offset
     np.testing.assert_allclose(shifted(jnp.int32(offset)), full.logits[:, 2 + offset:5 + offset], atol=1e-6)
   full_incoming = squeeze_incoming(full.incoming_attention, full_spec)
@@ -130,7 +132,8 @@ def test_logits_window_and_stats_reductions_agree_with_the_full_pass():
   assert full.value_norms.shape == (3, 2, 2, 12)
   weights = jnp.stack([jnp.arange(12) < 5, jnp.arange(12) >= 5], 0)[None].repeat(2, 0).astype(jnp.float32)
   grouped_spec = StatsSpec(incoming_attention=True, query_groups=2)
-  grouped = model.forward(params, tokens, config=config, query_weights=weights, stats_spec=grouped_spec)
+  grouped = model.forward(params, tokens, config=config,
+                          instruments=CallInstruments(query_weights=weights, stats_spec=grouped_spec))
   np.testing.assert_allclose(squeeze_incoming(grouped.incoming_attention, grouped_spec).sum(axis=2), full_incoming,
                              atol=1e-5)
 
@@ -142,10 +145,10 @@ def test_kv_cache_decoding_matches_the_full_causal_pass():
   tokens = jax.random.randint(jax.random.key(4), (2, 10), 0, 50)
   full = model.forward(params, tokens, config=config).logits
   cache = model.KVCache.zeros(config, 2, 16)
-  prefill = model.forward(params, tokens[:, :6], config=config, cache=cache, cache_offset=0)
+  prefill = model.forward(params, tokens[:, :6], config=config, compute=Compute(cache=cache, cache_offset=0))
   steps, cache = [prefill.logits], prefill.cache
   for i in range(6, 10):
-    out = model.forward(params, tokens[:, i:i + 1], config=config, cache=cache, cache_offset=i)
+    out = model.forward(params, tokens[:, i:i + 1], config=config, compute=Compute(cache=cache, cache_offset=i))
     steps.append(out.logits)
     cache = out.cache
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=1e-5)
@@ -158,12 +161,14 @@ def test_per_layer_biases_reach_their_layer_only():
   tokens = jax.random.randint(jax.random.key(6), (1, 9), 0, 50)
   spec = StatsSpec(incoming_attention=True)
   key_bias = jnp.zeros((2, 1, 4, 9)).at[1, :, :, 3].set(-1e30)  # mask key 3 in layer 1 only
-  out = model.forward(params, tokens, config=config, bias=AttentionBias(keys=key_bias, keys_per_layer=True),
-                      stats_spec=spec)
+  out = model.forward(params, tokens, config=config,
+                      instruments=CallInstruments(bias=AttentionBias(keys=key_bias, keys_per_layer=True),
+                                                  stats_spec=spec))
   incoming = squeeze_incoming(out.incoming_attention, spec)
   assert (incoming[1, :, :, 3] == 0).all()
   assert (incoming[0, :, :, 3] > 0).all()
-  shared = model.forward(params, tokens, config=config, bias=AttentionBias(keys=key_bias[1]), stats_spec=spec)
+  shared = model.forward(params, tokens, config=config,
+                         instruments=CallInstruments(bias=AttentionBias(keys=key_bias[1]), stats_spec=spec))
   assert (squeeze_incoming(shared.incoming_attention, spec)[:, :, :, 3] == 0).all()
 
 
@@ -187,5 +192,6 @@ def test_zero_values_match_a_reference_whose_value_rows_are_zeroed():
   for hook in hooks:
     hook.remove()
   zero_values = jnp.zeros((1, 9), bool).at[:, 2].set(True)
-  ours = model.forward(params, jnp.asarray(tokens), config=config, bias=AttentionBias(zero_values=zero_values))
+  ours = model.forward(params, jnp.asarray(tokens), config=config,
+                       instruments=CallInstruments(bias=AttentionBias(zero_values=zero_values)))
   np.testing.assert_allclose(ours.logits, expected, atol=1e-4, rtol=0)

@@ -32,6 +32,7 @@ from flax import nnx
 from dlm_jax import model
 from dlm_jax.runtime import sharding
 from dlm_jax.config import ConfigError, ModelConfig, preset
+from dlm_jax.model import CallInstruments, Compute, Readout
 
 try:
   from tests import hf_fixtures
@@ -337,7 +338,7 @@ def test_tiny_moe_presets_run_jitted_with_windows_and_block_causal_attention(nam
   params = model.init_params(config, jax.random.key(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 11), 0, config.vocab_size)
   full = jax.jit(functools.partial(model.forward, config=config))(params, tokens).logits
-  window = model.forward(params, tokens, config=config, logits_window=(3, 8)).logits
+  window = model.forward(params, tokens, config=config, readout=Readout(window=(3, 8))).logits
   np.testing.assert_allclose(window, full[:, 3:8], atol=1e-5, rtol=0)  # jitted vs eager rounding
   assert np.isfinite(np.asarray(full)).all()
   if config.attention_block_size:  # the last block (positions 8-10) cannot change the first two blocks
@@ -352,22 +353,23 @@ def test_kv_cache_and_layer_subsets_cross_the_dense_to_moe_boundary():
   params = model.init_params(config, jax.random.key(3))
   tokens = jax.random.randint(jax.random.key(4), (2, 10), 0, config.vocab_size)
   spec = StatsSpec(incoming_attention=True, value_norms=True)
-  full = model.forward(params, tokens, config=config, stats_spec=spec)
+  full = model.forward(params, tokens, config=config, instruments=CallInstruments(stats_spec=spec))
   subset = model.forward(params, tokens, config=config, stats_spec=StatsSpec(incoming_attention=True,
                                                                               value_norms=True, layers=(2, 0)))
   np.testing.assert_allclose(subset.incoming_attention, full.incoming_attention[np.array([2, 0])], atol=1e-6)
   np.testing.assert_allclose(subset.value_norms, full.value_norms[np.array([2, 0])], atol=1e-6)
   cache = model.KVCache.zeros(config, 2, 16)
-  prefill = model.forward(params, tokens[:, :6], config=config, cache=cache)
+  prefill = model.forward(params, tokens[:, :6], config=config, compute=Compute(cache=cache))
   steps, cache = [prefill.logits], prefill.cache
   for i in range(6, 10):
-    out = model.forward(params, tokens[:, i:i + 1], config=config, cache=cache, cache_offset=i)
+    out = model.forward(params, tokens[:, i:i + 1], config=config, compute=Compute(cache=cache, cache_offset=i))
     steps.append(out.logits)
     cache = out.cache
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full.logits, atol=1e-5)
   key_bias = jnp.zeros((3, 1, 4, 10)).at[2, :, :, 3].set(-1e30)  # mask key 3 in the last (MoE) layer only
-  masked = model.forward(params, tokens, config=config, stats_spec=StatsSpec(incoming_attention=True),
-                         bias=AttentionBias(keys=key_bias, keys_per_layer=True))
+  masked = model.forward(params, tokens, config=config,
+                         instruments=CallInstruments(stats_spec=StatsSpec(incoming_attention=True),
+                                                     bias=AttentionBias(keys=key_bias, keys_per_layer=True)))
   assert (masked.incoming_attention[2, ..., 3] == 0).all() and (masked.incoming_attention[:2, ..., 3] > 0).all()
 
 

@@ -22,6 +22,7 @@ from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import dream, driver, llada
 from dlm_jax.session import decoding_mode
 from dlm_jax.session.errors import SessionError
+from dlm_jax.sampling.run_setup import RunSetup
 
 try:
   from tests import numpy_transformer as ref
@@ -44,7 +45,8 @@ SPARSE = "sparse_dllm:keep_ratio=0.5,tie_break=lowest_position"
 def generate(cache):
   """Both prompts in one batch, threshold decoding with `cache` under Sparse-dLLM."""
   options = llada.LLaDAOptions(gen_length=GEN, steps=GEN, block_length=BLOCK, threshold=TAU, cache=cache)
-  return llada.generate(peaked_params(), prompts(), config=CONFIG, options=options, policy=parse_policy(SPARSE))
+  return llada.generate(peaked_params(), prompts(), config=CONFIG, options=options,
+                        setup=RunSetup(policy=parse_policy(SPARSE)))
 
 
 def _kept(queries, cache, start):

@@ -14,11 +14,12 @@ from dlm_jax.analysis import policy_metrics
 from dlm_jax.config import preset
 from dlm_jax.instrument.hook_spec import Capture, Hooks
 from dlm_jax.instrument.stats import StatsSpec
-from dlm_jax.model import KVCache, forward, init_params
+from dlm_jax.model import Compute, KVCache, forward, init_params
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.policy.base import ComputePolicy, Decision
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import autoregressive, dream, llada
+from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -61,9 +62,9 @@ def _setup():
 def test_recomputing_everything_is_the_exact_sampler():
   params, prompt = _setup()
   spec = StatsSpec(incoming_attention=True, per_head=False)
-  exact = llada.generate(params, prompt, config=CONFIG, options=OPTIONS, stats_spec=spec)
-  policy = llada.generate(params, prompt, config=CONFIG, options=OPTIONS, stats_spec=spec,
-                          policy=Recent(everything=True))
+  exact = llada.generate(params, prompt, config=CONFIG, options=OPTIONS, setup=RunSetup(stats_spec=spec))
+  policy = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
+                          setup=RunSetup(stats_spec=spec, policy=Recent(everything=True)))
   np.testing.assert_array_equal(policy.tokens, exact.tokens)
   np.testing.assert_array_equal(policy.decode_step, exact.decode_step)
   np.testing.assert_allclose(policy.stats["incoming_attention"], exact.stats["incoming_attention"], atol=2e-5)
@@ -72,8 +73,8 @@ def test_recomputing_everything_is_the_exact_sampler():
 
 def test_computed_positions_are_the_decisions():
   params, prompt = _setup()
-  trace = llada.generate(params, prompt, config=CONFIG, options=OPTIONS, policy=Recent(),
-                         stats_spec=StatsSpec(incoming_attention=True))
+  trace = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
+                         setup=RunSetup(policy=Recent(), stats_spec=StatsSpec(incoming_attention=True)))
   computed = np.asarray(trace.computed_positions)  # [steps, B, S]
   lp = prompt.shape[1]
   decoded_at = np.asarray(trace.decode_step)  # [B, G], the step whose call decoded each position
@@ -97,7 +98,7 @@ def test_the_skipped_work_leaves_the_flop_count():
   def flops(fn, *args):
     return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
 
-  full = flops(lambda p, t, c: forward(p, t, config=CONFIG, cache=c).logits, params, tokens, cache)
+  full = flops(lambda p, t, c: forward(p, t, config=CONFIG, compute=Compute(cache=c)).logits, params, tokens, cache)
   queries = jnp.arange(n, dtype=jnp.int32)[None]
   part = flops(lambda p, t, c: forward(p, t[:, :n], config=CONFIG, cache=c, subset=ComputeSubset(queries)).logits,
                params, tokens, cache)
@@ -105,7 +106,7 @@ def test_the_skipped_work_leaves_the_flop_count():
 
 
 @pytest.mark.parametrize("run, message", [
-    (lambda p, x: autoregressive.generate(p, x, config=preset("tiny-llama"), policy=Recent()),
+    (lambda p, x: autoregressive.generate(p, x, config=preset("tiny-llama"), setup=RunSetup(policy=Recent())),
      "runs with the samplers whose every call reads the whole sequence"),
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=OPTIONS,
                                  policy=parse_policy("dkv_cache:shift_type=right"),
@@ -130,7 +131,7 @@ def test_dkv_cache_and_sparse_dllm_compute_what_their_rules_say():
   params, prompt = _setup()
   lp = prompt.shape[1]
   dkv = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
-                       policy=parse_policy("dkv_cache:cache_reloading_step=3"))
+                       setup=RunSetup(policy=parse_policy("dkv_cache:cache_reloading_step=3")))
   decoded_at = np.asarray(dkv.decode_step)
   for step, computed in enumerate(np.asarray(dkv.computed_positions)):
     in_block = step % 4  # 8 steps over 2 blocks of 4
@@ -140,7 +141,7 @@ def test_dkv_cache_and_sparse_dllm_compute_what_their_rules_say():
       np.testing.assert_array_equal(computed[:, lp:], decoded_at >= step - 1, err_msg=f"step {step}")
       assert not computed[:, :lp].any()
   sparse = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
-                          policy=parse_policy("sparse_dllm:keep_ratio=0.5,tie_break=lowest_position"))
+                          setup=RunSetup(policy=parse_policy("sparse_dllm:keep_ratio=0.5,tie_break=lowest_position")))
   for step, computed in enumerate(np.asarray(sparse.computed_positions)):
     block = lp + (step // 4) * 4 + np.arange(4)
     expected = np.ones_like(computed) if step % 4 <= 1 else np.isin(np.arange(lp + 8), block)[None].repeat(2, 0)
@@ -164,10 +165,11 @@ def test_a_row_decodes_alone_as_in_its_batch_under_a_policy():
   params, prompt = _setup()
   policy = parse_policy("dkv_cache:cache_reloading_step=3")
   keys = jax.random.split(jax.random.key(5), 2)
-  both = llada.generate(params, prompt, config=CONFIG, options=OPTIONS, policy=policy, batch_invariant=True, key=keys)
+  both = llada.generate(params, prompt, config=CONFIG, options=OPTIONS, key=keys,
+                        setup=RunSetup(policy=policy, batch_invariant=True))
   for row in range(2):
-    alone = llada.generate(params, prompt[row:row + 1], config=CONFIG, options=OPTIONS, policy=policy,
-                           batch_invariant=True, key=keys[row:row + 1])
+    alone = llada.generate(params, prompt[row:row + 1], config=CONFIG, options=OPTIONS, key=keys[row:row + 1],
+                           setup=RunSetup(policy=policy, batch_invariant=True))
     np.testing.assert_array_equal(alone.tokens[0], both.tokens[row])
     np.testing.assert_array_equal(alone.computed_positions[:, 0], both.computed_positions[:, row])
 
@@ -180,7 +182,8 @@ def test_keeping_the_sinks_adds_nothing_when_every_key_is_kept():
   np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
   np.testing.assert_allclose(runs[0].stats["incoming_attention"], runs[1].stats["incoming_attention"], atol=1e-6)
   with pytest.raises(ValueError, match="keep_sinks=99 is more than the 10 keys outside the block"):
-    llada.generate(params, prompt, config=CONFIG, options=OPTIONS, policy=parse_policy("sparse_dllm:keep_sinks=99"))
+    llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
+                   setup=RunSetup(policy=parse_policy("sparse_dllm:keep_sinks=99")))
 
 
 def test_the_first_positions_are_kept_beside_the_scored_keys():

@@ -22,6 +22,7 @@ from dlm_jax.policy.registry import make_policy, parse_policy
 from dlm_jax.sampling import dream, llada, parallel
 from dlm_jax.sampling.decoding_rules import CertaintyPrior, EBSampler
 from dlm_jax.session import decoding_mode
+from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -202,7 +203,7 @@ def llada_params():
 def test_dream_under_the_certainty_prior_is_the_official_run(dream_params, prompt, knobs):
   options = dream.DreamOptions(gen_length=GEN, steps=GEN, block_length=BLOCK, rule=CertaintyPrior(sigma=10.0))
   trace = dream.diffusion_generate(dream_params, prompt, config=DREAM, options=options,
-                                   policy=make_policy("d2cache", **knobs))
+                                   setup=RunSetup(policy=make_policy("d2cache", **knobs)))
   expected = replay(DREAM, dream_params, prompt, knobs, GEN, sigma=10.0)
   check_run(trace, expected)
   assert expected[3][1:, :, PROMPT_LENGTH - 1].any()  # the last prompt token: generated position 0 was picked
@@ -215,7 +216,7 @@ def test_dream_under_the_certainty_prior_is_the_official_run(dream_params, promp
 def test_llada_parallel_decoding_is_the_official_run(llada_params, prompt, rule):
   options = llada.LLaDAOptions(gen_length=GEN, steps=GEN, block_length=BLOCK, **rule)
   trace = llada.generate(llada_params, prompt, config=LLADA, options=options,
-                         policy=make_policy("d2cache", **PARALLEL))
+                         setup=RunSetup(policy=make_policy("d2cache", **PARALLEL)))
   expected = replay(LLADA, llada_params, prompt, PARALLEL, GEN, threshold=rule.get("threshold"),
                     factor=rule.get("factor"))
   check_run(trace, expected)

@@ -23,13 +23,14 @@ except ImportError:  # run from inside tests/
 from dlm_jax.config import preset
 from dlm_jax.core.attention_bias import MASK_VALUE
 from dlm_jax.instrument.stats import StatsSpec
-from dlm_jax.model import KVCache, forward, init_params
+from dlm_jax.model import CallInstruments, Compute, KVCache, forward, init_params
 from dlm_jax.model.attention import attention
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.policy import cost
 from dlm_jax.policy.base import RunLayout
 from dlm_jax.policy.registry import make_policy, parse_policy
 from dlm_jax.sampling import dream, llada
+from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -149,15 +150,16 @@ def replay(params, prompt, settings):
 @pytest.fixture(scope="module")
 def official_run(model):
   params, prompt = model
-  return llada.generate(params, prompt, config=CONFIG, options=OPTIONS, policy=make_policy("d2cache", **OFFICIAL),
-                        stats_spec=StatsSpec(incoming_attention=True, per_head=False, query_groups=3))
+  return llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
+                        setup=RunSetup(policy=make_policy("d2cache", **OFFICIAL),
+                                       stats_spec=StatsSpec(incoming_attention=True, per_head=False, query_groups=3)))
 
 
 @pytest.fixture(scope="module")
 def clean_batch(model):
   params, prompt = model
-  return llada.generate(params, prompt, config=CONFIG, options=OPTIONS, policy=make_policy("d2cache", **CLEAN),
-                        batch_invariant=True)
+  return llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
+                        setup=RunSetup(policy=make_policy("d2cache", **CLEAN), batch_invariant=True))
 
 
 @pytest.mark.parametrize("knobs, run", [(OFFICIAL, "official_run"), (CLEAN, "clean_batch")])
@@ -196,8 +198,8 @@ def test_the_users_statistics_sum_over_the_queries_each_step_computed(official_r
 def test_rows_decode_alone_as_in_their_batch_without_the_top_up(model, clean_batch):
   params, prompt = model
   for row in range(2):
-    alone = llada.generate(params, prompt[row:row + 1], config=CONFIG, options=OPTIONS, batch_invariant=True,
-                           policy=make_policy("d2cache", **CLEAN))
+    alone = llada.generate(params, prompt[row:row + 1], config=CONFIG, options=OPTIONS,
+                           setup=RunSetup(batch_invariant=True, policy=make_policy("d2cache", **CLEAN)))
     np.testing.assert_array_equal(alone.tokens[0], clean_batch.tokens[row])
     np.testing.assert_array_equal(alone.computed_positions[:, 0], clean_batch.computed_positions[:, row])
 
@@ -214,9 +216,11 @@ def test_a_small_bucket_computes_less_as_the_analytic_count_says(model):
   def flops(n):
     def call(p, t, c):
       if n == s:
-        return forward(p, t, config=CONFIG, cache=c, stats_spec=spec).logits
+        return forward(p, t, config=CONFIG, compute=Compute(cache=c),
+                       instruments=CallInstruments(stats_spec=spec)).logits
       queries = jnp.arange(n, dtype=jnp.int32)[None]
-      return forward(p, t[:, :n], config=CONFIG, cache=c, stats_spec=spec, subset=ComputeSubset(queries)).logits
+      return forward(p, t[:, :n], config=CONFIG, compute=Compute(cache=c, subset=ComputeSubset(queries)),
+                     instruments=CallInstruments(stats_spec=spec)).logits
     return jax.jit(call).lower(params, tokens, cache).compile().cost_analysis()["flops"]
 
   full = flops(s)

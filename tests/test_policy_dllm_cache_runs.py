@@ -15,12 +15,13 @@ import pytest
 
 from dlm_jax.config import preset
 from dlm_jax.instrument.stats import StatsSpec
-from dlm_jax.model import KVCache, forward, init_params
+from dlm_jax.model import Compute, KVCache, forward, init_params
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.reuse_layers import LayerReuse, ReuseCache
 from dlm_jax.policy import cost
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import llada
+from dlm_jax.sampling.run_setup import RunSetup
 
 try:
   from tests import numpy_transformer as ref
@@ -50,8 +51,9 @@ def _run(refresh_layer0: bool, rows: tuple[int, ...] = (0, 1)):
   params, prompt = _setup()
   policy = parse_policy(f"dllm_cache:prompt_interval_steps=3,gen_interval_steps=2,"  # every branch in 8 calls
                         f"transfer_ratio={RATIO[refresh_layer0]},refresh_layer0={refresh_layer0}")
-  return llada.generate(params, prompt[list(rows)], config=CONFIG, options=OPTIONS, policy=policy,
-                        batch_invariant=True, stats_spec=StatsSpec(incoming_attention=True, per_head=False))
+  return llada.generate(params, prompt[list(rows)], config=CONFIG, options=OPTIONS,
+                        setup=RunSetup(policy=policy, batch_invariant=True,
+                                       stats_spec=StatsSpec(incoming_attention=True, per_head=False)))
 
 
 def _hook_layer(w, layer, x, cache, call, settings, prompt_length):
@@ -170,7 +172,8 @@ def _reuse_call(params, tokens, cache, *, refresh_prompt, refresh_gen, count, co
   reuse = LayerReuse(attn=cache.attn, ffn=cache.ffn, prompt_length=6, count=count, refresh_prompt=refresh_prompt,
                      refresh_gen=refresh_gen, first_layer_full=True)
   queries = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
-  return forward(params, tokens, config=config, cache=cache.kv, subset=ComputeSubset(queries, reuse=reuse))
+  return forward(params, tokens, config=config,
+                 compute=Compute(cache=cache.kv, subset=ComputeSubset(queries, reuse=reuse)))
 
 
 def test_recomputing_everything_is_the_full_forward():
@@ -196,7 +199,7 @@ def test_the_skipped_work_leaves_the_flop_count():
   def flops(fn):
     return jax.jit(fn).lower(params, tokens, cache).compile().cost_analysis()["flops"]
 
-  full = flops(lambda w, t, c: forward(w, t, config=config, cache=c.kv).logits)
+  full = flops(lambda w, t, c: forward(w, t, config=config, compute=Compute(cache=c.kv)).logits)
   queries = jnp.arange(s, dtype=jnp.int32)[None]
   reuse = flops(lambda w, t, c: forward(w, t, config=config, cache=c.kv, subset=ComputeSubset(queries, reuse=LayerReuse(
       attn=c.attn, ffn=c.ffn, prompt_length=p, count=n, refresh_prompt=False, refresh_gen=False,

@@ -19,13 +19,14 @@ import pytest
 from dlm_jax.config import preset
 from dlm_jax.instrument import interventions
 from dlm_jax.instrument.stats import StatsSpec
-from dlm_jax.model import KVCache, forward, init_params
+from dlm_jax.model import Compute, KVCache, forward, init_params
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.layer_refresh import LayerRefresh
 from dlm_jax.policy import cost
 from dlm_jax.policy.elastic_cache_policy import ElasticCache
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import dream, llada, sliding_window
+from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -57,7 +58,7 @@ def threshold_setup():
 def batch_run(setup):
   params, prompt = setup
   return llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
-                        policy=parse_policy(f"elastic_cache:window_length=4,gamma={GAMMA}"))
+                        setup=RunSetup(policy=parse_policy(f"elastic_cache:window_length=4,gamma={GAMMA}")))
 
 
 def _numpy_params(params):
@@ -278,7 +279,7 @@ def test_the_official_threshold_decoding_replays_the_official_loop(threshold_set
   the official loop, each row in a batch whose rows finish at different calls."""
   params, prompt = threshold_setup
   trace = llada.generate(params, prompt, config=CONFIG, options=THRESHOLD_OPTIONS,
-                         policy=parse_policy(f"elastic_cache:window_length=4,gamma={GAMMA}"))
+                         setup=RunSetup(policy=parse_policy(f"elastic_cache:window_length=4,gamma={GAMMA}")))
   p = _numpy_params(params)
   margins, nfes, cut_rows, parallel_calls = [], [], 0, 0
   for row in range(prompt.shape[0]):
@@ -303,7 +304,7 @@ def test_threshold_decoding_in_blocks_is_the_replay(threshold_setup):
   params, prompt = threshold_setup
   options = llada.LLaDAOptions(gen_length=16, steps=16, block_length=4, threshold=0.9)
   trace = llada.generate(params, prompt, config=CONFIG, options=options,
-                         policy=parse_policy(f"elastic_cache:window_length=4,gamma={GAMMA}"))
+                         setup=RunSetup(policy=parse_policy(f"elastic_cache:window_length=4,gamma={GAMMA}")))
   p = _numpy_params(params)
   margins, calls_per_block, crossed = [], set(), 0
   for row in range(prompt.shape[0]):
@@ -360,7 +361,8 @@ def test_a_refresh_from_layer_0_is_the_exact_sampler(setup):
       return dataclasses.replace(super().decide(state, context), full=jnp.ones((), bool))
 
   exact = llada.generate(params, prompt, config=CONFIG, options=OPTIONS)
-  refreshed = llada.generate(params, prompt, config=CONFIG, options=OPTIONS, policy=Always(window_length=4))
+  refreshed = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
+                             setup=RunSetup(policy=Always(window_length=4)))
   np.testing.assert_array_equal(np.asarray(refreshed.tokens), np.asarray(exact.tokens))
   np.testing.assert_array_equal(np.asarray(refreshed.decode_step), np.asarray(exact.decode_step))
   assert np.all(np.asarray(refreshed.policy_record["refresh_start"]) == 0)
@@ -384,10 +386,11 @@ def test_a_call_without_refresh_leaves_the_flop_count():
     def call(p, x, c, hidden):
       refresh = LayerRefresh(hidden=hidden, tracked=tracked, start=jnp.full((1,), start), gamma=0.9, tokens=x,
                              positions=positions)
-      return forward(p, x[:, :t], config=one, cache=c, subset=ComputeSubset(queries, None, refresh)).logits
+      return forward(p, x[:, :t], config=one,
+                     compute=Compute(cache=c, subset=ComputeSubset(queries, None, refresh))).logits
     return flops(call)
 
-  full = flops(lambda p, x, c, hidden: forward(p, x, config=one, cache=c).logits)
+  full = flops(lambda p, x, c, hidden: forward(p, x, config=one, compute=Compute(cache=c)).logits)
   measured = {start: refresh_call(start) for start in (0, 1)}
   analytic = {start: cost.layer_refresh_flops(one, t, s, r, start) + cost.head_flops(one, t) for start in (0, 1)}
   for start in (0, 1):
@@ -444,7 +447,7 @@ def test_the_first_call_reads_the_window_whatever_the_prompt_length(setup):
   prompt = jax.random.randint(jax.random.key(2), (1, 12), 3, 200)
   exact = llada.generate(params, prompt, config=CONFIG, options=OPTIONS)
   elastic = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
-                           policy=parse_policy("elastic_cache:window_length=4"))
+                           setup=RunSetup(policy=parse_policy("elastic_cache:window_length=4")))
   first = np.asarray(exact.decode_step[0]) == 0
   np.testing.assert_array_equal(np.asarray(elastic.decode_step[0]) == 0, first)
   np.testing.assert_array_equal(np.asarray(elastic.tokens[0, 12:])[first], np.asarray(exact.tokens[0, 12:])[first])

@@ -16,9 +16,10 @@ import pytest
 from dlm_jax.config import preset
 from dlm_jax.instrument.hook_call import HookCall, hook_values
 from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
-from dlm_jax.model import forward, init_params
+from dlm_jax.model import CallInstruments, forward, init_params
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import llada
+from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -53,8 +54,8 @@ def _run(setup, policy: str, coefficient: float, params=None):
   values = hook_values(HOOKS, CONFIG, prompt.shape[0], prompt.shape[1] + OPTIONS.gen_length,
                        edits={0: dict(vector=vector, coefficient=coefficient)})
   options = dataclasses.replace(OPTIONS, cache=CACHED.get(policy, "none"))
-  return llada.generate(base if params is None else params, prompt, config=CONFIG, options=options, hooks=HOOKS,
-                        hook_values=values, policy=parse_policy(POLICIES[policy]))
+  return llada.generate(base if params is None else params, prompt, config=CONFIG, options=options,
+                        setup=RunSetup(hooks=HOOKS, hook_values=values, policy=parse_policy(POLICIES[policy])))
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,8 @@ def plain(setup):
   params, prompt, vector = setup
   values = hook_values(HOOKS, CONFIG, prompt.shape[0], prompt.shape[1] + OPTIONS.gen_length,
                        edits={0: dict(vector=vector, coefficient=0.0)})
-  run = jax.jit(lambda tokens: forward(params, tokens, config=CONFIG, hooks=HookCall(hooks=HOOKS, values=values))
+  run = jax.jit(lambda tokens: forward(params, tokens, config=CONFIG,
+                                       instruments=CallInstruments(hooks=HookCall(hooks=HOOKS, values=values)))
                 .captures)
   return lambda canvas: jax.tree.map(np.asarray, run(jnp.asarray(canvas)))
 

@@ -20,6 +20,7 @@ from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import decoding_rules, dream, driver, llada, schedules
 from dlm_jax.session import decoding_mode
 from dlm_jax.session.errors import SessionError
+from dlm_jax.sampling.run_setup import RunSetup
 
 try:
   from tests import numpy_transformer as ref
@@ -56,7 +57,7 @@ def prompts():
 def generate(policy_text, rows, batch_invariant=False):
   """The threshold sampler under a policy on prompts()[rows] (rows: a tuple of row indices)."""
   return llada.generate(peaked_params(), prompts()[list(rows)], config=CONFIG, options=THRESHOLD,
-                        policy=parse_policy(policy_text), batch_invariant=batch_invariant)
+                        setup=RunSetup(policy=parse_policy(policy_text), batch_invariant=batch_invariant))
 
 
 # ---------------------------------------------------------------- the replay
@@ -204,7 +205,8 @@ def test_sparse_dllm_on_dreams_block_modes_computes_the_block_and_the_position_b
   config = preset("tiny-dream")
   params = model.init_params(config, jax.random.key(3))
   options = dream.DreamOptions(gen_length=8, steps=8, block_length=4, threshold=0.9)
-  trace = dream.diffusion_generate(params, prompts(), config=config, options=options, policy=parse_policy(SPARSE))
+  trace = dream.diffusion_generate(params, prompts(), config=config, options=options,
+                                   setup=RunSetup(policy=parse_policy(SPARSE)))
   decoded_at = np.asarray(trace.decode_step)  # [B, G]: the block-start call commits a block's first position
   starts = sorted(int(decoded_at[0, k]) for k in range(0, 8, 4))
   for call, computed in enumerate(np.asarray(trace.computed_positions)[:int(trace.nfe)]):
@@ -356,7 +358,7 @@ def test_dkv_cache_on_dream_is_the_replay_of_the_official_rule(shift_type):
   for row, prompt in enumerate(dream_ref.prompts()):
     tokens, decode_step, computed = dream_replay(prompt, plan)
     trace = dream.diffusion_generate(dream_ref.params(), prompt[None], config=dream_ref.CONFIG, options=DREAM_EXACT,
-                                     policy=policy)
+                                     setup=RunSetup(policy=policy))
     np.testing.assert_array_equal(np.asarray(trace.tokens)[0], tokens, err_msg=f"{shift_type} row {row}")
     np.testing.assert_array_equal(np.asarray(trace.decode_step)[0], decode_step, err_msg=f"{shift_type} row {row}")
     np.testing.assert_array_equal(np.asarray(trace.computed_positions)[:, 0], computed)
@@ -370,7 +372,7 @@ def test_sparse_dllm_on_dream_computes_the_position_before_the_block_and_is_the_
   policy = parse_policy(SPARSE)
   for row, prompt in enumerate(dream_ref.prompts()):
     trace = dream.diffusion_generate(dream_ref.params(), prompt[None], config=dream_ref.CONFIG, options=DREAM_EXACT,
-                                     policy=policy)
+                                     setup=RunSetup(policy=policy))
     record = np.asarray(trace.policy_record)[:, 0]  # [steps, L, n_keep]
     lp = len(prompt)
     plan = lambda call, previous: None if call <= 1 else (np.arange(lp - 1, lp + 8), record[call])  # noqa: E731

@@ -13,7 +13,7 @@ import pytest
 
 from dlm_jax.config import preset
 from dlm_jax.instrument.stats import StatsSpec
-from dlm_jax.model import forward, init_params
+from dlm_jax.model import CallInstruments, forward, init_params
 from dlm_jax.model.attention import MASK_VALUE, attention
 from dlm_jax.model.block_sparse_attention import KeyBlocks, block_sparse_attention
 from dlm_jax.model.compute_subset import ComputeSubset
@@ -23,6 +23,7 @@ from dlm_jax.policy.sparsed import SparseDSettings
 from dlm_jax.policy.sparsed_policy import pooled_attention_statistic
 from dlm_jax.sampling import dream, llada
 from dlm_jax.sampling.schedules import dream_transfer_fractions
+from dlm_jax.sampling.run_setup import RunSetup
 
 try:
   from tests import numpy_transformer as ref
@@ -175,11 +176,11 @@ def _run(family, scale, prompt, batch_invariant=False):
   policy = parse_policy(f"sparsed:{SETTINGS},score_scale={scale},boundary_from={boundary}")
   if family == "llada":
     options = llada.LLaDAOptions(gen_length=GEN, steps=STEPS, block_length=BLOCK)
-    return llada.generate(params, prompt, config=config, options=options, policy=policy,
-                          batch_invariant=batch_invariant)
+    return llada.generate(params, prompt, config=config, options=options,
+                          setup=RunSetup(policy=policy, batch_invariant=batch_invariant))
   options = dream.DreamOptions(gen_length=GEN, steps=STEPS, alg="maskgit_plus")
-  return dream.diffusion_generate(params, prompt, config=config, options=options, policy=policy,
-                                  batch_invariant=batch_invariant)
+  return dream.diffusion_generate(params, prompt, config=config, options=options,
+                                  setup=RunSetup(policy=policy, batch_invariant=batch_invariant))
 
 
 @pytest.mark.parametrize("family, scale", [("llada", "num_heads"), ("dream", "head_dim")])
@@ -223,8 +224,9 @@ def test_the_pooled_statistic_is_the_numpy_one():
   name = pooled_attention_statistic(settings, 2)
   weights = np.ones((2, 2, LP + GEN), np.float32)  # group 0 is not the statistic's (it reads the last group)
   weights[:, 1] = np.random.default_rng(0).random((2, LP + GEN))
-  run = jax.jit(lambda p, t, w: forward(p, t, config=config, stats_spec=StatsSpec(extra=(name,), query_groups=2),
-                                        query_weights=w).stats[name])
+  run = jax.jit(lambda p, t, w: forward(p, t, config=config,
+                                        instruments=CallInstruments(stats_spec=StatsSpec(extra=(name,), query_groups=2),
+                                                                    query_weights=w)).stats[name])
   got = np.asarray(run(params, tokens, jnp.asarray(weights)))  # [L, B, Q, 2, N, nQb, nKb]
   _, qk = _np_forward(params, tokens, config)
   for layer, (q, k) in enumerate(qk):
@@ -299,6 +301,7 @@ def test_runs_sparsed_cannot_take_are_refused():
   params = init_params(preset("tiny-llama"), jax.random.key(0))
   from dlm_jax.sampling import autoregressive
   with pytest.raises(ValueError, match="runs with the samplers whose every call reads the whole sequence"):
-    autoregressive.generate(params, _prompt(), config=preset("tiny-llama"), policy=parse_policy("sparsed"))
+    autoregressive.generate(params, _prompt(), config=preset("tiny-llama"),
+                            setup=RunSetup(policy=parse_policy("sparsed")))
   with pytest.raises(ValueError, match="policy sparsed runs with the llada, dream samplers"):
     parse_policy("sparsed").check(None, "block_diffusion")

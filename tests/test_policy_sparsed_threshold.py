@@ -16,6 +16,7 @@ from dlm_jax.model import init_params
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import llada
 from experiments.common import decoding
+from dlm_jax.sampling.run_setup import RunSetup
 
 try:
   from tests import test_policy_sparsed_runs as sparsed_ref
@@ -81,7 +82,8 @@ def test_threshold_decoding_under_sparsed_with_the_sink_block_is_the_replay():
   for row, prompt in enumerate(prompts()):
     tokens, decode_step, nfe, fine, added = replay(prompt, margins)
     sink_added += added
-    trace = llada.generate(peaked_params(), prompt[None], config=CONFIG, options=options, policy=parse_policy(POLICY))
+    trace = llada.generate(peaked_params(), prompt[None], config=CONFIG, options=options,
+                           setup=RunSetup(policy=parse_policy(POLICY)))
     np.testing.assert_array_equal(np.asarray(trace.tokens)[0], tokens, err_msg=f"row {row}")
     np.testing.assert_array_equal(np.asarray(trace.decode_step)[0], decode_step, err_msg=f"row {row}")
     assert int(trace.nfe) == nfe

@@ -14,6 +14,8 @@ from dlm_jax.config import preset
 from dlm_jax.sampling import block_diffusion as bd
 from dlm_jax.sampling import llada
 from dlm_jax.instrument.stats import StatsSpec, expert_load
+from dlm_jax.model import CallInstruments, Compute
+from dlm_jax.sampling.run_setup import RunSetup
 
 try:
   from tests import test_moe
@@ -45,7 +47,7 @@ def test_forward_routing_equals_the_reference_routers_choice():
   test_moe.hf_fixtures.reference_outputs(reference, tokens, bidirectional=True)
   for h in handles:
     h.remove()
-  out = model.forward(params, jnp.asarray([tokens]), config=config, stats_spec=ROUTING)
+  out = model.forward(params, jnp.asarray([tokens]), config=config, instruments=CallInstruments(stats_spec=ROUTING))
   assert out.routed_experts.shape == (3, 1, 21, 4) and out.routing_weights.shape == (3, 1, 21, 4)
   assert (np.asarray(out.routed_experts[0]) == -1).all() and (np.asarray(out.routing_weights[0]) == 0).all()
   for layer, (_, weights, experts) in enumerate(records, start=1):
@@ -68,26 +70,29 @@ def _tiny(name):
 def test_layer_subsets_and_cached_calls_place_the_choice_at_the_right_positions(name):
   config, params = _tiny(name)
   tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, 250)
-  full = model.forward(params, tokens, config=config, stats_spec=ROUTING)
-  subset = model.forward(params, tokens, config=config, stats_spec=StatsSpec(routing=True, layers=(1, 0)))
+  full = model.forward(params, tokens, config=config, instruments=CallInstruments(stats_spec=ROUTING))
+  subset = model.forward(params, tokens, config=config,
+                         instruments=CallInstruments(stats_spec=StatsSpec(routing=True, layers=(1, 0))))
   np.testing.assert_array_equal(subset.routed_experts, full.routed_experts[jnp.asarray([1, 0])])
   np.testing.assert_allclose(subset.routing_weights, full.routing_weights[jnp.asarray([1, 0])], atol=1e-6, rtol=0)
   # A cached call over positions [4, 8) of an 8-slot cache (filled by a call over [0, 8)) reports those
   # positions only, with the choice of the uncached forward over [0, 8).
-  cache = model.forward(params, tokens[:, :8], config=config, cache=model.KVCache.zeros(config, 2, 8)).cache
-  call = model.forward(params, tokens[:, 4:8], config=config, cache=cache, cache_offset=4, stats_spec=ROUTING)
+  cache = model.forward(params, tokens[:, :8], config=config,
+                        compute=Compute(cache=model.KVCache.zeros(config, 2, 8))).cache
+  call = model.forward(params, tokens[:, 4:8], config=config, compute=Compute(cache=cache, cache_offset=4),
+                       instruments=CallInstruments(stats_spec=ROUTING))
   experts = np.asarray(call.routed_experts)
   assert experts.shape == (config.n_layers, 2, 8, config.experts_per_token)
   assert (experts[:, :, :4] == -1).all()
   assert (experts[config.first_k_dense:, :, 4:] >= 0).all()
-  alone = model.forward(params, tokens[:, :8], config=config, stats_spec=ROUTING)
+  alone = model.forward(params, tokens[:, :8], config=config, instruments=CallInstruments(stats_spec=ROUTING))
   np.testing.assert_array_equal(_sorted(experts[:, :, 4:]), _sorted(alone.routed_experts[:, :, 4:]))
 
 
 def test_dense_model_refuses_routing_statistics():
   config, params = _tiny("tiny-llada")
   with pytest.raises(ValueError, match="routing.*dense model"):
-    model.forward(params, jnp.zeros((1, 4), jnp.int32), config=config, stats_spec=ROUTING)
+    model.forward(params, jnp.zeros((1, 4), jnp.int32), config=config, instruments=CallInstruments(stats_spec=ROUTING))
 
 
 def test_llada_sampler_reports_routing_and_expert_load_per_step():
@@ -95,12 +100,13 @@ def test_llada_sampler_reports_routing_and_expert_load_per_step():
   prompt = jax.random.randint(jax.random.key(4), (2, 5), 2, 250)
   options = llada.LLaDAOptions(gen_length=8, steps=4, block_length=8)
   spec = StatsSpec(routing=True, incoming_attention=True, per_head=False)
-  trace = llada.generate(params, prompt, config=config, options=options, stats_spec=spec)
+  trace = llada.generate(params, prompt, config=config, options=options, setup=RunSetup(stats_spec=spec))
   experts, load = np.asarray(trace.stats["routed_experts"]), np.asarray(trace.stats["expert_load"])
   assert experts.shape == (4, 2, 2, 13, 2) and load.shape == (4, 2, 2, 8)
   assert (experts >= 0).all() and (load.sum(-1) == 13 * 2).all()
   canvas = jnp.concatenate([prompt, jnp.full((2, 8), config.mask_token_id)], axis=1)
-  first_step = model.forward(params, canvas, config=config, stats_spec=ROUTING)  # step 0 sees this canvas
+  first_step = model.forward(params, canvas, config=config,
+                             instruments=CallInstruments(stats_spec=ROUTING))  # step 0 sees this canvas
   np.testing.assert_array_equal(_sorted(experts[0]), _sorted(first_step.routed_experts))
 
 
@@ -108,7 +114,7 @@ def test_block_diffusion_routing_covers_the_computed_block_only():
   config, params = _tiny("tiny-llada2")
   prompt = jax.random.randint(jax.random.key(5), (1, 6), 2, 250)
   options = bd.BlockDiffusionOptions(gen_length=6, block_length=4, steps=4, eos_stop=False)
-  trace = bd.generate(params, prompt, config=config, options=options, stats_spec=ROUTING)
+  trace = bd.generate(params, prompt, config=config, options=options, setup=RunSetup(stats_spec=ROUTING))
   nfe = int(trace.nfe)
   experts, load = np.asarray(trace.stats["routed_experts"])[:nfe], np.asarray(trace.stats["expert_load"])[:nfe]
   queries = np.asarray(trace.computed_queries)[:nfe]

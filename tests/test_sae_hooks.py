@@ -18,6 +18,7 @@ from dlm_jax.instrument.hook_call import CaptureValues, hook_values
 from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
 from dlm_jax.model import init_params
 from dlm_jax.sampling import LLaDAOptions, llada
+from dlm_jax.sampling.run_setup import RunSetup
 
 CONFIG = preset("tiny-llada")
 D, F = CONFIG.d_model, 48
@@ -72,8 +73,8 @@ def run():
                        edits={0: dict(sae=TOPK, window=WINDOWS[0]),
                               1: dict(sae=JUMP, window=WINDOWS[1], feature_mask=CLAMP_MASK,
                                       feature_value=CLAMP_VALUE, feature_add=ADD)})
-  trace = llada.generate(params, jnp.asarray(prompt), config=CONFIG, options=OPTIONS, hooks=HOOKS,
-                         hook_values=values)
+  trace = llada.generate(params, jnp.asarray(prompt), config=CONFIG, options=OPTIONS,
+                         setup=RunSetup(hooks=HOOKS, hook_values=values))
   return {k: np.asarray(v, np.float64) if not hasattr(v, "indices") else v for k, v in trace.captures.items()}
 
 

@@ -13,6 +13,8 @@ from dlm_jax.config import preset
 from dlm_jax.sampling import autoregressive as ar
 from dlm_jax.sampling.driver import TRACE_COUNTS
 from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.model import Compute
+from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -31,7 +33,7 @@ def prompts(batch=2, length=5, seed=0):
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _full_logits(params, tokens, *, config):
-  return model.forward(params, tokens, config=config, attention_impl="dense").logits
+  return model.forward(params, tokens, config=config, compute=Compute(attention_impl="dense")).logits
 
 
 def assert_greedy(tokens, prompt_length):
@@ -77,7 +79,7 @@ def test_sampling_is_seeded_and_loop_equals_python():
 def test_statistics_per_step():
   prompt = prompts()
   trace = ar.generate(params(), prompt, config=CONFIG, options=ar.AROptions(gen_length=4),
-                      stats_spec=StatsSpec(incoming_attention=True), sink_top_k=1)
+                      setup=RunSetup(stats_spec=StatsSpec(incoming_attention=True), sink_top_k=1))
   incoming = np.asarray(trace.stats["incoming_attention"])  # [steps, L, B, N, S]
   assert incoming.shape == (4, CONFIG.n_layers, 2, CONFIG.n_heads, 9)
   np.testing.assert_allclose(incoming.sum(-1)[0], 5.0, rtol=1e-5)  # prefill: 5 queries
@@ -108,14 +110,16 @@ def test_stop_at_eos_pads_after_eos():
 def test_mask_previous_sinks_ar_runs_inside_the_loop():
   options = ar.AROptions(gen_length=4)
   plain = ar.generate(params(), prompts(), config=CONFIG, options=options)
-  off = ar.generate(params(), prompts(), config=CONFIG, options=options, intervention=iv.MaskPreviousSinksAR(top_k=0))
+  off = ar.generate(params(), prompts(), config=CONFIG, options=options,
+                    setup=RunSetup(intervention=iv.MaskPreviousSinksAR(top_k=0)))
   masked = ar.generate(params(), prompts(), config=CONFIG, options=options,
-                       intervention=iv.MaskPreviousSinksAR(top_k=2), stats_spec=StatsSpec(incoming_attention=True))
+                       setup=RunSetup(intervention=iv.MaskPreviousSinksAR(top_k=2),
+                                      stats_spec=StatsSpec(incoming_attention=True)))
   np.testing.assert_array_equal(np.asarray(off.tokens), np.asarray(plain.tokens))
   incoming = np.asarray(masked.stats["incoming_attention"])
   assert np.sum(incoming[1:] == 0) > np.sum(np.asarray(
       ar.generate(params(), prompts(), config=CONFIG, options=options,
-                  stats_spec=StatsSpec(incoming_attention=True)).stats["incoming_attention"])[1:] == 0)
+                  setup=RunSetup(stats_spec=StatsSpec(incoming_attention=True))).stats["incoming_attention"])[1:] == 0)
 
 
 def test_no_retrace_and_errors():

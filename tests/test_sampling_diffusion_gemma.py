@@ -16,6 +16,7 @@ from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.sampling import diffusion_gemma as dg
 from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -137,7 +138,7 @@ def test_compiled_sampler_matches_the_numpy_reference(options, eos_boost):
   prompt = np.random.default_rng(0).integers(3, CONFIG.vocab_size, (3, 5))
   key = jax.random.key(7)
   trace = dg.generate(params, prompt, config=CONFIG, options=options, key=key,
-                      stats_spec=StatsSpec(incoming_attention=True, per_head=True))
+                      setup=RunSetup(stats_spec=StatsSpec(incoming_attention=True, per_head=True)))
   expected, calls, accepted = reference_generate(params, prompt, options, key)
   np.testing.assert_array_equal(np.asarray(trace.tokens), expected)
   assert int(trace.nfe) == calls
@@ -185,7 +186,7 @@ def _statistics_run(loop: str, prompt_seed: int = 0):
   options = dg.DiffusionGemmaOptions(**_STEPS10, stability_threshold=0, confidence_threshold=0.3)
   prompt = np.random.default_rng(prompt_seed).integers(3, CONFIG.vocab_size, (3, 5))
   return dg.generate(_params(2.0), prompt, config=CONFIG, options=options, key=jax.random.key(7),
-                     stats_spec=StatsSpec(incoming_attention=True, per_head=True), loop=loop)
+                     setup=RunSetup(stats_spec=StatsSpec(incoming_attention=True, per_head=True), loop=loop))
 
 
 def test_compiled_loop_equals_python_loop():

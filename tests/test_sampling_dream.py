@@ -15,6 +15,7 @@ from dlm_jax.config import preset
 from dlm_jax.sampling import dream, schedules
 from dlm_jax.sampling.driver import TRACE_COUNTS
 from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.model import CallInstruments, Compute
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -34,8 +35,9 @@ def prompts(batch=2, length=6, seed=0):
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _reference_logits(params, tokens, positions, pairwise_bias, *, config):
-  return model.forward(params, tokens, config=config, positions=positions, bias=AttentionBias(pairwise=pairwise_bias),
-                       attention_impl="dense").logits
+  return model.forward(params, tokens, config=config, positions=positions,
+                       instruments=CallInstruments(bias=AttentionBias(pairwise=pairwise_bias)),
+                       compute=Compute(attention_impl="dense")).logits
 
 
 def _softmax(x):

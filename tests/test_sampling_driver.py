@@ -13,6 +13,7 @@ from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.sampling import autoregressive, dream, llada
 from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -125,4 +126,4 @@ def test_trace_statistics_are_squeezed_once_at_the_edge(per_head, groups):
   assert sinks_masked.shape == (2, config.n_layers, 1, config.n_heads, 8)
   assert not np.asarray(sinks_masked)[0].any() and np.asarray(sinks_masked)[1].sum(-1).min() == 1
   assert llada.generate(params_for("tiny-llada"), SHORT[None], config=config, options=options,
-                        intervention=composed).intervention_record is None
+                        setup=RunSetup(intervention=composed)).intervention_record is None

@@ -26,6 +26,7 @@ from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.sampling import llada
 from dlm_jax.sampling.selection import select_top_k
+from dlm_jax.sampling.run_setup import RunSetup
 
 try:
   from tests import test_sampling_llada as ref
@@ -198,7 +199,8 @@ def test_guided_mask_id_argmax_matches_official_loop(loop):
   params, (tokens, decode_step, nfe, counts, rel_gap, logit_gap) = _mask_heavy(GUIDED["cfg_scale"])
   assert_mask_id_situation(decode_step, counts, GUIDED)
   assert rel_gap > MIN_RELATIVE_GAP and logit_gap > MIN_LOGIT_GAP
-  trace = llada.generate(params, ref.prompts(), config=CONFIG, options=llada.LLaDAOptions(**GUIDED), loop=loop)
+  trace = llada.generate(params, ref.prompts(), config=CONFIG, options=llada.LLaDAOptions(**GUIDED),
+                         setup=RunSetup(loop=loop))
   np.testing.assert_array_equal(np.asarray(trace.tokens), tokens)
   np.testing.assert_array_equal(np.asarray(trace.decode_step), decode_step)
   assert int(trace.nfe) == nfe == GUIDED["steps"]
@@ -248,7 +250,7 @@ def test_eos_confidence_ties_take_lowest_index_first(monkeypatch, loop):
   assert rel_gap > MIN_RELATIVE_GAP and logit_gap > MIN_LOGIT_GAP
   generated = tokens[:, prompt.shape[1]:]
   assert np.sum(generated == EOS) >= 4 and np.sum(generated != EOS) >= 4
-  trace = llada.generate(params, prompt, config=CONFIG, options=llada.LLaDAOptions(**TIES), loop=loop)
+  trace = llada.generate(params, prompt, config=CONFIG, options=llada.LLaDAOptions(**TIES), setup=RunSetup(loop=loop))
   np.testing.assert_array_equal(np.asarray(trace.tokens), tokens)
   np.testing.assert_array_equal(np.asarray(trace.decode_step), decode_step)
   assert int(trace.nfe) == nfe

@@ -16,6 +16,8 @@ from dlm_jax.config import preset
 from dlm_jax.sampling import llada
 from dlm_jax.sampling.driver import TRACE_COUNTS
 from dlm_jax.instrument.stats import StatsSpec
+from dlm_jax.model import CallInstruments, Compute
+from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -43,8 +45,9 @@ def prompts(batch=2, length=6, seed=0):
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _reference_logits(params, tokens, key_bias, pairwise_bias, *, config):
-  return model.forward(params, tokens, config=config, bias=AttentionBias(keys=key_bias, pairwise=pairwise_bias),
-                       attention_impl="dense").logits
+  return model.forward(params, tokens, config=config,
+                       instruments=CallInstruments(bias=AttentionBias(keys=key_bias, pairwise=pairwise_bias)),
+                       compute=Compute(attention_impl="dense")).logits
 
 
 def _softmax(x):
@@ -257,7 +260,8 @@ def test_statistics_equal_dense_recomputation():
   prompt = prompts()
   options = llada.LLaDAOptions(gen_length=8, steps=4, block_length=8)
   spec = StatsSpec(incoming_attention=True, query_groups=3)
-  trace = llada.generate(params_for(), prompt, config=CONFIG, options=options, stats_spec=spec, sink_top_k=3)
+  trace = llada.generate(params_for(), prompt, config=CONFIG, options=options,
+                         setup=RunSetup(stats_spec=spec, sink_top_k=3))
   tokens, decode_step = np.asarray(trace.tokens), np.asarray(trace.decode_step)
   lp = prompt.shape[1]
   for t in range(options.steps):
@@ -266,8 +270,9 @@ def test_statistics_equal_dense_recomputation():
     generated = np.arange(14) >= lp
     groups = np.stack([canvas == MASK, generated & (canvas != MASK), ~generated & (canvas != MASK)],
                       axis=1).astype(np.float32)
-    dense = model.forward(params_for(), jnp.asarray(canvas), config=CONFIG, attention_impl="dense",
-                          stats_spec=spec, query_weights=jnp.asarray(groups)).incoming_attention
+    dense = model.forward(params_for(), jnp.asarray(canvas), config=CONFIG, compute=Compute(attention_impl="dense"),
+                          instruments=CallInstruments(stats_spec=spec,
+                                                      query_weights=jnp.asarray(groups))).incoming_attention
     np.testing.assert_allclose(np.asarray(trace.stats["incoming_attention"][t]), np.asarray(dense), atol=2e-5)
     total = np.asarray(dense).sum(axis=2)  # [L, B, N, S]
     order = np.argsort(-total, axis=-1, kind="stable")[..., :3]
@@ -279,11 +284,11 @@ def test_stats_union_with_intervention_needs():
   """User stats head-averaged on one layer while MaskPreviousSinks reads per-head stats of all layers."""
   options = llada.LLaDAOptions(gen_length=8, steps=4, block_length=4)
   user = StatsSpec(incoming_attention=True, per_head=False, layers=(1,))
-  masked = llada.generate(params_for(), prompts(), config=CONFIG, options=options, stats_spec=user,
-                          intervention=iv.MaskPreviousSinks(top_k=1))
-  plain_sinks = llada.generate(params_for(), prompts(), config=CONFIG, options=options, stats_spec=user,
-                               intervention=iv.MaskPreviousSinks(top_k=0))
-  plain = llada.generate(params_for(), prompts(), config=CONFIG, options=options, stats_spec=user)
+  masked = llada.generate(params_for(), prompts(), config=CONFIG, options=options,
+                          setup=RunSetup(stats_spec=user, intervention=iv.MaskPreviousSinks(top_k=1)))
+  plain_sinks = llada.generate(params_for(), prompts(), config=CONFIG, options=options,
+                               setup=RunSetup(stats_spec=user, intervention=iv.MaskPreviousSinks(top_k=0)))
+  plain = llada.generate(params_for(), prompts(), config=CONFIG, options=options, setup=RunSetup(stats_spec=user))
   assert masked.stats["incoming_attention"].shape == (4, 1, 2, 14)
   np.testing.assert_array_equal(np.asarray(plain_sinks.tokens), np.asarray(plain.tokens))
   np.testing.assert_allclose(np.asarray(plain_sinks.stats["incoming_attention"]),
@@ -296,7 +301,7 @@ def test_mmu_generate_fast_stops_at_end_of_turn():
   params = params_for("eot_everywhere")
   options = llada.mmada_options(gen_length=12, steps=6, block_length=4, stop_token_id=EOT)
   trace = llada.generate(params, prompts(), config=CONFIG, options=options,
-                         stats_spec=StatsSpec(incoming_attention=True))
+                         setup=RunSetup(stats_spec=StatsSpec(incoming_attention=True)))
   tokens, decode_step, nfe = reference_generate(params, prompts(), gen_length=12, steps=6, block_length=4,
                                                 stop_token=EOT)
   np.testing.assert_array_equal(np.asarray(trace.tokens), tokens)

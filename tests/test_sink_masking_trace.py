@@ -13,6 +13,8 @@ from dlm_jax.sampling import autoregressive as ar_sampler
 from dlm_jax.sampling import dream, llada
 from dlm_jax.sampling.driver import TRACE_COUNTS
 from dlm_jax.instrument.stats import StatsSpec, squeeze_incoming
+from dlm_jax.model import CallInstruments, Compute
+from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -45,9 +47,10 @@ def run_llada(config, params, intervention, state, options=None):
   masked [STEPS, ...] (the record), incoming [STEPS, L, B, N, S])."""
   options = options or llada.LLaDAOptions(gen_length=S - PROMPT, steps=STEPS, block_length=(S - PROMPT) // 2)
   prompt = jnp.asarray(np.random.default_rng(0).integers(3, 200, size=(B, PROMPT)), jnp.int32)
-  trace = llada.generate(params, prompt, config=config, options=options, intervention=intervention,
-                         intervention_state=state, stats_spec=StatsSpec(incoming_attention=True, per_head=True),
-                         record_intervention=True, attention_impl="chunked", query_chunk=4)
+  trace = llada.generate(params, prompt, config=config, options=options,
+                         setup=RunSetup(intervention=intervention, intervention_state=state,
+                                        stats_spec=StatsSpec(incoming_attention=True, per_head=True),
+                                        record_intervention=True, attention_impl="chunked", query_chunk=4))
   sequences = step_sequences(trace, config.mask_token_id, options.steps)
   return sequences, np.asarray(trace.intervention_record), np.asarray(trace.stats["incoming_attention"])
 
@@ -152,9 +155,10 @@ def test_trace_global_gqa_with_first_step_mask():
   sink_mask = iv.MaskPreviousSinks(top_k=2, per_head=False, initial_keys=(0,))
   prompt = jnp.asarray(np.random.default_rng(1).integers(3, 200, size=(B, PROMPT)), jnp.int32)
   options = dream.DreamOptions(gen_length=S - PROMPT, steps=STEPS, alg="maskgit_plus")
-  trace = dream.diffusion_generate(params, prompt, config=config, options=options, intervention=sink_mask,
-                                   stats_spec=StatsSpec(incoming_attention=True, per_head=True),
-                                   record_intervention=True, query_chunk=4)
+  trace = dream.diffusion_generate(params, prompt, config=config, options=options,
+                                   setup=RunSetup(intervention=sink_mask,
+                                                  stats_spec=StatsSpec(incoming_attention=True, per_head=True),
+                                                  record_intervention=True, query_chunk=4))
   tokens = step_sequences(trace, config.mask_token_id, STEPS)
   first = np.zeros((B, S), bool)
   first[:, 0] = True
@@ -171,16 +175,16 @@ def test_trace_autoregressive_last_row_with_kv_cache():
   prompt_len, new_tokens = 5, 5
   prompt = jnp.asarray(np.random.default_rng(0).integers(3, 200, size=(B, prompt_len)), jnp.int32)
   trace = ar_sampler.generate(params, prompt, config=config, options=ar_sampler.AROptions(gen_length=new_tokens),
-                              stats_spec=StatsSpec(incoming_attention=True, per_head=True), intervention=ar,
-                              record_intervention=True)
+                              setup=RunSetup(stats_spec=StatsSpec(incoming_attention=True, per_head=True),
+                                             intervention=ar, record_intervention=True))
   sequence, masks = np.asarray(trace.tokens), np.asarray(trace.intervention_record)  # masks [steps, L, B, N, S]
   incoming = np.asarray(trace.stats["incoming_attention"])  # [steps, L, B, N, S]
   # the prefill's last row, recomputed densely (one call: exact in every layer); later calls feed one query,
   # so their recorded statistics are their last row
   weights = jnp.asarray(np.eye(prompt_len)[None, -1:].repeat(B, 0), jnp.float32)
   row_spec = StatsSpec(incoming_attention=True, per_head=True, query_groups=1)
-  prefill = model.forward(params, prompt, config=config, attention_impl="dense", query_weights=weights,
-                          stats_spec=row_spec)
+  prefill = model.forward(params, prompt, config=config, compute=Compute(attention_impl="dense"),
+                          instruments=CallInstruments(query_weights=weights, stats_spec=row_spec))
   prefill_row = np.asarray(squeeze_incoming(prefill.incoming_attention, row_spec))[:, :, 0]
   rows = [np.pad(prefill_row, [(0, 0)] * 3 + [(0, new_tokens)])] + list(incoming[1:])
   assert not masks[0].any()
@@ -204,8 +208,8 @@ def test_autoregressive_sampler_trace_masks_previous_last_row_sinks():
   params = peaky_params(config, seed=4)
   prompt = jnp.asarray(np.random.default_rng(4).integers(3, 200, size=(B, 5)), jnp.int32)
   trace = ar_sampler.generate(params, prompt, config=config, options=ar_sampler.AROptions(gen_length=5),
-                              stats_spec=StatsSpec(incoming_attention=True, per_head=True),
-                              intervention=iv.MaskPreviousSinksAR(top_k=2))
+                              setup=RunSetup(stats_spec=StatsSpec(incoming_attention=True, per_head=True),
+                                             intervention=iv.MaskPreviousSinksAR(top_k=2)))
   incoming = np.asarray(trace.stats["incoming_attention"])  # [steps, L, B, N, S]
   for i in range(1, incoming.shape[0]):
     masked = expected_top_k(incoming[i - 1], [2, 2])

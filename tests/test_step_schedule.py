@@ -13,8 +13,9 @@ from dlm_jax.config import preset
 from dlm_jax.instrument.hook_call import DECODED, MASKED, PROMPT, VALID, CaptureValues, HookCall, hook_values
 from dlm_jax.instrument.hook_spec import Capture, Edit, Hooks
 from dlm_jax.instrument.step_schedule import CoefficientSchedule, Gate, StepSchedule
-from dlm_jax.model import forward, init_params
+from dlm_jax.model import CallInstruments, forward, init_params
 from dlm_jax.sampling import LLaDAOptions, llada
+from dlm_jax.sampling.run_setup import RunSetup
 
 try:
   from tests import numpy_transformer as ref
@@ -60,7 +61,8 @@ def _gated_values(rng, coefficient):
 
 @jax.jit
 def _gated_forward(params, tokens, values, flags, step):
-  return forward(params, tokens, config=CONFIG, hooks=HookCall(hooks=GATED, values=values, flags=flags, step=step))
+  return forward(params, tokens, config=CONFIG,
+                 instruments=CallInstruments(hooks=HookCall(hooks=GATED, values=values, flags=flags, step=step)))
 
 
 @jax.jit
@@ -129,8 +131,8 @@ SAMPLER_HOOKS = Hooks(captures=(Capture("ln_final.hook_normalized", reduce="mean
 def _sample(prompt, edit, batch_invariant=True, hooks=SAMPLER_HOOKS, options=OPTIONS):
   b = prompt.shape[0]
   values = hook_values(hooks, CONFIG, b, LP + options.gen_length, edits={0: edit})
-  return llada.generate(_params(), jnp.asarray(prompt), config=CONFIG, options=options, hooks=hooks,
-                        hook_values=values, batch_invariant=batch_invariant)
+  return llada.generate(_params(), jnp.asarray(prompt), config=CONFIG, options=options,
+                        setup=RunSetup(hooks=hooks, hook_values=values, batch_invariant=batch_invariant))
 
 
 def _prompt(b):

@@ -11,7 +11,7 @@ from dlm_jax.training import objectives
 from dlm_jax.training import data as training_data
 from dlm_jax.model.attention import AttentionBias
 from dlm_jax.config import preset
-from dlm_jax.model import forward, init_params
+from dlm_jax.model import CallInstruments, forward, init_params
 from dlm_jax.instrument.stats import StatsSpec
 
 DLM = preset("tiny-llada")   # mask 255, bidirectional, logit_shift 0
@@ -131,16 +131,16 @@ def test_sink_token_is_never_masked_nor_scored(placement, monkeypatch):
   assert tokens.shape == (B, L + 1)
   assert np.all(tokens[:, k] == 254)                                  # present and never masked
   assert np.sum(tokens == DLM.mask_token_id) == np.sum(~np.asarray(batch["prompt_mask"]))
-  window = kwargs["logits_window"]
+  window = kwargs["readout"].window
   assert not window[0] <= k < window[1] and window[1] - window[0] == L   # its output is never computed
   content = np.delete(tokens, k, axis=1)
   np.testing.assert_array_equal(np.asarray(kwargs["positions"][0]), np.arange(L + 1))
-  bias = np.asarray(kwargs["bias"].pairwise)[0, 0]
+  bias = np.asarray(kwargs["instruments"].bias.pairwise)[0, 0]
   assert np.all(bias[k, np.arange(L + 1) != k] < -1e30) and bias[k, k] == 0   # sink row sees only itself
   assert np.all(np.delete(bias, k, axis=0) == 0)                              # everyone sees everything
   # Brute force over the content positions only.
   logits = np.asarray(real_forward(params, jnp.asarray(tokens), config=DLM, positions=kwargs["positions"],
-                                   bias=kwargs["bias"]).logits)
+                                   instruments=CallInstruments(bias=kwargs["instruments"].bias)).logits)
   logits = np.delete(logits, k, axis=1)
   original, prompt = np.asarray(batch["tokens"]), np.asarray(batch["prompt_mask"])
   total = 0.0
@@ -174,8 +174,9 @@ def test_zero_value_sink_stays_zero_and_has_zero_values():
   params = state["params"]
   np.testing.assert_array_equal(np.asarray(params["embed"]["embedding"][254]), 0.0)
   assert np.any(np.asarray(params["embed"]["embedding"][253]) != 0)
-  out = forward(params, sink.insert(_batch()["tokens"]), config=DLM, bias=AttentionBias(pairwise=sink.bias(L)),
-                stats_spec=StatsSpec(value_norms=True))
+  out = forward(params, sink.insert(_batch()["tokens"]), config=DLM,
+                instruments=CallInstruments(bias=AttentionBias(pairwise=sink.bias(L)),
+                                            stats_spec=StatsSpec(value_norms=True)))
   norms = np.asarray(out.value_norms)   # [L, B, K, S]
   np.testing.assert_array_equal(norms[..., 0], 0.0)
   assert np.all(norms[..., 1:] > 0)

@@ -14,6 +14,7 @@ from dlm_jax import model, training
 from dlm_jax.training import uniform as training_uniform
 from dlm_jax.config import preset
 from dlm_jax.training.loop import TrainConfig
+from dlm_jax.model import Compute
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -98,9 +99,10 @@ def test_first_pass_is_a_constant_in_the_gradient(params, loss_and_gradient):
   signal = first / draws.temperature[:, None, None]
 
   def second_only(p):
-    enc = model.forward(p, prompt, config=CONFIG, cache=cache, cache_offset=0).cache
-    logits = model.forward(p, noisy, config=CONFIG, cache=enc, cache_offset=P,
-                           decoder=model.DecoderCall(signal, draws.self_conditioned)).logits
+    enc = model.forward(p, prompt, config=CONFIG, compute=Compute(cache=cache, cache_offset=0)).cache
+    logits = model.forward(p, noisy, config=CONFIG,
+                           compute=Compute(cache=enc, cache_offset=P,
+                                           decoder=model.DecoderCall(signal, draws.self_conditioned))).logits
     return jnp.mean(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, clean[..., None], -1)[..., 0])
 
   _, ours = loss_and_gradient(params, tokens, key)

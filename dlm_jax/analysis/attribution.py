@@ -33,6 +33,8 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument import sites
 from dlm_jax.instrument.hook_call import HookCall, hook_values
 from dlm_jax.instrument.hook_spec import Edit, Hooks
+from dlm_jax.core.old_keywords import fold_old_keywords
+from dlm_jax.model.forward_inputs import FORWARD_MOVES, NO_INSTRUMENTS
 from dlm_jax.model import forward
 
 
@@ -54,7 +56,12 @@ def site_gradients(params, sequence: jax.Array, metric: Callable[[jax.Array], ja
   """(metric [B], gradient [Le, B, S, F...]) of a forward call on sequence [B, S]: metric(logits [B, S, V]) -> [B]
   per row, differentiated (one backward pass) with respect to an additive edit of `site` at `layers` (None:
   every layer with the site) that is zero, i.e. with respect to the site's values themselves. Rows are
-  independent, so row b's gradient is that of metric[b]. forward_kwargs go to `forward` (positions, bias…)."""
+  independent, so row b's gradient is that of metric[b]. forward_kwargs go to `forward` (positions, readout,
+  compute; instruments: a `CallInstruments` whose bias and statistics the call uses, its hooks replaced)."""
+  old = {name: forward_kwargs.pop(name) for name in ("bias", "stats_spec", "query_weights") if name in forward_kwargs}
+  instruments = forward_kwargs.pop("instruments", NO_INSTRUMENTS)
+  instruments = fold_old_keywords("site_gradients", old, FORWARD_MOVES, {"instruments": instruments},
+                                  {"instruments": NO_INSTRUMENTS})["instruments"]
   hooks = Hooks(edits=(Edit(site, "add", layers=layers, source="values"),))
   resolved = hooks.resolved_layers(config, hooks.edits[0])
   feature = sites.feature_shape(config, hooks.edits[0].site, resolved[0])
@@ -63,7 +70,8 @@ def site_gradients(params, sequence: jax.Array, metric: Callable[[jax.Array], ja
   def objective(values):
     call = HookCall(hooks=hooks, values=hook_values(hooks, config, b, s, edits={
         0: dict(values=values, value_steps=jnp.zeros((1,), jnp.int32))}))
-    m = metric(forward(params, sequence, config=config, hooks=call, **forward_kwargs).logits)
+    m = metric(forward(params, sequence, config=config, instruments=instruments.replace(hooks=call),
+                       **forward_kwargs).logits)
     return jnp.sum(m), m
 
   zeros = jnp.zeros((1, len(resolved), b, s, *feature), jnp.float32)

@@ -42,6 +42,7 @@ from dlm_jax.config import ModelConfig, logit_shift
 from dlm_jax.core.attention_bias import NO_BIAS
 from dlm_jax.model import forward
 from dlm_jax.sampling.schedules import torch_linspace_f32
+from dlm_jax.model.forward_inputs import CallInstruments, Readout
 
 
 @functools.lru_cache(maxsize=64)
@@ -92,12 +93,13 @@ def guided_logits(params, noisy, prompt, *, config, window, mask_id, cfg_scale, 
   """Logits of the window [b, W, V], with CFG when cfg_scale > 0: noisy [b, S] ids, prompt [b|1, S] bool
   (the positions the unconditional copy masks); bias / positions: the call's padding layout (rows [b])."""
   if cfg_scale <= 0:
-    return forward(params, noisy, config=config, logits_window=window, bias=bias, positions=positions).logits
+    return forward(params, noisy, config=config, readout=Readout(window=window),
+                   instruments=CallInstruments(bias=bias), positions=positions).logits
   uncond = jnp.where(prompt, mask_id, noisy)
   twice = lambda array: None if array is None else jnp.concatenate([array, array])
   bias = jax.tree.map(lambda leaf: jnp.concatenate([leaf, leaf]) if leaf.shape[0] > 1 else leaf, bias)
-  logits = forward(params, jnp.concatenate([noisy, uncond]), config=config, logits_window=window, bias=bias,
-                   positions=twice(positions)).logits
+  logits = forward(params, jnp.concatenate([noisy, uncond]), config=config, readout=Readout(window=window),
+                   instruments=CallInstruments(bias=bias), positions=twice(positions)).logits
   cond, un = logits[:noisy.shape[0]], logits[noisy.shape[0]:]
   return un + ((cfg_scale + 1.0) if llada_rule else cfg_scale) * (cond - un)
 

@@ -47,6 +47,7 @@ from dlm_jax.instrument.interventions import padding_bias
 from dlm_jax.analysis.likelihood import guided_logits, llada_mask_count_table, masked_ce
 from dlm_jax.model import forward
 from dlm_jax.sampling.padding import shifted_positions
+from dlm_jax.model.forward_inputs import CallInstruments, Readout
 
 ESTIMATORS = ("llada", "dream")
 ROW_STEPS = ((128, 8), (256, 16))
@@ -176,8 +177,10 @@ def teacher_forced(params, tokens, valid, target_len, *, config: ModelConfig, wi
   [P, S], target_len [P]; window W as `pair_losses`. Returns (log-likelihood [P] float32, greedy [P] bool)."""
   width = tokens.shape[1]
   bias, positions = _layout(valid)
-  logits = forward(params, tokens, config=config, bias=bias, positions=positions,
-                   logits_window=logit_shift.output_window(width - window, width, config.logit_shift)).logits
+  logits = forward(params, tokens, config=config, instruments=CallInstruments(bias=bias),
+                   readout=Readout(window=logit_shift.output_window(width - window, width,
+                                                                    config.logit_shift)), positions=positions,
+                   ).logits
   log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   targets = tokens[:, width - window:]
   scored = jnp.arange(width - window, width)[None, :] >= width - target_len[:, None]

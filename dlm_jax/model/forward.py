@@ -3,18 +3,21 @@ head on hidden states."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.core.old_keywords import fold_old_keywords
 from dlm_jax.instrument.hook_call import HookCall
-from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
-from dlm_jax.core.attention_bias import NO_BIAS, AttentionBias
-from dlm_jax.model.attention import AttentionImpl
-from dlm_jax.model.cache import KVCache, cache_shapes
+from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
+from dlm_jax.model.cache import cache_shapes
 from dlm_jax.model import reuse_layers
 from dlm_jax.model.compute_subset import ComputeSubset
+from dlm_jax.model.forward_inputs import (DEFAULT_COMPUTE, FORWARD_MOVES, FULL_READOUT, NO_INSTRUMENTS, CallInstruments,
+                                          Compute, Readout)
 from dlm_jax.model.params import Params, graphdef
 from dlm_jax.model.transformer import ModelCall, head_logits
 
@@ -34,7 +37,7 @@ class DecoderCall:
 
 
 def lm_head(params: Params, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:
-  """The LM head on final-normed hidden states [B, W, D] (`forward(..., return_hidden=True)`): float32
+  """The LM head on final-normed hidden states [B, W, D] (`forward(..., readout=Readout(hidden=True))`): float32
   logits [B, W, V], the same values `forward` returns for those positions."""
   head = params["embed"]["embedding"].T if config.tied_embeddings else params["lm_head"]["kernel"]
   return head_logits(hidden, head, config.final_logit_softcap)
@@ -44,7 +47,7 @@ def _check_hooks(config: ModelConfig, hooks: HookCall | None, shape: tuple[int, 
   if hooks is None:
     return
   if not isinstance(hooks, HookCall):
-    raise ValueError(f"hooks must be None or a HookCall, got {type(hooks).__name__}.")
+    raise ValueError(f"CallInstruments.hooks must be None or a HookCall, got {type(hooks).__name__}.")
   hooks.hooks.check(config)
   if hooks.flags is not None and tuple(hooks.flags.shape) != shape:
     raise ValueError(f"HookCall.flags must be {list(shape)} ([B, T]; [B, S] at a subset call), got "
@@ -59,15 +62,15 @@ def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tupl
   if subset is None:
     return
   if not isinstance(subset, ComputeSubset):
-    raise ValueError(f"subset must be None or a ComputeSubset, got {type(subset).__name__}.")
+    raise ValueError(f"Compute.subset must be None or a ComputeSubset, got {type(subset).__name__}.")
   _check_key_blocks(config, subset, shape)
   if subset.queries is None:
     return
   if cache is None:
-    raise ValueError("forward(subset=...) reads and writes a KVCache; pass cache=KVCache.zeros(config, B, S) "
+    raise ValueError("Compute.subset reads and writes a KVCache; pass Compute(cache=KVCache.zeros(config, B, S)) "
                      "(filled by a full call).")
   if config.causal or config.attention_block_size is not None or config.layer_pattern is not None:
-    raise ValueError(f"forward(subset=...) needs bidirectional attention; {config.name} is causal, block-causal "
+    raise ValueError(f"Compute.subset needs bidirectional attention; {config.name} is causal, block-causal "
                      "or has sliding-window layers.")
   if tuple(subset.queries.shape) != shape:
     raise ValueError(f"ComputeSubset.queries must be [B, T] = {list(shape)}, got {list(subset.queries.shape)}.")
@@ -75,7 +78,7 @@ def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tupl
     raise ValueError(f"ComputeSubset.keys must be [L, B, m] with L={config.n_layers}, B={shape[0]}, got "
                      f"{list(subset.keys.shape)}.")
   if stats_spec.routing:
-    raise ValueError("forward(subset=...) does not run routing statistics (their positions are contiguous); leave "
+    raise ValueError("Compute.subset does not run routing statistics (their positions are contiguous); leave "
                      "them off.")
   if subset.reuse is not None:
     reason = reuse_layers.check_config(config)
@@ -124,12 +127,12 @@ def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, lo
                          "build the cache with KVCache.zeros(config, ...).")
     n_keys = cache.keys.shape[2]
   if decoder is not None and not isinstance(decoder, DecoderCall):
-    raise ValueError(f"decoder must be None or a DecoderCall, got {type(decoder).__name__}.")
+    raise ValueError(f"Compute.decoder must be None or a DecoderCall, got {type(decoder).__name__}.")
   self_conditioning_logits = None if decoder is None else decoder.self_conditioning_logits
   self_conditioning_mask = None if decoder is None else decoder.self_conditioning_mask
   if decoder is not None and cache is None:
-    raise ValueError("forward(decoder=DecoderCall(...)) reads the prompt from a KVCache; pass cache= (filled by a "
-                     "causal call) and cache_offset= (the prompt length).")
+    raise ValueError("Compute.decoder (a DiffusionGemma decoder call) reads the prompt from a KVCache; pass "
+                     "Compute.cache (filled by a causal call) and Compute.cache_offset (the prompt length).")
   if self_conditioning_logits is not None:
     if not config.self_conditioning:
       raise ValueError("DecoderCall.self_conditioning_logits need a model with config.self_conditioning=True.")
@@ -148,12 +151,13 @@ def _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, lo
     raise ValueError(f"StatsSpec.query_groups={stats_spec.query_groups} needs query_weights of shape "
                      f"[B, {stats_spec.query_groups}, T]; got {got}.")
   if not stats_spec.query_groups and query_weights is not None:
-    raise ValueError("query_weights were given but StatsSpec.query_groups is 0; set query_groups to "
+    raise ValueError("CallInstruments.query_weights were given but StatsSpec.query_groups is 0; set query_groups to "
                      "query_weights.shape[1].")
   if logits_window is not None:
     start, stop = logits_window
     if not 0 <= start < stop <= t:
-      raise ValueError(f"logits_window must be (start, stop) with 0 <= start < stop <= T={t}, got {logits_window}.")
+      raise ValueError(f"Readout.window must be (start, stop) with 0 <= start < stop <= T={t}, \"last\" or None, got "
+                       f"{logits_window}.")
 
 
 def forward(
@@ -161,31 +165,24 @@ def forward(
     tokens: jax.Array,
     *,
     config: ModelConfig,
-    bias: AttentionBias = NO_BIAS,
     positions: jax.Array | None = None,
-    query_weights: jax.Array | None = None,
-    stats_spec: StatsSpec = NO_STATS,
-    logits_window: tuple[int, int] | None = None,
-    logits_offset: jax.Array | int = 0,
-    attention_impl: AttentionImpl = "chunked",
-    query_chunk: int = 128,
-    cache: KVCache | None = None,
-    cache_offset: jax.Array | int = 0,
-    return_hidden: bool = False,
-    decoder: DecoderCall | None = None,
-    hooks: HookCall | None = None,
-    subset: ComputeSubset | None = None,
+    instruments: CallInstruments = NO_INSTRUMENTS,
+    readout: Readout = FULL_READOUT,
+    compute: Compute = DEFAULT_COMPUTE,
+    **old_keywords: Any,
 ) -> ForwardOutput:
   """Pure forward pass of the Transformer described by `config`: full, windowed or KV-cached.
 
-  Jit it with `config`, `stats_spec`, `logits_window`, `attention_impl`, `query_chunk` and `return_hidden`
-  static (`decoder` is a pytree: its arrays are traced, None and a `DecoderCall` compile apart).
+  Jit it with `config` static; the structs (`dlm_jax.model.forward_inputs`) are pytrees whose static fields
+  (`CallInstruments.stats_spec`, `Readout.window` and `.hidden`, `Compute.attention_impl` and `.query_chunk`)
+  compile apart (a `DecoderCall` or None likewise).
 
   DiffusionGemma's encoder and decoder are the same weights called two ways. Encoder: a plain call of
   the (causal) model, with a cache to keep the prompt's keys and values — `forward(prompt [B, P],
-  cache=KVCache.zeros(config, B, S), cache_offset=0)` fills cache positions [0, P) (sliding layers see
-  themselves and the W−1 previous positions). Decoder: `forward(canvas [B, T], cache=that cache,
-  cache_offset=P, decoder=DecoderCall(self_conditioning_logits=None | [B, T, V]))` attends bidirectionally over
+  compute=Compute(cache=KVCache.zeros(config, B, S)))` fills cache positions [0, P) (sliding layers see
+  themselves and the W−1 previous positions). Decoder: `forward(canvas [B, T], compute=Compute(cache=that
+  cache, cache_offset=P, decoder=DecoderCall(self_conditioning_logits=None | [B, T, V])))` attends
+  bidirectionally over
   the canvas and to cache positions [0, P) (sliding layers: [P−W+1, P)); the canvas is placed at
   positions P..P+T−1 (RoPE and key index), so the cache needs S >= P + T; keys at >= P + T are hidden;
   the cache is read, never written (`ForwardOutput.cache` is None), and statistics address the S cache
@@ -195,53 +192,76 @@ def forward(
     params: parameter tree from `init_params` or `dlm_jax.io.checkpoint`.
     tokens: [B, T] int token ids.
     config: the model configuration (static).
-    bias: `AttentionBias` added to the attention scores (key masks, pairwise masks, zero-value keys),
-      shared by all layers or per layer as its flags say. Its key axis S is T, or the cache length.
     positions: [B, T] int RoPE positions; default 0..T-1 (cache_offset + 0..T-1 with a cache) in every row.
-    query_weights: [B, Q, T] query-group weights for the statistics (see `StatsSpec.query_groups`).
-    stats_spec: which statistics to return (static).
-    logits_window: (start, stop) positions whose logits are computed; None computes all T.
-    logits_offset: a traced int shifting the window to (start + offset, stop + offset), which must stay
-      inside [0, T] (out-of-range offsets are clamped, as `lax.dynamic_slice` does); e.g. the current block
-      of a semi-autoregressive sampler inside a compiled loop.
-    attention_impl: "chunked" (exact, O(N·chunk·S) memory), "dense" (reference) or "fused".
-    query_chunk: queries per chunk in the chunked path.
-    cache: a `KVCache` ([L, B, S, K, H]); this call's keys and values are written at sequence positions
-      cache_offset..cache_offset+T-1 and the queries attend to all S cache positions (for a causal model
-      the causal mask hides the slots after each query, so unwritten slots are never seen; with
-      `config.attention_block_size` each query sees the slots up to the end of its own block, so a call
-      should cover whole blocks, e.g. the current block [s, e) at cache_offset=s, or hide the block's
-      unwritten slots with a key bias). Biases and
-      statistics then address the S cache positions as keys; values zeroed by the bias are also zero in
-      the returned cache.
-    cache_offset: sequence index of the first token (scalar, may be traced); used with `cache`.
-    return_hidden: return the final-normed hidden states of the window (`ForwardOutput.hidden`) instead of
-      logits; `lm_head` turns any slice of them into logits (a sampler that chooses the positions it needs
-      inside the compiled loop).
-    decoder: a `DecoderCall` makes this a DiffusionGemma decoder call (see above; needs `cache`) and
-      carries its self-conditioning inputs; None (the default) is an ordinary call.
-    subset: a `ComputeSubset` (a compute policy's decision; needs `cache`): the T tokens are the sequence
-      positions subset.queries [B, T] (their keys and values are written there; `positions` default to
-      them), each layer reads all S cache positions or its key subset, and the statistics sum over the real
-      (not padded) queries; bidirectional models only, without routing statistics (hooks: see `hooks`). With
-      `key_blocks` instead (SparseD, `dlm_jax.model.block_sparse_attention`) every position is a query, no
-      cache is needed, and each layer's heads read only their query block's kept key blocks.
-      With subset.reuse
-      (`dlm_jax.model.reuse_layers.LayerReuse`; tokens: the whole sequence, queries: every position) each
-      layer recomputes its attention and feed-forward at the positions it chooses, and the returned cache is
-      a `ReuseCache` (the KV cache, the attention and feed-forward outputs, each layer's recomputed positions).
-    hooks: a `dlm_jax.instrument.hook_call.HookCall`: captures and edits at the named sites
-      (`dlm_jax.instrument.sites`), in sequence coordinates of the S keys (a cached call's queries sit at
-      cache_offset; a subset call's at subset.queries, its `HookCall.flags` then [B, S] over the sequence, and
-      its captures hold zeros at the positions it did not compute; under subset.reuse the sites inside
-      attention and the feed-forward see each layer's recomputed positions only,
-      `dlm_jax.model.reuse_layers`); None adds nothing to the program.
+    instruments: a `CallInstruments`, what the call measures and changes:
+      bias: `AttentionBias` added to the attention scores (key masks, pairwise masks, zero-value keys),
+        shared by all layers or per layer as its flags say. Its key axis S is T, or the cache length.
+      stats_spec: which statistics to return (static).
+      query_weights: [B, Q, T] query-group weights for the statistics (see `StatsSpec.query_groups`).
+      hooks: a `dlm_jax.instrument.hook_call.HookCall`: captures and edits at the named sites
+        (`dlm_jax.instrument.sites`), in sequence coordinates of the S keys (a cached call's queries sit at
+        cache_offset; a subset call's at subset.queries, its `HookCall.flags` then [B, S] over the sequence,
+        and its captures hold zeros at the positions it did not compute; under subset.reuse the sites inside
+        attention and the feed-forward see each layer's recomputed positions only,
+        `dlm_jax.model.reuse_layers`); None adds nothing to the program.
+    readout: a `Readout`, what comes back:
+      window: (start, stop) positions whose logits are computed, "last" = (T-1, T); None computes all T.
+      offset: a traced int shifting the window to (start + offset, stop + offset), which must stay
+        inside [0, T] (out-of-range offsets are clamped, as `lax.dynamic_slice` does); e.g. the current block
+        of a semi-autoregressive sampler inside a compiled loop.
+      hidden: return the final-normed hidden states of the window (`ForwardOutput.hidden`) instead of
+        logits; `lm_head` turns any slice of them into logits (a sampler that chooses the positions it needs
+        inside the compiled loop).
+    compute: a `Compute`, how the call computes:
+      attention_impl: "chunked" (exact, O(N·chunk·S) memory), "dense" (reference) or "fused".
+      query_chunk: queries per chunk in the chunked path.
+      cache: a `KVCache` ([L, B, S, K, H]); this call's keys and values are written at sequence positions
+        cache_offset..cache_offset+T-1 and the queries attend to all S cache positions (for a causal model
+        the causal mask hides the slots after each query, so unwritten slots are never seen; with
+        `config.attention_block_size` each query sees the slots up to the end of its own block, so a call
+        should cover whole blocks, e.g. the current block [s, e) at cache_offset=s, or hide the block's
+        unwritten slots with a key bias). Biases and statistics then address the S cache positions as keys;
+        values zeroed by the bias are also zero in the returned cache.
+      cache_offset: sequence index of the first token (scalar, may be traced); used with `cache`.
+      decoder: a `DecoderCall` makes this a DiffusionGemma decoder call (see above; needs `cache`) and
+        carries its self-conditioning inputs; None (the default) is an ordinary call.
+      subset: a `ComputeSubset` (a compute policy's decision; needs `cache`): the T tokens are the sequence
+        positions subset.queries [B, T] (their keys and values are written there; `positions` default to
+        them), each layer reads all S cache positions or its key subset, and the statistics sum over the real
+        (not padded) queries; bidirectional models only, without routing statistics (hooks: see `hooks`).
+        With `key_blocks` instead (SparseD, `dlm_jax.model.block_sparse_attention`) every position is a
+        query, no cache is needed, and each layer's heads read only their query block's kept key blocks.
+        With subset.reuse (`dlm_jax.model.reuse_layers.LayerReuse`; tokens: the whole sequence, queries:
+        every position) each layer recomputes its attention and feed-forward at the positions it chooses, and
+        the returned cache is a `ReuseCache` (the KV cache, the attention and feed-forward outputs, each
+        layer's recomputed positions).
+    **old_keywords: the keywords these structs replaced, deprecated (a DeprecationWarning): bias=,
+      stats_spec=, query_weights=, hooks= (instruments' fields of the same name), logits_window=,
+      logits_offset=, return_hidden= (readout's window, offset, hidden), attention_impl=, query_chunk=,
+      cache=, cache_offset=, decoder=, subset= (compute's fields of the same name); see
+      `dlm_jax.model.forward_inputs.FORWARD_MOVES`.
 
   Returns:
     `ForwardOutput`: float32 logits [B, W, V], the requested statistics in the layout of
     `dlm_jax.instrument.stats.ForwardOutput` ([L', B, Q, N', S] incoming attention), the captures by name,
     and the updated cache (None without a cache).
   """
+  structs = fold_old_keywords("forward", old_keywords, FORWARD_MOVES,
+                              {"instruments": instruments, "readout": readout, "compute": compute},
+                              {"instruments": NO_INSTRUMENTS, "readout": FULL_READOUT, "compute": DEFAULT_COMPUTE})
+  instruments, readout, compute = structs["instruments"], structs["readout"], structs["compute"]
+  for name, value, kind in (("instruments", instruments, CallInstruments), ("readout", readout, Readout),
+                            ("compute", compute, Compute)):
+    if not isinstance(value, kind):
+      raise ValueError(f"forward: {name} must be a dlm_jax.model.{kind.__name__}, got {type(value).__name__}.")
+  bias, stats_spec, query_weights, hooks = (instruments.bias, instruments.stats_spec, instruments.query_weights,
+                                            instruments.hooks)
+  logits_window, logits_offset, return_hidden = readout.window, readout.offset, readout.hidden
+  if logits_window == "last":
+    logits_window = (tokens.shape[1] - 1, tokens.shape[1]) if tokens.ndim == 2 else None
+  attention_impl, query_chunk, cache, cache_offset, decoder, subset = (
+      compute.attention_impl, compute.query_chunk, compute.cache, compute.cache_offset, compute.decoder,
+      compute.subset)
   _check_inputs(config, tokens, positions, bias, query_weights, stats_spec, logits_window, cache, decoder)
   _check_subset(config, subset, tuple(tokens.shape), cache, stats_spec)
   subset_call = subset is not None and subset.queries is not None

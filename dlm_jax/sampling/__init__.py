@@ -7,6 +7,7 @@
   block_diffusion.generate   block diffusion with an exact KV cache (LLaDA2.x, SDAR, dInfer)
   diffusion_gemma.generate   DiffusionGemma's uniform-state block diffusion with self-conditioning
   registry                   every sampler by name: options class, options from common settings, generate, facts
+  run_setup                  RunSetup: what a run records and changes and how it executes (every sampler's setup=)
   padding                    left-padding validity, shifted positions and padding biases
   selection                  top-k positions, logit filters, decode steps
   schedules                  LLaDA transfer counts, Dream timesteps (torch.linspace, bit for bit)
@@ -19,8 +20,9 @@ from dlm_jax.sampling.block_diffusion import BlockDiffusionOptions
 from dlm_jax.sampling.diffusion_gemma import DiffusionGemmaOptions
 from dlm_jax.sampling.dream import DreamOptions
 from dlm_jax.sampling.llada import LLaDAOptions, mmada_options
+from dlm_jax.sampling.run_setup import RunSetup
 from dlm_jax.sampling.trace import Trace
 
-__all__ = ["AROptions", "BlockDiffusionOptions", "DiffusionGemmaOptions", "DreamOptions", "LLaDAOptions", "Trace",
-           "autoregressive", "block_diffusion", "diffusion_gemma", "driver", "dream", "llada", "mmada_options",
+__all__ = ["AROptions", "BlockDiffusionOptions", "DiffusionGemmaOptions", "DreamOptions", "LLaDAOptions", "RunSetup",
+           "Trace", "autoregressive", "block_diffusion", "diffusion_gemma", "driver", "dream", "llada", "mmada_options",
            "padding", "registry", "schedules", "selection"]

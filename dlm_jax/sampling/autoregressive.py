@@ -165,9 +165,9 @@ Args:
   params: model parameters of a causal config.
   prompt: [B, Lp] int token ids (Lp >= 1), left-padded for batches.
   key: one key or [B] row keys (see `dlm_jax.sampling.driver.run_family`).
-  config, options, prompt_mask, stats_spec, intervention, intervention_state: see `driver.run_family`.
-  sink_top_k, attention_impl, query_chunk, loop, record_intervention: see `driver.run_family`. Query groups
-    (when asked) are masked (always empty), generated and prompt queries.
+  config, options, prompt_mask, setup: see `driver.run_family` (`setup`: a `RunSetup`; old keywords such as
+    stats_spec= are deprecated). Query groups (when asked) are masked (always empty), generated and prompt
+    queries.
 
 Returns:
   `Trace` with tokens [B, Lp + G], decode_step[b, i] = i, nfe = G, stats over the S = Lp + G keys.

@@ -450,8 +450,8 @@ Args:
   config: model config (static).
   options: `BlockDiffusionOptions` (static).
   key: PRNG key (temperature > 0); default key(0); or [B] keys, one per row.
-  prompt_mask, stats_spec, intervention, intervention_state: see `dlm_jax.sampling.driver.run_family`.
-  sink_top_k, attention_impl, query_chunk, loop, record_intervention: see `driver.run_family`.
+  prompt_mask, setup: see `dlm_jax.sampling.driver.run_family` (`setup`: a `RunSetup`; old keywords such
+    as stats_spec= are deprecated).
 
 Returns:
   `Trace` with tokens [B, T] (T = ⌈(Lp + G)/L⌉·L), decode_step [B, T − Lp], nfe (prefill and commits

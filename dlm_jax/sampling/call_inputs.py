@@ -1,8 +1,8 @@
 """The small structs a decoding family describes one model call with (`dlm_jax.sampling.model_call.ModelCaller`).
 
 CallInputs: the call's queries and the keys its top sinks may be chosen among. Readout: what comes back (the
-logits window or hidden states). CacheCall: how the call uses a KV cache, its mode explicit. Guidance: the
-unconditional half of classifier-free guidance.
+logits window or hidden states; `dlm_jax.model.forward_inputs.Readout`, shared with `forward`). CacheCall: how
+the call uses a KV cache, its mode explicit. Guidance: the unconditional half of classifier-free guidance.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from flax import struct
 
 from dlm_jax.core.attention_bias import NO_BIAS, AttentionBias
 from dlm_jax.model import DecoderCall, KVCache
+from dlm_jax.model.forward_inputs import Readout
 
 
 @struct.dataclass
@@ -37,20 +38,6 @@ class CallInputs:
   unresolved: jax.Array | None = None
   block_start: jax.Array | None = None
   block_step: jax.Array | None = None
-
-
-@struct.dataclass
-class Readout:
-  """What a call returns for its positions.
-
-  window: (start, stop) query rows whose logits are computed, "last" (the last row) or None (every row);
-  offset: a traced shift of the window (`dlm_jax.model.forward`'s logits_offset); hidden: return the window's
-  final-normed hidden states instead of logits (`dlm_jax.model.lm_head` reads any slice of them).
-  """
-
-  window: tuple[int, int] | Literal["last"] | None = struct.field(pytree_node=False, default=None)
-  offset: jax.Array | int = 0
-  hidden: bool = struct.field(pytree_node=False, default=False)
 
 
 @struct.dataclass

@@ -10,7 +10,8 @@ the plain forward under an intervention (`intervened_forward`) both use it.
     plan = CallPlan(config, stats=StatsPlan(...), intervention=..., hooks=...)
     state = plan.init_state(batch, seq_len, gen_start)            # CallState
     call = plan.prepare(state, context, sampler_weights, query_valid)
-    output = forward(..., bias=base_bias + call.bias, query_weights=call.query_weights, hooks=call.hooks)
+    output = forward(..., instruments=CallInstruments(bias=base_bias + call.bias, stats_spec=...,
+                                                      query_weights=call.query_weights, hooks=call.hooks))
     state = plan.update(state, output, context)                   # once per model call
 
 Hooks are a field of the run, not an intervention: their state (`HookState`: the traced hook values and, per
@@ -36,6 +37,7 @@ from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks
 from dlm_jax.instrument.interventions import NO_INTERVENTION, CallContext, Intervention
 from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec, merge_specs
 from dlm_jax.model import forward
+from dlm_jax.model.forward_inputs import CallInstruments
 from dlm_jax.policy.base import NO_POLICY, ComputePolicy, Decision
 from dlm_jax.sampling.stats_plan import StatsPlan
 
@@ -215,7 +217,7 @@ def intervened_forward(params: Any, tokens: jax.Array, intervention: Interventio
   one spec when they agree on heads, layers and query groups — `merge_specs` —, else these alone; the forward
   computes both side by side, `StatsPlan`); `query_weights` [B, Q, T]
   given here are the weights of stats_spec's query groups; `hooks` (a `HookCall`) are the call's hooks; other
-  keyword arguments (positions, attention_impl, …) go to `forward`.
+  keyword arguments (positions, readout, compute) go to `forward`.
   """
   user_weights = forward_kwargs.pop("query_weights", None)
   hooks = forward_kwargs.pop("hooks", None)
@@ -229,8 +231,9 @@ def intervened_forward(params: Any, tokens: jax.Array, intervention: Interventio
                      f"[B, {stats_spec.query_groups}, T]; got {got}.")
   call = plan.prepare(CallState(intervention=state), context, lambda: user_weights,
                       jnp.ones(tokens.shape, bool))
-  output = forward(params, tokens, config=config, stats_spec=plan.stats.forward_spec, query_weights=call.query_weights,
-                   bias=call.bias, hooks=hooks, **forward_kwargs)
+  instruments = CallInstruments(bias=call.bias, stats_spec=plan.stats.forward_spec, query_weights=call.query_weights,
+                                hooks=hooks)
+  output = forward(params, tokens, config=config, instruments=instruments, **forward_kwargs)
   new_state = plan.update(CallState(intervention=state), output, context).intervention
   return output.replace(stats=_returned_stats(plan.stats, output, stats_spec)), new_state
 

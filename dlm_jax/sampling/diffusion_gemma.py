@@ -341,7 +341,7 @@ def build_family(config: ModelConfig, options: DiffusionGemmaOptions, prompt) ->
 generate = driver.public_sampler(build_family, DiffusionGemmaOptions(), """DiffusionGemma block diffusion.
 
   params, prompt [B, Lp], config (a DiffusionGemma model), options (`DiffusionGemmaOptions`), and the driver's
-  keyword arguments (`dlm_jax.sampling.driver.run_family`: key, prompt_mask, stats_spec, intervention, …).
+  keyword arguments (`dlm_jax.sampling.driver.run_family`: key, prompt_mask, setup).
   Returns the `Trace`: tokens [B, Lp + G] (pad after a row's first EOS), decode_step [B, G] (the last decoder
   step that denoised the token's canvas for its row), nfe (encoder and decoder calls), active_rows
   [max_steps, B] (the rows each decoder step denoised; none at the encoder calls), accepted

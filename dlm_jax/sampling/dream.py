@@ -367,11 +367,11 @@ Args:
   options: `DreamOptions` (static).
   key: PRNG key; default key(0); or [B] keys, one per row (see `dlm_jax.sampling.driver.run_family`).
   prompt_mask: [B, Lp] 1 = real token, 0 = pad; None = no padding.
-  stats_spec, intervention, intervention_state: see `dlm_jax.sampling.driver.run_family`.
-  sink_top_k, attention_impl, query_chunk, loop, record_intervention: see `driver.run_family`.
+  setup: a `dlm_jax.sampling.run_setup.RunSetup` (statistics, intervention, hooks, attention path, loop, …);
+    see `dlm_jax.sampling.driver.run_family` (old keywords: deprecated).
 
 Returns:
   `Trace` with tokens [B, Lp + G], decode_step [B, G], nfe (= steps for the exact sampler; the model calls
   run in the block modes), stats [max_steps, ...] (valid for the first nfe steps), top_sinks, active_rows,
   computed_queries.
-""")
+""", public_name="diffusion_generate")

@@ -18,29 +18,27 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dlm_jax.config import ModelConfig
+from dlm_jax.core.old_keywords import fold_old_keywords
 from dlm_jax.instrument import step_schedule
-from dlm_jax.instrument.hook_call import HookValues
-from dlm_jax.instrument.hook_spec import NO_HOOKS, Hooks
-from dlm_jax.instrument.interventions import NO_INTERVENTION, Intervention
-from dlm_jax.policy.base import NO_POLICY, ComputePolicy, PolicyError, RunLayout
+from dlm_jax.instrument.hook_spec import Hooks
+from dlm_jax.instrument.interventions import Intervention
+from dlm_jax.policy.base import ComputePolicy, PolicyError, RunLayout
 from dlm_jax.sampling import capture_steps, keys, padding, replicated_rows, row_by_row
 from dlm_jax.sampling.call_plan import CallPlan
 from dlm_jax.sampling.model_call import ModelCaller, StepOutput
+from dlm_jax.sampling.run_setup import DEFAULT_SETUP, SAMPLER_MOVES, RunSetup
 from dlm_jax.sampling.trace import Trace
-from dlm_jax.instrument.stats import NO_STATS, StatsSpec
 from dlm_jax.sampling.stats_plan import make_plan
 
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
 """How many times each family's program was traced (incremented at trace time); tests check retracing."""
-
-Loop = Literal["scan", "python"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,18 +391,8 @@ def run_family(
     config: ModelConfig,
     key: jax.Array | None = None,
     prompt_mask: jax.Array | np.ndarray | None = None,
-    stats_spec: StatsSpec = NO_STATS,
-    intervention: Intervention = NO_INTERVENTION,
-    intervention_state: Any = None,
-    sink_top_k: int = 0,
-    attention_impl: str = "chunked",
-    query_chunk: int = 128,
-    loop: Loop = "scan",
-    record_intervention: bool = False,
-    batch_invariant: bool = False,
-    hooks: Hooks = NO_HOOKS,
-    hook_values: HookValues | None = None,
-    policy: ComputePolicy = NO_POLICY,
+    setup: RunSetup = DEFAULT_SETUP,
+    **old_keywords: Any,
 ) -> Trace:
   """Runs `family` on a [B, Lp] prompt and returns the `Trace` (see the family's public wrapper).
 
@@ -416,23 +404,25 @@ def run_family(
     key: PRNG key (default key(0)), or [B] keys, one per row: row b's draws then depend only on its key
       (`dlm_jax.sampling.keys`).
     prompt_mask: [B, Lp] 1 = real token, 0 = pad; None = no padding.
-    stats_spec: per-step attention statistics to return (static).
-    intervention: attention-bias intervention applied at every step (static).
-    intervention_state: its initial state; default `intervention.init_state(config, B, Lp + G)`.
-    sink_top_k: also return the per-step top-k sinks (0 = off).
-    attention_impl, query_chunk: attention path (static).
-    loop: "scan" (the compiled program) or "python" (same step function, Python loop; for tests).
-    record_intervention: stack the intervention's per-step record into `Trace.intervention_record`.
-    batch_invariant: run every model call one row at a time (`dlm_jax.sampling.row_by_row`), so that each
-      row's tokens and statistics are bitwise those it gets in a batch of one, whatever its batch size and
-      neighbours (same sampler semantics; slower, BUILD.md "Exact batch independence").
-    hooks: captures and edits of activations at named sites at every model call (static;
-      `dlm_jax.instrument.hook_spec.Hooks`); the captures come back in `Trace.captures`.
-    hook_values: their traced values (`dlm_jax.instrument.hook_call.hook_values` for [B, Lp + G]); default:
-      the defaults of `hook_values` (edits everywhere with coefficient 1; raises if one needs a source).
-    policy: a compute policy (`dlm_jax.policy`, static): statistics of each call decide what the next one
-      computes; `Trace.computed_positions` says what each step computed.
+    setup: a `dlm_jax.sampling.run_setup.RunSetup`: what the run records and changes (statistics, top sinks,
+      intervention, hooks) and how it executes (attention path, loop, batch invariance, compute policy).
+    **old_keywords: `RunSetup`'s fields given as keywords (stats_spec=, hooks=, loop=, ...), the signature
+      before it; deprecated (a DeprecationWarning), each the field of its name.
   """
+  setup = fold_old_keywords("run_family", old_keywords, SAMPLER_MOVES, {"setup": setup},
+                            {"setup": DEFAULT_SETUP})["setup"]
+  return _run(family, params, prompt, config, key, prompt_mask, setup)
+
+
+def _run(family: Family, params: dict, prompt, config: ModelConfig, key, prompt_mask, setup: RunSetup) -> Trace:
+  """`run_family` after its old keywords are folded into `setup`."""
+  if not isinstance(setup, RunSetup):
+    raise ValueError(f"setup must be a dlm_jax.sampling.run_setup.RunSetup, got {type(setup).__name__}.")
+  stats_spec, intervention, intervention_state, sink_top_k = (setup.stats_spec, setup.intervention,
+                                                              setup.intervention_state, setup.sink_top_k)
+  attention_impl, query_chunk, loop = setup.attention_impl, setup.query_chunk, setup.loop
+  record_intervention, batch_invariant, hooks = setup.record_intervention, setup.batch_invariant, setup.hooks
+  hook_values, policy = setup.hook_values, setup.policy
   prompt = jnp.asarray(prompt)
   if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
     raise ValueError(f"prompt must be [B, Lp] integer token ids, got shape {prompt.shape} of {prompt.dtype}.")
@@ -445,14 +435,15 @@ def run_family(
     if prompt_mask.shape != prompt.shape:
       raise ValueError(f"prompt_mask must have the prompt's shape {prompt.shape}, got {prompt_mask.shape}.")
   if loop not in ("scan", "python"):
-    raise ValueError(f"loop must be 'scan' or 'python', got {loop!r}.")
+    raise ValueError(f"RunSetup.loop must be 'scan' or 'python', got {loop!r}.")
   family.check(config, intervention)
   b, lp = prompt.shape
   total = lp + family.gen_length
   if not isinstance(hooks, Hooks):
-    raise ValueError(f"hooks must be a dlm_jax.instrument.hook_spec.Hooks, got {type(hooks).__name__}.")
+    raise ValueError(f"RunSetup.hooks must be a dlm_jax.instrument.hook_spec.Hooks, got {type(hooks).__name__}.")
   if hook_values is not None and not hooks.enabled:
-    raise ValueError("hook_values were given without hooks; pass hooks=Hooks(captures=..., edits=...).")
+    raise ValueError("RunSetup.hook_values were given without hooks; pass RunSetup(hooks=Hooks(captures=..., "
+                     "edits=...)).")
   policy = _bind_policy(policy, family, config, lp, total)
   if batch_invariant and policy.enabled:  # no row gathers inside the policy's branches (replicated_rows)
     prompt, prompt_mask = replicated_rows.replicate_sharded_batch(prompt, prompt_mask)
@@ -492,7 +483,7 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
   """The policy bound to this run's `RunLayout`, after refusing (one line, a `PolicyError`) what it cannot run
   with."""
   if not isinstance(policy, ComputePolicy):
-    raise ValueError(f"policy must be a dlm_jax.policy ComputePolicy, got {type(policy).__name__}.")
+    raise ValueError(f"RunSetup.policy must be a dlm_jax.policy ComputePolicy, got {type(policy).__name__}.")
   if not policy.enabled:
     return policy
   name = policy.NAME
@@ -524,27 +515,24 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
   return bound
 
 
-def public_sampler(build_family: Callable[[ModelConfig, Any, Any], Family], default_options: Any, doc: str):
-  """A family's public `generate`-style function (one signature for every family; `doc` is its docstring).
+def public_sampler(build_family: Callable[[ModelConfig, Any, Any], Family], default_options: Any, doc: str,
+                   public_name: str = "generate"):
+  """A family's public `generate`-style function (one signature for every family; `doc` is its docstring,
+  `public_name` its name in messages).
 
   build_family(config, options, prompt) -> Family resolves the family's ids (raising ValueError with a
   clear message when they are missing). The function's keyword arguments after `options` are those of
-  `run_family`.
+  `run_family`: key, prompt_mask and the `RunSetup` (old keywords folded into it with a DeprecationWarning).
   """
 
   def sample(params: dict, prompt: jax.Array | np.ndarray, *, config: ModelConfig, options: Any = default_options,
              key: jax.Array | None = None, prompt_mask: jax.Array | np.ndarray | None = None,
-             stats_spec: StatsSpec = NO_STATS, intervention: Intervention = NO_INTERVENTION,
-             intervention_state: Any = None, sink_top_k: int = 0, attention_impl: str = "chunked",
-             query_chunk: int = 128, loop: Loop = "scan", record_intervention: bool = False,
-             batch_invariant: bool = False, hooks: Hooks = NO_HOOKS, hook_values: HookValues | None = None,
-             policy: ComputePolicy = NO_POLICY) -> Trace:
-    return run_family(build_family(config, options, prompt), params, prompt, config=config, key=key,
-               prompt_mask=prompt_mask, stats_spec=stats_spec, intervention=intervention,
-               intervention_state=intervention_state, sink_top_k=sink_top_k, attention_impl=attention_impl,
-               query_chunk=query_chunk, loop=loop, record_intervention=record_intervention,
-               batch_invariant=batch_invariant, hooks=hooks, hook_values=hook_values, policy=policy)
+             setup: RunSetup = DEFAULT_SETUP, **old_keywords: Any) -> Trace:
+    name = f"{build_family.__module__.rsplit('.', 1)[-1]}.{public_name}"
+    setup = fold_old_keywords(name, old_keywords, SAMPLER_MOVES, {"setup": setup}, {"setup": DEFAULT_SETUP})["setup"]
+    return _run(build_family(config, options, prompt), params, prompt, config, key, prompt_mask, setup)
 
   sample.__doc__ = doc
+  sample.__name__ = sample.__qualname__ = public_name
   sample.__module__ = build_family.__module__
   return sample

@@ -24,10 +24,11 @@ from flax import struct
 from dlm_jax.instrument.interventions import CallContext
 from dlm_jax.instrument.stats import ForwardOutput, query_group_weights
 from dlm_jax.model import KVCache, forward, lm_head
+from dlm_jax.model.forward_inputs import CallInstruments, Compute
 from dlm_jax.sampling import row_by_row
 from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Guidance, Readout
 from dlm_jax.sampling.call_plan import CallPlan, CallState
-from dlm_jax.sampling.policy_call import computed_positions, keys_read, policy_forward
+from dlm_jax.sampling.policy_call import Confidence, computed_positions, keys_read, policy_forward
 
 
 @struct.dataclass
@@ -127,6 +128,15 @@ def _split_rows(tree, batch: int):
   return jax.tree.map(lambda x: x[:, :batch], tree)
 
 
+def _run(forward_fn, config, attention_impl: str, query_chunk: int, params, tokens, *, positions, instruments,
+         readout, **compute_fields) -> ForwardOutput:
+  """forward_fn (`forward` or `row_by_row.forward_rows`) with the caller's config, attention path and params
+  (bound by the caller); the other `Compute` fields (cache, cache_offset, decoder, subset) by keyword."""
+  compute = Compute(attention_impl=attention_impl, query_chunk=query_chunk, **compute_fields)
+  return forward_fn(params, tokens, config=config, positions=positions, instruments=instruments, readout=readout,
+                    compute=compute)
+
+
 def _double(x: jax.Array, axis: int) -> jax.Array:
   return jnp.concatenate([x, x], axis=axis)
 
@@ -187,23 +197,24 @@ class ModelCaller:
       weights = None if weights is None else _double(weights, 0)
       hooks = None if hooks is None else hooks.map_rows(_double)
     window = (length - 1, length) if readout.window == "last" else readout.window
-    run = functools.partial(row_by_row.forward_rows if self.batch_invariant else forward, config=self.config,
-                            stats_spec=self.plan.stats.forward_spec, attention_impl=self.attention_impl,
-                            query_chunk=self.query_chunk)
+    instruments = CallInstruments(bias=bias, stats_spec=self.plan.stats.forward_spec, query_weights=weights,
+                                  hooks=hooks)
+    run = functools.partial(_run, row_by_row.forward_rows if self.batch_invariant else forward, self.config,
+                            self.attention_impl, self.query_chunk, params)
     decision = None
     if state.policy is not None:
       decision = self.plan.policy.decide(state.policy.state, context)
       if self.batch_invariant:  # the bucket is the batch's, and a row's last bits change with the row count
         decision = decision.replace(buckets=())
       head = functools.partial(lm_head, params, config=self.config)
-      output = policy_forward(run, params, state.policy, decision, model_tokens, positions, bias, weights,
-                              readout.replace(window=window), self.plan.policy.reads_max_probability,
-                              functools.partial(row_by_row.lm_head_rows, head) if self.batch_invariant else head,
-                              hooks)
+      confidence = Confidence(self.plan.policy.reads_max_probability,
+                              functools.partial(row_by_row.lm_head_rows, head) if self.batch_invariant else head)
+      output = policy_forward(run, state.policy, decision, model_tokens, positions, instruments,
+                              readout.replace(window=window), confidence)
     else:
-      output = run(params, model_tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
-                   logits_offset=readout.offset, cache=None if cache is None else cache.cache, cache_offset=offset,
-                   return_hidden=readout.hidden, decoder=None if cache is None else cache.decoder, hooks=hooks)
+      output = run(model_tokens, positions=positions, instruments=instruments,
+                   readout=readout.replace(window=window), cache=None if cache is None else cache.cache,
+                   cache_offset=offset, decoder=None if cache is None else cache.decoder)
     halves = {"logits": output.logits, "hidden": output.hidden}
     cond = {name: None if x is None else x[:batch] for name, x in halves.items()}
     uncond = {name: None if x is None or guidance is None else x[batch:] for name, x in halves.items()}

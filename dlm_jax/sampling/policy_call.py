@@ -26,6 +26,7 @@ query budget pay the head for the sampler's block, not for every row they comput
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -33,13 +34,12 @@ import jax
 import jax.numpy as jnp
 
 from dlm_jax.core.attention_bias import AttentionBias
-from dlm_jax.instrument.hook_call import HookCall
 from dlm_jax.instrument.stats import STATISTICS, ForwardOutput
 from dlm_jax.model.block_sparse_attention import block_keys_read
 from dlm_jax.model.compute_subset import ComputeSubset, gather_rows, scatter_rows
+from dlm_jax.model.forward_inputs import CallInstruments, Readout
 from dlm_jax.policy.base import Decision
 from dlm_jax.sampling import reuse_call
-from dlm_jax.sampling.call_inputs import Readout
 from dlm_jax.sampling.call_plan import PolicyState
 
 
@@ -109,29 +109,43 @@ def _max_probability(rows: jax.Array, head: Callable[[jax.Array], jax.Array] | N
   return jnp.max(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), axis=-1)
 
 
-def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyState, decision: Decision,
-                   tokens: jax.Array, positions: jax.Array, bias: AttentionBias, weights: jax.Array | None,
-                   readout: Readout, max_probability: str = "never",
-                   head: Callable[[jax.Array], jax.Array] | None = None,
-                   hooks: HookCall | None = None) -> ForwardOutput:
+@dataclasses.dataclass(frozen=True)
+class Confidence:
+  """The largest probability a policy reads of a call (`ForwardOutput.max_probability`).
+
+  max_probability: the policy's `reads_max_probability`, "never", "full" or "every"; head: hidden states
+  [B, n, D] -> logits [B, n, V] (the LM head, params bound), used for it when the readout is hidden states,
+  and for a subset call's logits on the readout window (`policy_forward`).
+  """
+
+  max_probability: str = "never"
+  head: Callable[[jax.Array], jax.Array] | None = None
+
+
+NO_CONFIDENCE = Confidence()
+
+
+def policy_forward(run: Callable[..., ForwardOutput], policy: PolicyState, decision: Decision, tokens: jax.Array,
+                   positions: jax.Array, instruments: CallInstruments, readout: Readout,
+                   confidence: Confidence = NO_CONFIDENCE) -> ForwardOutput:
   """The call's `ForwardOutput` (logits or hidden states of the readout window, statistics over the S
-  positions, the policy's new cache) under `decision`. ``run(params, tokens, **kwargs)`` is the forward (with
-  config, stats_spec and the attention path bound); tokens, positions: [B, S]; bias: the call's bias over the S
-  queries (a pairwise part's rows are taken at the subset's queries); weights: [B, Q, S] query-group weights or
-  None; max_probability: the policy's `reads_max_probability` ("never", "full" or "every"); head: hidden
-  states [B, n, D] -> logits [B, n, V], used for it when the readout is hidden states; hooks: the call's
-  `HookCall` over the S positions (flags [B, S]), or None."""
+  positions, the policy's new cache) under `decision`. ``run(tokens, positions=, instruments=, readout=,
+  **compute_fields)`` is the forward with params, config and the attention path bound (`compute_fields`: the
+  other `Compute` fields); tokens, positions: [B, S]; instruments: the call's `CallInstruments` over the S
+  positions — bias (a pairwise part's rows are taken at the subset's queries), statistics spec, query-group
+  weights [B, Q, S] or None, the `HookCall` (flags [B, S]) or None; confidence: the largest probability
+  the policy reads (`Confidence`)."""
   window = None if readout.window is None else readout.window
+  bias, weights = instruments.bias, instruments.query_weights
   n_seq = tokens.shape[1]
-  lm_head = head
-  head = head if readout.hidden else None
+  max_probability, lm_head = confidence.max_probability, confidence.head
+  head = lm_head if readout.hidden else None
 
   def full(_):
     if max_probability != "never" and window is not None and lm_head is not None:
       return full_every_row()
-    output = run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
-                 logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden,
-                 hooks=hooks)
+    output = run(tokens, positions=positions, instruments=instruments, readout=readout.replace(window=window),
+                 cache=policy.cache, cache_offset=0)
     if max_probability == "never":
       return output
     rows = output.hidden if readout.hidden else output.logits
@@ -143,8 +157,8 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
   def full_every_row():
     """The full call whose readout is a window, with the largest probability at every position (the official
     d2Cache confidence cache holds every generated position's): the LM head on all S rows."""
-    output = run(params, tokens, bias=bias, positions=positions, query_weights=weights, cache=policy.cache,
-                 cache_offset=0, return_hidden=True, hooks=hooks)
+    output = run(tokens, positions=positions, instruments=instruments, readout=Readout(hidden=True),
+                 cache=policy.cache, cache_offset=0)
     rows = jax.lax.dynamic_slice_in_dim(output.hidden, window[0] + readout.offset, window[1] - window[0], axis=1)
     output = output.replace(max_probability=_max_probability(output.hidden, lm_head))
     return output.replace(hidden=rows) if readout.hidden else output.replace(hidden=None, logits=lm_head(rows))
@@ -165,9 +179,10 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
         sub_weights = jnp.take_along_axis(weights, jnp.minimum(queries, n_seq - 1)[:, None, :],
                                           axis=2) * real[:, None, :]
       window_head = head_on_window(n)
-      call = functools.partial(run, params, gather_rows(tokens, queries), bias=_query_rows(bias, queries),
-                               positions=gather_rows(positions, queries), query_weights=sub_weights,
-                               cache=policy.cache, return_hidden=readout.hidden or window_head, hooks=hooks)
+      call = functools.partial(run, gather_rows(tokens, queries), positions=gather_rows(positions, queries),
+                               instruments=instruments.replace(bias=_query_rows(bias, queries),
+                                                               query_weights=sub_weights),
+                               readout=Readout(hidden=readout.hidden or window_head), cache=policy.cache)
       if decision.all_keys is None or decision.keys is None:
         output = call(subset=ComputeSubset(queries, decision.keys, refresh))
       else:  # a Fast-dLLM cache's call before the keys are chosen reads every cached position
@@ -189,13 +204,11 @@ def policy_forward(run: Callable[..., ForwardOutput], params, policy: PolicyStat
     return subset
 
   def blocks(_):
-    return run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=window,
-               logits_offset=readout.offset, cache=policy.cache, cache_offset=0, return_hidden=readout.hidden,
-               subset=ComputeSubset(None, key_blocks=decision.key_blocks), hooks=hooks)
+    return run(tokens, positions=positions, instruments=instruments, readout=readout.replace(window=window),
+               cache=policy.cache, cache_offset=0, subset=ComputeSubset(None, key_blocks=decision.key_blocks))
 
   if decision.reuse is not None:
-    return reuse_call.reuse_forward(run, params, policy.cache, decision.reuse, tokens, positions, bias, weights,
-                                    readout, hooks)
+    return reuse_call.reuse_forward(run, policy.cache, decision.reuse, tokens, positions, instruments, readout)
   if decision.key_blocks is not None:
     return jax.lax.cond(decision.full, full, blocks, None)
   if decision.queries is None:

@@ -118,7 +118,7 @@ class Sampler:
   """One sampler (module docstring).
 
   options_class: its options dataclass; make_options: builds one (the class, or a preset such as MMaDA's);
-  generate: its public function `generate(params, prompt, *, config, options, key, prompt_mask, ...)`
+  generate: its public function `generate(params, prompt, *, config, options, key, prompt_mask, setup)`
   returning a `Trace`; common_fields: `CommonSettings` field -> options field; kind: the model kind it
   decodes; default_shift: it is the default sampler of its kind for models with this `logit_shift` (None:
   for every model of its kind; `default` False: never the default); needs_mask_token: decodes from mask

@@ -12,26 +12,24 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from dlm_jax.core.attention_bias import AttentionBias
-from dlm_jax.instrument.hook_call import HookCall
 from dlm_jax.instrument.stats import ForwardOutput
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.reuse_layers import LayerReuse, ReuseCache
 from dlm_jax.policy.base import ReuseSchedule
-from dlm_jax.sampling.call_inputs import Readout
+from dlm_jax.model.forward_inputs import CallInstruments, Readout
 
 CASES = ((False, False), (False, True), (True, False), (True, True))
 """(prompt recomputed, response recomputed) of each `lax.switch` branch, in index order 2·prompt + gen."""
 
 
-def reuse_forward(run: Callable[..., ForwardOutput], params, cache: ReuseCache, schedule: ReuseSchedule,
-                  tokens: jax.Array, positions: jax.Array, bias: AttentionBias, weights: jax.Array | None,
-                  readout: Readout, hooks: HookCall | None = None) -> ForwardOutput:
+def reuse_forward(run: Callable[..., ForwardOutput], cache: ReuseCache, schedule: ReuseSchedule,
+                  tokens: jax.Array, positions: jax.Array, instruments: CallInstruments,
+                  readout: Readout) -> ForwardOutput:
   """The call's `ForwardOutput` (logits or hidden states of the readout window — every position is computed —,
-  statistics over the recomputed queries of each layer, the new `ReuseCache`). run: the forward with config,
-  statistics spec and attention path bound; tokens, positions: [B, S]; bias: the call's bias over the S
-  positions; weights: [B, Q, S] query-group weights or None; hooks: the call's `HookCall` (flags [B, S]) or
-  None."""
+  statistics over the recomputed queries of each layer, the new `ReuseCache`). run: the forward with params,
+  config and the attention path bound (`policy_call.policy_forward`); tokens, positions: [B, S]; instruments: the
+  call's `CallInstruments` over the S positions (bias, statistics spec, query-group weights [B, Q, S] or None,
+  the `HookCall` with flags [B, S] or None)."""
   queries = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32)[None], tokens.shape)
 
   def branch(case):
@@ -41,9 +39,8 @@ def reuse_forward(run: Callable[..., ForwardOutput], params, cache: ReuseCache, 
       reuse = LayerReuse(attn=cache.attn, ffn=cache.ffn, prompt_length=schedule.prompt_length,
                          count=schedule.count, refresh_prompt=prompt, refresh_gen=gen,
                          first_layer_full=schedule.first_layer_full)
-      return run(params, tokens, bias=bias, positions=positions, query_weights=weights, logits_window=readout.window,
-                 logits_offset=readout.offset, cache=cache.kv, return_hidden=readout.hidden,
-                 subset=ComputeSubset(queries, reuse=reuse), hooks=hooks)
+      return run(tokens, positions=positions, instruments=instruments, readout=readout, cache=cache.kv,
+                 subset=ComputeSubset(queries, reuse=reuse))
 
     return call
 

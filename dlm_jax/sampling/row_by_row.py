@@ -32,10 +32,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dlm_jax.instrument.hook_call import HookCall, row_slices
+from dlm_jax.config import ModelConfig
+from dlm_jax.instrument.hook_call import row_slices
 from dlm_jax.core.attention_bias import AttentionBias
 from dlm_jax.model.compute_subset import ComputeSubset
-from dlm_jax.model import DecoderCall, KVCache, forward
+from dlm_jax.model import forward
+from dlm_jax.model.forward_inputs import (DEFAULT_COMPUTE, FULL_READOUT, NO_INSTRUMENTS, CallInstruments, Compute,
+                                          Readout)
 from dlm_jax.instrument.stats import ForwardOutput
 
 CPU_COMPILER_OPTIONS: dict[str, str] = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -66,20 +69,22 @@ def _bias_axes(bias: AttentionBias) -> dict[str, int]:
   return {"pairwise": int(bias.pairwise_per_layer), "keys": int(bias.keys_per_layer), "zero_values": 0}
 
 
-def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: jax.Array,
-                 query_weights: jax.Array | None, cache: KVCache | None = None, decoder: DecoderCall | None = None,
-                 hooks: HookCall | None = None, subset: ComputeSubset | None = None, **static: Any) -> ForwardOutput:
+def forward_rows(params, tokens: jax.Array, *, config: ModelConfig, positions: jax.Array,
+                 instruments: CallInstruments = NO_INSTRUMENTS, readout: Readout = FULL_READOUT,
+                 compute: Compute = DEFAULT_COMPUTE) -> ForwardOutput:
   """`dlm_jax.model.forward(params, tokens, ...)` for tokens [B, T], one row at a time (module docstring).
 
   Arrays with a batch axis (tokens, positions [B, T], query_weights [B, Q, T], the bias's [B, ...] or
   [L, B, ...] arrays, the cache's [L, B, S, K, H], the `DecoderCall`'s self-conditioning inputs, a compute
   policy's `ComputeSubset` — queries [B, T], keys [L, B, m], a reuse's cached outputs [L, B, S, D]) are split by
-  row; a bias array broadcast over the batch (size 1) is shared. `static` holds forward's other keyword
-  arguments (config, stats_spec, logits_window, logits_offset, attention_impl, query_chunk, cache_offset,
-  return_hidden), the same for every row. Returns the `ForwardOutput` of the whole batch: logits and hidden
-  states joined on axis 0, every statistic on its batch axis 1 (`STATISTICS` layouts are [L', B, ...]),
-  captures on axis 0 (the hooks' batch-bearing arrays are split by row like the others).
+  row; a bias array broadcast over the batch (size 1) is shared. The other arguments (config, the statistics
+  spec, the readout, the attention path, the cache offset) are the same for every row. Returns the
+  `ForwardOutput` of the whole batch: logits and hidden states joined on axis 0, every statistic on its batch
+  axis 1 (`STATISTICS` layouts are [L', B, ...]), captures on axis 0 (the hooks' batch-bearing arrays are split
+  by row like the others).
   """
+  bias, query_weights, hooks = instruments.bias, instruments.query_weights, instruments.hooks
+  cache, decoder, subset = compute.cache, compute.decoder, compute.subset
   rows: dict[str, Any] = {"tokens": _split(tokens, 0), "positions": _split(positions, 0)}
   if query_weights is not None:
     rows["query_weights"] = _split(query_weights, 0)
@@ -112,10 +117,12 @@ def forward_rows(params, tokens: jax.Array, *, bias: AttentionBias, positions: j
   def one_row(row, shared_bias):
     row_bias = bias.replace(**shared_bias, **{name: row["bias_" + name] for name in _bias_axes(bias)
                                               if "bias_" + name in row})
-    return forward(params, row["tokens"], bias=row_bias, positions=row["positions"],
-                   query_weights=row.get("query_weights"), cache=row.get("cache"), decoder=row.get("decoder"),
-                   hooks=None if rebuild_hooks is None else rebuild_hooks(row["hooks"]), subset=row.get("subset"),
-                   **static)
+    row_instruments = instruments.replace(
+        bias=row_bias, query_weights=row.get("query_weights"),
+        hooks=None if rebuild_hooks is None else rebuild_hooks(row["hooks"]))
+    row_compute = compute.replace(cache=row.get("cache"), decoder=row.get("decoder"), subset=row.get("subset"))
+    return forward(params, row["tokens"], config=config, positions=row["positions"], instruments=row_instruments,
+                   readout=readout, compute=row_compute)
 
   out = _map_rows(one_row, rows, shared_bias)
   join = lambda x, axis: None if x is None else _join(x, axis)  # noqa: E731

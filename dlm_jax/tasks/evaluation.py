@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from dlm_jax.io import prompt_layout
+from dlm_jax.sampling.run_setup import RunSetup
 from dlm_jax.training import data as training_data
 
 
@@ -56,14 +57,14 @@ def complete(directory: str, questions: Sequence[str], *, prompt_len: int | None
       trace = sampler.generate(params, prompt, config=config, options=sampler.options(common, stop_at_eos=True),
                                prompt_mask=prompt != ids.pad)
     else:
-      kwargs = {}
+      setup = RunSetup()
       if sink != "none":
         from dlm_jax.instrument import interventions  # pylint: disable=import-outside-toplevel
         if sink != "front":
           raise NotImplementedError("Only a front sink token can be evaluated (it sits in the prompt).")
         prompt = np.asarray(interventions.add_sink_token(prompt, tokenizer.token_to_id("[SINK]"), "front"))
-        kwargs["intervention"] = interventions.SinkToken("front")
-      trace = sampler.generate(params, prompt, config=config, options=sampler.options(common), **kwargs)
+        setup = RunSetup(intervention=interventions.SinkToken("front"))
+      trace = sampler.generate(params, prompt, config=config, options=sampler.options(common), setup=setup)
     for row in np.asarray(trace.generated).tolist():
       stop = next((i for i, t in enumerate(row) if t in (ids.eos, ids.pad)), len(row))
       completions.append(tokenizer.decode(row[:stop], skip_special_tokens=True))

@@ -49,6 +49,7 @@ from dlm_jax.core.attention_bias import AttentionBias
 from dlm_jax.config import ModelConfig, logit_shift
 from dlm_jax.model import Params, forward, init_params
 from dlm_jax.runtime.sharding import ShardingRules
+from dlm_jax.model.forward_inputs import CallInstruments, Compute, Readout
 
 ObjectiveKind = Literal["pretrain", "sft", "ar", "uniform"]
 Placement = Literal["front", "end"]
@@ -187,11 +188,11 @@ def model_logits(params: Params, tokens: jax.Array, *, config: ModelConfig, sink
                  attention_impl: str = "chunked") -> jax.Array:
   """float32 logits [B, L, V] for tokens [B, L]; with a sink, it is inserted and its output dropped."""
   if sink is None:
-    return forward(params, tokens, config=config, attention_impl=attention_impl).logits
+    return forward(params, tokens, config=config, compute=Compute(attention_impl=attention_impl)).logits
   batch, length = tokens.shape
   return forward(params, sink.insert(tokens), config=config, positions=sink.positions(batch, length),
-                 bias=AttentionBias(pairwise=sink.bias(length)), logits_window=sink.window(length),
-                 attention_impl=attention_impl).logits
+                 instruments=CallInstruments(bias=AttentionBias(pairwise=sink.bias(length))),
+                 readout=Readout(window=sink.window(length)), compute=Compute(attention_impl=attention_impl)).logits
 
 
 def _aligned_logits(outputs: jax.Array, shift: int) -> jax.Array:

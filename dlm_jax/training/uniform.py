@@ -29,6 +29,7 @@ import optax
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import DecoderCall, KVCache, Params, forward
+from dlm_jax.model.forward_inputs import Compute, Readout
 
 UNIFORM_EPS = 1e-3
 
@@ -99,13 +100,13 @@ def canvas_logits(params: Params, prompt: jax.Array, noisy: jax.Array, draws: Un
   and a noisy canvas [B, C]."""
   b, p = prompt.shape
   cache = KVCache.zeros(config, b, p + noisy.shape[1], params["embed"]["embedding"].dtype)
-  encoded = forward(params, prompt, config=config, cache=cache, cache_offset=0, logits_window=(p - 1, p),
-                    attention_impl=attention_impl).cache
+  encoded = forward(params, prompt, config=config, readout=Readout(window=(p - 1, p)),
+                    compute=Compute(attention_impl=attention_impl, cache=cache, cache_offset=0)).cache
 
   def decode(sc_logits, sc_mask):
-    return forward(params, noisy, config=config, cache=encoded, cache_offset=p,
-                   decoder=DecoderCall(self_conditioning_logits=sc_logits, self_conditioning_mask=sc_mask),
-                   attention_impl=attention_impl).logits
+    decoder = DecoderCall(self_conditioning_logits=sc_logits, self_conditioning_mask=sc_mask)
+    return forward(params, noisy, config=config, compute=Compute(attention_impl=attention_impl, cache=encoded,
+                                                                 cache_offset=p, decoder=decoder)).logits
 
   first = jax.lax.stop_gradient(decode(None, None))
   return decode(first / draws.temperature[:, None, None], draws.self_conditioned)

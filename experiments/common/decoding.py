@@ -105,13 +105,16 @@ def masker_state(model: Model, intervention, masker, batch: int, total: int, k: 
 def sampler(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,
             key: jax.Array, stats_spec=None, intervention=None, intervention_state=None, params=None):
   """The model's sampler on a batch (placed on the mesh when there is one) with everything bound but its
-  activation hooks: a function sample(hooks=..., hook_values=...) -> `Trace` (defaults: none), without the
-  finiteness check of `generate` (so that `jax.eval_shape` can run it, e.g. `capture_budget.check`).
+  activation hooks: a `functools.partial` sample(hooks=..., hook_values=...) -> `Trace` (defaults: none; its
+  first bound argument is the weights), without the finiteness check of `generate` (so that `jax.eval_shape`
+  can run it, e.g. `capture_budget.check`).
 
   values: `dlm_jax.session.model_settings`; intervention: the complete intervention (see
   `combined_intervention`); None = the model's own; params: the weights (default the model's; e.g. abstract
   ones under `jax.eval_shape`)."""
   from dlm_jax.instrument.stats import NO_STATS  # pylint: disable=import-outside-toplevel
+  from dlm_jax.policy.base import NO_POLICY  # pylint: disable=import-outside-toplevel
+  from dlm_jax.sampling.run_setup import RunSetup  # pylint: disable=import-outside-toplevel
   if intervention is None:
     intervention = combined_intervention(model)
   prompt = devices.place_batch(prompts.ids, runtime)
@@ -119,14 +122,25 @@ def sampler(model: Model, values: dict[str, Any], prompts: Prompts, runtime: dev
   if intervention_state is not None:
     intervention_state = devices.replicate(intervention_state, runtime)
   options = sampler_options.from_values(values, model.config, mask is not None, tuple(prompts_lib.end_ids(model)))
-  kwargs = dict(config=model.config, options=options, key=key, prompt_mask=mask, stats_spec=stats_spec or NO_STATS,
-                intervention=intervention, intervention_state=intervention_state,
-                attention_impl=numerics.attention_impl, query_chunk=numerics.query_chunk,
-                batch_invariant=numerics.batch_invariant)
   policy = sink_token_kept(model, DecodingMode.from_record(values).compute_policy())
-  if policy.enabled:
-    kwargs["policy"] = policy
-  return functools.partial(model.decoder.generate, model.params if params is None else params, prompt, **kwargs)
+  setup = RunSetup(stats_spec=stats_spec or NO_STATS, intervention=intervention,
+                   intervention_state=intervention_state, attention_impl=numerics.attention_impl,
+                   query_chunk=numerics.query_chunk, batch_invariant=numerics.batch_invariant,
+                   policy=policy if policy.enabled else NO_POLICY)
+  return functools.partial(_with_hooks(model.decoder.generate), model.params if params is None else params, prompt,
+                           config=model.config, options=options, key=key, prompt_mask=mask, setup=setup)
+
+
+def _with_hooks(generate):
+  """generate(params, prompt, ..., setup=...) taking the hooks and their values apart from the rest of its
+  `RunSetup`: sample(params, prompt, *, setup, hooks=None, hook_values=None, **data)."""
+
+  def sample(params, prompt, *, setup, hooks=None, hook_values=None, **data):
+    from dlm_jax.instrument.hook_spec import NO_HOOKS  # pylint: disable=import-outside-toplevel
+    setup = dataclasses.replace(setup, hooks=NO_HOOKS if hooks is None else hooks, hook_values=hook_values)
+    return generate(params, prompt, setup=setup, **data)
+
+  return sample
 
 
 def generate(model: Model, values: dict[str, Any], prompts: Prompts, runtime: devices.Runtime, numerics, *,

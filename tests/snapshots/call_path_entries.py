@@ -6,10 +6,11 @@ Only public entry points are called, the ones the guides and the binaries use:
   models        dlm_jax.io.checkpoint.load, dlm_jax.default_models.path, dlm_jax.config.preset,
                 dlm_jax.model.init_params / flatten_params / unflatten_params
   samplers      dlm_jax.sampling.registry.get(name) -> Sampler: .options(CommonSettings(...), **own),
-                .generate(params, prompt, *, config, options, key, prompt_mask, stats_spec, sink_top_k,
-                intervention, intervention_state, record_intervention, batch_invariant, hooks, hook_values)
-                -> Trace (the call `experiments.generate` and `experiments.common.decoding` make)
-  plain calls   dlm_jax.model.forward(params, tokens, *, config, stats_spec, query_weights);
+                .generate(params, prompt, *, config, options, key, prompt_mask, setup=RunSetup(stats_spec,
+                sink_top_k, intervention, intervention_state, record_intervention, batch_invariant, hooks,
+                hook_values)) -> Trace (the call `experiments.generate` and `experiments.common.decoding` make)
+  plain calls   dlm_jax.model.forward(params, tokens, *, config, instruments=CallInstruments(stats_spec,
+                query_weights));
                 dlm_jax.sampling.call_plan.intervened_forward(params, tokens, intervention, state, *,
                 config, step, stats_spec, hooks=HookCall(hooks=..., values=...))
   specs         dlm_jax.instrument.stats.StatsSpec; interventions MaskPreviousSinks(AR), MaskKeys, SinkToken,
@@ -42,6 +43,7 @@ from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.instrument.step_schedule import CoefficientSchedule, Gate, StepSchedule
 from dlm_jax.io import checkpoint
 from dlm_jax.sampling import corpus_prior, decoding_rules, registry
+from dlm_jax.sampling.run_setup import RunSetup
 
 from call_path_cases import Case
 
@@ -269,7 +271,7 @@ def run_sampler(case: Case, config, params) -> dict[str, np.ndarray]:
   if case.batch_invariant:
     kwargs["batch_invariant"] = True
   trace = sampler.generate(params, jnp.asarray(ids), config=config, options=options, key=sampler_key(case, batch),
-                           prompt_mask=None if mask is None else jnp.asarray(mask), **kwargs)
+                           prompt_mask=None if mask is None else jnp.asarray(mask), setup=RunSetup(**kwargs))
   out = {}
   for field in TRACE_FIELDS:
     out.update(_arrays(field, getattr(trace, field, None)))
@@ -298,7 +300,8 @@ def run_forward(case: Case, config, params) -> dict[str, np.ndarray]:
   if spec.query_groups:
     is_mask = tokens == config.mask_token_id
     weights = jnp.asarray(np.stack([is_mask, ~is_mask], axis=1).astype(np.float32))
-  output = model.forward(params, jnp.asarray(tokens), config=config, stats_spec=spec, query_weights=weights)
+  output = model.forward(params, jnp.asarray(tokens), config=config,
+                         instruments=model.CallInstruments(stats_spec=spec, query_weights=weights))
   return _forward_arrays("", output)
 
 
