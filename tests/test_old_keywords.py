@@ -1,6 +1,7 @@
-"""The deprecated keywords of the call path's entry points (`dlm_jax.core.old_keywords`): `forward` and every
-sampler still take their old keywords, give results bitwise equal to the new structs' and warn once naming the
-new field; an old keyword with its struct, or an unknown keyword, is a TypeError."""
+"""The deprecated keywords of the call path's entry points (`dlm_jax.core.old_keywords`): `forward`, every
+sampler, `attention` and `block_sparse_attention` still take their old keywords, give results bitwise equal to
+the new structs' and warn once naming the new field; an old keyword with its struct, or an unknown keyword, is a
+TypeError."""
 
 import functools
 import warnings
@@ -15,6 +16,8 @@ from dlm_jax.config import preset
 from dlm_jax.core.attention_bias import AttentionBias
 from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.model import CallInstruments, Compute, Readout
+from dlm_jax.model.attention import AttentionComputation, Visibility, attention
+from dlm_jax.model.block_sparse_attention import KeyBlocks, block_sparse_attention
 from dlm_jax.sampling import autoregressive, block_diffusion, diffusion_gemma, driver, dream, llada
 from dlm_jax.sampling.run_setup import RunSetup
 
@@ -84,13 +87,14 @@ def test_sampler_old_keywords_equal_the_setup(name):
   params = params_for(config_name)
   prompt = np.array([[17, 42, 9, 31]], np.int32)
   if generate is None:
-    run = lambda **kw: driver.run_family(_llada_family(config, options, prompt), params, prompt, config=config,  # noqa: E731
-                                         key=jax.random.key(1), **kw)
+    family = _llada_family(config, options, prompt)
+    run = lambda **kw: driver.run_family(family, params, prompt, config=config, key=jax.random.key(1), **kw)  # noqa: E731
   else:
-    run = lambda **kw: generate(params, prompt, config=config, options=options, key=jax.random.key(1), **kw)  # noqa: E731
+    run = functools.partial(generate, params, prompt, config=config, options=options, key=jax.random.key(1))
   new = run(setup=RunSetup(stats_spec=SPEC, sink_top_k=1))
   old = _one_deprecation(lambda: run(stats_spec=SPEC, sink_top_k=1),
-                         "(stats_spec=, sink_top_k=) is deprecated; use setup=RunSetup(stats_spec=..., sink_top_k=...).")
+                         "(stats_spec=, sink_top_k=) is deprecated; use setup=RunSetup(stats_spec=..., "
+                         "sink_top_k=...).")
   np.testing.assert_array_equal(old.tokens, new.tokens)
   np.testing.assert_array_equal(old.stats["incoming_attention"], new.stats["incoming_attention"])
   np.testing.assert_array_equal(old.top_sinks, new.top_sinks)
@@ -98,3 +102,33 @@ def test_sampler_old_keywords_equal_the_setup(name):
     run(setup=RunSetup(), loop="python")
   with pytest.raises(TypeError, match="unexpected keyword argument 'stat_spec'"):
     run(stat_spec=SPEC)
+
+
+def test_attention_old_keywords_equal_the_structs():
+  """`attention` and `block_sparse_attention` (issue 35's last two call-path functions over 8 parameters)."""
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 6, 4, 8)), jnp.float32) for _ in range(3))
+  keys = jnp.zeros((1, 1, 6)).at[..., 4].set(-1e9)
+  weights = jnp.ones((1, 1, 6))
+  new = attention(q, k, v, scale=0.3, visibility=Visibility(causal=True, window=3),
+                  bias=AttentionBias(keys=keys), computation=AttentionComputation(query_weights=weights,
+                                                                                 with_incoming=True, impl="dense"))
+  old = _one_deprecation(lambda: attention(q, k, v, scale=0.3, causal=True, window=3, key_bias=keys,
+                                           query_weights=weights, with_incoming=True, impl="dense"),
+                         "use visibility=Visibility(causal=..., window=...), bias=AttentionBias(keys=...), "
+                         "computation=AttentionComputation(query_weights=..., with_incoming=..., impl=...).")
+  assert np.abs(np.asarray(new[1])).sum() > 0
+  for a, b in zip(old, new):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(TypeError, match=r"attention\(\) got both causal= and visibility="):
+    attention(q, k, v, scale=0.3, visibility=Visibility(), causal=True)
+  blocks = KeyBlocks(jnp.zeros((1, 4, 2, 1), jnp.int32), 3)
+  new = block_sparse_attention(q, k, v, blocks, scale=0.3, bias=AttentionBias(keys=keys),
+                               computation=AttentionComputation(query_weights=weights, with_incoming=True))
+  old = _one_deprecation(lambda: block_sparse_attention(q, k, v, blocks, scale=0.3, key_bias=keys,
+                                                        query_weights=weights, with_incoming=True),
+                         "block_sparse_attention(key_bias=, query_weights=, with_incoming=) is deprecated")
+  for a, b in zip(old, new):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(TypeError, match="unexpected keyword argument 'causal'"):
+    block_sparse_attention(q, k, v, blocks, scale=0.3, causal=True)

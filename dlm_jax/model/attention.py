@@ -25,16 +25,17 @@ exactly zero probability.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 
 from dlm_jax.core.attention_bias import MASK_VALUE, NO_BIAS, AttentionBias
+from dlm_jax.core.old_keywords import fold_old_keywords
+from dlm_jax.model.attention_inputs import (ATTENTION_MOVES, DEFAULT_COMPUTATION, NO_VISIBILITY_LIMIT,
+                                            AttentionComputation, AttentionImpl, Visibility)
 
-__all__ = ["MASK_VALUE", "NO_BIAS", "AttentionBias", "AttentionImpl", "attention"]
+__all__ = ["MASK_VALUE", "NO_BIAS", "AttentionBias", "AttentionComputation", "AttentionImpl", "Visibility",
+           "attention"]
 
-AttentionImpl = Literal["dense", "chunked", "fused"]
 
 
 def _heads_to_kv_groups(bias: jax.Array, n_kv_heads: int) -> jax.Array:
@@ -128,17 +129,10 @@ def attention(
     v: jax.Array,
     *,
     scale: float,
-    causal: bool = False,
-    block_size: int | None = None,
-    window: int | None = None,
-    pairwise_bias: jax.Array | None = None,
-    key_bias: jax.Array | None = None,
-    query_weights: jax.Array | None = None,
-    query_offset: jax.Array | int = 0,
-    with_incoming: bool = False,
-    impl: AttentionImpl = "chunked",
-    query_chunk: int = 128,
-    with_rows: bool = False,
+    visibility: Visibility = NO_VISIBILITY_LIMIT,
+    bias: AttentionBias = NO_BIAS,
+    computation: AttentionComputation = DEFAULT_COMPUTATION,
+    **old_keywords,
 ) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
   """Scaled dot-product attention with additive biases and exact incoming-attention statistics.
 
@@ -146,31 +140,35 @@ def attention(
     q: [B, T, N, H] queries (RoPE applied).
     k, v: [B, S, K, H] keys and values; N must be a multiple of K.
     scale: multiplier of q·k (1/√H for the supported models).
-    causal: query at sequence index i sees keys 0..i (sequence index = query_offset + row).
-    block_size: None, or B for block-causal attention: query at sequence index i sees key j iff
-      j // B <= i // B (bidirectional inside a block of B positions, causal across blocks; the grid starts
-      at sequence index 0). Combined with `causal` by intersection.
-    window: None, or W for sliding-window attention: query at sequence index i sees key j only if
-      i − j < W (with `causal`: the W keys i−W+1..i). Combined with the other patterns by intersection.
-    pairwise_bias: [B|1, N|1, T|1, S] additive bias, or None.
-    key_bias: [B|1, N|1, S] additive per-key bias broadcast over queries (key masks, padding), or None.
-    query_weights: [B, Q, T] weights of the queries in each statistics group; None means one group with
-      weight 1 for every query.
-    query_offset: sequence index of the first query (decoding with a KV cache); scalar, may be traced.
-    with_incoming: also return the incoming attention.
-    impl: "dense" (reference), "chunked" (exact, O(N·chunk·S) memory) or "fused" (fused kernel plus a
-      chunked log-sum-exp pass for the statistics).
-    query_chunk: queries per chunk in the chunked path and in the fused path's statistics pass.
-    with_rows: also return the attention rows: every query's softmax probabilities over the S keys after
-      every bias and mask, averaged over the N query heads (what d2Cache's rollout reads,
-      `dlm_jax.policy.d2cache`). Reduced where the probabilities are formed (dense, each chunk, the fused
-      path's log-sum-exp pass): N·T·S additions besides the attention, a [B, T, S] result.
+    visibility: which keys each query sees (`attention_inputs.Visibility`: causal, block_size, window,
+      query_offset).
+    bias: `AttentionBias` with pairwise [B|1, N|1, T|1, S] and per-key [B|1, N|1, S] additive parts (broadcast
+      over queries: key masks, padding), each or both None; not per layer.
+    computation: what comes back and how (`attention_inputs.AttentionComputation`: query_weights [B, Q, T],
+      with_incoming, with_rows, impl, query_chunk). with_rows: also return the attention rows, every query's
+      softmax probabilities over the S keys after every bias and mask, averaged over the N query heads (what
+      d2Cache's rollout reads, `dlm_jax.policy.d2cache`), reduced where the probabilities are formed (dense,
+      each chunk, the fused path's log-sum-exp pass): N·T·S additions besides the attention, a [B, T, S]
+      result.
+    old_keywords: the keywords before these structs (causal=, pairwise_bias=, impl=, ...): deprecated, each
+      moved into its field (`attention_inputs.ATTENTION_MOVES`) with a DeprecationWarning.
 
   Returns:
     out: [B, T, N, H] in v's dtype.
     incoming: [B, Q, N, S] float32 — Σ_t weight[b, q, t] · P[b, n, t, s] — or None.
     rows (only with `with_rows`): [B, T, S] float32 — mean_n P[b, n, t, s].
   """
+  moved = fold_old_keywords("attention", old_keywords, ATTENTION_MOVES,
+                            {"visibility": visibility, "bias": bias, "computation": computation},
+                            {"visibility": NO_VISIBILITY_LIMIT, "bias": NO_BIAS, "computation": DEFAULT_COMPUTATION})
+  visibility, bias, computation = moved["visibility"], moved["bias"], moved["computation"]
+  if bias.pairwise_per_layer or bias.keys_per_layer:
+    raise ValueError("attention takes one layer's bias: AttentionBias without a per-layer axis.")
+  causal, block_size, window, query_offset = (visibility.causal, visibility.block_size, visibility.window,
+                                              visibility.query_offset)
+  pairwise_bias, key_bias = bias.pairwise, bias.keys
+  query_weights, with_incoming, with_rows = computation.query_weights, computation.with_incoming, computation.with_rows
+  impl, query_chunk = computation.impl, computation.query_chunk
   _check_shapes(q, k, v, pairwise_bias, key_bias, query_weights)
   if impl not in ("dense", "chunked", "fused"):
     raise ValueError(f"impl must be 'dense', 'chunked' or 'fused', got {impl!r}.")

@@ -11,8 +11,9 @@ from flax import nnx
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.site_hooks import SiteHooks, at
-from dlm_jax.core.attention_bias import MASK_VALUE
+from dlm_jax.core.attention_bias import MASK_VALUE, AttentionBias
 from dlm_jax.model.attention import attention
+from dlm_jax.model.attention_inputs import AttentionComputation, Visibility
 from dlm_jax.model.block_sparse_attention import block_sparse_attention
 from dlm_jax.model.compute_subset import ComputeSubset, gather_rows, scatter_rows
 from dlm_jax.model.primitives import RMSNorm, fused_linear, linear, rms_normalize
@@ -129,43 +130,42 @@ class Attention(nnx.Module):
     decoder = call.mode == "decode"
     window = c.sliding_window if self.kind == "s" and c.layer_pattern is not None and not decoder else None
     scale = 1.0 / math.sqrt(h) if c.attention_scale is None else c.attention_scale
-    common = dict(scale=scale, causal=c.causal and not decoder, block_size=c.attention_block_size, window=window,
-                  pairwise_bias=call.pairwise_bias, key_bias=key_bias, query_offset=call.cache_offset,
-                  impl=call.impl, query_chunk=call.query_chunk)
+    common = dict(scale=scale, visibility=Visibility(causal=c.causal and not decoder, block_size=c.attention_block_size,
+                                                     window=window, query_offset=call.cache_offset),
+                  bias=AttentionBias(pairwise=call.pairwise_bias, keys=key_bias))
+    computation = AttentionComputation(query_weights=call.query_weights, with_incoming=call.with_incoming,
+                                       with_rows=call.with_rows, impl=call.impl, query_chunk=call.query_chunk)
     rows = None
     if subset is not None and call.key_index is not None:
-      out, incoming, rows = self._key_subset(q, k, v, call.key_index, subset, call.query_weights,
-                                             call.with_incoming, common, call.with_rows)
+      out, incoming, rows = self._key_subset(q, k, v, call.key_index, subset, computation, common)
     elif call.key_blocks is not None:
-      out, incoming = block_sparse_attention(q, k, v, call.key_blocks, scale=scale, key_bias=key_bias,
-                                             pairwise_bias=call.pairwise_bias, query_weights=call.query_weights,
-                                             with_incoming=call.with_incoming, impl=call.impl)
+      out, incoming = block_sparse_attention(q, k, v, call.key_blocks, scale=scale, bias=common["bias"],
+                                             computation=computation)
     elif call.with_rows:
-      out, incoming, rows = attention(q, k, v, query_weights=call.query_weights, with_incoming=call.with_incoming,
-                                      with_rows=True, **common)
+      out, incoming, rows = attention(q, k, v, computation=computation, **common)
     else:
-      out, incoming = attention(q, k, v, query_weights=call.query_weights, with_incoming=call.with_incoming,
-                                **common)
+      out, incoming = attention(q, k, v, computation=computation, **common)
     if hooks is not None and hooks.wants("attn.hook_pattern"):
-      hooks.pattern(lambda weights: self._probabilities(q, k, v, weights, call, subset, common, key_bias, scale), t, b)
+      hooks.pattern(lambda weights: self._probabilities(q, k, v, weights, call, subset, common, computation), t, b)
     out = at(hooks, "attn.hook_z", out)
     if decoder:
       k, v = given_cache
     return self.o(out.reshape(b, t, c.n_heads * h)), AttentionReadings(incoming, k, v, q, rows)
 
-  def _probabilities(self, q, k, v, weights, call: AttentionCall, subset, common, key_bias, scale) -> jax.Array:
+  def _probabilities(self, q, k, v, weights, call: AttentionCall, subset, common, computation) -> jax.Array:
     """[B, P, N, S] the attention probabilities of the query weights [B, P, T] (one-hot: chosen queries) over
     the keys this call's queries read: the layer's key subset, its kept key blocks, or every key."""
+    computation = AttentionComputation(query_weights=weights, with_incoming=True, impl=computation.impl,
+                                       query_chunk=computation.query_chunk)
     if subset is not None and call.key_index is not None:
-      return self._key_subset(q, k, v, call.key_index, subset, weights, True, common)[1]
+      return self._key_subset(q, k, v, call.key_index, subset, computation, common)[1]
     if call.key_blocks is not None:
-      return block_sparse_attention(q, k, v, call.key_blocks, scale=scale, key_bias=key_bias,
-                                    pairwise_bias=call.pairwise_bias, query_weights=weights, with_incoming=True,
-                                    impl=call.impl)[1]
-    return attention(q, k, v, query_weights=weights, with_incoming=True, **common)[1]
+      return block_sparse_attention(q, k, v, call.key_blocks, scale=common["scale"], bias=common["bias"],
+                                    computation=computation)[1]
+    return attention(q, k, v, computation=computation, **common)[1]
 
   @staticmethod
-  def _key_subset(q, k, v, key_index, subset, query_weights, with_incoming, common, with_rows=False):
+  def _key_subset(q, k, v, key_index, subset, computation: AttentionComputation, common):
     """Attention of the queries over the cached positions key_index [B, m] and their own (subset.queries):
     the keys are gathered (padded entries masked), the key bias with them, and the incoming attention (and
     the rows) are scattered back onto the S positions. Returns (out, incoming [B, Q, N, S] or None, rows
@@ -174,7 +174,7 @@ class Attention(nnx.Module):
     positions = jnp.concatenate([key_index, subset.queries], axis=1)  # [B, m + T]
     padded = jnp.where(positions >= n_seq, MASK_VALUE, 0.0).astype(jnp.float32)[:, None, :]
     at = jnp.minimum(positions, n_seq - 1)
-    key_bias, pairwise = common["key_bias"], common["pairwise_bias"]
+    key_bias, pairwise = common["bias"].keys, common["bias"].pairwise
     key_bias = padded if key_bias is None else jnp.maximum(
         jnp.take_along_axis(jnp.broadcast_to(key_bias, (at.shape[0], key_bias.shape[1], n_seq)), at[:, None, :],
                             axis=2) + padded, MASK_VALUE)
@@ -182,15 +182,15 @@ class Attention(nnx.Module):
       pairwise = jnp.broadcast_to(pairwise, (at.shape[0], *pairwise.shape[1:]))
       pairwise = jnp.take_along_axis(pairwise, at[:, None, None, :], axis=3)
     out, incoming, *rest = attention(q, gather_rows(k, positions), gather_rows(v, positions),
-                                     query_weights=query_weights, with_incoming=with_incoming, with_rows=with_rows,
-                                     **{**common, "key_bias": key_bias, "pairwise_bias": pairwise})
+                                     computation=computation,
+                                     **{**common, "bias": AttentionBias(pairwise=pairwise, keys=key_bias)})
     batch_rows = jnp.arange(positions.shape[0])[:, None]
     if incoming is not None:
       moved = jnp.moveaxis(incoming, -1, 1)  # [B, m + T, Q, N]
       incoming = jnp.moveaxis(jnp.zeros((positions.shape[0], n_seq, *moved.shape[2:]), incoming.dtype)
                               .at[batch_rows, positions].add(moved, mode="drop"), 1, -1)
     rows = None
-    if with_rows:
+    if computation.with_rows:
       moved = jnp.moveaxis(rest[0], -1, 1)  # [B, m + T, T]
       rows = jnp.moveaxis(jnp.zeros((positions.shape[0], n_seq, moved.shape[2]), moved.dtype)
                           .at[batch_rows, positions].add(moved, mode="drop"), 1, -1)

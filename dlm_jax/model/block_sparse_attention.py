@@ -20,7 +20,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dlm_jax.core.attention_bias import MASK_VALUE
+from dlm_jax.core.attention_bias import MASK_VALUE, NO_BIAS, AttentionBias
+from dlm_jax.core.old_keywords import fold_old_keywords
+from dlm_jax.model.attention_inputs import ATTENTION_MOVES, DEFAULT_COMPUTATION, AttentionComputation
+
+_MOVES = {name: move for name, move in ATTENTION_MOVES.items()
+          if name in ("key_bias", "pairwise_bias", "query_weights", "with_incoming", "impl")}
+"""block_sparse_attention's old keywords (`attention_inputs.ATTENTION_MOVES` of the ones it took)."""
 
 
 @struct.dataclass
@@ -49,20 +55,31 @@ def _key_bias_blocks(key_bias, batch: int, heads: int, seq_len: int, block_size:
 
 
 def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: KeyBlocks, *, scale: float,
-                           key_bias: jax.Array | None = None, pairwise_bias: jax.Array | None = None,
-                           query_weights: jax.Array | None = None, with_incoming: bool = False,
-                           impl: str = "chunked") -> tuple[jax.Array, jax.Array | None]:
+                           bias: AttentionBias = NO_BIAS, computation: AttentionComputation = DEFAULT_COMPUTATION,
+                           **old_keywords) -> tuple[jax.Array, jax.Array | None]:
   """Attention of every query over its head's kept key blocks (module docstring).
 
   q: [B, T, N, H] with T = S (every position is a query); k, v: [B, S, K, H] (query head n reads key head
-  n // (N / K)); blocks: one layer's `KeyBlocks` ([B, N, nQb, m]); scale: multiplier of q·k; key_bias:
-  [B|1, N|1, S] or None; pairwise_bias: [B|1, N|1, T|1, S] or None; query_weights: [B, Q, T] or None (one
-  group of every query); with_incoming: also return the incoming attention; impl: "dense" computes every query
-  block at once (no loop: XLA's cost analysis counts it whole), "chunked" or "fused" one query block after the
-  other (`lax.scan`, memory O(B·N·bs·m·bs)).
+  n // (N / K)); blocks: one layer's `KeyBlocks` ([B, N, nQb, m]); scale: multiplier of q·k; bias: its keys
+  part [B|1, N|1, S] and pairwise part [B|1, N|1, T|1, S], each or both None; computation
+  (`attention_inputs.AttentionComputation`): query_weights [B, Q, T] or None (one group of every query),
+  with_incoming (also return the incoming attention), impl ("dense" computes every query block at once, no
+  loop: XLA's cost analysis counts it whole; "chunked" or "fused" one query block after the other, `lax.scan`,
+  memory O(B·N·bs·m·bs)); its with_rows is refused and query_chunk unused. old_keywords: key_bias=,
+  pairwise_bias=, query_weights=, with_incoming=, impl= (deprecated: moved into bias / computation with a
+  DeprecationWarning).
 
   Returns out [B, T, N, H] in v's dtype and incoming [B, Q, N, S] float32 (Σ_t w[b, q, t]·P[b, n, t, s]) or None.
   """
+  moved = fold_old_keywords("block_sparse_attention", old_keywords, _MOVES,
+                            {"bias": bias, "computation": computation},
+                            {"bias": NO_BIAS, "computation": DEFAULT_COMPUTATION})
+  bias, computation = moved["bias"], moved["computation"]
+  if computation.with_rows:
+    raise ValueError("block_sparse_attention returns no attention rows: AttentionComputation.with_rows must be "
+                     "False.")
+  key_bias, pairwise_bias = bias.keys, bias.pairwise
+  query_weights, with_incoming, impl = computation.query_weights, computation.with_incoming, computation.impl
   b, t, n, h = q.shape
   s, kv = k.shape[1], k.shape[2]
   if t != s:
