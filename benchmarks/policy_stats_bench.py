@@ -23,11 +23,14 @@ The CPU model and the load average before and after are printed; results go to -
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 from absl import app, flags
@@ -84,24 +87,28 @@ def checked_policies() -> dict:
 def checked_rules() -> dict:
   """{spec: (rule, its KV cache)} of --rules (`dlm_jax.session.decoding_mode.from_spec`), each checked in one line
   before any model work; pc's prior, unless a file is named, counted from random tokens of the benchmark's
-  vocabulary."""
+  vocabulary and written to a temporary file (removed at exit)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
 
   from dlm_jax.sampling import corpus_prior, decoding_rules  # pylint: disable=import-outside-toplevel
   from dlm_jax.session import decoding_mode  # pylint: disable=import-outside-toplevel
   rules = {}
   for spec in _RULES.value:
-    name = spec.partition(":")[0]
+    name, sep, _ = spec.partition(":")
     if name not in decoding_rules.RULE_NAMES:
       fail(f"--rules: {spec}: expected a decoding rule, one of {', '.join(decoding_rules.RULE_NAMES)}")
-    knobs = {}
+    parsed = spec
     if name == "pc" and "prior=" not in spec:
+      directory = tempfile.mkdtemp(prefix="policy_stats_bench_prior_")
+      atexit.register(shutil.rmtree, directory, ignore_errors=True)
+      path = os.path.join(directory, "prior.json")
       vocab = {str(i): i for i in range(_VOCAB.value)}
       tokens = np.random.default_rng(2).integers(0, _VOCAB.value, size=4096).tolist()
-      knobs["prior"] = corpus_prior.from_document(corpus_prior.count([tokens], vocab, _VOCAB.value))
+      corpus_prior.save(corpus_prior.count([tokens], vocab, _VOCAB.value), path)
+      parsed = f"{spec}+prior={path}" if sep else f"pc:prior={path}"
     try:
-      mode = decoding_mode.from_spec(spec)
-      rules[spec] = (decoding_rules.rule_from_name(name, **dict(mode.knobs, **knobs)), mode.rule_cache)
+      mode = decoding_mode.from_spec(parsed)
+      rules[spec] = (mode.decoding_rule(), mode.rule_cache)
     except ValueError as error:
       fail(f"--rules: {spec}: {error}")
   return rules
