@@ -36,7 +36,6 @@ import time
 from absl import app, flags
 
 from benchmarks.machine import cpu_model
-from dlm_jax.sampling.run_setup import RunSetup
 
 NAME = "benchmarks.policy_stats_bench"
 
@@ -127,6 +126,7 @@ def main(argv: list[str]) -> None:
   from dlm_jax.policy.base import PolicyError  # pylint: disable=import-outside-toplevel
   from dlm_jax.policy.registry import parse_policy  # pylint: disable=import-outside-toplevel
   from dlm_jax.sampling import llada  # pylint: disable=import-outside-toplevel
+  from dlm_jax.sampling.run_setup import RunSetup  # pylint: disable=import-outside-toplevel
 
   width, vocab = _WIDTH.value, _VOCAB.value
   config = ModelConfig(name=f"bench-{width}", d_model=width, n_layers=_LAYERS.value, n_heads=_HEADS.value,
