@@ -95,6 +95,16 @@ def softmax(z):
   return e / e.sum(-1, keepdims=True)
 
 
+def klass_observe(p, p_prev, history):
+  """One call of KLASS's originals (its LLaDA and Dream code alike): x0 = argmax of p [S, V], its probability,
+  and the KL history [S, h] shifted left with KL(p‖p_prev) (eps 1e-12) appended."""
+  x0 = p.argmax(-1)
+  kl = (p * (np.log(p + 1e-12) - np.log(p_prev + 1e-12))).sum(-1)
+  history = np.roll(history, -1, axis=-1)
+  history[:, -1] = kl
+  return x0, p[np.arange(len(p)), x0], history
+
+
 def top(scores, k):
   """Indices of the k largest scores, lowest index first among equals."""
   return np.argsort(-scores, kind="stable")[:k]
@@ -160,11 +170,7 @@ def klass_original(prompt, rule, steps_per_block, block, top_k=None):
       if not mask_index.any():
         break
       p = softmax(logits_of(r.x, lo))
-      x0 = p.argmax(-1)
-      conf = p[np.arange(s), x0]
-      kl = (p * (np.log(p + 1e-12) - np.log(p_prev + 1e-12))).sum(-1)
-      history = np.roll(history, -1, axis=-1)
-      history[:, -1] = kl
+      x0, conf, history = klass_observe(p, p_prev, history)
       p_prev = p
       stable = np.all(history < rule.kl_threshold, -1) if step >= rule.kl_history_length - 1 else np.zeros(s, bool)
       ready = np.nonzero(stable & (conf > rule.conf_threshold) & mask_index)[0]

@@ -38,11 +38,7 @@ def dream_klass_original(prompt, rule, steps, top_k=None):
     if not mask_index.any():
       break
     p = rules.softmax(rules.model_logits(r.x))
-    x0 = p.argmax(-1)
-    conf = p[np.arange(s), x0]
-    kl = (p * (np.log(p + 1e-12) - np.log(p_prev + 1e-12))).sum(-1)
-    history = np.roll(history, -1, axis=-1)
-    history[:, -1] = kl
+    x0, conf, history = rules.klass_observe(p, p_prev, history)
     p_prev = p
     ready = np.nonzero(np.all(history < rule.kl_threshold, -1) & (conf >= rule.conf_threshold) & mask_index)[0]
     r.fell_back.append(len(ready) == 0)
