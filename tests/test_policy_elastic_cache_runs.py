@@ -25,7 +25,7 @@ from dlm_jax.model.layer_refresh import LayerRefresh
 from dlm_jax.policy import cost
 from dlm_jax.policy.elastic_cache_policy import ElasticCache
 from dlm_jax.policy.registry import parse_policy
-from dlm_jax.sampling import dream, llada, sliding_window
+from dlm_jax.sampling import llada, sliding_window
 from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -423,8 +423,6 @@ def test_bad_decoding_options_are_refused_in_one_line(options, message):
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=OPTIONS,
                                  policy=parse_policy("elastic_cache:window_length=3")),
      "window_length=3 is shorter than the sampler's block_length=4"),
-    (lambda p, x: dream.diffusion_generate(p, x, config=preset("tiny-dream"), policy=parse_policy("elastic_cache")),
-     "runs with the llada, llada_blockwise samplers"),
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=llada.elastic_cache_options(gen_length=16, window=8),
                                  policy=parse_policy("elastic_cache:window_length=4")),
      "window_length=4 is shorter than the sampler's decoding window=8"),

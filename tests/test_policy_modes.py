@@ -244,9 +244,10 @@ def _refused_runs():
        "dkv_cache cache_type and shift_type are the rules of Dream's code"),
       ("tiny-dream", lambda p, x: dream.diffusion_generate(p, x, config=dream_config,
                                                            policy=parse_policy("elastic_cache"),
-                                                           options=dream.DreamOptions(**SMALL, threshold=0.9),
+                                                           options=dream.DreamOptions(
+                                                               **SMALL, rule=decoding_rules.EBSampler()),
                                                            hooks=Hooks(captures=(Capture("hook_resid_post"),))),
-       "policy elastic_cache runs with the llada, llada_blockwise samplers"),
+       "policy elastic_cache runs with the llada, llada_blockwise, dream, dream_blockwise samplers .* not dream_rules"),
   ]
 
 

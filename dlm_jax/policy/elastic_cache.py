@@ -200,8 +200,14 @@ def query_mask(settings: ElasticCacheSettings, tracked: jax.Array, decoded_last:
   window = pending & (jnp.cumsum(pending.astype(jnp.int32), axis=-1) <= settings.window_length)
   masked_queries = window if settings.block_caching else pending
   if shifted:
-    masked_queries = jnp.concatenate([masked_queries[:, 1:], jnp.zeros_like(masked_queries[:, :1])], axis=-1)
+    masked_queries = predecessors(masked_queries)
   return tracked | decoded_last | masked_queries, window
+
+
+def predecessors(mask: jax.Array) -> jax.Array:
+  """The position before each one of mask [B, S] bool (position 0 has none): the rows whose AR-shifted logits
+  (Dream) predict them. -> [B, S] bool."""
+  return jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=-1)
 
 
 def commit(settings: ElasticCacheSettings, confidence: jax.Array, window: jax.Array) -> jax.Array:

@@ -16,6 +16,16 @@ is `llada.elastic_cache_options()` (`LLaDAOptions.window`, `eos_truncation`); un
 still-masked set stops at the cut as the official one does (`RunLayout.eos_cut_id`), so masks after the cut
 are neither in the window nor zeroed in the tracked-token score. Replayed against the official loop
 (tests/test_policy_elastic_cache_runs.py): the exact sampler's blocks and the official threshold decoding.
+
+Dream (`dream`, and `dream_blockwise` without a cache), as the official Dream code does it
+(`dream/model/generation_utils_elastic.py` `_sample`, `dream/model/modeling_dream.py` `DreamSdpaAttention`,
+read through the mirror yxu-dev/Elastic-Cache): its logits are AR-shifted (the output at p − 1 predicts p), so
+the masked queries are the positions before the window's masked ones (before every still-masked one without
+block caching), those rows are the tracked-token statistic's rows, the still-masked positions themselves
+(unshifted) are zeroed in its score, and the window the sampler decodes from is unshifted. Decoding is Dream's
+sampler's (its quota, or Fast-dLLM's threshold or factor rule in blocks), not the official Dream loop's
+threshold over the sliding window: Dream's samplers have no sliding window nor EOS truncation. Replayed against
+the official per-call computation (tests/test_policy_elastic_cache_dream.py).
 """
 
 from __future__ import annotations
@@ -36,10 +46,9 @@ from dlm_jax.policy import elastic_cache as ec
 from dlm_jax.policy.base import ComputePolicy, Decision
 from dlm_jax.policy.positions import ascending_positions
 
-FAMILIES = ("llada", "llada_blockwise")
-"""The sampler families it runs with: LLaDA and MMaDA, exact or threshold / factor decoding (without a KV cache:
-`blocks.check_policy_cache`). Dream's shifted rule is written in the rule module but its queries read the
-position before each masked one, which is not wired here."""
+FAMILIES = ("llada", "llada_blockwise", "dream", "dream_blockwise")
+"""The sampler families it runs with: LLaDA and MMaDA, and Dream with its shifted queries (module docstring),
+exact or threshold / factor decoding (without a KV cache: `blocks.check_policy_cache`)."""
 
 
 @struct.dataclass
@@ -85,11 +94,11 @@ class ElasticCache(ComputePolicy):
     """The knobs and, for a run, the family, the model and the block layout (one line each)."""
     self.check_knobs()
     if family_name is not None and family_name not in FAMILIES:
-      raise ValueError(f"policy elastic_cache runs with the {', '.join(FAMILIES)} samplers (LLaDA, MMaDA: exact, "
-                       f"threshold or factor decoding), not {family_name}.")
-    if config is not None and (config.logit_shift or config.layer_pattern is not None or config.first_k_dense):
-      raise ValueError(f"policy elastic_cache runs on models with one stack of alike bidirectional layers and "
-                       f"unshifted logits (LLaDA, MMaDA), not {config.name}.")
+      raise ValueError(f"policy elastic_cache runs with the {', '.join(FAMILIES)} samplers (LLaDA, MMaDA, Dream: "
+                       f"exact, threshold or factor decoding), not {family_name}.")
+    if config is not None and (config.layer_pattern is not None or config.first_k_dense):
+      raise ValueError(f"policy elastic_cache runs on models with one stack of alike bidirectional layers (LLaDA, "
+                       f"MMaDA, Dream), not {config.name}.")
     layout = self.layout
     if layout is None or not self.block_caching:
       return
@@ -131,16 +140,19 @@ class ElasticCache(ComputePolicy):
 
   def _sets(self, state: ElasticState, context: Any) -> tuple[jax.Array, jax.Array]:
     """(queries [B, S] bool, masked query rows [B, S] bool: the rows whose attention picks the tracked tokens).
-    The window is the first window_length still-masked positions from the sampler's current block on."""
-    s = self.layout.seq_len
+    The window is the first window_length still-masked positions from the sampler's current block on; on a
+    logit-shifted model (Dream) the masked query rows are the positions before the window's (every pending
+    one's without block caching)."""
+    s, shifted = self.layout.seq_len, bool(self.layout.logit_shift)
     pending, _, decoded_last = self._pending(state, context)
     block_start = self.layout.gen_start if context.block_start is None else context.block_start
     from_block = pending & (jnp.arange(s)[None, :] >= block_start)
     tracked = ec.tracked_mask(jnp.minimum(state.tracked, s)[None], s + 1)[:, :s]
-    queries, window = ec.query_mask(self.settings, tracked, decoded_last, from_block)
-    if not self.block_caching:
-      return queries | pending, pending
-    return queries, window
+    queries, window = ec.query_mask(self.settings, tracked, decoded_last, from_block, shifted=shifted)
+    masked = window if self.block_caching else pending
+    if shifted:
+      masked = ec.predecessors(masked)
+    return queries | masked, masked
 
   def query_weights(self, state: ElasticState, context: Any) -> jax.Array:
     """[B, 1, S]: 1 on the call's masked query rows."""
