@@ -21,7 +21,7 @@ The tracked tokens' previous attention rows softmax(q_prev · K_prevᵀ/√H) us
 cached layer input at their positions (the official code keeps a query cache written together with the input
 cache, so the rows are the same) and the key cache before the call; the current rows use the call's input
 and keys. Keys the call's shared key bias removes (key padding) are left out of both rows and of the mean (the
-official code has no padding). Dense layer stacks only (one run of blocks: LLaDA, MMaDA); no key subsets, no
+official code has no padding). Dense layer stacks only (one run of blocks: LLaDA, MMaDA, Dream); no key subsets, no
 pairwise bias with query rows, no layer subset of statistics.
 
 Hooks: a subset layer runs them at the queries; a full layer at every position (edits act wherever the layer

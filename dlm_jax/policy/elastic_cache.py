@@ -43,7 +43,9 @@ Dream (`dream/model/generation_utils_elastic.py` `_sample`, `dream/model/modelin
 `DreamSdpaAttention.forward`): the same rules with the AR shift — the masked queries are the positions before
 the window's masked positions (their rows are the tracked-token statistic's rows; the still-masked positions,
 unshifted, are zeroed), decoded positions are the window's; the caches hold K/V after `repeat_kv`, so a query
-head n reads key head n // (N / K), as here; its attention applies no padding mask.
+head n reads key head n // (N / K), as here; its attention applies no padding mask. The query set is a
+concatenation that can name a position twice (both copies compute the same row: the union here). Wired in
+`dlm_jax.policy.elastic_cache_policy` (`query_mask(shifted=True)`, `predecessors` for the statistic's rows).
 """
 
 from __future__ import annotations
