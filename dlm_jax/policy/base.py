@@ -67,7 +67,9 @@ class PolicyError(ValueError):
 class Decision:
   """What one model call computes (module docstring).
 
-  full: scalar bool, compute every query; queries: [B, n] int32 sequence positions computed when not full
+  full: scalar bool, compute every query — or, with key_blocks, [B] bool per row: in the batch-invariant mode
+  (`RunSetup.batch_invariant`) each row's call is full or block-sparse as its own entry says, otherwise the call
+  is full for every row when any row's is (the model caller reduces it); queries: [B, n] int32 sequence positions computed when not full
   (None: the policy never takes a query subset), ascending, padded with S (a padded entry computes nothing
   that is kept and writes nothing); keys: [L, B, m] int32 cached positions each layer reads besides the call's
   queries when not full, padded with S, or None (all S); refresh: a `dlm_jax.model.layer_refresh.LayerRefresh`
