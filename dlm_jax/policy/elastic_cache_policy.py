@@ -46,9 +46,10 @@ from dlm_jax.policy import elastic_cache as ec
 from dlm_jax.policy.base import ComputePolicy, Decision
 from dlm_jax.policy.positions import ascending_positions
 
-FAMILIES = ("llada", "llada_blockwise", "dream", "dream_blockwise")
+FAMILIES = ("llada", "llada_blockwise", "dream", "dream_blockwise", "dream_window")
 """The sampler families it runs with: LLaDA and MMaDA, and Dream with its shifted queries (module docstring),
-exact or threshold / factor decoding (without a KV cache: `blocks.check_policy_cache`)."""
+exact or threshold / factor decoding (without a KV cache: `blocks.check_policy_cache`), and Dream's Elastic-Cache
+decoding (`dream_window`)."""
 
 
 @struct.dataclass
