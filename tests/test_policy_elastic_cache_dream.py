@@ -361,6 +361,7 @@ def test_dream_runs_it_cannot_take_are_refused_in_one_line(setup, options, messa
     (dict(threshold=0.9, eos_truncation=True, alg="entropy"), "leave alg at 'origin' or use 'maskgit_plus'"),
     (dict(threshold=0.9, window=0), "window must be a positive integer or None, got 0"),
     (dict(threshold=0.9), "set block_length .block_length=gen_length for one block., or window / eos_truncation"),
+    (dict(threshold=0.9, window=4, eos_token_id=7), "eos_token_id .7. is the EOS id of eos_truncation"),
 ])
 def test_bad_window_options_are_refused_in_one_line(options, message):
   with pytest.raises(ValueError, match=message) as refused:

@@ -148,6 +148,9 @@ class DreamOptions(blocks.BlockLayout):
       raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
     if self.factor_rule not in FACTOR_RULES:
       raise ValueError(f"factor_rule must be one of {', '.join(FACTOR_RULES)}, got {self.factor_rule!r}.")
+    if self.eos_token_id is not None and self.eos_truncation is not True:
+      raise ValueError(f"eos_token_id ({self.eos_token_id}) is the EOS id of eos_truncation (Elastic-Cache's "
+                       "decoding); set eos_truncation=True or leave eos_token_id None.")
     if self.windowed:
       self._check_window()
       return
