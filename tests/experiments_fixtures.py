@@ -16,6 +16,7 @@ from dlm_jax import model
 from dlm_jax.training import loop as train_loop
 from dlm_jax.config import preset
 from dlm_jax.tasks import synthetic
+from tests.light_configs import DIFFUSIONGEMMA_SG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ_LEN, PROMPT_LEN = 68, 36
@@ -24,14 +25,15 @@ SEQ_LEN, PROMPT_LEN = 68, 36
 def tiny_checkpoint(directory: str, kind: str, seed: int = 0, sink: str = "none") -> str:
   """A random tiny checkpoint with the synthetic tokenizer: kind "dlm" (LLaDA-style), "dream" (shifted
   DLM), "arm" (causal), "llada2" (block-causal mixture of experts, blocks of 4) or "uniform"
-  (DiffusionGemma-style: sliding and global layers, MoE, self-conditioning). Returns the directory."""
+  (DiffusionGemma-style: sliding and global layers, MoE, self-conditioning; `light_configs.DIFFUSIONGEMMA_SG`).
+  Returns the directory."""
   tokenizer = synthetic.build_tokenizer()
   ids = dict(vocab_size=tokenizer.get_vocab_size(), pad_token_id=tokenizer.token_to_id("[PAD]"),
              bos_token_id=tokenizer.token_to_id("[BOS]"), eos_token_id=tokenizer.token_to_id("[EOS]"))
-  base = {"dlm": "tiny-llada", "dream": "tiny-dream", "arm": "tiny-llama", "llada2": "tiny-llada2",
-          "uniform": "tiny-diffusiongemma"}[kind]
+  base = {"dlm": preset("tiny-llada"), "dream": preset("tiny-dream"), "arm": preset("tiny-llama"),
+          "llada2": preset("tiny-llada2"), "uniform": DIFFUSIONGEMMA_SG}[kind]
   mask_id = None if kind in ("arm", "uniform") else tokenizer.token_to_id("[MASK]")
-  config = preset(base).replace(name=f"test-{kind}", eot_token_id=None, mask_token_id=mask_id, **ids)
+  config = base.replace(name=f"test-{kind}", eot_token_id=None, mask_token_id=mask_id, **ids)
   params = jax.device_get(model.init_params(config, jax.random.key(seed)))
   objective = {"arm": "ar", "uniform": "uniform"}.get(kind, "sft")
   record = {"train_config": {"objective": objective, "sink": sink,

@@ -1,8 +1,9 @@
 """SparseD with threshold decoding (issue 36 item 3: the blockwise sampler without a cache) and the extra sink
 token's block (keep_first): whole runs against a replay written here (a Python loop over the NumPy forward with a
 dense token mask per layer of tests/test_policy_sparsed_runs.py, the official step-E rule in NumPy, counted in the
-row's own model calls, block 0 OR-ed in), the sink token's bundle keeping block 0, and the knob refused when out of
-range."""
+row's own model calls, block 0 OR-ed in), each row in its batch as alone in the batch-invariant mode (the rows
+wait for each other and reach their step E at different calls), the sink token's bundle keeping block 0, and the
+knob refused when out of range."""
 
 import functools
 import types
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from dlm_jax.config import preset
+from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.model import init_params
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import llada
@@ -43,7 +45,17 @@ def peaked_params():
 
 
 def prompts():
-  return np.random.default_rng(2).integers(3, 200, size=(2, LP)).astype(np.int32)
+  """Row 0 decodes its first block in 2 calls, row 1 in 4: in their batch row 0 waits 2 calls before its step E."""
+  return np.random.default_rng(6).integers(3, 200, size=(2, LP)).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def generate(rows):
+  """The batch-invariant run of prompts()[rows] (with the incoming attention): the replay test's runs alone are the
+  batch test's references."""
+  options = llada.LLaDAOptions(gen_length=GEN, steps=STEPS, block_length=BLOCK, threshold=TAU)
+  setup = RunSetup(policy=parse_policy(POLICY), batch_invariant=True, stats_spec=StatsSpec(incoming_attention=True))
+  return llada.generate(peaked_params(), prompts()[list(rows)], config=CONFIG, options=options, setup=setup)
 
 
 def replay(prompt, margins):
@@ -77,13 +89,11 @@ def replay(prompt, margins):
 
 
 def test_threshold_decoding_under_sparsed_with_the_sink_block_is_the_replay():
-  options = llada.LLaDAOptions(gen_length=GEN, steps=STEPS, block_length=BLOCK, threshold=TAU)
   margins, lengths, sparse_calls, sink_added = [], set(), 0, 0
   for row, prompt in enumerate(prompts()):
     tokens, decode_step, nfe, fine, added = replay(prompt, margins)
     sink_added += added
-    trace = llada.generate(peaked_params(), prompt[None], config=CONFIG, options=options,
-                           setup=RunSetup(policy=parse_policy(POLICY)))
+    trace = generate((row,))
     np.testing.assert_array_equal(np.asarray(trace.tokens)[0], tokens, err_msg=f"row {row}")
     np.testing.assert_array_equal(np.asarray(trace.decode_step)[0], decode_step, err_msg=f"row {row}")
     assert int(trace.nfe) == nfe
@@ -104,6 +114,27 @@ def test_threshold_decoding_under_sparsed_with_the_sink_block_is_the_replay():
   assert len(lengths) > 1, f"block lengths {lengths}: variable blocks not exercised"
   assert sparse_calls > 0, "no call attended through the mask"
   assert sink_added > 0, "the official rule kept block 0 everywhere: keep_first not exercised"
+
+
+def test_a_row_decodes_alone_as_in_its_batch_whose_rows_wait():
+  """Batch-invariant: each row's calls in the batch (those it decoded for) are bitwise its calls alone — tokens,
+  decode order, NFE, incoming attention, kept blocks, keys read — although the rows reach step E at different
+  calls of the batch (a per-batch dense call would give row 1 dense calls after its E)."""
+  both = generate((0, 1))
+  active = np.asarray(both.active_rows)[:int(both.nfe)]  # [calls, B]
+  at_end = [int(np.flatnonzero(active[:, row])[END]) for row in range(2)]
+  assert at_end[0] != at_end[1], f"both rows reach step E at batch call {at_end[0]}: no row waits before E"
+  for row in range(2):
+    alone, calls = generate((row,)), np.flatnonzero(active[:, row])
+    nfe = int(alone.nfe)
+    assert len(calls) == nfe, f"row {row}"
+    np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(both.tokens)[row])
+    np.testing.assert_array_equal(calls[np.asarray(alone.decode_step)[0]], np.asarray(both.decode_step)[row])
+    pairs = [(alone.stats["incoming_attention"], both.stats["incoming_attention"], 2),
+             (alone.policy_record, both.policy_record, 1), (alone.keys_read, both.keys_read, 1)]
+    for name, (one, batch, axis) in zip(("incoming_attention", "policy_record", "keys_read"), pairs):
+      np.testing.assert_array_equal(np.take(np.asarray(one)[:nfe], 0, axis=axis),
+                                    np.take(np.asarray(batch)[calls], row, axis=axis), err_msg=f"row {row} {name}")
 
 
 def test_a_model_with_the_sink_token_keeps_its_block():

@@ -17,10 +17,11 @@ from dlm_jax.config import preset
 from dlm_jax.sampling import diffusion_gemma as dg
 from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.sampling.run_setup import RunSetup
+from tests.light_configs import DIFFUSIONGEMMA_SG
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-CONFIG = preset("tiny-diffusiongemma")
+CONFIG = DIFFUSIONGEMMA_SG
 EOS, PAD = CONFIG.eos_token_id, CONFIG.pad_token_id
 _forward = jax.jit(model.forward, static_argnames=("config",))
 

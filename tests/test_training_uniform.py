@@ -15,10 +15,11 @@ from dlm_jax.training import uniform as training_uniform
 from dlm_jax.config import preset
 from dlm_jax.training.loop import TrainConfig
 from dlm_jax.model import Compute
+from tests.light_configs import DIFFUSIONGEMMA_SG
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-CONFIG = preset("tiny-diffusiongemma")
+CONFIG = DIFFUSIONGEMMA_SG
 P, C, B = 6, 5, 4
 NOISE = training_uniform.UniformNoise(prompt_len=P, self_conditioning_rate=0.5)
 

@@ -28,13 +28,17 @@ class ComputeSubset:
   on recompute every position; key_blocks: a `KeyBlocks` ([L, B, N, nQb, m]: each layer's, head's and query
   block's kept key blocks, SparseD) or None; reuse: a `dlm_jax.model.reuse_layers.LayerReuse` (queries then every
   position, keys None): each layer recomputes its attention and feed-forward outputs at positions it chooses and
-  reuses the cached ones elsewhere (the forward returns a `ReuseCache`), or None."""
+  reuses the cached ones elsewhere (the forward returns a `ReuseCache`), or None; full: [B] bool or None, with
+  key_blocks only: the call is the full one instead (every key, no subset) when any row's entry is true — a
+  `lax.cond` over the batch, so run one row at a time (`dlm_jax.sampling.row_by_row.forward_rows`) each row
+  takes its own branch."""
 
   queries: jax.Array | None
   keys: jax.Array | None = None
   refresh: Any = None
   key_blocks: KeyBlocks | None = None
   reuse: Any = None
+  full: jax.Array | None = None
 
 
 def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:

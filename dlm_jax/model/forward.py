@@ -3,6 +3,7 @@ head on hidden states."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -98,6 +99,8 @@ def _check_key_blocks(config: ModelConfig, subset: ComputeSubset, shape: tuple[i
     return
   if subset.queries is not None or subset.keys is not None:
     raise ValueError("ComputeSubset.key_blocks computes every position: leave queries and keys None.")
+  if subset.full is not None and tuple(subset.full.shape) != shape[:1]:
+    raise ValueError(f"ComputeSubset.full must be [B] with B={shape[0]}, got {list(subset.full.shape)}.")
   if config.causal or config.attention_block_size is not None or config.layer_pattern is not None:
     raise ValueError(f"ComputeSubset.key_blocks needs bidirectional attention; {config.name} is causal, "
                      "block-causal or has sliding-window layers.")
@@ -230,7 +233,8 @@ def forward(
         them), each layer reads all S cache positions or its key subset, and the statistics sum over the real
         (not padded) queries; bidirectional models only, without routing statistics (hooks: see `hooks`).
         With `key_blocks` instead (SparseD, `dlm_jax.model.block_sparse_attention`) every position is a
-        query, no cache is needed, and each layer's heads read only their query block's kept key blocks.
+        query, no cache is needed, and each layer's heads read only their query block's kept key blocks;
+        with subset.full [B] as well, the call is the full one (no subset) when any row's entry is true.
         With subset.reuse (`dlm_jax.model.reuse_layers.LayerReuse`; tokens: the whole sequence, queries:
         every position) each layer recomputes its attention and feed-forward at the positions it chooses, and
         the returned cache is a `ReuseCache` (the KV cache, the attention and feed-forward outputs, each
@@ -266,6 +270,11 @@ def forward(
   _check_subset(config, subset, tuple(tokens.shape), cache, stats_spec)
   subset_call = subset is not None and subset.queries is not None
   _check_hooks(config, hooks, (tokens.shape[0], cache.keys.shape[2]) if subset_call else tuple(tokens.shape))
+  if subset is not None and subset.full is not None:  # the full call or the block-sparse one, as a lax.cond
+    call = functools.partial(forward, params, tokens, config=config, positions=positions, instruments=instruments,
+                             readout=readout)
+    return jax.lax.cond(jnp.any(subset.full), lambda: call(compute=compute.replace(subset=None)),
+                        lambda: call(compute=compute.replace(subset=subset.replace(full=None))))
   if subset is not None and subset.queries is not None:
     real = subset.queries < cache.keys.shape[2]  # padded entries are no query of the statistics
     query_weights = real[:, None, :].astype(jnp.float32) if query_weights is None else query_weights * real[:, None, :]

@@ -67,22 +67,24 @@ class PolicyError(ValueError):
 class Decision:
   """What one model call computes (module docstring).
 
-  full: scalar bool, compute every query; queries: [B, n] int32 sequence positions computed when not full
-  (None: the policy never takes a query subset), ascending, padded with S (a padded entry computes nothing
-  that is kept and writes nothing); keys: [L, B, m] int32 cached positions each layer reads besides the call's
-  queries when not full, padded with S, or None (all S); refresh: a `dlm_jax.model.layer_refresh.LayerRefresh`
-  (without tokens and positions, which the caller fills) or None: the call always runs the queries through a
-  layer refresh (full sets every row's start to layer 0) and the forward's `RefreshResult` reaches `update`
-  as `output.refresh`; key_blocks: a `KeyBlocks` (`dlm_jax.model.block_sparse_attention`, [L, B, N, nQb, m] kept
-  key blocks per layer, head and query block, padded with nKb) each query block reads when not full — every
-  query is computed, only the dropped blocks' QK^T and PV are skipped (SparseD) — or None; reuse: a
-  `ReuseSchedule` (per-layer reuse of attention and feed-forward outputs, positions chosen inside the forward at
-  each layer; the policy's cache is then a `dlm_jax.model.reuse_layers.ReuseCache`,
-  `ComputePolicy.init_cache`), or None; buckets: static ascending row counts, the last n, at which the subset
-  call may run: the caller runs the smallest that holds every row's real queries (padded entries sort last, so
-  the first columns hold them), so the compute follows the count with static shapes; () runs all n rows;
-  all_keys: scalar bool or None: when true, a subset call with `keys` reads every cached position instead (a
-  call of a Fast-dLLM cache before the policy has chosen its keys; `dlm_jax.sampling.policy_call`).
+  full: scalar bool, compute every query — or, with key_blocks, [B] bool per row: in the batch-invariant mode
+  (`RunSetup.batch_invariant`) each row's call is full or block-sparse as its own entry says, otherwise the call is
+  full for every row when any row's is (the model caller reduces it); queries: [B, n] int32 sequence positions
+  computed when not full (None: the policy never takes a query subset), ascending, padded with S (a padded entry
+  computes nothing that is kept and writes nothing); keys: [L, B, m] int32 cached positions each layer reads besides
+  the call's queries when not full, padded with S, or None (all S); refresh: a
+  `dlm_jax.model.layer_refresh.LayerRefresh` (without tokens and positions, which the caller fills) or None: the call
+  always runs the queries through a layer refresh (full sets every row's start to layer 0) and the forward's
+  `RefreshResult` reaches `update` as `output.refresh`; key_blocks: a `KeyBlocks`
+  (`dlm_jax.model.block_sparse_attention`, [L, B, N, nQb, m] kept key blocks per layer, head and query block, padded
+  with nKb) each query block reads when not full — every query is computed, only the dropped blocks' QK^T and PV are
+  skipped (SparseD) — or None; reuse: a `ReuseSchedule` (per-layer reuse of attention and feed-forward outputs,
+  positions chosen inside the forward at each layer; the policy's cache is then a
+  `dlm_jax.model.reuse_layers.ReuseCache`, `ComputePolicy.init_cache`), or None; buckets: static ascending row counts,
+  the last n, at which the subset call may run: the caller runs the smallest that holds every row's real queries
+  (padded entries sort last, so the first columns hold them), so the compute follows the count with static shapes; ()
+  runs all n rows; all_keys: scalar bool or None: when true, a subset call with `keys` reads every cached position
+  instead (a call of a Fast-dLLM cache before the policy has chosen its keys; `dlm_jax.sampling.policy_call`).
   """
 
   full: jax.Array

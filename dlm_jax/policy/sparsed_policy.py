@@ -91,8 +91,9 @@ class SparseD(sparsed.SparseDSettings, ComputePolicy):
 
   Step E is the row's own model call E (`SparseDState.calls`): the sampler's step under exact decoding; under
   threshold or factor decoding (the blockwise samplers without a cache) a run makes fewer calls than `steps`, and
-  E = int(steps x skip) + 1 still counts calls (a run that ends before E never chooses). A call is dense while
-  any row of the batch is at or before its step E, so in a batch whose rows wait for each other a row can get
+  E = int(steps x skip) + 1 still counts calls (a run that ends before E never chooses). `Decision.full` is per
+  row (the row at or before its step E): in the batch-invariant mode each row's call is dense or sparse as its
+  own; otherwise a call is dense while any row is, so in a batch whose rows wait for each other a row can get
   dense calls it would not get alone (guide, "SparseD with threshold and factor decoding").
   """
 
@@ -170,7 +171,7 @@ class SparseD(sparsed.SparseDSettings, ComputePolicy):
 
   def decide(self, state: SparseDState, context: Any) -> Decision:
     del context
-    full = jnp.any(sparsed.is_full_step(state.calls, self.selection_step))
+    full = sparsed.is_full_step(state.calls, self.selection_step)  # [B]
     return Decision(full=full, key_blocks=KeyBlocks(jnp.swapaxes(state.blocks, 0, 1), self.block_size))
 
   def update(self, state: SparseDState, output: ForwardOutput, context: Any, decision: Decision) -> SparseDState:

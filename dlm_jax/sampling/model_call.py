@@ -206,6 +206,8 @@ class ModelCaller:
       decision = self.plan.policy.decide(state.policy.state, context)
       if self.batch_invariant:  # the bucket is the batch's, and a row's last bits change with the row count
         decision = decision.replace(buckets=())
+      elif jnp.ndim(decision.full):  # a per-row full (key blocks) is the batch's: one program for all rows
+        decision = decision.replace(full=jnp.any(decision.full))
       head = functools.partial(lm_head, params, config=self.config)
       confidence = Confidence(self.plan.policy.reads_max_probability,
                               functools.partial(row_by_row.lm_head_rows, head) if self.batch_invariant else head)

@@ -2,8 +2,10 @@
 shapes: one `lax.cond` between the full call (every query, the policy's KV cache rewritten) and the subset call
 (the decision's query positions through every layer, the other positions' keys and values read from the cache,
 each layer's key subset when the decision has one, or all S cached positions at a call whose `all_keys` is true);
-with key blocks, between the full call and the block-sparse
-call (every query, each head's query block over its kept key blocks only); with a layer refresh, always the
+with key blocks, the forward's own `lax.cond` between the full call and the block-sparse call (every query, each
+head's query block over its kept key blocks only; `ComputeSubset.full`, the decision's `full` per row: in the
+batch-invariant mode each row takes its own branch, the model running one row at a time); with a layer refresh,
+always the
 subset call (from the refresh start on every position); with a reuse schedule, `reuse_call`'s per-layer
 reuse. The subset call's rows come back in sequence coordinates:
 hidden states or logits of the positions it did not compute are zeros (d2Cache's convention for logits: a
@@ -203,14 +205,16 @@ def policy_forward(run: Callable[..., ForwardOutput], policy: PolicyState, decis
       return output.replace(hidden=placed) if readout.hidden else output.replace(logits=placed)
     return subset
 
-  def blocks(_):
+  def blocks():
+    full_rows = jnp.broadcast_to(decision.full, tokens.shape[:1])
     return run(tokens, positions=positions, instruments=instruments, readout=readout.replace(window=window),
-               cache=policy.cache, cache_offset=0, subset=ComputeSubset(None, key_blocks=decision.key_blocks))
+               cache=policy.cache, cache_offset=0,
+               subset=ComputeSubset(None, key_blocks=decision.key_blocks, full=full_rows))
 
   if decision.reuse is not None:
     return reuse_call.reuse_forward(run, policy.cache, decision.reuse, tokens, positions, instruments, readout)
   if decision.key_blocks is not None:
-    return jax.lax.cond(decision.full, full, blocks, None)
+    return blocks()
   if decision.queries is None:
     return full(None)
   if decision.refresh is not None:  # a layer refresh: every call is a subset call, full starts at layer 0

@@ -74,14 +74,14 @@ def forward_rows(params, tokens: jax.Array, *, config: ModelConfig, positions: j
                  compute: Compute = DEFAULT_COMPUTE) -> ForwardOutput:
   """`dlm_jax.model.forward(params, tokens, ...)` for tokens [B, T], one row at a time (module docstring).
 
-  Arrays with a batch axis (tokens, positions [B, T], query_weights [B, Q, T], the bias's [B, ...] or
-  [L, B, ...] arrays, the cache's [L, B, S, K, H], the `DecoderCall`'s self-conditioning inputs, a compute
-  policy's `ComputeSubset` — queries [B, T], keys [L, B, m], a reuse's cached outputs [L, B, S, D]) are split by
-  row; a bias array broadcast over the batch (size 1) is shared. The other arguments (config, the statistics
-  spec, the readout, the attention path, the cache offset) are the same for every row. Returns the
-  `ForwardOutput` of the whole batch: logits and hidden states joined on axis 0, every statistic on its batch
-  axis 1 (`STATISTICS` layouts are [L', B, ...]), captures on axis 0 (the hooks' batch-bearing arrays are split
-  by row like the others).
+  Arrays with a batch axis (tokens, positions [B, T], query_weights [B, Q, T], the bias's [B, ...] or [L, B, ...]
+  arrays, the cache's [L, B, S, K, H], the `DecoderCall`'s self-conditioning inputs, a compute policy's
+  `ComputeSubset` — queries [B, T], keys [L, B, m], a reuse's cached outputs [L, B, S, D], the key-block call's full
+  [B], so that each row takes its own branch) are split by row; a bias array broadcast over the batch (size 1) is
+  shared. The other arguments (config, the statistics spec, the readout, the attention path, the cache offset) are the
+  same for every row. Returns the `ForwardOutput` of the whole batch: logits and hidden states joined on axis 0, every
+  statistic on its batch axis 1 (`STATISTICS` layouts are [L', B, ...]), captures on axis 0 (the hooks' batch-bearing
+  arrays are split by row like the others).
   """
   bias, query_weights, hooks = instruments.bias, instruments.query_weights, instruments.hooks
   cache, decoder, subset = compute.cache, compute.decoder, compute.subset
@@ -109,7 +109,8 @@ def forward_rows(params, tokens: jax.Array, *, config: ModelConfig, positions: j
                                    None if subset.keys is None else _split(subset.keys, 1), refresh=refresh,
                                    key_blocks=None if subset.key_blocks is None else jax.tree.map(
                                        lambda a: _split(a, 1), subset.key_blocks),
-                                   reuse=jax.tree.map(lambda a: _split(a, 1), subset.reuse))
+                                   reuse=jax.tree.map(lambda a: _split(a, 1), subset.reuse),
+                                   full=None if subset.full is None else _split(subset.full, 0))
   rebuild_hooks = None
   if hooks is not None:
     rows["hooks"], rebuild_hooks = row_slices(hooks)
