@@ -20,8 +20,8 @@ The run ends when no row has a candidate left (NFE = the calls made; at most G).
 candidates waits (unchanged, `Trace.active_rows` False, its key not advanced), so its tokens and `row_nfe` are
 those it gets alone. The official loop is batch 1 and drops a decoded position from its masked set whatever it
 decoded; here a position whose proposal was the mask id itself stays a candidate (the replay of
-tests/test_policy_elastic_cache_dream.py asserts its runs never propose it). A tie for the best confidence below the threshold takes all tied positions in the official
-code and the lowest-index one here.
+tests/test_policy_elastic_cache_dream.py asserts its runs never propose it). A tie for the best confidence below
+the threshold takes all tied positions in the official code and the lowest-index one here.
 """
 
 from __future__ import annotations
