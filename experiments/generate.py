@@ -48,8 +48,9 @@ ignored with a warning.
 --decoding (LLaDA / MMaDA; `dlm_jax.session.decoding_mode`): exact (default), Fast-dLLM's confidence-threshold
 (--threshold, default 0.9) or factor (--factor, default 1.0) parallel decoding, the prefix or dual KV cache
 (refreshed at every block start), or threshold decoding with a cache. Dream's modes decode in blocks of
---block_length (required there; Dream's exact decoding has no blocks); for ar the flag is ignored with a
-warning.
+--block_length (required there; Dream's exact decoding has no blocks), but for Elastic-Cache's decoding
+(--window / --eos_truncation with --decoding=threshold or a factor mode, LLaDA, MMaDA and Dream), which Dream
+runs without blocks, as the official Dream loop; for ar the flag is ignored with a warning.
 
 --chat wraps --prompt as one user turn in the chat template recorded in the checkpoint (ChatML for
 SmolLM2 and Qwen-family checkpoints; `experiments.common.chat`), else the sampler's (--template overrides).

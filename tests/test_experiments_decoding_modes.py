@@ -13,6 +13,7 @@ import pytest
 
 from dlm_jax.io import checkpoint
 from dlm_jax.sampling import llada
+from dlm_jax.sampling.dream import diffusion_generate, elastic_cache_options
 from dlm_jax.session import SessionError, decoding_mode
 from dlm_jax.session.decoding_mode import DecodingMode
 from experiments.common import validity
@@ -80,7 +81,8 @@ def test_generate_in_a_cached_threshold_mode(checkpoints, tmp_path):
   cases = [base + ["--decoding=fast"], base + ["--decoding=threshold", "--threshold=1.5"],
            base + ["--decoding=dual_cache", "--cfg_scale=1"], dream + ["--decoding=dual_cache", "--block_length=4"],
            base + ["--decoding=threshold_dual_cache", f"--stats_out={stats}"],
-           dream + ["--decoding=threshold_dual_cache", "--block_length=4", f"--json_out={tmp_path / 'd.json'}"]]
+           dream + ["--decoding=threshold_dual_cache", "--block_length=4", f"--json_out={tmp_path / 'd.json'}"],
+           dream + ["--decoding=threshold", "--window=2", "--eos_truncation", f"--json_out={tmp_path / 'w.json'}"]]
   results = fx.run_cases("generate", cases)
   for (code, stderr), words in zip(results[:4], (["--decoding=fast"], ["--threshold=1.5"], ["--cfg_scale"],
                                                   ["origin", "block_length"])):
@@ -90,6 +92,14 @@ def test_generate_in_a_cached_threshold_mode(checkpoints, tmp_path):
   assert results[5][0] == 0, results[5][1]
   dream_result = json.loads((tmp_path / "d.json").read_text())
   assert dream_result["decoding"] == "threshold_dual_cache:0.9" and dream_result["nfe"] <= 8
+  assert results[6][0] == 0, results[6][1]  # Elastic-Cache's Dream decoding: no blocks
+  windowed = json.loads((tmp_path / "w.json").read_text())
+  config, params = checkpoint.load(checkpoints["dream"])
+  trace = diffusion_generate(params, np.asarray([[5, 9, 7, 12]]), config=config,
+                             options=elastic_cache_options(gen_length=8, steps=8, window=2))
+  assert windowed["tokens"] == np.asarray(trace.tokens)[0].tolist() and windowed["nfe"] == int(trace.nfe)
+  assert {k: windowed["settings"]["decoding"][k] for k in ("window", "eos_truncation")} == {
+      "window": 2, "eos_truncation": True}
   result = json.loads(out.read_text())
   config, params = checkpoint.load(checkpoints["dlm"])
   trace = llada.generate(params, np.asarray([[5, 9, 7, 12]]), config=config,

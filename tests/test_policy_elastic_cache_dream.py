@@ -9,8 +9,10 @@ positions zeroed in that statistic, per-layer input, query, key and value caches
 
 Decoding is the sampler's (the policy decides compute only): Dream's exact sampler (alg maskgit_plus: the
 int(M̄·(1 − s/t)) most confident masked positions, its float32 fractions from `schedules.dream_transfer_fractions`,
-tested bit for bit elsewhere) and Fast-dLLM's Dream threshold decoding in blocks (the block-start call commits
-the block's first position, later calls the block's most confident mask and every one >= 0.9).
+tested bit for bit elsewhere), Fast-dLLM's Dream threshold decoding in blocks (the block-start call commits
+the block's first position, later calls the block's most confident mask and every one >= 0.9), and the official
+Dream decoding (`dream.elastic_cache_options`: threshold 0.9 over the sliding window, EOS truncation; `_sample`
+with `get_transfer_index_fast`), replayed whole: tokens, decode order, NFE, query sets and refresh starts.
 """
 
 import dataclasses
@@ -38,6 +40,8 @@ CONFIG = dataclasses.replace(preset("tiny-dream"), n_layers=3)
 LP, GAMMA, THRESHOLD = 6, 0.97, 0.9
 EXACT = dream.DreamOptions(gen_length=12, steps=6, alg="maskgit_plus")
 BLOCKS = dream.DreamOptions(gen_length=16, steps=16, block_length=4, threshold=THRESHOLD)
+EOS = 69  # an id row 0 decodes while masks remain on both sides of it (row 1 never does): the EOS cut matters
+WINDOW = dream.elastic_cache_options(gen_length=12, window=4)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +70,15 @@ def exact_run(setup):
 @pytest.fixture(scope="module")
 def block_run(setup):
   return _run(setup, BLOCKS, BLOCKS.block_length)
+
+
+@pytest.fixture(scope="module")
+def window_run(setup):
+  """The official decoding with the EOS id from the config."""
+  params, prompt = setup
+  policy = parse_policy(f"elastic_cache:window_length={WINDOW.window},gamma={GAMMA}")
+  return dream.diffusion_generate(params, prompt, config=dataclasses.replace(CONFIG, eos_token_id=EOS),
+                                  options=WINDOW, setup=RunSetup(policy=policy))
 
 
 def _softmax(x):
@@ -207,6 +220,40 @@ def _replay_blocks(params, prompt, margins):
   return tokens, decode_step, queries, np.asarray(starts)
 
 
+def _replay_window(params, prompt, margins, eos_id):
+  """The official Dream loop with its own decoding (`_sample` with `get_transfer_index_fast`, temperature 0): the
+  window is the first `WINDOW.window` still-masked positions; every window position whose top probability (on the
+  row before it) is >= min(threshold, the window's largest) takes its argmax; after the first call that decodes
+  eos_id the still-masked set keeps only the positions before the smallest EOS that call decoded; the loop ends
+  when the set is empty. -> (tokens [S], decode step per generated position [G] (-1: never), query sets per call
+  (None: full), refresh start per call, whether the EOS cut left masks)."""
+  gen, mask = WINDOW.gen_length, CONFIG.mask_token_id
+  tokens = np.concatenate([prompt, np.full(gen, mask)])
+  model, decode_step, queries, starts = OfficialDream(params, margins), np.full(gen, -1), [], []
+  masked, decoded_eos, cut = np.arange(LP, LP + gen), False, False
+  while len(masked):
+    window_pos = masked[:WINDOW.window]
+    logits, query, start = model.call(tokens, window_pos, masked)
+    queries.append(query)
+    starts.append(start)
+    probs = _softmax(logits)
+    confidence, x0 = probs.max(-1), probs.argmax(-1)
+    keep = confidence >= min(THRESHOLD, confidence.max())
+    margins.extend(np.abs(confidence - THRESHOLD))
+    if len(confidence) > 1:
+      margins.append(np.diff(np.sort(confidence)[-2:])[0])
+    assert not np.any(x0[keep] == mask), "the replay covers runs that never decode the mask id"
+    model.decoded = window_pos[keep]
+    tokens[model.decoded] = x0[keep]
+    decode_step[model.decoded - LP] = model.calls - 1
+    masked = masked[~np.isin(masked, model.decoded)]
+    eos = model.decoded[x0[keep] == eos_id]
+    if not decoded_eos and len(eos):
+      decoded_eos, cut = True, bool(np.any(masked > eos.min()))
+      masked = masked[masked <= eos.min()]
+  return tokens, decode_step, queries, np.asarray(starts), cut
+
+
 def _check_calls(trace, row, own_calls, queries, starts):
   """The run's per-call decisions of `row` at its own calls own_calls [n] against the replay's."""
   s = trace.tokens.shape[1]
@@ -254,6 +301,32 @@ def test_threshold_decoding_in_blocks_replays_the_official_computation(setup, bl
   assert parallel and {1, CONFIG.n_layers} <= set(seen), (parallel, seen)
 
 
+def test_the_official_dream_decoding_replays_the_official_loop(setup, window_run):
+  """`dream.elastic_cache_options` (threshold 0.9 over a sliding window of 4, EOS truncation, no blocks) with the
+  policy of the same window: each row's tokens (masks left after the EOS cut), decode order, NFE, query sets and
+  refresh starts are the official loop's, in a batch whose rows finish at different calls."""
+  params, prompt = setup
+  margins, seen, nfes, cuts, parallel = [], [], [], [], 0
+  for row in range(prompt.shape[0]):
+    tokens, decode_step, queries, starts, cut = _replay_window(params, np.asarray(prompt[row]), margins, EOS)
+    active = np.asarray(window_run.active_rows[:int(window_run.nfe), row])
+    own_calls = np.flatnonzero(active)
+    np.testing.assert_array_equal(np.asarray(window_run.tokens[row]), tokens, err_msg=f"row {row}")
+    np.testing.assert_array_equal(np.asarray(window_run.decode_step[row]), decode_step, err_msg=f"row {row}")
+    np.testing.assert_array_equal(own_calls, np.arange(len(starts)))  # active from its first call to its last
+    assert int(window_run.row_nfe[row]) == len(starts)
+    _check_calls(window_run, row, own_calls, queries, starts)
+    seen.extend(starts[1:])
+    nfes.append(len(starts))
+    cuts.append(cut)
+    parallel += int(np.max(np.bincount(decode_step[decode_step >= 0])) > 1)
+  assert min(margins) > 1e-5, min(margins)  # no threshold or drift decision within float32's reach of flipping
+  assert cuts == [True, False] and nfes[0] != nfes[1] and parallel, (cuts, nfes, parallel)
+  assert np.sum(np.asarray(window_run.tokens[0, LP:]) == CONFIG.mask_token_id) > 0  # the cut left masks
+  assert {1, 2, CONFIG.n_layers} <= set(seen), seen
+  assert int(window_run.nfe) == max(nfes)
+
+
 def test_published_dream_settings_are_the_scripts():
   """`dream/eval_gsm8k.sh`: window 32, gamma 0.9; `dream/eval_humaneval.sh`: window 16, gamma 0.98; both threshold
   0.9, track_num 1, block caching."""
@@ -270,10 +343,27 @@ def test_published_dream_settings_are_the_scripts():
     (dream.DreamOptions(gen_length=8, steps=8, rule=decoding_rules.EBSampler()), "not dream_rules"),
     (dream.DreamOptions(gen_length=8, steps=8, block_length=4, threshold=0.9),
      "window_length=2 is shorter than the sampler's block_length=4"),
+    (dream.elastic_cache_options(gen_length=8, window=4), "window_length=2 is shorter than the sampler's decoding "
+                                                          "window=4"),
 ])
 def test_dream_runs_it_cannot_take_are_refused_in_one_line(setup, options, message):
   params, prompt = setup
   with pytest.raises(ValueError, match=message) as refused:
     dream.diffusion_generate(params, prompt, config=CONFIG, options=options,
                              setup=RunSetup(policy=parse_policy("elastic_cache:window_length=2")))
+  assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(window=4), "window and eos_truncation .Elastic-Cache's Dream decoding. run with threshold or factor"),
+    (dict(threshold=0.9, window=4, block_length=4), "no blocks, cache='none' and no rule; got threshold=0.9, "
+                                                     "factor=None, block_length=4"),
+    (dict(threshold=0.9, eos_truncation=True, alg="entropy"), "leave alg at 'origin' or use 'maskgit_plus'"),
+    (dict(threshold=0.9, window=0), "window must be a positive integer or None, got 0"),
+    (dict(threshold=0.9), "set block_length .block_length=gen_length for one block., or window / eos_truncation"),
+    (dict(threshold=0.9, window=4, eos_token_id=7), "eos_token_id .7. is the EOS id of eos_truncation"),
+])
+def test_bad_window_options_are_refused_in_one_line(options, message):
+  with pytest.raises(ValueError, match=message) as refused:
+    dream.DreamOptions(gen_length=8, steps=8, **options)
   assert "\n" not in str(refused.value)

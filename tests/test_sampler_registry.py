@@ -73,7 +73,7 @@ OWN_FIELDS = {  # each options class's fields beyond the sampler's common settin
     "llada": {"logits_eos_inf", "confidence_eos_eot_inf", "padding", "shift_positions", "cfg_padding",
               "confidence_dtype", "confidence_ranking", "stop_token_id", "mask_token_id", "eos_token_id",
               "eot_token_id"},
-    "dream": {"mask_token_id"},
+    "dream": {"mask_token_id", "eos_token_id"},
     "ar": {"stop_at_eos", "eos_token_ids", "pad_token_id"},
     "block_diffusion": {"cache", "editing_threshold", "max_post_steps", "eos_stop", "mask_token_id", "eos_token_id"},
     "diffusion_gemma": {"entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold",

@@ -11,6 +11,7 @@ from dlm_jax.config import preset
 from dlm_jax.sampling import autoregressive, block_diffusion, dream, llada, registry
 from dlm_jax.session import (CombinationError, DecodeSettings, DecodingMode, SessionError, model_settings,
                              sampler_options)
+from dlm_jax.session.checkpoint_bundle import Model
 from experiments.common import checkpoints, cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -86,8 +87,9 @@ def test_session_errors_are_the_binaries_one_line_errors(error, pointer, capsys)
 
 
 def test_elastic_cache_decoding_is_a_mode_of_the_session(tiny_dlm):
-  """--window / --eos_truncation (lm-eval window= / eos_truncation=) reach LLaDAOptions, are recorded and read
-  back, and are refused in one line outside threshold / factor without a cache or on a sampler without them."""
+  """--window / --eos_truncation (lm-eval window= / eos_truncation=) reach LLaDAOptions and DreamOptions (Dream
+  without blocks), are recorded and read back, and are refused in one line outside threshold / factor without a
+  cache or on a sampler without them."""
   from dlm_jax.session import decoding_mode
   from experiments.lm_eval import args
   mode = decoding_mode.from_values("threshold", threshold=0.9, window=16, eos_truncation=True)
@@ -113,8 +115,17 @@ def test_elastic_cache_decoding_is_a_mode_of_the_session(tiny_dlm):
     with pytest.raises(error) as info:
       decoding_mode.from_values(**kwargs)
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
-  with pytest.raises(CombinationError, match="the dream sampler has no eos_truncation / window decoding yet"):
-    mode.option_fields("dream")
+  with pytest.raises(CombinationError, match="the block_diffusion sampler has no eos_truncation / window decoding"):
+    mode.option_fields("block_diffusion")
+  dream_model = Model("tiny-dream", "", preset("tiny-dream"), None, None, {}, "dream", "plain")
+  decode = dict(gen_length=32, steps=32, alg="maskgit_plus")  # p(x0), as Dream's threshold mode
+  values = model_settings(DecodeSettings(**decode), dream_model, mode)  # Dream: no blocks
+  assert mode.whole_generation("dream") and not mode.whole_generation("llada")
+  assert sampler_options.from_values(values, dream_model.config) == dream.DreamOptions(
+      gen_length=32, steps=32, alg="maskgit_plus", threshold=0.9, window=16, eos_truncation=True)
+  with pytest.raises(SessionError, match="tiny-dream: .*no blocks") as info:
+    model_settings(DecodeSettings(**decode, block_length=8), dream_model, mode)
+  assert "\n" not in str(info.value)
 
 
 def test_a_policy_with_guidance_is_refused_by_the_session():

@@ -44,8 +44,13 @@ Dream (`dream/model/generation_utils_elastic.py` `_sample`, `dream/model/modelin
 the window's masked positions (their rows are the tracked-token statistic's rows; the still-masked positions,
 unshifted, are zeroed), decoded positions are the window's; the caches hold K/V after `repeat_kv`, so a query
 head n reads key head n // (N / K), as here; its attention applies no padding mask. The query set is a
-concatenation that can name a position twice (both copies compute the same row: the union here). Wired in
-`dlm_jax.policy.elastic_cache_policy` (`query_mask(shifted=True)`, `predecessors` for the statistic's rows).
+concatenation that can name a position twice (both copies compute the same row: the union here). Its decoding
+(`get_transfer_index_fast`): Dream's `sample_tokens` with the generation config's temperature, top-p and top-k
+on the window's logits (rows window − 1; `alg` unused), every position with p(x0) >= min(threshold, the
+window's largest), the EOS cut as above with `eos_id` = the tokenizer's `eos_token_id` (`dream/eval.py`); no
+blocks, the loop ends when the masked set is empty (`steps` unused). Wired in
+`dlm_jax.policy.elastic_cache_policy` (`query_mask(shifted=True)`, `predecessors` for the statistic's rows); the
+decoding is `dlm_jax.sampling.dream_window` (`dream.elastic_cache_options()`).
 """
 
 from __future__ import annotations

@@ -17,15 +17,17 @@ still-masked set stops at the cut as the official one does (`RunLayout.eos_cut_i
 are neither in the window nor zeroed in the tracked-token score. Replayed against the official loop
 (tests/test_policy_elastic_cache_runs.py): the exact sampler's blocks and the official threshold decoding.
 
-Dream (`dream`, and `dream_blockwise` without a cache), as the official Dream code does it
+Dream (`dream`, `dream_blockwise` without a cache, and `dream_window`), as the official Dream code does it
 (`dream/model/generation_utils_elastic.py` `_sample`, `dream/model/modeling_dream.py` `DreamSdpaAttention`,
 read through the mirror yxu-dev/Elastic-Cache): its logits are AR-shifted (the output at p − 1 predicts p), so
 the masked queries are the positions before the window's masked ones (before every still-masked one without
 block caching), those rows are the tracked-token statistic's rows, the still-masked positions themselves
 (unshifted) are zeroed in its score, and the window the sampler decodes from is unshifted. Decoding is Dream's
-sampler's (its quota, or Fast-dLLM's threshold or factor rule in blocks), not the official Dream loop's
-threshold over the sliding window: Dream's samplers have no sliding window nor EOS truncation. Replayed against
-the official per-call computation (tests/test_policy_elastic_cache_dream.py).
+sampler's: its quota, Fast-dLLM's threshold or factor rule in blocks, or the official Dream decoding
+(`dream.elastic_cache_options()`: `_sample`'s threshold 0.9 over the sliding window, at least the best token,
+EOS truncation with the config's EOS id; `DreamOptions.window`, `eos_truncation`, `dlm_jax.sampling.dream_window`),
+whose EOS cut the policy follows as on LLaDA. Replayed against the official loop
+(tests/test_policy_elastic_cache_dream.py: the per-call computation under each, the official decoding whole).
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ from dlm_jax.policy import elastic_cache as ec
 from dlm_jax.policy.base import ComputePolicy, Decision
 from dlm_jax.policy.positions import ascending_positions
 
-FAMILIES = ("llada", "llada_blockwise", "dream", "dream_blockwise")
+FAMILIES = ("llada", "llada_blockwise", "dream", "dream_blockwise", "dream_window")
 """The sampler families it runs with: LLaDA and MMaDA, and Dream with its shifted queries (module docstring),
-exact or threshold / factor decoding (without a KV cache: `blocks.check_policy_cache`)."""
+exact or threshold / factor decoding (without a KV cache: `blocks.check_policy_cache`), and Dream's Elastic-Cache
+decoding (`dream_window`)."""
 
 
 @struct.dataclass

@@ -34,6 +34,11 @@ the rest of the block by the confidence threshold (`threshold`), the factor rule
 per-block timestep quota (neither), with no cache, the prefix KV cache or the dual KV cache (`cache`).
 With block_length None this module's exact sampler runs, unchanged.
 
+Elastic-Cache's Dream decoding (`DreamOptions.window` / `eos_truncation`, `elastic_cache_options()`;
+`dlm_jax.sampling.dream_window`): no blocks; every call, threshold (or factor) decoding among the first `window`
+masks of the generation, and after the first call that decodes the EOS id the masks after it are never decoded;
+the run ends when no mask is left to decode.
+
 Precision: logits, softmax and confidences are float32 (the original computes them in the model dtype,
 bf16 for the released weights); compare at temperature 0 in float32.
 """
@@ -51,7 +56,7 @@ from flax import struct
 from dlm_jax.config import ModelConfig, logit_shift
 from dlm_jax.instrument.interventions import Intervention
 from dlm_jax.model import KVCache
-from dlm_jax.sampling import blocks, decoding_rules, dream_blockwise, driver, keys, llada_rules, padding
+from dlm_jax.sampling import blocks, decoding_rules, dream_blockwise, dream_window, driver, keys, llada_rules, padding
 from dlm_jax.sampling.call_inputs import CallInputs, Readout
 from dlm_jax.sampling.parallel import FACTOR_RULES
 from dlm_jax.sampling.schedules import dream_transfer_count, dream_transfer_fractions
@@ -89,6 +94,14 @@ class DreamOptions(blocks.BlockLayout):
       With either, alg must stay "origin" (the default) or be "maskgit_plus" (both: p(x0)), alg_temp unset.
     cache: block modes: "none" (every step runs the whole sequence), "prefix" or "dual" (Fast-dLLM's
       approximate KV caches, refreshed by each block-start step).
+    window: Elastic-Cache's sliding window (`dlm_jax.sampling.dream_window`): a call's candidates are the first
+      `window` masks of the generation. None = every mask.
+    eos_truncation: Elastic-Cache's EOS rule: after the first call that decodes the EOS id (config or
+      eos_token_id), the masks after the first EOS it decoded are never decoded (they stay masks) and the run ends
+      when no row has a candidate left. window and eos_truncation select Elastic-Cache's Dream decoding
+      (`dream_window`: no blocks, threshold or factor over the window, no cache, no rule; block_length None, alg
+      'origin' or 'maskgit_plus', alg_temp unset, `steps` unused); `elastic_cache_options` gives the official one.
+    eos_token_id: override of the config's EOS id (eos_truncation).
   """
 
   gen_length: int = 512
@@ -106,6 +119,9 @@ class DreamOptions(blocks.BlockLayout):
   factor_rule: Literal["fast_dllm", "dllm", "research_dllm"] = "fast_dllm"
   cache: Literal["none", "prefix", "dual"] = "none"
   rule: decoding_rules.Rule | None = None
+  window: int | None = None
+  eos_truncation: bool = False
+  eos_token_id: int | None = None
 
   def __post_init__(self):
     if not isinstance(self.gen_length, int) or self.gen_length <= 0:
@@ -132,13 +148,20 @@ class DreamOptions(blocks.BlockLayout):
       raise ValueError(f"cache must be 'none', 'prefix' or 'dual', got {self.cache!r}.")
     if self.factor_rule not in FACTOR_RULES:
       raise ValueError(f"factor_rule must be one of {', '.join(FACTOR_RULES)}, got {self.factor_rule!r}.")
+    if self.eos_token_id is not None and self.eos_truncation is not True:
+      raise ValueError(f"eos_token_id ({self.eos_token_id}) is the EOS id of eos_truncation (Elastic-Cache's "
+                       "decoding); set eos_truncation=True or leave eos_token_id None.")
+    if self.windowed:
+      self._check_window()
+      return
     if self.rule is not None:
       decoding_rules.check_dream_options(self)
       return
     if self.block_length is None:
       if self.threshold is not None or self.factor is not None or self.cache != "none":
         raise ValueError("threshold, factor and cache are Fast-dLLM's block-by-block modes: set block_length "
-                         "(block_length=gen_length for one block).")
+                         "(block_length=gen_length for one block), or window / eos_truncation for Elastic-Cache's "
+                         "decoding.")
       return
     if isinstance(self.block_length, bool) or not isinstance(self.block_length, int) or self.block_length <= 0:
       raise ValueError(f"block_length must be a positive integer or None, got {self.block_length!r}.")
@@ -163,10 +186,44 @@ class DreamOptions(blocks.BlockLayout):
       raise ValueError(f"steps / num_blocks = {self.steps_per_block} step per block: the block-start step decodes "
                        "only the block's first position, so the quota needs at least 2 steps per block; raise steps.")
 
+  def _check_window(self) -> None:
+    """window and eos_truncation: their values, and the options Elastic-Cache's Dream decoding runs with."""
+    if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                    or self.window <= 0):
+      raise ValueError(f"window must be a positive integer or None, got {self.window!r}.")
+    if not isinstance(self.eos_truncation, bool):
+      raise ValueError(f"eos_truncation must be True or False, got {self.eos_truncation!r}.")
+    if (self.threshold is None and self.factor is None or self.block_length is not None or self.cache != "none"
+        or self.rule is not None):
+      raise ValueError("window and eos_truncation (Elastic-Cache's Dream decoding) run with threshold or factor "
+                       f"decoding, no blocks, cache='none' and no rule; got threshold={self.threshold}, factor="
+                       f"{self.factor}, block_length={self.block_length}, cache={self.cache!r}, "
+                       f"rule={type(self.rule).__name__ if self.rule else None}.")
+    if self.alg not in ("origin", "maskgit_plus") or self.alg_temp:
+      raise ValueError(f"window and eos_truncation decode by the proposal's probability p(x0) (the official loop "
+                       f"passes no alg): leave alg at 'origin' or use 'maskgit_plus', alg_temp unset; got "
+                       f"alg={self.alg!r}, alg_temp={self.alg_temp!r}.")
+
+  @property
+  def windowed(self) -> bool:
+    """Elastic-Cache's Dream decoding (`dream_window`): window or eos_truncation set."""
+    return self.window is not None or self.eos_truncation is not False
+
   @property
   def blockwise(self) -> bool:
     """Fast-dLLM's block-by-block modes (`dream_blockwise`) rather than the exact sampler."""
-    return self.block_length is not None and self.rule is None
+    return self.block_length is not None and self.rule is None and not self.windowed
+
+
+def elastic_cache_options(**overrides) -> DreamOptions:
+  """The decoding of Elastic-Cache's Dream `_sample` (`dream/model/generation_utils_elastic.py` of
+  VILA-Lab/Elastic-Cache; `dream_window`): gen 512 without blocks, threshold 0.9 (at least the best token) over the
+  sliding window of 16 masked positions (its signature default; the scripts `dream/eval_gsm8k.sh` and
+  `eval_humaneval.sh` pass 32 and 16), EOS truncation, temperature 0. Run with policy `elastic_cache` of the same
+  window_length (`dlm_jax.policy.elastic_cache_policy`)."""
+  values = dict(gen_length=512, steps=512, threshold=0.9, window=16, eos_truncation=True)
+  values.update(overrides)
+  return DreamOptions(**values)
 
 
 
@@ -308,6 +365,31 @@ class DreamBlockwiseFamily(DreamFamily):
 
 
 @dataclasses.dataclass(frozen=True)
+class DreamWindowFamily(DreamFamily):
+  """Elastic-Cache's Dream decoding (`dlm_jax.sampling.dream_window`): one phase of at most G calls that ends when no
+  row has a candidate left. eos_id: the EOS id of `DreamOptions.eos_truncation` (None without it)."""
+
+  eos_id: int | None = None
+
+  name = "dream_window"
+  runs_policies = True
+  can_finish_early = True
+
+  @property
+  def n_steps(self) -> int:
+    return self.options.gen_length
+
+  def n_blocks(self, run) -> int:
+    return 1
+
+  def finished(self, run, consts, carry: DreamCarry, i, phase):
+    return dream_window.finished(self, run, carry)
+
+  def step(self, run, params, consts: padding.PaddingLayout, carry: DreamCarry, istate, i, phase):
+    return dream_window.step(self, run, params, consts, carry, istate, i)
+
+
+@dataclasses.dataclass(frozen=True)
 class DreamRuleFamily(llada_rules.RuleFamilyMixin, DreamFamily):
   """Dream under a decoding rule (`DreamOptions.rule`; `dlm_jax.sampling.llada_rules`, with Dream's shifted
   logits — WINO's verification copy and the cached calls' queries included — and `sample_tokens` proposals:
@@ -347,14 +429,21 @@ class DreamRuleFamily(llada_rules.RuleFamilyMixin, DreamFamily):
 
 
 def _family(config: ModelConfig, options: DreamOptions, prompt) -> DreamFamily:
-  """The exact family, or the block one when the options set a block length."""
+  """The exact family, the block one when the options set a block length, Elastic-Cache's window decoding
+  (`DreamOptions.windowed`) or the decoding rules' one."""
   mask_id = config.mask_token_id if options.mask_token_id is None else options.mask_token_id
   if mask_id is None:
     raise ValueError("Dream sampling needs a mask token id: set ModelConfig.mask_token_id or options.mask_token_id.")
+  infill = bool(np.any(np.asarray(prompt) == mask_id))
+  if options.windowed:
+    eos_id = config.eos_token_id if options.eos_token_id is None else options.eos_token_id
+    if options.eos_truncation and eos_id is None:
+      raise ValueError("eos_truncation needs an EOS id (config.eos_token_id or options.eos_token_id).")
+    return DreamWindowFamily(options=options, mask_id=mask_id, infill=infill, eos_id=eos_id)
   family = DreamBlockwiseFamily if options.blockwise else DreamFamily
   if options.rule is not None:
     family = DreamRuleFamily
-  return family(options=options, mask_id=mask_id, infill=bool(np.any(np.asarray(prompt) == mask_id)))
+  return family(options=options, mask_id=mask_id, infill=infill)
 
 
 diffusion_generate = driver.public_sampler(_family, DreamOptions(), """Dream masked-diffusion generation
@@ -372,6 +461,6 @@ Args:
 
 Returns:
   `Trace` with tokens [B, Lp + G], decode_step [B, G], nfe (= steps for the exact sampler; the model calls
-  run in the block modes), stats [max_steps, ...] (valid for the first nfe steps), top_sinks, active_rows,
-  computed_queries.
+  run in the block modes and Elastic-Cache's decoding), stats [max_steps, ...] (valid for the first nfe steps),
+  top_sinks, active_rows, computed_queries.
 """, public_name="diffusion_generate")

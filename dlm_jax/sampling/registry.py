@@ -199,7 +199,7 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
             {name: name for name in ("gen_length", "steps", "block_length", "temperature", "alg", "alg_temp",
                                      "top_p", "top_k", "eps")},
             default=True, default_shift=1,
-            mode_fields=frozenset({"threshold", "factor", "factor_rule", "cache", "rule"}),
+            mode_fields=frozenset({"threshold", "factor", "factor_rule", "cache", "rule", "window", "eos_truncation"}),
             defaults=Defaults(gen_length=512, steps=512), blocks="modes", chat_template="dream", logit_shift=1,
             **_DIFFUSION),
     Sampler("ar", autoregressive.AROptions, autoregressive.AROptions, autoregressive.generate,

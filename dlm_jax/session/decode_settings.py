@@ -30,7 +30,8 @@ block diffusion and DiffusionGemma keep their own confidences.
 Decoding modes (--decoding, --threshold, --factor; `dlm_jax.session.decoding_mode`): exact decoding (the
 default), or Fast-dLLM's threshold / factor parallel decoding and prefix / dual KV caches, for the LLaDA,
 MMaDA and Dream samplers (Dream then decodes in blocks of --block_length, default as above; KLASS's Dream code,
-Dream's default --decoding=klass, in one block: `DecodingMode.whole_generation`); the values of a
+Dream's default --decoding=klass, and Elastic-Cache's Dream decoding, --window / --eos_truncation, without blocks:
+`DecodingMode.whole_generation`); the values of a
 model record the mode. The values become options through `dlm_jax.session.sampler_options`.
 """
 

@@ -34,10 +34,12 @@ decoding rules but wino, not with the cache modes (the policy keeps its own KV c
 queries; docs/guides/compute_policies.md, "Decoding modes and Dream") — but sparse_dllm, which composes with the
 prefix and dual caches (its kept keys are a subset of the cached ones; "Sparse-dLLM with the Fast-dLLM caches").
 
-Elastic-Cache's decoding (`llada.elastic_cache_options()`): --window=N and --eos_truncation with a threshold or
-factor mode without a cache (LLaDA and MMaDA): a call's candidates are the block's first N masks (with
---block_length equal to --gen_length: the official sliding window over the generation), and after the first
-call that decodes the EOS id the masks after it are never decoded. Recorded as "window" / "eos_truncation".
+Elastic-Cache's decoding (`llada.elastic_cache_options()`, `dream.elastic_cache_options()`): --window=N and
+--eos_truncation with a threshold or factor mode without a cache (LLaDA, MMaDA and Dream): a call's candidates are
+the block's first N masks (with --block_length equal to --gen_length: the official sliding window over the
+generation; Dream always decodes the whole generation as one window, without blocks, as the official Dream loop:
+`DecodingMode.whole_generation`), and after the first call that decodes the EOS id the masks after it are never
+decoded. Recorded as "window" / "eos_truncation".
 
 Decoding rules. eb, klass, wino, pc and certainty_prior run the rules of `dlm_jax.sampling.decoding_rules`
 (EB-Sampler, KLASS, WINO, PC-Sampler, d2Cache's certainty prior) with their knobs (`experiments.common.decoding_flags`:
@@ -130,8 +132,8 @@ class DecodingMode:
   rule_cache: a decoding rule's KV cache (none, prefix or dual; --cache), recorded only when it is not "none";
   window, eos_truncation: Elastic-Cache's decoding (--window, --eos_truncation; `LLaDAOptions.window` /
   `eos_truncation`): a call's candidates are the first `window` masks of the block, and after the first call that
-  decodes the EOS id the masks after it are never decoded; threshold and factor modes without a cache, LLaDA and
-  MMaDA; recorded only when set.
+  decodes the EOS id the masks after it are never decoded; threshold and factor modes without a cache, LLaDA,
+  MMaDA and Dream (`DreamOptions.window` / `eos_truncation`, no blocks); recorded only when set.
   """
 
   decoding: str = "exact"
@@ -220,7 +222,10 @@ class DecodingMode:
 
   def whole_generation(self, sampler: str) -> bool:
     """Whether the mode decodes `sampler`'s whole generation as one block: KLASS's Dream code (--decoding=klass on
-    the dream sampler, variant unset or dream_klass), which has no blocks; its block length stays unset."""
+    the dream sampler, variant unset or dream_klass) and Elastic-Cache's Dream decoding (--window or
+    --eos_truncation on the dream sampler), which have no blocks; the block length stays unset."""
+    if sampler == "dream" and (self.window is not None or self.eos_truncation):
+      return True
     return self.decoding == "klass" and sampler == "dream" and self.decoding_rule().variant_on(dream=True) == \
         "dream_klass"
 
@@ -321,6 +326,10 @@ class DecodingMode:
     """A sampler whose mode selects its `transfer` rule (block diffusion, LLaDA2.x) decodes with its exact KV
     cache always: exact = its own rule (LLaDA2's: a quota, or every proposal above τ = 0.95), threshold =
     Fast-dLLM's rule at --threshold."""
+    if self.window is not None or self.eos_truncation:
+      raise CombinationError(f"--decoding={self.decoding}: the {sampler} sampler has no eos_truncation / window "
+                             "decoding (Elastic-Cache's: LLaDA, MMaDA and Dream); leave --window and "
+                             "--eos_truncation unset")
     if self.cache != "none" or self.rule == "factor":
       raise CombinationError(f"--decoding={self.decoding}: the {sampler} sampler always decodes with its exact "
                              "KV cache and has no factor rule; use --decoding=exact (LLaDA2's rule) or threshold")

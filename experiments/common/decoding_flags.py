@@ -52,11 +52,11 @@ _CACHE = flags.DEFINE_enum("cache", "none", list(decoding_mode.RULE_CACHES),
                            "KV cache of --decoding=eb, klass, pc or certainty_prior: none, prefix or dual (Fast-dLLM's "
                            "caches in Research dLLM's order; the other modes name their cache in --decoding).")
 _WINDOW = flags.DEFINE_integer("window", None, "Elastic-Cache's decoding: a call's candidates are the first N masks "
-                                "of the block (unset: the whole block); threshold or factor modes without a cache, "
-                                "LLaDA and MMaDA.")
+                                "of the block (unset: the whole block; Dream: of the generation, no blocks); "
+                                "threshold or factor modes without a cache, LLaDA, MMaDA and Dream.")
 _EOS_TRUNCATION = flags.DEFINE_bool("eos_truncation", False, "Elastic-Cache's decoding: after the first call that "
                                     "decodes the EOS id the masks after it are never decoded; threshold or factor "
-                                    "modes without a cache, LLaDA and MMaDA.")
+                                    "modes without a cache, LLaDA, MMaDA and Dream (no blocks).")
 _CERTAINTY_SIGMA = flags.DEFINE_float("certainty_sigma", dr.CertaintyPrior.sigma,
                                       "Certainty prior: the Gaussian's sigma in positions (> 0).")
 

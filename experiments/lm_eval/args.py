@@ -11,8 +11,9 @@ resolved per task with a preset (`experiments.lm_eval.presets`).
                   wino_narrow_out, pc_prior (a prior file), pc_lambda, pc_alpha, pc_variant, certainty_sigma
   cache           none | prefix | dual: a decoding rule's KV cache (eb, klass, pc, certainty_prior)
   window, eos_truncation
-                  Elastic-Cache's decoding with threshold / factor and no cache (LLaDA, MMaDA): a call's candidates
-                  are the block's first `window` masks; after the first EOS decoded the masks after it stay masks
+                  Elastic-Cache's decoding with threshold / factor and no cache (LLaDA, MMaDA, Dream without
+                  blocks): a call's candidates are the block's first `window` masks; after the first EOS decoded
+                  the masks after it stay masks
   policy          a compute policy while generating (`dlm_jax.policy`): none | d2cache | dkv_cache | dllm_cache |
                   elastic_cache | sparse_dllm | sparsed, knobs after a colon and "+" between them (lm-eval splits on
                   commas): sparse_dllm:keep_ratio=0.25+kernel_size=3; the decodings each takes:
