@@ -5,7 +5,8 @@ decisions made by the method's rule functions.
 Each method's policy class: `DKVCache` and `SparseDLLM` here (dKV-Cache: queries the positions masked at the
 previous call, full at a block's first two steps and every `cache_reloading_step`, on Dream the official Dream
 rule, `dkv_cache_dream`; Sparse-dLLM: at a block's steps >= 2 the block's queries only — on Dream with the
-position before the block —, each layer reading the keys kept at step 1 by the block-mean query score), and
+position before the block —, each layer reading the keys kept at step 1 by the block-mean query score; with the
+Fast-dLLM caches and block diffusion's exact cache, our compositions), and
 `D2Cache`, `DLLMCache`, `ElasticCache`, `SparseD` in `dlm_jax.policy.<method>_policy`. "A block's step" is the
 sampler's count (`CallContext.block_step`): under threshold or factor decoding and the decoding rules a block
 takes a variable number of calls.
@@ -121,7 +122,9 @@ class DKVCache(dkv_cache.DKVCacheSettings, ComputePolicy):
 class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
   """Sparse-dLLM as a policy: state [B, L, n_keep + keep_sinks + keep_first] int32, each layer's kept keys
   chosen at step 1 of the current block from the score of the block's mean query against every key
-  (`query_key_scores`).
+  (`query_key_scores`). With block diffusion's exact cache (`RunLayout.cache` "block", ours) the keys are chosen
+  among the cached prefix [0, s), int(s x keep_ratio) of them (padded with S up to n_keep, the last block's
+  count; `sparse_dllm.keep_prefix_positions`), and the family keeps the cache (`init_cache`: none here).
 
   keep_sinks (ours, not the paper's: "sinks in the loop"): also keep, per layer, the keys among the K with the
   most incoming attention at that step (summed over every query, head mean: the attention-sinks papers'

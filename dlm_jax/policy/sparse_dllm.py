@@ -16,6 +16,10 @@ of the block loop):
 * steps >= 2 of the block feed only the block's tokens; their attention reads the kept keys plus the
   block's fresh keys (`attended_keys`); the kept K/V are frozen until the block ends.
 
+Block diffusion (LLaDA2.x / SDAR; ours, no official code): the block's queries see only the cached prefix
+[0, s) outside the block, so the candidates are those s keys and int(s x keep_ratio) are kept
+(`keep_prefix_positions`); the schedule above is kept (docs/guides/compute_policies.md, "sparse_dllm").
+
 What the forward must provide (per layer, at the block's step 1): `q_block` [B, L, N, H], the post-RoPE
 queries of the block's L positions; `k` [B, S, K, H], the post-RoPE keys of all S positions (K divides N).
 """

@@ -76,6 +76,15 @@ blocks, the block, or [0, e) without cache) over all T keys, the cached ones inc
 receive nothing. A cached step of block k plus the prefill's and the commits' statistics of the blocks
 before k equals the uncached step's.
 
+Compute policies (`RunSetup.policy`): `sparse_dllm` with the cache (ours, no official code for LLaDA2;
+docs/guides/compute_policies.md, "sparse_dllm"). The family keeps its exact cache and tells the policy each call's
+block (`CallInputs.block_start`, `block_step`: the calls the block has had, −1 at the prefill and the commits);
+the model caller runs a call the policy makes full as above, else the block's queries over each layer's kept keys
+of the cached prefix [0, s) and their own (`policy_call.family_cache_forward`). A block's calls 0 and 1 are full
+(call 1 scores the keys), its later calls read the kept keys; the prefill and the commits read every key (they
+write the cache, which so stays exact). Every other policy, `cache=False` and hooks under a policy are refused in
+one line.
+
 Interventions act at every model call, prefill and commits included (`MaskPreviousSinks` masks at each call
 the top sinks of the previous call, whichever kind it was). Keys and values committed under an
 intervention's bias keep it, while the uncached mode recomputes them under each step's bias: the two modes
@@ -466,7 +475,7 @@ Args:
   options: `BlockDiffusionOptions` (static).
   key: PRNG key (temperature > 0); default key(0); or [B] keys, one per row.
   prompt_mask, setup: see `dlm_jax.sampling.driver.run_family` (`setup`: a `RunSetup`; old keywords such
-    as stats_spec= are deprecated).
+    as stats_spec= are deprecated; `setup.policy`: `sparse_dllm` with cache=True, module docstring).
 
 Returns:
   `Trace` with tokens [B, T] (T = ⌈(Lp + G)/L⌉·L), decode_step [B, T − Lp], nfe (prefill and commits
