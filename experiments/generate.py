@@ -396,7 +396,8 @@ def main(argv):
             for k, v in given.items()}
   check_training_width(label, record, len(ids), values["gen_length"])
   if mode.policy != "none" and not decoder.has_modes:
-    raise CombinationError(f"--policy={mode.policy} runs with the masked diffusion samplers (LLaDA, MMaDA, Dream), "
+    raise CombinationError(f"--policy={mode.policy} runs with the masked diffusion samplers (LLaDA, MMaDA, Dream; "
+                           "sparse_dllm also with block_diffusion), "
                            f"not the {sampler} sampler")
   settings = Settings(
       checkpoint=directory, sampler=sampler, prompt_ids=tuple(ids),

@@ -168,8 +168,9 @@ class Attention(nnx.Module):
   def _key_subset(q, k, v, key_index, subset, computation: AttentionComputation, common):
     """Attention of the queries over the cached positions key_index [B, m] and their own (subset.queries):
     the keys are gathered (padded entries masked), the key bias with them, and the incoming attention (and
-    the rows) are scattered back onto the S positions. Returns (out, incoming [B, Q, N, S] or None, rows
-    [B, T, S] or None)."""
+    the rows) are scattered back onto the S positions. Block-causal attention masks each gathered key whose
+    block is after its query's (`Visibility.block_size` applied to the positions, not to the gathered order).
+    Returns (out, incoming [B, Q, N, S] or None, rows [B, T, S] or None)."""
     n_seq = k.shape[1]
     positions = jnp.concatenate([key_index, subset.queries], axis=1)  # [B, m + T]
     padded = jnp.where(positions >= n_seq, MASK_VALUE, 0.0).astype(jnp.float32)[:, None, :]
@@ -181,6 +182,12 @@ class Attention(nnx.Module):
     if pairwise is not None:
       pairwise = jnp.broadcast_to(pairwise, (at.shape[0], *pairwise.shape[1:]))
       pairwise = jnp.take_along_axis(pairwise, at[:, None, None, :], axis=3)
+    block_size = common["visibility"].block_size
+    if block_size is not None:
+      later = at[:, None, None, :] // block_size > subset.queries[:, None, :, None] // block_size
+      blocked = jnp.where(later, MASK_VALUE, 0.0).astype(jnp.float32)  # [B, 1, T, m + T]
+      pairwise = blocked if pairwise is None else jnp.maximum(pairwise + blocked, MASK_VALUE)
+      common = {**common, "visibility": Visibility()}
     out, incoming, *rest = attention(q, gather_rows(k, positions), gather_rows(v, positions),
                                      computation=computation,
                                      **{**common, "bias": AttentionBias(pairwise=pairwise, keys=key_bias)})

@@ -4,8 +4,10 @@ positions run through the layers and which cached positions each layer's queries
 The model only applies it: the queries' keys and values are scattered into the KV cache at their positions,
 attention reads the cache (all S positions, or each layer's key subset and the queries' own positions), and
 statistics stay in sequence coordinates. Index arrays are padded with S (an entry that reads position S − 1,
-writes nothing and is hidden as a key). Valid for bidirectional attention only (no causal, block-causal or
-sliding-window pattern: their masks are built from contiguous query indices).
+writes nothing and is hidden as a key). Valid for bidirectional attention, and for block-causal attention with
+a key subset (each gathered key is masked by its block against its query's: block diffusion under Sparse-dLLM);
+not for causal or sliding-window patterns, nor block-causal without a key subset (their masks are built from
+contiguous query indices).
 """
 
 from __future__ import annotations

@@ -70,9 +70,10 @@ def _check_subset(config: ModelConfig, subset: ComputeSubset | None, shape: tupl
   if cache is None:
     raise ValueError("Compute.subset reads and writes a KVCache; pass Compute(cache=KVCache.zeros(config, B, S)) "
                      "(filled by a full call).")
-  if config.causal or config.attention_block_size is not None or config.layer_pattern is not None:
-    raise ValueError(f"Compute.subset needs bidirectional attention; {config.name} is causal, block-causal "
-                     "or has sliding-window layers.")
+  if config.causal or config.layer_pattern is not None or (config.attention_block_size is not None
+                                                           and subset.keys is None):
+    raise ValueError(f"Compute.subset needs bidirectional attention, or block-causal attention with a key subset; "
+                     f"{config.name} is causal, block-causal without ComputeSubset.keys or has sliding-window layers.")
   if tuple(subset.queries.shape) != shape:
     raise ValueError(f"ComputeSubset.queries must be [B, T] = {list(shape)}, got {list(subset.queries.shape)}.")
   if subset.keys is not None and (subset.keys.ndim != 3 or subset.keys.shape[:2] != (config.n_layers, shape[0])):

@@ -130,7 +130,8 @@ class RunLayout:
   masks of a block (`LLaDAOptions.window`; None: the whole block); eos_cut_id: the sampler's EOS truncation
   (`LLaDAOptions.eos_truncation`: after the first call that decodes this id, the masks after it are never
   decoded; None: no truncation); cache: the sampler's Fast-dLLM KV cache ("none", "prefix" or "dual"), which a
-  policy that composes with it emulates in its own decisions (`dlm_jax.sampling.blocks.CACHE_POLICIES`);
+  policy that composes with it emulates in its own decisions (`dlm_jax.sampling.blocks.CACHE_POLICIES`), or
+  "block": block diffusion's exact KV cache, which the family keeps and the policy takes key subsets of;
   decoding_rule: the name of the sampler's decoding rule (`dlm_jax.sampling.decoding_rules`, e.g.
   "certainty_prior"; None: the sampler's own transfer rule).
   """

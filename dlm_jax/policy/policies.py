@@ -5,7 +5,8 @@ decisions made by the method's rule functions.
 Each method's policy class: `DKVCache` and `SparseDLLM` here (dKV-Cache: queries the positions masked at the
 previous call, full at a block's first two steps and every `cache_reloading_step`, on Dream the official Dream
 rule, `dkv_cache_dream`; Sparse-dLLM: at a block's steps >= 2 the block's queries only — on Dream with the
-position before the block —, each layer reading the keys kept at step 1 by the block-mean query score), and
+position before the block —, each layer reading the keys kept at step 1 by the block-mean query score; with the
+Fast-dLLM caches and block diffusion's exact cache, our compositions), and
 `D2Cache`, `DLLMCache`, `ElasticCache`, `SparseD` in `dlm_jax.policy.<method>_policy`. "A block's step" is the
 sampler's count (`CallContext.block_step`): under threshold or factor decoding and the decoding rules a block
 takes a variable number of calls.
@@ -121,7 +122,9 @@ class DKVCache(dkv_cache.DKVCacheSettings, ComputePolicy):
 class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
   """Sparse-dLLM as a policy: state [B, L, n_keep + keep_sinks + keep_first] int32, each layer's kept keys
   chosen at step 1 of the current block from the score of the block's mean query against every key
-  (`query_key_scores`).
+  (`query_key_scores`). With block diffusion's exact cache (`RunLayout.cache` "block", ours) the keys are chosen
+  among the cached prefix [0, s), int(s x keep_ratio) of them (padded with S up to n_keep, the last block's
+  count; `sparse_dllm.keep_prefix_positions`), and the family keeps the cache (`init_cache`: none here).
 
   keep_sinks (ours, not the paper's: "sinks in the loop"): also keep, per layer, the keys among the K with the
   most incoming attention at that step (summed over every query, head mean: the attention-sinks papers'
@@ -166,6 +169,12 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
     return jnp.full((batch, config.n_layers, self._n_keep() + self.keep_sinks + self.keep_first), self.layout.seq_len,
                     jnp.int32)
 
+  def init_cache(self, config: ModelConfig, batch: int, seq_len: int, dtype: Any = jnp.float32) -> Any:
+    """Block diffusion keeps its own exact KV cache, which the policy only reads subsets of: no cache here (())."""
+    if self.layout.cache == "block":
+      return ()
+    return super().init_cache(config, batch, seq_len, dtype)
+
   def record(self, state: jax.Array) -> jax.Array:
     """[B, L, n_keep + keep_sinks + keep_first] int32: each layer's kept keys for the current block (S: none)."""
     return state
@@ -180,26 +189,34 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
 
   def _sinks(self, output: ForwardOutput, kept: jax.Array, start: jax.Array) -> jax.Array:
     """[L, B, keep_sinks] int32: per layer the top keep_sinks keys by incoming attention, S where the score kept
-    one already or it lies in the block."""
+    one already or it may not be kept (`_not_outside`)."""
     s = self.layout.seq_len
     incoming = output.stats["incoming_attention"][:, :, 0, 0]  # [L, B, S]
     sinks = jax.lax.top_k(incoming, self.keep_sinks)[1].astype(jnp.int32)
-    in_block = (sinks >= start) & (sinks < start + self.layout.block_length)
     taken = jnp.any(sinks[..., :, None] == kept[..., None, :], axis=-1)
-    return jnp.where(in_block | taken, s, sinks)
+    return jnp.where(self._not_outside(sinks, start) | taken, s, sinks)
 
   def _first(self, kept: jax.Array, start: jax.Array) -> jax.Array:
-    """[L, B, keep_first] int32: positions 0 .. keep_first − 1, S where already kept or in the block."""
+    """[L, B, keep_first] int32: positions 0 .. keep_first − 1, S where already kept or not to be kept
+    (`_not_outside`)."""
     first = jnp.broadcast_to(jnp.arange(self.keep_first, dtype=jnp.int32), kept.shape[:-1] + (self.keep_first,))
-    in_block = (first >= start) & (first < start + self.layout.block_length)
     taken = jnp.any(first[..., :, None] == kept[..., None, :], axis=-1)
-    return jnp.where(in_block | taken, self.layout.seq_len, first)
+    return jnp.where(self._not_outside(first, start) | taken, self.layout.seq_len, first)
+
+  def _not_outside(self, positions: jax.Array, start: jax.Array) -> jax.Array:
+    """positions may not be kept: in the block [start, start + L) — under block diffusion's cache, at or after
+    start (the block and the later blocks, which its queries do not see)."""
+    if self.layout.cache == "block":
+      return positions >= start
+    return (positions >= start) & (positions < start + self.layout.block_length)
 
   def decide(self, state: jax.Array, context: Any) -> Decision:
     """Steps 0 and 1 of a block full; later the block's queries over the kept keys. On a logit-shifted model
     (Dream) the position before the block is computed too (its output predicts the block's first position) and
     left out of the kept keys (UNVERIFIED: the official Dream sampler is not in our index; guide). With the
-    sampler's prefix or dual cache, `_decide_cached`."""
+    sampler's prefix or dual cache, `_decide_cached`; with block diffusion's exact cache, `_decide_block`."""
+    if self.layout.cache == "block":
+      return self._decide_block(state, context)
     if self.layout.cache != "none":
       return self._decide_cached(state, context)
     shift = self.layout.logit_shift
@@ -230,12 +247,25 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
     buckets = tuple(sorted(sizes)) if layout.cache == "prefix" else ()
     return Decision(full=step == 0, queries=queries, keys=keys, all_keys=step == 1, buckets=buckets)
 
+  def _decide_block(self, state: jax.Array, context: Any) -> Decision:
+    """Sparse-dLLM with block diffusion's exact KV cache (ours, not the paper's; no official code for LLaDA2;
+    guide): a block's decoding calls compute the block (the call's queries at the cache offset, the family's own
+    cached call) — at its calls 0 and 1 over every cached key it sees (call 1 scores them, as the official step
+    1), from call 2 over each layer's kept keys of the prefix [0, s) and the block's own; the prefill and the
+    commits (`block_step` −1: they write the cache, so they read every key and the cache stays exact) are
+    full."""
+    queries = jnp.broadcast_to(context.query_index[None, :].astype(jnp.int32),
+                               (context.tokens.shape[0], context.n_queries))
+    return Decision(full=sparse_dllm.is_full_step(_step_in_block(self, context)), queries=queries,
+                    keys=jnp.swapaxes(state, 0, 1))
+
   def update(self, state: jax.Array, output: ForwardOutput, context: Any, decision: Decision) -> jax.Array:
     scores = output.stats["query_key_scores"][:, :, 1]  # [L, B, S]
     start = _block_start(self, context)
+    keep = sparse_dllm.keep_prefix_positions if self.layout.cache == "block" else sparse_dllm.keep_positions
 
     def choose():
-      kept = jnp.stack([sparse_dllm.keep_positions(layer_scores, start, self.layout.block_length, self)
+      kept = jnp.stack([keep(layer_scores, start, self.layout.block_length, self)
                         for layer_scores in scores])  # one layer at a time: the torch top-k replay
       if self.keep_sinks:
         kept = jnp.concatenate([kept, self._sinks(output, kept, start)], axis=-1)

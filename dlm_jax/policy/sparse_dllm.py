@@ -16,6 +16,10 @@ of the block loop):
 * steps >= 2 of the block feed only the block's tokens; their attention reads the kept keys plus the
   block's fresh keys (`attended_keys`); the kept K/V are frozen until the block ends.
 
+Block diffusion (LLaDA2.x / SDAR; ours, no official code): the block's queries see only the cached prefix
+[0, s) outside the block, so the candidates are those s keys and int(s x keep_ratio) are kept
+(`keep_prefix_positions`); the schedule above is kept (docs/guides/compute_policies.md, "sparse_dllm").
+
 What the forward must provide (per layer, at the block's step 1): `q_block` [B, L, N, H], the post-RoPE
 queries of the block's L positions; `k` [B, S, K, H], the post-RoPE keys of all S positions (K divides N).
 """
@@ -29,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from dlm_jax.policy.positions import ascending_positions, is_integer, is_number
-from dlm_jax.policy.torch_topk import torch_cpu_top_k
+from dlm_jax.policy.torch_topk import torch_cpu_top_k, torch_cpu_top_k_prefix
 
 FAMILIES = ("llada", "dream")
 """Model families the official evaluation scripts run (LLaDA-8B-Instruct, LLaDA-1.5, Dream-v0 Base and
@@ -153,6 +157,35 @@ def keep_positions(scores: jax.Array, block_start: jax.Array, block_length: int,
   in_block = (position >= start) & (position < start + block_length)
   pooled = _max_pool(jnp.where(in_block, -jnp.inf, scores), settings.kernel_size)
   return _top(jnp.where(in_block, -jnp.inf, pooled), n_keep, settings.tie_break)
+
+
+def keep_prefix_positions(scores: jax.Array, block_start: jax.Array, block_length: int,
+                          settings: SparseDLLMSettings) -> jax.Array:
+  """The kept keys of one layer under block diffusion's exact cache (ours; no official code): the keys a block
+  sees outside itself are the cached prefix [0, s), s = block_start, and int(s x keep_ratio) of them are kept.
+
+  scores: [B, S] from `block_query_key_scores`, S a multiple of L; block_start: traced scalar, a multiple of
+  block_length L. The prefix scores are max-pooled as `keep_positions` pools them (kernel k, -inf padding: the
+  block and what follows it are no pooling neighbours, there being no suffix to lay end to end) and the top
+  count taken with `settings.tie_break` ("torch_cpu": the set `torch.topk` returns on the s prefix scores).
+  Returns [B, n_max] int32 ascending, n_max = `keep_count(S, L, keep_ratio)` (the last block's count), the
+  entries after the block's own count equal to S.
+  """
+  batch, seq_len = scores.shape
+  width, n_max = seq_len - block_length, keep_count(seq_len, block_length, settings.keep_ratio)
+  start = jnp.asarray(block_start, jnp.int32)
+  counts = jnp.asarray([keep_count(j * block_length + block_length, block_length, settings.keep_ratio)
+                        for j in range(seq_len // block_length)], jnp.int32)
+  count = counts[start // block_length]
+  position = jnp.arange(width, dtype=jnp.int32)[None, :]
+  visible = position < start
+  pooled = _max_pool(jnp.where(visible, scores[:, :width].astype(jnp.float32), -jnp.inf), settings.kernel_size)
+  pooled = jnp.where(visible, pooled, -jnp.inf)
+  if settings.tie_break == "torch_cpu":
+    index, valid = ascending_positions(torch_cpu_top_k_prefix(pooled, count, jnp.maximum(start, 1)), n_max)
+    return jnp.where(valid, index, seq_len)
+  ranked = jax.lax.top_k(pooled, n_max)[1].astype(jnp.int32)
+  return jnp.sort(jnp.where(jnp.arange(n_max)[None, :] < count, ranked, seq_len), axis=-1)
 
 
 def attended_keys(kept: jax.Array, block_start: jax.Array, block_length: int) -> jax.Array:

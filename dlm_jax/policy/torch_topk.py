@@ -145,8 +145,8 @@ def _insertion_sort(state, first, last):
 
 
 def _nth_element(state, nth, n):
-  """libstdc++ std::nth_element (introselect) of [0, n) at `nth`."""
-  depth = 2 * (n.bit_length() - 1)
+  """libstdc++ std::nth_element (introselect) of [0, n) at `nth` (n: int or traced int32 >= 1)."""
+  depth = 2 * (31 - jax.lax.clz(jnp.asarray(n, jnp.int32)))
 
   def cond(carry):
     _, _, first, last, depth_left, heap_done = carry
@@ -171,7 +171,7 @@ def _nth_element(state, nth, n):
     return values, order, first, last, depth_left - 1, heap_done
 
   values, order, first, last, _, heap_done = jax.lax.while_loop(
-      cond, body, (*state, jnp.int32(0), jnp.int32(n), jnp.int32(depth), False))
+      cond, body, (*state, jnp.int32(0), jnp.asarray(n, jnp.int32), depth, False))
   return jax.lax.cond(heap_done, lambda s: s, lambda s: _insertion_sort(s, first, last), (values, order))
 
 
@@ -191,5 +191,22 @@ def torch_cpu_top_k(scores: jax.Array, k: int) -> jax.Array:
     else:
       _, order = _nth_element(state, jnp.int32(k - 1), n)
     return jnp.zeros(n, bool).at[order[:k]].set(True)
+
+  return jax.lax.map(one_row, scores)
+
+
+def torch_cpu_top_k_prefix(scores: jax.Array, k: jax.Array, n: jax.Array) -> jax.Array:
+  """The positions `torch.topk(scores[:, :n], k)` picks on CPU, with n and k traced: scores [B, W] float32 (no
+  NaN in the first n), n: scalar int32 in [1, W], k: scalar int32 in [0, n] -> [B, W] bool, k True per row, none
+  at or after n. The same replay as `torch_cpu_top_k` (its branch on k * 64 <= n taken with `lax.cond`), which
+  touches positions [0, n) only, so a static width serves every n."""
+  width = scores.shape[-1]
+  k, n = jnp.asarray(k, jnp.int32), jnp.asarray(n, jnp.int32)
+
+  def one_row(row):
+    state = (row, jnp.arange(width, dtype=jnp.int32))
+    order = jax.lax.cond(k * 64 <= n, lambda s: _heap_select(s, jnp.int32(0), k, n)[1],
+                         lambda s: _nth_element(s, jnp.maximum(k - 1, 0), n)[1], state)
+    return jnp.zeros(width, bool).at[order].set(jnp.arange(width) < k)
 
   return jax.lax.map(one_row, scores)

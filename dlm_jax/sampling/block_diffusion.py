@@ -76,6 +76,15 @@ blocks, the block, or [0, e) without cache) over all T keys, the cached ones inc
 receive nothing. A cached step of block k plus the prefill's and the commits' statistics of the blocks
 before k equals the uncached step's.
 
+Compute policies (`RunSetup.policy`): `sparse_dllm` with the cache (ours, no official code for LLaDA2;
+docs/guides/compute_policies.md, "sparse_dllm"). The family keeps its exact cache and tells the policy each call's
+block (`CallInputs.block_start`, `block_step`: the calls the block has had, −1 at the prefill and the commits);
+the model caller runs a call the policy makes full as above, else the block's queries over each layer's kept keys
+of the cached prefix [0, s) and their own (`policy_call.family_cache_forward`). A block's calls 0 and 1 are full
+(call 1 scores the keys), its later calls read the kept keys; the prefill and the commits read every key (they
+write the cache, which so stays exact). Every other policy, `cache=False` and hooks under a policy are refused in
+one line.
+
 Interventions act at every model call, prefill and commits included (`MaskPreviousSinks` masks at each call
 the top sinks of the previous call, whichever kind it was). Keys and values committed under an
 intervention's bias keep it, while the uncached mode recomputes them under each step's bias: the two modes
@@ -96,7 +105,7 @@ from flax import struct
 from dlm_jax.instrument import interventions
 from dlm_jax.config import ModelConfig
 from dlm_jax.model import KVCache
-from dlm_jax.sampling import driver, keys, padding
+from dlm_jax.sampling import blocks, driver, keys, padding
 from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Readout
 from dlm_jax.sampling.parallel import quota_threshold_transfer, threshold_transfer
 from dlm_jax.sampling.selection import filter_top_k, filter_top_p, update_decode_step
@@ -224,6 +233,19 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
   padding_attention = "key"
   shift_positions = True
   can_finish_early = True
+  runs_policies = True
+
+  @property
+  def policy_cache(self) -> str:
+    """"block" with the cache (the family keeps it; a policy takes key subsets of it), else "none"."""
+    return "block" if self.options.cache else "none"
+
+  def check_policy(self, name: str) -> None:
+    """Only a key-subset policy of the cache (`blocks.CACHE_POLICIES`: sparse_dllm), with the cache."""
+    if name not in blocks.CACHE_POLICIES or not self.options.cache:
+      raise ValueError(f"policy {name!r} does not run with block diffusion (cache={self.options.cache}): its cached "
+                       f"calls take a key subset of the exact cache only; use {', '.join(blocks.CACHE_POLICIES)} "
+                       "with cache=True.")
 
   @property
   def gen_length(self) -> int:
@@ -325,7 +347,8 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
     x = carry.tokens
     inputs = CallInputs(x[:, :n], layout.positions[:, :n], layout.valid[:, :n],
                         layout.valid & (jnp.arange(run.total_length) < n)[None, :],
-                        padding.query_rows(layout.bias, 0, n))
+                        padding.query_rows(layout.bias, 0, n), block_start=jnp.zeros((), jnp.int32),
+                        block_step=jnp.full((), -1, jnp.int32))
     result = run.caller(params, i, istate, inputs, Readout(window=(n - 1, n)), CacheCall(carry.cache, 0, x))
     carry = carry.replace(cache=result.cache, committed=jnp.asarray(n // self.options.block_length, jnp.int32))
     outputs = result.outputs.replace(active=jnp.zeros(x.shape[:1], bool), queries=jnp.array([0, n], jnp.int32))
@@ -371,7 +394,8 @@ class BlockDiffusionFamily(driver.MaskedDiffusionFamily):
       cache = KVCache.zeros(run.config, x.shape[0], total, params["embed"]["embedding"].dtype)
     inputs = CallInputs(_rows(x, start, queries), _rows(layout.positions, start, queries),
                         _rows(layout.valid, start, queries), layout.valid & (jnp.arange(total) < e)[None, :],
-                        padding.query_rows(layout.bias, start, queries))
+                        padding.query_rows(layout.bias, start, queries), block_start=jnp.asarray(s, jnp.int32),
+                        block_step=jnp.where(jnp.any(decoding), block_step, -1).astype(jnp.int32))
     result = run.caller(params, i, istate, inputs, Readout(window=window), CacheCall(cache, start, x))
     key, step_key = keys.split(carry.key, 2, run.row_keys)
     x0, confidence = self._proposals(result.logits, step_key, run.row_keys)
@@ -451,7 +475,7 @@ Args:
   options: `BlockDiffusionOptions` (static).
   key: PRNG key (temperature > 0); default key(0); or [B] keys, one per row.
   prompt_mask, setup: see `dlm_jax.sampling.driver.run_family` (`setup`: a `RunSetup`; old keywords such
-    as stats_spec= are deprecated).
+    as stats_spec= are deprecated; `setup.policy`: `sparse_dllm` with cache=True, module docstring).
 
 Returns:
   `Trace` with tokens [B, T] (T = ⌈(Lp + G)/L⌉·L), decode_step [B, T − Lp], nfe (prefill and commits

@@ -69,8 +69,9 @@ class Family:
     min_prompt_length: shortest prompt accepted.
     padding_attention, shift_positions: the padding policy (`dlm_jax.sampling.padding`).
     can_finish_early: `finished` may be true (the driver then guards every call with a `lax.cond`).
-    runs_policies: every call of the family reads the whole sequence with no KV cache of its own, so a compute
-      policy (`dlm_jax.policy`) can decide what it computes; `check_policy` refuses what its options cannot run.
+    runs_policies: a compute policy (`dlm_jax.policy`) can decide what the family's calls compute — every call
+      reads the whole sequence with no KV cache of its own, or (block diffusion, `policy_cache` "block") the
+      family's cached calls take the policy's key subsets; `check_policy` refuses what its options cannot run.
 
   Every call of `open_phase` or `step` is one model evaluation ("step"); the driver numbers the steps it
   runs 0, 1, … (the `i` handed to the family) and writes step i's `StepOutput` at index i of the
@@ -134,6 +135,12 @@ class Family:
     """Raises ValueError (one line) when compute policy `name` cannot run with this family's options (called
     only when `runs_policies`)."""
     del name
+
+  @property
+  def policy_cache(self) -> str:
+    """The KV cache a compute policy decides in (`RunLayout.cache`): the options' Fast-dLLM cache ("none",
+    "prefix" or "dual"; "none" without one)."""
+    return getattr(self.options, "cache", "none")
 
   def constants(self, run: Run, sequence: jax.Array, layout: padding.PaddingLayout) -> Any:
     del run, sequence
@@ -445,6 +452,9 @@ def _run(family: Family, params: dict, prompt, config: ModelConfig, key, prompt_
     raise ValueError("RunSetup.hook_values were given without hooks; pass RunSetup(hooks=Hooks(captures=..., "
                      "edits=...)).")
   policy = _bind_policy(policy, family, config, lp, total)
+  if hooks.enabled and policy.enabled and policy.layout.cache == "block":
+    raise PolicyError(f"policy {policy.NAME!r} with block diffusion's cache does not run with hooks (a key-subset "
+                      "call's captures are in sequence coordinates, its full call's in the block's); drop the hooks.")
   if batch_invariant and policy.enabled:  # no row gathers inside the policy's branches (replicated_rows)
     prompt, prompt_mask = replicated_rows.replicate_sharded_batch(prompt, prompt_mask)
   plan = make_plan(config, stats_spec, intervention, sink_top_k, padded=prompt_mask is not None, policy=policy)
@@ -490,8 +500,8 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
   try:
     if not family.runs_policies:
       raise ValueError(f"policy {name!r} runs with the samplers whose every call reads the whole sequence (LLaDA, "
-                       f"MMaDA and Dream: exact, threshold or factor decoding, decoding rules), not with "
-                       f"{family.name}.")
+                       f"MMaDA and Dream: exact, threshold or factor decoding, decoding rules) and, sparse_dllm, with "
+                       f"block diffusion's cache, not with {family.name}.")
     family.check_policy(name)
     cfg_scale = getattr(family.options, "cfg_scale", 0.0)
     if cfg_scale:
@@ -505,7 +515,7 @@ def _bind_policy(policy: ComputePolicy, family: Family, config: ModelConfig, lp:
     rule = getattr(family.options, "rule", None)
     bound = policy.bind(RunLayout(seq_len=total, gen_start=lp, block_length=block, steps_per_block=steps_per_block,
                                   logit_shift=config.logit_shift, decoding_window=window, eos_cut_id=eos_cut_id,
-                                  cache=getattr(family.options, "cache", "none"),
+                                  cache=family.policy_cache,
                                   decoding_rule=None if rule is None else rule.name))
     bound.check(config, family.name)
   except PolicyError:

@@ -28,7 +28,8 @@ from dlm_jax.model.forward_inputs import CallInstruments, Compute
 from dlm_jax.sampling import row_by_row
 from dlm_jax.sampling.call_inputs import CacheCall, CallInputs, Guidance, Readout
 from dlm_jax.sampling.call_plan import CallPlan, CallState
-from dlm_jax.sampling.policy_call import Confidence, computed_positions, keys_read, policy_forward
+from dlm_jax.sampling.policy_call import (Confidence, computed_positions, family_cache_forward, keys_read,
+                                         policy_forward)
 
 
 @struct.dataclass
@@ -201,7 +202,7 @@ class ModelCaller:
                                   hooks=hooks)
     run = functools.partial(_run, row_by_row.forward_rows if self.batch_invariant else forward, self.config,
                             self.attention_impl, self.query_chunk, params)
-    decision = None
+    decision, family_cache = None, None
     if state.policy is not None:
       decision = self.plan.policy.decide(state.policy.state, context)
       if self.batch_invariant:  # the bucket is the batch's, and a row's last bits change with the row count
@@ -211,8 +212,13 @@ class ModelCaller:
       head = functools.partial(lm_head, params, config=self.config)
       confidence = Confidence(self.plan.policy.reads_max_probability,
                               functools.partial(row_by_row.lm_head_rows, head) if self.batch_invariant else head)
-      output = policy_forward(run, state.policy, decision, model_tokens, positions, instruments,
-                              readout.replace(window=window), confidence)
+      if cache is None:
+        output = policy_forward(run, state.policy, decision, model_tokens, positions, instruments,
+                                readout.replace(window=window), confidence)
+      else:  # the family keeps its exact cache (block diffusion): the policy chooses key subsets of it
+        output = family_cache_forward(run, decision, cache.cache, offset, model_tokens, positions, instruments,
+                                      readout.replace(window=window))
+        family_cache, output = output.cache, output.replace(cache=state.policy.cache)
     else:
       output = run(model_tokens, positions=positions, instruments=instruments,
                    readout=readout.replace(window=window), cache=None if cache is None else cache.cache,
@@ -226,14 +232,20 @@ class ModelCaller:
     state = self.plan.update(state, output, context, decision)
     stats = self.plan.stats
     nonfinite = _nonfinite_rows(cond["logits"], cond["hidden"], uncond["logits"], uncond["hidden"])
-    computed = None if decision is None else computed_positions(decision, batch, length)
+    computed, keys = None, None
+    if decision is not None and cache is None:
+      computed, keys = computed_positions(decision, batch, length), keys_read(decision, length)
+    elif decision is not None:  # the call's T queries at offset; a full call reads the keys before their end
+      n_seq = cache.sequence.shape[1]
+      index = jnp.arange(n_seq)
+      computed = jnp.broadcast_to((index >= offset) & (index < offset + length), (batch, n_seq))
+      keys = jnp.where(decision.full, offset + length, keys_read(decision, n_seq)).astype(jnp.float32)
     outputs = StepOutput(stats=stats.user_stats(output, self.config),
                          top_sinks=stats.top_sinks(output, inputs.key_valid), record=call.record,
                          nonfinite=nonfinite, captures=output.captures,
                          computed=computed, queries=None if computed is None else _span(computed),
                          policy_record=None if decision is None else self.plan.policy.record(state.policy.state),
-                         keys_read=None if decision is None else jnp.broadcast_to(keys_read(decision, length),
-                                                                                  (batch,)))
+                         keys_read=None if keys is None else jnp.broadcast_to(keys, (batch,)))
     return CallResult(logits=cond["logits"], uncond_logits=uncond["logits"], hidden=cond["hidden"],
                       uncond_hidden=uncond["hidden"], state=state,
-                      cache=None if decision is not None else output.cache, outputs=outputs)
+                      cache=output.cache if decision is None else family_cache, outputs=outputs)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,21 @@ def keys_read(decision: Decision, n_seq: int) -> jax.Array:
   subset = jnp.mean(jnp.sum(decision.keys < n_seq, axis=-1).astype(jnp.float32), axis=0) + own
   every = decision.full if decision.all_keys is None else decision.full | decision.all_keys
   return jnp.where(every, everything, subset)
+
+
+def family_cache_forward(run: Callable[..., ForwardOutput], decision: Decision, cache: Any, offset: jax.Array,
+                         tokens: jax.Array, positions: jax.Array, instruments: CallInstruments,
+                         readout: Readout) -> ForwardOutput:
+  """A cached call of a family that keeps its own exact KV cache (block diffusion, `RunLayout.cache` "block")
+  under a key-subset decision: tokens, positions [B, T], the queries at sequence positions offset..offset+T−1
+  (decision.queries); cache: the family's `KVCache`. Full: the family's own cached call (every key it sees);
+  else the same queries over each layer's kept keys (decision.keys [L, B, m]) and their own, through the model's
+  key-subset path (block-causal visibility from the gathered positions). Both write the queries' keys and values
+  into the cache at offset; their statistics and readout are in the call's coordinates, as without a policy."""
+  call = functools.partial(run, tokens, positions=positions, instruments=instruments, readout=readout, cache=cache,
+                           cache_offset=offset)
+  return jax.lax.cond(decision.full, lambda: call(),
+                      lambda: call(subset=ComputeSubset(decision.queries, decision.keys)))
 
 
 def _window(x: jax.Array, readout: Readout) -> jax.Array:

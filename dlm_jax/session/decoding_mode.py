@@ -32,7 +32,8 @@ mask ids); LLaDA and MMaDA only.
 Compute policies (--policy; `dlm_jax.policy`) run with exact, threshold, factor and factor_dllm decoding and the
 decoding rules but wino, not with the cache modes (the policy keeps its own KV cache and chooses each call's
 queries; docs/guides/compute_policies.md, "Decoding modes and Dream") — but sparse_dllm, which composes with the
-prefix and dual caches (its kept keys are a subset of the cached ones; "Sparse-dLLM with the Fast-dLLM caches").
+prefix and dual caches (its kept keys are a subset of the cached ones; "Sparse-dLLM with the Fast-dLLM caches")
+and, with --sampler=block_diffusion, with block diffusion's exact cache (the sampler refuses the other policies).
 
 Elastic-Cache's decoding (`llada.elastic_cache_options()`, `dream.elastic_cache_options()`): --window=N and
 --eos_truncation with a threshold or factor mode without a cache (LLaDA, MMaDA and Dream): a call's candidates are
