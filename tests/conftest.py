@@ -23,9 +23,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _cache_dir = tempfile.mkdtemp(prefix="dlm_jax_test_xla_cache_")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
-# Only programs that take a second or more to compile are written: the sampler and training programs that
-# several files share (the small ones compile about as fast as they load).
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1.0")
+# Only programs that take 0.2 s or more to compile are written: the sampler, forward and training programs that
+# several files and processes share (a tiny LLaDA sampler loads in 0.34 s where it compiles in 2.1 s); the
+# eager one-operation programs below that are cheaper to compile again than to write and read (BUILD.md, "Test").
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 # A size limit turns on JAX's file lock around every cache read and write. Without it an entry is written in
 # place, and a process reading the entry another one is still writing deserialises a torn executable (seen
 # once here: a segfault in `compilation_cache.get_executable_and_time` with two workers compiling one program).
