@@ -247,7 +247,8 @@ def _refused_runs():
                                                            options=dream.DreamOptions(
                                                                **SMALL, rule=decoding_rules.EBSampler()),
                                                            hooks=Hooks(captures=(Capture("hook_resid_post"),))),
-       "policy elastic_cache runs with the llada, llada_blockwise, dream, dream_blockwise samplers .* not dream_rules"),
+       "policy elastic_cache runs with the llada, llada_blockwise, dream, dream_blockwise, dream_window samplers .* "
+       "not dream_rules"),
   ]
 
 
