@@ -31,8 +31,10 @@ from dlm_jax.sampling.schedules import dream_transfer_fractions
 
 try:
   from tests import numpy_transformer as ref
+  from tests.dream_window_replay import peaked_params, replay_window, softmax
 except ImportError:  # run from inside tests/
   import numpy_transformer as ref
+  from dream_window_replay import peaked_params, replay_window, softmax
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -46,14 +48,9 @@ WINDOW = dream.elastic_cache_options(gen_length=12, window=4)
 
 @pytest.fixture(scope="module")
 def setup():
-  """Random weights with nonzero q/k/v biases and the LM head scaled by 8 (confident proposals, so threshold
-  calls decode several positions), and two prompts."""
-  params = init_params(CONFIG, jax.random.key(0))
-  attn = params["blocks"]["attn"]
-  for i, part in enumerate("qkv"):
-    attn[part]["bias"] = 0.3 * jax.random.normal(jax.random.key(10 + i), attn[part]["bias"].shape)
-  params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * 8.0
-  return params, jax.random.randint(jax.random.key(1), (2, LP), 3, 200)
+  """The peaked tiny Dream weights (`dream_window_replay.peaked_params`: q/k/v biases, the LM head scaled by 8, so
+  threshold calls decode several positions), and two prompts."""
+  return peaked_params(CONFIG, init_params), jax.random.randint(jax.random.key(1), (2, LP), 3, 200)
 
 
 def _run(setup, options, window):
@@ -79,11 +76,6 @@ def window_run(setup):
   policy = parse_policy(f"elastic_cache:window_length={WINDOW.window},gamma={GAMMA}")
   return dream.diffusion_generate(params, prompt, config=dataclasses.replace(CONFIG, eos_token_id=EOS),
                                   options=WINDOW, setup=RunSetup(policy=policy))
-
-
-def _softmax(x):
-  e = np.exp(x - x.max(axis=-1, keepdims=True))
-  return e / e.sum(axis=-1, keepdims=True)
 
 
 class OfficialDream:
@@ -133,13 +125,13 @@ class OfficialDream:
       else:
         past_k, past_q = caches["k"][layer].copy(), caches["q"][layer][self.track].copy()
         caches["k"][layer][query], caches["v"][layer][query], caches["q"][layer][query] = k, v, q
-      probs = _softmax(np.einsum("tnh,snh->nts", q, caches["k"][layer]) / np.sqrt(hd))  # [N, T, S]
+      probs = softmax(np.einsum("tnh,snh->nts", q, caches["k"][layer]) / np.sqrt(hd))  # [N, T, S]
       out = np.einsum("nts,snh->tnh", probs, caches["v"][layer]).reshape(len(x), -1) @ p["blocks.attn.o.kernel"][layer]
       if full:
         masked_rows = probs[:, query_masked]
       else:
         masked_rows = probs[:, len(query) - len(query_masked):]
-        before = _softmax(np.einsum("tnh,snh->nts", past_q, past_k) / np.sqrt(hd))
+        before = softmax(np.einsum("tnh,snh->nts", past_q, past_k) / np.sqrt(hd))
         now = probs[:, :len(self.track)]
         norms = np.linalg.norm(before, axis=0) * np.linalg.norm(now, axis=0)
         similarity = (np.sum(before * now, 0) / np.maximum(norms, 1e-8)).mean()
@@ -172,7 +164,7 @@ def _replay_exact(params, prompt, margins):
     logits, query, start = model.call(tokens, pending, pending)
     queries.append(query)
     starts.append(start)
-    probs = _softmax(logits)
+    probs = softmax(logits)
     confidence, x0 = probs.max(-1), probs.argmax(-1)
     count = len(pending) if step == EXACT.steps - 1 else int(np.floor(np.float32(len(pending)) * fractions[step]))
     order = np.argsort(-confidence, kind="stable")
@@ -202,7 +194,7 @@ def _replay_blocks(params, prompt, margins):
       logits, query, start = model.call(tokens, window_pos, pending)
       queries.append(query)
       starts.append(start)
-      probs = _softmax(logits)
+      probs = softmax(logits)
       confidence, x0 = probs.max(-1), probs.argmax(-1)
       if block_call == 0:  # the block-start call commits position s, whatever its confidence
         keep = window_pos == s
@@ -221,36 +213,19 @@ def _replay_blocks(params, prompt, margins):
 
 
 def _replay_window(params, prompt, margins, eos_id):
-  """The official Dream loop with its own decoding (`_sample` with `get_transfer_index_fast`, temperature 0): the
-  window is the first `WINDOW.window` still-masked positions; every window position whose top probability (on the
-  row before it) is >= min(threshold, the window's largest) takes its argmax; after the first call that decodes
-  eos_id the still-masked set keeps only the positions before the smallest EOS that call decoded; the loop ends
-  when the set is empty. -> (tokens [S], decode step per generated position [G] (-1: never), query sets per call
+  """The official Dream loop with its own decoding (`dream_window_replay.replay_window`, temperature 0) under the
+  official computation. -> (tokens [S], decode step per generated position [G] (-1: never), query sets per call
   (None: full), refresh start per call, whether the EOS cut left masks)."""
-  gen, mask = WINDOW.gen_length, CONFIG.mask_token_id
-  tokens = np.concatenate([prompt, np.full(gen, mask)])
-  model, decode_step, queries, starts = OfficialDream(params, margins), np.full(gen, -1), [], []
-  masked, decoded_eos, cut = np.arange(LP, LP + gen), False, False
-  while len(masked):
-    window_pos = masked[:WINDOW.window]
+  model, queries, starts = OfficialDream(params, margins), [], []
+
+  def call(tokens, window_pos, masked, decoded):
+    model.decoded = decoded
     logits, query, start = model.call(tokens, window_pos, masked)
     queries.append(query)
     starts.append(start)
-    probs = _softmax(logits)
-    confidence, x0 = probs.max(-1), probs.argmax(-1)
-    keep = confidence >= min(THRESHOLD, confidence.max())
-    margins.extend(np.abs(confidence - THRESHOLD))
-    if len(confidence) > 1:
-      margins.append(np.diff(np.sort(confidence)[-2:])[0])
-    assert not np.any(x0[keep] == mask), "the replay covers runs that never decode the mask id"
-    model.decoded = window_pos[keep]
-    tokens[model.decoded] = x0[keep]
-    decode_step[model.decoded - LP] = model.calls - 1
-    masked = masked[~np.isin(masked, model.decoded)]
-    eos = model.decoded[x0[keep] == eos_id]
-    if not decoded_eos and len(eos):
-      decoded_eos, cut = True, bool(np.any(masked > eos.min()))
-      masked = masked[masked <= eos.min()]
+    return logits
+
+  tokens, decode_step, _, cut = replay_window(call, prompt, WINDOW, CONFIG.mask_token_id, eos_id, margins)
   return tokens, decode_step, queries, np.asarray(starts), cut
 
 
