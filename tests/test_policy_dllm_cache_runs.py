@@ -56,43 +56,46 @@ def _run(refresh_layer0: bool, rows: tuple[int, ...] = (0, 1)):
                                        stats_spec=StatsSpec(incoming_attention=True, per_head=False)))
 
 
-def _hook_layer(w, layer, x, cache, call, settings, prompt_length):
-  """Block `layer` (weights w(name)) of model call `call` (1-based) under the official hook (float64): x [B, S, D]
-  -> x; cache: this layer's "k" (before RoPE),
-  "v" [B, S, K·H], "attn", "mlp" [B, S, D], rewritten in place. Returns the recomputed positions [B, S]."""
-  c = CONFIG
+def _hook_layer(p, layer, x, cache, call, settings, prompt_length, config=CONFIG):
+  """Block `layer` (float64 weights p, `numpy_transformer._flat` names; q/k/v biases where p has them, grouped
+  keys) of model call `call` (1-based) under the official hook (float64): x [B, S, D] -> x; cache: this layer's
+  "k" (before RoPE), "v" [B, S, K·H], "attn", "mlp" [B, S, D], rewritten in place. Returns the recomputed positions
+  [B, S]."""
+  c = config
+  w = lambda name: p[f"blocks.{name}"][layer]  # noqa: E731
   b, s, _ = x.shape
-  p, g = prompt_length, s - prompt_length
+  p_len, g = prompt_length, s - prompt_length
   first = layer == 0 and settings["refresh_layer0"]
   refresh_prompt = (call - 1) % settings["prompt_interval_steps"] == 0 or first  # the official 1-based counter
   refresh_gen = (call - 1) % settings["gen_interval_steps"] == 0 or first
   count = int(g * settings["transfer_ratio"])
   normed = ref._rms(x, w("attn_norm.weight"), c.norm_eps)
-  rows = [list(range(p)) * refresh_prompt + list(range(p, s)) * refresh_gen for _ in range(b)]
+  rows = [list(range(p_len)) * refresh_prompt + list(range(p_len, s)) * refresh_gen for _ in range(b)]
   if not refresh_gen and count > 0:  # refresh_index: cosine similarity of fresh and cached response values
-    fresh = normed[:, p:] @ w("attn.v.kernel")
-    cached = cache["v"][:, p:]
+    fresh = ref._project(normed[:, p_len:], p, layer, "v")
+    cached = cache["v"][:, p_len:]
     similarity = np.sum(fresh * cached, -1) / np.maximum(np.linalg.norm(fresh, axis=-1) *
                                                          np.linalg.norm(cached, axis=-1), 1e-8)
     for row in range(b):
-      rows[row] += (np.argsort(similarity[row], kind="stable")[:count] + p).tolist()
-    cache["v"][:, p:] = fresh
+      rows[row] += (np.argsort(similarity[row], kind="stable")[:count] + p_len).tolist()
+    cache["v"][:, p_len:] = fresh
   recomputed = np.zeros((b, s), bool)
   positions = np.arange(s, dtype=np.float64)
   heads = lambda a: a.reshape(a.shape[0], -1, c.head_dim)  # noqa: E731
+  group = c.n_heads // c.n_kv_heads
   for row in range(b):
     at = np.asarray(rows[row], int)
     recomputed[row, at] = True
-    cache["k"][row, at] = normed[row, at] @ w("attn.k.kernel")
+    cache["k"][row, at] = ref._project(normed[row, at], p, layer, "k")
     refreshed = at[:len(at) - (count if not refresh_gen and count > 0 else 0)]
-    cache["v"][row, refreshed] = normed[row, refreshed] @ w("attn.v.kernel")
-    q = ref._rope(heads(normed[row, at] @ w("attn.q.kernel"))[None], at.astype(np.float64), c.rope_theta)[0]
-    k = ref._rope(heads(cache["k"][row])[None], positions, c.rope_theta)[0]
+    cache["v"][row, refreshed] = ref._project(normed[row, refreshed], p, layer, "v")
+    q = ref._rope(heads(ref._project(normed[row, at], p, layer, "q"))[None], at.astype(np.float64), c.rope_theta)[0]
+    k = np.repeat(ref._rope(heads(cache["k"][row])[None], positions, c.rope_theta)[0], group, axis=1)
     scores = np.einsum("qnh,knh->nqk", q, k) / np.sqrt(c.head_dim)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    cache["attn"][row, at] = np.einsum("nqk,knh->qnh", probs, heads(cache["v"][row])).reshape(len(at), -1) @ w(
-        "attn.o.kernel")
+    values = np.repeat(heads(cache["v"][row]), group, axis=1)
+    cache["attn"][row, at] = np.einsum("nqk,knh->qnh", probs, values).reshape(len(at), -1) @ w("attn.o.kernel")
   x = x + cache["attn"]
   for row in range(b):
     at = np.asarray(rows[row], int)
@@ -122,8 +125,7 @@ def official_run(params, prompt, settings):
       nfe += 1
       h, recomputed = p["embed.embedding"][x], []
       for layer in range(c.n_layers):
-        w = lambda name, layer=layer: p[f"blocks.{name}"][layer]  # noqa: E731
-        h, rows = _hook_layer(w, layer, h, caches[layer], nfe, settings, lp)
+        h, rows = _hook_layer(p, layer, h, caches[layer], nfe, settings, lp)
         recomputed.append(rows)
       records.append(np.stack(recomputed, 1))
       logits = ref.readout(params, h, c)

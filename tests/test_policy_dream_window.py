@@ -32,17 +32,21 @@ from dlm_jax.sampling.run_setup import RunSetup
 try:
   from tests import numpy_transformer as ref
   from tests.dream_window_replay import peaked_params, replay_window
+  from tests.test_policy_dllm_cache_runs import _hook_layer as dllm_cache_layer
 except ImportError:  # run from inside tests/
   import numpy_transformer as ref
   from dream_window_replay import peaked_params, replay_window
+  from test_policy_dllm_cache_runs import _hook_layer as dllm_cache_layer
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 CONFIG = dataclasses.replace(preset("tiny-dream"), n_layers=2)
 LP, RELOAD, KEEP_RATIO = 6, 3, 0.5
+DLLM = dict(prompt_interval_steps=3, gen_interval_steps=2, transfer_ratio=0.25, refresh_layer0=True)
 POLICIES = {"dkv_cache": f"dkv_cache:cache_reloading_step={RELOAD}",
-            "sparse_dllm": f"sparse_dllm:keep_ratio={KEEP_RATIO},tie_break=lowest_position"}
-EOS = {"dkv_cache": 122, "sparse_dllm": 156}
+            "sparse_dllm": f"sparse_dllm:keep_ratio={KEEP_RATIO},tie_break=lowest_position",
+            "dllm_cache": "dllm_cache:" + ",".join(f"{k}={v}" for k, v in DLLM.items())}
+EOS = {"dkv_cache": 122, "sparse_dllm": 156, "dllm_cache": 52}
 """Per policy an id row 0 decodes while masks remain after it (row 1 never does): the EOS cut matters."""
 
 
@@ -130,10 +134,28 @@ def _sparse_call(model, tokens, window_pos, margins):
   return logits[window_pos - 1]
 
 
+def _dllm_cache_call(model, tokens, window_pos):
+  """dLLM-Cache's official hooks (tests/test_policy_dllm_cache_runs.py, with Dream's biases and grouped keys) for
+  the row's call len(model.computed) + 1 (1-based): model.computed gets the positions each layer recomputed [L, S]."""
+  p, s = {k: np.asarray(v, np.float64) for k, v in ref._flat(model.params).items()}, len(tokens)
+  if model.cache is None:
+    kv, d = CONFIG.n_kv_heads * CONFIG.head_dim, CONFIG.d_model
+    model.cache = [{"k": np.zeros((1, s, kv)), "v": np.zeros((1, s, kv)), "attn": np.zeros((1, s, d)),
+                    "mlp": np.zeros((1, s, d))} for _ in range(CONFIG.n_layers)]
+  h, layers = p["embed.embedding"][tokens][None], []
+  for layer in range(CONFIG.n_layers):
+    h, rows = dllm_cache_layer(p, layer, h, model.cache[layer], len(model.computed) + 1, DLLM, LP, CONFIG)
+    layers.append(rows[0])
+  model.computed.append(np.stack(layers))
+  return ref.readout(model.params, h, CONFIG)[0, window_pos - 1]
+
+
 def _replay(setup, name, row, margins):
   params, prompt = setup
   model = CachedDream(params, CONFIG)
-  if name == "dkv_cache":
+  if name == "dllm_cache":
+    call = lambda tokens, window_pos, masked, decoded: _dllm_cache_call(model, tokens, window_pos)  # noqa: E731
+  elif name == "dkv_cache":
     call = lambda tokens, window_pos, masked, decoded: _dkv_call(model, tokens, window_pos)  # noqa: E731
   else:
     call = lambda tokens, window_pos, masked, decoded: _sparse_call(model, tokens, window_pos, margins)  # noqa: E731
@@ -142,7 +164,7 @@ def _replay(setup, name, row, margins):
   return tokens, decode_step, calls, cut, np.asarray(model.computed), model.kept
 
 
-@pytest.mark.parametrize("name", ["dkv_cache", "sparse_dllm"])
+@pytest.mark.parametrize("name", ["dkv_cache", "sparse_dllm", "dllm_cache"])
 def test_a_policy_on_the_official_dream_decoding_is_the_replay_of_its_rule(setup, name):
   """Each row's tokens (masks left after the EOS cut), decode order, NFE, computed positions per call and (Sparse-dLLM)
   kept keys are the replay's, in a batch whose rows finish at different calls."""
@@ -154,7 +176,11 @@ def test_a_policy_on_the_official_dream_decoding_is_the_replay_of_its_rule(setup
     np.testing.assert_array_equal(np.asarray(trace.decode_step[row]), decode_step, err_msg=f"{name} row {row}")
     assert int(trace.row_nfe[row]) == calls
     np.testing.assert_array_equal(np.asarray(trace.active_rows[:calls, row]), True)
-    np.testing.assert_array_equal(np.asarray(trace.computed_positions[:calls, row]), computed, err_msg=name)
+    if name == "dllm_cache":  # every position runs through every layer; the record has what each layer recomputed
+      assert np.asarray(trace.computed_positions[:calls, row]).all()
+      np.testing.assert_array_equal(np.asarray(trace.policy_record[:calls, row]), computed)
+    else:
+      np.testing.assert_array_equal(np.asarray(trace.computed_positions[:calls, row]), computed, err_msg=name)
     assert not computed.all()
     if name == "sparse_dllm":
       record = np.asarray(trace.policy_record[2:calls, row])  # [calls − 2, L, n_keep]
