@@ -14,6 +14,12 @@ breaks.
     layer keeps the int(lp × keep_ratio) prompt keys with the largest max-pooled (kernel 3) head mean of the
     generation's mean post-RoPE query against each key; later calls compute the generation and the position before
     it over those keys and their own.
+  * dllm_cache: the official hooks as replayed in tests/test_policy_dllm_cache_runs.py (the n-th call's prompt and
+    response refreshes by their intervals, layer 0 always, else each layer's lowest-value-similarity response
+    positions), here with Dream's q/k/v biases and grouped keys; every position runs through every layer.
+
+d2cache (its official loop decodes a per-step quota) and sparsed (its step E counts the sampler's steps; the window
+loop's `steps` is unused) are refused in one line before compiling.
 """
 
 import dataclasses
@@ -26,7 +32,7 @@ from dlm_jax.config import preset
 from dlm_jax.model import init_params
 from dlm_jax.policy.base import PolicyError
 from dlm_jax.policy.registry import parse_policy
-from dlm_jax.sampling import decoding_rules, dream, driver
+from dlm_jax.sampling import dream, driver
 from dlm_jax.sampling.run_setup import RunSetup
 
 try:
@@ -191,3 +197,20 @@ def test_a_policy_on_the_official_dream_decoding_is_the_replay_of_its_rule(setup
   assert min(margins) > 1e-5, min(margins)  # no decision within float32's reach of flipping
   assert cuts == [True, False] and nfes[0] != nfes[1] and parallel, (cuts, nfes, parallel)
   assert int(trace.nfe) == max(nfes)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("d2cache", "policy d2cache does not run with a decoding window or EOS truncation"),
+    ("sparsed", "policy sparsed runs with the llada, dream samplers and their threshold and factor modes .* not "
+                "dream_window"),
+])
+def test_policies_whose_rule_the_window_loop_breaks_are_refused_before_compiling(setup, name, message):
+  """d2cache's official loop decodes a per-step quota (the window loop has none); SparseD's step E counts the
+  sampler's steps (the window loop runs as many calls as it needs, `steps` unused)."""
+  params, prompt = setup
+  traced = dict(driver.TRACE_COUNTS)
+  with pytest.raises(PolicyError, match=message) as refused:
+    dream.diffusion_generate(params, prompt, config=CONFIG, options=_options("dkv_cache"),
+                             setup=RunSetup(policy=parse_policy(name)))
+  assert "\n" not in str(refused.value)
+  assert dict(driver.TRACE_COUNTS) == traced
