@@ -58,6 +58,7 @@ EOS = {"dkv_cache": 122, "sparse_dllm": 156, "dllm_cache": 52}
 
 @pytest.fixture(scope="module")
 def setup():
+  """The peaked tiny Dream weights (q/k/v biases, the LM head scaled by 8) and two prompts."""
   return peaked_params(CONFIG, init_params), np.asarray(jax.random.randint(jax.random.key(2), (2, LP), 3, 200))
 
 
