@@ -1,8 +1,7 @@
 """Every runnable compute policy under a data-parallel mesh (issue 36 item 3): the batch sharded over 4 CPU
 devices and the weights replicated give the tokens, decode order, NFE and computed positions of the same run
 without a mesh (Sparse-dLLM also with Fast-dLLM's dual cache and threshold decoding: its key scoring sits in a
-`lax.cond` inside the cache's block call; and with block diffusion's exact cache, its kept keys and keys read
-too), and `experiments.generate --policy=... --mesh=...` runs. One subprocess for everything: it
+`lax.cond` inside the cache's block call), and `experiments.generate --policy=... --mesh=...` runs. One subprocess for everything: it
 fakes the devices with XLA_FLAGS, and a collective that never completes (XLA aborts the process after its
 rendezvous timeout) fails this test alone."""
 
@@ -28,10 +27,6 @@ XLA's rendezvous timeout before."""
 CACHED = {"sparse_dllm": "sparse_dllm:keep_ratio=0.5"}
 """Policies also run with Fast-dLLM's dual cache and threshold decoding (Sparse-dLLM is the one that composes
 with a cache)."""
-BLOCK_DIFFUSION = {"sparse_dllm": "sparse_dllm:keep_ratio=0.5"}
-"""Policies also run with block diffusion's exact cache (the block-causal tiny LLaDA, blocks of 8, a prompt of 11
-tokens: one prefill block, two decoded blocks whose later calls read the kept keys), the kept keys and the keys
-read compared too (Sparse-dLLM is the one that runs there)."""
 
 _SCRIPT = r"""
 import json, sys
@@ -41,14 +36,13 @@ from dlm_jax.config import preset
 from dlm_jax.model import init_params
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.runtime import sharding
-from dlm_jax.sampling import block_diffusion, llada
-from dlm_jax.sampling.run_setup import RunSetup
+from dlm_jax.sampling import llada
 from experiments import generate
 from experiments.common import cli
 from absl import flags
 
-policies, invariant, cached, blocked = (json.loads(arg) for arg in sys.argv[1:5])
-devices, out = int(sys.argv[5]), sys.argv[6]
+policies, invariant, cached = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
+devices, out = int(sys.argv[4]), sys.argv[5]
 config = preset("tiny-llada")
 exact = llada.LLaDAOptions(gen_length=8, steps=8, block_length=4)
 dual = llada.LLaDAOptions(gen_length=8, steps=8, block_length=4, threshold=0.9, cache="dual")
@@ -57,16 +51,6 @@ prompt = np.asarray(jax.random.randint(jax.random.key(1), (devices, 6), 0, 200))
 mesh = sharding.make_mesh(data=devices)
 meshed = dict(params=sharding.put_host(params, sharding.replicated(mesh)), prompt=sharding.put_rows(prompt, mesh))
 FIELDS = ("tokens", "decode_step", "nfe", "computed_positions")
-
-
-def compared(alone, sharded, fields=FIELDS):
-  return {"sharding": str(sharded.tokens.sharding.spec),
-          "same": {f: bool(np.array_equal(np.asarray(getattr(alone, f)), np.asarray(getattr(sharded, f))))
-                   for f in fields},
-          "computed": int(np.asarray(sharded.computed_positions).sum()),
-          "every": int(np.asarray(sharded.computed_positions).size)}
-
-
 cases = [(f"{name} batch_invariant={flag}", text, exact, flag) for name, text in policies.items()
          for flag in ((False, True) if name in invariant else (False,))]
 cases += [(f"{name} dual cache", text, dual, False) for name, text in cached.items()]
@@ -77,16 +61,12 @@ for case, text, options, batch_invariant in cases:
   sharded = llada.generate(meshed["params"], meshed["prompt"], **run)
   if case.startswith("d2cache"):
     alone_d2cache = alone
-  results[case] = compared(alone, sharded)
-block_prompt = np.asarray(jax.random.randint(jax.random.key(2), (devices, 11), 0, 200))
-block_options = block_diffusion.BlockDiffusionOptions(gen_length=8, block_length=8, steps=8, threshold=0.9,
-                                                      eos_stop=False)
-for name, text in blocked.items():
-  run = dict(config=config.replace(attention_block_size=8), options=block_options,
-             setup=RunSetup(policy=parse_policy(text)))
-  alone = block_diffusion.generate(params, block_prompt, **run)
-  sharded = block_diffusion.generate(meshed["params"], sharding.put_rows(block_prompt, mesh), **run)
-  results[f"{name} block diffusion"] = compared(alone, sharded, FIELDS + ("keys_read", "policy_record"))
+  results[case] = {
+      "sharding": str(sharded.tokens.sharding.spec),
+      "same": {f: bool(np.array_equal(np.asarray(getattr(alone, f)), np.asarray(getattr(sharded, f))))
+               for f in FIELDS},
+      "computed": int(np.asarray(sharded.computed_positions).sum()),
+      "every": int(np.asarray(sharded.computed_positions).size)}
 uncoupled = llada.generate(params, prompt, config=config, options=exact,
                            policy=parse_policy(policies["d2cache"] + ",top_up=false"))
 results["top_up changes the run"] = not np.array_equal(np.asarray(uncoupled.computed_positions),
@@ -109,14 +89,14 @@ print(json.dumps(results))
 def test_every_policy_gives_the_same_run_under_a_data_mesh(tmp_path):
   flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
   env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-  arguments = [json.dumps(table) for table in (POLICIES, BATCH_INVARIANT, CACHED, BLOCK_DIFFUSION)]
-  done = subprocess.run([sys.executable, "-c", _SCRIPT, *arguments, str(DEVICES), str(tmp_path)], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=900, check=False)
+  done = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(POLICIES), json.dumps(BATCH_INVARIANT),
+                         json.dumps(CACHED), str(DEVICES), str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=900, check=False)
   assert done.returncode == 0, done.stderr[-4000:]
   results = json.loads(done.stdout.strip().splitlines()[-1])
   expected = {f"{name} batch_invariant={flag}" for name in POLICIES for flag in
               ((False, True) if name in BATCH_INVARIANT else (False,))}
-  expected |= {f"{name} dual cache" for name in CACHED} | {f"{name} block diffusion" for name in BLOCK_DIFFUSION}
+  expected |= {f"{name} dual cache" for name in CACHED}
   assert expected <= set(results)
   for case in expected:
     replicated = case.endswith("batch_invariant=True")  # replicated_rows; else the batch really was sharded
