@@ -1,9 +1,11 @@
 """Sparse-dLLM with block diffusion's exact KV cache (issue 36 item 3; our composition, no official code for
-LLaDA2): a whole batched run at temperature 0 against a replay written here (a Python loop over a float64
-block-causal NumPy forward with its own per-layer cache: the prefill, each block's decoding calls — at calls 0
-and 1 over every cached key, call 1 scoring them, from call 2 over the kept keys of the prefix and the block's
-own — and the commits, which read every key), keep_ratio 1 giving the plain sampler's tokens, the prefix top-k
-replay against `torch.topk`, and the runs it cannot take refused in one line before compiling.
+LLaDA2): a whole batched run at temperature 0 against a replay written here (a Python loop over the float64
+block-causal NumPy forward of tests/test_block_diffusion.py with its own per-layer cache: the prefill, each
+block's decoding calls — at calls 0 and 1 over every cached key, call 1 scoring them, from call 2 over the kept
+keys of the prefix and the block's own — and the commits, which read every key), the policy's FLOP count of each
+call and XLA's against an analytic count written here, a row in the batch-invariant mode bitwise as alone,
+keep_ratio 1 giving the plain sampler's tokens, the prefix top-k replay against `torch.topk`, and the runs it
+cannot take refused in one line before compiling.
 
 The tiny block-causal LLaDA of tests/test_block_diffusion.py (blocks of 8): prompts of 11 tokens put one block in
 the prefill and the prompt's tail in the first decoded block; G = 16 gives T = 32, three decoded blocks whose
@@ -21,13 +23,13 @@ from dlm_jax import model
 from dlm_jax.core.attention_bias import AttentionBias
 from dlm_jax.instrument.hook_spec import Capture, Hooks
 from dlm_jax.instrument.stats import NO_STATS
-from dlm_jax.model import KVCache
+from dlm_jax.model import Compute, KVCache
 from dlm_jax.model.forward_inputs import CallInstruments, Readout
 from dlm_jax.policy import sparse_dllm
 from dlm_jax.policy.base import Decision, RunLayout
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import block_diffusion as bd
-from dlm_jax.sampling import driver, model_call, policy_call
+from dlm_jax.sampling import driver, policy_call
 from dlm_jax.sampling.run_setup import RunSetup
 
 try:
@@ -41,8 +43,6 @@ LP, GEN, TAU, RATIO = 11, 16, 0.9, 0.5
 TOTAL = -(-(LP + GEN) // BLOCK) * BLOCK
 OPTIONS = bd.BlockDiffusionOptions(gen_length=GEN, block_length=BLOCK, steps=BLOCK, threshold=TAU, eos_stop=False)
 SPARSE = f"sparse_dllm:keep_ratio={RATIO},tie_break=lowest_position"
-
-
 N_MAX = int((TOTAL - BLOCK) * RATIO)
 """The kept-key slots of every block (the last block's count; an earlier block's unused slots are padding)."""
 
@@ -142,14 +142,15 @@ def test_block_diffusion_under_sparse_dllm_is_the_replay():
     own = np.cumsum(mine) - 1  # the batch's call -> the row's own call
     np.testing.assert_array_equal(np.asarray(trace.tokens)[row], tokens, err_msg=f"row {row}")
     np.testing.assert_array_equal(own[np.asarray(trace.decode_step)[row]], decode_step, err_msg=f"row {row}")
-    np.testing.assert_array_equal(np.asarray(trace.keys_read)[:nfe, row][mine], reads, err_msg=f"row {row}")
+    keys = np.asarray(trace.keys_read)[:nfe, row][mine]
+    np.testing.assert_array_equal(keys, reads, err_msg=f"row {row}")
     record = np.asarray(trace.policy_record)[:nfe, row][mine]  # [calls, L, n_max]
     for call, kept in kept_at.items():
       for layer, layer_kept in enumerate(kept):
         expected = np.full(record.shape[-1], TOTAL)
         expected[:len(layer_kept)] = layer_kept
         np.testing.assert_array_equal(record[call, layer], expected, err_msg=f"row {row} call {call} layer {layer}")
-    computed, keys = np.asarray(trace.computed_positions)[:nfe, row][mine], np.asarray(trace.keys_read)[:nfe, row][mine]
+    computed = np.asarray(trace.computed_positions)[:nfe, row][mine]
     for call, (start, stop, slots) in enumerate(calls):
       np.testing.assert_array_equal(np.flatnonzero(computed[call]), np.arange(start, stop), err_msg=f"call {call}")
       flops = policy.call_flops(CONFIG, computed[call], float(keys[call]), record[call])
@@ -179,10 +180,11 @@ def test_a_row_decodes_alone_as_in_its_batch_in_the_batch_invariant_mode():
 
 def test_the_dropped_keys_leave_xlas_flop_count():
   """XLA's cost analysis of a decoding call of one block (`policy_call.family_cache_forward`; one layer, dense
-  attention, 256 positions so that attention weighs): within 10% of the analytic count of what it computes — all
-  S cached positions per query at a call the policy makes full, the static kept-key slots and the block's own at
-  a subset call — and the policy's own count of the same calls from what the trace records (the block's queries,
-  the keys they see or read, the kept keys) is that analytic count."""
+  attention, 256 positions so that attention weighs; the decision's `full` a constant, so that XLA keeps the branch
+  taken): within 10% of the analytic count of what it computes — all S cached positions per query at a call the
+  policy makes full, the static kept-key slots and the block's own at a subset call — and the policy's own count
+  of the same calls from what the trace records (the block's queries, the keys they see or read, the kept keys)
+  is that analytic count."""
   config, s_len, start = CONFIG.replace(n_layers=1), 256, 32
   n_max, count = sparse_dllm.keep_count(s_len, BLOCK, RATIO), int(start * RATIO)
   params = model.init_params(config, jax.random.key(0))
@@ -194,7 +196,10 @@ def test_the_dropped_keys_leave_xlas_flop_count():
 
   def flops(full):
     def call(p, t, c):
-      run = functools.partial(model_call._run, model.forward, config, "dense", 128, p)
+      def run(t, *, positions, instruments, readout, **fields):
+        return model.forward(p, t, config=config, positions=positions, instruments=instruments, readout=readout,
+                             compute=Compute(attention_impl="dense", **fields))
+
       decision = Decision(full=jnp.asarray(full), queries=queries, keys=jnp.asarray(kept)[None])
       return policy_call.family_cache_forward(run, decision, c, jnp.asarray(start, jnp.int32), t, queries,
                                               instruments, Readout(hidden=True)).hidden
