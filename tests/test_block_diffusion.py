@@ -63,35 +63,45 @@ def _rope(x, positions):
   return x * np.cos(ang)[:, None] + rot * np.sin(ang)[:, None]
 
 
-def np_forward(tokens, start, stop, cache=None, sink_front=False):
+def np_forward(tokens, start, stop, cache=None, sink_front=False, keys=None, queries_out=None):
   """One row: tokens [S]; computes the queries [start, stop) with block-causal attention (query i sees key j
-  iff j // BLOCK <= i // BLOCK). cache: per layer (K, V) [S, N, H] after RoPE, read outside [start, stop);
+  iff j // BLOCK <= i // BLOCK). cache: per layer (K, V) [S, K, H] after RoPE, read outside [start, stop);
   None = nothing computed before (the keys outside [start, stop) must then be invisible). sink_front: query
-  0 sees only key 0. Returns (logits [stop − start, V], the cache with this call's keys and values written,
-  per-layer probabilities [N, stop − start, S], zero at invisible keys)."""
+  0 sees only key 0. keys: None, or per layer the cached positions the queries read besides their own [start,
+  stop) (a compute policy's key subset). queries_out: None, or a list that collects each layer's post-RoPE
+  queries [stop − start, N, H]. Returns (logits [stop − start, V], the cache with this call's keys and values
+  written, per-layer probabilities [N, stop − start, S], zero at unread keys)."""
   c, p = CONFIG, _np_params()
   s_len = tokens.shape[0]
   query = np.arange(start, stop)
+  group = c.n_heads // c.n_kv_heads
   visible = np.arange(s_len)[None, :] // BLOCK <= query[:, None] // BLOCK
   if sink_front and start == 0:
     visible[0, 1:] = False
   x = p["embed.embedding"][tokens[start:stop]]
   new_cache, probs_all = [], []
   for layer in range(c.n_layers):
-    w = lambda name: p[f"blocks.{name}"][layer]
+    w = lambda name: p[f"blocks.{name}"][layer]  # noqa: B023
     h = _rms(x, w("attn_norm.weight"))
     q = _rope((h @ w("attn.q.kernel")).reshape(-1, c.n_heads, c.head_dim), query.astype(np.float64))
     k = _rope((h @ w("attn.k.kernel")).reshape(-1, c.n_kv_heads, c.head_dim), query.astype(np.float64))
     v = (h @ w("attn.v.kernel")).reshape(-1, c.n_kv_heads, c.head_dim)
-    keys = np.zeros((s_len, c.n_kv_heads, c.head_dim)) if cache is None else cache[layer][0].copy()
-    values = np.zeros_like(keys) if cache is None else cache[layer][1].copy()
-    keys[start:stop], values[start:stop] = k, v
-    new_cache.append((keys, values))
-    scores = np.where(visible[None], np.einsum("tnh,snh->nts", q, keys) / np.sqrt(c.head_dim), -np.inf)
+    layer_keys = np.zeros((s_len, c.n_kv_heads, c.head_dim)) if cache is None else cache[layer][0].copy()
+    values = np.zeros_like(layer_keys) if cache is None else cache[layer][1].copy()
+    layer_keys[start:stop], values[start:stop] = k, v
+    new_cache.append((layer_keys, values))
+    if queries_out is not None:
+      queries_out.append(q)
+    read = visible
+    if keys is not None:
+      read = visible & (np.isin(np.arange(s_len), keys[layer]) | ((np.arange(s_len) >= start)
+                                                                   & (np.arange(s_len) < stop)))[None, :]
+    head_keys, head_values = np.repeat(layer_keys, group, axis=1), np.repeat(values, group, axis=1)
+    scores = np.where(read[None], np.einsum("tnh,snh->nts", q, head_keys) / np.sqrt(c.head_dim), -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     probs_all.append(probs)
-    x = x + np.einsum("nts,snh->tnh", probs, values).reshape(-1, c.n_heads * c.head_dim) @ w("attn.o.kernel")
+    x = x + np.einsum("nts,snh->tnh", probs, head_values).reshape(-1, c.n_heads * c.head_dim) @ w("attn.o.kernel")
     h = _rms(x, w("mlp_norm.weight"))
     gate = h @ w("mlp.gate.kernel")
     x = x + ((gate / (1 + np.exp(-gate))) * (h @ w("mlp.up.kernel"))) @ w("mlp.down.kernel")

@@ -19,10 +19,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
-from dlm_jax.policy import dkv_cache, dkv_cache_dream, sparse_dllm
+from dlm_jax.policy import cost, dkv_cache, dkv_cache_dream, sparse_dllm
 from dlm_jax.policy.base import ComputePolicy, Decision
 from dlm_jax.policy.d2cache_policy import D2Cache
 from dlm_jax.policy.dllm_cache_policy import DLLMCache
@@ -178,6 +179,19 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
   def record(self, state: jax.Array) -> jax.Array:
     """[B, L, n_keep + keep_sinks + keep_first] int32: each layer's kept keys for the current block (S: none)."""
     return state
+
+  def call_flops(self, config: ModelConfig, computed: np.ndarray, keys: float, record: np.ndarray) -> float:
+    """Trunk FLOPs of one row's call (`ComputePolicy.call_flops`). With block diffusion's exact cache the count is
+    what the program computes, not the keys the queries see (`Trace.keys_read`): a call that read every key it sees
+    (`keys` up to its last query: the prefill, the commits, a block's calls 0 and 1) runs its queries over all S
+    cached positions, the unseen ones masked, as without a policy; a call over the kept keys over the record's m
+    gathered slots (record [L, m]: the static n_keep + keep_sinks + keep_first, padded slots included — an early
+    block keeps fewer) and its own queries. A key subset that holds the whole prefix is counted as a full call."""
+    if self.layout is None or self.layout.cache != "block":
+      return super().call_flops(config, computed, keys, record)
+    rows = np.flatnonzero(computed)
+    read = self.layout.seq_len if keys >= rows[-1] + 1 else np.shape(record)[-1] + rows.size
+    return cost.trunk_flops(config, float(rows.size), float(read))
 
   def query_weights(self, state: jax.Array, context: Any) -> jax.Array:
     """[B, 2, T]: 1 on every query; 1 / block_length on the current block's queries (their mean), 0 elsewhere."""
