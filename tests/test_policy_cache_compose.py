@@ -18,6 +18,7 @@ from dlm_jax.config import preset
 from dlm_jax.model import KVCache, forward
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.policy import cost
+from dlm_jax.policy.base import RunLayout
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import dream, driver, llada
 from dlm_jax.session import decoding_mode
@@ -39,6 +40,14 @@ CONFIG = preset("tiny-llada")
 MASK = CONFIG.mask_token_id
 LP, GEN, BLOCK, TAU = 5, 16, 8, 0.9
 SPARSE = "sparse_dllm:keep_ratio=0.5,tie_break=lowest_position"
+
+
+def analytic_flops(config, rows, keys):
+  """Trunk FLOPs of `rows` queries each attending over `keys` key slots: per layer 2 x rows x the projection and
+  feed-forward weights, and 4 x rows x keys x N x H for the scores and the weighted sum."""
+  d, n, kv, h, f = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.mlp_hidden
+  weights = d * n * h + 2 * d * kv * h + n * h * d + 3 * d * f
+  return config.n_layers * (2 * weights * rows + 4 * rows * keys * n * h)
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,11 +87,13 @@ def replay(prompt, cache_mode, margins):
   compute the cache's window — the block (dual) or [start, S) (prefix) — writing their keys and values into the
   cache, at call 1 over every cached key (the block's queries then score the keys), from call 2 over the kept
   cached keys outside the window and the window's own. `margins` collects |confidence − τ| of every candidate
-  and the gap between the two most confident."""
+  and the gap between the two most confident. slots [nfe]: the key slots the program gives each query of a
+  call — all S at calls 0 and 1, from call 2 on the n_keep kept-key slots (a kept key inside the window is a
+  padded slot, gathered all the same) and the window."""
   x = np.concatenate([prompt, np.full(GEN, MASK)]).astype(np.int64)
   total = len(x)
   decode_step = np.full(GEN, -1)
-  nfe, computed, kept_at, cache, kept = 0, [], {}, None, None
+  nfe, computed, kept_at, cache, kept, slots = 0, [], {}, None, None, []
   for start in range(LP, total, BLOCK):
     window = np.arange(start, start + BLOCK) if cache_mode == "dual" else np.arange(start, total)
     step = 0
@@ -103,6 +114,7 @@ def replay(prompt, cache_mode, margins):
           kept = _kept(layer_queries, cache, start)
         kept_at[nfe] = kept
       computed.append(np.isin(np.arange(total), queries))
+      slots.append(total if step <= 1 else len(kept[0]) + len(window))
       candidates = np.flatnonzero(x[start:start + BLOCK] == MASK) + start
       chosen, x0 = threshold_commits(logits[0, candidates], TAU, margins)
       for j in chosen:
@@ -110,19 +122,23 @@ def replay(prompt, cache_mode, margins):
         decode_step[candidates[j] - LP] = nfe
       nfe += 1
       step += 1
-  return x, decode_step, nfe, np.array(computed), kept_at
+  return x, decode_step, nfe, np.array(computed), kept_at, slots
 
 
 @pytest.mark.parametrize("cache", ["dual", "prefix"])
 def test_threshold_decoding_with_a_cache_under_sparse_dllm_is_the_replay(cache):
   """Both rows in one batch (a row waits while the other finishes its block): each row's tokens, its decode order
-  and its calls' computed positions and kept keys (the calls it decoded in) are those of its replay alone."""
+  and its calls' computed positions and kept keys (the calls it decoded in) are those of its replay alone, and
+  the policy's FLOP count of each call (`call_flops`, as experiments.policy_sweep reads it from the trace) is the
+  analytic count of what the call computes (`replay`'s slots)."""
   trace = generate(cache)
   active = np.asarray(trace.active_rows)[:int(trace.nfe)]
   assert not active.all(), "no row waited for the batch"
-  margins, lengths = [], set()
+  margins, lengths, padded = [], set(), 0
+  policy = parse_policy(SPARSE).bind(RunLayout(seq_len=LP + GEN, gen_start=LP, block_length=BLOCK,
+                                               steps_per_block=BLOCK, cache=cache))
   for row, prompt in enumerate(prompts()):
-    tokens, decode_step, nfe, computed, kept_at = replay(prompt, cache, margins)
+    tokens, decode_step, nfe, computed, kept_at, slots = replay(prompt, cache, margins)
     own = np.cumsum(active[:, row]) - 1  # the batch's call -> the row's own call
     np.testing.assert_array_equal(np.asarray(trace.tokens)[row], tokens, err_msg=f"{cache} row {row}")
     np.testing.assert_array_equal(own[np.asarray(trace.decode_step)[row]], decode_step, err_msg=f"{cache} row {row}")
@@ -131,12 +147,18 @@ def test_threshold_decoding_with_a_cache_under_sparse_dllm_is_the_replay(cache):
     record = np.asarray(trace.policy_record)[:int(trace.nfe), row][active[:, row]]  # [nfe, L, n_keep]
     for call, kept in kept_at.items():
       np.testing.assert_array_equal(record[call], np.stack(kept), err_msg=f"{cache} row {row} call {call}")
+    keys = np.asarray(trace.keys_read)[:int(trace.nfe), row][active[:, row]]
+    for call, call_slots in enumerate(slots):
+      flops = policy.call_flops(CONFIG, computed[call], float(keys[call]), record[call])
+      assert flops == analytic_flops(CONFIG, computed[call].sum(), call_slots), (cache, row, call, flops)
+      padded += keys[call] < call_slots
     lengths |= {int(decode_step[:BLOCK].max() - decode_step[:BLOCK].min() + 1),
                 int(decode_step[BLOCK:].max() - decode_step[BLOCK:].min() + 1)}
   assert min(margins) > 1e-4, "a decision of the replay is within rounding of flipping: change the case"
   assert len(lengths) > 1 and max(lengths) >= 3, f"block lengths {lengths}: variable blocks not exercised"
   keys = np.asarray(trace.keys_read)[:int(trace.nfe)]
   assert keys.min() < LP + GEN, "no call read a subset of the cached keys"
+  assert padded or cache == "dual", "no prefix-cache call gathered a kept key inside its window (a padded slot)"
 
 
 def test_every_key_kept_on_dreams_dual_cache_is_the_plain_dual_cache():
@@ -162,16 +184,20 @@ def test_every_key_kept_on_dreams_dual_cache_is_the_plain_dual_cache():
 
 
 def test_the_dropped_cached_keys_leave_the_flop_count():
-  """A cached call of n queries over m kept keys against the same call over all S cached keys (one layer, dense
-  attention: XLA's cost analysis counts a loop body once): each within 10% of `cost.trunk_flops`, and the drop is
-  the analytic one."""
+  """A cached call of n queries over m kept-key slots, the last third padded (a kept key inside the prefix cache's
+  window, a sink the score already kept), against the same call over all S cached keys (one layer, dense attention:
+  XLA's cost analysis counts a loop body once): each within 10% of `cost.trunk_flops` over the m slots, padded ones
+  included, the drop is the analytic one, and Sparse-dLLM's own count of the call from what the trace records (the
+  computed queries, the real keys read, the kept keys) is that count, with the dual cache and with keep_sinks
+  without a cache."""
   config = dataclasses.replace(CONFIG, n_layers=1)
   params = model.init_params(config, jax.random.key(0))
   s, n, m = 128, 16, 24
   tokens = jnp.zeros((1, s), jnp.int32)
   cache = KVCache.zeros(config, 1, s)
   queries = jnp.arange(64, 64 + n, dtype=jnp.int32)[None]
-  keys = jnp.arange(m, dtype=jnp.int32)[None, None]
+  kept = np.where(np.arange(m) < 16, np.arange(m), s).astype(np.int32)
+  keys = jnp.asarray(kept)[None, None]
 
   def flops(fn, *args):
     return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
@@ -186,6 +212,11 @@ def test_the_dropped_cached_keys_leave_the_flop_count():
   assert abs(every / analytic_every - 1) < 0.1 and abs(subset / analytic_subset - 1) < 0.1, (every, subset)
   dropped = analytic_every - analytic_subset
   assert abs((every - subset) - dropped) < 0.15 * dropped, (every, subset, dropped)
+  computed = np.isin(np.arange(s), np.asarray(queries))
+  for spec, layout in (("", "dual"), (",keep_sinks=8", "none")):
+    policy = parse_policy(f"sparse_dllm:keep_ratio=0.125{spec}").bind(RunLayout(
+        seq_len=s, gen_start=64, block_length=n, steps_per_block=n, cache=layout))
+    assert policy.call_flops(config, computed, float(16 + n), kept[None]) == analytic_subset, layout
 
 
 SMALL = dict(gen_length=8, steps=8, block_length=4, threshold=0.9)

@@ -181,16 +181,17 @@ class SparseDLLM(sparse_dllm.SparseDLLMSettings, ComputePolicy):
     return state
 
   def call_flops(self, config: ModelConfig, computed: np.ndarray, keys: float, record: np.ndarray) -> float:
-    """Trunk FLOPs of one row's call (`ComputePolicy.call_flops`). With block diffusion's exact cache the count is
-    what the program computes, not the keys the queries see (`Trace.keys_read`): a call that read every key it sees
-    (`keys` up to its last query: the prefill, the commits, a block's calls 0 and 1) runs its queries over all S
-    cached positions, the unseen ones masked, as without a policy; a call over the kept keys over the record's m
-    gathered slots (record [L, m]: the static n_keep + keep_sinks + keep_first, padded slots included — an early
-    block keeps fewer) and its own queries. A key subset that holds the whole prefix is counted as a full call."""
-    if self.layout is None or self.layout.cache != "block":
-      return super().call_flops(config, computed, keys, record)
+    """Trunk FLOPs of one row's call (`ComputePolicy.call_flops`): what the program computes, not the keys the
+    queries see or read (`Trace.keys_read`). A call that read every key it sees (`keys` S, or with block diffusion's
+    exact cache up to its last query: a full call, a Fast-dLLM cache's call 1, block diffusion's prefill, commits and
+    a block's calls 0 and 1) runs its queries over all S cached positions (block diffusion masks the unseen ones, as
+    without a policy); a call over the kept keys runs them over the record's m gathered slots (record [L, m]: the
+    static n_keep + keep_sinks + keep_first, padded slots included — a kept key inside the prefix cache's window, a
+    sink the score already kept, an early block of block diffusion's cache that keeps fewer) and their own. A key
+    subset that holds every key it sees is counted as a call over every key."""
     rows = np.flatnonzero(computed)
-    read = self.layout.seq_len if keys >= rows[-1] + 1 else np.shape(record)[-1] + rows.size
+    sees = rows[-1] + 1 if self.layout is not None and self.layout.cache == "block" else computed.shape[-1]
+    read = computed.shape[-1] if keys >= sees else np.shape(record)[-1] + rows.size
     return cost.trunk_flops(config, float(rows.size), float(read))
 
   def query_weights(self, state: jax.Array, context: Any) -> jax.Array:

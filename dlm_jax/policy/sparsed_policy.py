@@ -19,12 +19,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import STATISTICS, ForwardOutput, LayerValues, Statistic, StatsSpec, register_statistic
 from dlm_jax.model.block_sparse_attention import KeyBlocks
-from dlm_jax.policy import sparsed
+from dlm_jax.policy import cost, sparsed
 from dlm_jax.policy.base import ComputePolicy, Decision
 
 FAMILIES = ("llada", "dream")
@@ -162,6 +163,17 @@ class SparseD(sparsed.SparseDSettings, ComputePolicy):
 
   def record(self, state: SparseDState) -> jax.Array:
     return state.blocks
+
+  def call_flops(self, config: ModelConfig, computed: np.ndarray, keys: float, record: np.ndarray) -> float:
+    """Trunk FLOPs of one row's call (`ComputePolicy.call_flops`): what the program computes, not the kept blocks'
+    positions (`Trace.keys_read`). A dense call (`keys` S) runs every query over S keys; a block-sparse call every
+    query block over the record's m gathered key blocks (record [L, N, nQb, m]: the static count, padded slots
+    included — pass one's blocks at or after g, keep_first's already kept — and a partial last block whole,
+    `cost.block_sparse_flops`)."""
+    s = computed.shape[-1]
+    if keys >= s:
+      return cost.trunk_flops(config, s, s)
+    return cost.block_sparse_flops(config, s, self.block_size, np.shape(record)[-1])
 
   def query_weights(self, state: SparseDState, context: Any) -> jax.Array:
     """[B, 1, T]: every query of a row at its step E, nothing (the statistic is not computed) at the other
