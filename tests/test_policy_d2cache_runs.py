@@ -29,7 +29,7 @@ from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.policy import cost
 from dlm_jax.policy.base import RunLayout
 from dlm_jax.policy.registry import make_policy, parse_policy
-from dlm_jax.sampling import dream, llada
+from dlm_jax.sampling import dream, llada, row_by_row
 from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -178,10 +178,13 @@ def test_a_run_is_the_official_codes_replay(model, knobs, run, request):
   assert not np.any(trace.policy_record["overflow"])
   buckets = make_policy("d2cache", **knobs).bind(RunLayout(22, PROMPT_LENGTH, BLOCK, BLOCK)).buckets
   assert buckets == (6, 11, 22)
-  smallest = [min(n for n in buckets if n >= c) for c in computed.sum(-1).max(-1)]  # the batch's largest count
-  if run == "clean_batch":  # batch-invariant: every subset call runs all S rows (a row's bits depend on the count)
-    smallest = [22] * len(smallest)
-  np.testing.assert_array_equal(trace.policy_record["rows"], np.array([22] + smallest[1:])[:, None].repeat(2, 1))
+  own = np.vectorize(lambda c: min(n for n in buckets if n >= c))(computed.sum(-1))  # [steps, B]
+  own[0] = 22  # step 0 is full
+  if run == "clean_batch":  # batch-invariant: each row runs at the bucket of its own count
+    assert np.any(own[:, 0] != own[:, 1]) and own.min() < 22
+  else:  # batched: every row at the bucket of the batch's largest count
+    own = own.max(-1, keepdims=True).repeat(2, 1)
+  np.testing.assert_array_equal(trace.policy_record["rows"], own)
   other = dict(settings, frozen_confidence=not settings["frozen_confidence"])  # the flag decides something
   assert not np.array_equal(replay(params, prompt, other)[3], computed)
 
@@ -201,7 +204,39 @@ def test_rows_decode_alone_as_in_their_batch_without_the_top_up(model, clean_bat
     alone = llada.generate(params, prompt[row:row + 1], config=CONFIG, options=OPTIONS,
                            setup=RunSetup(batch_invariant=True, policy=make_policy("d2cache", **CLEAN)))
     np.testing.assert_array_equal(alone.tokens[0], clean_batch.tokens[row])
+    np.testing.assert_array_equal(alone.decode_step[0], clean_batch.decode_step[row])
     np.testing.assert_array_equal(alone.computed_positions[:, 0], clean_batch.computed_positions[:, row])
+    np.testing.assert_array_equal(alone.policy_record["rows"][:, 0], clean_batch.policy_record["rows"][:, row])
+
+
+def test_each_row_runs_at_its_own_bucket_one_row_at_a_time(model):
+  """A bucketed subset call (`ComputeSubset.bucket`) run row by row: each row computes its own bucket's first rows
+  only — bitwise its call of that many rows alone, zeros after them, where a larger bucket computes its padded
+  entries — whereas batched every row runs at the batch's largest bucket."""
+  params, prompt = model
+  tokens = jnp.concatenate([prompt, jnp.full((2, GEN), CONFIG.mask_token_id, jnp.int32)], axis=1)
+  instruments = CallInstruments(stats_spec=StatsSpec(extra=("attention_rows",)))
+  cache = jax.jit(functools.partial(forward, config=CONFIG))(params, tokens,
+                                                            compute=Compute(cache=KVCache.zeros(CONFIG, 2, 22))).cache
+  queries = jnp.asarray([[1, 7, 9, 22, 22, 22], [0, 2, 8, 21, 22, 22]], jnp.int32)  # 3 and 4 real queries
+  subset = ComputeSubset(queries, buckets=(3, 4, 6), bucket=jnp.asarray([0, 1], jnp.int32))  # buckets 3 and 4
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def call(fn, tokens, queries, cache, subset):
+    index = jnp.minimum(queries, 21)
+    return fn(params, jnp.take_along_axis(tokens, index, axis=1), config=CONFIG, positions=index,
+              instruments=instruments, compute=Compute(cache=cache, subset=subset))
+
+  rows = call(row_by_row.forward_rows, tokens, queries, cache, subset)
+  batched = call(forward, tokens, queries, cache, subset)
+  for row, size in enumerate((3, 4)):
+    alone = call(row_by_row.forward_rows, tokens[row:row + 1], queries[row:row + 1, :size],
+                 jax.tree.map(lambda a: a[:, row:row + 1], cache), ComputeSubset(queries[row:row + 1, :size]))
+    np.testing.assert_array_equal(rows.logits[row, :size], alone.logits[0])
+    np.testing.assert_array_equal(rows.stats["attention_rows"][:, row, :size], alone.stats["attention_rows"][:, 0])
+    assert not np.any(rows.logits[row, size:]) and not np.any(rows.stats["attention_rows"][:, row, size:])
+    np.testing.assert_array_equal(rows.cache.keys[:, row], alone.cache.keys[:, 0])
+  assert np.all(np.any(batched.logits[:, :4] != 0, axis=-1)) and not np.any(batched.logits[:, 4:])
 
 
 def test_a_small_bucket_computes_less_as_the_analytic_count_says(model):

@@ -15,7 +15,7 @@ from dlm_jax.core.old_keywords import fold_old_keywords
 from dlm_jax.instrument.hook_call import HookCall
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
 from dlm_jax.model.cache import cache_shapes
-from dlm_jax.model import reuse_layers
+from dlm_jax.model import query_buckets, reuse_layers
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.forward_inputs import (DEFAULT_COMPUTE, FORWARD_MOVES, FULL_READOUT, NO_INSTRUMENTS, CallInstruments,
                                           Compute, Readout)
@@ -236,6 +236,9 @@ def forward(
         With `key_blocks` instead (SparseD, `dlm_jax.model.block_sparse_attention`) every position is a
         query, no cache is needed, and each layer's heads read only their query block's kept key blocks;
         with subset.full [B] as well, the call is the full one (no subset) when any row's entry is true.
+        With subset.buckets and subset.bucket [B] (static query-row counts, the last T, and each row's index)
+        the call runs its first buckets[max(bucket)] queries only and returns zeros for the other rows
+        (`dlm_jax.model.query_buckets`; readout window None).
         With subset.reuse (`dlm_jax.model.reuse_layers.LayerReuse`; tokens: the whole sequence, queries:
         every position) each layer recomputes its attention and feed-forward at the positions it chooses, and
         the returned cache is a `ReuseCache` (the KV cache, the attention and feed-forward outputs, each
@@ -276,6 +279,10 @@ def forward(
                              readout=readout)
     return jax.lax.cond(jnp.any(subset.full), lambda: call(compute=compute.replace(subset=None)),
                         lambda: call(compute=compute.replace(subset=subset.replace(full=None))))
+  if subset is not None and subset.bucket is not None:  # the first queries of a bucket, as a lax.switch
+    query_buckets.check_buckets(subset, tuple(tokens.shape), logits_window)
+    return query_buckets.bucket_call(functools.partial(forward, params, config=config, readout=readout), tokens,
+                                     positions, instruments, compute)
   if subset is not None and subset.queries is not None:
     real = subset.queries < cache.keys.shape[2]  # padded entries are no query of the statistics
     query_weights = real[:, None, :].astype(jnp.float32) if query_weights is None else query_weights * real[:, None, :]

@@ -84,7 +84,9 @@ class Decision:
   the last n, at which the subset call may run: the caller runs the smallest that holds every row's real queries
   (padded entries sort last, so the first columns hold them), so the compute follows the count with static shapes; ()
   runs all n rows; all_keys: scalar bool or None: when true, a subset call with `keys` reads every cached position
-  instead (a call of a Fast-dLLM cache before the policy has chosen its keys; `dlm_jax.sampling.policy_call`).
+  instead (a call of a Fast-dLLM cache before the policy has chosen its keys; `dlm_jax.sampling.policy_call`);
+  row_buckets: static, set by the model caller in the batch-invariant mode (`RunSetup.batch_invariant`): each row
+  runs at the smallest bucket holding its own real queries (the model run one row at a time), not the batch's.
   """
 
   full: jax.Array
@@ -95,12 +97,16 @@ class Decision:
   reuse: Any = None
   buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())
   all_keys: jax.Array | None = None
+  row_buckets: bool = struct.field(pytree_node=False, default=False)
 
   def bucket_rows(self, n_seq: int) -> tuple[jax.Array, jax.Array]:
-    """(index, size): scalar int32, the smallest of `buckets` (or the queries' n without buckets) holding
-    every row's real queries (entries < n_seq), and its row count — the rows a subset call runs."""
+    """(index, size): int32, the smallest of `buckets` (or the queries' n without buckets) holding every row's
+    real queries (entries < n_seq), and its row count — the rows a subset call runs; scalars, or [B] with
+    `row_buckets` (each row's own)."""
     sizes = jnp.asarray(self.buckets or (self.queries.shape[1],), jnp.int32)
-    count = jnp.max(jnp.sum(self.queries < n_seq, axis=-1)).astype(jnp.int32)
+    count = jnp.sum(self.queries < n_seq, axis=-1).astype(jnp.int32)
+    if not self.row_buckets:
+      count = jnp.max(count)
     index = jnp.searchsorted(sizes, count, side="left").astype(jnp.int32)
     return index, sizes[index]
 

@@ -205,8 +205,8 @@ class ModelCaller:
     decision, family_cache = None, None
     if state.policy is not None:
       decision = self.plan.policy.decide(state.policy.state, context)
-      if self.batch_invariant:  # the bucket is the batch's, and a row's last bits change with the row count
-        decision = decision.replace(buckets=())
+      if self.batch_invariant:  # each row at its own bucket: a row's last bits change with its row count
+        decision = decision.replace(row_buckets=True)
       elif jnp.ndim(decision.full):  # a per-row full (key blocks) is the batch's: one program for all rows
         decision = decision.replace(full=jnp.any(decision.full))
       head = functools.partial(lm_head, params, config=self.config)

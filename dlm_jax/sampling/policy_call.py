@@ -188,7 +188,11 @@ def policy_forward(run: Callable[..., ForwardOutput], policy: PolicyState, decis
     return (not readout.hidden and lm_head is not None and max_probability != "every" and window is not None
             and window[1] - window[0] < n)
 
-  def subset_rows(n: int):
+  def subset_rows(n: int, bucket: jax.Array | None = None):
+    """The subset call of the queries' first n columns; with bucket [B] (each row's index into
+    decision.buckets, n their last) each row runs its own bucket's rows inside the forward."""
+    buckets = () if bucket is None else decision.buckets
+
     def subset(refresh):
       queries = decision.queries[:, :n]
       real = (queries < n_seq).astype(jnp.float32)
@@ -201,11 +205,12 @@ def policy_forward(run: Callable[..., ForwardOutput], policy: PolicyState, decis
                                instruments=instruments.replace(bias=_query_rows(bias, queries),
                                                                query_weights=sub_weights),
                                readout=Readout(hidden=readout.hidden or window_head), cache=policy.cache)
+      part = ComputeSubset(queries, decision.keys, refresh, buckets=buckets, bucket=bucket)
       if decision.all_keys is None or decision.keys is None:
-        output = call(subset=ComputeSubset(queries, decision.keys, refresh))
+        output = call(subset=part)
       else:  # a Fast-dLLM cache's call before the keys are chosen reads every cached position
-        output = jax.lax.cond(decision.all_keys, lambda: call(subset=ComputeSubset(queries, None, refresh)),
-                              lambda: call(subset=ComputeSubset(queries, decision.keys, refresh)))
+        output = jax.lax.cond(decision.all_keys, lambda: call(subset=part.replace(keys=None)),
+                              lambda: call(subset=part))
       rows = output.hidden if readout.hidden or window_head else output.logits
       placed = _window(scatter_rows(jnp.zeros((rows.shape[0], n_seq, rows.shape[2]), rows.dtype), queries, rows),
                        readout)
@@ -243,6 +248,8 @@ def policy_forward(run: Callable[..., ForwardOutput], policy: PolicyState, decis
                      f"got {buckets}.")
   if len(buckets) == 1:
     subset = subset_rows(n)
+  elif decision.row_buckets:  # each row at its own bucket, inside the row-by-row forward
+    subset = subset_rows(n, decision.bucket_rows(n_seq)[0])
   else:
     branches = [subset_rows(size) for size in buckets]
     subset = lambda _: jax.lax.switch(decision.bucket_rows(n_seq)[0], branches, None)  # noqa: E731
