@@ -210,14 +210,14 @@ def test_rows_decode_alone_as_in_their_batch_without_the_top_up(model, clean_bat
 
 
 def test_each_row_runs_at_its_own_bucket_one_row_at_a_time(model):
-  """A bucketed subset call (`ComputeSubset.bucket`) run row by row: each row computes its own bucket's rows only
+  """A bucketed subset call (`ComputeSubset.buckets`) run row by row: each row computes its own bucket's rows only
   (nonzero there, zeros after them, where a larger bucket would compute its padded entries), bitwise as alone."""
   params, prompt = model
   tokens = jnp.concatenate([prompt, jnp.full((2, GEN), CONFIG.mask_token_id, jnp.int32)], axis=1)
   instruments = CallInstruments(stats_spec=StatsSpec(extra=("attention_rows",)))
   cache = jax.tree.map(lambda a: jax.random.normal(jax.random.key(2), a.shape), KVCache.zeros(CONFIG, 2, 22))
   queries = jnp.asarray([[1, 7, 9, 22, 22, 22], [0, 2, 8, 21, 22, 22]], jnp.int32)  # 3 and 4 real queries
-  subset = ComputeSubset(queries, buckets=(3, 6), bucket=jnp.asarray([0, 1], jnp.int32))  # buckets 3 and 6
+  subset = ComputeSubset(queries, buckets=(3, 6))  # row 0 fits 3, row 1 needs 6
 
   @functools.partial(jax.jit, static_argnums=0)
   def call(fn, tokens, cache, subset):

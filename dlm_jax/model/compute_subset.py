@@ -33,9 +33,9 @@ class ComputeSubset:
   reuses the cached ones elsewhere (the forward returns a `ReuseCache`), or None; full: [B] bool or None, with
   key_blocks only: the call is the full one instead (every key, no subset) when any row's entry is true — a
   `lax.cond` over the batch, so run one row at a time (`dlm_jax.sampling.row_by_row.forward_rows`) each row
-  takes its own branch; buckets: static ascending query-row counts, the last T, and bucket: [B] int32 each row's
-  index into them, or None: the call runs its first `buckets[max(bucket)]` queries only (`lax.switch`,
-  `dlm_jax.model.query_buckets`; one row at a time, each row at its own bucket), its rows after them zeros."""
+  takes its own branch; buckets: static ascending query-row counts, the last T, or (): the call runs only the
+  first queries of the smallest bucket holding every row's real ones (`lax.switch`, `dlm_jax.model.query_buckets`;
+  run one row at a time, each row at its own bucket), its other rows zeros."""
 
   queries: jax.Array | None
   keys: jax.Array | None = None
@@ -44,7 +44,6 @@ class ComputeSubset:
   reuse: Any = None
   full: jax.Array | None = None
   buckets: tuple[int, ...] = struct.field(pytree_node=False, default=())
-  bucket: jax.Array | None = None
 
 
 def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:

@@ -236,8 +236,8 @@ def forward(
         With `key_blocks` instead (SparseD, `dlm_jax.model.block_sparse_attention`) every position is a
         query, no cache is needed, and each layer's heads read only their query block's kept key blocks;
         with subset.full [B] as well, the call is the full one (no subset) when any row's entry is true.
-        With subset.buckets and subset.bucket [B] (static query-row counts, the last T, and each row's index)
-        the call runs its first buckets[max(bucket)] queries only and returns zeros for the other rows
+        With subset.buckets (static query-row counts, the last T) the call runs the first queries of the
+        smallest bucket holding every row's real ones and returns zeros for the other rows
         (`dlm_jax.model.query_buckets`; readout window None).
         With subset.reuse (`dlm_jax.model.reuse_layers.LayerReuse`; tokens: the whole sequence, queries:
         every position) each layer recomputes its attention and feed-forward at the positions it chooses, and
@@ -279,7 +279,7 @@ def forward(
                              readout=readout)
     return jax.lax.cond(jnp.any(subset.full), lambda: call(compute=compute.replace(subset=None)),
                         lambda: call(compute=compute.replace(subset=subset.replace(full=None))))
-  if subset is not None and subset.bucket is not None:  # the first queries of a bucket, as a lax.switch
+  if subset is not None and subset.buckets:  # the first queries of a bucket, as a lax.switch
     query_buckets.check_buckets(subset, tuple(tokens.shape), logits_window)
     return query_buckets.bucket_call(functools.partial(forward, params, config=config, readout=readout), tokens,
                                      positions, instruments, compute)

@@ -1,11 +1,11 @@
-"""A subset call at one of a few static query-row counts (`ComputeSubset.buckets`, chosen by
-`ComputeSubset.bucket`): a `lax.switch` over one program per count, each running the call's first `size` query
-rows and padding its outputs back to the call's T rows with zeros, so every branch returns the same shapes.
+"""A subset call at one of a few static query-row counts (`ComputeSubset.buckets`): the smallest bucket holding
+every row's real queries (entries < S; ascending, so they come first), by a `lax.switch` over one program per
+count, each running the call's first `size` queries and padding its outputs back to the call's T rows with
+zeros, so every branch returns the same shapes.
 
-The switch takes the largest index of the batch. Inside `dlm_jax.sampling.row_by_row.forward_rows` the batch is
-one row, so each row runs at its own bucket; the loop's `lax.map` keeps the switch a conditional (under `vmap` it
-would be a select computing every branch). A row whose real queries (entries < S, first in its row) do not fit
-its bucket loses the ones past it: the caller picks the smallest bucket holding them.
+The bucket is the batch's. Inside `dlm_jax.sampling.row_by_row.forward_rows` the batch is one row, so each row
+runs at the bucket of its own count; the loop's `lax.map` keeps the switch a conditional that runs one branch
+(under `vmap` it would become a select computing every branch).
 """
 
 from __future__ import annotations
@@ -20,19 +20,17 @@ from dlm_jax.model.forward_inputs import CallInstruments, Compute
 
 
 def check_buckets(subset, shape: tuple[int, int], window) -> None:
-  """Raises ValueError unless the `ComputeSubset`'s buckets ascend, distinct, from 1 to T, its bucket is [B], and
-  it is a plain query subset (no refresh, reuse or key blocks) read out without a window."""
-  buckets, bucket = subset.buckets, subset.bucket
+  """Raises ValueError unless the `ComputeSubset`'s buckets ascend, distinct, from 1 to T, and it is a plain
+  query subset (no refresh or reuse) read out without a window."""
+  buckets = subset.buckets
   if subset.queries is None or subset.refresh is not None or subset.reuse is not None:
-    raise ValueError("ComputeSubset.bucket runs a query subset (queries given) without refresh, reuse or key "
+    raise ValueError("ComputeSubset.buckets run a query subset (queries given) without refresh, reuse or key "
                      "blocks.")
-  if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] != shape[1]:
+  if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] != shape[1]:
     raise ValueError(f"ComputeSubset.buckets must be ascending distinct sizes >= 1 ending at the T={shape[1]} "
                      f"queries, got {buckets}.")
-  if tuple(bucket.shape) != shape[:1]:
-    raise ValueError(f"ComputeSubset.bucket must be [B] with B={shape[0]}, got {list(bucket.shape)}.")
   if window is not None:
-    raise ValueError("ComputeSubset.bucket reads out every query row; leave Readout.window None.")
+    raise ValueError("ComputeSubset.buckets read out every query row; leave Readout.window None.")
 
 
 def first_queries(instruments: CallInstruments, size: int) -> CallInstruments:
@@ -60,19 +58,26 @@ def pad_queries(output: ForwardOutput, n: int) -> ForwardOutput:
   return output.replace(logits=pad(output.logits, 1), hidden=pad(output.hidden, 1), stats=stats)
 
 
+def bucket_index(buckets: tuple[int, ...], queries: jax.Array, n_seq: int) -> jax.Array:
+  """Scalar int32: the index of the smallest of buckets holding every row's real queries (queries [B, T] < n_seq)."""
+  count = jnp.max(jnp.sum(queries < n_seq, axis=-1))
+  return jnp.searchsorted(jnp.asarray(buckets, jnp.int32), count.astype(jnp.int32), side="left").astype(jnp.int32)
+
+
 def bucket_call(run: Callable[..., ForwardOutput], tokens: jax.Array, positions: jax.Array | None,
                 instruments: CallInstruments, compute: Compute) -> ForwardOutput:
   """`run(tokens, positions=, instruments=, compute=)` (the forward, params, config and readout bound) for tokens
-  [B, T] at the bucket `compute.subset.buckets[max(compute.subset.bucket)]`, outputs padded to T query rows."""
+  [B, T] at the smallest of `compute.subset.buckets` holding the real queries, outputs padded to T query rows."""
   subset = compute.subset
   n = tokens.shape[1]
 
   def at(size: int):
     def branch():
-      rows = subset.replace(queries=subset.queries[:, :size], buckets=(), bucket=None)
+      rows = subset.replace(queries=subset.queries[:, :size], buckets=())
       output = run(tokens[:, :size], positions=None if positions is None else positions[:, :size],
                    instruments=first_queries(instruments, size), compute=compute.replace(subset=rows))
       return pad_queries(output, n)
     return branch
 
-  return jax.lax.switch(jnp.max(subset.bucket), [at(size) for size in subset.buckets])
+  index = bucket_index(subset.buckets, subset.queries, compute.cache.keys.shape[2])
+  return jax.lax.switch(index, [at(size) for size in subset.buckets])

@@ -188,10 +188,10 @@ def policy_forward(run: Callable[..., ForwardOutput], policy: PolicyState, decis
     return (not readout.hidden and lm_head is not None and max_probability != "every" and window is not None
             and window[1] - window[0] < n)
 
-  def subset_rows(n: int, bucket: jax.Array | None = None):
-    """The subset call of the queries' first n columns; with bucket [B] (each row's index into
-    decision.buckets, n their last) each row runs its own bucket's rows inside the forward."""
-    buckets = () if bucket is None else decision.buckets
+  def subset_rows(n: int, row_buckets: bool = False):
+    """The subset call of the queries' first n columns; with row_buckets each row runs at its own bucket of
+    decision.buckets (n their last) inside the row-by-row forward (`ComputeSubset.buckets`)."""
+    buckets = decision.buckets if row_buckets else ()
 
     def subset(refresh):
       queries = decision.queries[:, :n]
@@ -205,7 +205,7 @@ def policy_forward(run: Callable[..., ForwardOutput], policy: PolicyState, decis
                                instruments=instruments.replace(bias=_query_rows(bias, queries),
                                                                query_weights=sub_weights),
                                readout=Readout(hidden=readout.hidden or window_head), cache=policy.cache)
-      part = ComputeSubset(queries, decision.keys, refresh, buckets=buckets, bucket=bucket)
+      part = ComputeSubset(queries, decision.keys, refresh, buckets=buckets)
       if decision.all_keys is None or decision.keys is None:
         output = call(subset=part)
       else:  # a Fast-dLLM cache's call before the keys are chosen reads every cached position
@@ -249,7 +249,7 @@ def policy_forward(run: Callable[..., ForwardOutput], policy: PolicyState, decis
   if len(buckets) == 1:
     subset = subset_rows(n)
   elif decision.row_buckets:  # each row at its own bucket, inside the row-by-row forward
-    subset = subset_rows(n, decision.bucket_rows(n_seq)[0])
+    subset = subset_rows(n, row_buckets=True)
   else:
     branches = [subset_rows(size) for size in buckets]
     subset = lambda _: jax.lax.switch(decision.bucket_rows(n_seq)[0], branches, None)  # noqa: E731

@@ -77,7 +77,7 @@ def forward_rows(params, tokens: jax.Array, *, config: ModelConfig, positions: j
   Arrays with a batch axis (tokens, positions [B, T], query_weights [B, Q, T], the bias's [B, ...] or [L, B, ...]
   arrays, the cache's [L, B, S, K, H], the `DecoderCall`'s self-conditioning inputs, a compute policy's
   `ComputeSubset` — queries [B, T], keys [L, B, m], a reuse's cached outputs [L, B, S, D], the key-block call's full
-  [B] and the query buckets' index [B], so that each row takes its own branch and runs at its own bucket) are split by row; a bias array broadcast over the batch (size 1) is
+  [B], so that each row takes its own branch; with query buckets each row runs at its own) are split by row; a bias array broadcast over the batch (size 1) is
   shared. The other arguments (config, the statistics spec, the readout, the attention path, the cache offset) are the
   same for every row. Returns the `ForwardOutput` of the whole batch: logits and hidden states joined on axis 0, every
   statistic on its batch axis 1 (`STATISTICS` layouts are [L', B, ...]), captures on axis 0 (the hooks' batch-bearing
@@ -111,8 +111,7 @@ def forward_rows(params, tokens: jax.Array, *, config: ModelConfig, positions: j
                                        lambda a: _split(a, 1), subset.key_blocks),
                                    reuse=jax.tree.map(lambda a: _split(a, 1), subset.reuse),
                                    full=None if subset.full is None else _split(subset.full, 0),
-                                   buckets=subset.buckets,
-                                   bucket=None if subset.bucket is None else _split(subset.bucket, 0))
+                                   buckets=subset.buckets)
   rebuild_hooks = None
   if hooks is not None:
     rows["hooks"], rebuild_hooks = row_slices(hooks)
