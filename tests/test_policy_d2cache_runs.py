@@ -25,6 +25,7 @@ from dlm_jax.core.attention_bias import MASK_VALUE
 from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.model import CallInstruments, Compute, KVCache, forward, init_params
 from dlm_jax.model.attention import attention
+from dlm_jax.model import query_buckets
 from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.policy import cost
 from dlm_jax.policy.base import RunLayout
@@ -156,10 +157,28 @@ def official_run(model):
 
 
 @pytest.fixture(scope="module")
-def clean_batch(model):
+def clean_run(model):
+  """The clean settings' batch-invariant run and the query rows each row's forward ran at every subset call, in
+  order (a callback in `query_buckets.pad_queries`, which each bucket's branch calls: it fires when it runs)."""
   params, prompt = model
-  return llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
-                        setup=RunSetup(policy=make_policy("d2cache", **CLEAN), batch_invariant=True))
+  ran, pad = [], query_buckets.pad_queries
+
+  def spy(output, n):
+    size = (output.hidden if output.logits is None else output.logits).shape[1]
+    jax.debug.callback(lambda: ran.append(size))
+    return pad(output, n)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(query_buckets, "pad_queries", spy)
+    trace = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
+                           setup=RunSetup(policy=make_policy("d2cache", **CLEAN), batch_invariant=True))
+    jax.block_until_ready(trace)
+  return trace, ran
+
+
+@pytest.fixture(scope="module")
+def clean_batch(clean_run):
+  return clean_run[0]
 
 
 @pytest.mark.parametrize("knobs, run", [(OFFICIAL, "official_run"), (CLEAN, "clean_batch")])
@@ -207,6 +226,14 @@ def test_rows_decode_alone_as_in_their_batch_without_the_top_up(model, clean_bat
     np.testing.assert_array_equal(alone.decode_step[0], clean_batch.decode_step[row])
     np.testing.assert_array_equal(alone.computed_positions[:, 0], clean_batch.computed_positions[:, row])
     np.testing.assert_array_equal(alone.policy_record["rows"][:, 0], clean_batch.policy_record["rows"][:, row])
+
+
+def test_each_row_ran_at_its_own_bucket(clean_run):
+  """Batch-invariant: every subset call ran each row at its record's bucket (its own count's), not S."""
+  trace, ran = clean_run
+  rows = np.asarray(trace.policy_record["rows"])
+  np.testing.assert_array_equal(ran, rows[1:].reshape(-1))  # step 0 is full; then row 0, row 1 at each step
+  assert sum(ran) < 0.6 * rows[1:].size * rows[0, 0]
 
 
 def test_each_row_runs_at_its_own_bucket_one_row_at_a_time(model):
