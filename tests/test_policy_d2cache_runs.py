@@ -3,7 +3,8 @@ and fused alike), a whole LLaDA run at temperature 0 against a replay written he
 (Kamichanw/d2Cache `src/generation/vanilla.py` `generate_step`, `src/cache/d2cache.py` `model_forward` /
 `attention` / `accumulate_attn_rollout` / `on_step_end` / `top_up_mask`) over an independent float64 NumPy model
 whose calls recompute the selected positions and read every other position's keys and values from when they
-were last computed, rows alone as in their batch, the query buckets' FLOPs, and the refusals."""
+were last computed, rows alone as in their batch (batch-invariant: each row at its own query bucket, counted by a
+callback), the query buckets' FLOPs, and the refusals."""
 
 import dataclasses
 import functools
@@ -30,7 +31,7 @@ from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.policy import cost
 from dlm_jax.policy.base import RunLayout
 from dlm_jax.policy.registry import make_policy, parse_policy
-from dlm_jax.sampling import dream, llada, row_by_row
+from dlm_jax.sampling import dream, llada
 from dlm_jax.sampling.run_setup import RunSetup
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -234,32 +235,6 @@ def test_each_row_ran_at_its_own_bucket(clean_run):
   rows = np.asarray(trace.policy_record["rows"])
   np.testing.assert_array_equal(ran, rows[1:].reshape(-1))  # step 0 is full; then row 0, row 1 at each step
   assert sum(ran) < 0.6 * rows[1:].size * rows[0, 0]
-
-
-def test_each_row_runs_at_its_own_bucket_one_row_at_a_time(model):
-  """A bucketed subset call (`ComputeSubset.buckets`) run row by row: each row computes its own bucket's rows only
-  (nonzero there, zeros after them, where a larger bucket would compute its padded entries), bitwise as alone."""
-  params, prompt = model
-  tokens = jnp.concatenate([prompt, jnp.full((2, GEN), CONFIG.mask_token_id, jnp.int32)], axis=1)
-  instruments = CallInstruments(stats_spec=StatsSpec(extra=("attention_rows",)))
-  cache = jax.tree.map(lambda a: jax.random.normal(jax.random.key(2), a.shape), KVCache.zeros(CONFIG, 2, 22))
-  queries = jnp.asarray([[1, 7, 9, 22, 22, 22], [0, 2, 8, 21, 22, 22]], jnp.int32)  # 3 and 4 real queries
-  subset = ComputeSubset(queries, buckets=(3, 6))  # row 0 fits 3, row 1 needs 6
-
-  @functools.partial(jax.jit, static_argnums=0)
-  def call(fn, tokens, cache, subset):
-    index = jnp.minimum(subset.queries, 21)
-    return fn(params, jnp.take_along_axis(tokens, index, axis=1), config=CONFIG, positions=index,
-              instruments=instruments, compute=Compute(cache=cache, subset=subset))
-
-  rows = call(row_by_row.forward_rows, tokens, cache, subset)
-  for row, size in enumerate((3, 6)):
-    one = jax.tree.map(lambda a: a[row:row + 1], subset)
-    alone = call(row_by_row.forward_rows, tokens[row:row + 1], jax.tree.map(lambda a: a[:, row:row + 1], cache), one)
-    np.testing.assert_array_equal(rows.logits[row], alone.logits[0])
-    np.testing.assert_array_equal(rows.stats["attention_rows"][:, row], alone.stats["attention_rows"][:, 0])
-    np.testing.assert_array_equal(rows.cache.keys[:, row], alone.cache.keys[:, 0])
-    assert np.all(np.any(rows.logits[row, :size] != 0, axis=-1)) and not np.any(rows.logits[row, size:]), row
 
 
 def test_a_small_bucket_computes_less_as_the_analytic_count_says(model):
