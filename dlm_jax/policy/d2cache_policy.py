@@ -79,11 +79,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
-from dlm_jax.policy import d2cache
+from dlm_jax.policy import cost, d2cache
 from dlm_jax.policy.base import ComputePolicy, Decision
 
 FAMILIES = ("llada", "llada_rules", "llada_blockwise", "dream_rules")
@@ -189,6 +190,14 @@ class D2Cache(d2cache.D2CacheSettings, ComputePolicy):
     not fit query_budget (the call was not the official one), "rows": [B] int32 the query rows the call ran —
     its bucket, padding rows included (the compute; S at a full call)}."""
     return {"count": state.count, "overflow": state.overflow, "rows": state.rows}
+
+  def call_flops(self, config: ModelConfig, computed: np.ndarray, keys: float, record: dict) -> float:
+    """Trunk FLOPs of one row's call (`ComputePolicy.call_flops`): what the program computes, not the positions the
+    rule selects (`Trace.computed_positions`): the record's "rows" — the call's bucket, padding rows included; S or
+    query_budget in the batch-invariant mode, which drops the buckets; S at a full call — each over the `keys` keys
+    it reads (S)."""
+    del computed
+    return cost.trunk_flops(config, float(record["rows"]), float(keys))
 
   def _block_mask(self, block: jax.Array) -> jax.Array:
     """[B, G] bool: the blocks starting at generated positions block [B]."""
