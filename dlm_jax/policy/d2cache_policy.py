@@ -66,7 +66,8 @@ Static shapes. The official query count varies per step. The decision's queries 
 smallest that holds the step's largest row count, so the compute follows the count and every step is exact.
 With `query_budget` < S a step whose set has more positions drops its highest ones and is not the official
 step; `Trace.policy_record` says, per step and row, the official count, whether it overflowed and the rows the
-call ran. Batch-invariant runs drop the buckets (`ModelCaller`: a row's last bits change with the row count).
+call ran, which `call_flops` charges. Batch-invariant runs drop the buckets (`ModelCaller`: a row's last bits change
+with the row count): every subset call then runs all n rows (n = S: as much as a full call).
 
 The rollout reads the statistic "attention_rows" ([L, B, S, S] in sequence coordinates: S×S per layer, as the
 official S×S rollout matrices; zeros at rows a step did not compute) and keeps only the importance [B, S].
