@@ -153,3 +153,12 @@ def subset_forward(params, tokens, config, cache, queries, keys=None, return_cac
     x = x + (_silu(h @ w("mlp.gate.kernel")) * (h @ w("mlp.up.kernel"))) @ w("mlp.down.kernel")
   logits = _rms(x, p["final_norm.weight"], c.norm_eps) @ p["lm_head.kernel"]
   return (logits, written) if return_cache else logits
+
+
+def trunk_flops(config, rows, keys):
+  """The analytic matmul FLOPs of `rows` queries through every layer of this model, each attending over `keys` key
+  slots (no LM head, norms, softmax or RoPE): per layer 2 x rows x the q/k/v/o and SwiGLU weights, and
+  4 x rows x keys x N x H for the scores and the weighted sum."""
+  d, n, kv, h, f = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.mlp_hidden
+  weights = d * n * h + 2 * d * kv * h + n * h * d + 3 * d * f
+  return config.n_layers * (2 * weights * rows + 4 * rows * keys * n * h)

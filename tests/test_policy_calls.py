@@ -16,10 +16,15 @@ from dlm_jax.instrument.hook_spec import Capture, Hooks
 from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.model import Compute, KVCache, forward, init_params
 from dlm_jax.model.compute_subset import ComputeSubset
-from dlm_jax.policy.base import ComputePolicy, Decision
+from dlm_jax.policy.base import ComputePolicy, Decision, RunLayout
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import autoregressive, dream, llada
 from dlm_jax.sampling.run_setup import RunSetup
+
+try:
+  from tests.numpy_transformer import trunk_flops
+except ImportError:  # run from inside tests/
+  from numpy_transformer import trunk_flops
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -133,6 +138,8 @@ def test_dkv_cache_and_sparse_dllm_compute_what_their_rules_say():
   dkv = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
                        setup=RunSetup(policy=parse_policy("dkv_cache:cache_reloading_step=3")))
   decoded_at = np.asarray(dkv.decode_step)
+  s = lp + 8
+  counted = parse_policy("dkv_cache:cache_reloading_step=3").bind(RunLayout(s, lp, 4, 4))
   for step, computed in enumerate(np.asarray(dkv.computed_positions)):
     in_block = step % 4  # 8 steps over 2 blocks of 4
     if in_block <= 1 or in_block % 3 == 0:
@@ -140,6 +147,9 @@ def test_dkv_cache_and_sparse_dllm_compute_what_their_rules_say():
     else:  # the positions the previous call's input held [MASK] at
       np.testing.assert_array_equal(computed[:, lp:], decoded_at >= step - 1, err_msg=f"step {step}")
       assert not computed[:, :lp].any()
+    for row in range(2):  # the FLOPs the sweep counts: a cached call runs all 8 generated rows, selected or not
+      flops = counted.call_flops(CONFIG, computed[row], float(np.asarray(dkv.keys_read)[step, row]), None)
+      assert flops == trunk_flops(CONFIG, s if computed[row].all() else 8, s), (step, row)
   sparse = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
                           setup=RunSetup(policy=parse_policy("sparse_dllm:keep_ratio=0.5,tie_break=lowest_position")))
   for step, computed in enumerate(np.asarray(sparse.computed_positions)):

@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 
 try:
+  from tests.numpy_transformer import trunk_flops
   from tests.test_policy_d2cache import replay_query_mask, replay_rollout, replay_top_up
   from tests.test_policy_d2cache_loops import numpy_call
 except ImportError:  # run from inside tests/
+  from numpy_transformer import trunk_flops
   from test_policy_d2cache import replay_query_mask, replay_rollout, replay_top_up
   from test_policy_d2cache_loops import numpy_call
 
@@ -196,15 +198,19 @@ def test_a_run_is_the_official_codes_replay(model, knobs, run, request):
   assert computed[1:].sum(-1).max() < PROMPT_LENGTH + GEN  # the later steps skip positions
   np.testing.assert_array_equal(trace.policy_record["count"], computed.sum(-1))
   assert not np.any(trace.policy_record["overflow"])
-  buckets = make_policy("d2cache", **knobs).bind(RunLayout(22, PROMPT_LENGTH, BLOCK, BLOCK)).buckets
-  assert buckets == (6, 11, 22)
-  own = np.vectorize(lambda c: min(n for n in buckets if n >= c))(computed.sum(-1))  # [steps, B]
-  own[0] = 22  # step 0 is full
+  policy = make_policy("d2cache", **knobs).bind(RunLayout(22, PROMPT_LENGTH, BLOCK, BLOCK))
+  assert policy.buckets == (6, 11, 22)
+  ran = np.vectorize(lambda c: min(n for n in policy.buckets if n >= c))(computed.sum(-1))  # [steps, B]
+  ran[0] = 22  # step 0 is full
   if run == "clean_batch":  # batch-invariant: each row runs at the bucket of its own count
-    assert np.any(own[:, 0] != own[:, 1]) and own.min() < 22
+    assert np.any(ran[:, 0] != ran[:, 1]) and ran.min() < 22
   else:  # batched: every row at the bucket of the batch's largest count
-    own = own.max(-1, keepdims=True).repeat(2, 1)
-  np.testing.assert_array_equal(trace.policy_record["rows"], own)
+    ran = ran.max(-1, keepdims=True).repeat(2, 1)
+  np.testing.assert_array_equal(trace.policy_record["rows"], ran)
+  for step, row in np.ndindex(computed.shape[:2]):  # the FLOPs the sweep counts: the rows that ran, over S keys
+    record = {name: np.asarray(x)[step, row] for name, x in trace.policy_record.items()}
+    flops = policy.call_flops(CONFIG, computed[step, row], float(np.asarray(trace.keys_read)[step, row]), record)
+    assert flops == trunk_flops(CONFIG, ran[step, row], 22), (step, row)
   other = dict(settings, frozen_confidence=not settings["frozen_confidence"])  # the flag decides something
   assert not np.array_equal(replay(params, prompt, other)[3], computed)
 

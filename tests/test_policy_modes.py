@@ -15,7 +15,7 @@ import pytest
 from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.instrument.hook_spec import Capture, Hooks
-from dlm_jax.policy.base import ComputePolicy, Decision
+from dlm_jax.policy.base import ComputePolicy, Decision, RunLayout
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import decoding_rules, dream, driver, llada, schedules
 from dlm_jax.session import decoding_mode
@@ -365,6 +365,11 @@ def test_dkv_cache_on_dream_is_the_replay_of_the_official_rule(shift_type):
     np.testing.assert_array_equal(np.asarray(trace.decode_step)[0], decode_step, err_msg=f"{shift_type} row {row}")
     np.testing.assert_array_equal(np.asarray(trace.computed_positions)[:, 0], computed)
     assert not computed.all()
+    s, lp = computed.shape[-1], len(prompt)
+    counted = policy.bind(RunLayout(s, lp, 8, 8, logit_shift=1))
+    for call in range(len(computed)):  # the FLOPs the sweep counts: a cached call runs its whole budget [lp − 1, S)
+      flops = counted.call_flops(dream_ref.CONFIG, computed[call], float(np.asarray(trace.keys_read)[call, 0]), None)
+      assert flops == ref.trunk_flops(dream_ref.CONFIG, s if call % 3 == 0 else s - lp + 1, s), (row, call)
 
 
 def test_sparse_dllm_on_dream_computes_the_position_before_the_block_and_is_the_replay():

@@ -66,9 +66,10 @@ Static shapes. The official query count varies per step. The decision's queries 
 smallest that holds the step's largest row count, so the compute follows the count and every step is exact.
 With `query_budget` < S a step whose set has more positions drops its highest ones and is not the official
 step; `Trace.policy_record` says, per step and row, the official count, whether it overflowed and the rows the
-call ran. Batch-invariant runs take each row's bucket from its own count (`Decision.row_buckets`, set by
-`ModelCaller`: a row's last bits change with the row count, so the batch's bucket would tie it to its
-neighbours), the forward switching per row inside the row-by-row map (`dlm_jax.model.query_buckets`).
+call ran, which `call_flops` charges. Batch-invariant runs take each row's bucket from its own count
+(`Decision.row_buckets`, set by `ModelCaller`: a row's last bits change with the row count, so the batch's bucket
+would tie it to its neighbours), the forward switching per row inside the row-by-row map
+(`dlm_jax.model.query_buckets`).
 
 The rollout reads the statistic "attention_rows" ([L, B, S, S] in sequence coordinates: S×S per layer, as the
 official S×S rollout matrices; zeros at rows a step did not compute) and keeps only the importance [B, S].
@@ -81,11 +82,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
-from dlm_jax.policy import d2cache
+from dlm_jax.policy import cost, d2cache
 from dlm_jax.policy.base import ComputePolicy, Decision
 
 FAMILIES = ("llada", "llada_rules", "llada_blockwise", "dream_rules")
@@ -191,6 +193,13 @@ class D2Cache(d2cache.D2CacheSettings, ComputePolicy):
     not fit query_budget (the call was not the official one), "rows": [B] int32 the query rows the call ran —
     its bucket, padding rows included (the compute; S at a full call)}."""
     return {"count": state.count, "overflow": state.overflow, "rows": state.rows}
+
+  def call_flops(self, config: ModelConfig, computed: np.ndarray, keys: float, record: dict) -> float:
+    """Trunk FLOPs of one row's call (`ComputePolicy.call_flops`): what the program computes, not the positions the
+    rule selects (`Trace.computed_positions`): the record's "rows" — the call's bucket, padding rows included (in the
+    batch-invariant mode each row's own); S at a full call — each over the `keys` keys it reads (S)."""
+    del computed
+    return cost.trunk_flops(config, float(record["rows"]), float(keys))
 
   def _block_mask(self, block: jax.Array) -> jax.Array:
     """[B, G] bool: the blocks starting at generated positions block [B]."""

@@ -112,6 +112,19 @@ class DKVCache(dkv_cache.DKVCacheSettings, ComputePolicy):
     return Decision(full=dkv_cache_dream.is_full_call(call, self.cache_type, self.cache_reloading_step),
                     queries=jnp.where(valid, index + start, self.layout.seq_len).astype(jnp.int32))
 
+  def call_flops(self, config: ModelConfig, computed: np.ndarray, keys: float, record: Any) -> float:
+    """Trunk FLOPs of one row's call (`ComputePolicy.call_flops`): what the program computes, not the positions the
+    rule selects (`Trace.computed_positions`). A full call runs all S positions; a cached call runs its whole static
+    budget, S − gen_start + logit_shift rows (every generated position, on Dream also the last prompt position; the
+    unselected ones are padding the gather still computes — there are no buckets), each over the `keys` keys it
+    reads (S). Needs the bound policy (`bind`)."""
+    del record
+    if self.layout is None:
+      raise ValueError("dkv_cache call_flops counts its static budget of the run's layout: bind the policy first.")
+    s = computed.shape[-1]
+    rows = s if np.all(computed) else s - self.layout.gen_start + self.layout.logit_shift
+    return cost.trunk_flops(config, float(rows), float(keys))
+
   def update(self, state: jax.Array, output: ForwardOutput, context: Any, decision: Decision) -> jax.Array:
     del output, decision
     if self.layout.logit_shift and self.cache_type == "prefill":
