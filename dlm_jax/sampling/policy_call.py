@@ -14,18 +14,18 @@ with a query axis "T", e.g. "attention_rows", has its rows put at the computed p
 Hooks run in every call: a subset call's captures hold its computed positions' activations and zeros elsewhere
 (`dlm_jax.instrument.query_rows`), and its edits act at the positions it computes.
 
-Buckets (`Decision.buckets`): a subset whose size varies per step runs at the smallest of a few static row
-counts that holds the step's largest real count (`lax.switch` over one subset program per size), so every step
-computes all its queries and no more than the bucket: XLA compiles each size, and a step's FLOPs are those of
-its bucket. With `Decision.row_buckets` (the batch-invariant mode) each row runs at the smallest bucket holding
-its own count instead: the subset call carries the buckets (`ComputeSubset.buckets`) and the row-by-row forward
-switches per row (`dlm_jax.model.query_buckets`). For a policy that reads it, the largest softmax probability of the logits at every computed
-position comes back in `ForwardOutput.max_probability` (from the hidden states through the LM head when the
-readout is hidden states: the head on the computed rows only; a full call whose readout is a window runs the
-head on all S rows, as the official d2Cache's confidence cache reads every generated position). A subset call
-whose logits readout window is shorter than its rows runs the LM head on the window's rows only (the other
-computed rows' logits are never read): d2Cache's row buckets, dKV-Cache's generated rows and Elastic-Cache's
-query budget pay the head for the sampler's block, not for every row they compute.
+Buckets (`Decision.buckets`): a subset whose size varies per step runs at the smallest of a few static row counts
+that holds the step's largest real count (`lax.switch` over one subset program per size), so every step computes all
+its queries and no more than the bucket: XLA compiles each size, and a step's FLOPs are those of its bucket. With
+`Decision.row_buckets` (the batch-invariant mode) each row runs at the smallest bucket holding its own count
+instead: the subset call carries the buckets (`ComputeSubset.buckets`) and the row-by-row forward switches per row
+(`dlm_jax.model.query_buckets`). For a policy that reads it, the largest softmax probability of the logits at every
+computed position comes back in `ForwardOutput.max_probability` (from the hidden states through the LM head when the
+readout is hidden states: the head on the computed rows only; a full call whose readout is a window runs the head on
+all S rows, as the official d2Cache's confidence cache reads every generated position). A subset call whose logits
+readout window is shorter than its rows runs the LM head on the window's rows only (the other computed rows' logits
+are never read): d2Cache's row buckets, dKV-Cache's generated rows and Elastic-Cache's query budget pay the head for
+the sampler's block, not for every row they compute.
 """
 
 from __future__ import annotations

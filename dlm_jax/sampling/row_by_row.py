@@ -77,11 +77,11 @@ def forward_rows(params, tokens: jax.Array, *, config: ModelConfig, positions: j
   Arrays with a batch axis (tokens, positions [B, T], query_weights [B, Q, T], the bias's [B, ...] or [L, B, ...]
   arrays, the cache's [L, B, S, K, H], the `DecoderCall`'s self-conditioning inputs, a compute policy's
   `ComputeSubset` — queries [B, T], keys [L, B, m], a reuse's cached outputs [L, B, S, D], the key-block call's full
-  [B], so that each row takes its own branch; with query buckets each row runs at its own) are split by row; a bias array broadcast over the batch (size 1) is
-  shared. The other arguments (config, the statistics spec, the readout, the attention path, the cache offset) are the
-  same for every row. Returns the `ForwardOutput` of the whole batch: logits and hidden states joined on axis 0, every
-  statistic on its batch axis 1 (`STATISTICS` layouts are [L', B, ...]), captures on axis 0 (the hooks' batch-bearing
-  arrays are split by row like the others).
+  [B], so that each row takes its own branch; with query buckets each row runs at its own) are split by row; a bias
+  array broadcast over the batch (size 1) is shared. The other arguments (config, the statistics spec, the readout,
+  the attention path, the cache offset) are the same for every row. Returns the `ForwardOutput` of the whole batch:
+  logits and hidden states joined on axis 0, every statistic on its batch axis 1 (`STATISTICS` layouts are [L', B,
+  ...]), captures on axis 0 (the hooks' batch-bearing arrays are split by row like the others).
   """
   bias, query_weights, hooks = instruments.bias, instruments.query_weights, instruments.hooks
   cache, decoder, subset = compute.cache, compute.decoder, compute.subset
