@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from dlm_jax.instrument.stats import STATISTICS, ForwardOutput
+from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.forward_inputs import CallInstruments, Compute
 
 
-def check_buckets(subset, shape: tuple[int, int], window) -> None:
+def check_buckets(subset: ComputeSubset, shape: tuple[int, int], window) -> None:
   """Raises ValueError unless the `ComputeSubset`'s buckets ascend, distinct, from 1 to T, and it is a plain
   query subset (no refresh or reuse) read out without a window."""
   buckets = subset.buckets
