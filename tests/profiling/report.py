@@ -1,8 +1,9 @@
 """Summarises a profiled suite run (`DLM_JAX_SUITE_PROFILE=DIR python -m pytest ...`): one row per test file.
 
-Usage: `python tests/profiling/report.py DIR [--json OUT.json] [--costs tests/file_costs.json]`: prints the
-table; `--json` writes it; `--costs` writes each file's CPU seconds (worker + subprocesses), the order in which
-`tests/conftest.py` starts the files. Columns (seconds unless said):
+Usage: `python tests/profiling/report.py DIR [--json OUT.json] [--costs tests/file_costs.json [--measured TEXT]]`:
+prints the table; `--json` writes it; `--costs` writes each file's CPU seconds (worker + subprocesses), the order
+in which `tests/conftest.py` starts the files, with `--measured TEXT` saying which run they come from (the
+profile's directory is not written: it is a path on one machine). Columns (seconds unless said):
 tests; wall (sum of the file's test walls, fixtures included); cpu (the worker's CPU) and sub_cpu (its
 subprocesses'); compile (XLA backend compilation, in the worker and in subprocesses) and trace (tracing and
 lowering to MLIR); programs (backend compilations), hits (programs loaded from the persistent cache), again
@@ -70,7 +71,10 @@ COLUMNS = ("tests", "wall", "cpu", "sub_cpu", "compile", "trace", "programs", "h
 
 
 def _options(argv: list[str]) -> dict[str, str] | None:
-  if len(argv) < 2 or len(argv) % 2 != 0 or any(flag not in ("--json", "--costs") for flag in argv[2::2]):
+  flags = argv[2::2]
+  if len(argv) < 2 or len(argv) % 2 != 0 or any(flag not in ("--json", "--costs", "--measured") for flag in flags):
+    return None
+  if "--measured" in flags and "--costs" not in flags:
     return None
   return dict(zip(argv[2::2], argv[3::2]))
 
@@ -96,8 +100,8 @@ def main(argv: list[str]) -> int:
     costs = {file: round(row.get("cpu", 0.0) + row.get("sub_cpu", 0.0), 1) for file, row in table.items()
              if file.startswith("tests/")}
     with open(options["--costs"], "w", encoding="utf-8") as f:
-      json.dump({"measured": f"python tests/profiling/report.py {argv[1]}", "cpu_seconds": costs}, f, indent=1,
-                sort_keys=True)
+      measured = options.get("--measured", "a whole-suite profile (DLM_JAX_SUITE_PROFILE), tests/profiling/report.py")
+      json.dump({"measured": measured, "cpu_seconds": costs}, f, indent=1, sort_keys=True)
       f.write("\n")
   return 0
 
