@@ -33,8 +33,10 @@ from dlm_jax.sampling import driver, policy_call
 from dlm_jax.sampling.run_setup import RunSetup
 
 try:
+  from tests.numpy_transformer import trunk_flops
   from tests.test_block_diffusion import BLOCK, CONFIG, MASK, np_forward, peaked_params, prompts, reference_decide
 except ImportError:  # run from inside tests/
+  from numpy_transformer import trunk_flops
   from test_block_diffusion import BLOCK, CONFIG, MASK, np_forward, peaked_params, prompts, reference_decide
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -53,14 +55,6 @@ def generate(policy, rows=(0, 1), batch_invariant=False):
   setup = RunSetup(policy=parse_policy(policy), batch_invariant=batch_invariant)
   return bd.generate(peaked_params(), prompts(2, seed=2, length=LP)[list(rows)], config=CONFIG, options=OPTIONS,
                      setup=setup)
-
-
-def analytic_flops(config, rows, keys):
-  """Trunk FLOPs of `rows` queries each attending over `keys` key slots: per layer 2 x rows x the projection and
-  feed-forward weights, and 4 x rows x keys x N x H for the scores and the weighted sum."""
-  d, n, kv, h, f = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.mlp_hidden
-  weights = d * n * h + 2 * d * kv * h + n * h * d + 3 * d * f
-  return config.n_layers * (2 * weights * rows + 4 * rows * keys * n * h)
 
 
 def np_kept(queries, kv, start, margins):
@@ -154,7 +148,7 @@ def test_block_diffusion_under_sparse_dllm_is_the_replay():
     for call, (start, stop, slots) in enumerate(calls):
       np.testing.assert_array_equal(np.flatnonzero(computed[call]), np.arange(start, stop), err_msg=f"call {call}")
       flops = policy.call_flops(CONFIG, computed[call], float(keys[call]), record[call])
-      assert flops == analytic_flops(CONFIG, stop - start, slots), (row, call, flops)
+      assert flops == trunk_flops(CONFIG, stop - start, slots), (row, call, flops)
     assert np.all(tokens != MASK)
     subset_calls += sum(slots != TOTAL for _, _, slots in calls)
   assert min(margins) > 1e-4, "a decision of the replay is within rounding of flipping: change the case"
@@ -209,7 +203,7 @@ def test_the_dropped_keys_leave_xlas_flop_count():
                                                steps_per_block=BLOCK, cache="block"))
   computed = (np.arange(s_len) >= start) & (np.arange(s_len) < start + BLOCK)
   for full, slots, keys in ((True, s_len, start + BLOCK), (False, n_max + BLOCK, count + BLOCK)):
-    analytic, measured = analytic_flops(config, BLOCK, slots), flops(full)
+    analytic, measured = trunk_flops(config, BLOCK, slots), flops(full)
     assert abs(measured / analytic - 1) < 0.1, (full, measured, analytic)
     assert policy.call_flops(config, computed, float(keys), kept) == analytic, full
 

@@ -17,7 +17,6 @@ from dlm_jax import model
 from dlm_jax.config import preset
 from dlm_jax.model import KVCache, forward
 from dlm_jax.model.compute_subset import ComputeSubset
-from dlm_jax.policy import cost
 from dlm_jax.policy.base import RunLayout
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import dream, driver, llada
@@ -40,14 +39,6 @@ CONFIG = preset("tiny-llada")
 MASK = CONFIG.mask_token_id
 LP, GEN, BLOCK, TAU = 5, 16, 8, 0.9
 SPARSE = "sparse_dllm:keep_ratio=0.5,tie_break=lowest_position"
-
-
-def analytic_flops(config, rows, keys):
-  """Trunk FLOPs of `rows` queries each attending over `keys` key slots: per layer 2 x rows x the projection and
-  feed-forward weights, and 4 x rows x keys x N x H for the scores and the weighted sum."""
-  d, n, kv, h, f = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.mlp_hidden
-  weights = d * n * h + 2 * d * kv * h + n * h * d + 3 * d * f
-  return config.n_layers * (2 * weights * rows + 4 * rows * keys * n * h)
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,7 +141,7 @@ def test_threshold_decoding_with_a_cache_under_sparse_dllm_is_the_replay(cache):
     keys = np.asarray(trace.keys_read)[:int(trace.nfe), row][active[:, row]]
     for call, call_slots in enumerate(slots):
       flops = policy.call_flops(CONFIG, computed[call], float(keys[call]), record[call])
-      assert flops == analytic_flops(CONFIG, computed[call].sum(), call_slots), (cache, row, call, flops)
+      assert flops == ref.trunk_flops(CONFIG, computed[call].sum(), call_slots), (cache, row, call, flops)
       padded += keys[call] < call_slots
     lengths |= {int(decode_step[:BLOCK].max() - decode_step[:BLOCK].min() + 1),
                 int(decode_step[BLOCK:].max() - decode_step[BLOCK:].min() + 1)}
@@ -186,7 +177,7 @@ def test_every_key_kept_on_dreams_dual_cache_is_the_plain_dual_cache():
 def test_the_dropped_cached_keys_leave_the_flop_count():
   """A cached call of n queries over m kept-key slots, the last third padded (a kept key inside the prefix cache's
   window, a sink the score already kept), against the same call over all S cached keys (one layer, dense attention:
-  XLA's cost analysis counts a loop body once): each within 10% of `cost.trunk_flops` over the m slots, padded ones
+  XLA's cost analysis counts a loop body once): each within 10% of the analytic count over the m slots, padded ones
   included, the drop is the analytic one, and Sparse-dLLM's own count of the call from what the trace records (the
   computed queries, the real keys read, the kept keys) is that count, with the dual cache and with keep_sinks
   without a cache."""
@@ -208,7 +199,7 @@ def test_the_dropped_cached_keys_leave_the_flop_count():
 
   every = flops(call(None), params, tokens, cache)
   subset = flops(call(keys), params, tokens, cache)
-  analytic_every, analytic_subset = cost.trunk_flops(config, n, s), cost.trunk_flops(config, n, m + n)
+  analytic_every, analytic_subset = ref.trunk_flops(config, n, s), ref.trunk_flops(config, n, m + n)
   assert abs(every / analytic_every - 1) < 0.1 and abs(subset / analytic_subset - 1) < 0.1, (every, subset)
   dropped = analytic_every - analytic_subset
   assert abs((every - subset) - dropped) < 0.15 * dropped, (every, subset, dropped)
