@@ -59,10 +59,13 @@ def pad_queries(output: ForwardOutput, n: int) -> ForwardOutput:
   return output.replace(logits=pad(output.logits, 1), hidden=pad(output.hidden, 1), stats=stats)
 
 
-def bucket_index(buckets: tuple[int, ...], queries: jax.Array, n_seq: int) -> jax.Array:
-  """Scalar int32: the index of the smallest of buckets holding every row's real queries (queries [B, T] < n_seq)."""
-  count = jnp.max(jnp.sum(queries < n_seq, axis=-1))
-  return jnp.searchsorted(jnp.asarray(buckets, jnp.int32), count.astype(jnp.int32), side="left").astype(jnp.int32)
+def bucket_index(buckets: tuple[int, ...], queries: jax.Array, n_seq: int, per_row: bool = False) -> jax.Array:
+  """int32: the index of the smallest of buckets holding every row's real queries (queries [B, T] < n_seq) — a
+  scalar, or [B] with per_row (each row's own count)."""
+  count = jnp.sum(queries < n_seq, axis=-1).astype(jnp.int32)
+  if not per_row:
+    count = jnp.max(count)
+  return jnp.searchsorted(jnp.asarray(buckets, jnp.int32), count, side="left").astype(jnp.int32)
 
 
 def bucket_call(run: Callable[..., ForwardOutput], tokens: jax.Array, positions: jax.Array | None,

@@ -54,6 +54,7 @@ from flax import struct
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import NO_STATS, ForwardOutput, StatsSpec
 from dlm_jax.model.block_sparse_attention import KeyBlocks
+from dlm_jax.model import query_buckets
 from dlm_jax.model.cache import KVCache
 from dlm_jax.policy import cost
 
@@ -103,12 +104,9 @@ class Decision:
     """(index, size): int32, the smallest of `buckets` (or the queries' n without buckets) holding every row's
     real queries (entries < n_seq), and its row count — the rows a subset call runs; scalars, or [B] with
     `row_buckets` (each row's own)."""
-    sizes = jnp.asarray(self.buckets or (self.queries.shape[1],), jnp.int32)
-    count = jnp.sum(self.queries < n_seq, axis=-1).astype(jnp.int32)
-    if not self.row_buckets:
-      count = jnp.max(count)
-    index = jnp.searchsorted(sizes, count, side="left").astype(jnp.int32)
-    return index, sizes[index]
+    buckets = self.buckets or (self.queries.shape[1],)
+    index = query_buckets.bucket_index(buckets, self.queries, n_seq, per_row=self.row_buckets)
+    return index, jnp.asarray(buckets, jnp.int32)[index]
 
 
 @struct.dataclass
