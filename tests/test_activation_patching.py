@@ -113,15 +113,16 @@ def _np_forward(params, tokens, config, skip_attention=None):
 def test_zero_ablating_attention_output_equals_a_forward_without_it(layer):
   config = SAMPLERS["llada"][0]
   params = params_of("llada")
-  tokens = np.random.default_rng(1).integers(4, 250, size=(1, 12)).astype(np.int32)
+  tokens = np.random.default_rng(1).integers(4, 250, size=(2, 10)).astype(np.int32)  # the gradient test's shape
   hooks = Hooks(edits=(Edit("hook_attn_out", "zero", layers=layer),))
   ablated = model.forward(params, jnp.asarray(tokens), config=config,
-                          hooks=HookCall(hooks=hooks, values=hook_values(hooks, config, 1, 12))).logits[0]
-  plain = model.forward(params, jnp.asarray(tokens), config=config).logits[0]
-  np.testing.assert_allclose(np.asarray(plain), _np_forward(params, tokens[0], config), atol=2e-4, rtol=1e-4)
-  reference = _np_forward(params, tokens[0], config, skip_attention=layer)
-  np.testing.assert_allclose(np.asarray(ablated), reference, atol=2e-4, rtol=1e-4)
-  assert np.max(np.abs(reference - np.asarray(plain))) > 1e-2
+                          hooks=HookCall(hooks=hooks, values=hook_values(hooks, config, 2, 10))).logits
+  plain = model.forward(params, jnp.asarray(tokens), config=config).logits  # the program the gradient test runs
+  for row in range(2):
+    np.testing.assert_allclose(np.asarray(plain[row]), _np_forward(params, tokens[row], config), atol=2e-4, rtol=1e-4)
+    reference = _np_forward(params, tokens[row], config, skip_attention=layer)
+    np.testing.assert_allclose(np.asarray(ablated[row]), reference, atol=2e-4, rtol=1e-4)
+    assert np.max(np.abs(reference - np.asarray(plain[row]))) > 1e-2
 
 
 # ---------------------------------------------------------------- one grid program vs separate runs
@@ -212,12 +213,31 @@ def test_pairs_change_one_operand_and_the_answer():
 
 # ---------------------------------------------------------------- the binary
 
+BINARY_FLAGS = ["--checkpoints=tiny-dlm,tiny-arm", "--n_pairs=2", "--pairs_per_call=2",
+                "--sites=hook_resid_pre,attn.hook_z", "--patch_steps=12,13", "--nobatch_invariant"]
+BAD_FLAGS = [("--sites=hook_foo", "unknown site 'hook_foo'"), ("--sites=blocks.1.hook_resid_pre", "a site kind"),
+             ("--patch_steps=", "--patch_steps is empty"), ("--patch_steps=99", "decodes in 32 steps"),
+             ("--checkpoints=tiny-uniform-dlm", "diffusion_gemma"),
+             ("--capture_budget_gb=0.001", "over --capture_budget_gb")]
 
-def test_binary_on_the_embedded_models(tmp_path):
-  out = tmp_path / "out"
-  args = ["--checkpoints=tiny-dlm,tiny-arm", f"--output_dir={out}", "--n_pairs=2", "--pairs_per_call=2",
-          "--sites=hook_resid_pre,attn.hook_z", "--patch_steps=12,13", "--nobatch_invariant"]
-  fx.run_binary("activation_patching", *args)
+
+@pytest.fixture(scope="module")
+def binary_runs(tmp_path_factory):
+  """The binary's run on the embedded models, then each refused flag, in one process (no process boundary is
+  tested; the rerun of the finished run is a process of its own, in its test): (output directory of the run,
+  its (exit code, stderr, stdout), the refused cases' output directory, their (exit code, stderr, stdout))."""
+  root = tmp_path_factory.mktemp("activation_patching")
+  out, refused_out = root / "out", root / "refused"
+  cases = [("experiments.activation_patching", [*BINARY_FLAGS, f"--output_dir={out}"])]
+  cases += [("experiments.activation_patching", ["--checkpoints=tiny-dlm", f"--output_dir={refused_out}", "--n_pairs=1",
+                                                 flag]) for flag, _ in BAD_FLAGS]
+  results = fx.run_modules(cases)
+  return out, results[0], refused_out, results[1:]
+
+
+def test_binary_on_the_embedded_models(binary_runs):
+  out, (code, stderr, stdout), _, _ = binary_runs
+  assert code == 0, f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-6000:]}"
   records = fx.read_jsonl(out / "results.jsonl")
   assert sorted((r["model"], r["item"]) for r in records) == [(m, i) for m in ("tiny-arm", "tiny-dlm") for i in "01"]
   summary = json.loads((out / "summary.json").read_text())["summary"]
@@ -234,18 +254,13 @@ def test_binary_on_the_embedded_models(tmp_path):
   assert attribution_summary["pearson_r"] > 0.8 and attribution_summary["sign_agreement"] >= 0.9
   assert summary["tiny-arm"]["attribution"] == {}
   before = (out / "results.jsonl").read_text()
-  again = fx.run_binary("activation_patching", *args)
+  again = fx.run_binary("activation_patching", *BINARY_FLAGS, f"--output_dir={out}")
   assert (out / "results.jsonl").read_text() == before and "Results written" in again.stdout + again.stderr
 
 
-def test_bad_flags_give_one_line_exit_1_and_leave_nothing(tmp_path):
-  out = tmp_path / "out"
-  cases = [("--sites=hook_foo", "unknown site 'hook_foo'"), ("--sites=blocks.1.hook_resid_pre", "a site kind"),
-           ("--patch_steps=", "--patch_steps is empty"), ("--patch_steps=99", "decodes in 32 steps"),
-           ("--checkpoints=tiny-uniform-dlm", "diffusion_gemma"),
-           ("--capture_budget_gb=0.001", "over --capture_budget_gb")]
-  flags = [["--checkpoints=tiny-dlm", f"--output_dir={out}", "--n_pairs=1", flag] for flag, _ in cases]
-  for (code, stderr), (flag, message) in zip(fx.run_cases("activation_patching", flags), cases):
+def test_bad_flags_give_one_line_exit_1_and_leave_nothing(binary_runs):
+  _, _, out, refused = binary_runs
+  for (code, stderr, _), (flag, message) in zip(refused, BAD_FLAGS):
     lines = [l for l in stderr.strip().splitlines() if l.strip() and not l.startswith(("I1", "W1"))]
     assert code == 1 and len(lines) == 1 and message in lines[0], (flag, stderr[-2000:])
-  assert not out.exists()
+  assert len(refused) == len(BAD_FLAGS) and not out.exists()
