@@ -14,3 +14,9 @@ DIFFUSIONGEMMA_SG = preset("tiny-diffusiongemma").replace(name="tiny-diffusionge
 attention, mixture of experts beside the dense MLP, sandwich norms and self-conditioning, in two layer runs
 instead of the preset's four ("ssgsg": two sliding, one global, one sliding, one global); every layer run is a
 `lax.scan` of its own in every compiled forward, which is what the programs' build time follows."""
+
+LLADA_BLOCK4 = preset("tiny-llada").replace(name="tiny-llada-block4", attention_block_size=4)
+"""tiny-llada with block-causal attention in blocks of 4: a block diffusion model for tests whose subject is the
+block diffusion loop, not tiny-llada2's mixture of experts, QK norm and partial RoPE (one layer run instead of
+tiny-llada2's dense and MoE runs). Its parameters are tiny-llada's (the same tree), so a file that initialises
+both compiles their initialisers once."""

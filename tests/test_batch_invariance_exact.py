@@ -31,9 +31,11 @@ FAMILIES = {
     "llada": ("tiny-dlm", llada.generate,
               llada.LLaDAOptions(gen_length=8, steps=8, block_length=4, padding="key", shift_positions=True),
               StatsSpec(incoming_attention=True, per_head=True, value_norms=True)),
-    # layer_pattern models have no value norms; the sampler's query groups instead (masked = renoised).
+    # layer_pattern models have no value norms; the sampler's query groups instead (masked = renoised). Two
+    # canvases: every row of these prompts stops at EOS in the first, so the second is the skipped canvas (each
+    # canvas is a copy of the encoder and decoder calls in the compiled program; a third compiled one more).
     "diffusion_gemma": ("tiny-uniform-dlm", diffusion_gemma.generate,
-                        diffusion_gemma.DiffusionGemmaOptions(gen_length=12, canvas_length=4, max_denoising_steps=6,
+                        diffusion_gemma.DiffusionGemmaOptions(gen_length=8, canvas_length=4, max_denoising_steps=6,
                                                               confidence_threshold=0.5, eos_stop=True),
                         StatsSpec(incoming_attention=True, per_head=True, query_groups=3)),
 }

@@ -8,6 +8,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 import torch
 
 from benchmarks import option_comparison, torch_way
@@ -18,6 +19,23 @@ from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.interventions import MaskPreviousSinks
 from dlm_jax.sampling.llada import LLaDAOptions, generate
 from dlm_jax.sampling.run_setup import RunSetup
+from tests.experiments_fixtures import run_modules
+
+
+REFUSALS = {"unknown_set": ["--xla_cpu_options=fastest"],
+            "unknown_compare_set": ["--compare_xla_cpu_options=default,mkl"],
+            "bad_query_chunk": ["--compare_xla_cpu_options=default", "--compare_query_chunks=128,big"]}
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+  """{case: (exit code, stderr, whether its --json_out was written)} of the refused command lines, run in one
+  process (`experiments_fixtures.run_modules`: flag parsing and `sys.exit("message")` as under `python -m`)."""
+  out = tmp_path_factory.mktemp("refusals")
+  done = run_modules([("benchmarks.denoise_bench", flags + [f"--json_out={out / name}.json"])
+                      for name, flags in REFUSALS.items()])
+  return {name: (code, stderr, (out / f"{name}.json").exists())
+          for name, (code, stderr, _) in zip(REFUSALS, done)}
 
 
 def test_torch_way_decodes_the_same_tokens_as_the_compiled_sampler():
@@ -67,12 +85,10 @@ def test_benchmark_runs_end_to_end_and_writes_json(tmp_path):
   assert len(results["step_memory"]) == 2 and "speedup" in done.stdout
 
 
-def test_an_unknown_xla_cpu_option_set_is_a_one_line_error(tmp_path):
-  command = [sys.executable, "-m", "benchmarks.denoise_bench", "--xla_cpu_options=fastest",
-             f"--json_out={tmp_path / 'never.json'}"]
-  done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
-  assert done.returncode == 1 and not (tmp_path / "never.json").exists()
-  assert done.stderr.strip().splitlines() == [
+def test_an_unknown_xla_cpu_option_set_is_a_one_line_error(refusals):
+  code, stderr, written = refusals["unknown_set"]
+  assert code == 1 and not written
+  assert stderr.strip().splitlines() == [
       ("benchmarks.denoise_bench: error: --xla_cpu_options=fastest: unknown XLA CPU option set 'fastest'; "
        f"expected one of {', '.join(xla_cpu.CHOICES)}")]
 
@@ -102,20 +118,16 @@ def test_comparison_variants_are_every_combination_named_by_what_differs():
       {"name": "onednn", "set": "onednn", "query_chunk": 256, "fused": False}]
 
 
-def test_an_unknown_set_to_compare_is_a_one_line_error(tmp_path):
-  command = [sys.executable, "-m", "benchmarks.denoise_bench", "--compare_xla_cpu_options=default,mkl",
-             f"--json_out={tmp_path / 'never.json'}"]
-  done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
-  assert done.returncode == 1 and not (tmp_path / "never.json").exists()
-  assert done.stderr.strip().splitlines() == [
+def test_an_unknown_set_to_compare_is_a_one_line_error(refusals):
+  code, stderr, written = refusals["unknown_compare_set"]
+  assert code == 1 and not written
+  assert stderr.strip().splitlines() == [
       ("benchmarks.denoise_bench: error: --compare_xla_cpu_options: unknown set 'mkl'; expected some of "
        f"{', '.join(xla_cpu.OPTION_SETS)}")]
 
 
-def test_a_bad_query_chunk_to_compare_is_a_one_line_error(tmp_path):
-  command = [sys.executable, "-m", "benchmarks.denoise_bench", "--compare_xla_cpu_options=default",
-             "--compare_query_chunks=128,big", f"--json_out={tmp_path / 'never.json'}"]
-  done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
-  assert done.returncode == 1 and not (tmp_path / "never.json").exists()
-  assert done.stderr.strip().splitlines() == [
+def test_a_bad_query_chunk_to_compare_is_a_one_line_error(refusals):
+  code, stderr, written = refusals["bad_query_chunk"]
+  assert code == 1 and not written
+  assert stderr.strip().splitlines() == [
       "benchmarks.denoise_bench: error: --compare_query_chunks=128,big: expected positive integers"]
