@@ -237,9 +237,10 @@ HEAD_MEAN = StatsSpec(incoming_attention=True, per_head=False)
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
 def test_threshold_matches_reference(cache):
+  """Given with a prompt mask of ones (no padding): with the prefix cache, the padded batch's test's program."""
   options = dream.DreamOptions(gen_length=12, block_length=4, threshold=THRESHOLD, cache=cache)
   trace = dream.diffusion_generate(params(), prompts(), config=CONFIG, options=options,
-                                   setup=RunSetup(stats_spec=HEAD_MEAN))
+                                   prompt_mask=np.ones((2, 5), np.int32), setup=RunSetup(stats_spec=HEAD_MEAN))
   ref = Reference(prompts(), None, 12, 4, cache, threshold=THRESHOLD)
   check_against_reference(trace, ref)
   per_row_step = np.stack(ref.transfers)  # tokens each row committed at each threshold step
@@ -298,11 +299,13 @@ def test_no_cache_and_dual_cache_trace_one_step_whatever_the_number_of_blocks(mo
 
 
 def padded_batch():
+  """([2, 5] prompts, the first a 3-token prompt left-padded, prompt mask, the short prompt); the shape of
+  `prompts()`, so that a test of both shares its compiled program."""
   rng = np.random.default_rng(7)
-  short, long = rng.integers(3, 200, size=3).astype(np.int32), rng.integers(3, 200, size=6).astype(np.int32)
-  batch = np.full((2, 6), PAD, np.int32)
-  batch[0, 3:], batch[1] = short, long
-  mask = (np.arange(6)[None, :] >= np.array([[3], [0]])).astype(np.int32)
+  short, long = rng.integers(3, 200, size=3).astype(np.int32), rng.integers(3, 200, size=5).astype(np.int32)
+  batch = np.full((2, 5), PAD, np.int32)
+  batch[0, 2:], batch[1] = short, long
+  mask = (np.arange(5)[None, :] >= np.array([[2], [0]])).astype(np.int32)
   return batch, mask, short
 
 
