@@ -108,7 +108,7 @@ def test_block_by_block_kv_cache_equals_the_uncached_pass(name, impl, chunk):
   logits, incoming, cache = [out.logits], out.incoming_attention, out.cache
   for start in range(prefill_end, total, block):
     stop = min(start + block, total)
-    masks = jnp.full((b, stop - start), config.mask_token_id)
+    masks = jnp.full((b, stop - start), config.mask_token_id, tokens.dtype)  # not weakly typed: tokens' program
     cache = cached_call(masks, cache, jnp.int32(start)).cache
     out = cached_call(tokens[:, start:stop], cache, jnp.int32(start))
     assert (np.asarray(out.incoming_attention)[..., stop:] == 0).all()  # keys of later blocks: zero probability

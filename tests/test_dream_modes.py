@@ -237,16 +237,17 @@ HEAD_MEAN = StatsSpec(incoming_attention=True, per_head=False)
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
 def test_threshold_matches_reference(cache):
-  options = dream.DreamOptions(gen_length=12, block_length=4, threshold=THRESHOLD, cache=cache)
+  """Given with a prompt mask of ones (no padding): with the prefix cache, the padded batch's test's program."""
+  options = dream.DreamOptions(gen_length=8, block_length=4, threshold=THRESHOLD, cache=cache)
   trace = dream.diffusion_generate(params(), prompts(), config=CONFIG, options=options,
-                                   setup=RunSetup(stats_spec=HEAD_MEAN))
-  ref = Reference(prompts(), None, 12, 4, cache, threshold=THRESHOLD)
+                                   prompt_mask=np.ones((2, 5), np.int32), setup=RunSetup(stats_spec=HEAD_MEAN))
+  ref = Reference(prompts(), None, 8, 4, cache, threshold=THRESHOLD)
   check_against_reference(trace, ref)
   per_row_step = np.stack(ref.transfers)  # tokens each row committed at each threshold step
   assert per_row_step.max() == 3 and np.sum(per_row_step >= 2) >= 3, per_row_step
-  assert ref.nfe <= 9  # 12 tokens per row in 3 block-start steps + at most 6 threshold steps
+  assert ref.nfe <= 6  # 8 tokens per row in 2 block-start steps + at most 4 threshold steps
   if cache != "none":  # the cache's approximation shows in this case
-    exact = Reference(prompts(), None, 12, 4, "none", threshold=THRESHOLD)
+    exact = Reference(prompts(), None, 8, 4, "none", threshold=THRESHOLD)
     assert not np.array_equal(ref.decode_step, exact.decode_step)
 
 
@@ -260,11 +261,11 @@ def test_factor_matches_reference():
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_quota_matches_reference(cache):
-  options = dream.DreamOptions(gen_length=12, steps=12, block_length=4, alg="entropy", cache=cache)
+  options = dream.DreamOptions(gen_length=8, steps=8, block_length=4, alg="entropy", cache=cache)
   trace = dream.diffusion_generate(params(), prompts(seed=1), config=CONFIG, options=options)
-  ref = Reference(prompts(seed=1), None, 12, 4, cache, steps=12, alg="entropy")
+  ref = Reference(prompts(seed=1), None, 8, 4, cache, steps=8, alg="entropy")
   check_against_reference(trace, ref)
-  assert ref.nfe == 12  # steps / num_blocks = 4 calls per block
+  assert ref.nfe == 8  # steps / num_blocks = 4 calls per block
 
 
 @pytest.mark.parametrize("rule", [dict(threshold=THRESHOLD), dict(steps=8, alg="entropy")])
@@ -298,20 +299,22 @@ def test_no_cache_and_dual_cache_trace_one_step_whatever_the_number_of_blocks(mo
 
 
 def padded_batch():
+  """([2, 5] prompts, the first a 3-token prompt left-padded, prompt mask, the short prompt); the shape of
+  `prompts()`, so that a test of both shares its compiled program."""
   rng = np.random.default_rng(7)
-  short, long = rng.integers(3, 200, size=3).astype(np.int32), rng.integers(3, 200, size=6).astype(np.int32)
-  batch = np.full((2, 6), PAD, np.int32)
-  batch[0, 3:], batch[1] = short, long
-  mask = (np.arange(6)[None, :] >= np.array([[3], [0]])).astype(np.int32)
+  short, long = rng.integers(3, 200, size=3).astype(np.int32), rng.integers(3, 200, size=5).astype(np.int32)
+  batch = np.full((2, 5), PAD, np.int32)
+  batch[0, 2:], batch[1] = short, long
+  mask = (np.arange(5)[None, :] >= np.array([[2], [0]])).astype(np.int32)
   return batch, mask, short
 
 
 def test_padded_batch_matches_reference_and_row_alone():
   batch, mask, short = padded_batch()
-  options = dream.DreamOptions(gen_length=12, block_length=4, threshold=THRESHOLD, cache="prefix")
+  options = dream.DreamOptions(gen_length=8, block_length=4, threshold=THRESHOLD, cache="prefix")
   together = dream.diffusion_generate(params(), batch, config=CONFIG, options=options, prompt_mask=mask,
                                       setup=RunSetup(stats_spec=HEAD_MEAN))
-  check_against_reference(together, Reference(batch, mask, 12, 4, "prefix", threshold=THRESHOLD))
+  check_against_reference(together, Reference(batch, mask, 8, 4, "prefix", threshold=THRESHOLD))
   nfe = int(together.nfe)
   assert not np.all(np.asarray(together.active_rows)[:nfe]), "no row waited: the case does not test waiting"
   alone = dream.diffusion_generate(params(), short[None], config=CONFIG, options=options)

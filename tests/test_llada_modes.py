@@ -2,6 +2,7 @@
 step-by-step NumPy re-implementation of the reference algorithms (`reference/decoding_modes.md` §2–§5),
 written here with its own float64 forward and its own per-layer key/value cache."""
 
+import dataclasses
 import functools
 
 import jax
@@ -238,6 +239,12 @@ def _options(case):
   return llada.LLaDAOptions(**values)
 
 
+STATS = RunSetup(stats_spec=StatsSpec(incoming_attention=True, per_head=True))
+STATS_CASES = ("threshold_dual", "prefix_quota")
+"""The cases whose statistics `test_statistics_are_the_computed_queries_attention_over_all_keys` checks: every test
+runs them with `STATS`, so that the tests of a case share its compiled program (issue 38)."""
+
+
 def _reference(case, prompt, margins=None, sink_front=False, events=None):
   kwargs = {k: case[k] for k in ("value", "cache", "steps", "factor_rule", "capped") if k in case}
   return reference_generate(_np_params(), prompt, rule=case["rule"], margins=margins, sink_front=sink_front,
@@ -248,9 +255,10 @@ def _reference(case, prompt, margins=None, sink_front=False, events=None):
 def test_each_mode_is_token_and_step_identical_to_the_reference(name):
   case = CASES[name]
   margins, widest = [], 0
+  setup = STATS if name in STATS_CASES else RunSetup()
   for row, prompt in enumerate(prompts(2, seed=1)):
     tokens, decode_step, nfe, _ = _reference(case, prompt, margins)
-    trace = llada.generate(peaked_params(), prompt[None], config=CONFIG, options=_options(case))
+    trace = llada.generate(peaked_params(), prompt[None], config=CONFIG, options=_options(case), setup=setup)
     np.testing.assert_array_equal(np.asarray(trace.tokens)[0], tokens, err_msg=f"{name} row {row}")
     np.testing.assert_array_equal(np.asarray(trace.decode_step)[0], decode_step, err_msg=f"{name} row {row}")
     assert int(trace.nfe) == nfe == int(trace.row_nfe[0])
@@ -260,7 +268,7 @@ def test_each_mode_is_token_and_step_identical_to_the_reference(name):
     assert widest >= 3, f"{name}: at most {widest} tokens in one step, parallel decoding not exercised"
 
 
-@pytest.mark.parametrize("name", ["threshold_dual", "prefix_quota"])
+@pytest.mark.parametrize("name", STATS_CASES)
 def test_statistics_are_the_computed_queries_attention_over_all_keys(name):
   """Incoming attention per step, layer and head = the reference's probabilities of the computed queries
   summed over those queries, cached keys included; computed_queries names the range."""
@@ -269,8 +277,7 @@ def test_statistics_are_the_computed_queries_attention_over_all_keys(name):
   margins = []
   _, _, nfe, calls = _reference(case, prompt, margins)
   assert min(margins) > 1e-5
-  trace = llada.generate(peaked_params(), prompt[None], config=CONFIG, options=_options(case),
-                         setup=RunSetup(stats_spec=StatsSpec(incoming_attention=True, per_head=True)))
+  trace = llada.generate(peaked_params(), prompt[None], config=CONFIG, options=_options(case), setup=STATS)
   incoming = np.asarray(trace.stats["incoming_attention"])  # [max_steps, L, B, N, S]
   assert incoming.shape[0] == GEN  # max_steps: two blocks of at most 8 steps
   assert np.all(incoming[nfe:] == 0)
@@ -281,14 +288,32 @@ def test_statistics_are_the_computed_queries_attention_over_all_keys(name):
                                  err_msg=f"step {step} layer {layer}")
 
 
-@pytest.mark.parametrize("name", ["threshold_dual", "prefix_quota"])
+def waiting_batch():
+  """(options, [2, Lp] left-padded prompts, prompt mask, [2] row keys, the two rows' own prompts): threshold 0.7
+  with the dual cache at temperature 0.8, a batch whose rows wait for each other."""
+  options = _options(dict(options=dict(threshold=0.7, cache="dual", temperature=0.8, padding="key",
+                                       shift_positions=True)))
+  rng = np.random.default_rng(4)
+  short, long = rng.integers(3, 200, size=3), rng.integers(3, 200, size=LP)
+  keys = jax.random.split(jax.random.key(7), 2)
+  batch = np.stack([np.concatenate([[CONFIG.pad_token_id] * (LP - 3), short]), long]).astype(np.int32)
+  mask = np.stack([np.r_[np.zeros(LP - 3), np.ones(3)], np.ones(LP)]).astype(bool)
+  return options, batch, mask, keys, (short.astype(np.int32), long.astype(np.int32))
+
+
+@pytest.mark.parametrize("name", ["waiting_batch", "prefix_quota"])
 def test_scan_and_python_loops_agree(name):
-  options = _options(CASES[name])
-  prompt = prompts(2, seed=3)
-  spec = StatsSpec(incoming_attention=True, per_head=False)
-  a = llada.generate(peaked_params(), prompt, config=CONFIG, options=options, setup=RunSetup(stats_spec=spec))
+  """The compiled and the Python loop on the waiting batch (the dual cache's one phase; padding, per-row keys at
+  temperature 0.8, rows that wait) and on prefix_quota (a phase per block); the compiled run of each is another
+  test's program (`test_rows_wait_for_the_batch_and_keep_their_own_results`, the statistics test)."""
+  if name == "waiting_batch":
+    options, prompt, mask, keys, _ = waiting_batch()
+    inputs = dict(prompt_mask=mask, key=keys)
+  else:
+    options, prompt, inputs = _options(CASES[name]), prompts(1, seed=6), {}
+  a = llada.generate(peaked_params(), prompt, config=CONFIG, options=options, setup=STATS, **inputs)
   b = llada.generate(peaked_params(), prompt, config=CONFIG, options=options,
-                     setup=RunSetup(stats_spec=spec, loop="python"))
+                     setup=dataclasses.replace(STATS, loop="python"), **inputs)
   np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
   np.testing.assert_array_equal(np.asarray(a.active_rows), np.asarray(b.active_rows))
   assert int(a.nfe) == int(b.nfe)
@@ -299,16 +324,11 @@ def test_scan_and_python_loops_agree(name):
 def test_rows_wait_for_the_batch_and_keep_their_own_results():
   """Each row of a left-padded batch at temperature 0.8 with per-row keys: the tokens and row_nfe it gets
   alone; the batch runs as many steps per block as its slowest row; waiting rows are inactive."""
-  options = _options(dict(options=dict(threshold=0.7, cache="dual", temperature=0.8, padding="key",
-                                       shift_positions=True)))
-  rng = np.random.default_rng(4)
-  short, long = rng.integers(3, 200, size=3), rng.integers(3, 200, size=LP)
-  keys = jax.random.split(jax.random.key(7), 2)
-  batch = np.stack([np.concatenate([[CONFIG.pad_token_id] * (LP - 3), short]), long]).astype(np.int32)
-  mask = np.stack([np.r_[np.zeros(LP - 3), np.ones(3)], np.ones(LP)]).astype(bool)
-  together = llada.generate(peaked_params(), batch, config=CONFIG, options=options, prompt_mask=mask, key=keys)
+  options, batch, mask, keys, rows = waiting_batch()
+  together = llada.generate(peaked_params(), batch, config=CONFIG, options=options, prompt_mask=mask, key=keys,
+                            setup=STATS)
   alone = [llada.generate(peaked_params(), p[None], config=CONFIG, options=options, key=k[None])
-           for p, k in ((short.astype(np.int32), keys[0]), (long.astype(np.int32), keys[1]))]
+           for p, k in zip(rows, keys)]
   for row, single in enumerate(alone):
     np.testing.assert_array_equal(np.asarray(together.generated)[row], np.asarray(single.generated)[0])
     assert int(together.row_nfe[row]) == int(single.nfe)
@@ -316,14 +336,21 @@ def test_rows_wait_for_the_batch_and_keep_their_own_results():
   assert not np.all(np.asarray(together.active_rows)[:int(together.nfe)])
 
 
+def sink_masking_run(cache):
+  """Keywords of a run under previous-step sink masking (threshold 0.7, blocks of 4), with the top sinks and the
+  masks recorded: the options and setup both sink masking tests use, so that they share compiled programs."""
+  options = llada.LLaDAOptions(gen_length=GEN, steps=GEN, block_length=4, threshold=0.7, cache=cache)
+  setup = RunSetup(intervention=iv.MaskPreviousSinks(top_k=1), sink_top_k=1, record_intervention=True)
+  return dict(config=CONFIG, options=options, setup=setup)
+
+
 @pytest.mark.parametrize("cache", ["none", "dual"])
 def test_waiting_rows_keep_their_sink_masker_state(cache):
   """Under previous-step sink masking a row that waits for its batch keeps the sinks of its own last step
   (`Intervention.keep_rows`): each of 6 rows decodes as it does alone (3–6 of them differ when waiting
   calls update the state)."""
-  options = llada.LLaDAOptions(gen_length=GEN, steps=GEN, block_length=4, threshold=0.7, cache=cache)
   batch = prompts(6, seed=11)
-  run = dict(config=CONFIG, options=options, intervention=iv.MaskPreviousSinks(top_k=1))
+  run = sink_masking_run(cache)
   together = llada.generate(peaked_params(), batch, **run)
   assert not np.all(np.asarray(together.active_rows)[:int(together.nfe)]), "no row waited"
   for row in range(batch.shape[0]):
@@ -334,10 +361,7 @@ def test_waiting_rows_keep_their_sink_masker_state(cache):
 def test_sink_masking_runs_under_the_dual_cache():
   """MaskPreviousSinks composes with a cached mode: the masked keys recorded at each step are the previous
   step's top sinks of the computed queries."""
-  options = _options(CASES["threshold_dual"])
-  intervention = iv.MaskPreviousSinks(top_k=1)
-  trace = llada.generate(peaked_params(), prompts(1, seed=5), config=CONFIG, options=options,
-                         setup=RunSetup(intervention=intervention, sink_top_k=1, record_intervention=True))
+  trace = llada.generate(peaked_params(), prompts(1, seed=5), **sink_masking_run("dual"))
   n = int(trace.nfe)
   record = np.asarray(trace.intervention_record)
   assert record.shape[0] >= n and not record[0].any()
