@@ -136,7 +136,7 @@ def checked_settings():
 def main(argv: list[str]) -> None:
   del argv
   prompts, policies = checked_settings()
-  earlier = earlier_calls(prompts) if _CALLS_FROM.value else None
+  earlier = earlier_calls(prompts, policies["dkv_cache"]) if _CALLS_FROM.value else None
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
@@ -259,8 +259,9 @@ class CallTimer:
     return measured
 
 
-def earlier_calls(prompts: list[int]) -> dict:
-  """The --calls_from run's results, after checking that it measured this run's calls (one line otherwise)."""
+def earlier_calls(prompts: list[int], dkv_cache) -> dict:
+  """The --calls_from run's results, after checking that it measured this run's calls (one line otherwise; e.g. a
+  run from before dKV-Cache's row buckets, `dkv_cache` the policy, has no call at its smaller buckets)."""
   try:
     with open(_CALLS_FROM.value, encoding="utf-8") as f:
       earlier = json.load(f)
@@ -277,6 +278,15 @@ def earlier_calls(prompts: list[int]) -> dict:
   missing = [p for p in prompts if str(p) not in earlier.get("prompts", {})]
   if missing:
     fail(f"--calls_from={_CALLS_FROM.value}: no calls measured at prompt length(s) {missing}")
+  from benchmarks import policy_schedules  # pylint: disable=import-outside-toplevel
+  from benchmarks.policy_calls import layout  # pylint: disable=import-outside-toplevel
+  for p in prompts:
+    buckets = dkv_cache.bind(layout(p, _GEN.value, _BLOCK.value)).buckets
+    absent = sorted({policy_schedules.dkv_call(buckets, rows) for rows in buckets} - set(earlier["prompts"][str(p)]
+                                                                                         ["calls"]))
+    if absent:
+      fail(f"--calls_from={_CALLS_FROM.value}: no {', '.join(absent)} measured at prompt {p} (a run from before "
+           "dKV-Cache's row buckets); run without --calls_from")
   return earlier
 
 

@@ -126,6 +126,15 @@ def test_every_call_is_measured_and_counted(tmp_path):
   assert done.stderr.strip().splitlines() == [
       f"benchmarks.policy_bench: error: --calls_from={tmp_path / 'bench.json'}: its gen_length is 64, this run's 128"]
   assert not (tmp_path / "other.json").exists()
+  for prompt in results["prompts"].values():  # a run from before dKV-Cache's buckets: refused, not half-reused
+    del prompt["calls"]["dkv_subset/2"]
+  (tmp_path / "old.json").write_text(json.dumps(results))
+  done = _bench(tmp_path, f"--calls_from={tmp_path / 'old.json'}", out="other.json")
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines() == [
+      f"benchmarks.policy_bench: error: --calls_from={tmp_path / 'old.json'}: no dkv_subset/2 measured at prompt 16 "
+      "(a run from before dKV-Cache's row buckets); run without --calls_from"]
+  assert not (tmp_path / "other.json").exists()
 
 
 def test_a_policy_the_layout_refuses_is_one_line(tmp_path):
