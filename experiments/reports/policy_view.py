@@ -68,7 +68,7 @@ def _dkv_cache(policy: ComputePolicy, row: RowTrace, layers: list[int]) -> dict[
   cached call ran (its bucket, padding included)."""
   del policy, layers
   rows = np.asarray(row.record["rows"])
-  return {"policy_notes": np.asarray(["full call" if f else f"cached call, {int(r)} row{'s' * (r != 1)} ran"
+  return {"policy_notes": np.asarray(["full call" if f else f"cached call, {int(r)} row{'' if r == 1 else 's'} ran"
                                       for f, r in zip(_full(row), rows)])}
 
 
