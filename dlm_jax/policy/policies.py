@@ -4,9 +4,9 @@ decisions made by the method's rule functions.
 
 Each method's policy class: `DKVCache` and `SparseDLLM` here (dKV-Cache: queries the positions masked at the
 previous call, at the smallest of its static row buckets holding them, full at a block's first two steps and every
-`cache_reloading_step`, on Dream the official Dream rule, `dkv_cache_dream`; Sparse-dLLM: at a block's steps >= 2 the block's queries only — on Dream with the
-position before the block —, each layer reading the keys kept at step 1 by the block-mean query score; with the
-Fast-dLLM caches and block diffusion's exact cache, our compositions), and
+`cache_reloading_step`, on Dream the official Dream rule, `dkv_cache_dream`; Sparse-dLLM: at a block's steps >= 2
+the block's queries only — on Dream with the position before the block —, each layer reading the keys kept at step
+1 by the block-mean query score; with the Fast-dLLM caches and block diffusion's exact cache, our compositions), and
 `D2Cache`, `DLLMCache`, `ElasticCache`, `SparseD` in `dlm_jax.policy.<method>_policy`. "A block's step" is the
 sampler's count (`CallContext.block_step`): under threshold or factor decoding and the decoding rules a block
 takes a variable number of calls.
