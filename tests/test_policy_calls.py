@@ -210,6 +210,7 @@ def test_dkv_cache_and_sparse_dllm_compute_what_their_rules_say():
     ("dkv_cache:reload=2", "policy dkv_cache has no knob 'reload'; its knobs: cache_reloading_step"),
     ("dkv_cache:cache_reloading_step=two", "is not of type int"),
     ("dkv_cache:cache_reloading_step", "is not knob=value"),
+    ("dkv_cache:query_buckets=0", r"^dkv_cache query_buckets must be an int >= 1, got 0\.$"),
     ("none:x=1", "policy none has no knob 'x'"),
 ])
 def test_policy_texts_are_checked_in_one_line(text, message):
