@@ -116,8 +116,8 @@ def test_the_skipped_work_leaves_the_flop_count():
 
 
 def test_a_dkv_cache_call_runs_at_its_bucket_and_computes_what_the_bucket_says():
-  """One layer, S = 256, prompt 64 (budget 192; buckets 192, 96, 48, 24): with 160, 40 or 10 positions masked at the
-  previous call the policy's cached call runs at bucket 192, 48 or 24. XLA's FLOP count of that call through the
+  """One layer, S = 256, prompt 64 (budget 192; buckets 192, 96, 48, 24): with 160 or 10 positions masked at the
+  previous call the policy's cached call runs at bucket 192 or 24. XLA's FLOP count of that call through the
   model caller's subset path (`policy_forward`, dense attention, hidden states read out; the decision's queries
   traced and cut to the bucket, as the caller's switch branch runs them; its full flag the constant False, so XLA
   keeps the subset branch of the call's `lax.cond`) falls with the bucket and lies within 10% above the test's
@@ -133,7 +133,7 @@ def test_a_dkv_cache_call_runs_at_its_bucket_and_computes_what_the_bucket_says()
                    compute=Compute(attention_impl="dense", **compute))
 
   counted = []
-  for count, bucket in ((160, 192), (40, 48), (10, 24)):
+  for count, bucket in ((160, 192), (10, 24)):
     was_masked = np.zeros((1, s), bool)
     was_masked[0, s - count:] = True
     state = DKVCacheState(jnp.asarray(was_masked), jnp.full((1,), s, jnp.int32))
@@ -147,7 +147,7 @@ def test_a_dkv_cache_call_runs_at_its_bucket_and_computes_what_the_bucket_says()
     analytic = trunk_flops(config, bucket, s)
     assert analytic <= xla < 1.1 * analytic, (count, xla, analytic)
     counted.append(xla)
-  assert counted[0] > counted[1] > counted[2], counted
+  assert counted[0] > 4 * counted[1], counted
 
 
 @pytest.mark.parametrize("run, message", [
