@@ -14,8 +14,9 @@ compiled with dense attention for one layer (XLA counts the body of a loop once,
 whole only at one layer; dLLM-Cache's calls at two, `policy_calls.check_layers`).
 
 Exact decoding (one token per step, 256 steps): a method's step is its schedule's mean over its calls
-(`benchmarks.policy_schedules`: fixed schedules counted at the benchmark's layout; Elastic-Cache's refresh share
-and d2Cache's query-row buckets measured on the embedded tiny-dlm under exact decoding); tokens/s = 1 / step time.
+(`benchmarks.policy_schedules`: fixed schedules counted at the benchmark's layout, dKV-Cache's row bucket from the
+positions masked at each step; Elastic-Cache's refresh share and d2Cache's query-row buckets measured on the
+embedded tiny-dlm under exact decoding); tokens/s = 1 / step time.
 
 Threshold decoding (derived): random weights give no meaningful confidences, so the tokens a call commits under
 Fast-dLLM's threshold rule (--threshold) and the mix of each method's calls under it are measured on the embedded
@@ -24,7 +25,9 @@ combined with the per-call times measured here: tokens/s = tokens per call / Σ_
 one block, so the per-block calls (Fast-dLLM's refresh, Sparse-dLLM's two full calls) keep their share; d2Cache's
 and Elastic-Cache's first full call comes once per run, so their mix is that call once over the
 benchmark's --gen_length / (tokens per call) calls and the tiny runs' later calls' mix for the rest
-(`RUN_FIRST_CALL`). Both inputs are printed and written. The baselines: the exact sampler's tokens/s (one token
+(`RUN_FIRST_CALL`); dKV-Cache's cached calls, whose count holds every later block's masks, are spread over the
+benchmark's blocks, each block's at the bucket of its largest count (`policy_schedules.dkv_by_block`). Both inputs
+are printed and written. The baselines: the exact sampler's tokens/s (one token
 per call) and Fast-dLLM's threshold + dual cache derived the same way. A policy the threshold sampler refuses is
 listed with the refusal.
 
@@ -133,7 +136,7 @@ def checked_settings():
 def main(argv: list[str]) -> None:
   del argv
   prompts, policies = checked_settings()
-  earlier = earlier_calls(prompts) if _CALLS_FROM.value else None
+  earlier = earlier_calls(prompts, policies["dkv_cache"]) if _CALLS_FROM.value else None
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
@@ -143,7 +146,7 @@ def main(argv: list[str]) -> None:
   dtype = jnp.float32 if _DTYPE.value == "float32" else jnp.bfloat16
   config = dataclasses.replace(preset(_PRESET.value), n_layers=_LAYERS.value)
   methods = policy_calls.Methods(_KEEP.value, policies["sparsed"], policies["dllm_cache"], policies["elastic_cache"],
-                                 policies["d2cache"])
+                                 policies["d2cache"], policies["dkv_cache"])
   g, block = _GEN.value, _BLOCK.value
   print(f"CPU: {cpu_model()}; device: {jax.devices()[0].platform}; {config.n_layers} layers of {_PRESET.value}, "
         f"{_DTYPE.value}; load average {os.getloadavg()[0]:.1f}", flush=True)
@@ -167,7 +170,9 @@ def main(argv: list[str]) -> None:
       measured = earlier["prompts"][str(prompt_length)]["calls"]
     else:
       measured = timer.measure(prompt_length, methods)
-    schedules = policy_schedules.exact_decoding(g, block, _RELOAD.value, methods.sparsed, methods.dllm_cache)
+    dkv_buckets = policies["dkv_cache"].bind(policy_calls.layout(prompt_length, g, block)).buckets
+    schedules = policy_schedules.exact_decoding(g, block, _RELOAD.value, methods.sparsed, methods.dllm_cache,
+                                                dkv_buckets)
     if mixes is not None:
       for method, first in RUN_FIRST_CALL.items():
         if "mix" in mixes[f"{method} exact"]:
@@ -186,7 +191,8 @@ def main(argv: list[str]) -> None:
           "(goal >= 1.5 at prompt 1024)", flush=True)
     results["prompts"][prompt_length] = {"calls": measured, "exact_decoding": steps}
     if mixes is not None:
-      results["prompts"][prompt_length]["threshold_decoding"] = threshold_figures(mixes, measured, steps)
+      results["prompts"][prompt_length]["threshold_decoding"] = threshold_figures(mixes, measured, steps,
+                                                                                  dkv_buckets)
     results["load_average_end"] = os.getloadavg()[0]
     write(results)
   print(f"load average at the end {results['load_average_end']:.1f}; wrote {_JSON_OUT.value}")
@@ -253,8 +259,9 @@ class CallTimer:
     return measured
 
 
-def earlier_calls(prompts: list[int]) -> dict:
-  """The --calls_from run's results, after checking that it measured this run's calls (one line otherwise)."""
+def earlier_calls(prompts: list[int], dkv_cache) -> dict:
+  """The --calls_from run's results, after checking that it measured this run's calls (one line otherwise; e.g. a
+  run from before dKV-Cache's row buckets, `dkv_cache` the policy, has no call at its smaller buckets)."""
   try:
     with open(_CALLS_FROM.value, encoding="utf-8") as f:
       earlier = json.load(f)
@@ -271,6 +278,15 @@ def earlier_calls(prompts: list[int]) -> dict:
   missing = [p for p in prompts if str(p) not in earlier.get("prompts", {})]
   if missing:
     fail(f"--calls_from={_CALLS_FROM.value}: no calls measured at prompt length(s) {missing}")
+  from benchmarks import policy_schedules  # pylint: disable=import-outside-toplevel
+  from benchmarks.policy_calls import layout  # pylint: disable=import-outside-toplevel
+  for p in prompts:
+    buckets = dkv_cache.bind(layout(p, _GEN.value, _BLOCK.value)).buckets
+    absent = sorted({policy_schedules.dkv_call(buckets, rows) for rows in buckets} - set(earlier["prompts"][str(p)]
+                                                                                         ["calls"]))
+    if absent:
+      fail(f"--calls_from={_CALLS_FROM.value}: no {', '.join(absent)} measured at prompt {p} (a run from before "
+           "dKV-Cache's row buckets); run without --calls_from")
   return earlier
 
 
@@ -314,8 +330,11 @@ RUN_FIRST_CALL = {"elastic_cache": "elastic_full_refresh", "d2cache": "full"}
 the benchmark's generation as that first call once plus the later calls' mix (`policy_schedules.measured`)."""
 
 
-def threshold_figures(mixes: dict[str, dict], measured: dict[str, dict], steps: dict[str, dict]) -> dict[str, dict]:
-  """{method: derived threshold-decoding figures} (module docstring), printed with the Goal's two ratios."""
+def threshold_figures(mixes: dict[str, dict], measured: dict[str, dict], steps: dict[str, dict],
+                      dkv_buckets: tuple[int, ...]) -> dict[str, dict]:
+  """{method: derived threshold-decoding figures} (module docstring), printed with the Goal's two ratios;
+  dkv_buckets: dKV-Cache's buckets at the benchmark's layout (its one-block mix put on the blocks,
+  `policy_schedules.dkv_by_block`)."""
   from benchmarks import policy_schedules  # pylint: disable=import-outside-toplevel
   exact_tps = 1e3 / steps["exact"]["ms"]
   figures = {}
@@ -330,6 +349,8 @@ def threshold_figures(mixes: dict[str, dict], measured: dict[str, dict], steps: 
     if method in RUN_FIRST_CALL:  # one first call over the benchmark's G / (tokens per call) calls
       calls = _GEN.value / row["tokens_per_call"]
       mix = policy_schedules.measured(RUN_FIRST_CALL[method], row["mix_after_first"], calls)
+    if method == "dkv_cache":  # its cached calls' bucket follows the block (the later blocks' masks count)
+      mix = policy_schedules.dkv_by_block(mix, _GEN.value, _BLOCK.value, dkv_buckets)
     ms = policy_schedules.mean(mix, measured, "ms")
     figures[method] = {"tokens_per_call": row["tokens_per_call"], "mix": mix, "ms_per_call": ms,
                        "flops_per_call": policy_schedules.mean(mix, measured, "flops"),

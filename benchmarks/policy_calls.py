@@ -8,6 +8,9 @@ layer; LM-head rows):
   exact            all S through the trunk over S keys; the block (LLaDA's sampler);
   full             the same, writing the policy's KV cache (every policy's refresh call);
   dkv_subset       dKV-Cache: the G generated positions (its static budget) over all S cached keys; the block;
+  dkv_subset/<2^k> dKV-Cache at its smaller buckets (`DKVCache.buckets`: G and its halves): the last G / 2^k
+                   positions over all S cached keys; the LM head on their first `block` rows (the block; all of
+                   them when fewer);
   sparse_subset    Sparse-dLLM at a block's steps >= 2: the block's queries, each layer over its
                    int((S − block) × keep_ratio) kept keys and the block; the block;
   dual_cache       Fast-dLLM's dual cache: the block's queries over all S cached keys; the block;
@@ -37,6 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from benchmarks import policy_schedules
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.model import KVCache, forward, lm_head
@@ -49,6 +53,7 @@ from dlm_jax.policy.base import RunLayout
 from dlm_jax.policy.d2cache_policy import D2Cache
 from dlm_jax.policy.dllm_cache_policy import DLLMCache
 from dlm_jax.policy.elastic_cache_policy import ElasticCache
+from dlm_jax.policy.policies import DKVCache
 from dlm_jax.policy.sparsed_policy import SparseD
 from dlm_jax.model.forward_inputs import CallInstruments, Compute, Readout
 
@@ -60,13 +65,15 @@ REUSE_CASES = {"reuse_none": (False, False), "reuse_gen": (False, True), "reuse_
 @dataclasses.dataclass(frozen=True)
 class Methods:
   """The policies' settings the calls are built for: sparse_dllm's keep ratio, SparseD, dLLM-Cache,
-  Elastic-Cache and d2Cache as policies (their published defaults unless the benchmark's flags say otherwise)."""
+  Elastic-Cache, d2Cache and dKV-Cache as policies (their published defaults unless the benchmark's flags say
+  otherwise)."""
 
   keep_ratio: float
   sparsed: SparseD
   dllm_cache: DLLMCache
   elastic_cache: ElasticCache
   d2cache: D2Cache
+  dkv_cache: DKVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +95,8 @@ def layout(prompt_length: int, gen_length: int, block: int) -> RunLayout:
 def bound(methods: Methods, run: RunLayout) -> Methods:
   """The methods' policies bound to `run`."""
   return dataclasses.replace(methods, sparsed=methods.sparsed.bind(run), dllm_cache=methods.dllm_cache.bind(run),
-                             elastic_cache=methods.elastic_cache.bind(run), d2cache=methods.d2cache.bind(run))
+                             elastic_cache=methods.elastic_cache.bind(run), d2cache=methods.d2cache.bind(run),
+                             dkv_cache=methods.dkv_cache.bind(run))
 
 
 def reuse_flops(config: ModelConfig, prompt_length: int, seq_len: int, count: int, case: tuple[bool, bool]) -> float:
@@ -125,14 +133,18 @@ def make_calls(config: ModelConfig, attention_impl: str, params: Any, tokens: ja
                                                **impl).logits,
                        (params, tokens, cache), cost.trunk_flops(config, s, s) + head(block))
 
-  generated = (prompt_length + jnp.arange(g, dtype=jnp.int32))[None]
-
-  def dkv_subset(p, t, c):
-    hidden = forward(p, t[:, prompt_length:], compute=path.replace(cache=c, subset=ComputeSubset(generated)),
+  def dkv_subset(p, t, c, rows):
+    queries = (s - rows + jnp.arange(rows, dtype=jnp.int32))[None]
+    hidden = forward(p, t[:, s - rows:], compute=path.replace(cache=c, subset=ComputeSubset(queries)),
                      readout=Readout(hidden=True), **impl).hidden
-    return lm_head(p, hidden[:, 3 * block:4 * block], config=config)
+    first = 3 * block if rows == g else 0  # the block: the fourth at the whole budget, else the first computed
+    return lm_head(p, hidden[:, first:first + block], config=config)
 
-  calls["dkv_subset"] = Call(dkv_subset, (params, tokens, cache), cost.trunk_flops(config, g, s) + head(block))
+  buckets = methods.dkv_cache.buckets
+  for rows in buckets:
+    calls[policy_schedules.dkv_call(buckets, rows)] = Call(functools.partial(dkv_subset, rows=rows),
+                                                           (params, tokens, cache),
+                                                           cost.trunk_flops(config, rows, s) + head(min(rows, block)))
 
   n_keep = sparse_dllm.keep_count(s, block, methods.keep_ratio)
   kept = jnp.broadcast_to(jnp.arange(n_keep, dtype=jnp.int32)[None, None], (config.n_layers, b, n_keep))

@@ -40,8 +40,11 @@ generate, saved = decoding.generate, None
 def recording(*args, **kwargs):  # the run's one batch: its Trace's policy entries, as the library made them
   trace = generate(*args, **kwargs)
   arrays = {"computed": trace.computed_positions, "keys_read": trace.keys_read}
-  if trace.policy_record is not None:
-    arrays["record"] = trace.policy_record
+  record = trace.policy_record
+  if isinstance(record, dict):  # dKV-Cache's {"rows": ...}, d2Cache's, Elastic-Cache's: one array per entry
+    arrays.update({f"record_{k}": v for k, v in record.items()})
+  elif record is not None:
+    arrays["record"] = record
   np.savez(saved, **{k: np.asarray(v) for k, v in arrays.items()})
   return trace
 
@@ -164,7 +167,8 @@ def test_page_holds_the_sparse_dllm_trace(run):
 
 
 def test_page_holds_the_dkv_cache_trace(run):
-  """dKV-Cache: the page's computed positions are the Trace's; no key subset, no per-layer record."""
+  """dKV-Cache: the page's computed positions are the Trace's; no key subset, no per-layer record; its notes say
+  the rows each call ran (the Trace's record, below the budget at some call)."""
   model = explorer_page.page_data(str(run["dkv"]))["models"][0]
   trace, policy, steps = run["traces"]["dkv"], model["policy"], np.asarray(model["steps"])
   assert policy["text"] == "dkv_cache" and "keys" not in policy and "layers" not in policy
@@ -172,7 +176,11 @@ def test_page_holds_the_dkv_cache_trace(run):
   assert (~computed.all(-1)).any()
   assert np.array_equal(_unpack(policy["computed"]), computed)
   np.testing.assert_array_equal(policy["keys_read"], trace["keys_read"][steps, 0])
+  rows, full = trace["record_rows"][steps, 0], computed.all(-1)  # the rows each call ran: S full, else its bucket
   assert len(policy["notes"]) == len(steps)
+  for note, is_full, ran in zip(policy["notes"], full, rows):
+    assert note == "full call" if is_full else note.startswith(f"cached call, {ran} row"), (note, ran)
+  assert (rows[~full] < 32).any(), rows  # a call below the budget: tiny-dlm's 32 generated positions
 
 
 def test_a_run_without_policy_arrays_opens_unchanged(run, tmp_path):

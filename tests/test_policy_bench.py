@@ -17,10 +17,15 @@ from dlm_jax.policy.registry import parse_policy
 
 
 def test_exact_decoding_schedules_at_the_8b_layout():
-  mixes = policy_schedules.exact_decoding(256, 32, 8, parse_policy("sparsed"), parse_policy("dllm_cache"))
+  mixes = policy_schedules.exact_decoding(256, 32, 8, parse_policy("sparsed"), parse_policy("dllm_cache"),
+                                          (32, 64, 128, 256))
   assert mixes["exact"] == {"exact": 1.0}
   assert mixes["dual_cache"] == pytest.approx({"full": 1 / 32, "dual_cache": 31 / 32})
-  assert mixes["dkv_cache"] == pytest.approx({"full": 5 / 32, "dkv_subset": 27 / 32})  # steps 0, 1, 8, 16, 24
+  # per block full at steps 0, 1, 8, 16, 24; block k's 27 cached calls compute 256 − 32k − i + 1 positions (step i):
+  # blocks 0-3 more than 128, blocks 4 and 5 65 to 127, block 6 34 to 63, block 7 2 to 31
+  assert mixes["dkv_cache"] == pytest.approx({"full": 40 / 256, "dkv_subset": 4 * 27 / 256,
+                                              "dkv_subset/2": 2 * 27 / 256, "dkv_subset/4": 27 / 256,
+                                              "dkv_subset/8": 27 / 256})
   assert mixes["sparse_dllm"] == pytest.approx({"full": 2 / 32, "sparse_subset": 30 / 32})
   assert mixes["sparse_dllm_dual_cache"] == pytest.approx({"full": 1 / 32, "dual_cache": 1 / 32,
                                                            "sparse_subset": 30 / 32})
@@ -29,6 +34,12 @@ def test_exact_decoding_schedules_at_the_8b_layout():
   assert mixes["dllm_cache"] == pytest.approx({"reuse_both": 1 / 256, "reuse_prompt": 5 / 256, "reuse_gen": 36 / 256,
                                                "reuse_none": 214 / 256})
   assert policy_schedules.measured("full", {"a": 0.5, "full": 0.5}, 4) == pytest.approx({"a": 0.375, "full": 0.625})
+  # a one-block threshold mix on 8 blocks: each block's cached calls at the bucket of its largest count
+  assert policy_schedules.dkv_by_block({"full": 0.36, "dkv_subset": 0.64}, 256, 32, (32, 64, 128, 256)) == \
+      pytest.approx({"full": 0.36, "dkv_subset": 0.32, "dkv_subset/2": 0.16, "dkv_subset/4": 0.08,
+                     "dkv_subset/8": 0.08})
+  assert [policy_schedules.dkv_call((3, 5, 9), n) for n in (1, 3, 4, 9)] == [
+      "dkv_subset/4", "dkv_subset/4", "dkv_subset/2", "dkv_subset"]
 
 
 def _trace(computed=None, keys=None, record=None):
@@ -83,14 +94,17 @@ def test_every_call_is_measured_and_counted(tmp_path):
   results = json.loads((tmp_path / "bench.json").read_text())
   assert f"CPU: {results['cpu']}" in done.stdout
   calls = results["prompts"]["16"]["calls"]
-  assert set(calls) == {"exact", "full", "dkv_subset", "sparse_subset", "dual_cache", "sparsed_blocks", "reuse_none",
-                        "reuse_gen", "reuse_prompt", "reuse_both", "elastic_no_refresh", "elastic_full_refresh",
-                        "d2cache_S/1", "d2cache_S/2", "d2cache_S/4", "d2cache_S/8"}
+  assert set(calls) == {"exact", "full", "dkv_subset", "dkv_subset/2", "dkv_subset/4", "dkv_subset/8",
+                        "sparse_subset", "dual_cache", "sparsed_blocks", "reuse_none", "reuse_gen", "reuse_prompt",
+                        "reuse_both", "elastic_no_refresh", "elastic_full_refresh", "d2cache_S/1", "d2cache_S/2",
+                        "d2cache_S/4", "d2cache_S/8"}
   for name, call in calls.items():
     assert call["ms"] > 0
     assert call["xla_flops_check"] == pytest.approx(call["analytic_flops_check"], rel=0.1), name
   assert calls["sparse_subset"]["flops"] < calls["dual_cache"]["flops"] < calls["dkv_subset"]["flops"] < \
       calls["full"]["flops"]
+  assert calls["dkv_subset/8"]["flops"] < calls["dkv_subset/4"]["flops"] < calls["dkv_subset/2"]["flops"] < \
+      calls["dkv_subset"]["flops"]  # G = 64 and its halves
   assert calls["reuse_none"]["flops"] < calls["reuse_gen"]["flops"] < calls["reuse_both"]["flops"]
   assert calls["elastic_no_refresh"]["flops"] < calls["elastic_full_refresh"]["flops"]
   steps = results["prompts"]["16"]["exact_decoding"]
@@ -111,6 +125,15 @@ def test_every_call_is_measured_and_counted(tmp_path):
   assert done.returncode == 1
   assert done.stderr.strip().splitlines() == [
       f"benchmarks.policy_bench: error: --calls_from={tmp_path / 'bench.json'}: its gen_length is 64, this run's 128"]
+  assert not (tmp_path / "other.json").exists()
+  for prompt in results["prompts"].values():  # a run from before dKV-Cache's buckets: refused, not half-reused
+    del prompt["calls"]["dkv_subset/2"]
+  (tmp_path / "old.json").write_text(json.dumps(results))
+  done = _bench(tmp_path, f"--calls_from={tmp_path / 'old.json'}", out="other.json")
+  assert done.returncode == 1
+  assert done.stderr.strip().splitlines() == [
+      f"benchmarks.policy_bench: error: --calls_from={tmp_path / 'old.json'}: no dkv_subset/2 measured at prompt 16 "
+      "(a run from before dKV-Cache's row buckets); run without --calls_from"]
   assert not (tmp_path / "other.json").exists()
 
 

@@ -4,6 +4,7 @@ work leaves XLA's FLOP count, statistics stay in sequence coordinates, and runs 
 refused in one line before any compilation."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +17,13 @@ from dlm_jax.instrument.hook_spec import Capture, Hooks
 from dlm_jax.instrument.stats import StatsSpec
 from dlm_jax.model import Compute, KVCache, forward, init_params
 from dlm_jax.model.compute_subset import ComputeSubset
+from dlm_jax.model.forward_inputs import CallInstruments, Readout
 from dlm_jax.policy.base import ComputePolicy, Decision, RunLayout
+from dlm_jax.policy.policies import DKVCacheState
 from dlm_jax.policy.registry import parse_policy
 from dlm_jax.sampling import autoregressive, dream, llada
+from dlm_jax.sampling.call_plan import PolicyState
+from dlm_jax.sampling.policy_call import policy_forward
 from dlm_jax.sampling.run_setup import RunSetup
 
 try:
@@ -110,6 +115,41 @@ def test_the_skipped_work_leaves_the_flop_count():
   assert part < full * (n / s) * 1.3, (part, full)
 
 
+def test_a_dkv_cache_call_runs_at_its_bucket_and_computes_what_the_bucket_says():
+  """One layer, S = 256, prompt 64 (budget 192; buckets 192, 96, 48, 24): with 160 or 10 positions masked at the
+  previous call the policy's cached call runs at bucket 192 or 24. XLA's FLOP count of that call through the
+  model caller's subset path (`policy_forward`, dense attention, hidden states read out; the decision's queries
+  traced and cut to the bucket, as the caller's switch branch runs them; its full flag the constant False, so XLA
+  keeps the subset branch of the call's `lax.cond`) falls with the bucket and lies within 10% above the test's
+  count of the bucket's rows, which `call_flops` of the recorded rows equals."""
+  config = dataclasses.replace(CONFIG, n_layers=1)
+  params = init_params(config, jax.random.key(0))
+  s, lp = 256, 64
+  policy = parse_policy("dkv_cache").bind(RunLayout(s, lp, 32, 32))
+  tokens, cache = jnp.zeros((1, s), jnp.int32), KVCache.zeros(config, 1, s)
+
+  def run(t, *, positions, instruments, readout, **compute):
+    return forward(params, t, config=config, positions=positions, instruments=instruments, readout=readout,
+                   compute=Compute(attention_impl="dense", **compute))
+
+  counted = []
+  for count, bucket in ((160, 192), (10, 24)):
+    was_masked = np.zeros((1, s), bool)
+    was_masked[0, s - count:] = True
+    state = DKVCacheState(jnp.asarray(was_masked), jnp.full((1,), s, jnp.int32))
+    decision = policy.decide(state, types.SimpleNamespace(block_step=2, step=2))
+    assert not bool(decision.full) and int(decision.bucket_rows(s)[1]) == bucket, count
+    call = lambda c, q, d=decision: policy_forward(  # noqa: E731
+        run, PolicyState((), c), d.replace(queries=q, buckets=()), tokens, jnp.arange(s)[None], CallInstruments(),
+        Readout(hidden=True)).hidden
+    xla = jax.jit(call).lower(cache, decision.queries[:, :bucket]).compile().cost_analysis()["flops"]
+    assert policy.call_flops(config, was_masked[0], float(s), {"rows": bucket}) == trunk_flops(config, bucket, s)
+    analytic = trunk_flops(config, bucket, s)
+    assert analytic <= xla < 1.1 * analytic, (count, xla, analytic)
+    counted.append(xla)
+  assert counted[0] > 4 * counted[1], counted
+
+
 @pytest.mark.parametrize("run, message", [
     (lambda p, x: autoregressive.generate(p, x, config=preset("tiny-llama"), setup=RunSetup(policy=Recent())),
      "runs with the samplers whose every call reads the whole sequence"),
@@ -140,16 +180,22 @@ def test_dkv_cache_and_sparse_dllm_compute_what_their_rules_say():
   decoded_at = np.asarray(dkv.decode_step)
   s = lp + 8
   counted = parse_policy("dkv_cache:cache_reloading_step=3").bind(RunLayout(s, lp, 4, 4))
+  ran, buckets = np.asarray(dkv.policy_record["rows"]), [8, 4, 2, 1]  # the budget G = 8 and its halves
   for step, computed in enumerate(np.asarray(dkv.computed_positions)):
     in_block = step % 4  # 8 steps over 2 blocks of 4
+    rows = s
     if in_block <= 1 or in_block % 3 == 0:
       assert computed.all(), step
-    else:  # the positions the previous call's input held [MASK] at
+    else:  # the positions the previous call's input held [MASK] at, at the smallest bucket holding the batch's
       np.testing.assert_array_equal(computed[:, lp:], decoded_at >= step - 1, err_msg=f"step {step}")
       assert not computed[:, :lp].any()
-    for row in range(2):  # the FLOPs the sweep counts: a cached call runs all 8 generated rows, selected or not
-      flops = counted.call_flops(CONFIG, computed[row], float(np.asarray(dkv.keys_read)[step, row]), None)
-      assert flops == trunk_flops(CONFIG, s if computed[row].all() else 8, s), (step, row)
+      rows = min(b for b in buckets if b >= (decoded_at >= step - 1).sum(-1).max())
+    np.testing.assert_array_equal(ran[step], rows, err_msg=f"step {step}")
+    for row in range(2):  # the FLOPs the sweep counts: the bucket's rows, padding included
+      flops = counted.call_flops(CONFIG, computed[row], float(np.asarray(dkv.keys_read)[step, row]),
+                                 {"rows": ran[step, row]})
+      assert flops == trunk_flops(CONFIG, rows, s), (step, row)
+  assert sorted(set(ran.ravel()) - {s}) == [4, 8], ran  # step 2: 7 positions, step 6: 3 positions
   sparse = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
                           setup=RunSetup(policy=parse_policy("sparse_dllm:keep_ratio=0.5,tie_break=lowest_position")))
   for step, computed in enumerate(np.asarray(sparse.computed_positions)):
@@ -164,6 +210,7 @@ def test_dkv_cache_and_sparse_dllm_compute_what_their_rules_say():
     ("dkv_cache:reload=2", "policy dkv_cache has no knob 'reload'; its knobs: cache_reloading_step"),
     ("dkv_cache:cache_reloading_step=two", "is not of type int"),
     ("dkv_cache:cache_reloading_step", "is not knob=value"),
+    ("dkv_cache:query_buckets=0", r"^dkv_cache query_buckets must be an int >= 1, got 0\.$"),
     ("none:x=1", "policy none has no knob 'x'"),
 ])
 def test_policy_texts_are_checked_in_one_line(text, message):
@@ -182,6 +229,7 @@ def test_a_row_decodes_alone_as_in_its_batch_under_a_policy():
                            setup=RunSetup(policy=policy, batch_invariant=True))
     np.testing.assert_array_equal(alone.tokens[0], both.tokens[row])
     np.testing.assert_array_equal(alone.computed_positions[:, 0], both.computed_positions[:, row])
+    np.testing.assert_array_equal(alone.policy_record["rows"][:, 0], both.policy_record["rows"][:, row])
 
 
 def test_keeping_the_sinks_adds_nothing_when_every_key_is_kept():

@@ -176,7 +176,7 @@ def test_a_policy_on_the_official_dream_decoding_is_the_replay_of_its_rule(setup
   """Each row's tokens (masks left after the EOS cut), decode order, NFE, computed positions per call and (Sparse-dLLM)
   kept keys are the replay's, in a batch whose rows finish at different calls."""
   trace = _run(setup, name)
-  margins, nfes, cuts, parallel = [], [], [], 0
+  margins, nfes, cuts, parallel, counts = [], [], [], 0, []
   for row in range(2):
     tokens, decode_step, calls, cut, computed, kept = _replay(setup, name, row, margins)
     np.testing.assert_array_equal(np.asarray(trace.tokens[row]), tokens, err_msg=f"{name} row {row}")
@@ -194,10 +194,18 @@ def test_a_policy_on_the_official_dream_decoding_is_the_replay_of_its_rule(setup
       np.testing.assert_array_equal(record, np.broadcast_to(np.stack(kept), record.shape))
     nfes.append(calls)
     cuts.append(cut)
+    counts.append(np.where(computed.all(-1), -1, computed.sum(-1)))  # -1: a full call
     parallel += int(np.max(np.bincount(decode_step[decode_step >= 0])) > 1)
   assert min(margins) > 1e-5, min(margins)  # no decision within float32's reach of flipping
   assert cuts == [True, False] and nfes[0] != nfes[1] and parallel, (cuts, nfes, parallel)
   assert int(trace.nfe) == max(nfes)
+  if name == "dkv_cache":  # while both rows run, a cached call runs at the smallest bucket holding the batch's count
+    both = min(nfes)
+    count = np.max([c[:both] for c in counts], axis=0)
+    s = LP + 12
+    rows = [s if c < 0 else min(b for b in (2, 4, 7, 13) if b >= c) for c in count]  # the budget [LP − 1, S): 13
+    np.testing.assert_array_equal(np.asarray(trace.policy_record["rows"][:both]), np.stack([rows, rows], axis=1))
+    assert len(set(rows) - {s}) > 1, rows
 
 
 @pytest.mark.parametrize("name, message", [

@@ -38,6 +38,8 @@ MASK = CONFIG.mask_token_id
 LP, GEN, BLOCK, TAU = 5, 16, 8, 0.9
 THRESHOLD = llada.LLaDAOptions(gen_length=GEN, steps=GEN, block_length=BLOCK, threshold=TAU)
 DKV = "dkv_cache:cache_reloading_step=3"
+DKV_BUCKETS = (2, 4, 8, 16)
+"""dKV-Cache's static row counts here: its budget, the GEN generated positions, and its halves."""
 SPARSE = "sparse_dllm:keep_ratio=0.5,tie_break=lowest_position"
 
 
@@ -136,7 +138,7 @@ def replay(prompt, method, margins):
 
 @pytest.mark.parametrize("text, method", [(DKV, "dkv_cache"), (SPARSE, "sparse_dllm")])
 def test_threshold_decoding_under_a_policy_is_the_replay(text, method):
-  margins, lengths = [], set()
+  margins, lengths, buckets_ran = [], set(), set()
   for row, prompt in enumerate(prompts()):
     tokens, decode_step, nfe, computed, kept_at = replay(prompt, method, margins)
     trace = generate(text, (row,))
@@ -146,25 +148,43 @@ def test_threshold_decoding_under_a_policy_is_the_replay(text, method):
     np.testing.assert_array_equal(np.asarray(trace.computed_positions)[:nfe, 0], computed)
     for call, kept in kept_at.items():
       np.testing.assert_array_equal(np.asarray(trace.policy_record)[call, 0], np.stack(kept), err_msg=f"call {call}")
+    if method == "dkv_cache":  # a cached call runs at the smallest bucket holding its count
+      ran = np.asarray(trace.policy_record["rows"])[:nfe, 0]
+      np.testing.assert_array_equal(ran, _dkv_rows(computed), err_msg=f"row {row}")
+      buckets_ran |= set(ran.tolist())
     lengths |= {int(decode_step[:BLOCK].max() - decode_step[:BLOCK].min() + 1),
                 int(decode_step[BLOCK:].max() - decode_step[BLOCK:].min() + 1)}
   assert min(margins) > 1e-4, "a decision of the replay is within rounding of flipping: change the case"
   assert len(lengths) > 1 and max(lengths) >= 4, f"block lengths {lengths}: variable blocks not exercised"
   skipped = ~np.asarray(trace.computed_positions)[:int(trace.nfe), 0]
   assert skipped.any(), "no call skipped a position"
+  if method == "dkv_cache":
+    assert len(buckets_ran - {LP + GEN}) > 1, f"rows {buckets_ran}: fewer than two buckets exercised"
+
+
+def _dkv_rows(computed):
+  """[calls] the rows each call of a replay ran: S at a full call, else the smallest of DKV_BUCKETS holding its
+  computed positions (computed [calls, S] bool)."""
+  return np.array([len(c) if c.all() else min(b for b in DKV_BUCKETS if b >= c.sum()) for c in computed])
 
 
 def test_a_row_decodes_alone_as_in_its_batch_under_threshold_decoding():
   both = generate(DKV, (0, 1), batch_invariant=True)
   active = np.asarray(both.active_rows)[:int(both.nfe)]
   assert not active.all(), "no row waited for the batch"
+  ran = {}
   for row in range(2):
     alone = generate(DKV, (row,), batch_invariant=True)
     np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(both.tokens)[row])
     np.testing.assert_array_equal(np.asarray(alone.computed_positions)[:int(alone.nfe), 0],
                                   np.asarray(both.computed_positions)[:int(both.nfe), row][active[:, row]])
-    tokens, _, _, _, _ = replay(prompts()[row], "dkv_cache", [])
+    tokens, _, _, computed, _ = replay(prompts()[row], "dkv_cache", [])
     np.testing.assert_array_equal(np.asarray(both.tokens)[row], tokens)
+    ran[row] = np.asarray(both.policy_record["rows"])[:int(both.nfe), row]  # each row at its own count's bucket
+    np.testing.assert_array_equal(ran[row][active[:, row]], _dkv_rows(computed))
+    np.testing.assert_array_equal(np.asarray(alone.policy_record["rows"])[:int(alone.nfe), 0], _dkv_rows(computed))
+  both_active = active.all(-1)
+  assert (ran[0][both_active] != ran[1][both_active]).any(), "no call ran its rows at different buckets"
 
 
 # ---------------------------------------------------------------- recomputing everything
@@ -367,9 +387,13 @@ def test_dkv_cache_on_dream_is_the_replay_of_the_official_rule(shift_type):
     assert not computed.all()
     s, lp = computed.shape[-1], len(prompt)
     counted = policy.bind(RunLayout(s, lp, 8, 8, logit_shift=1))
-    for call in range(len(computed)):  # the FLOPs the sweep counts: a cached call runs its whole budget [lp − 1, S)
-      flops = counted.call_flops(dream_ref.CONFIG, computed[call], float(np.asarray(trace.keys_read)[call, 0]), None)
-      assert flops == ref.trunk_flops(dream_ref.CONFIG, s if call % 3 == 0 else s - lp + 1, s), (row, call)
+    ran = np.asarray(trace.policy_record["rows"])[:, 0]
+    for call in range(len(computed)):  # a cached call runs at the smallest bucket of its budget [lp − 1, S), 9 rows
+      rows = s if call % 3 == 0 else min(b for b in (2, 3, 5, 9) if b >= computed[call].sum())
+      assert ran[call] == rows, (row, call, ran)
+      flops = counted.call_flops(dream_ref.CONFIG, computed[call], float(np.asarray(trace.keys_read)[call, 0]),
+                                 {"rows": ran[call]})
+      assert flops == ref.trunk_flops(dream_ref.CONFIG, rows, s), (row, call)  # the FLOPs the sweep counts
 
 
 def test_sparse_dllm_on_dream_computes_the_position_before_the_block_and_is_the_replay():

@@ -1,6 +1,7 @@
 """The explorer's per-policy views (`experiments.reports.policy_view`) on small hand-written records: the
 per-layer policies (Elastic-Cache's refresh start, dLLM-Cache's per-layer sets) and SparseD's kept key blocks.
-Sparse-dLLM and dKV-Cache are checked against real Traces in tests/test_explorer.py."""
+dKV-Cache's notes (the rows each call ran). Sparse-dLLM and dKV-Cache are checked against real Traces in
+tests/test_explorer.py."""
 
 import numpy as np
 
@@ -34,6 +35,13 @@ def test_dllm_cache_shows_its_per_layer_record():
   assert np.array_equal(out["policy_layers"], record)
   assert out["policy"] == "dllm_cache:transfer_ratio=0.5"
   assert out["policy_notes"].tolist() == ["recomputed per layer: 4 / 4 / 4", "recomputed per layer: 4 / 1 / 1"]
+
+
+def test_dkv_cache_notes_say_the_rows_each_cached_call_ran():
+  out = policy_view.step_view(make_policy("dkv_cache"), _row([[1, 1, 1, 1], [0, 0, 1, 1], [0, 0, 0, 1]], [4, 4, 4],
+                                                             {"rows": np.array([4, 2, 1])}), [0])
+  assert out["policy_notes"].tolist() == ["full call", "cached call, 2 rows ran", "cached call, 1 row ran"]
+  assert "policy_keys" not in out and "policy_layers" not in out
 
 
 def test_sparsed_keys_are_the_kept_blocks_of_each_head_and_of_any_head():

@@ -3,10 +3,10 @@ official-code quirks as knobs; `dlm_jax.policy.<method>`) and the protocol of `d
 decisions made by the method's rule functions.
 
 Each method's policy class: `DKVCache` and `SparseDLLM` here (dKV-Cache: queries the positions masked at the
-previous call, full at a block's first two steps and every `cache_reloading_step`, on Dream the official Dream
-rule, `dkv_cache_dream`; Sparse-dLLM: at a block's steps >= 2 the block's queries only — on Dream with the
-position before the block —, each layer reading the keys kept at step 1 by the block-mean query score; with the
-Fast-dLLM caches and block diffusion's exact cache, our compositions), and
+previous call, at the smallest of its static row buckets holding them, full at a block's first two steps and every
+`cache_reloading_step`, on Dream the official Dream rule, `dkv_cache_dream`; Sparse-dLLM: at a block's steps >= 2
+the block's queries only — on Dream with the position before the block —, each layer reading the keys kept at step
+1 by the block-mean query score; with the Fast-dLLM caches and block diffusion's exact cache, our compositions), and
 `D2Cache`, `DLLMCache`, `ElasticCache`, `SparseD` in `dlm_jax.policy.<method>_policy`. "A block's step" is the
 sampler's count (`CallContext.block_step`): under threshold or factor decoding and the decoding rules a block
 takes a variable number of calls.
@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
@@ -58,18 +59,34 @@ def _block_start(policy: ComputePolicy, context: Any) -> jax.Array:
   return layout.gen_start + (jnp.asarray(context.step, jnp.int32) // layout.steps_per_block) * layout.block_length
 
 
+@struct.dataclass
+class DKVCacheState:
+  """was_masked: [B, S] bool, the positions masked in the previous call's input (`dkv_cache.DecodeEvents`; with
+  cache_type "prefill" on Dream, in the block's first call's input); rows: [B] int32, the query rows the last call
+  ran (its bucket, padding rows included; S at a full call)."""
+
+  was_masked: jax.Array
+  rows: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
 class DKVCache(dkv_cache.DKVCacheSettings, ComputePolicy):
-  """dKV-Cache (decode variant) as a policy: state [B, S] bool, the positions masked in the previous call's
-  input (`dkv_cache.DecodeEvents`; with cache_type "prefill" on Dream, in the block's first call's input).
+  """dKV-Cache (decode variant) as a policy: state a `DKVCacheState`.
 
   On a logit-shifted model (Dream) the official Dream rule runs (`dkv_cache_dream`): cache_reloading_step is its
   cache_steps (the README's Dream value is 16), cache_type "decoded" or "prefill", shift_type "un" (the README's),
   "un_right" or "right"; those two knobs apply to Dream only.
+
+  query_buckets (ours: static shapes): how many static row counts a cached call may run at — its budget
+  S − gen_start + logit_shift (every generated position; on Dream also the last prompt position) and its successive
+  halves (`buckets`); the call runs at the smallest holding the batch's largest count of positions to compute (in
+  the batch-invariant mode each row's own), so its compute follows the count. 1 runs every cached call at the whole
+  budget.
   """
 
   cache_type: str = "decoded"
   shift_type: str = "un"
+  query_buckets: int = 4
 
   def check_knobs(self) -> None:
     dkv_cache.DKVCacheSettings.check(self)
@@ -79,6 +96,8 @@ class DKVCache(dkv_cache.DKVCacheSettings, ComputePolicy):
     if self.shift_type not in dkv_cache_dream.SHIFT_TYPES:
       raise ValueError(f"dkv_cache shift_type must be one of {', '.join(dkv_cache_dream.SHIFT_TYPES)}, got "
                        f"{self.shift_type!r}.")
+    if isinstance(self.query_buckets, bool) or not isinstance(self.query_buckets, int) or self.query_buckets < 1:
+      raise ValueError(f"dkv_cache query_buckets must be an int >= 1, got {self.query_buckets!r}.")
 
   def check(self, config: ModelConfig | None = None, family_name: str | None = None) -> None:
     """The knobs (the settings' check, also run at construction) and, for a run, the family."""
@@ -91,45 +110,58 @@ class DKVCache(dkv_cache.DKVCacheSettings, ComputePolicy):
       raise ValueError("dkv_cache cache_type and shift_type are the rules of Dream's code (a logit-shifted model); "
                        "leave them at decoded and un here.")
 
-  def init_state(self, config: ModelConfig, batch: int) -> jax.Array:
-    return dkv_cache.start(batch, self.layout.seq_len).was_masked
+  @property
+  def buckets(self) -> tuple[int, ...]:
+    """The static query-row counts a cached call runs at: the budget S − gen_start + logit_shift and its halves
+    (rounded up), ascending. Needs the bound policy (`bind`)."""
+    largest = self.layout.seq_len - self.layout.gen_start + self.layout.logit_shift
+    return tuple(sorted({-(-largest // 2 ** k) for k in range(self.query_buckets)}))
 
-  def decide(self, state: jax.Array, context: Any) -> Decision:
+  def init_state(self, config: ModelConfig, batch: int) -> DKVCacheState:
+    s = self.layout.seq_len
+    return DKVCacheState(was_masked=dkv_cache.start(batch, s).was_masked, rows=jnp.full((batch,), s, jnp.int32))
+
+  def record(self, state: DKVCacheState) -> dict[str, jax.Array]:
+    """{"rows": [B] int32}: the query rows the call ran — its bucket, padding rows included (the compute; S at a
+    full call)."""
+    return {"rows": state.rows}
+
+  def decide(self, state: DKVCacheState, context: Any) -> Decision:
     if self.layout.logit_shift:
-      return self._decide_shifted(state, context)
+      return self._decide_shifted(state.was_masked, context)
     full = dkv_cache.is_full_step(_step_in_block(self, context), self)
-    index, valid = dkv_cache.query_positions(dkv_cache.DecodeEvents(state), self.layout.gen_start)
-    return Decision(full=full, queries=jnp.where(valid, index, self.layout.seq_len).astype(jnp.int32))
+    index, valid = dkv_cache.query_positions(dkv_cache.DecodeEvents(state.was_masked), self.layout.gen_start)
+    return Decision(full=full, queries=jnp.where(valid, index, self.layout.seq_len).astype(jnp.int32),
+                    buckets=self.buckets)
 
-  def _decide_shifted(self, state: jax.Array, context: Any) -> Decision:
+  def _decide_shifted(self, was_masked: jax.Array, context: Any) -> Decision:
     """Dream's rule (`dkv_cache_dream`): the positions not cached, among [gen_start - 1, S) (a cached call never
     computes an earlier one: the prompt's positions but its last are cached from call 1 on)."""
     call = _step_in_block(self, context)
     first = (call == 1) | (self.cache_type == "prefill")
-    cached = dkv_cache_dream.cached_positions(~state, self.shift_type, first)
+    cached = dkv_cache_dream.cached_positions(~was_masked, self.shift_type, first)
     start = self.layout.gen_start - 1
     index, valid = ascending_positions(~cached[:, start:], self.layout.seq_len - start)
     return Decision(full=dkv_cache_dream.is_full_call(call, self.cache_type, self.cache_reloading_step),
-                    queries=jnp.where(valid, index + start, self.layout.seq_len).astype(jnp.int32))
+                    queries=jnp.where(valid, index + start, self.layout.seq_len).astype(jnp.int32),
+                    buckets=self.buckets)
 
-  def call_flops(self, config: ModelConfig, computed: np.ndarray, keys: float, record: Any) -> float:
+  def call_flops(self, config: ModelConfig, computed: np.ndarray, keys: float, record: dict) -> float:
     """Trunk FLOPs of one row's call (`ComputePolicy.call_flops`): what the program computes, not the positions the
-    rule selects (`Trace.computed_positions`). A full call runs all S positions; a cached call runs its whole static
-    budget, S − gen_start + logit_shift rows (every generated position, on Dream also the last prompt position; the
-    unselected ones are padding the gather still computes — there are no buckets), each over the `keys` keys it
-    reads (S). Needs the bound policy (`bind`)."""
-    del record
-    if self.layout is None:
-      raise ValueError("dkv_cache call_flops counts its static budget of the run's layout: bind the policy first.")
-    s = computed.shape[-1]
-    rows = s if np.all(computed) else s - self.layout.gen_start + self.layout.logit_shift
-    return cost.trunk_flops(config, float(rows), float(keys))
+    rule selects (`Trace.computed_positions`): the record's "rows" — S at a full call; at a cached call its bucket,
+    the smallest of `buckets` holding the batch's count of positions to compute (in the batch-invariant mode the
+    row's own), padding rows included — each over the `keys` keys it reads (S)."""
+    del computed
+    return cost.trunk_flops(config, float(record["rows"]), float(keys))
 
-  def update(self, state: jax.Array, output: ForwardOutput, context: Any, decision: Decision) -> jax.Array:
-    del output, decision
+  def update(self, state: DKVCacheState, output: ForwardOutput, context: Any, decision: Decision) -> DKVCacheState:
+    del output
+    s = self.layout.seq_len
+    rows = jnp.broadcast_to(jnp.where(decision.full, s, decision.bucket_rows(s)[1]), state.rows.shape)
+    was_masked = context.unresolved
     if self.layout.logit_shift and self.cache_type == "prefill":
-      return jnp.where(_step_in_block(self, context) == 0, context.unresolved, state)
-    return context.unresolved
+      was_masked = jnp.where(_step_in_block(self, context) == 0, context.unresolved, state.was_masked)
+    return DKVCacheState(was_masked=was_masked, rows=rows.astype(jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,9 +58,18 @@ def _full(row: RowTrace) -> np.ndarray:
 
 
 def _queries_only(policy: ComputePolicy, row: RowTrace, layers: list[int]) -> dict[str, np.ndarray]:
-  """dkv_cache (and a policy without a view of its own): the computed positions; no key subset, no layer record."""
+  """A policy without a view of its own: the computed positions; no key subset, no layer record."""
   del policy, layers
   return {"policy_notes": np.asarray(["full call" if f else "cached call" for f in _full(row)])}
+
+
+def _dkv_cache(policy: ComputePolicy, row: RowTrace, layers: list[int]) -> dict[str, np.ndarray]:
+  """dKV-Cache: the computed positions; no key subset, no layer record; record {"rows"} [T]: the query rows a
+  cached call ran (its bucket, padding included)."""
+  del policy, layers
+  rows = np.asarray(row.record["rows"])
+  return {"policy_notes": np.asarray(["full call" if f else f"cached call, {int(r)} row{'' if r == 1 else 's'} ran"
+                                      for f, r in zip(_full(row), rows)])}
 
 
 def _sparse_dllm(policy: ComputePolicy, row: RowTrace, layers: list[int]) -> dict[str, np.ndarray]:
@@ -129,7 +138,7 @@ def _d2cache(policy: ComputePolicy, row: RowTrace, layers: list[int]) -> dict[st
 
 
 VIEWS: dict[str, Callable[[ComputePolicy, RowTrace, list[int]], dict[str, np.ndarray]]] = {
-    "dkv_cache": _queries_only, "sparse_dllm": _sparse_dllm, "sparsed": _sparsed, "dllm_cache": _dllm_cache,
+    "dkv_cache": _dkv_cache, "sparse_dllm": _sparse_dllm, "sparsed": _sparsed, "dllm_cache": _dllm_cache,
     "elastic_cache": _elastic_cache, "d2cache": _d2cache}
 """The view of each policy kind: (policy, row, recorded layers) -> its masks beyond the computed positions."""
 
