@@ -2,8 +2,9 @@
 order, statistics, top sinks and sink-masker record are bitwise the same at batch sizes 1, 3, 5, 8 and 16,
 whatever its neighbours and its row, with left-padded prompts of different lengths (the batch-invariant
 padding layout), the per-step sink masker of sink_masking_eval and per-row keys: the LLaDA sampler on the
-embedded tiny-dlm, and DiffusionGemma's (encoder commits, self-conditioned decoder steps over a KV cache) on
-the embedded tiny-uniform-dlm, with adaptive stopping and EOS stops. A batch skips a step only once every row
+embedded tiny-dlm, and DiffusionGemma's (self-conditioned decoder steps over the prompt's KV cache) on the
+embedded tiny-uniform-dlm, with adaptive stopping and EOS stops (every row of these prompts stops at EOS within
+its first canvas, so no canvas is committed to the encoder here). A batch skips a step only once every row
 is done with it, so the step axis of a row's trace holds, besides the row's own steps, the steps it waited
 through for its neighbours (`Trace.active_rows` False), which depend on the batch by construction: a row's
 results are compared at its own steps, in order (decode_step as the index of the decoding step among
