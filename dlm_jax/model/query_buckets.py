@@ -20,6 +20,12 @@ from dlm_jax.model.compute_subset import ComputeSubset
 from dlm_jax.model.forward_inputs import CallInstruments, Compute
 
 
+def halvings(largest: int, count: int) -> tuple[int, ...]:
+  """`count` static row counts for `ComputeSubset.buckets`: largest and its successive halves, rounded up,
+  ascending and distinct (fewer than count when the halves meet at 1)."""
+  return tuple(sorted({-(-largest // 2 ** k) for k in range(count)}))
+
+
 def check_buckets(subset: ComputeSubset, shape: tuple[int, int], window) -> None:
   """Raises ValueError unless the `ComputeSubset`'s buckets ascend, distinct, from 1 to T, and it is a plain
   query subset (no refresh or reuse) read out without a window."""

@@ -87,6 +87,7 @@ from flax import struct
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
+from dlm_jax.model import query_buckets
 from dlm_jax.policy import cost, d2cache
 from dlm_jax.policy.base import ComputePolicy, Decision
 
@@ -174,7 +175,7 @@ class D2Cache(d2cache.D2CacheSettings, ComputePolicy):
   def buckets(self) -> tuple[int, ...]:
     """The static query-row counts a step runs at: the largest (S or query_budget) and its halves."""
     largest = self.layout.seq_len if self.query_budget is None else self.query_budget
-    return tuple(sorted({-(-largest // 2 ** k) for k in range(self.query_buckets)}))
+    return query_buckets.halvings(largest, self.query_buckets)
 
   def required_stats(self, config: ModelConfig) -> StatsSpec:
     del config

@@ -24,6 +24,7 @@ from flax import struct
 
 from dlm_jax.config import ModelConfig
 from dlm_jax.instrument.stats import ForwardOutput, StatsSpec
+from dlm_jax.model import query_buckets
 from dlm_jax.policy import cost, dkv_cache, dkv_cache_dream, sparse_dllm
 from dlm_jax.policy.base import ComputePolicy, Decision
 from dlm_jax.policy.d2cache_policy import D2Cache
@@ -115,7 +116,7 @@ class DKVCache(dkv_cache.DKVCacheSettings, ComputePolicy):
     """The static query-row counts a cached call runs at: the budget S − gen_start + logit_shift and its halves
     (rounded up), ascending. Needs the bound policy (`bind`)."""
     largest = self.layout.seq_len - self.layout.gen_start + self.layout.logit_shift
-    return tuple(sorted({-(-largest // 2 ** k) for k in range(self.query_buckets)}))
+    return query_buckets.halvings(largest, self.query_buckets)
 
   def init_state(self, config: ModelConfig, batch: int) -> DKVCacheState:
     s = self.layout.seq_len
