@@ -193,7 +193,7 @@ def test_recomputing_everything_is_the_full_forward():
 
 def test_the_skipped_work_leaves_the_flop_count():
   config = dataclasses.replace(CONFIG, n_layers=1)  # XLA counts a scanned layer body once
-  params = init_params(config, jax.random.key(0))
+  params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))  # shapes only: nothing runs
   s, p, n = 64, 16, 6
   tokens = jnp.zeros((1, s), jnp.int32)
   cache = ReuseCache.zeros(config, 1, s)

@@ -32,7 +32,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 CONFIG = dataclasses.replace(preset("tiny-llada"), n_layers=3)
 OPTIONS = llada.LLaDAOptions(gen_length=8, steps=8, block_length=4)
-PROMPT_LENGTH = 6
+PROMPT_LENGTH = 6  # the threshold runs' prompts
+LONG_PROMPT = 12  # the exact sampler's prompts: longer than the budget's tracked slots plus one window (3 + 4)
 GAMMA = 0.97
 EOS = 196  # an id the peaked model decodes in one row's run, where cutting the policy's masked set matters
 THRESHOLD_OPTIONS = llada.elastic_cache_options(gen_length=16, window=4, eos_token_id=EOS)
@@ -41,7 +42,7 @@ THRESHOLD_OPTIONS = llada.elastic_cache_options(gen_length=16, window=4, eos_tok
 @pytest.fixture(scope="module")
 def setup():
   params = init_params(CONFIG, jax.random.key(0))
-  prompt = jax.random.randint(jax.random.key(1), (2, PROMPT_LENGTH), 3, 200)
+  prompt = jax.random.randint(jax.random.key(1), (2, LONG_PROMPT), 3, 200)
   return params, prompt
 
 
@@ -59,6 +60,13 @@ def batch_run(setup):
   params, prompt = setup
   return llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
                         setup=RunSetup(policy=parse_policy(f"elastic_cache:window_length=4,gamma={GAMMA}")))
+
+
+@pytest.fixture(scope="module")
+def exact_run(setup):
+  """The exact sampler (no policy) on the same prompts."""
+  params, prompt = setup
+  return llada.generate(params, prompt, config=CONFIG, options=OPTIONS)
 
 
 def _numpy_params(params):
@@ -352,7 +360,7 @@ def test_a_row_in_a_batch_is_bitwise_the_row_alone_with_statistics_and_sink_mask
     np.testing.assert_array_equal(np.flatnonzero(computed[step]), queries[step][queries[step] < computed.shape[-1]])
 
 
-def test_a_refresh_from_layer_0_is_the_exact_sampler(setup):
+def test_a_refresh_from_layer_0_is_the_exact_sampler(setup, exact_run):
   params, prompt = setup
 
   @dataclasses.dataclass(frozen=True)
@@ -360,7 +368,7 @@ def test_a_refresh_from_layer_0_is_the_exact_sampler(setup):
     def decide(self, state, context):
       return dataclasses.replace(super().decide(state, context), full=jnp.ones((), bool))
 
-  exact = llada.generate(params, prompt, config=CONFIG, options=OPTIONS)
+  exact = exact_run
   refreshed = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
                              setup=RunSetup(policy=Always(window_length=4)))
   np.testing.assert_array_equal(np.asarray(refreshed.tokens), np.asarray(exact.tokens))
@@ -373,7 +381,7 @@ def test_a_call_without_refresh_leaves_the_flop_count():
   measured as the benchmark measures calls: a one-layer program whose refresh start is a compile-time
   constant (XLA then drops the conditional); the rest are arguments."""
   one = dataclasses.replace(CONFIG, n_layers=1)
-  params = init_params(one, jax.random.key(0))
+  params = jax.eval_shape(lambda: init_params(one, jax.random.key(0)))  # shapes only: nothing runs
   s, t, r = 64, 12, 3
   args = (params, jnp.zeros((1, s), jnp.int32), KVCache.zeros(one, 1, s), jnp.zeros((1, 1, s, one.d_model)))
   queries, tracked = jnp.arange(t, dtype=jnp.int32)[None], jnp.arange(r, dtype=jnp.int32)[None]
@@ -436,16 +444,13 @@ def test_runs_it_cannot_take_are_refused_before_compiling(setup, run, message):
     run(params, prompt)
 
 
-def test_the_first_call_reads_the_window_whatever_the_prompt_length(setup):
+def test_the_first_call_reads_the_window_whatever_the_prompt_length(batch_run, exact_run):
   """Call 0 is full; its query set (the rows the sampler reads) is the window alone: only generated positions
   count as "decoded at the previous call". A prompt longer than the budget's tracked slots plus one window
-  (12 > 3 + 4 here) once counted as decoded and pushed the window out of the budget, so the sampler read zero
-  logits (the sweep's accuracy was 0)."""
-  params = setup[0]
-  prompt = jax.random.randint(jax.random.key(2), (1, 12), 3, 200)
-  exact = llada.generate(params, prompt, config=CONFIG, options=OPTIONS)
-  elastic = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
-                           setup=RunSetup(policy=parse_policy("elastic_cache:window_length=4")))
-  first = np.asarray(exact.decode_step[0]) == 0
-  np.testing.assert_array_equal(np.asarray(elastic.decode_step[0]) == 0, first)
-  np.testing.assert_array_equal(np.asarray(elastic.tokens[0, 12:])[first], np.asarray(exact.tokens[0, 12:])[first])
+  (12 > 3 + 4 here: the replay test's prompts) once counted as decoded and pushed the window out of the budget, so
+  the sampler read zero logits (the sweep's accuracy was 0)."""
+  for row in range(2):
+    first = np.asarray(exact_run.decode_step[row]) == 0
+    np.testing.assert_array_equal(np.asarray(batch_run.decode_step[row]) == 0, first)
+    np.testing.assert_array_equal(np.asarray(batch_run.tokens[row, LONG_PROMPT:])[first],
+                                  np.asarray(exact_run.tokens[row, LONG_PROMPT:])[first])

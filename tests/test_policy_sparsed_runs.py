@@ -38,6 +38,7 @@ SETTINGS = "skip=0.2,select=0.3,block_size=3"
 END = int(STEPS * 0.2) + 1  # E: the step that chooses the blocks
 
 
+@functools.lru_cache(maxsize=None)
 def _params(name):
   """Random weights; Dream's q/k/v biases made nonzero so the NumPy model's biases are exercised."""
   params = init_params(preset(name), jax.random.key(0))
@@ -269,7 +270,7 @@ def test_the_skipped_blocks_leave_the_flop_count():
   slot, and so does the policy's own count of the call from what the trace records (`call_flops`: the kept
   blocks, the keys read)."""
   config = dataclasses.replace(preset("tiny-llada"), n_layers=1)
-  params = init_params(config, jax.random.key(0))
+  params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))  # shapes only: nothing runs
   s, bs, m = 128, 16, 2
   tokens = jnp.zeros((1, s), jnp.int32)
   slots = np.broadcast_to(np.arange(m), (config.n_heads, s // bs, m)).copy()
@@ -309,7 +310,7 @@ def test_bad_knobs_are_refused_in_one_line(text, message):
 
 
 def test_runs_sparsed_cannot_take_are_refused():
-  params = init_params(preset("tiny-llama"), jax.random.key(0))
+  params = jax.eval_shape(lambda: init_params(preset("tiny-llama"), jax.random.key(0)))  # refused before it runs
   from dlm_jax.sampling import autoregressive
   with pytest.raises(ValueError, match="runs with the samplers whose every call reads the whole sequence"):
     autoregressive.generate(params, _prompt(), config=preset("tiny-llama"),
