@@ -276,6 +276,8 @@ def test_the_first_positions_are_kept_beside_the_scored_keys():
   np.testing.assert_array_equal(first[..., :n_keep], scored)
   for row in first.reshape(-1, first.shape[-1]):
     assert {0, 1} <= set(row.tolist()), row
+    held = row[row < PROMPT.shape[1] + 8].tolist()
+    assert len(held) == len(set(held)), row  # a position the scores kept is not kept twice (its slot padded)
   assert any(not {0, 1} & set(row.tolist()) for row in scored.reshape(-1, n_keep)), "keep_first added nothing"
   with pytest.raises(ValueError, match="keep_first must be an integer >= 0"):
     parse_policy("sparse_dllm:keep_first=-1")
