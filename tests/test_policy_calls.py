@@ -4,6 +4,7 @@ work leaves XLA's FLOP count, statistics stay in sequence coordinates, and runs 
 refused in one line before any compilation."""
 
 import dataclasses
+import functools
 import types
 
 import jax
@@ -21,7 +22,7 @@ from dlm_jax.model.forward_inputs import CallInstruments, Readout
 from dlm_jax.policy.base import ComputePolicy, Decision, RunLayout
 from dlm_jax.policy.policies import DKVCacheState
 from dlm_jax.policy.registry import parse_policy
-from dlm_jax.sampling import autoregressive, dream, llada
+from dlm_jax.sampling import autoregressive, dream, driver, llada
 from dlm_jax.sampling.call_plan import PolicyState
 from dlm_jax.sampling.policy_call import policy_forward
 from dlm_jax.sampling.run_setup import RunSetup
@@ -35,6 +36,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 CONFIG = preset("tiny-llada")
 OPTIONS = llada.LLaDAOptions(gen_length=8, steps=8, block_length=4)
+PROMPT = np.array([[196, 127, 40, 153, 168, 84], [38, 181, 106, 146, 8, 33]], np.int32)
+"""`jax.random.randint(jax.random.key(1), (2, 6), 0, 200)`, written out: no random-number program to compile."""
+SPARSE = "sparse_dllm:keep_ratio=0.5,tie_break=lowest_position"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +68,19 @@ class Recent(ComputePolicy):
     return context.unresolved
 
 
+@functools.lru_cache(maxsize=None)
+def _params():
+  return init_params(CONFIG, jax.random.key(0))
+
+
 def _setup():
-  params = init_params(CONFIG, jax.random.key(0))
-  return params, jax.random.randint(jax.random.key(1), (2, 6), 0, 200)
+  return _params(), PROMPT
+
+
+@functools.lru_cache(maxsize=None)
+def _policy_run(text):
+  """The exact sampler on PROMPT under `parse_policy(text)`, run once for the tests that read it."""
+  return llada.generate(_params(), PROMPT, config=CONFIG, options=OPTIONS, setup=RunSetup(policy=parse_policy(text)))
 
 
 def test_recomputing_everything_is_the_exact_sampler():
@@ -110,7 +124,8 @@ def test_the_skipped_work_leaves_the_flop_count():
 
   full = flops(lambda p, t, c: forward(p, t, config=CONFIG, compute=Compute(cache=c)).logits, params, tokens, cache)
   queries = jnp.arange(n, dtype=jnp.int32)[None]
-  part = flops(lambda p, t, c: forward(p, t[:, :n], config=CONFIG, cache=c, subset=ComputeSubset(queries)).logits,
+  part = flops(lambda p, t, c: forward(p, t[:, :n], config=CONFIG,
+                                      compute=Compute(cache=c, subset=ComputeSubset(queries))).logits,
                params, tokens, cache)
   assert part < full * (n / s) * 1.3, (part, full)
 
@@ -123,7 +138,8 @@ def test_a_dkv_cache_call_runs_at_its_bucket_and_computes_what_the_bucket_says()
   keeps the subset branch of the call's `lax.cond`) falls with the bucket and lies within 10% above the test's
   count of the bucket's rows, which `call_flops` of the recorded rows equals."""
   config = dataclasses.replace(CONFIG, n_layers=1)
-  params = init_params(config, jax.random.key(0))
+  params, _ = _setup()  # the first layer of the file's weights (layers stacked on axis 0): no init to compile
+  params = {**params, "blocks": jax.tree.map(lambda a: np.asarray(a)[:1], params["blocks"])}
   s, lp = 256, 64
   policy = parse_policy("dkv_cache").bind(RunLayout(s, lp, 32, 32))
   tokens, cache = jnp.zeros((1, s), jnp.int32), KVCache.zeros(config, 1, s)
@@ -154,22 +170,27 @@ def test_a_dkv_cache_call_runs_at_its_bucket_and_computes_what_the_bucket_says()
     (lambda p, x: autoregressive.generate(p, x, config=preset("tiny-llama"), setup=RunSetup(policy=Recent())),
      "runs with the samplers whose every call reads the whole sequence"),
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=OPTIONS,
-                                 policy=parse_policy("dkv_cache:shift_type=right"),
-                                 hooks=Hooks(captures=(Capture("hook_resid_post"),))),
+                                 setup=RunSetup(policy=parse_policy("dkv_cache:shift_type=right"),
+                                                hooks=Hooks(captures=(Capture("hook_resid_post"),)))),
      "dkv_cache cache_type and shift_type are the rules of Dream's code"),
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=dataclasses.replace(OPTIONS, cfg_scale=1.0),
-                                 policy=Recent()), "classifier-free guidance"),
+                                 setup=RunSetup(policy=Recent())), "classifier-free guidance"),
     (lambda p, x: llada.generate(p, x, config=CONFIG, options=dataclasses.replace(OPTIONS, cache="dual"),
-                                 policy=parse_policy("dllm_cache")), "does not compose with cache='dual'"),
-    (lambda p, x: dream.diffusion_generate(p, x, config=preset("tiny-dream"), policy=parse_policy("dkv_cache"),
+                                 setup=RunSetup(policy=parse_policy("dllm_cache"))),
+     "does not compose with cache='dual'"),
+    (lambda p, x: dream.diffusion_generate(p, x, config=preset("tiny-dream"),
                                            options=dream.DreamOptions(gen_length=8, steps=8, block_length=4,
-                                                                      alg="maskgit_plus", cache="prefix")),
+                                                                      alg="maskgit_plus", cache="prefix"),
+                                           setup=RunSetup(policy=parse_policy("dkv_cache"))),
      "does not compose with cache='prefix'"),
 ])
 def test_runs_a_policy_cannot_take_are_refused(run, message):
   params, prompt = _setup()
-  with pytest.raises(ValueError, match=message):
+  traced = dict(driver.TRACE_COUNTS)
+  with pytest.raises(ValueError, match=message) as refused:
     run(params, prompt)
+  assert "\n" not in str(refused.value)
+  assert dict(driver.TRACE_COUNTS) == traced  # refused before any sampler program was traced
 
 
 def test_dkv_cache_and_sparse_dllm_compute_what_their_rules_say():
@@ -196,8 +217,7 @@ def test_dkv_cache_and_sparse_dllm_compute_what_their_rules_say():
                                  {"rows": ran[step, row]})
       assert flops == trunk_flops(CONFIG, rows, s), (step, row)
   assert sorted(set(ran.ravel()) - {s}) == [4, 8], ran  # step 2: 7 positions, step 6: 3 positions
-  sparse = llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
-                          setup=RunSetup(policy=parse_policy("sparse_dllm:keep_ratio=0.5,tie_break=lowest_position")))
+  sparse = _policy_run(SPARSE)
   for step, computed in enumerate(np.asarray(sparse.computed_positions)):
     block = lp + (step // 4) * 4 + np.arange(4)
     expected = np.ones_like(computed) if step % 4 <= 1 else np.isin(np.arange(lp + 8), block)[None].repeat(2, 0)
@@ -234,8 +254,9 @@ def test_a_row_decodes_alone_as_in_its_batch_under_a_policy():
 
 def test_keeping_the_sinks_adds_nothing_when_every_key_is_kept():
   params, prompt = _setup()
-  runs = [llada.generate(params, prompt, config=CONFIG, options=OPTIONS, stats_spec=StatsSpec(incoming_attention=True),
-                         policy=parse_policy(f"sparse_dllm:keep_ratio=1.0,tie_break=lowest_position{extra}"))
+  spec = StatsSpec(incoming_attention=True)
+  runs = [llada.generate(params, prompt, config=CONFIG, options=OPTIONS, setup=RunSetup(
+              stats_spec=spec, policy=parse_policy(f"sparse_dllm:keep_ratio=1.0,tie_break=lowest_position{extra}")))
           for extra in ("", ",keep_sinks=3")]
   np.testing.assert_array_equal(runs[0].tokens, runs[1].tokens)
   np.testing.assert_allclose(runs[0].stats["incoming_attention"], runs[1].stats["incoming_attention"], atol=1e-6)
@@ -246,16 +267,18 @@ def test_keeping_the_sinks_adds_nothing_when_every_key_is_kept():
 
 def test_the_first_positions_are_kept_beside_the_scored_keys():
   """keep_first (the extra sink token's position 0): at each selection step every layer keeps positions
-  0 .. keep_first − 1 besides the official scored keys, which are those of the official rule."""
-  params, prompt = _setup()
-  runs = [llada.generate(params, prompt, config=CONFIG, options=OPTIONS,
-                         policy=parse_policy(f"sparse_dllm:keep_ratio=0.2,tie_break=lowest_position{extra}"))
-          for extra in ("", ",keep_first=2")]
+  0 .. keep_first − 1 besides the official scored keys, which are those of the official rule (the run of
+  `test_dkv_cache_and_sparse_dllm_compute_what_their_rules_say`)."""
+  runs = [_policy_run(SPARSE + extra) for extra in ("", ",keep_first=2")]
   n_keep = runs[0].policy_record.shape[-1]
   first = np.asarray(runs[1].policy_record[1])  # step 1: the first block's selection, same canvas in both runs
-  np.testing.assert_array_equal(first[..., :n_keep], np.asarray(runs[0].policy_record[1]))
+  scored = np.asarray(runs[0].policy_record[1])
+  np.testing.assert_array_equal(first[..., :n_keep], scored)
   for row in first.reshape(-1, first.shape[-1]):
     assert {0, 1} <= set(row.tolist()), row
+    held = row[row < PROMPT.shape[1] + 8].tolist()
+    assert len(held) == len(set(held)), row  # a position the scores kept is not kept twice (its slot padded)
+  assert any(not {0, 1} & set(row.tolist()) for row in scored.reshape(-1, n_keep)), "keep_first added nothing"
   with pytest.raises(ValueError, match="keep_first must be an integer >= 0"):
     parse_policy("sparse_dllm:keep_first=-1")
 

@@ -169,17 +169,21 @@ def _dkv_rows(computed):
 
 
 def test_a_row_decodes_alone_as_in_its_batch_under_threshold_decoding():
+  """The batch-invariant batch of both rows (a row waits while the other finishes its block): each row's tokens,
+  computed positions (at its own calls) and bucket rows are those of the row alone (the runs the replay test
+  checks) and of the replay."""
   both = generate(DKV, (0, 1), batch_invariant=True)
   active = np.asarray(both.active_rows)[:int(both.nfe)]
   assert not active.all(), "no row waited for the batch"
   ran = {}
   for row in range(2):
-    alone = generate(DKV, (row,), batch_invariant=True)
+    alone = generate(DKV, (row,))
+    in_batch = np.asarray(both.computed_positions)[:int(both.nfe), row][active[:, row]]
     np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(both.tokens)[row])
-    np.testing.assert_array_equal(np.asarray(alone.computed_positions)[:int(alone.nfe), 0],
-                                  np.asarray(both.computed_positions)[:int(both.nfe), row][active[:, row]])
+    np.testing.assert_array_equal(np.asarray(alone.computed_positions)[:int(alone.nfe), 0], in_batch)
     tokens, _, _, computed, _ = replay(prompts()[row], "dkv_cache", [])
     np.testing.assert_array_equal(np.asarray(both.tokens)[row], tokens)
+    np.testing.assert_array_equal(in_batch, computed)
     ran[row] = np.asarray(both.policy_record["rows"])[:int(both.nfe), row]  # each row at its own count's bucket
     np.testing.assert_array_equal(ran[row][active[:, row]], _dkv_rows(computed))
     np.testing.assert_array_equal(np.asarray(alone.policy_record["rows"])[:int(alone.nfe), 0], _dkv_rows(computed))
@@ -214,7 +218,7 @@ def test_recomputing_every_position_gives_the_plain_sampler(sample, options):
   params = model.init_params(config, jax.random.key(3))
   prompt = prompts()
   plain = sample(params, prompt, config=config, options=options)
-  policy = sample(params, prompt, config=config, options=options, policy=Everything())
+  policy = sample(params, prompt, config=config, options=options, setup=RunSetup(policy=Everything()))
   np.testing.assert_array_equal(policy.tokens, plain.tokens)
   np.testing.assert_array_equal(policy.decode_step, plain.decode_step)
   assert int(policy.nfe) == int(plain.nfe)
@@ -243,30 +247,31 @@ def test_sparse_dllm_on_dreams_block_modes_computes_the_block_and_the_position_b
 
 def _refused_runs():
   """(model, run(params, prompt), message) of each combination a policy cannot run."""
-  dkv, sparse = parse_policy("dkv_cache"), parse_policy("sparse_dllm")
+  dkv = parse_policy("dkv_cache")
   dream_config = preset("tiny-dream")
   return [
       ("tiny-llada", lambda p, x: llada.generate(p, x, config=CONFIG, options=llada.LLaDAOptions(**SMALL, cache="dual"),
-                                                 policy=parse_policy("dllm_cache")),
+                                                 setup=RunSetup(policy=parse_policy("dllm_cache"))),
        "policy 'dllm_cache' does not compose with cache='dual'"),
-      ("tiny-llada", lambda p, x: llada.generate(p, x, config=CONFIG, policy=dkv,
+      ("tiny-llada", lambda p, x: llada.generate(p, x, config=CONFIG, setup=RunSetup(policy=dkv),
                                                  options=llada.LLaDAOptions(**SMALL, threshold=0.9, cache="prefix")),
        "policy 'dkv_cache' does not compose with cache='prefix'"),
-      ("tiny-llada", lambda p, x: llada.generate(p, x, config=CONFIG, policy=dkv,
+      ("tiny-llada", lambda p, x: llada.generate(p, x, config=CONFIG, setup=RunSetup(policy=dkv),
                                                  options=llada.LLaDAOptions(**SMALL, rule=decoding_rules.WINO())),
        "policy 'dkv_cache' does not run with decoding rule wino"),
-      ("tiny-dream", lambda p, x: dream.diffusion_generate(p, x, config=dream_config, policy=dkv,
+      ("tiny-dream", lambda p, x: dream.diffusion_generate(p, x, config=dream_config, setup=RunSetup(policy=dkv),
                                                            options=dream.DreamOptions(**SMALL, threshold=0.9,
                                                                                       cache="dual")),
        "policy 'dkv_cache' does not compose with cache='dual'"),
       ("tiny-llada", lambda p, x: llada.generate(p, x, config=CONFIG, options=llada.LLaDAOptions(**SMALL),
-                                                 policy=parse_policy("dkv_cache:shift_type=right")),
+                                                 setup=RunSetup(policy=parse_policy("dkv_cache:shift_type=right"))),
        "dkv_cache cache_type and shift_type are the rules of Dream's code"),
       ("tiny-dream", lambda p, x: dream.diffusion_generate(p, x, config=dream_config,
-                                                           policy=parse_policy("elastic_cache"),
                                                            options=dream.DreamOptions(
                                                                **SMALL, rule=decoding_rules.EBSampler()),
-                                                           hooks=Hooks(captures=(Capture("hook_resid_post"),))),
+                                                           setup=RunSetup(
+                                                               policy=parse_policy("elastic_cache"),
+                                                               hooks=Hooks(captures=(Capture("hook_resid_post"),)))),
        "policy elastic_cache runs with the llada, llada_blockwise, dream, dream_blockwise, dream_window samplers .* "
        "not dream_rules"),
   ]
