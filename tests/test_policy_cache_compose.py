@@ -182,10 +182,11 @@ def test_the_dropped_cached_keys_leave_the_flop_count():
   computed queries, the real keys read, the kept keys) is that count, with the dual cache and with keep_sinks
   without a cache."""
   config = dataclasses.replace(CONFIG, n_layers=1)
-  params = model.init_params(config, jax.random.key(0))
   s, n, m = 128, 16, 24
+  # The cost analysis reads shapes only: the weights and the cache as shapes, no random-number program compiled.
+  params = jax.eval_shape(lambda: model.init_params(config, jax.random.key(0)))
   tokens = jnp.zeros((1, s), jnp.int32)
-  cache = KVCache.zeros(config, 1, s)
+  cache = jax.eval_shape(lambda: KVCache.zeros(config, 1, s))
   queries = jnp.arange(64, 64 + n, dtype=jnp.int32)[None]
   kept = np.where(np.arange(m) < 16, np.arange(m), s).astype(np.int32)
   keys = jnp.asarray(kept)[None, None]

@@ -32,20 +32,26 @@ HOOKS = Hooks(captures=(Capture("blocks.0.attn.hook_v"), Capture("blocks.0.hook_
               edits=(Edit("hook_embed", op="add"),))
 """One static hook set for every run (the edit's coefficient is traced: 0 leaves the run unedited)."""
 SPARSED_BLOCK = 2
-POLICIES = {"dkv_cache": "dkv_cache", "sparse_dllm": "sparse_dllm", "sparsed": f"sparsed:block_size={SPARSED_BLOCK}",
-            "elastic_cache": "elastic_cache:gamma=0.999", "dllm_cache": "dllm_cache", "d2cache": "d2cache",
-            "sparse_dllm_dual": "sparse_dllm"}
+SPARSE_DLLM = "sparse_dllm:tie_break=lowest_position"
+POLICIES = {"dkv_cache": "dkv_cache:query_buckets=2", "sparse_dllm": SPARSE_DLLM,
+            "sparsed": f"sparsed:block_size={SPARSED_BLOCK}", "elastic_cache": "elastic_cache:gamma=0.999",
+            "dllm_cache": "dllm_cache", "d2cache": "d2cache:query_buckets=2", "sparse_dllm_dual": SPARSE_DLLM}
 """The policies run with hooks (SparseD with key blocks small enough for the 14 positions to have several;
-Elastic-Cache with a drift threshold its layer 1 crosses, so that its calls refresh from there; d2Cache's subset
-calls run at query buckets; Sparse-dLLM also with the dual cache, `CACHED`)."""
+Elastic-Cache with a drift threshold its layer 1 crosses, so that its calls refresh from there; dKV-Cache's and
+d2Cache's subset calls run at query buckets smaller than the sequence; Sparse-dLLM also with the dual cache,
+`CACHED`). Two buckets rather than the default four, and Sparse-dLLM's lowest-position tie break rather than the
+torch_cpu selection, compile about a quarter fewer kernels; the captures do not depend on either (BUILD.md, "What
+the policy tests cost")."""
 CACHED = {"sparse_dllm_dual": "dual"}
 
 
 @pytest.fixture(scope="module")
 def setup():
+  """Weights, two prompts [2, 6] (`jax.random.randint(jax.random.key(1), (2, 6), 0, 200)` written out) and the edit's
+  vector [D], both from NumPy: no random-number program to compile."""
   params = init_params(CONFIG, jax.random.key(0))
-  prompt = jax.random.randint(jax.random.key(1), (2, 6), 0, 200)
-  vector = 0.5 * jax.random.normal(jax.random.key(2), (CONFIG.d_model,))
+  prompt = np.array([[196, 127, 40, 153, 168, 84], [38, 181, 106, 146, 8, 33]], np.int32)
+  vector = (0.5 * np.random.default_rng(2).standard_normal(CONFIG.d_model)).astype(np.float32)
   return params, prompt, vector
 
 
@@ -185,6 +191,13 @@ def test_block_sparse_patterns_read_only_the_kept_blocks(runs):
           checked += 1
           assert not np.any(pattern[step, b, p, n][~allowed]), (step, b, query, n)
   assert checked > 0
+
+
+def test_bucketed_subset_calls_ran_at_a_bucket_smaller_than_the_sequence(runs):
+  for name in ("dkv_cache", "d2cache"):
+    trace = runs[name]
+    rows = np.asarray(trace.policy_record["rows"])[:int(trace.nfe)]  # [steps, B]: the rows each call ran
+    assert np.any(rows < np.asarray(trace.computed_positions).shape[-1]), name
 
 
 def test_elastic_cache_refreshed_from_layer_one(runs):
