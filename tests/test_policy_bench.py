@@ -102,7 +102,8 @@ def runs(tmp_path_factory):
     for prompt in results["prompts"].values():
       del prompt["calls"]["dkv_subset/2"]
     (d / "old.json").write_text(json.dumps(results))
-    done["old"], = run_modules([(BENCH, FLAGS + [f"--json_out={d / 'old_out.json'}", f"--calls_from={d / 'old.json'}"])])
+    old = [f"--json_out={d / 'old_out.json'}", f"--calls_from={d / 'old.json'}"]
+    done["old"], = run_modules([(BENCH, FLAGS + old)])
   return d, done
 
 
