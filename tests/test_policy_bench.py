@@ -1,12 +1,10 @@
 """The compute-policy benchmark (`benchmarks.policy_bench`): its schedules count each method's calls as the
 methods' rules say (counted here by hand), its call classification reads a run's Trace as the policies record
 it, and a tiny run measures every call with XLA's count within 10% of the analytic one (no timing assertions:
-the speed goals are read from the benchmark's printed figures)."""
+the speed goals are read from the benchmark's printed figures). The binary's cases run in two processes
+(`run_modules`): every case in the first, the one reading a file written from the first's results in the second."""
 
 import json
-import os
-import subprocess
-import sys
 import types
 
 import numpy as np
@@ -14,6 +12,11 @@ import pytest
 
 from benchmarks import policy_call_mix, policy_schedules
 from dlm_jax.policy.registry import parse_policy
+
+try:
+  from tests.experiments_fixtures import run_modules
+except ImportError:  # tests/ on sys.path (pytest's rootdir insertion)
+  from experiments_fixtures import run_modules
 
 
 def test_exact_decoding_schedules_at_the_8b_layout():
@@ -79,20 +82,37 @@ def test_calls_are_classified_from_the_trace():
       {"full": 1.0}, {"d2cache_S/2": 1.0}, {"d2cache_S/1": 1.0}]
 
 
-def _bench(tmp_path, *flags, out="bench.json"):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  return subprocess.run([sys.executable, "-m", "benchmarks.policy_bench", "--preset=tiny-llada", "--repeats=1",
-                         "--prompt_lengths=16", "--gen_length=64", "--block_length=16", "--mix_prompts=0",
-                         "--sparsed=sparsed:block_size=16", "--elastic_cache=elastic_cache:window_length=16",
-                         f"--json_out={tmp_path / out}", *flags],
-                        capture_output=True, text=True, check=False, timeout=600, env=env)
+BENCH = "benchmarks.policy_bench"
+FLAGS = ["--preset=tiny-llada", "--repeats=1", "--prompt_lengths=16", "--gen_length=64", "--block_length=16",
+         "--mix_prompts=0", "--sparsed=sparsed:block_size=16", "--elastic_cache=elastic_cache:window_length=16"]
 
 
-def test_every_call_is_measured_and_counted(tmp_path):
-  done = _bench(tmp_path)
-  assert done.returncode == 0, done.stderr[-3000:]
-  results = json.loads((tmp_path / "bench.json").read_text())
-  assert f"CPU: {results['cpu']}" in done.stdout
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """(directory, {case: (exit code, stderr, stdout)}): the benchmark's cases in one process (`run_modules`), then
+  the one that reads "old.json" (bench.json less a call, written between the two) in a second."""
+  d = tmp_path_factory.mktemp("policy_bench")
+  cases = {"refused": [f"--json_out={d / 'refused.json'}", "--elastic_cache=elastic_cache:window_length=8"],
+           "bench": [f"--json_out={d / 'bench.json'}"],
+           "again": [f"--json_out={d / 'again.json'}", f"--calls_from={d / 'bench.json'}"],
+           "other": [f"--json_out={d / 'other.json'}", f"--calls_from={d / 'bench.json'}", "--gen_length=128"]}
+  done = dict(zip(cases, run_modules([(BENCH, FLAGS + flags) for flags in cases.values()])))
+  if done["bench"][0] == 0:  # a run from before dKV-Cache's buckets: refused, not half-reused
+    results = json.loads((d / "bench.json").read_text())
+    for prompt in results["prompts"].values():
+      del prompt["calls"]["dkv_subset/2"]
+    (d / "old.json").write_text(json.dumps(results))
+    old = [f"--json_out={d / 'old_out.json'}", f"--calls_from={d / 'old.json'}"]
+    done["old"], = run_modules([(BENCH, FLAGS + old)])
+  return d, done
+
+
+def test_every_call_is_measured_and_counted(runs):
+  d, done = runs
+  code, stderr, stdout = done["bench"]
+  assert code == 0, stderr[-3000:]
+  results = json.loads((d / "bench.json").read_text())
+  assert f"CPU: {results['cpu']}" in stdout
   calls = results["prompts"]["16"]["calls"]
   assert set(calls) == {"exact", "full", "dkv_subset", "dkv_subset/2", "dkv_subset/4", "dkv_subset/8",
                         "sparse_subset", "dual_cache", "sparsed_blocks", "reuse_none", "reuse_gen", "reuse_prompt",
@@ -113,35 +133,33 @@ def test_every_call_is_measured_and_counted(tmp_path):
   assert "threshold_decoding" not in results["prompts"]["16"]
 
   # --calls_from: the same figures from the first run's calls, without timing anything again
-  done = _bench(tmp_path, f"--calls_from={tmp_path / 'bench.json'}", out="again.json")
-  assert done.returncode == 0, done.stderr[-3000:]
-  again = json.loads((tmp_path / "again.json").read_text())
+  code, stderr, stdout = done["again"]
+  assert code == 0, stderr[-3000:]
+  again = json.loads((d / "again.json").read_text())
   assert again["prompts"]["16"]["calls"] == calls
   assert again["prompts"]["16"]["exact_decoding"] == steps
   assert again["calls_from"] == {"cpu": results["cpu"], "load_average_start": results["load_average_start"],
-                                 "load_average_end": results["load_average_end"], "path": str(tmp_path / "bench.json")}
-  assert " S=" not in done.stdout  # no call timed
-  done = _bench(tmp_path, f"--calls_from={tmp_path / 'bench.json'}", "--gen_length=128", out="other.json")
-  assert done.returncode == 1
-  assert done.stderr.strip().splitlines() == [
-      f"benchmarks.policy_bench: error: --calls_from={tmp_path / 'bench.json'}: its gen_length is 64, this run's 128"]
-  assert not (tmp_path / "other.json").exists()
-  for prompt in results["prompts"].values():  # a run from before dKV-Cache's buckets: refused, not half-reused
-    del prompt["calls"]["dkv_subset/2"]
-  (tmp_path / "old.json").write_text(json.dumps(results))
-  done = _bench(tmp_path, f"--calls_from={tmp_path / 'old.json'}", out="other.json")
-  assert done.returncode == 1
-  assert done.stderr.strip().splitlines() == [
-      f"benchmarks.policy_bench: error: --calls_from={tmp_path / 'old.json'}: no dkv_subset/2 measured at prompt 16 "
+                                 "load_average_end": results["load_average_end"], "path": str(d / "bench.json")}
+  assert " S=" not in stdout  # no call timed
+  code, stderr, _ = done["other"]
+  assert code == 1
+  assert stderr.strip().splitlines() == [
+      f"benchmarks.policy_bench: error: --calls_from={d / 'bench.json'}: its gen_length is 64, this run's 128"]
+  assert not (d / "other.json").exists()
+  code, stderr, _ = done["old"]
+  assert code == 1
+  assert stderr.strip().splitlines() == [
+      f"benchmarks.policy_bench: error: --calls_from={d / 'old.json'}: no dkv_subset/2 measured at prompt 16 "
       "(a run from before dKV-Cache's row buckets); run without --calls_from"]
-  assert not (tmp_path / "other.json").exists()
+  assert not (d / "old_out.json").exists()
 
 
-def test_a_policy_the_layout_refuses_is_one_line(tmp_path):
-  done = _bench(tmp_path, "--elastic_cache=elastic_cache:window_length=8")
-  assert done.returncode == 1
-  assert done.stderr.strip().splitlines() == [
+def test_a_policy_the_layout_refuses_is_one_line(runs):
+  d, done = runs
+  code, stderr, _ = done["refused"]
+  assert code == 1
+  assert stderr.strip().splitlines() == [
       "benchmarks.policy_bench: error: elastic_cache:window_length=8 at prompt 16 + 64 in blocks of 16: "
       "elastic_cache window_length=8 is shorter than the sampler's block_length=16: the candidates would not be "
       "computed; use window_length >= 16 or block_caching=false."]
-  assert not (tmp_path / "bench.json").exists()
+  assert not (d / "refused.json").exists()

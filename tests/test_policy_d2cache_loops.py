@@ -3,6 +3,8 @@ rule, and LLaDA's threshold and factor parallel decoding. Each run is compared w
 Research dLLM's `vanilla_generate` + `d2Cache` (Kamichanw/d2Cache `src/generation/vanilla.py`, `src/cache/d2cache.py`)
 written here in float64 NumPy, at temperature 0: tokens, decode order, NFE and every step's computed positions."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,8 +36,10 @@ PARALLEL = dict(KNOBS, inflate_w=4)  # the docs' semi-AR + parallel setting: inf
 SHARPEN = 6.0  # the LM head scaled so that confidences spread over (0, 1) and parallel steps decode several tokens
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def sharpened(config, seed: int):
-  """Random parameters of `config`, the LM head scaled by SHARPEN and (Dream) random q/k/v biases."""
+  """Random parameters of `config`, the LM head scaled by SHARPEN and (Dream) random q/k/v biases: one compiled
+  program (eagerly, each initialiser and shape is a program of its own)."""
   params = init_params(config, jax.random.key(seed))
   params = dict(params, lm_head={"kernel": params["lm_head"]["kernel"] * SHARPEN})
   if config.qkv_bias:
@@ -229,10 +233,11 @@ def test_research_dllms_factor_rule_is_its_loop():
   candidates = rng.random(confidence.shape) < 0.7
   candidates[:, 0] = True
   factor = 1.0
+  transfer_rule = jax.jit(parallel.factor_transfer, static_argnums=(2, 3, 4))  # one program per scale, as sampled
   for scale in ("probability", "log_odds"):
     score = confidence if scale == "probability" else np.log(confidence) - np.log1p(-confidence)
-    got = np.asarray(parallel.factor_transfer(jnp.asarray(score, jnp.float32), jnp.asarray(candidates), factor,
-                                              "research_dllm", scale))
+    got = np.asarray(transfer_rule(jnp.asarray(score, jnp.float32), jnp.asarray(candidates), factor,
+                                   "research_dllm", scale))
     for row in range(len(confidence)):
       want = np.zeros(8, bool)
       want[transfer(np.where(candidates[row], confidence[row], -np.inf), candidates[row], 1, None, factor)] = True

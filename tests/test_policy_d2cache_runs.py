@@ -47,7 +47,7 @@ CLEAN = dict(OFFICIAL, frozen_confidence=False, top_up=False)
 
 @pytest.fixture(scope="module")
 def model():
-  params = init_params(CONFIG, jax.random.key(0))
+  params = jax.jit(init_params, static_argnums=0)(CONFIG, jax.random.key(0))  # one program, not one per initialiser
   prompt = jax.random.randint(jax.random.key(1), (2, PROMPT_LENGTH), 3, 200)
   return params, prompt
 
@@ -80,12 +80,12 @@ def test_attention_rows_are_the_head_mean_softmax_in_every_path():
 
 def test_a_subset_calls_rows_are_the_full_calls_rows_at_its_queries(model):
   params, prompt = model
-  tokens = jnp.concatenate([prompt, jnp.full((2, GEN), CONFIG.mask_token_id, jnp.int32)], axis=1)
+  tokens = np.concatenate([prompt, np.full((2, GEN), CONFIG.mask_token_id, np.int32)], axis=1)
   run = jax.jit(functools.partial(forward, config=CONFIG, stats_spec=StatsSpec(extra=("attention_rows",))))
   full = run(params, tokens, cache=KVCache.zeros(CONFIG, 2, tokens.shape[1]))
-  queries = jnp.asarray([[1, 7, 9, 21], [0, 2, 8, 22]], jnp.int32)  # 22 = S: padding
-  part = run(params, jnp.take_along_axis(tokens, jnp.minimum(queries, 21), axis=1), cache=full.cache,
-             subset=ComputeSubset(queries))
+  queries = np.asarray([[1, 7, 9, 21], [0, 2, 8, 22]], np.int32)  # 22 = S: padding
+  part = run(params, np.take_along_axis(tokens, np.minimum(queries, 21), axis=1), cache=full.cache,
+             subset=ComputeSubset(jnp.asarray(queries)))
   rows, whole = np.asarray(part.stats["attention_rows"]), np.asarray(full.stats["attention_rows"])
   assert whole.shape == (CONFIG.n_layers, 2, 22, 22) and rows.shape == (CONFIG.n_layers, 2, 4, 22)
   np.testing.assert_allclose(whole.sum(-1), 1.0, rtol=1e-5)

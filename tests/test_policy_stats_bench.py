@@ -1,12 +1,9 @@
 """The statistics-overhead benchmark of the compute policies and decoding rules (`benchmarks.policy_stats_bench`):
 it times every (policy or rule, statistics) pair it was given and records the overhead from the medians it
-printed; bad flags are one line before any model work, every refusal in one process (no timing assertions: the
+printed; bad flags are one line before any model work, every case in one process (no timing assertions: the
 goal is read from the printed figures)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -24,30 +21,26 @@ REFUSALS = [
     ("--rules=eb:gamma", "--rules: eb:gamma: decoding mode 'eb:gamma': expected name:knob=value"),
     ("--rules=beam", "--rules: beam: expected a decoding rule, one of eb, klass"),
 ]
-
-
-def _bench(tmp_path, *flags):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  return subprocess.run([sys.executable, "-m", "benchmarks.policy_stats_bench", *SMALL,
-                         f"--json_out={tmp_path / 'stats.json'}", *flags],
-                        capture_output=True, text=True, check=False, timeout=600, env=env)
+PAIRS = ["--policies=none,sparse_dllm:keep_ratio=0.5",
+         "--rules=eb:gamma=0.5,klass:kl_threshold=0.02+kl_history_length=3"]
 
 
 @pytest.fixture(scope="module")
-def refusals(tmp_path_factory):
-  """(directory, [(exit code, stderr, stdout)]) of every REFUSALS case, run in one process, case i writing (or
-  not) directory / f"stats{i}.json"."""
-  directory = tmp_path_factory.mktemp("refusals")
-  return directory, run_modules([("benchmarks.policy_stats_bench", [*SMALL, f"--json_out={directory}/stats{i}.json",
-                                                                    flag]) for i, (flag, _) in enumerate(REFUSALS)])
+def runs(tmp_path_factory):
+  """(directory, [(exit code, stderr, stdout)]): every REFUSALS case, case i writing (or not) directory /
+  f"stats{i}.json", then the timed run of PAIRS writing directory / "stats.json", all in one process."""
+  directory = tmp_path_factory.mktemp("stats_bench")
+  cases = [[*SMALL, f"--json_out={directory}/stats{i}.json", flag] for i, (flag, _) in enumerate(REFUSALS)]
+  cases.append([*SMALL, f"--json_out={directory}/stats.json", *PAIRS])
+  return directory, run_modules([("benchmarks.policy_stats_bench", flags) for flags in cases])
 
 
-def test_every_pair_is_timed_and_the_overhead_is_their_ratio(tmp_path):
-  done = _bench(tmp_path, "--policies=none,sparse_dllm:keep_ratio=0.5",
-                "--rules=eb:gamma=0.5,klass:kl_threshold=0.02+kl_history_length=3")
-  assert done.returncode == 0, done.stderr[-3000:]
-  results = json.loads((tmp_path / "stats.json").read_text())
-  assert f"CPU: {results['cpu']}" in done.stdout
+def test_every_pair_is_timed_and_the_overhead_is_their_ratio(runs):
+  directory, cases = runs
+  code, stderr, stdout = cases[len(REFUSALS)]
+  assert code == 0, stderr[-3000:]
+  results = json.loads((directory / "stats.json").read_text())
+  assert f"CPU: {results['cpu']}" in stdout
   assert set(results["policies"]) == {"none", "sparse_dllm:keep_ratio=0.5"}
   assert set(results["rules"]) == {"eb:gamma=0.5", "klass:kl_threshold=0.02+kl_history_length=3"}
   for text, row in {**results["policies"], **results["rules"]}.items():
@@ -59,12 +52,12 @@ def test_every_pair_is_timed_and_the_overhead_is_their_ratio(tmp_path):
     assert row["ms_per_step_off"] == pytest.approx(sum(row["runs_s"]["off"]) / 2 * 1e3 / calls)
     assert row["ms_per_step_stats"] == pytest.approx(sum(row["runs_s"]["stats"]) / 2 * 1e3 / calls)
     assert row["stats_overhead"] == pytest.approx(row["ms_per_step_stats"] / row["ms_per_step_off"] - 1)
-    assert f"{text:28s} {row['ms_per_step_off']:8.2f} ms/step without statistics" in done.stdout
+    assert f"{text:28s} {row['ms_per_step_off']:8.2f} ms/step without statistics" in stdout
 
 
 @pytest.mark.parametrize("case", range(len(REFUSALS)))
-def test_bad_flags_are_one_line(refusals, case):
-  directory, results = refusals
+def test_bad_flags_are_one_line(runs, case):
+  directory, results = runs
   code, stderr, _ = results[case]
   assert code == 1
   lines = stderr.strip().splitlines()
